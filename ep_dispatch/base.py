@@ -1,0 +1,57 @@
+"""The dispatch/combine interface every backend implements (DeepEP's shape: layout, data, handle)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class DispatchHandle:
+    """What `combine` needs to undo a `dispatch`; opaque to callers.
+
+    Attributes:
+        src_token: [N] int64, the source token row (in `x` of dispatch) of each received row.
+        weights: [N] router weight of each received row, in the dtype of `x`.
+        num_tokens: T, the number of rows of `x` given to dispatch.
+    """
+
+    src_token: torch.Tensor
+    weights: torch.Tensor
+    num_tokens: int
+
+
+class Dispatcher(Protocol):
+    """Moves each token to the experts it was routed to, and the expert outputs back.
+
+    The router weights are applied by `combine` (on the attention side), never by the
+    experts: expert ranks return raw FFN outputs, row-aligned with what they received.
+    """
+
+    num_local_experts: int
+
+    def dispatch(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> tuple[torch.Tensor, list[int], DispatchHandle]:
+        """Send tokens to their experts.
+
+        Args:
+            x: [T, H] hidden states of this rank's tokens.
+            topk_ids: [T, K] int64 global expert ids chosen by the router.
+            topk_weights: [T, K] router weights (any float dtype).
+
+        Returns:
+            recv_x: [N, H] received rows, grouped by local expert in expert order.
+            tokens_per_expert: E_local ints, the length of each local expert's run in recv_x.
+            handle: reused by `combine`.
+        """
+        ...
+
+    def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """Bring expert outputs y [N, H] (row-aligned with recv_x) back as out [T, H].
+
+        out[t] = sum over t's routed rows r of weight[r] * y[r].
+        """
+        ...

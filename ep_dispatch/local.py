@@ -1,0 +1,30 @@
+"""`local` backend: attention and experts in one process; dispatch is a sort by expert."""
+
+from __future__ import annotations
+
+import torch
+
+from ep_dispatch.base import DispatchHandle
+
+
+class LocalDispatcher:
+    """All `num_experts` experts are local; no bytes leave the process."""
+
+    def __init__(self, num_experts: int) -> None:
+        self.num_local_experts = num_experts
+
+    def dispatch(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> tuple[torch.Tensor, list[int], DispatchHandle]:
+        top_k = topk_ids.shape[1]
+        flat_ids = topk_ids.reshape(-1)  # [T*K]
+        order = torch.argsort(flat_ids, stable=True)  # [N], N = T*K, rows grouped by expert
+        src_token = order // top_k
+        counts = torch.bincount(flat_ids, minlength=self.num_local_experts)  # [E]
+        weights = topk_weights.reshape(-1)[order].to(x.dtype)  # [N]
+        handle = DispatchHandle(src_token=src_token, weights=weights, num_tokens=x.shape[0])
+        return x[src_token], counts.tolist(), handle
+
+    def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        out = torch.zeros(handle.num_tokens, y.shape[1], dtype=y.dtype, device=y.device)
+        return out.index_add_(0, handle.src_token, y * handle.weights[:, None])

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Create or refresh the project's virtual environment; idempotent.
+# usage: scripts/bootstrap.sh [EXTRAS]   (e.g. "test"); prints the venv's python path.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+venv=${SWITCHYARD_VENV:-$root/.venv}
+extras=${1:-}
+python=${PYTHON:-python3}
+
+[ -x "$venv/bin/python" ] || "$python" -m venv "$venv" >&2
+pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
+
+# Re-install only when the dependency list or this script changed.
+key=$(cat "$root/pyproject.toml" "$root/scripts/bootstrap.sh" | sha256sum | cut -c1-16)
+stamp="$venv/.switchyard-${extras:-base}-$key"
+if [ ! -f "$stamp" ]; then
+  if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+      "${pip[@]}" install "torch>=2.5" >&2
+    else
+      # CPU machine: this exact version resolves to the CPU wheel on this machine's disk;
+      # an unpinned torch would pull a multi-GB CUDA build.
+      "${pip[@]}" install "torch==2.13.0" >&2
+    fi
+  fi
+  # Pin whatever torch is installed so no dependency can swap it for another build.
+  constraints="$venv/.torch-constraint.txt"
+  "$venv/bin/python" -c "import torch; print('torch==' + torch.__version__)" > "$constraints"
+  spec="$root"
+  [ -n "$extras" ] && spec="$root[$extras]"
+  "${pip[@]}" install -c "$constraints" -e "$spec" >&2
+  rm -f "$venv"/.switchyard-"${extras:-base}"-*
+  touch "$stamp"
+fi
+echo "$venv/bin/python"

@@ -1,0 +1,1 @@
+"""Switchyard's services: attention (engine core) and expert (a share of the experts)."""

@@ -1,0 +1,1 @@
+"""Attention service: scheduler, paged KV cache, attention, router, sampling (the engine core)."""

@@ -1,0 +1,92 @@
+"""AttentionConfig: the attention service's settings, built once from flags and environment."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ENV_PREFIX = "SWITCHYARD_"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    model: Path
+    dtype: str = "auto"
+    device: str = "cpu"
+    block_size: int = 16
+    kv_cache_memory: int = 1 << 30  # bytes for the paged KV cache
+    max_num_batched_tokens: int = 512  # per-step token budget (prefill chunk size)
+    max_num_seqs: int = 128
+    max_model_len: int | None = None
+    dispatch_backend: str = "local"
+    num_threads: int | None = None
+    host: str = "127.0.0.1"
+    port: int = 0
+    ready_fd: int | None = None
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return resolve_dtype(self.dtype, self.device)
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    """'auto' is float32 on CPU: without AVX-512 BF16, torch's bf16 matmul is ~100x slower."""
+    if name == "auto":
+        return torch.float32 if device == "cpu" else torch.bfloat16
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def parse_size(text: str) -> int:
+    """'512MiB', '2GiB', '1000000' -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B?)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MiB, 2GiB)")
+    unit = (m.group(2) or "").upper().rstrip("B").rstrip("I")
+    return int(float(m.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[unit])
+
+
+def env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(ENV_PREFIX + name, default)
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """Flags shared by `switchyard attention` and `switchyard serve`."""
+    p.add_argument("--dtype", default=env("DTYPE", "auto"),
+                   help="compute dtype: auto (float32 on CPU, where bfloat16 matmuls are "
+                        "~100x slower without AVX-512 BF16; bfloat16 on GPU), float32, "
+                        "bfloat16, float16")
+    p.add_argument("--block-size", type=int, default=int(env("BLOCK_SIZE", "16")),
+                   help="tokens per KV-cache block")
+    p.add_argument("--kv-cache-memory", type=parse_size,
+                   default=parse_size(env("KV_CACHE_MEMORY", "1GiB")),
+                   help="memory budget of the paged KV cache (e.g. 512MiB, 2GiB)")
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   default=int(env("MAX_NUM_BATCHED_TOKENS", "512")),
+                   help="token budget of one scheduler step; longer prompts are chunked")
+    p.add_argument("--max-num-seqs", type=int, default=int(env("MAX_NUM_SEQS", "128")),
+                   help="most sequences running at once")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context limit (default: the model's, capped by the KV cache)")
+    p.add_argument("--dispatch-backend", default=env("DISPATCH_BACKEND", "local"),
+                   help="ep_dispatch backend between attention and experts")
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's choice)")
+
+
+def from_args(args: argparse.Namespace) -> AttentionConfig:
+    return AttentionConfig(
+        model=Path(args.model), dtype=args.dtype, block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+        dispatch_backend=args.dispatch_backend, num_threads=args.num_threads,
+        host=getattr(args, "host", "127.0.0.1"), port=getattr(args, "port", 0),
+        ready_fd=getattr(args, "ready_fd", None),
+    )

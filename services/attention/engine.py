@@ -1,0 +1,157 @@
+"""The engine core of an attention service: requests in, token deltas out, one step at a time."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ep_dispatch import create_dispatcher
+from services.attention.batch import build_batch
+from services.attention.block_manager import BlockManager
+from services.attention.config import AttentionConfig
+from services.attention.experts_client import ExpertsClient, InProcessExperts
+from services.attention.kv_cache import KVCache, kv_bytes_per_block
+from services.attention.model import DenseModel
+from services.attention.sampler import sample
+from services.attention.scheduler import ScheduledSeq, Scheduler
+from services.attention.sequence import Sequence
+from services.expert.experts import ExpertBank
+from services.model.checkpoint import Checkpoint
+from services.model.config import ModelConfig
+from switchyard.messages import EngineInfo, GenerateRequest, SamplingParams, TokenDelta
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    """Continuous-batching generation over a paged KV cache.
+
+    Not thread-safe: the service calls `add`, `abort` and `step` from one thread at a time.
+    """
+
+    def __init__(self, config: AttentionConfig, experts: ExpertsClient | None = None) -> None:
+        self.config = config
+        self.dtype = config.torch_dtype
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model_config = cfg = ModelConfig.from_dir(config.model)
+        checkpoint = Checkpoint(config.model)
+        log.info("loading %s (%d layers, %d experts) as %s", cfg.architecture, cfg.num_layers,
+                 cfg.num_experts, self.dtype)
+        self.model = DenseModel(cfg, checkpoint, self.dtype)
+        if experts is None:
+            dispatcher = create_dispatcher(config.dispatch_backend, num_experts=cfg.num_experts)
+            bank = ExpertBank(cfg, checkpoint, range(cfg.num_experts), self.dtype)
+            experts = InProcessExperts(dispatcher, bank)
+        self.experts = experts
+        checkpoint.close()
+        num_blocks = config.kv_cache_memory // kv_bytes_per_block(cfg, config.block_size,
+                                                                  self.dtype)
+        self.kv = KVCache(cfg, num_blocks, config.block_size, self.dtype)
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens,
+                                   config.max_num_seqs)
+        capacity = num_blocks * config.block_size
+        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings,
+                                 cfg.max_position_embeddings, capacity)
+        self._seqs: dict[str, Sequence] = {}
+
+    def info(self) -> EngineInfo:
+        cfg = self.model_config
+        return EngineInfo(
+            architecture=cfg.architecture, max_model_len=self.max_model_len,
+            vocab_size=cfg.vocab_size, eos_token_ids=cfg.eos_token_ids,
+            dtype=str(self.dtype).removeprefix("torch."),
+            num_kv_blocks=self.block_manager.num_blocks, block_size=self.block_manager.block_size,
+        )
+
+    def add(self, request: GenerateRequest) -> TokenDelta | None:
+        """Queue a request; returns an error delta instead when it cannot be served."""
+        error = self._validate(request)
+        if error:
+            return TokenDelta(request.request_id, [], "error", len(request.prompt_token_ids),
+                              error)
+        seq = Sequence(request.request_id, list(request.prompt_token_ids),
+                       len(request.prompt_token_ids), request.sampling)
+        self._seqs[seq.request_id] = seq
+        self.scheduler.add(seq)
+        return None
+
+    def _validate(self, request: GenerateRequest) -> str | None:
+        n, vocab = len(request.prompt_token_ids), self.model_config.vocab_size
+        if request.request_id in self._seqs:
+            return f"request id {request.request_id!r} is already running"
+        if n == 0:
+            return "the prompt is empty"
+        if any(not 0 <= t < vocab for t in request.prompt_token_ids):
+            return f"prompt token ids must be in [0, {vocab})"
+        if request.sampling.max_tokens < 1:
+            return "max_tokens must be at least 1"
+        if n + request.sampling.max_tokens > self.max_model_len:
+            return (f"this model's maximum context length is {self.max_model_len} tokens; "
+                    f"the request has {n} prompt tokens and asks for "
+                    f"{request.sampling.max_tokens} more")
+        return None
+
+    def abort(self, request_id: str) -> TokenDelta | None:
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq)
+        return TokenDelta(request_id, [], "abort", seq.num_prompt_tokens)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[TokenDelta]:
+        """Run one scheduler step; returns the new tokens of every sequence that got one."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        batch = build_batch(scheduled, self.block_manager.block_size,
+                            self.model_config.sliding_window)
+        hidden = self.model.forward(batch, self.kv, self.experts)
+        sampling = [s.seq for s in scheduled
+                    if s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens]
+        tokens = sample(self.model.logits(hidden[batch.logits_rows]), sampling) if sampling \
+            else []
+        for item in scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+        return [self._append(seq, token) for seq, token in zip(sampling, tokens, strict=True)]
+
+    def _append(self, seq: Sequence, token: int) -> TokenDelta:
+        seq.token_ids.append(token)
+        p = seq.sampling
+        if token in p.stop_token_ids or (token in self.model_config.eos_token_ids
+                                         and not p.ignore_eos):
+            seq.finish_reason = "stop"
+        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+        if seq.finish_reason:
+            self.scheduler.finish(seq)
+            del self._seqs[seq.request_id]
+        return TokenDelta(seq.request_id, [token], seq.finish_reason, seq.num_prompt_tokens)
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """Float32 logits [L, V] at every position of a prompt, through the paged KV path
+        in chunks of the step budget (prompt scoring; the sequence is freed afterwards)."""
+        seq = Sequence("score", list(token_ids), len(token_ids), _SCORE_PARAMS)
+        logits = []
+        try:
+            while seq.num_computed_tokens < seq.num_tokens:
+                n = min(seq.num_tokens - seq.num_computed_tokens,
+                        self.config.max_num_batched_tokens)
+                self.block_manager.allocate(seq, n)
+                batch = build_batch([ScheduledSeq(seq, n)], self.block_manager.block_size,
+                                    self.model_config.sliding_window, all_logits=True)
+                logits.append(self.model.logits(self.model.forward(batch, self.kv,
+                                                                   self.experts)))
+                seq.num_computed_tokens += n
+        finally:
+            self.block_manager.free(seq)
+        return torch.cat(logits)
+
+
+_SCORE_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)

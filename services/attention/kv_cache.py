@@ -1,0 +1,49 @@
+"""The paged KV cache tensors and the paged attention that reads them."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from services.attention.batch import StepBatch
+from services.model.config import ModelConfig
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim
+    return per_token * block_size * torch.empty(0, dtype=dtype).element_size()
+
+
+class KVCache:
+    """Per layer, K and V of shape [num_blocks * block_size, kv_heads, head_dim] (slot-major)."""
+
+    def __init__(
+        self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype
+    ) -> None:
+        shape = (num_blocks * block_size, config.num_kv_heads, config.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(config.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(config.num_layers)]
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store k, v [T, kv_heads, head_dim] at `slots` [T]."""
+        self.k[layer][slots] = k
+        self.v[layer][slots] = v
+
+    def attend(self, layer: int, q: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """Attention of q [T, heads, head_dim] over each sequence's cached keys -> same shape."""
+        k_all, v_all = self.k[layer], self.v[layer]
+        out = torch.empty_like(q)
+        if batch.decode_rows.numel():
+            qd = q[batch.decode_rows].unsqueeze(2)  # [B, heads, 1, D]
+            k = k_all[batch.decode_kv_slots].transpose(1, 2)  # [B, kv_heads, L, D]
+            v = v_all[batch.decode_kv_slots].transpose(1, 2)
+            mask = batch.decode_mask[:, None, None, :]  # [B, 1, 1, L]
+            o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, enable_gqa=True)
+            out[batch.decode_rows] = o.squeeze(2)
+        for p in batch.prefills:
+            qp = q[p.start:p.start + p.length].transpose(0, 1)[None]  # [1, heads, n, D]
+            k = k_all[p.kv_slots].transpose(0, 1)[None]  # [1, kv_heads, L, D]
+            v = v_all[p.kv_slots].transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(qp, k, v, attn_mask=p.mask, enable_gqa=True)
+            out[p.start:p.start + p.length] = o[0].transpose(0, 1)
+        return out

@@ -1,0 +1,111 @@
+"""Everything of the model except the experts: embeddings, attention, norms, router gates,
+dense MLPs, lm_head. Expert FFNs are reached through an `ExpertsClient`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moe_kernels.grouped_gemm import swiglu_mlp
+from services.attention.batch import StepBatch
+from services.attention.experts_client import ExpertsClient
+from services.attention.kv_cache import KVCache
+from services.attention.router import route
+from services.model.checkpoint import Checkpoint
+from services.model.config import ModelConfig
+from services.model.layers import apply_rope, rms_norm, rope_cos_sin
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    input_norm: torch.Tensor  # [H]
+    post_attn_norm: torch.Tensor  # [H]
+    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * D, H], q, k, v stacked
+    o: torch.Tensor  # [H, heads * D]
+    q_norm: torch.Tensor | None  # [D] (Qwen3)
+    k_norm: torch.Tensor | None  # [D]
+    gate: torch.Tensor | None  # [E, H] router, for MoE layers
+    mlp_gate_up: torch.Tensor | None  # [2I, H], for dense layers
+    mlp_down: torch.Tensor | None  # [H, I]
+
+
+def load_layer(ckpt: Checkpoint, cfg: ModelConfig, i: int, dtype: torch.dtype) -> LayerWeights:
+    p = f"model.layers.{i}"
+    h, d = cfg.hidden_size, cfg.head_dim
+    q_rows, kv_rows = cfg.num_heads * d, cfg.num_kv_heads * d
+
+    def get(name: str, *shape: int) -> torch.Tensor:
+        return ckpt.get(f"{p}.{name}", shape, dtype)
+
+    dense = not cfg.moe_layers[i]
+    inter = cfg.intermediate_size
+    return LayerWeights(
+        input_norm=get("input_layernorm.weight", h),
+        post_attn_norm=get("post_attention_layernorm.weight", h),
+        qkv=torch.cat([get("self_attn.q_proj.weight", q_rows, h),
+                       get("self_attn.k_proj.weight", kv_rows, h),
+                       get("self_attn.v_proj.weight", kv_rows, h)]),
+        o=get("self_attn.o_proj.weight", h, q_rows),
+        q_norm=get("self_attn.q_norm.weight", d) if cfg.qk_norm else None,
+        k_norm=get("self_attn.k_norm.weight", d) if cfg.qk_norm else None,
+        gate=None if dense else get(f"{cfg.expert_prefix}.gate.weight", cfg.num_experts, h),
+        mlp_gate_up=torch.cat([get("mlp.gate_proj.weight", inter, h),
+                               get("mlp.up_proj.weight", inter, h)]) if dense else None,
+        mlp_down=get("mlp.down_proj.weight", h, inter) if dense else None,
+    )
+
+
+class DenseModel:
+    """The attention service's share of the model, run over one `StepBatch` at a time."""
+
+    def __init__(self, cfg: ModelConfig, ckpt: Checkpoint, dtype: torch.dtype) -> None:
+        self.cfg = cfg
+        self.dtype = dtype
+        h = cfg.hidden_size
+        self.embed = ckpt.get("model.embed_tokens.weight", (cfg.vocab_size, h), dtype)
+        self.layers = [load_layer(ckpt, cfg, i, dtype) for i in range(cfg.num_layers)]
+        self.norm = ckpt.get("model.norm.weight", (h,), dtype)
+        tied = cfg.tie_word_embeddings and "lm_head.weight" not in ckpt
+        self.lm_head = self.embed if tied else ckpt.get("lm_head.weight", (cfg.vocab_size, h),
+                                                        dtype)
+
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch, kv: KVCache, experts: ExpertsClient) -> torch.Tensor:
+        """Hidden states [T, H] after the final norm, for the batch's T tokens."""
+        cos, sin = rope_cos_sin(batch.positions, self.cfg.head_dim, self.cfg.rope_theta,
+                                self.dtype)
+        h = self.embed[batch.input_ids]  # [T, H]
+        for i, w in enumerate(self.layers):
+            h = h + self._attention(i, w, rms_norm(h, w.input_norm, self.cfg.rms_norm_eps),
+                                    cos, sin, batch, kv)
+            x = rms_norm(h, w.post_attn_norm, self.cfg.rms_norm_eps)
+            if w.gate is None:
+                h = h + swiglu_mlp(x, w.mlp_gate_up, w.mlp_down)
+            else:
+                ids, weights = route(x, w.gate, self.cfg.top_k, self.cfg.norm_topk_prob)
+                h = h + experts(i, x, ids, weights)
+        return rms_norm(h, self.norm, self.cfg.rms_norm_eps)
+
+    def _attention(
+        self, i: int, w: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        batch: StepBatch, kv: KVCache,
+    ) -> torch.Tensor:
+        cfg, t = self.cfg, x.shape[0]
+        q, k, v = F.linear(x, w.qkv).split(
+            [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
+             cfg.num_kv_heads * cfg.head_dim], dim=-1)
+        q = q.view(t, cfg.num_heads, cfg.head_dim)
+        k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
+        if w.q_norm is not None:
+            q = rms_norm(q, w.q_norm, cfg.rms_norm_eps)
+            k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        kv.write(i, k, v.view(t, cfg.num_kv_heads, cfg.head_dim), batch.slot_mapping)
+        out = kv.attend(i, q, batch)  # [T, heads, D]
+        return F.linear(out.reshape(t, -1), w.o)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [S, V] of hidden rows [S, H]."""
+        return F.linear(hidden, self.lm_head).float()

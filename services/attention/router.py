@@ -1,0 +1,21 @@
+"""Router gate: top-k experts per token and their weights."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def route(
+    x: torch.Tensor, gate: torch.Tensor, top_k: int, normalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick experts for x [T, H] with gate [E, H].
+
+    Returns topk_ids [T, K] int64 and topk_weights [T, K] in x's dtype: softmax over all
+    experts (in float32), top-k, renormalised to sum to 1 when `normalize`.
+    """
+    probs = F.softmax(F.linear(x, gate), dim=-1, dtype=torch.float32)  # [T, E]
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights.to(x.dtype)

@@ -1,0 +1,56 @@
+"""One generation request as the engine tracks it."""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from switchyard.messages import FinishReason, SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Prompt plus generated tokens, and how far the KV cache has computed them.
+
+    `num_computed_tokens` tokens have their KV in the blocks of `block_table`; the rest of
+    `token_ids` still has to go through the model (a prompt, a prompt chunk, or the last
+    sampled token). Preemption by recompute resets it to 0 and keeps `token_ids`.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    generator: torch.Generator = field(default_factory=torch.Generator)
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_sent_tokens: int = 0  # output tokens already reported to the client
+
+    def __post_init__(self) -> None:
+        # Each sequence draws from its own generator, so its samples do not depend on what
+        # else is in the batch; an unseeded request gets a fresh random seed.
+        seed = self.sampling.seed
+        self.generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8)))
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]

@@ -1,0 +1,1 @@
+"""Model code shared by the attention and expert services: config, checkpoint, layer math."""

@@ -1,0 +1,86 @@
+"""Reading tensors from a Hugging Face safetensors checkpoint, one tensor at a time.
+
+Services load only the tensors they own (the attention service never touches expert
+weights; an expert service reads only its placement's experts), so nothing here
+materialises the whole model.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from services.model.config import CheckpointError
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class Checkpoint:
+    """A directory of `*.safetensors` files (single file or sharded with an index)."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.dir = Path(model_dir)
+        self._stack = ExitStack()
+        self._handles: dict[Path, object] = {}
+        self._files: dict[str, Path] = self._locate_tensors()
+
+    def _locate_tensors(self) -> dict[str, Path]:
+        index = self.dir / INDEX_FILE
+        if index.is_file():
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+            files = {name: self.dir / f for name, f in weight_map.items()}
+            for path in sorted(set(files.values())):
+                if not path.is_file():
+                    raise CheckpointError(f"{path}: missing (listed in {index})")
+            return files
+        shards = sorted(self.dir.glob("*.safetensors"))
+        if not shards:
+            raise CheckpointError(f"{self.dir}: no *.safetensors files")
+        files: dict[str, Path] = {}
+        for path in shards:
+            for name in self._open(path).keys():  # noqa: SIM118 (safe_open is not a dict)
+                files[name] = path
+        return files
+
+    def _open(self, path: Path):  # noqa: ANN202 (safetensors handle type is private)
+        if path not in self._handles:
+            try:
+                self._handles[path] = self._stack.enter_context(safe_open(path, "pt"))
+            except Exception as exc:
+                raise CheckpointError(f"{path}: unreadable safetensors file ({exc})") from exc
+        return self._handles[path]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._files
+
+    def file_of(self, name: str) -> Path:
+        if name not in self._files:
+            raise CheckpointError(f"{self.dir}: tensor {name!r} is missing from the checkpoint")
+        return self._files[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._open(self.file_of(name)).get_slice(name).get_shape())
+
+    def check_shapes(self, expected: Iterable[tuple[str, tuple[int, ...]]]) -> None:
+        """Raise `CheckpointError` naming the first missing or wrongly shaped tensor."""
+        for name, shape in expected:
+            actual = self.shape(name)
+            if actual != shape:
+                raise CheckpointError(
+                    f"{self.file_of(name)}: tensor {name!r} has shape {list(actual)}, "
+                    f"expected {list(shape)}"
+                )
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Load one tensor, checking its shape, converted to `dtype`."""
+        self.check_shapes([(name, shape)])
+        return self._open(self.file_of(name)).get_tensor(name).to(dtype)
+
+    def close(self) -> None:
+        self._stack.close()
+        self._handles.clear()

@@ -1,0 +1,78 @@
+"""Every message that crosses a process boundary.
+
+Frames on the wire are msgpack-encoded `Message` values (a tagged union), one per
+length-prefixed frame (see `switchyard.rpc`). Nothing else crosses a process boundary.
+Every message that starts work carries a request id and a W3C trace context.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How to pick each next token and when to stop.
+
+    temperature 0 means greedy. top_k <= 0 and top_p >= 1 disable those filters.
+    A seed makes the request's sampled tokens reproducible whatever else is in the batch.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+class GenerateRequest(msgspec.Struct, frozen=True, tag=True):
+    """Gateway -> attention leader: start generating for one sequence."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    trace_context: dict[str, str] = {}
+
+
+class AbortRequest(msgspec.Struct, frozen=True, tag=True):
+    """Gateway -> attention leader: the client went away; free the sequence."""
+
+    request_id: str
+
+
+class TokenDelta(msgspec.Struct, frozen=True, tag=True):
+    """Attention leader -> gateway: new tokens of one sequence, and whether it ended.
+
+    `error` is set (with finish_reason "error") when the engine rejected the request,
+    e.g. a prompt longer than the model's context.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    error: str | None = None
+
+
+class InfoRequest(msgspec.Struct, frozen=True, tag=True):
+    """Anyone -> a service: describe yourself (used for readiness and /v1/models)."""
+
+
+class EngineInfo(msgspec.Struct, frozen=True, tag=True):
+    """Attention leader's answer to `InfoRequest`."""
+
+    architecture: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    dtype: str
+    num_kv_blocks: int
+    block_size: int
+
+
+Message = GenerateRequest | AbortRequest | TokenDelta | InfoRequest | EngineInfo

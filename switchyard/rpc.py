@@ -1,0 +1,71 @@
+"""Service RPC: `switchyard.messages.Message` frames over anyio TCP streams.
+
+A frame is a 4-byte big-endian length followed by that many bytes of msgpack.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import anyio
+import msgspec
+from anyio.abc import ByteStream
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+from switchyard.messages import Message
+
+_HEADER = struct.Struct(">I")
+MAX_FRAME_BYTES = 256 * 1024 * 1024
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+class FrameStream:
+    """One connection carrying `Message` frames in both directions.
+
+    Sends are serialised by a lock so that concurrent tasks never interleave frames.
+    """
+
+    def __init__(self, stream: ByteStream) -> None:
+        self._stream = stream
+        self._reader = BufferedByteReceiveStream(stream)
+        self._send_lock = anyio.Lock()
+
+    async def send(self, message: Message) -> None:
+        payload = _encoder.encode(message)
+        async with self._send_lock:
+            await self._stream.send(_HEADER.pack(len(payload)) + payload)
+
+    async def receive(self) -> Message:
+        """The next message; raises `anyio.EndOfStream` when the peer closed."""
+        try:
+            (length,) = _HEADER.unpack(await self._reader.receive_exactly(_HEADER.size))
+        except anyio.IncompleteRead as exc:
+            raise anyio.EndOfStream from exc
+        if length > MAX_FRAME_BYTES:
+            raise ValueError(f"frame of {length} bytes exceeds the {MAX_FRAME_BYTES} byte limit")
+        return _decoder.decode(await self._reader.receive_exactly(length))
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+
+async def connect(host: str, port: int, timeout: float = 30.0) -> FrameStream:
+    """Connect to a service, retrying until it listens or `timeout` seconds pass."""
+    delay = 0.05
+    with anyio.fail_after(timeout):
+        while True:
+            try:
+                return FrameStream(await anyio.connect_tcp(host, port))
+            except OSError:
+                await anyio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """'host:port' -> (host, port), with a clear error for anything else."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"expected an address of the form HOST:PORT, got {address!r}")
+    return host, int(port)
