@@ -4,7 +4,7 @@ Backends sit behind `ep_dispatch.base.Dispatcher` and are chosen by name with
 `ep_dispatch.registry.create_dispatcher`.
 """
 
-from ep_dispatch.base import DispatchHandle, Dispatcher
+from ep_dispatch.base import Dispatcher, DispatchHandle
 from ep_dispatch.registry import available_backends, create_dispatcher
 
 __all__ = ["DispatchHandle", "Dispatcher", "available_backends", "create_dispatcher"]

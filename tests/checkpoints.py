@@ -9,7 +9,7 @@ import torch
 VOCAB = 256
 
 
-def qwen3_moe_config(**overrides: object):  # noqa: ANN201 (transformers config)
+def qwen3_moe_config(**overrides: object):
     from transformers import Qwen3MoeConfig
 
     kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
@@ -20,7 +20,7 @@ def qwen3_moe_config(**overrides: object):  # noqa: ANN201 (transformers config)
     return Qwen3MoeConfig(**kw)
 
 
-def mixtral_config(**overrides: object):  # noqa: ANN201
+def mixtral_config(**overrides: object):
     from transformers import MixtralConfig
 
     kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
@@ -30,7 +30,7 @@ def mixtral_config(**overrides: object):  # noqa: ANN201
     return MixtralConfig(**kw)
 
 
-def build(config, out_dir: Path, seed: int = 0, max_shard_size: str | None = None):  # noqa: ANN001, ANN201
+def build(config, out_dir: Path, seed: int = 0, max_shard_size: str | None = None):
     """Random-init the model (with larger-than-default weights so routing and logits vary),
     save it, and return the transformers model in float32 eval mode."""
     from transformers import AutoModelForCausalLM

@@ -101,6 +101,15 @@ class Engine:
         self.scheduler.finish(seq)
         return TokenDelta(request_id, [], "abort", seq.num_prompt_tokens)
 
+    def fail_all(self, error: str) -> list[TokenDelta]:
+        """End every sequence with an error (after a failed step), returning their blocks."""
+        deltas = []
+        for request_id in list(self._seqs):
+            seq = self._seqs.pop(request_id)
+            self.scheduler.finish(seq)
+            deltas.append(TokenDelta(request_id, [], "error", seq.num_prompt_tokens, error))
+        return deltas
+
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 

@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from services.attention.block_manager import BlockManager
-from services.attention.sequence import Sequence, SeqStatus
+from services.attention.sequence import SeqStatus, Sequence
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ class Checkpoint:
                 files[name] = path
         return files
 
-    def _open(self, path: Path):  # noqa: ANN202 (safetensors handle type is private)
+    def _open(self, path: Path):
         if path not in self._handles:
             try:
                 self._handles[path] = self._stack.enter_context(safe_open(path, "pt"))

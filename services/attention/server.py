@@ -1,0 +1,143 @@
+"""The attention service process: the engine behind a `switchyard.rpc` listener.
+
+Connection tasks only queue work; one engine task applies it between steps and runs each
+step in a worker thread, so the engine is never touched concurrently and the event loop
+keeps answering while the model computes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from dataclasses import dataclass
+
+import anyio
+from anyio.abc import SocketAttribute
+
+from services.attention.config import AttentionConfig
+from services.attention.engine import Engine
+from services.model.config import CheckpointError
+from switchyard.messages import (
+    AbortRequest,
+    GenerateRequest,
+    InfoRequest,
+    Message,
+    TokenDelta,
+)
+from switchyard.rpc import FrameStream
+
+log = logging.getLogger("switchyard.attention")
+
+
+@dataclass(frozen=True)
+class _Work:
+    message: GenerateRequest | AbortRequest
+    conn: FrameStream
+
+
+class AttentionServer:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._inbox: list[_Work] = []
+        self._wakeup = anyio.Event()
+        self._owners: dict[str, FrameStream] = {}
+
+    def _post(self, work: _Work) -> None:
+        self._inbox.append(work)
+        self._wakeup.set()
+
+    async def handle(self, conn: FrameStream) -> None:
+        mine: set[str] = set()
+        try:
+            while True:
+                msg: Message = await conn.receive()
+                if isinstance(msg, InfoRequest):
+                    await conn.send(self.engine.info())
+                elif isinstance(msg, GenerateRequest | AbortRequest):
+                    if isinstance(msg, GenerateRequest):
+                        mine.add(msg.request_id)
+                    self._post(_Work(msg, conn))
+                else:
+                    log.warning("ignoring unexpected %s", type(msg).__name__)
+        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
+            pass
+        except Exception:
+            log.exception("dropping a connection that sent a bad frame")
+        finally:
+            # A gateway that went away takes its requests with it.
+            for request_id in mine:
+                if self._owners.get(request_id) is conn:
+                    self._post(_Work(AbortRequest(request_id), conn))
+            await conn.aclose()
+
+    async def run_engine(self) -> None:
+        while True:
+            if not self._inbox and not self.engine.has_work():
+                await self._wakeup.wait()
+            self._wakeup = anyio.Event()
+            inbox, self._inbox = self._inbox, []
+            deltas = [d for work in inbox if (d := self._apply(work))]
+            if self.engine.has_work():
+                try:
+                    deltas += await anyio.to_thread.run_sync(self.engine.step)
+                except Exception as exc:  # a bug must cost its batch, not the service
+                    log.exception("engine step failed; failing its sequences")
+                    deltas += self.engine.fail_all(f"internal engine error: {exc}")
+            for delta in deltas:
+                await self._deliver(delta)
+
+    def _apply(self, work: _Work) -> TokenDelta | None:
+        msg = work.message
+        if isinstance(msg, GenerateRequest):
+            self._owners[msg.request_id] = work.conn
+            return self.engine.add(msg)
+        return self.engine.abort(msg.request_id)
+
+    async def _deliver(self, delta: TokenDelta) -> None:
+        conn = self._owners.get(delta.request_id)
+        if delta.finish_reason is not None:
+            self._owners.pop(delta.request_id, None)
+        if conn is None:
+            return
+        try:
+            await conn.send(delta)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            pass  # its handler aborts the connection's requests
+
+
+async def serve(config: AttentionConfig, engine: Engine) -> None:
+    server = AttentionServer(engine)
+    listener = await anyio.create_tcp_listener(local_host=config.host, local_port=config.port)
+    port = listener.extra(SocketAttribute.local_port)
+    log.info("attention service listening on %s:%d", config.host, port)
+    if config.ready_fd is not None:
+        os.write(config.ready_fd, f"{port}\n".encode())
+        os.close(config.ready_fd)
+
+    async def on_connect(stream) -> None:
+        await server.handle(FrameStream(stream))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(server.run_engine)
+        tg.start_soon(_cancel_on_signal, tg.cancel_scope)
+        await listener.serve(on_connect)
+
+
+async def _cancel_on_signal(scope: anyio.CancelScope) -> None:
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for _ in signals:
+            scope.cancel()
+            return
+
+
+def main(config: AttentionConfig) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s attention %(message)s")
+    try:
+        engine = Engine(config)
+    except (CheckpointError, ValueError) as exc:
+        print(f"switchyard attention: {exc}", file=sys.stderr)
+        return 2
+    anyio.run(serve, config, engine)
+    return 0

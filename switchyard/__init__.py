@@ -1,0 +1,3 @@
+"""Switchyard: serving Mixture-of-Experts language models as asyncio microservices."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,5 @@
+import sys
+
+from switchyard.cli import main
+
+sys.exit(main())

@@ -1,0 +1,54 @@
+"""The `switchyard` command line: one subcommand per process role, plus `serve` for all."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from services.attention.config import add_engine_flags, env, from_args
+
+
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="start the whole local topology (gateway + engine)")
+    p.add_argument("--model", default=env("MODEL"),
+                   help="HF checkpoint directory (default: the bundled demo model)")
+    p.add_argument("--served-model-name", default=env("SERVED_MODEL_NAME"),
+                   help="model name clients use (default: the directory's name)")
+    p.add_argument("--host", default=env("HOST", "127.0.0.1"), help="gateway bind address")
+    p.add_argument("--port", type=int, default=int(env("PORT", "8000")),
+                   help="gateway HTTP port (0 picks a free one)")
+    p.add_argument("--startup-timeout", type=float, default=300.0,
+                   help="seconds to wait for the services to become healthy")
+    add_engine_flags(p)
+
+
+def _attention_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("attention", help="run one attention service (the engine core)")
+    p.add_argument("--model", required=True, help="HF checkpoint directory")
+    p.add_argument("--host", default=env("ATTENTION_HOST", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=int(env("ATTENTION_PORT", "0")),
+                   help="RPC port (0 picks a free one)")
+    p.add_argument("--ready-fd", type=int, default=None,
+                   help="write the bound port to this file descriptor once listening")
+    add_engine_flags(p)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "gateway":
+        from gateway.server import main as gateway_main
+
+        return gateway_main(argv[1:])
+    parser = argparse.ArgumentParser(prog="switchyard", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    _attention_parser(sub)
+    sub.add_parser("gateway", help="run the HTTP gateway (see `switchyard gateway --help`)")
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        from switchyard.launcher import serve
+
+        return serve(args)
+    from services.attention.server import main as attention_main
+
+    return attention_main(from_args(args))

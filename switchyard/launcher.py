@@ -1,0 +1,153 @@
+"""`switchyard serve`: start every service of the local topology as child processes.
+
+Start-up is ordered by readiness, not by sleeps: each child writes its bound port to a
+pipe once it listens, and the gateway's `/health` must answer 200 before the URL is
+printed. Ctrl-C or SIGTERM stops every child; children also die with the launcher
+(PR_SET_PDEATHSIG), so none is orphaned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+from services.model.config import CheckpointError, ModelConfig
+from switchyard.demo_model import DEMO_NAME, ensure_demo_model
+
+
+class StartupError(RuntimeError):
+    pass
+
+
+def _die_with_parent() -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class Children:
+    """Child processes that are all stopped together."""
+
+    def __init__(self) -> None:
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+
+    def start(self, name: str, args: list[str], timeout: float) -> int:
+        """Start `python -m switchyard ARGS --ready-fd W`; return the port it reports."""
+        read_fd, write_fd = os.pipe()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "switchyard", *args, "--ready-fd", str(write_fd)],
+            pass_fds=(write_fd,), preexec_fn=_die_with_parent)
+        os.close(write_fd)
+        self.procs.append((name, proc))
+        with os.fdopen(read_fd) as ready:
+            if not select.select([ready], [], [], timeout)[0]:
+                raise StartupError(f"{name} did not start listening within {timeout:.0f}s")
+            line = ready.readline()  # EOF (empty) if the child died before listening
+        if not line.strip().isdigit():
+            proc.wait()
+            raise StartupError(f"{name} exited with status {proc.returncode} before listening")
+        return int(line)
+
+    def check_alive(self) -> None:
+        for name, proc in self.procs:
+            if proc.poll() is not None:
+                raise StartupError(f"{name} exited with status {proc.returncode}")
+
+    def wait_any(self) -> None:
+        """Block until a child exits (signals interrupt this via their handlers)."""
+        pid, status = os.wait()
+        name = next((n for n, p in self.procs if p.pid == pid), str(pid))
+        raise StartupError(f"{name} exited with status {os.waitstatus_to_exitcode(status)}")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for _, proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + timeout
+        for _, proc in self.procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _wait_healthy(url: str, children: Children, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    delay = 0.05
+    with httpx.Client(timeout=5.0) as client:
+        while time.monotonic() < deadline:
+            children.check_alive()
+            with contextlib.suppress(httpx.HTTPError):
+                if client.get(url).status_code == 200:
+                    return
+            select.select([], [], [], delay)
+            delay = min(delay * 2, 1.0)
+    raise StartupError(f"{url} did not answer 200 within {timeout:.0f}s")
+
+
+@contextlib.contextmanager
+def _terminate_on_sigterm() -> Iterator[None]:
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _engine_args(args: argparse.Namespace) -> list[str]:
+    out = ["--dtype", args.dtype, "--block-size", str(args.block_size),
+           "--kv-cache-memory", str(args.kv_cache_memory),
+           "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+           "--max-num-seqs", str(args.max_num_seqs),
+           "--dispatch-backend", args.dispatch_backend]
+    if args.max_model_len:
+        out += ["--max-model-len", str(args.max_model_len)]
+    if args.num_threads:
+        out += ["--num-threads", str(args.num_threads)]
+    return out
+
+
+def serve(args: argparse.Namespace) -> int:
+    model = Path(args.model) if args.model else ensure_demo_model()
+    name = args.served_model_name or (DEMO_NAME if not args.model else model.name)
+    try:
+        ModelConfig.from_dir(model)  # fail fast on the common mistakes, before any process
+    except CheckpointError as exc:
+        print(f"switchyard serve: {exc}", file=sys.stderr)
+        return 2
+    children = Children()
+    with _terminate_on_sigterm():
+        try:
+            engine_port = children.start("attention", ["attention", "--model", str(model),
+                                                       "--port", "0", *_engine_args(args)],
+                                         args.startup_timeout)
+            http_port = children.start("gateway", [
+                "gateway", "--model", str(model), "--served-model-name", name,
+                "--engine", f"127.0.0.1:{engine_port}", "--host", args.host,
+                "--port", str(args.port)], args.startup_timeout)
+            url = f"http://{args.host}:{http_port}"
+            _wait_healthy(f"{url}/health", children, args.startup_timeout)
+            print(f"Switchyard is serving {name!r} at {url}/v1", flush=True)
+            children.wait_any()
+        except StartupError as exc:
+            print(f"switchyard serve: {exc}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            return 0
+        finally:
+            children.stop()
+    return 0

@@ -1,0 +1,98 @@
+"""Checkpoint translation and loading: clear errors that name the file or tensor."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from services.attention.config import AttentionConfig
+from services.attention.engine import Engine
+from services.model.config import CheckpointError, ModelConfig
+
+
+def copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_translates_qwen3_and_mixtral(qwen3_ckpt: tuple, mixtral_ckpt: tuple) -> None:
+    q = ModelConfig.from_dir(qwen3_ckpt[0])
+    assert (q.architecture, q.num_experts, q.top_k, q.qk_norm) == ("Qwen3MoeForCausalLM", 8, 2,
+                                                                    True)
+    assert q.moe_layers == (True, False, True)  # mlp_only_layers=[1]
+    m = ModelConfig.from_dir(mixtral_ckpt[0])
+    assert (m.num_experts, m.top_k, m.norm_topk_prob, m.qk_norm) == (6, 3, True, False)
+    assert (mixtral_ckpt[0] / "model.safetensors.index.json").is_file()
+
+
+def test_unsupported_architecture(qwen3_ckpt: tuple, tmp_path: Path) -> None:
+    d = copy(qwen3_ckpt[0], tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"config\.json.*unsupported architecture"):
+        ModelConfig.from_dir(d)
+
+
+def test_missing_config(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match=r"config\.json: missing"):
+        ModelConfig.from_dir(tmp_path)
+
+
+def test_missing_tensor_named(qwen3_ckpt: tuple, tmp_path: Path) -> None:
+    d = copy(qwen3_ckpt[0], tmp_path / "m")
+    tensors = load_file(d / "model.safetensors")
+    del tensors["model.layers.2.mlp.experts.5.up_proj.weight"]
+    save_file(tensors, d / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.2\.mlp\.experts\.5\.up_proj"):
+        Engine(AttentionConfig(model=d))
+
+
+def test_wrong_shape_names_file_and_tensor(mixtral_ckpt: tuple, tmp_path: Path) -> None:
+    d = copy(mixtral_ckpt[0], tmp_path / "m")
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    name = "model.layers.1.self_attn.k_proj.weight"
+    shard = d / index["weight_map"][name]
+    tensors = load_file(shard)
+    tensors[name] = torch.zeros(3, 64)
+    save_file(tensors, shard)
+    with pytest.raises(CheckpointError, match=rf"{shard.name}: tensor '{name}' has shape \[3, 64\]"):
+        Engine(AttentionConfig(model=d))
+
+
+def test_missing_shard_named(mixtral_ckpt: tuple, tmp_path: Path) -> None:
+    d = copy(mixtral_ckpt[0], tmp_path / "m")
+    shard = sorted(d.glob("*.safetensors"))[0]
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=rf"{shard.name}: missing"):
+        Engine(AttentionConfig(model=d))
+
+
+def test_serve_reports_a_bad_checkpoint_without_opening_ports(qwen3_ckpt: tuple,
+                                                              tmp_path: Path) -> None:
+    d = copy(qwen3_ckpt[0], tmp_path / "m")
+    tensors = load_file(d / "model.safetensors")
+    tensors["model.norm.weight"] = torch.zeros(7)
+    save_file(tensors, d / "model.safetensors")
+    proc = subprocess.run([sys.executable, "-m", "switchyard", "serve", "--model", str(d),
+                           "--port", "0"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "'model.norm.weight' has shape [7]" in proc.stderr
+    assert "exited with status" in proc.stderr and "Switchyard is serving" not in proc.stdout
+
+
+def test_bfloat16_dtype_loads(qwen3_ckpt: tuple) -> None:
+    engine = Engine(AttentionConfig(model=qwen3_ckpt[0], dtype="bfloat16",
+                                    kv_cache_memory=1 << 20))
+    assert engine.model.embed.dtype == torch.bfloat16
+    logits = engine.score([1, 2, 3])
+    with torch.no_grad():
+        ref = qwen3_ckpt[1](torch.tensor([[1, 2, 3]])).logits[0]
+    assert (logits - ref).abs().max() < 0.1  # bf16 rounding, same model
