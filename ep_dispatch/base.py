@@ -1,4 +1,4 @@
-"""The dispatch/combine interface every backend implements (DeepEP's shape: layout, data, handle)."""
+"""The dispatch/combine interface of every backend (DeepEP's shape: layout, data, handle)."""
 
 from __future__ import annotations
 
