@@ -1,0 +1,109 @@
+"""Output tokens/s of Switchyard's engine vs. transformers `generate()`, side by side.
+
+Same checkpoint (a random mid-size Qwen3-MoE built by transformers), same prompts, greedy,
+fixed output length, float32 for both, batch 1 and 16, in one run:
+
+    .venv/bin/python benchmarks/generate.py [--batch-sizes 1 16] [--input-len 64] [--output-len 64]
+
+The checkpoint is cached under --workdir (default /tmp/switchyard-bench).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from services.attention.config import AttentionConfig
+from services.attention.engine import Engine
+from switchyard.messages import GenerateRequest, SamplingParams
+
+MID_SIZE = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2048,
+                moe_intermediate_size=768, num_hidden_layers=8, num_attention_heads=16,
+                num_key_value_heads=4, head_dim=64, num_experts=32, num_experts_per_tok=4,
+                norm_topk_prob=True, max_position_embeddings=4096)
+
+
+def build_checkpoint(workdir: Path) -> Path:
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    path = workdir / "qwen3-moe-mid"
+    if (path / "config.json").is_file():
+        return path
+    print(f"building the random mid-size checkpoint in {path} ...", flush=True)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen3MoeConfig(**MID_SIZE), dtype=torch.float32)
+    model.save_pretrained(path)
+    return path
+
+
+def make_prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(batch)
+    return torch.randint(0, vocab, (batch, length), generator=g).tolist()
+
+
+def bench_transformers(model: object, prompts: list[list[int]], output_len: int) -> float:
+    ids = torch.tensor(prompts)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=output_len, min_new_tokens=output_len,
+                             pad_token_id=0)
+    elapsed = time.perf_counter() - start
+    return (out.shape[1] - ids.shape[1]) * len(prompts) / elapsed
+
+
+def bench_switchyard(engine: Engine, prompts: list[list[int]], output_len: int) -> float:
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add(GenerateRequest(f"b{len(prompts)}-{i}-{start}", p, params))
+    produced = 0
+    while engine.has_work():
+        produced += sum(len(d.token_ids) for d in engine.step())
+    elapsed = time.perf_counter() - start
+    assert produced == output_len * len(prompts)
+    return produced / elapsed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/switchyard-bench"))
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--input-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=64)
+    args = ap.parse_args()
+
+    from transformers import AutoModelForCausalLM
+
+    path = build_checkpoint(args.workdir)
+    print("loading transformers model ...", flush=True)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    print("loading switchyard engine ...", flush=True)
+    engine = Engine(AttentionConfig(model=path, dtype="float32", kv_cache_memory=1 << 30,
+                                    max_num_batched_tokens=1024))
+    vocab = engine.model_config.vocab_size
+    # Warm both up once so first-call allocations are not measured.
+    bench_transformers(hf, make_prompts(1, 8, vocab), 2)
+    bench_switchyard(engine, make_prompts(1, 8, vocab), 2)
+    rows = []
+    for batch in args.batch_sizes:
+        prompts = make_prompts(batch, args.input_len, vocab)
+        print(f"batch {batch}: transformers ...", flush=True)
+        hf_tps = bench_transformers(hf, prompts, args.output_len)
+        print(f"batch {batch}: switchyard ...", flush=True)
+        sy_tps = bench_switchyard(engine, prompts, args.output_len)
+        rows.append((batch, hf_tps, sy_tps))
+    print(f"\ninput {args.input_len} tokens, output {args.output_len} tokens, float32, "
+          f"{torch.get_num_threads()} threads")
+    print("| batch | transformers tok/s | switchyard tok/s | ratio |")
+    print("|---:|---:|---:|---:|")
+    for batch, hf_tps, sy_tps in rows:
+        print(f"| {batch} | {hf_tps:.1f} | {sy_tps:.1f} | {sy_tps / hf_tps:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""The gateway's Starlette application: OpenAI-compatible routes over the engine client."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from functools import partial
+
+import anyio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from gateway.chat import create_chat_completion
+from gateway.completions import create_completion
+from gateway.config import GatewayConfig
+from gateway.engine_client import EngineClient
+from gateway.errors import (
+    GatewayError,
+    engine_unavailable,
+    handle_gateway_error,
+    handle_http_exception,
+    handle_unexpected,
+)
+from gateway.openai_protocol import ModelCard, ModelList
+from gateway.serving import Serving, json_response
+from gateway.tokenizer import Tokenizer
+
+
+async def list_models(serving: Serving, _: Request) -> Response:
+    """GET /v1/models: the one served model, with its context length once known."""
+    config = serving.config
+    card = ModelCard(
+        id=config.served_model_name,
+        created=int(time.time()),
+        max_model_len=serving.max_model_len(serving.engine.info),
+        root=str(config.model_dir),
+    )
+    return json_response(ModelList([card]))
+
+
+async def health(serving: Serving, _: Request) -> Response:
+    """GET /health: 200 once the engine is connected and has described itself."""
+    if serving.engine.info is None:
+        return engine_unavailable("not connected to the engine").response()
+    return Response(status_code=200)
+
+
+def build_app(config: GatewayConfig, engine_client: EngineClient,
+              tokenizer: Tokenizer | None) -> Starlette:
+    """The ASGI app; its lifespan keeps the engine connection up while it serves."""
+    serving = Serving(config, engine_client, tokenizer)
+
+    @asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(engine_client.run)
+            yield
+            tg.cancel_scope.cancel()
+
+    routes = [
+        Route("/v1/chat/completions", partial(create_chat_completion, serving), methods=["POST"]),
+        Route("/v1/completions", partial(create_completion, serving), methods=["POST"]),
+        Route("/v1/models", partial(list_models, serving), methods=["GET"]),
+        Route("/health", partial(health, serving), methods=["GET"]),
+    ]
+    handlers = {
+        GatewayError: handle_gateway_error,
+        HTTPException: handle_http_exception,
+        Exception: handle_unexpected,
+    }
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)

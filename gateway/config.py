@@ -1,0 +1,94 @@
+"""The gateway's settings: one frozen `GatewayConfig`, built once from flags.
+
+Every flag takes its default from a `SWITCHYARD_*` environment variable, so a deployment
+can configure the gateway either way without code changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from switchyard.rpc import parse_address
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Everything a deployment may change about the gateway."""
+
+    model_dir: Path
+    served_model_name: str
+    engine_host: str
+    engine_port: int
+    host: str = "127.0.0.1"
+    port: int = 8000
+    ready_fd: int | None = None
+    max_model_len: int | None = None
+    log_level: str = "warning"
+    access_log: bool = False
+    shutdown_timeout_s: float = 5.0
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(f"SWITCHYARD_{name}", default)
+
+
+def _optional_int(value: str | None) -> int | None:
+    return None if value in (None, "") else int(value)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m gateway", description=__doc__)
+    engine = _env("ENGINE")
+    p.add_argument("--model", default=_env("MODEL"), required=_env("MODEL") is None,
+                   help="checkpoint directory (tokenizer.json, tokenizer_config.json)")
+    p.add_argument("--served-model-name", default=_env("SERVED_MODEL_NAME"),
+                   help="model name clients use (default: the model directory's name)")
+    p.add_argument("--engine", default=engine, required=engine is None,
+                   help="attention service address, HOST:PORT")
+    p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=int(_env("PORT") or 8000),
+                   help="HTTP port; 0 picks a free one")
+    p.add_argument("--ready-fd", type=int, default=_optional_int(_env("READY_FD")),
+                   help="write the bound port to this file descriptor, then close it")
+    p.add_argument("--max-model-len", type=int, default=_optional_int(_env("MAX_MODEL_LEN")),
+                   help="context length cap (default: the engine's)")
+    p.add_argument("--log-level", default=_env("LOG_LEVEL", "warning"), type=str.lower,
+                   choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--access-log", action="store_true",
+                   default=_env("ACCESS_LOG", "") not in ("", "0", "false"))
+    p.add_argument("--shutdown-timeout", type=float,
+                   default=float(_env("SHUTDOWN_TIMEOUT") or 5),
+                   help="seconds open streams get to finish on shutdown")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
+    """Build the config from command-line flags (and `SWITCHYARD_*` defaults)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        engine_host, engine_port = parse_address(args.engine)
+    except ValueError as exc:
+        parser.error(f"--engine: {exc}")
+    if args.max_model_len is not None and args.max_model_len <= 0:
+        parser.error("--max-model-len must be positive")
+    model_dir = Path(args.model)
+    if not model_dir.is_dir():
+        parser.error(f"--model: {model_dir} is not a directory")
+    return GatewayConfig(
+        model_dir=model_dir,
+        served_model_name=args.served_model_name or model_dir.resolve().name,
+        engine_host=engine_host,
+        engine_port=engine_port,
+        host=args.host,
+        port=args.port,
+        ready_fd=args.ready_fd,
+        max_model_len=args.max_model_len,
+        log_level=args.log_level,
+        access_log=args.access_log,
+        shutdown_timeout_s=args.shutdown_timeout,
+    )

@@ -1,0 +1,56 @@
+"""Incremental detokenization: turn a growing token sequence into text deltas.
+
+Byte-level tokens can split one UTF-8 character across several tokens, and decoders can
+change how a token reads depending on its neighbours (e.g. SentencePiece's leading space).
+So, like vLLM, each step decodes a short window `[prefix_offset:]` and emits only what it
+adds to the already-emitted window `[prefix_offset:read_offset]`, holding text back while it
+ends in an incomplete character (U+FFFD).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from gateway.tokenizer import Tokenizer
+
+# How many prompt tokens to keep as decoding context for the first generated tokens.
+_PROMPT_CONTEXT = 5
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Text deltas for one sequence's generated tokens; special tokens are skipped."""
+
+    def __init__(self, tokenizer: Tokenizer | None, prompt_token_ids: Sequence[int] = ()) -> None:
+        self._tokenizer = tokenizer
+        self._ids: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+
+    def _pending(self) -> tuple[str, str]:
+        """(text already emitted for the window, text of the whole window)."""
+        assert self._tokenizer is not None
+        prefix = self._tokenizer.decode(self._ids[self._prefix_offset:self._read_offset])
+        full = self._tokenizer.decode(self._ids[self._prefix_offset:])
+        return prefix, full
+
+    def add(self, token_ids: Iterable[int]) -> str:
+        """Append tokens; return the text that is now certain (maybe "")."""
+        if self._tokenizer is None:
+            return ""
+        pieces = []
+        for token_id in token_ids:
+            self._ids.append(token_id)
+            prefix, full = self._pending()
+            if len(full) > len(prefix) and not full.endswith(_REPLACEMENT):
+                pieces.append(full[len(prefix):])
+                self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        return "".join(pieces)
+
+    def flush(self) -> str:
+        """At the end of the sequence: whatever text is still held back."""
+        if self._tokenizer is None:
+            return ""
+        prefix, full = self._pending()
+        self._prefix_offset = self._read_offset = len(self._ids)
+        return full[len(prefix):]

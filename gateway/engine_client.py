@@ -1,0 +1,170 @@
+"""The gateway's one connection to the engine, shared by every request.
+
+Requests are multiplexed by request id: `start` sends a `GenerateRequest`, and a reader
+task routes each `TokenDelta` to that request's memory stream. When the connection drops,
+every in-flight request fails with 503 and `run` reconnects in the background.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+
+import anyio
+import msgspec
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from gateway.errors import engine_unavailable
+from switchyard.messages import (
+    AbortRequest,
+    EngineInfo,
+    GenerateRequest,
+    InfoRequest,
+    Message,
+    TokenDelta,
+)
+from switchyard.rpc import FrameStream, connect
+
+log = logging.getLogger(__name__)
+
+# What a broken or misbehaving connection raises; any of them ends the connection.
+_CONNECTION_ERRORS = (
+    OSError, anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError,
+    msgspec.DecodeError, ValueError,
+)
+
+
+class Generation:
+    """One in-flight request: iterate for its `TokenDelta`s, then `aclose` it."""
+
+    def __init__(self, client: EngineClient, request_id: str,
+                 deltas: MemoryObjectReceiveStream[TokenDelta]) -> None:
+        self.request_id = request_id
+        self._client = client
+        self._deltas = deltas
+        self.finished = False
+
+    def __aiter__(self) -> Generation:
+        return self
+
+    async def __anext__(self) -> TokenDelta:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            delta = await self._deltas.receive()
+        except anyio.EndOfStream:
+            # The reader closes the stream without a final delta only when the connection died.
+            self.finished = True
+            raise engine_unavailable("lost the connection to the engine") from None
+        self.finished = delta.finish_reason is not None
+        return delta
+
+    async def aclose(self) -> None:
+        """Forget the request; if it is still running, tell the engine to abort it."""
+        self._deltas.close()
+        if self._client.release(self.request_id) and not self.finished:
+            await self._client.abort(self.request_id)
+
+
+class EngineClient:
+    """Multiplexes generate requests over one TCP connection to the engine."""
+
+    def __init__(self, host: str, port: int, retry_interval_s: float = 1.0) -> None:
+        self._host, self._port = host, port
+        self._retry_interval_s = retry_interval_s
+        self._frames: FrameStream | None = None
+        self._info: EngineInfo | None = None
+        self._pending: dict[str, MemoryObjectSendStream[TokenDelta]] = {}
+        self._ready = anyio.Event()
+
+    @property
+    def info(self) -> EngineInfo | None:
+        """The engine's self-description while connected, else None."""
+        return self._info
+
+    async def wait_ready(self) -> EngineInfo:
+        """Wait until connected and described (callers bound this with a timeout)."""
+        while self._info is None:
+            await self._ready.wait()
+        return self._info
+
+    async def run(self) -> None:
+        """Stay connected to the engine until cancelled, reconnecting after failures."""
+        while True:
+            frames = await connect(self._host, self._port, timeout=math.inf)
+            try:
+                await self._serve(frames)
+            except _CONNECTION_ERRORS as exc:
+                log.warning("engine connection lost (%r); reconnecting", exc)
+            finally:
+                self._fail_pending()
+                with anyio.CancelScope(shield=True):
+                    await frames.aclose()
+            await anyio.sleep(self._retry_interval_s)
+
+    async def _serve(self, frames: FrameStream) -> None:
+        await frames.send(InfoRequest())
+        info = await frames.receive()
+        if not isinstance(info, EngineInfo):
+            raise ValueError(f"expected EngineInfo, got {type(info).__name__}")
+        self._frames, self._info = frames, info
+        self._ready.set()
+        log.info("connected to engine %s:%d (%s)", self._host, self._port, info.architecture)
+        while True:
+            self._route(await frames.receive())
+
+    def _route(self, message: Message) -> None:
+        if not isinstance(message, TokenDelta):
+            log.warning("ignoring unexpected %s from the engine", type(message).__name__)
+            return
+        stream = self._pending.get(message.request_id)
+        if stream is None:
+            return  # a request we already released, e.g. aborted
+        # An unbounded buffer, so one slow client never stalls the others.
+        with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+            stream.send_nowait(message)
+        if message.finish_reason is not None:
+            self.release(message.request_id)
+
+    def _fail_pending(self) -> None:
+        self._frames, self._info = None, None
+        if self._ready.is_set():  # replace only a spent event: waiters may be parked on this one
+            self._ready = anyio.Event()
+        for stream in self._pending.values():
+            stream.close()
+        self._pending.clear()
+
+    async def start(self, request: GenerateRequest) -> Generation:
+        """Send a request; raise a 503 `GatewayError` if the engine is not connected."""
+        frames = self._frames
+        if frames is None:
+            raise engine_unavailable("not connected to the engine")
+        send, receive = anyio.create_memory_object_stream[TokenDelta](math.inf)
+        self._pending[request.request_id] = send
+        try:
+            # Shielded so a cancelled caller never leaves half a frame on the shared stream.
+            with anyio.CancelScope(shield=True):
+                await frames.send(request)
+        except _CONNECTION_ERRORS as exc:
+            self.release(request.request_id)
+            raise engine_unavailable(f"sending to the engine failed ({exc!r})") from exc
+        return Generation(self, request.request_id, receive)
+
+    def release(self, request_id: str) -> bool:
+        """Stop routing deltas for a request; True if it was still registered."""
+        stream = self._pending.pop(request_id, None)
+        if stream is not None:
+            stream.close()
+        return stream is not None
+
+    async def abort(self, request_id: str) -> None:
+        """Best effort: a dead connection has already dropped the request engine-side."""
+        frames = self._frames
+        if frames is None:
+            return
+        with anyio.CancelScope(shield=True):
+            try:
+                await frames.send(AbortRequest(request_id))
+            except _CONNECTION_ERRORS:
+                log.debug("could not send abort for %s", request_id)

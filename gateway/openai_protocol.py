@@ -1,0 +1,184 @@
+"""OpenAI API bodies (with the vLLM extensions we support), as msgspec Structs.
+
+Requests ignore unknown fields, like the OpenAI and vLLM servers; the field constraints
+here are the validation, and msgspec's error messages become 400 responses.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from gateway.errors import bad_request
+
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+Temperature = Annotated[float, msgspec.Meta(ge=0)]
+TopP = Annotated[float, msgspec.Meta(gt=0, le=1)]
+
+
+class StreamOptions(msgspec.Struct):
+    """`stream_options`: whether a final chunk reports token usage."""
+
+    include_usage: bool = False
+
+
+class SamplingFields(msgspec.Struct, kw_only=True):
+    """Fields shared by chat and text completion requests."""
+
+    model: str | None = None
+    max_tokens: PositiveInt | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    n: PositiveInt = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Annotated[int, msgspec.Meta(ge=0)]] | None = None
+    ignore_eos: bool = False
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a streamed response ends with a usage chunk."""
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ContentPart(msgspec.Struct):
+    """One element of a message's list-form content; only text parts are supported."""
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct):
+    """One conversation turn as the client sent it."""
+
+    role: str
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str | None:
+        """The content as one string (text parts joined by newlines, as vLLM does)."""
+        if not isinstance(self.content, list):
+            return self.content
+        if any(part.type != "text" or part.text is None for part in self.content):
+            raise bad_request("Only text content parts are supported.", "messages")
+        return "\n".join(part.text or "" for part in self.content)
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    """POST /v1/chat/completions."""
+
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
+    max_completion_tokens: PositiveInt | None = None
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    """POST /v1/completions; `prompt` is text or token ids."""
+
+    prompt: str | list[Annotated[int, msgspec.Meta(ge=0)]]
+    return_token_ids: bool = False
+
+
+class Usage(msgspec.Struct):
+    """Token counts of one request."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(msgspec.Struct):
+    """The generated turn of a non-streamed chat completion."""
+
+    content: str
+    role: str = "assistant"
+
+
+class ChatChoice(msgspec.Struct):
+    """A non-streamed chat completion choice."""
+
+    index: int
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class ChatCompletion(msgspec.Struct):
+    """Non-streamed chat completion response."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: Literal["chat.completion"] = "chat.completion"
+
+
+class Delta(msgspec.Struct, omit_defaults=True):
+    """What a chat chunk adds to the message; absent fields are omitted, as OpenAI does."""
+
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct):
+    """A streamed chat completion choice."""
+
+    index: int
+    delta: Delta
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(msgspec.Struct):
+    """One SSE event of a streamed chat completion."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+
+
+class CompletionChoice(msgspec.Struct, omit_defaults=True):
+    """A text completion choice; token id fields appear only with `return_token_ids`."""
+
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
+
+
+class Completion(msgspec.Struct):
+    """A text completion response, or (with `usage` None) one streamed chunk of it."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None
+    object: Literal["text_completion"] = "text_completion"
+
+
+class ModelCard(msgspec.Struct):
+    """One entry of GET /v1/models."""
+
+    id: str
+    created: int
+    max_model_len: int | None
+    root: str
+    owned_by: str = "switchyard"
+    parent: str | None = None
+    object: Literal["model"] = "model"
+
+
+class ModelList(msgspec.Struct):
+    """GET /v1/models."""
+
+    data: list[ModelCard]
+    object: Literal["list"] = "list"

@@ -1,0 +1,78 @@
+"""From an OpenAI request to the engine's `SamplingParams`, with vLLM's length rules."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gateway.errors import bad_request
+from gateway.openai_protocol import ChatCompletionRequest, SamplingFields
+from switchyard.messages import SamplingParams
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the served model accepts: context length and vocabulary size."""
+
+    max_model_len: int
+    vocab_size: int
+
+
+def check_prompt(prompt_token_ids: Sequence[int], limits: ModelLimits) -> None:
+    """Reject prompts the engine could not run: empty, out-of-vocabulary, or too long."""
+    if not prompt_token_ids:
+        raise bad_request("The prompt is empty.", "prompt")
+    if (bad := max(prompt_token_ids)) >= limits.vocab_size:
+        raise bad_request(f"Token id {bad} is out of vocabulary (size {limits.vocab_size}).",
+                          "prompt")
+    if len(prompt_token_ids) >= limits.max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {limits.max_model_len} tokens. However, "
+            f"your request has {len(prompt_token_ids)} input tokens. Please reduce the length "
+            "of the input messages."
+        )
+
+
+def _max_tokens(request: SamplingFields, prompt_len: int, limits: ModelLimits) -> int:
+    """The completion budget: as asked, or whatever context the prompt leaves (like vLLM)."""
+    asked = request.max_tokens
+    if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
+        asked = request.max_completion_tokens
+    room = limits.max_model_len - prompt_len
+    if asked is None:
+        return room
+    if asked > room:
+        raise bad_request(
+            f"'max_tokens' or 'max_completion_tokens' is too large: {asked}. This model's "
+            f"maximum context length is {limits.max_model_len} tokens and your request has "
+            f"{prompt_len} input tokens ({asked} > {limits.max_model_len} - {prompt_len}).",
+            "max_tokens",
+        )
+    return asked
+
+
+def _check_supported(request: SamplingFields) -> None:
+    if request.n != 1:
+        raise bad_request(f"n={request.n} is not supported; only n=1 is.", "n")
+    if request.stop:
+        raise bad_request("Stop strings are not supported; use stop_token_ids.", "stop")
+
+
+def sampling_params(request: SamplingFields, prompt_token_ids: Sequence[int],
+                    limits: ModelLimits) -> SamplingParams:
+    """Validate the request against the model and build the engine's sampling parameters."""
+    _check_supported(request)
+    check_prompt(prompt_token_ids, limits)
+    stop_ids = tuple(request.stop_token_ids or ())
+    if stop_ids and max(stop_ids) >= limits.vocab_size:
+        raise bad_request("stop_token_ids contains an id outside the vocabulary.",
+                          "stop_token_ids")
+    return SamplingParams(
+        max_tokens=_max_tokens(request, len(prompt_token_ids), limits),
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        top_k=request.top_k or 0,
+        seed=request.seed,
+        stop_token_ids=stop_ids,
+        ignore_eos=request.ignore_eos,
+    )

@@ -1,0 +1,59 @@
+"""Process entry point: bind, report the port, and serve the app with uvicorn."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from collections.abc import Sequence
+
+import uvicorn
+
+from gateway.app import build_app
+from gateway.config import GatewayConfig, parse_args
+from gateway.engine_client import EngineClient
+from gateway.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket; binding ourselves lets port 0 pick a port we can then report."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family)
+
+
+def report_port(ready_fd: int | None, port: int) -> None:
+    """Tell whoever launched us which port we listen on, then close the descriptor."""
+    if ready_fd is None:
+        return
+    with os.fdopen(ready_fd, "w") as ready:
+        ready.write(f"{port}\n")
+
+
+def uvicorn_server(config: GatewayConfig) -> uvicorn.Server:
+    """A uvicorn server for the gateway app, with its own engine client and tokenizer."""
+    tokenizer = Tokenizer.load(config.model_dir)
+    if tokenizer is None:
+        log.warning("no tokenizer.json in %s: only token-id prompts will work", config.model_dir)
+    engine = EngineClient(config.engine_host, config.engine_port)
+    app = build_app(config, engine, tokenizer)
+    return uvicorn.Server(uvicorn.Config(
+        app,
+        log_level=config.log_level,
+        access_log=config.access_log,
+        timeout_graceful_shutdown=config.shutdown_timeout_s,
+        lifespan="on",
+    ))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Run the gateway until interrupted."""
+    config = parse_args(argv)
+    logging.basicConfig(level=config.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server = uvicorn_server(config)
+    sock = bind(config.host, config.port)
+    report_port(config.ready_fd, sock.getsockname()[1])
+    asyncio.run(server.serve(sockets=[sock]))

@@ -1,0 +1,122 @@
+"""A checkpoint's tokenizer and chat template, rendered the way transformers renders them."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from gateway.errors import bad_request
+
+_SPECIAL_TOKEN_NAMES = (
+    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
+)
+
+NO_TOKENIZER_MESSAGE = (
+    "The model has no tokenizer (no tokenizer.json in its checkpoint), so text prompts and chat "
+    "cannot be used; send token ids instead: /v1/completions with `prompt` as a list of integers."
+)
+
+
+def _token_text(value: Any) -> str | None:
+    """tokenizer_config.json stores special tokens as strings or as AddedToken dicts."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _pick_template(config: dict[str, Any], model_dir: Path) -> str | None:
+    """The default chat template: from tokenizer_config.json, else `chat_template.jinja`."""
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates; transformers uses the one named "default"
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    jinja_file = model_dir / "chat_template.jinja"
+    if template is None and jinja_file.is_file():
+        template = jinja_file.read_text(encoding="utf-8")
+    return template if isinstance(template, str) else None
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # jinja's own tojson escapes HTML characters, which changes the prompt the model sees.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """Accepts `{% generation %}...{% endgeneration %}` (assistant-mask markup) as a no-op."""
+
+    tags = {"generation"}  # noqa: RUF012  (jinja reads this class attribute)
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """Compile a chat template in the environment transformers' `apply_chat_template` uses."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+class Tokenizer:
+    """Text <-> token ids for one checkpoint, plus its chat template."""
+
+    def __init__(self, backend: tokenizers.Tokenizer, config: dict[str, Any],
+                 chat_template: str | None) -> None:
+        self.backend = backend
+        self.special_tokens = {
+            name: text for name in _SPECIAL_TOKEN_NAMES
+            if (text := _token_text(config.get(name))) is not None
+        }
+        self._template = compile_chat_template(chat_template) if chat_template else None
+
+    @classmethod
+    def load(cls, model_dir: Path) -> Tokenizer | None:
+        """The checkpoint's tokenizer, or None when it ships no tokenizer.json."""
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            return None
+        config_file = model_dir / "tokenizer_config.json"
+        config = json.loads(config_file.read_text("utf-8")) if config_file.is_file() else {}
+        return cls(tokenizers.Tokenizer.from_file(str(path)), config,
+                   _pick_template(config, model_dir))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids for `text`."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text for `token_ids`."""
+        return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+        """The prompt text for a conversation, ending with the assistant's generation prompt."""
+        if self._template is None:
+            raise bad_request("The model's tokenizer has no chat template; use /v1/completions.")
+        try:
+            return self._template.render(messages=messages, tools=None, documents=None,
+                                         add_generation_prompt=True, **self.special_tokens)
+        except Exception as exc:  # foreign code: whatever it raises is about these messages
+            raise bad_request(f"Chat template error: {exc}", "messages") from exc
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Prompt token ids for a conversation; the template already wrote any special tokens."""
+        return self.encode(self.render_chat(messages), add_special_tokens=False)

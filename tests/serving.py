@@ -1,0 +1,85 @@
+"""Run `switchyard serve` as a real process tree on loopback for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of `pid`, read from /proc."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+class Served:
+    """`switchyard serve ARGS --port 0`; `.url` is the base URL once healthy."""
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None,
+                 timeout: float = 180.0) -> None:
+        # stderr goes to a file: a pipe nobody drains would block the services when full.
+        self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed in stop())
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "switchyard", "serve", "--port", "0", *args],
+            stdout=subprocess.PIPE, stderr=self.log, text=True,
+            env={**os.environ, **(env or {})})
+        self.url = self._wait_for_url(timeout)
+        self.children = child_pids(self.proc.pid)
+
+    def _wait_for_url(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        assert self.proc.stdout is not None
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.proc.stdout], [], [], deadline - time.monotonic())
+            line = self.proc.stdout.readline() if ready else ""
+            if m := re.search(r"at (http://\S+)/v1", line):
+                return m.group(1)
+            if not line and self.proc.poll() is not None:
+                break
+        log = self.stderr()
+        self.stop()
+        raise RuntimeError(f"switchyard serve did not come up: {log}")
+
+    def stderr(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> Served:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,318 @@
+"""The gateway over real HTTP (uvicorn on loopback) against an in-test fake engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from gateway.app import build_app
+from gateway.config import GatewayConfig
+from gateway.engine_client import EngineClient
+from gateway.server import bind
+from gateway.tokenizer import Tokenizer
+from tests.test_gateway_support import HANG, REJECT, REPLY, FakeEngine, sse_events, write_checkpoint
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
+MODEL = "tiny-moe"
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"  # uvicorn runs on asyncio
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("gateway") / MODEL)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: Path) -> Tokenizer:
+    loaded = Tokenizer.load(model_dir)
+    assert loaded is not None
+    return loaded
+
+
+@dataclass
+class Stack:
+    """A fake engine, the gateway in front of it, and an HTTP client for the gateway."""
+
+    engine: FakeEngine
+    client: EngineClient
+    http: httpx.AsyncClient
+    url: str
+
+
+@asynccontextmanager
+async def serve_gateway(model_dir: Path, engine: FakeEngine) -> AsyncIterator[Stack]:
+    config = GatewayConfig(model_dir=model_dir, served_model_name=model_dir.name,
+                           engine_host="127.0.0.1", engine_port=engine.port, port=0)
+    client = EngineClient(config.engine_host, config.engine_port, retry_interval_s=0.01)
+    app = build_app(config, client, Tokenizer.load(model_dir))
+    sock = bind(config.host, config.port)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1))
+    async with anyio.create_task_group() as tg, httpx.AsyncClient(base_url=url, timeout=10) as http:
+        tg.start_soon(server.serve, [sock])
+        with anyio.fail_after(5):
+            await client.wait_ready()
+        try:
+            yield Stack(engine, client, http, url)
+        finally:
+            server.should_exit = True
+
+
+@pytest.fixture
+async def stack(model_dir: Path, tokenizer: Tokenizer) -> AsyncIterator[Stack]:
+    eos = tokenizer.backend.token_to_id("<|im_end|>")
+    async with FakeEngine(tokenizer.encode(REPLY), eos).running() as engine, \
+            serve_gateway(model_dir, engine) as served:
+        yield served
+
+
+def error_of(response: httpx.Response, status: int, kind: str) -> dict[str, Any]:
+    """The error object, after checking the exact OpenAI error body shape."""
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert list(body) == ["error"]
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert (body["error"]["code"], body["error"]["type"]) == (status, kind)
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    return body["error"]
+
+
+async def test_chat_completion(stack: Stack, tokenizer: Tokenizer) -> None:
+    parts = [{"type": "text", "text": "What is"}, {"type": "text", "text": "the capital?"}]
+    r = await stack.http.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": parts}], "temperature": 0,
+        "top_k": 5, "seed": 3, "unknown_field": {"ignored": True}})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert (body["object"], body["model"]) == ("chat.completion", MODEL)
+    assert body["id"].startswith("chatcmpl-")
+    choice = body["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": REPLY}
+    assert choice["finish_reason"] == "stop"
+    sent = stack.engine.requests[0]
+    expected = tokenizer.encode_chat([{"role": "user", "content": "What is\nthe capital?"}])
+    assert sent.prompt_token_ids == expected and sent.request_id == body["id"]
+    assert (sent.sampling.temperature, sent.sampling.top_k, sent.sampling.seed) == (0.0, 5, 3)
+    assert sent.sampling.max_tokens == 256 - len(expected)
+    completion_tokens = len(tokenizer.encode(REPLY)) + 1  # the EOS counts, as in vLLM
+    assert body["usage"] == {"prompt_tokens": len(expected), "completion_tokens": completion_tokens,
+                             "total_tokens": len(expected) + completion_tokens}
+
+
+async def test_chat_stream_sse_format_with_usage(stack: Stack) -> None:
+    request = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": True,
+               "stream_options": {"include_usage": True}}
+    async with stack.http.stream("POST", "/v1/chat/completions", json=request) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events((await r.aread()).decode())
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(c["usage"] is None for c in chunks[:-1])
+    with_choices = [c["choices"][0] for c in chunks if c["choices"]]
+    assert "".join(ch["delta"].get("content", "") for ch in with_choices) == REPLY
+    assert [ch["finish_reason"] for ch in with_choices][-1] == "stop"
+    assert all(ch["finish_reason"] is None for ch in with_choices[:-1])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
+
+
+async def test_completion_from_text_stops_at_max_tokens(stack: Stack, tokenizer: Tokenizer) -> None:
+    r = await stack.http.post("/v1/completions", json={
+        "model": MODEL, "prompt": "The capital", "max_tokens": 5})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    choice = body["choices"][0]
+    assert body["object"] == "text_completion" and "token_ids" not in choice
+    assert choice["text"] == tokenizer.decode(tokenizer.encode(REPLY)[:5])
+    assert choice["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 5
+    assert stack.engine.requests[0].prompt_token_ids == tokenizer.encode("The capital")
+
+
+async def test_completion_token_ids_round_trip(stack: Stack, tokenizer: Tokenizer) -> None:
+    expected_ids = [*tokenizer.encode(REPLY), tokenizer.backend.token_to_id("<|im_end|>")]
+    request = {"model": MODEL, "prompt": [5, 6, 7], "return_token_ids": True}
+    choice = (await stack.http.post("/v1/completions", json=request)).json()["choices"][0]
+    assert (choice["prompt_token_ids"], choice["token_ids"]) == ([5, 6, 7], expected_ids)
+    assert choice["text"] == REPLY  # the EOS token is reported in ids, not in text
+    async with stack.http.stream("POST", "/v1/completions",
+                                 json={**request, "stream": True}) as r:
+        events = sse_events((await r.aread()).decode())
+    chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+    assert chunks[0]["prompt_token_ids"] == [5, 6, 7]
+    assert all("prompt_token_ids" not in c for c in chunks[1:])
+    assert [t for c in chunks for t in c["token_ids"]] == expected_ids
+    assert "".join(c["text"] for c in chunks) == REPLY
+    assert chunks[-1]["finish_reason"] == "stop"
+
+
+BAD_REQUESTS = [
+    ("/v1/completions", b'{"model": "x", "prompt": [1, 2', None),
+    ("/v1/completions", b"[1, 2, 3]", None),
+    ("/v1/completions", {"prompt": [5], "max_tokens": "many"}, "max_tokens"),
+    ("/v1/completions", {"prompt": [5], "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": [5], "max_tokens": -3}, "max_tokens"),
+    ("/v1/completions", {"prompt": [5], "temperature": -1}, "temperature"),
+    ("/v1/completions", {"prompt": [5], "top_p": 0}, "top_p"),
+    ("/v1/completions", {"prompt": [5], "top_p": 1.5}, "top_p"),
+    ("/v1/completions", {"prompt": [5], "n": 2}, "n"),
+    ("/v1/completions", {"prompt": [10**9], "max_tokens": 2}, "prompt"),
+    ("/v1/completions", {"prompt": [5] * 300}, None),
+    ("/v1/completions", {"prompt": [5], "max_tokens": 10**6}, "max_tokens"),
+    ("/v1/completions", {"prompt": [REJECT, 5]}, None),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+    ("/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+]
+
+
+async def test_bad_requests_get_openai_errors_then_service_continues(stack: Stack) -> None:
+    for path, body, param in BAD_REQUESTS:
+        if isinstance(body, bytes):
+            r = await stack.http.post(path, content=body,
+                                      headers={"content-type": "application/json"})
+        else:
+            r = await stack.http.post(path, json={"model": MODEL, **body})
+        error = error_of(r, 400, "BadRequestError")
+        assert error["param"] == param, (body, error)
+    missing = await stack.http.post("/v1/completions", json={"model": "nope", "prompt": [5]})
+    assert error_of(missing, 404, "NotFoundError")["message"] == "The model `nope` does not exist."
+    error_of(await stack.http.get("/v1/nothing"), 404, "NotFoundError")
+    error_of(await stack.http.get("/v1/completions"), 405, "MethodNotAllowedError")
+    r = await stack.http.post("/v1/completions", json={"model": MODEL, "prompt": [5]})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == REPLY
+
+
+async def test_openai_client_and_models(stack: Stack) -> None:
+    client = openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="none", max_retries=0)
+    models = (await client.models.list()).data
+    assert [m.id for m in models] == [MODEL] and models[0].max_model_len == 256
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    full = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=50)
+    assert full.choices[0].message.content == REPLY
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=50, stream=True,
+        stream_options={"include_usage": True})
+    chunks = [chunk async for chunk in stream]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == REPLY
+    assert chunks[-1].usage == full.usage
+    await client.close()
+
+
+async def test_client_disconnect_mid_stream_aborts(stack: Stack) -> None:
+    request = {"model": MODEL, "prompt": [HANG, 5], "stream": True}
+    async with stack.http.stream("POST", "/v1/completions", json=request) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                break  # leaving the block closes the connection with the stream unfinished
+    with anyio.fail_after(5):
+        await stack.engine.aborted.wait()
+    assert stack.engine.aborts == [stack.engine.requests[0].request_id]
+
+
+async def test_client_disconnect_during_non_streamed_request_aborts(stack: Stack) -> None:
+    request = {"model": MODEL, "prompt": [HANG, 5]}
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(partial(stack.http.post, "/v1/completions", json=request))
+        with anyio.fail_after(5):
+            await stack.engine.received.wait()
+        tg.cancel_scope.cancel()  # the client gives up and closes its connection
+    with anyio.fail_after(5):
+        await stack.engine.aborted.wait()
+    assert stack.engine.aborts == [stack.engine.requests[0].request_id]
+
+
+async def test_engine_loss_fails_requests_and_health_until_reconnected(stack: Stack) -> None:
+    assert (await stack.http.get("/health")).status_code == 200
+    request = {"model": MODEL, "prompt": [HANG, 5], "stream": True}
+    async with stack.http.stream("POST", "/v1/completions", json=request) as r:
+        lines = r.aiter_lines()
+        async for line in lines:
+            if line.startswith("data: "):
+                break
+        stack.engine.accepting = False
+        await stack.engine.drop_connections()
+        rest = [line async for line in lines if line]
+    assert json.loads(rest[-2].removeprefix("data: "))["error"]["code"] == 503
+    assert rest[-1] == "data: [DONE]"
+    error_of(await stack.http.get("/health"), 503, "ServiceUnavailableError")
+    down = await stack.http.post("/v1/completions", json={"model": MODEL, "prompt": [5]})
+    error_of(down, 503, "ServiceUnavailableError")
+    async with anyio.create_task_group() as tg:
+        waiter_done = anyio.Event()
+
+        async def wait_for_engine() -> None:
+            await stack.client.wait_ready()
+            waiter_done.set()
+
+        tg.start_soon(wait_for_engine)
+        with anyio.fail_after(5):
+            for _ in range(2):  # the gateway keeps retrying while someone waits for it
+                await stack.engine.next_refusal()
+            stack.engine.accepting = True
+            await waiter_done.wait()
+    assert (await stack.http.get("/health")).status_code == 200
+
+
+async def test_checkpoint_without_tokenizer_serves_token_ids(tmp_path: Path) -> None:
+    model_dir = tmp_path / "no-tokenizer"
+    model_dir.mkdir()
+    async with FakeEngine([40, 41], eos_id=2).running() as engine, \
+            serve_gateway(model_dir, engine) as stack:
+        chat = {"messages": [{"role": "user", "content": "x"}]}
+        for path, body in [("/v1/chat/completions", chat), ("/v1/completions", {"prompt": "hi"})]:
+            r = await stack.http.post(path, json={"model": "no-tokenizer", **body})
+            assert "no tokenizer" in error_of(r, 400, "BadRequestError")["message"]
+        r = await stack.http.post("/v1/completions", json={
+            "model": "no-tokenizer", "prompt": [5, 6], "return_token_ids": True})
+        choice = r.json()["choices"][0]
+        assert (choice["text"], choice["token_ids"], choice["finish_reason"]) == ("", [40, 41, 2],
+                                                                                 "stop")
+
+
+async def test_python_m_gateway_reports_port_and_serves(model_dir: Path,
+                                                        tokenizer: Tokenizer) -> None:
+    eos = tokenizer.backend.token_to_id("<|im_end|>")
+    read_end, write_end = os.pipe()
+    async with FakeEngine(tokenizer.encode(REPLY), eos).running() as engine:
+        process = await anyio.open_process(
+            [sys.executable, "-m", "gateway", "--model", str(model_dir), "--engine",
+             f"127.0.0.1:{engine.port}", "--port", "0", "--ready-fd", str(write_end)],
+            pass_fds=[write_end], stdin=None, stdout=None, stderr=None)
+        os.close(write_end)
+        try:
+            with anyio.fail_after(15):
+                await anyio.wait_readable(read_end)
+                port = int(os.read(read_end, 64).decode())
+                async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+                    while (await http.get("/health")).status_code != 200:
+                        await anyio.sleep(0.02)  # polling readiness, bounded by fail_after
+                    r = await http.post("/v1/chat/completions", json={
+                        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}]})
+            assert r.json()["choices"][0]["message"]["content"] == REPLY
+        finally:
+            os.close(read_end)
+            process.terminate()
+            with anyio.fail_after(10):
+                # uvicorn shuts down gracefully, then re-raises the signal it caught.
+                assert await process.wait() in (0, -signal.SIGTERM)

@@ -1,0 +1,224 @@
+"""Gateway pieces in isolation: config, tokenizer/chat template, detokenizer, sampling."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jinja2
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer
+
+from gateway.config import parse_args
+from gateway.detokenizer import IncrementalDetokenizer
+from gateway.errors import GatewayError
+from gateway.openai_protocol import ChatCompletionRequest, CompletionRequest
+from gateway.sampling import ModelLimits, sampling_params
+from gateway.tokenizer import Tokenizer
+from tests.test_gateway_support import write_checkpoint
+
+LLAMA_STYLE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant') }}"
+    "{% endif %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] | trim + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ ' ' + message['content'] | trim + eos_token }}"
+    "{% endif %}{% endfor %}"
+)
+# Whitespace control (trim_blocks/lstrip_blocks), tojson, loop controls and {% generation %}.
+BLOCKY = """{%- for m in messages %}
+  {% if m.role == 'system' %}
+SYS {{ m.content | tojson }}
+  {% elif m.role == 'assistant' %}
+A: {% generation %}{{ m.content }}{% endgeneration %}
+  {% else %}
+{{ m.role }}: {{ m.content }}
+    {% if loop.index > 50 %}{% break %}{% endif %}
+  {% endif %}
+{% endfor %}
+{% if add_generation_prompt %}A:{% endif %}"""
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [
+        {"role": "system", "content": 'Be "brief" <tag> & naïve café'},
+        {"role": "user", "content": "Grüße 你好 🚀"},
+        {"role": "assistant", "content": "  Hello, world!  "},
+        {"role": "user", "content": "déjà vu?"},
+    ],
+]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("ckpt")
+    return {
+        "chatml": write_checkpoint(root / "chatml"),
+        "llama": write_checkpoint(root / "llama", LLAMA_STYLE, add_bos=True, bos_token="<s>"),
+        "blocky": write_checkpoint(root / "blocky", BLOCKY),
+    }
+
+
+@pytest.fixture(scope="module")
+def tokenizer(checkpoints: dict[str, Path]) -> Tokenizer:
+    loaded = Tokenizer.load(checkpoints["chatml"])
+    assert loaded is not None
+    return loaded
+
+
+# --- config -------------------------------------------------------------------------------
+
+
+def test_config_flags_and_defaults(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    for name in ("PORT", "ENGINE", "HOST", "SERVED_MODEL_NAME", "MAX_MODEL_LEN"):
+        monkeypatch.delenv(f"SWITCHYARD_{name}", raising=False)
+    model = tmp_path / "Tiny-MoE"
+    model.mkdir()
+    config = parse_args(["--model", str(model), "--engine", "10.0.0.1:7001"])
+    assert (config.engine_host, config.engine_port) == ("10.0.0.1", 7001)
+    assert config.served_model_name == "Tiny-MoE"
+    assert (config.host, config.port, config.ready_fd) == ("127.0.0.1", 8000, None)
+    monkeypatch.setenv("SWITCHYARD_PORT", "0")
+    monkeypatch.setenv("SWITCHYARD_ENGINE", "localhost:9")
+    config = parse_args(["--model", str(model), "--served-model-name", "m",
+                         "--max-model-len", "9"])
+    assert (config.port, config.engine_port, config.served_model_name) == (0, 9, "m")
+    assert config.max_model_len == 9
+
+
+@pytest.mark.parametrize("flags", [["--engine", "no-port"], ["--model", "/no/such/dir"]])
+def test_config_rejects_bad_flags(tmp_path: Path, flags: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--model", str(tmp_path), "--engine", "127.0.0.1:1", *flags])
+
+
+# --- tokenizer and chat template ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["chatml", "llama", "blocky"])
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+def test_chat_template_matches_transformers(
+    checkpoints: dict[str, Path], name: str, messages: list[dict[str, str]]
+) -> None:
+    if name == "llama" and messages[0]["role"] == "system":
+        messages = messages[1:]
+    ours = Tokenizer.load(checkpoints[name])
+    theirs = AutoTokenizer.from_pretrained(str(checkpoints[name]))
+    assert ours is not None
+    expected = theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert ours.render_chat(messages) == expected
+    expected_ids = theirs.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert ours.encode_chat(messages) == expected_ids
+
+
+def test_template_errors_are_bad_requests(checkpoints: dict[str, Path]) -> None:
+    ours = Tokenizer.load(checkpoints["llama"])
+    assert ours is not None
+    twice = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    with pytest.raises(GatewayError) as caught:
+        ours.render_chat(twice)
+    assert caught.value.status == 400 and "must alternate" in caught.value.message
+    with pytest.raises(jinja2.TemplateError):
+        AutoTokenizer.from_pretrained(str(checkpoints["llama"])).apply_chat_template(twice)
+
+
+def test_tokenizer_json_bos_matches_transformers(checkpoints: dict[str, Path]) -> None:
+    ours = Tokenizer.load(checkpoints["llama"])
+    theirs = AutoTokenizer.from_pretrained(str(checkpoints["llama"]))
+    assert ours is not None
+    text = "Hello, world! 你好"
+    assert ours.encode(text) == theirs(text)["input_ids"]
+    assert ours.encode(text)[0] == ours.backend.token_to_id("<s>")
+
+
+def test_missing_tokenizer_json(tmp_path: Path) -> None:
+    assert Tokenizer.load(tmp_path) is None
+
+
+# --- incremental detokenizer --------------------------------------------------------------
+
+TEXT = st.text(st.characters(exclude_categories=("Cs",), exclude_characters="\ufffd"), max_size=40)
+
+
+@settings(max_examples=150, deadline=None)
+@given(prompt=TEXT, text=TEXT, data=st.data())
+def test_detokenizer_never_emits_partial_characters(
+    tokenizer: Tokenizer, prompt: str, text: str, data: st.DataObject
+) -> None:
+    prompt_ids = tokenizer.encode(prompt)
+    ids = tokenizer.encode(text)
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
+    pieces, start = [], 0
+    while start < len(ids):
+        size = data.draw(st.integers(1, 3))
+        pieces.append(detokenizer.add(ids[start:start + size]))
+        start += size
+    assert not any("\ufffd" in piece for piece in pieces)
+    assert "".join(pieces) + detokenizer.flush() == tokenizer.decode(ids)
+
+
+def test_detokenizer_skips_special_tokens_and_flushes_leftovers(tokenizer: Tokenizer) -> None:
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    im_end = tokenizer.backend.token_to_id("<|im_end|>")
+    assert detokenizer.add([*tokenizer.encode("ok"), im_end]) == "ok"
+    euro = tokenizer.encode("€")
+    assert len(euro) == 3  # "€" is not in the training corpus: one token per UTF-8 byte
+    assert detokenizer.add(euro[:2]) == ""
+    assert detokenizer.flush() == "\ufffd"  # the end of the sequence releases what is left
+
+
+def test_detokenizer_keeps_leading_space_with_prompt_context() -> None:
+    # SentencePiece-style decoders drop a sequence's leading space; prompt context keeps it.
+    backend = BackendTokenizer(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>"], show_progress=False)
+    backend.train_from_iterator(["The capital of France is Paris"] * 3, trainer)
+    tokenizer = Tokenizer(backend, {}, None)
+    detokenizer = IncrementalDetokenizer(tokenizer, tokenizer.encode("The capital is"))
+    paris = tokenizer.encode(" Paris")
+    assert tokenizer.decode(paris) == "Paris"
+    assert detokenizer.add(paris) + detokenizer.flush() == " Paris"
+
+
+# --- sampling -----------------------------------------------------------------------------
+
+LIMITS = ModelLimits(max_model_len=100, vocab_size=50)
+
+
+def test_default_max_tokens_fills_the_context() -> None:
+    request = CompletionRequest(prompt=[1, 2, 3], temperature=0.0, top_k=-1, stop_token_ids=[7])
+    params = sampling_params(request, [1, 2, 3], LIMITS)
+    assert (params.max_tokens, params.temperature, params.top_p) == (97, 0.0, 1.0)
+    assert (params.top_k, params.stop_token_ids) == (-1, (7,))
+
+
+def test_max_completion_tokens_wins_for_chat() -> None:
+    request = ChatCompletionRequest(messages=[], max_tokens=5, max_completion_tokens=9)
+    assert sampling_params(request, [1], LIMITS).max_tokens == 9
+
+
+@pytest.mark.parametrize(
+    ("request_fields", "prompt", "needle"),
+    [
+        ({"max_tokens": 98}, [1, 2, 3], "too large: 98"),
+        ({}, list(range(1, 50)) * 3, "maximum context length is 100 tokens"),
+        ({}, [], "empty"),
+        ({}, [1, 50], "out of vocabulary"),
+        ({"n": 2}, [1], "n=2"),
+        ({"stop": ["\n"]}, [1], "Stop strings"),
+        ({"stop_token_ids": [99]}, [1], "stop_token_ids"),
+    ],
+)
+def test_sampling_rejections(request_fields: dict[str, object], prompt: list[int],
+                             needle: str) -> None:
+    request = CompletionRequest(prompt=prompt, **request_fields)  # type: ignore[arg-type]
+    with pytest.raises(GatewayError) as caught:
+        sampling_params(request, prompt, LIMITS)
+    assert caught.value.status == 400 and needle in caught.value.message

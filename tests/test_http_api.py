@@ -1,0 +1,180 @@
+"""Through HTTP with real clients (httpx and the official `openai` package) against
+`switchyard serve` running as real processes on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.serving import Served, alive
+from tests.test_engine_parity import prompts, reference_greedy
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def tiny(qwen3_ckpt: tuple) -> Iterator[tuple[Served, str, object]]:
+    """The tiny Qwen3-MoE checkpoint: no tokenizer, token-id prompts only."""
+    path, model = qwen3_ckpt
+    with Served(["--model", str(path), "--max-num-batched-tokens", "16"]) as served:
+        name = httpx.get(f"{served.url}/v1/models").json()["data"][0]["id"]
+        yield served, name, model
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """The bundled default model (generated into a fresh cache dir), with its tokenizer."""
+    cache = tmp_path_factory.mktemp("cache")
+    with Served([], env={"SWITCHYARD_CACHE_DIR": str(cache)}) as served:
+        yield served
+
+
+def client(served: Served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0,
+                         timeout=60)
+
+
+def test_token_id_prompts_return_token_ids_equal_to_transformers(tiny: tuple) -> None:
+    served, name, model = tiny
+    prompt = prompts(seed=11, lengths=(23,))[0]
+    out = client(served).completions.create(
+        model=name, prompt=prompt, max_tokens=16, temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True})
+    choice = out.choices[0]
+    assert choice.prompt_token_ids == prompt
+    assert choice.token_ids == reference_greedy(model, prompt, 16)
+    assert choice.finish_reason == "length"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (23, 16)
+
+
+def test_concurrent_mixed_length_requests_each_equal_transformers(tiny: tuple) -> None:
+    served, name, model = tiny
+    ps = prompts(seed=12, lengths=(3, 40, 17, 8, 29, 1))
+
+    async def one(c: httpx.AsyncClient, p: list[int]) -> list[int]:
+        r = await c.post("/v1/completions", json={
+            "model": name, "prompt": p, "max_tokens": 20, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+
+    async def all_at_once() -> list[list[int]]:
+        async with httpx.AsyncClient(base_url=served.url, timeout=120) as c:
+            return await asyncio.gather(*(one(c, p) for p in ps))
+
+    got = asyncio.run(all_at_once())
+    assert got == [reference_greedy(model, p, 20) for p in ps]
+
+
+def test_streaming_completion_with_usage(tiny: tuple) -> None:
+    served, name, model = tiny
+    prompt = prompts(seed=13, lengths=(10,))[0]
+    stream = client(served).completions.create(
+        model=name, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"return_token_ids": True, "ignore_eos": True})
+    chunks = list(stream)
+    tokens = [t for c in chunks if c.choices for t in (c.choices[0].token_ids or [])]
+    assert tokens == reference_greedy(model, prompt, 12)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_text_prompt_without_tokenizer_is_a_clear_400(tiny: tuple) -> None:
+    served, name, _ = tiny
+    r = httpx.post(f"{served.url}/v1/completions",
+                   json={"model": name, "prompt": "hello", "max_tokens": 4})
+    assert r.status_code == 400
+    assert "tokenizer" in r.json()["error"]["message"]
+
+
+def error_of(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["code"] == status and body["error"]["message"]
+    return body["error"]
+
+
+def test_bad_input_gets_openai_errors_and_service_keeps_serving(tiny: tuple) -> None:
+    served, name, model = tiny
+    url = f"{served.url}/v1/completions"
+    headers = {"content-type": "application/json"}
+    error_of(httpx.post(url, content=b'{"model": "x", "prompt": [1, 2', headers=headers), 400)
+    error_of(httpx.post(url, json={"model": name, "prompt": [1], "max_tokens": "many"}), 400)
+    error_of(httpx.post(url, json={"model": name, "prompt": [1], "max_tokens": 0}), 400)
+    error_of(httpx.post(url, json={"model": name, "prompt": [1], "max_tokens": -3}), 400)
+    error_of(httpx.post(url, json={"model": name, "prompt": [1], "temperature": "hot"}), 400)
+    error_of(httpx.post(url, json={"model": name, "prompt": [10 ** 9], "max_tokens": 2}), 400)
+    error_of(httpx.post(url, json={"model": name, "prompt": [1], "max_tokens": 10 ** 6}), 400)
+    error_of(httpx.post(url, json=[1, 2, 3]), 400)
+    assert "does-not-exist" in error_of(
+        httpx.post(url, json={"model": "does-not-exist", "prompt": [1]}), 404)["message"]
+    chat = f"{served.url}/v1/chat/completions"
+    error_of(httpx.post(chat, json={"model": name, "messages": "hi"}), 400)
+    # ... and the next normal request is served correctly.
+    prompt = prompts(seed=14, lengths=(5,))[0]
+    r = httpx.post(url, json={"model": name, "prompt": prompt, "max_tokens": 8,
+                              "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+    assert r.json()["choices"][0]["token_ids"] == reference_greedy(model, prompt, 8)
+    assert served.proc.poll() is None
+
+
+def test_chat_with_the_bundled_model(demo: Served) -> None:
+    c = client(demo)
+    models = c.models.list().data
+    assert len(models) == 1
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    full = c.chat.completions.create(model=models[0].id, messages=messages, max_tokens=20,
+                                     temperature=0)
+    text = full.choices[0].message.content
+    assert full.choices[0].message.role == "assistant"
+    assert full.usage.completion_tokens > 0
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+    stream = list(c.chat.completions.create(
+        model=models[0].id, messages=messages, max_tokens=20, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+    assert streamed == text
+    assert stream[-1].choices == [] and stream[-1].usage == full.usage
+
+
+def test_sse_wire_format(demo: Served) -> None:
+    name = httpx.get(f"{demo.url}/v1/models").json()["data"][0]["id"]
+    with httpx.stream("POST", f"{demo.url}/v1/completions", timeout=60, json={
+            "model": name, "prompt": "abc", "max_tokens": 5, "stream": True}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    for e in events[:-1]:
+        assert json.loads(e.removeprefix("data: "))["object"] == "text_completion"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_serve_stops_every_child_on_signal(qwen3_ckpt: tuple, sig: int) -> None:
+    served = Served(["--model", str(qwen3_ckpt[0])])
+    assert len(served.children) == 2 and all(alive(p) for p in served.children)
+    served.stop(sig)
+    assert not any(alive(p) for p in served.children)
+
+
+def test_demo_model_is_a_normal_hf_checkpoint(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from switchyard.demo_model import ensure_demo_model
+
+    path = ensure_demo_model(tmp_path)
+    tok = AutoTokenizer.from_pretrained(path)
+    AutoModelForCausalLM.from_pretrained(path)
+    ids = tok.apply_chat_template([{"role": "user", "content": "hi"}],
+                                  add_generation_prompt=True, tokenize=False)
+    assert ids == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
