@@ -57,12 +57,12 @@ def ensure_demo_model(cache_dir: Path | None = None) -> Path:
     return target
 
 
-def build_tokenizer() -> Tokenizer:
+def build_tokenizer(special_tokens: list[str] = SPECIAL_TOKENS) -> Tokenizer:
     """Byte-level tokenizer: token id = byte value (0..255), then the special tokens."""
     tok = Tokenizer(models.BPE(vocab={ch: b for b, ch in _byte_to_unicode().items()}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.add_special_tokens(special_tokens)
     return tok
 
 
