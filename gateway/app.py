@@ -49,6 +49,11 @@ async def health(serving: Serving, _: Request) -> Response:
     return Response(status_code=200)
 
 
+async def stats(serving: Serving, _: Request) -> Response:
+    """GET /stats: the engine's counters (running/waiting, KV blocks, per-expert load)."""
+    return json_response(await serving.engine.stats())
+
+
 def build_app(config: GatewayConfig, engine_client: EngineClient,
               tokenizer: Tokenizer | None) -> Starlette:
     """The ASGI app; its lifespan keeps the engine connection up while it serves."""
@@ -66,6 +71,7 @@ def build_app(config: GatewayConfig, engine_client: EngineClient,
         Route("/v1/completions", partial(create_completion, serving), methods=["POST"]),
         Route("/v1/models", partial(list_models, serving), methods=["GET"]),
         Route("/health", partial(health, serving), methods=["GET"]),
+        Route("/stats", partial(stats, serving), methods=["GET"]),
     ]
     handlers = {
         GatewayError: handle_gateway_error,

@@ -19,9 +19,11 @@ from gateway.errors import engine_unavailable
 from switchyard.messages import (
     AbortRequest,
     EngineInfo,
+    EngineStats,
     GenerateRequest,
     InfoRequest,
     Message,
+    StatsRequest,
     TokenDelta,
 )
 from switchyard.rpc import FrameStream, connect
@@ -77,6 +79,8 @@ class EngineClient:
         self._info: EngineInfo | None = None
         self._pending: dict[str, MemoryObjectSendStream[TokenDelta]] = {}
         self._ready = anyio.Event()
+        self._stats_lock = anyio.Lock()
+        self._stats: MemoryObjectSendStream[EngineStats] | None = None
 
     @property
     def info(self) -> EngineInfo | None:
@@ -115,6 +119,9 @@ class EngineClient:
             self._route(await frames.receive())
 
     def _route(self, message: Message) -> None:
+        if isinstance(message, EngineStats) and self._stats is not None:
+            self._stats.send_nowait(message)
+            return
         if not isinstance(message, TokenDelta):
             log.warning("ignoring unexpected %s from the engine", type(message).__name__)
             return
@@ -134,6 +141,8 @@ class EngineClient:
         for stream in self._pending.values():
             stream.close()
         self._pending.clear()
+        if self._stats is not None:
+            self._stats.close()
 
     async def start(self, request: GenerateRequest) -> Generation:
         """Send a request; raise a 503 `GatewayError` if the engine is not connected."""
@@ -150,6 +159,24 @@ class EngineClient:
             self.release(request.request_id)
             raise engine_unavailable(f"sending to the engine failed ({exc!r})") from exc
         return Generation(self, request.request_id, receive)
+
+    async def stats(self, timeout: float = 10.0) -> EngineStats:
+        """Ask the engine for its counters (one question at a time on the connection)."""
+        async with self._stats_lock:
+            frames = self._frames
+            if frames is None:
+                raise engine_unavailable("not connected to the engine")
+            send, receive = anyio.create_memory_object_stream[EngineStats](1)
+            self._stats = send
+            try:
+                with anyio.fail_after(timeout), receive:
+                    await frames.send(StatsRequest())
+                    return await receive.receive()
+            except (TimeoutError, anyio.EndOfStream, *_CONNECTION_ERRORS) as exc:
+                raise engine_unavailable(f"no stats from the engine ({exc!r})") from exc
+            finally:
+                self._stats = None
+                send.close()
 
     def release(self, request_id: str) -> bool:
         """Stop routing deltas for a request; True if it was still registered."""

@@ -38,12 +38,17 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "gateway":
         from gateway.server import main as gateway_main
 
-        return gateway_main(argv[1:])
+        return gateway_main(argv[1:]) or 0
+    if argv and argv[0] == "eval":
+        from switchyard.eval import main as eval_main
+
+        return eval_main(argv[1:])
     parser = argparse.ArgumentParser(prog="switchyard", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     _attention_parser(sub)
     sub.add_parser("gateway", help="run the HTTP gateway (see `switchyard gateway --help`)")
+    sub.add_parser("eval", help="demo-task accuracy through the chat API (`switchyard eval -h`)")
     args = parser.parse_args(argv)
     if args.command == "serve":
         from switchyard.launcher import serve

@@ -75,4 +75,26 @@ class EngineInfo(msgspec.Struct, frozen=True, tag=True):
     block_size: int
 
 
-Message = GenerateRequest | AbortRequest | TokenDelta | InfoRequest | EngineInfo
+class StatsRequest(msgspec.Struct, frozen=True, tag=True):
+    """Anyone -> attention leader: report counters (answered by `EngineStats`)."""
+
+
+class EngineStats(msgspec.Struct, frozen=True, tag=True):
+    """Counters since the engine started.
+
+    `expert_load[layer][expert]` counts routed token copies (each token counts once per
+    chosen expert); dense (non-MoE) layers have all-zero rows.
+    """
+
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    num_kv_blocks: int
+    num_preemptions: int
+    expert_load: list[list[int]]
+
+
+Message = (
+    GenerateRequest | AbortRequest | TokenDelta | InfoRequest | EngineInfo | StatsRequest
+    | EngineStats
+)

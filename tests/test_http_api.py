@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.serving import Served, alive
+from switchyard.serve_process import Served, alive
 from tests.test_engine_parity import prompts, reference_greedy
 
 pytestmark = pytest.mark.timeout(300)

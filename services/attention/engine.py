@@ -19,7 +19,13 @@ from services.attention.sequence import Sequence
 from services.expert.experts import ExpertBank
 from services.model.checkpoint import Checkpoint
 from services.model.config import ModelConfig
-from switchyard.messages import EngineInfo, GenerateRequest, SamplingParams, TokenDelta
+from switchyard.messages import (
+    EngineInfo,
+    EngineStats,
+    GenerateRequest,
+    SamplingParams,
+    TokenDelta,
+)
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +70,15 @@ class Engine:
             vocab_size=cfg.vocab_size, eos_token_ids=cfg.eos_token_ids,
             dtype=str(self.dtype).removeprefix("torch."),
             num_kv_blocks=self.block_manager.num_blocks, block_size=self.block_manager.block_size,
+        )
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_blocks_used=bm.num_blocks - bm.num_free_blocks, num_kv_blocks=bm.num_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            expert_load=self.model.expert_load.tolist(),
         )
 
     def add(self, request: GenerateRequest) -> TokenDelta | None:

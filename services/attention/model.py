@@ -70,6 +70,8 @@ class DenseModel:
         tied = cfg.tie_word_embeddings and "lm_head.weight" not in ckpt
         self.lm_head = self.embed if tied else ckpt.get("lm_head.weight", (cfg.vocab_size, h),
                                                         dtype)
+        # Routed token copies per (layer, expert) since start: what operators balance on.
+        self.expert_load = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.int64)
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch, kv: KVCache, experts: ExpertsClient) -> torch.Tensor:
@@ -85,6 +87,8 @@ class DenseModel:
                 h = h + swiglu_mlp(x, w.mlp_gate_up, w.mlp_down)
             else:
                 ids, weights = route(x, w.gate, self.cfg.top_k, self.cfg.norm_topk_prob)
+                self.expert_load[i] += torch.bincount(ids.reshape(-1),
+                                                      minlength=self.cfg.num_experts)
                 h = h + experts(i, x, ids, weights)
         return rms_norm(h, self.norm, self.cfg.rms_norm_eps)
 

@@ -25,6 +25,7 @@ from switchyard.messages import (
     GenerateRequest,
     InfoRequest,
     Message,
+    StatsRequest,
     TokenDelta,
 )
 from switchyard.rpc import FrameStream
@@ -56,6 +57,8 @@ class AttentionServer:
                 msg: Message = await conn.receive()
                 if isinstance(msg, InfoRequest):
                     await conn.send(self.engine.info())
+                elif isinstance(msg, StatsRequest):
+                    await conn.send(self.engine.stats())
                 elif isinstance(msg, GenerateRequest | AbortRequest):
                     if isinstance(msg, GenerateRequest):
                         mine.add(msg.request_id)

@@ -1,4 +1,4 @@
-"""Run `switchyard serve` as a real process tree on loopback for end-to-end tests."""
+"""Run `switchyard serve` as a real process tree on loopback (for `switchyard eval`, tests)."""
 
 from __future__ import annotations
 
