@@ -1,11 +1,16 @@
-"""The dispatch/combine interface of every backend (DeepEP's shape: layout, data, handle)."""
+"""The interfaces of the dispatch layer (DeepEP's shape: layout first, then data, a handle
+reused by combine)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+# (layer, x [N, H] grouped by local expert, tokens per local expert) -> y [N, H], unweighted.
+ExpertFn = Callable[[int, torch.Tensor, list[int]], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -24,10 +29,11 @@ class DispatchHandle:
 
 
 class Dispatcher(Protocol):
-    """Moves each token to the experts it was routed to, and the expert outputs back.
+    """Moves each token to the experts it was routed to, and the expert outputs back,
+    for a rank that is both sender and receiver (symmetric expert parallelism).
 
-    The router weights are applied by `combine` (on the attention side), never by the
-    experts: expert ranks return raw FFN outputs, row-aligned with what they received.
+    The router weights are applied by `combine`, never by the experts: expert ranks
+    return raw FFN outputs, row-aligned with what they received.
     """
 
     num_local_experts: int
@@ -54,4 +60,19 @@ class Dispatcher(Protocol):
 
         out[t] = sum over t's routed rows r of weight[r] * y[r].
         """
+        ...
+
+
+class ExpertsClient(Protocol):
+    """The attention side of a MoE layer when experts may live in other processes:
+    dispatch, remote grouped GEMM, combine (with the router weights), as one call."""
+
+    def __call__(
+        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """MoE output [T, H] for x [T, H] routed to topk_ids [T, K] with topk_weights [T, K]."""
+        ...
+
+    def close(self) -> None:
+        """Release connections and threads."""
         ...

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ep_dispatch.base import DispatchHandle
+from ep_dispatch.base import DispatchHandle, ExpertFn
 
 
 class LocalDispatcher:
@@ -28,3 +28,20 @@ class LocalDispatcher:
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         out = torch.zeros(handle.num_tokens, y.shape[1], dtype=y.dtype, device=y.device)
         return out.index_add_(0, handle.src_token, y * handle.weights[:, None])
+
+
+class LocalExperts:
+    """`ExpertsClient` for experts held in this process, through a `LocalDispatcher`."""
+
+    def __init__(self, num_experts: int, expert_fn: ExpertFn) -> None:
+        self.dispatcher = LocalDispatcher(num_experts)
+        self.expert_fn = expert_fn
+
+    def __call__(
+        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        recv_x, tokens_per_expert, handle = self.dispatcher.dispatch(x, topk_ids, topk_weights)
+        return self.dispatcher.combine(self.expert_fn(layer, recv_x, tokens_per_expert), handle)
+
+    def close(self) -> None:
+        pass

@@ -3,28 +3,63 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass, field
+from pathlib import Path
 
-from ep_dispatch.base import Dispatcher
-
-
-def _local(**kwargs: Any) -> Dispatcher:
-    from ep_dispatch.local import LocalDispatcher
-
-    return LocalDispatcher(num_experts=kwargs["num_experts"])
+from ep_dispatch.base import ExpertFn, ExpertsClient
 
 
-_BACKENDS: dict[str, Callable[..., Dispatcher]] = {"local": _local}
+@dataclass(frozen=True)
+class BackendContext:
+    """What a backend may need; each uses its share.
+
+    expert_fn: the in-process experts (`local`). expert_addresses: one (host, port) per
+    expert rank (`rpc`). placement_file: JSON placement, else balanced.
+    """
+
+    moe_layers: list[int]
+    num_experts: int
+    expert_fn: ExpertFn | None = None
+    expert_addresses: list[tuple[str, int]] = field(default_factory=list)
+    placement_file: Path | None = None
+    call_timeout: float = 30.0
+    connect_timeout: float = 30.0
+
+
+def _local(ctx: BackendContext) -> ExpertsClient:
+    from ep_dispatch.local import LocalExperts
+
+    if ctx.expert_fn is None:
+        raise ValueError("the local backend needs the experts in this process")
+    return LocalExperts(ctx.num_experts, ctx.expert_fn)
+
+
+def _rpc(ctx: BackendContext) -> ExpertsClient:
+    from ep_dispatch.placement import make_placement
+    from ep_dispatch.rpc import RpcExperts
+
+    if not ctx.expert_addresses:
+        raise ValueError("the rpc backend needs --expert-addresses HOST:PORT,...")
+    placement = make_placement(ctx.moe_layers, ctx.num_experts, len(ctx.expert_addresses),
+                               ctx.placement_file)
+    return RpcExperts(placement, ctx.expert_addresses, ctx.call_timeout, ctx.connect_timeout)
+
+
+_BACKENDS: dict[str, Callable[[BackendContext], ExpertsClient]] = {"local": _local, "rpc": _rpc}
 
 
 def available_backends() -> list[str]:
     return sorted(_BACKENDS)
 
 
-def create_dispatcher(name: str, **kwargs: Any) -> Dispatcher:
-    """Build the backend called `name`; unknown names get an error listing the known ones."""
+def check_backend(name: str) -> None:
     if name not in _BACKENDS:
         raise ValueError(
             f"unknown dispatch backend {name!r}; available: {', '.join(available_backends())}"
         )
-    return _BACKENDS[name](**kwargs)
+
+
+def create_experts_client(name: str, ctx: BackendContext) -> ExpertsClient:
+    """Build the backend called `name`; unknown names get an error listing the known ones."""
+    check_backend(name)
+    return _BACKENDS[name](ctx)

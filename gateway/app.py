@@ -17,7 +17,7 @@ from starlette.routing import Route
 from gateway.chat import create_chat_completion
 from gateway.completions import create_completion
 from gateway.config import GatewayConfig
-from gateway.engine_client import EngineClient
+from gateway.engine_pool import EnginePool
 from gateway.errors import (
     GatewayError,
     engine_unavailable,
@@ -43,10 +43,11 @@ async def list_models(serving: Serving, _: Request) -> Response:
 
 
 async def health(serving: Serving, _: Request) -> Response:
-    """GET /health: 200 once the engine is connected and has described itself."""
+    """GET /health: 200 once every attention group is connected and described itself;
+    the body lists each backing service."""
     if serving.engine.info is None:
-        return engine_unavailable("not connected to the engine").response()
-    return Response(status_code=200)
+        return engine_unavailable("not connected to every attention service").response()
+    return json_response({"status": "ok", "attention": serving.engine.status()})
 
 
 async def stats(serving: Serving, _: Request) -> Response:
@@ -54,7 +55,7 @@ async def stats(serving: Serving, _: Request) -> Response:
     return json_response(await serving.engine.stats())
 
 
-def build_app(config: GatewayConfig, engine_client: EngineClient,
+def build_app(config: GatewayConfig, engine_client: EnginePool,
               tokenizer: Tokenizer | None) -> Starlette:
     """The ASGI app; its lifespan keeps the engine connection up while it serves."""
     serving = Serving(config, engine_client, tokenizer)

@@ -21,8 +21,7 @@ class GatewayConfig:
 
     model_dir: Path
     served_model_name: str
-    engine_host: str
-    engine_port: int
+    engines: tuple[tuple[str, int], ...]
     host: str = "127.0.0.1"
     port: int = 8000
     ready_fd: int | None = None
@@ -48,7 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=_env("SERVED_MODEL_NAME"),
                    help="model name clients use (default: the model directory's name)")
     p.add_argument("--engine", default=engine, required=engine is None,
-                   help="attention service address, HOST:PORT")
+                   help="attention service address(es), HOST:PORT[,HOST:PORT...]: one per "
+                        "attention group; requests go to the least busy")
     p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
     p.add_argument("--port", type=int, default=int(_env("PORT") or 8000),
                    help="HTTP port; 0 picks a free one")
@@ -71,7 +71,7 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        engine_host, engine_port = parse_address(args.engine)
+        engines = tuple(parse_address(a) for a in args.engine.split(","))
     except ValueError as exc:
         parser.error(f"--engine: {exc}")
     if args.max_model_len is not None and args.max_model_len <= 0:
@@ -82,8 +82,7 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
     return GatewayConfig(
         model_dir=model_dir,
         served_model_name=args.served_model_name or model_dir.resolve().name,
-        engine_host=engine_host,
-        engine_port=engine_port,
+        engines=engines,
         host=args.host,
         port=args.port,
         ready_fd=args.ready_fd,

@@ -83,6 +83,10 @@ class EngineClient:
         self._stats: MemoryObjectSendStream[EngineStats] | None = None
 
     @property
+    def num_in_flight(self) -> int:
+        return len(self._pending)
+
+    @property
     def info(self) -> EngineInfo | None:
         """The engine's self-description while connected, else None."""
         return self._info

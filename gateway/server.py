@@ -12,7 +12,7 @@ import uvicorn
 
 from gateway.app import build_app
 from gateway.config import GatewayConfig, parse_args
-from gateway.engine_client import EngineClient
+from gateway.engine_pool import EnginePool
 from gateway.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ def uvicorn_server(config: GatewayConfig) -> uvicorn.Server:
     tokenizer = Tokenizer.load(config.model_dir)
     if tokenizer is None:
         log.warning("no tokenizer.json in %s: only token-id prompts will work", config.model_dir)
-    engine = EngineClient(config.engine_host, config.engine_port)
+    engine = EnginePool(list(config.engines))
     app = build_app(config, engine, tokenizer)
     return uvicorn.Server(uvicorn.Config(
         app,

@@ -14,7 +14,8 @@ from starlette.responses import Response
 
 from gateway.config import GatewayConfig
 from gateway.detokenizer import IncrementalDetokenizer
-from gateway.engine_client import EngineClient, Generation
+from gateway.engine_client import Generation
+from gateway.engine_pool import EnginePool
 from gateway.errors import GatewayError, bad_request, engine_unavailable
 from gateway.openai_protocol import SamplingFields, Usage
 from gateway.output import Output, collect, outputs
@@ -63,7 +64,7 @@ def _error_param(exc: msgspec.ValidationError) -> str | None:
 class Serving:
     """The gateway's shared state, as the endpoints see it."""
 
-    def __init__(self, config: GatewayConfig, engine: EngineClient,
+    def __init__(self, config: GatewayConfig, engine: EnginePool,
                  tokenizer: Tokenizer | None) -> None:
         self.config = config
         self.engine = engine

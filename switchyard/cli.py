@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from services.attention.config import add_engine_flags, env, from_args
+from services.expert.config import add_expert_parser, expert_config
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -19,7 +20,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="gateway HTTP port (0 picks a free one)")
     p.add_argument("--startup-timeout", type=float, default=300.0,
                    help="seconds to wait for the services to become healthy")
-    add_engine_flags(p)
+    p.add_argument("--expert-services", type=int, default=None,
+                   help="expert service processes (default: 2, or 0 with --dispatch-backend "
+                        "local, which keeps the experts inside the attention service)")
+    p.add_argument("--attention-groups", type=int, default=int(env("ATTENTION_GROUPS", "1")),
+                   help="attention services sharing the expert services (data parallel)")
+    add_engine_flags(p, default_backend="rpc")
 
 
 def _attention_parser(sub: argparse._SubParsersAction) -> None:
@@ -30,6 +36,8 @@ def _attention_parser(sub: argparse._SubParsersAction) -> None:
                    help="RPC port (0 picks a free one)")
     p.add_argument("--ready-fd", type=int, default=None,
                    help="write the bound port to this file descriptor once listening")
+    p.add_argument("--expert-addresses", default=env("EXPERT_ADDRESSES"),
+                   help="HOST:PORT of each expert rank, comma-separated, in rank order")
     add_engine_flags(p)
 
 
@@ -47,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     _attention_parser(sub)
+    add_expert_parser(sub)
     sub.add_parser("gateway", help="run the HTTP gateway (see `switchyard gateway --help`)")
     sub.add_parser("eval", help="demo-task accuracy through the chat API (`switchyard eval -h`)")
     args = parser.parse_args(argv)
@@ -54,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
         from switchyard.launcher import serve
 
         return serve(args)
+    if args.command == "expert":
+        from services.expert.server import main as expert_main
+
+        return expert_main(expert_config(args))
     from services.attention.server import main as attention_main
 
     return attention_main(from_args(args))

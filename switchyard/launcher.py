@@ -41,22 +41,31 @@ class Children:
     def __init__(self) -> None:
         self.procs: list[tuple[str, subprocess.Popen]] = []
 
-    def start(self, name: str, args: list[str], timeout: float) -> int:
-        """Start `python -m switchyard ARGS --ready-fd W`; return the port it reports."""
-        read_fd, write_fd = os.pipe()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "switchyard", *args, "--ready-fd", str(write_fd)],
-            pass_fds=(write_fd,), preexec_fn=_die_with_parent)
-        os.close(write_fd)
-        self.procs.append((name, proc))
-        with os.fdopen(read_fd) as ready:
-            if not select.select([ready], [], [], timeout)[0]:
-                raise StartupError(f"{name} did not start listening within {timeout:.0f}s")
-            line = ready.readline()  # EOF (empty) if the child died before listening
-        if not line.strip().isdigit():
-            proc.wait()
-            raise StartupError(f"{name} exited with status {proc.returncode} before listening")
-        return int(line)
+    def start_all(self, specs: list[tuple[str, list[str]]], timeout: float) -> list[int]:
+        """Start `python -m switchyard ARGS --ready-fd W` for each (name, ARGS) at once;
+        return the ports they report once listening, in order."""
+        pending = []
+        for name, args in specs:
+            read_fd, write_fd = os.pipe()
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "switchyard", *args, "--ready-fd", str(write_fd)],
+                pass_fds=(write_fd,), preexec_fn=_die_with_parent)
+            os.close(write_fd)
+            self.procs.append((name, proc))
+            pending.append((name, proc, os.fdopen(read_fd)))
+        deadline = time.monotonic() + timeout
+        ports = []
+        for name, proc, ready in pending:
+            with ready:
+                if not select.select([ready], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                    raise StartupError(f"{name} did not start listening within {timeout:.0f}s")
+                line = ready.readline()  # EOF (empty) if the child died before listening
+            if not line.strip().isdigit():
+                proc.wait()
+                raise StartupError(f"{name} exited with status {proc.returncode} "
+                                   f"before listening")
+            ports.append(int(line))
+        return ports
 
     def check_alive(self) -> None:
         for name, proc in self.procs:
@@ -110,6 +119,7 @@ def _terminate_on_sigterm() -> Iterator[None]:
 
 def _engine_args(args: argparse.Namespace) -> list[str]:
     out = ["--dtype", args.dtype, "--block-size", str(args.block_size),
+           "--expert-timeout", str(args.expert_timeout),
            "--kv-cache-memory", str(args.kv_cache_memory),
            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
            "--max-num-seqs", str(args.max_num_seqs),
@@ -118,7 +128,52 @@ def _engine_args(args: argparse.Namespace) -> list[str]:
         out += ["--max-model-len", str(args.max_model_len)]
     if args.num_threads:
         out += ["--num-threads", str(args.num_threads)]
+    if args.placement:
+        out += ["--placement", args.placement]
     return out
+
+
+def _num_expert_services(args: argparse.Namespace) -> int:
+    if args.dispatch_backend == "local":
+        if args.expert_services:
+            raise StartupError("--dispatch-backend local keeps the experts in the attention "
+                               "service; it cannot use --expert-services")
+        return 0
+    n = 2 if args.expert_services is None else args.expert_services
+    if n < 1:
+        raise StartupError(f"--dispatch-backend {args.dispatch_backend} needs at least one "
+                           f"expert service")
+    return n
+
+
+def _start_services(args: argparse.Namespace, model: Path, name: str,
+                    children: Children) -> str:
+    """Start experts, then attention groups, then the gateway; return the gateway URL."""
+    timeout = args.startup_timeout
+    num_experts = _num_expert_services(args)
+    if args.attention_groups < 1:
+        raise StartupError("--attention-groups must be at least 1")
+    shared = ["--model", str(model), "--port", "0"]
+    expert_ports = children.start_all([
+        (f"expert rank {r}", [
+            "expert", *shared, "--rank", str(r), "--num-ranks", str(num_experts),
+            "--dtype", args.dtype,
+            *(["--placement", args.placement] if args.placement else []),
+            *(["--num-threads", str(args.num_threads)] if args.num_threads else [])])
+        for r in range(num_experts)], timeout)
+    addresses = ",".join(f"127.0.0.1:{p}" for p in expert_ports)
+    engine_ports = children.start_all([
+        (f"attention group {g}", [
+            "attention", *shared, *_engine_args(args),
+            *(["--expert-addresses", addresses] if addresses else [])])
+        for g in range(args.attention_groups)], timeout)
+    [http_port] = children.start_all([("gateway", [
+        "gateway", "--model", str(model), "--served-model-name", name,
+        "--engine", ",".join(f"127.0.0.1:{p}" for p in engine_ports),
+        "--host", args.host, "--port", str(args.port)])], timeout)
+    url = f"http://{args.host}:{http_port}"
+    _wait_healthy(f"{url}/health", children, timeout)
+    return url
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -132,15 +187,7 @@ def serve(args: argparse.Namespace) -> int:
     children = Children()
     with _terminate_on_sigterm():
         try:
-            engine_port = children.start("attention", ["attention", "--model", str(model),
-                                                       "--port", "0", *_engine_args(args)],
-                                         args.startup_timeout)
-            http_port = children.start("gateway", [
-                "gateway", "--model", str(model), "--served-model-name", name,
-                "--engine", f"127.0.0.1:{engine_port}", "--host", args.host,
-                "--port", str(args.port)], args.startup_timeout)
-            url = f"http://{args.host}:{http_port}"
-            _wait_healthy(f"{url}/health", children, args.startup_timeout)
+            url = _start_services(args, model, name, children)
             print(f"Switchyard is serving {name!r} at {url}/v1", flush=True)
             children.wait_any()
         except StartupError as exc:

@@ -94,7 +94,47 @@ class EngineStats(msgspec.Struct, frozen=True, tag=True):
     expert_load: list[list[int]]
 
 
+class Tensor(msgspec.Struct, frozen=True):
+    """A dense tensor on the wire: raw little-endian bytes, dtype name, shape."""
+
+    data: bytes
+    dtype: str
+    shape: list[int]
+
+
+class ExpertBatch(msgspec.Struct, frozen=True, tag=True):
+    """Attention rank -> expert rank: the rows of one MoE layer call routed to this rank.
+
+    `x` is [N, H], grouped by the rank's local experts in ascending expert order;
+    `tokens_per_expert[i]` rows belong to its i-th local expert of `layer`.
+    """
+
+    call_id: int
+    layer: int
+    tokens_per_expert: list[int]
+    x: Tensor
+    trace_context: dict[str, str] = {}
+
+
+class ExpertResult(msgspec.Struct, frozen=True, tag=True):
+    """Expert rank -> attention rank: raw expert outputs y [N, H], row-aligned with the
+    batch's x (router weights not applied), or an error."""
+
+    call_id: int
+    y: Tensor | None = None
+    error: str | None = None
+
+
+class ExpertInfo(msgspec.Struct, frozen=True, tag=True):
+    """An expert rank's answer to `InfoRequest`: what it holds."""
+
+    rank: int
+    num_ranks: int
+    experts: dict[int, list[int]]  # MoE layer -> global expert ids held
+    weight_bytes: int
+
+
 Message = (
     GenerateRequest | AbortRequest | TokenDelta | InfoRequest | EngineInfo | StatsRequest
-    | EngineStats
+    | EngineStats | ExpertBatch | ExpertResult | ExpertInfo
 )

@@ -21,7 +21,7 @@ import uvicorn
 
 from gateway.app import build_app
 from gateway.config import GatewayConfig
-from gateway.engine_client import EngineClient
+from gateway.engine_pool import EnginePool
 from gateway.server import bind
 from gateway.tokenizer import Tokenizer
 from tests.test_gateway_support import HANG, REJECT, REPLY, FakeEngine, sse_events, write_checkpoint
@@ -52,7 +52,7 @@ class Stack:
     """A fake engine, the gateway in front of it, and an HTTP client for the gateway."""
 
     engine: FakeEngine
-    client: EngineClient
+    client: EnginePool
     http: httpx.AsyncClient
     url: str
 
@@ -60,8 +60,8 @@ class Stack:
 @asynccontextmanager
 async def serve_gateway(model_dir: Path, engine: FakeEngine) -> AsyncIterator[Stack]:
     config = GatewayConfig(model_dir=model_dir, served_model_name=model_dir.name,
-                           engine_host="127.0.0.1", engine_port=engine.port, port=0)
-    client = EngineClient(config.engine_host, config.engine_port, retry_interval_s=0.01)
+                           engines=(("127.0.0.1", engine.port),), port=0)
+    client = EnginePool(list(config.engines), retry_interval_s=0.01)
     app = build_app(config, client, Tokenizer.load(model_dir))
     sock = bind(config.host, config.port)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"

@@ -79,14 +79,14 @@ def test_config_flags_and_defaults(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
     model = tmp_path / "Tiny-MoE"
     model.mkdir()
     config = parse_args(["--model", str(model), "--engine", "10.0.0.1:7001"])
-    assert (config.engine_host, config.engine_port) == ("10.0.0.1", 7001)
+    assert config.engines == (("10.0.0.1", 7001),)
     assert config.served_model_name == "Tiny-MoE"
     assert (config.host, config.port, config.ready_fd) == ("127.0.0.1", 8000, None)
     monkeypatch.setenv("SWITCHYARD_PORT", "0")
     monkeypatch.setenv("SWITCHYARD_ENGINE", "localhost:9")
     config = parse_args(["--model", str(model), "--served-model-name", "m",
                          "--max-model-len", "9"])
-    assert (config.port, config.engine_port, config.served_model_name) == (0, 9, "m")
+    assert (config.port, config.engines[0][1], config.served_model_name) == (0, 9, "m")
     assert config.max_model_len == 9
 
 

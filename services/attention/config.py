@@ -25,6 +25,9 @@ class AttentionConfig:
     max_num_seqs: int = 128
     max_model_len: int | None = None
     dispatch_backend: str = "local"
+    expert_addresses: tuple[tuple[str, int], ...] = ()
+    placement: Path | None = None
+    expert_timeout: float = 30.0
     num_threads: int | None = None
     host: str = "127.0.0.1"
     port: int = 0
@@ -53,11 +56,18 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[unit])
 
 
+def parse_addresses(text: str) -> list[tuple[str, int]]:
+    """'h1:p1,h2:p2' -> [(h1, p1), (h2, p2)]."""
+    from switchyard.rpc import parse_address
+
+    return [parse_address(a) for a in text.split(",") if a.strip()]
+
+
 def env(name: str, default: str | None = None) -> str | None:
     return os.environ.get(ENV_PREFIX + name, default)
 
 
-def add_engine_flags(p: argparse.ArgumentParser) -> None:
+def add_engine_flags(p: argparse.ArgumentParser, default_backend: str = "local") -> None:
     """Flags shared by `switchyard attention` and `switchyard serve`."""
     p.add_argument("--dtype", default=env("DTYPE", "auto"),
                    help="compute dtype: auto (float32 on CPU, where bfloat16 matmuls are "
@@ -75,8 +85,13 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="most sequences running at once")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context limit (default: the model's, capped by the KV cache)")
-    p.add_argument("--dispatch-backend", default=env("DISPATCH_BACKEND", "local"),
-                   help="ep_dispatch backend between attention and experts")
+    p.add_argument("--dispatch-backend", default=env("DISPATCH_BACKEND", default_backend),
+                   help="ep_dispatch backend between attention and experts: local (experts "
+                        "in the attention process) or rpc (expert services over TCP)")
+    p.add_argument("--placement", default=env("PLACEMENT"),
+                   help="placement JSON file (default: balanced round-robin)")
+    p.add_argument("--expert-timeout", type=float, default=float(env("EXPERT_TIMEOUT", "30")),
+                   help="seconds an expert rank may take for one layer call")
     p.add_argument("--num-threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's choice)")
 
@@ -87,6 +102,9 @@ def from_args(args: argparse.Namespace) -> AttentionConfig:
         kv_cache_memory=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         dispatch_backend=args.dispatch_backend, num_threads=args.num_threads,
+        expert_addresses=tuple(parse_addresses(getattr(args, "expert_addresses", None) or "")),
+        placement=Path(args.placement) if args.placement else None,
+        expert_timeout=args.expert_timeout,
         host=getattr(args, "host", "127.0.0.1"), port=getattr(args, "port", 0),
         ready_fd=getattr(args, "ready_fd", None),
     )

@@ -6,17 +6,17 @@ import logging
 
 import torch
 
-from ep_dispatch import create_dispatcher
+from ep_dispatch import BackendContext, create_experts_client
+from ep_dispatch.registry import check_backend
 from services.attention.batch import build_batch
 from services.attention.block_manager import BlockManager
 from services.attention.config import AttentionConfig
-from services.attention.experts_client import ExpertsClient, InProcessExperts
 from services.attention.kv_cache import KVCache, kv_bytes_per_block
 from services.attention.model import DenseModel
 from services.attention.sampler import sample
 from services.attention.scheduler import ScheduledSeq, Scheduler
 from services.attention.sequence import Sequence
-from services.expert.experts import ExpertBank
+from services.expert.experts import ExpertBank, all_experts
 from services.model.checkpoint import Checkpoint
 from services.model.config import ModelConfig
 from switchyard.messages import (
@@ -36,7 +36,7 @@ class Engine:
     Not thread-safe: the service calls `add`, `abort` and `step` from one thread at a time.
     """
 
-    def __init__(self, config: AttentionConfig, experts: ExpertsClient | None = None) -> None:
+    def __init__(self, config: AttentionConfig) -> None:
         self.config = config
         self.dtype = config.torch_dtype
         if config.num_threads:
@@ -46,12 +46,16 @@ class Engine:
         log.info("loading %s (%d layers, %d experts) as %s", cfg.architecture, cfg.num_layers,
                  cfg.num_experts, self.dtype)
         self.model = DenseModel(cfg, checkpoint, self.dtype)
-        if experts is None:
-            dispatcher = create_dispatcher(config.dispatch_backend, num_experts=cfg.num_experts)
-            bank = ExpertBank(cfg, checkpoint, range(cfg.num_experts), self.dtype)
-            experts = InProcessExperts(dispatcher, bank)
-        self.experts = experts
+        check_backend(config.dispatch_backend)
+        bank = None
+        if config.dispatch_backend == "local":  # the only backend with experts in-process
+            bank = ExpertBank(cfg, checkpoint, all_experts(cfg), self.dtype)
         checkpoint.close()
+        self.experts = create_experts_client(config.dispatch_backend, BackendContext(
+            moe_layers=[i for i, m in enumerate(cfg.moe_layers) if m],
+            num_experts=cfg.num_experts, expert_fn=bank.forward if bank else None,
+            expert_addresses=list(config.expert_addresses),
+            placement_file=config.placement, call_timeout=config.expert_timeout))
         num_blocks = config.kv_cache_memory // kv_bytes_per_block(cfg, config.block_size,
                                                                   self.dtype)
         self.kv = KVCache(cfg, num_blocks, config.block_size, self.dtype)
@@ -62,6 +66,9 @@ class Engine:
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings,
                                  cfg.max_position_embeddings, capacity)
         self._seqs: dict[str, Sequence] = {}
+
+    def close(self) -> None:
+        self.experts.close()
 
     def info(self) -> EngineInfo:
         cfg = self.model_config

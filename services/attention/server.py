@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 
 import anyio
-from anyio.abc import SocketAttribute
+from anyio.abc import SocketAttribute, SocketStream
 
 from services.attention.config import AttentionConfig
 from services.attention.engine import Engine
@@ -119,16 +119,16 @@ async def serve(config: AttentionConfig, engine: Engine) -> None:
         os.write(config.ready_fd, f"{port}\n".encode())
         os.close(config.ready_fd)
 
-    async def on_connect(stream) -> None:
+    async def on_connect(stream: SocketStream) -> None:
         await server.handle(FrameStream(stream))
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(server.run_engine)
-        tg.start_soon(_cancel_on_signal, tg.cancel_scope)
+        tg.start_soon(cancel_on_signal, tg.cancel_scope)
         await listener.serve(on_connect)
 
 
-async def _cancel_on_signal(scope: anyio.CancelScope) -> None:
+async def cancel_on_signal(scope: anyio.CancelScope) -> None:
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for _ in signals:
             scope.cancel()

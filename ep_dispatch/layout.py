@@ -1,0 +1,62 @@
+"""Where each routed row goes: the layout computed once per layer call, reused by combine.
+
+Rows are the T*K (token, choice) pairs of a router's top-k. Each goes to one replica of
+its expert; rows are ordered by (rank, local expert), so each rank's share is one
+contiguous slice already grouped the way its grouped GEMM wants it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ep_dispatch.placement import Placement
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The dispatch plan of one layer call (DeepEP's "layout", then data, then a handle).
+
+    Attributes:
+        src_token: [N] int64, the source token of each dispatched row, in send order.
+        weights: [N] router weight of each row (applied by `combine`).
+        rank_counts: rows sent to each expert rank (length num_ranks, sums to N).
+        expert_counts: per rank, rows for each of its local experts (in local order).
+        num_tokens: T.
+    """
+
+    src_token: torch.Tensor
+    weights: torch.Tensor
+    rank_counts: list[int]
+    expert_counts: list[list[int]]
+    num_tokens: int
+
+
+def compute_layout(
+    topk_ids: torch.Tensor, topk_weights: torch.Tensor, placement: Placement, layer: int
+) -> Layout:
+    """Plan the rows of topk_ids [T, K] (global expert ids) and topk_weights [T, K]."""
+    num_tokens, top_k = topk_ids.shape
+    flat = topk_ids.reshape(-1)  # [T*K]
+    token = torch.arange(flat.numel()) // top_k
+    table = placement.table(layer)
+    rank = table.replica_ranks[flat, token % table.num_replicas[flat]]  # [T*K]
+    local = table.local_index[rank, flat]  # [T*K]
+    key = rank * placement.num_experts + local
+    order = torch.argsort(key, stable=True)
+    counts = torch.bincount(key, minlength=placement.num_ranks * placement.num_experts)
+    counts = counts.view(placement.num_ranks, placement.num_experts)
+    return Layout(
+        src_token=token[order],
+        weights=topk_weights.reshape(-1)[order],
+        rank_counts=counts.sum(dim=1).tolist(),
+        expert_counts=[counts[r, :n].tolist() for r, n in enumerate(table.num_local)],
+        num_tokens=num_tokens,
+    )
+
+
+def combine(y: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """out [T, H] = sum over each token's rows of weight * y, for y [N, H] in send order."""
+    out = torch.zeros(layout.num_tokens, y.shape[1], dtype=y.dtype, device=y.device)
+    return out.index_add_(0, layout.src_token, y * layout.weights.to(y.dtype)[:, None])

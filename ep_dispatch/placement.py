@@ -1,0 +1,145 @@
+"""Which expert ranks hold which experts, per MoE layer.
+
+A placement maps each (layer, expert) to one or more expert ranks. Replicas share an
+expert's tokens: a routed row goes to replica `token_index % num_replicas`, so load splits
+evenly and deterministically. The default is balanced round-robin; an operator can load a
+JSON file instead to pin hot experts or add replicas:
+
+    {"num_ranks": 2, "layers": {"0": [[0], [1], [0, 1], ...], "1": [...]}}
+
+`layers[str(layer)][expert]` lists the ranks holding that expert.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import torch
+
+
+class PlacementError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class RoutingTable:
+    """replica_ranks [E, R_max] (short lists padded by repeating), num_replicas [E],
+    local_index [num_ranks, E] (position among the rank's experts, -1 if absent),
+    num_local[rank] (experts held)."""
+
+    replica_ranks: torch.Tensor
+    num_replicas: torch.Tensor
+    local_index: torch.Tensor
+    num_local: list[int]
+
+
+@dataclass(frozen=True)
+class Placement:
+    num_ranks: int
+    num_experts: int
+    replicas: dict[int, tuple[tuple[int, ...], ...]]  # layer -> expert -> ranks
+
+    @classmethod
+    def balanced(cls, moe_layers: list[int], num_experts: int, num_ranks: int) -> Placement:
+        """Expert e on rank e % num_ranks in every layer (counts differ by at most one)."""
+        if num_ranks < 1:
+            raise PlacementError(f"need at least one expert rank, got {num_ranks}")
+        per_layer = tuple((e % num_ranks,) for e in range(num_experts))
+        return cls(num_ranks, num_experts, dict.fromkeys(moe_layers, per_layer))
+
+    @classmethod
+    def from_json(cls, text: str, moe_layers: list[int], num_experts: int,
+                  source: str = "placement") -> Placement:
+        try:
+            raw = json.loads(text)
+            num_ranks = int(raw["num_ranks"])
+            layers = {int(k): tuple(tuple(int(r) for r in ranks) for ranks in v)
+                      for k, v in raw["layers"].items()}
+        except (ValueError, KeyError, TypeError) as exc:
+            raise PlacementError(f"{source}: not a placement ({exc!r})") from exc
+        placement = cls(num_ranks, num_experts, layers)
+        placement.validate(moe_layers, source)
+        return placement
+
+    @classmethod
+    def load(cls, path: str | Path, moe_layers: list[int], num_experts: int) -> Placement:
+        return cls.from_json(Path(path).read_text(), moe_layers, num_experts, str(path))
+
+    def validate(self, moe_layers: list[int], source: str = "placement") -> None:
+        """Every expert of every MoE layer on at least one existing rank, and nothing else."""
+        if sorted(self.replicas) != sorted(moe_layers):
+            raise PlacementError(f"{source}: covers layers {sorted(self.replicas)}, the model's "
+                                 f"MoE layers are {sorted(moe_layers)}")
+        for layer, experts in self.replicas.items():
+            if len(experts) != self.num_experts:
+                raise PlacementError(f"{source}: layer {layer} lists {len(experts)} experts, "
+                                     f"the model has {self.num_experts}")
+            for expert, ranks in enumerate(experts):
+                if not ranks:
+                    raise PlacementError(f"{source}: layer {layer} expert {expert} is unplaced")
+                bad = [r for r in ranks if not 0 <= r < self.num_ranks]
+                if bad:
+                    raise PlacementError(f"{source}: layer {layer} expert {expert} on rank(s) "
+                                         f"{bad}, but there are {self.num_ranks} ranks")
+
+    def to_json(self) -> str:
+        return json.dumps({"num_ranks": self.num_ranks, "layers": {
+            str(layer): [list(r) for r in experts] for layer, experts in
+            sorted(self.replicas.items())}})
+
+    def local_experts(self, rank: int) -> dict[int, list[int]]:
+        """layer -> ascending global ids of the experts `rank` holds."""
+        return {layer: [e for e, ranks in enumerate(experts) if rank in ranks]
+                for layer, experts in self.replicas.items()}
+
+    @cached_property
+    def _tables(self) -> dict[int, RoutingTable]:
+        return {layer: self._table(layer) for layer in self.replicas}
+
+    def _table(self, layer: int) -> RoutingTable:
+        experts = self.replicas[layer]
+        width = max(len(r) for r in experts)
+        local_index = torch.full((self.num_ranks, self.num_experts), -1, dtype=torch.int64)
+        held = []
+        for rank in range(self.num_ranks):
+            mine = [e for e, ranks in enumerate(experts) if rank in ranks]
+            local_index[rank, mine] = torch.arange(len(mine))
+            held.append(len(mine))
+        return RoutingTable(
+            replica_ranks=torch.tensor([[r[i % len(r)] for i in range(width)]
+                                        for r in experts]),
+            num_replicas=torch.tensor([len(r) for r in experts]),
+            local_index=local_index, num_local=held)
+
+    def table(self, layer: int) -> RoutingTable:
+        """Lookup tensors for vectorised dispatch of `layer` (built once)."""
+        return self._tables[layer]
+
+    def describe(self) -> str:
+        """Human-readable: per rank, the experts it holds in each layer."""
+        lines = [f"{self.num_ranks} expert rank(s), {self.num_experts} experts per MoE layer"]
+        for rank in range(self.num_ranks):
+            held = self.local_experts(rank)
+            same = len({tuple(v) for v in held.values()}) == 1
+            if same and held:
+                lines.append(f"  rank {rank}: experts {next(iter(held.values()))} "
+                             f"in every MoE layer")
+            else:
+                lines += [f"  rank {rank} layer {layer}: experts {experts}"
+                          for layer, experts in sorted(held.items())]
+        return "\n".join(lines)
+
+
+def make_placement(moe_layers: list[int], num_experts: int, num_ranks: int,
+                   path: str | Path | None = None) -> Placement:
+    """The placement file at `path` (checked against `num_ranks`), else balanced."""
+    if path is None:
+        return Placement.balanced(moe_layers, num_experts, num_ranks)
+    placement = Placement.load(path, moe_layers, num_experts)
+    if placement.num_ranks != num_ranks:
+        raise PlacementError(f"{path}: places experts on {placement.num_ranks} ranks, "
+                             f"but there are {num_ranks} expert services")
+    return placement

@@ -1,0 +1,125 @@
+"""`rpc` backend: asyncio M:N over TCP with msgspec frames; expert services are the servers.
+
+The engine calls from its worker thread; the exchange runs on this client's own event
+loop (an anyio blocking portal), one concurrent `ExpertBatch` per expert rank holding rows
+of the layer, each bounded by a timeout.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import anyio
+import torch
+from anyio.from_thread import start_blocking_portal
+
+from ep_dispatch.layout import combine, compute_layout
+from ep_dispatch.placement import Placement
+from ep_dispatch.wire import from_wire, to_wire
+from switchyard.messages import ExpertBatch, ExpertInfo, ExpertResult, InfoRequest
+from switchyard.rpc import FrameStream, connect
+
+
+class ExpertRankError(RuntimeError):
+    """An expert rank that cannot be reached or answered wrongly; names the rank."""
+
+
+class RpcExperts:
+    def __init__(self, placement: Placement, addresses: list[tuple[str, int]],
+                 call_timeout: float = 30.0, connect_timeout: float = 30.0) -> None:
+        if len(addresses) != placement.num_ranks:
+            raise ValueError(f"{len(addresses)} expert addresses for a placement of "
+                             f"{placement.num_ranks} ranks")
+        self.placement = placement
+        self.addresses = addresses
+        self.call_timeout = call_timeout
+        self._ids = itertools.count()
+        self._portal_cm = start_blocking_portal()
+        self._portal = self._portal_cm.__enter__()
+        self._conns: list[FrameStream | None] = [None] * len(addresses)
+        self.infos: list[ExpertInfo] = []
+        try:
+            self.infos = self._portal.call(self._connect_all, connect_timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def _name(self, rank: int) -> str:
+        host, port = self.addresses[rank]
+        return f"expert rank {rank} at {host}:{port}"
+
+    async def _connect_all(self, timeout: float) -> list[ExpertInfo]:
+        infos: list[ExpertInfo | None] = [None] * len(self.addresses)
+
+        async def one(rank: int) -> None:
+            try:
+                conn = await connect(*self.addresses[rank], timeout=timeout)
+            except TimeoutError:
+                raise ExpertRankError(f"cannot reach {self._name(rank)} within "
+                                      f"{timeout:.0f}s") from None
+            self._conns[rank] = conn
+            await conn.send(InfoRequest())
+            info = await conn.receive()
+            want = self.placement.local_experts(rank)
+            if not isinstance(info, ExpertInfo) or info.rank != rank or info.experts != want:
+                raise ExpertRankError(f"{self._name(rank)} holds a different share than the "
+                                      f"placement expects: {info}")
+            infos[rank] = info
+
+        async with anyio.create_task_group() as tg:
+            for rank in range(len(self.addresses)):
+                tg.start_soon(one, rank)
+        return [i for i in infos if i is not None]
+
+    def __call__(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor) -> torch.Tensor:
+        layout = compute_layout(topk_ids, topk_weights, self.placement, layer)
+        parts = x[layout.src_token].split(layout.rank_counts)  # per rank [n_r, H]
+        ys = self._portal.call(self._exchange, layer, parts, layout.expert_counts)
+        return combine(torch.cat(ys) if ys else x[:0], layout)
+
+    async def _exchange(self, layer: int, parts: tuple[torch.Tensor, ...],
+                        counts: list[list[int]]) -> list[torch.Tensor]:
+        ys: list[torch.Tensor] = list(parts)  # empty parts stay as they are
+
+        async def one(rank: int) -> None:
+            ys[rank] = await self._call(rank, layer, parts[rank], counts[rank])
+
+        async with anyio.create_task_group() as tg:
+            for rank, part in enumerate(parts):
+                if part.shape[0]:
+                    tg.start_soon(one, rank)
+        return ys
+
+    async def _call(self, rank: int, layer: int, x: torch.Tensor, counts: list[int]
+                    ) -> torch.Tensor:
+        conn = self._conns[rank]
+        if conn is None:
+            raise ExpertRankError(f"{self._name(rank)} is not connected")
+        call_id = next(self._ids)
+        try:
+            with anyio.fail_after(self.call_timeout):
+                await conn.send(ExpertBatch(call_id, layer, counts, to_wire(x)))
+                result = await conn.receive()
+        except (TimeoutError, OSError, anyio.EndOfStream, anyio.BrokenResourceError) as exc:
+            # The stream may hold a late answer now; never reuse it.
+            self._conns[rank] = None
+            await conn.aclose()
+            raise ExpertRankError(f"{self._name(rank)} failed on layer {layer}: "
+                                  f"{exc!r}") from exc
+        if not isinstance(result, ExpertResult) or result.call_id != call_id:
+            raise ExpertRankError(f"{self._name(rank)} answered out of turn")
+        if result.error is not None or result.y is None:
+            raise ExpertRankError(f"{self._name(rank)} rejected layer {layer}: {result.error}")
+        return from_wire(result.y)
+
+    def close(self) -> None:
+        async def close_all() -> None:
+            for conn in self._conns:
+                if conn is not None:
+                    await conn.aclose()
+
+        if self._portal_cm is not None:
+            self._portal.call(close_all)
+            self._portal_cm.__exit__(None, None, None)
+            self._portal_cm = None

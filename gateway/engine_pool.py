@@ -1,0 +1,59 @@
+"""Several attention groups behind one gateway: requests go to the least busy one."""
+
+from __future__ import annotations
+
+import anyio
+
+from gateway.engine_client import EngineClient, Generation
+from gateway.errors import engine_unavailable
+from switchyard.messages import EngineInfo, EngineStats, GenerateRequest
+
+
+class EnginePool:
+    """The same interface as one `EngineClient`, over one client per attention group."""
+
+    def __init__(self, addresses: list[tuple[str, int]], retry_interval_s: float = 1.0) -> None:
+        self.addresses = addresses
+        self.clients = [EngineClient(host, port, retry_interval_s) for host, port in addresses]
+
+    @property
+    def info(self) -> EngineInfo | None:
+        """The engines' self-description once every group is connected, else None."""
+        infos = [c.info for c in self.clients]
+        return infos[0] if all(i is not None for i in infos) else None
+
+    def status(self) -> list[dict[str, object]]:
+        return [{"address": f"{h}:{p}", "ready": c.info is not None}
+                for (h, p), c in zip(self.addresses, self.clients, strict=True)]
+
+    async def run(self) -> None:
+        async with anyio.create_task_group() as tg:
+            for client in self.clients:
+                tg.start_soon(client.run)
+
+    async def wait_ready(self) -> EngineInfo:
+        for client in self.clients:
+            await client.wait_ready()
+        info = self.info
+        assert info is not None
+        return info
+
+    async def start(self, request: GenerateRequest) -> Generation:
+        """Send to the connected group with the fewest requests in flight."""
+        ready = [c for c in self.clients if c.info is not None]
+        if not ready:
+            raise engine_unavailable("not connected to any attention service")
+        return await min(ready, key=lambda c: c.num_in_flight).start(request)
+
+    async def stats(self) -> EngineStats:
+        """Counters summed over the groups (expert load elementwise)."""
+        parts = [await c.stats() for c in self.clients]
+        return EngineStats(
+            num_running=sum(s.num_running for s in parts),
+            num_waiting=sum(s.num_waiting for s in parts),
+            kv_blocks_used=sum(s.kv_blocks_used for s in parts),
+            num_kv_blocks=sum(s.num_kv_blocks for s in parts),
+            num_preemptions=sum(s.num_preemptions for s in parts),
+            expert_load=[[sum(col) for col in zip(*rows, strict=True)]
+                         for rows in zip(*(s.expert_load for s in parts), strict=True)],
+        )

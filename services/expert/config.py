@@ -1,0 +1,45 @@
+"""ExpertConfig: one expert service's settings, built once from flags and environment."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.attention.config import env
+
+
+@dataclass(frozen=True)
+class ExpertConfig:
+    model: Path
+    rank: int
+    num_ranks: int
+    placement: Path | None = None  # JSON file; balanced when absent
+    dtype: str = "auto"
+    num_threads: int | None = None
+    host: str = "127.0.0.1"
+    port: int = 0
+    ready_fd: int | None = None
+
+
+def add_expert_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("expert", help="run one expert service (a share of the experts)")
+    p.add_argument("--model", required=True, help="HF checkpoint directory")
+    p.add_argument("--rank", type=int, default=int(env("EXPERT_RANK", "0")),
+                   help="this service's expert rank, 0..num-ranks-1")
+    p.add_argument("--num-ranks", type=int, default=int(env("EXPERT_RANKS", "1")),
+                   help="number of expert services")
+    p.add_argument("--placement", default=env("PLACEMENT"),
+                   help="placement JSON file (default: balanced round-robin)")
+    p.add_argument("--dtype", default=env("DTYPE", "auto"))
+    p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--host", default=env("EXPERT_HOST", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=int(env("EXPERT_PORT", "0")))
+    p.add_argument("--ready-fd", type=int, default=None)
+
+
+def expert_config(args: argparse.Namespace) -> ExpertConfig:
+    return ExpertConfig(model=Path(args.model), rank=args.rank, num_ranks=args.num_ranks,
+                        placement=Path(args.placement) if args.placement else None,
+                        dtype=args.dtype, num_threads=args.num_threads, host=args.host,
+                        port=args.port, ready_fd=args.ready_fd)
