@@ -50,13 +50,20 @@ class RpcExperts:
 
     async def _connect_all(self, timeout: float) -> list[ExpertInfo]:
         infos: list[ExpertInfo | None] = [None] * len(self.addresses)
+        errors: list[ExpertRankError] = []
 
         async def one(rank: int) -> None:
+            try:
+                await handshake(rank)
+            except ExpertRankError as exc:
+                errors.append(exc)
+
+        async def handshake(rank: int) -> None:
             try:
                 conn = await connect(*self.addresses[rank], timeout=timeout)
             except TimeoutError:
                 raise ExpertRankError(f"cannot reach {self._name(rank)} within "
-                                      f"{timeout:.0f}s") from None
+                                      f"{timeout:g}s") from None
             self._conns[rank] = conn
             await conn.send(InfoRequest())
             info = await conn.receive()
@@ -69,6 +76,8 @@ class RpcExperts:
         async with anyio.create_task_group() as tg:
             for rank in range(len(self.addresses)):
                 tg.start_soon(one, rank)
+        if errors:
+            raise min(errors, key=str)  # deterministic: the lowest rank's message
         return [i for i in infos if i is not None]
 
     def __call__(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,

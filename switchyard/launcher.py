@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 
+from ep_dispatch.registry import check_backend
 from services.model.config import CheckpointError, ModelConfig
 from switchyard.demo_model import DEMO_NAME, ensure_demo_model
 
@@ -180,8 +181,10 @@ def serve(args: argparse.Namespace) -> int:
     model = Path(args.model) if args.model else ensure_demo_model()
     name = args.served_model_name or (DEMO_NAME if not args.model else model.name)
     try:
-        ModelConfig.from_dir(model)  # fail fast on the common mistakes, before any process
-    except CheckpointError as exc:
+        # Fail fast on the common mistakes, before any process starts.
+        ModelConfig.from_dir(model)
+        check_backend(args.dispatch_backend)
+    except (CheckpointError, ValueError) as exc:
         print(f"switchyard serve: {exc}", file=sys.stderr)
         return 2
     children = Children()

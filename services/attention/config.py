@@ -91,7 +91,8 @@ def add_engine_flags(p: argparse.ArgumentParser, default_backend: str = "local")
     p.add_argument("--placement", default=env("PLACEMENT"),
                    help="placement JSON file (default: balanced round-robin)")
     p.add_argument("--expert-timeout", type=float, default=float(env("EXPERT_TIMEOUT", "30")),
-                   help="seconds an expert rank may take for one layer call")
+                   help="seconds an expert rank may take to answer one layer call, "
+                        "or to accept the connection at start-up")
     p.add_argument("--num-threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's choice)")
 

@@ -55,7 +55,8 @@ class Engine:
             moe_layers=[i for i, m in enumerate(cfg.moe_layers) if m],
             num_experts=cfg.num_experts, expert_fn=bank.forward if bank else None,
             expert_addresses=list(config.expert_addresses),
-            placement_file=config.placement, call_timeout=config.expert_timeout))
+            placement_file=config.placement, call_timeout=config.expert_timeout,
+            connect_timeout=config.expert_timeout))
         num_blocks = config.kv_cache_memory // kv_bytes_per_block(cfg, config.block_size,
                                                                   self.dtype)
         self.kv = KVCache(cfg, num_blocks, config.block_size, self.dtype)

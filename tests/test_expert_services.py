@@ -1,0 +1,200 @@
+"""Expert services as real processes on loopback, reached through the `rpc` backend."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from ep_dispatch.local import LocalExperts
+from ep_dispatch.placement import Placement
+from ep_dispatch.rpc import ExpertRankError, RpcExperts
+from services.attention.config import AttentionConfig
+from services.attention.engine import Engine
+from services.expert.experts import ExpertBank, all_experts
+from services.model.checkpoint import Checkpoint
+from services.model.config import ModelConfig
+from switchyard.launcher import Children
+from switchyard.serve_process import Served
+from tests.test_engine_parity import greedy, prompts, reference_greedy, run_to_completion
+
+pytestmark = pytest.mark.timeout(300)
+NUM_RANKS = 3
+
+
+def start_experts(path: Path, num_ranks: int, placement: Path | None = None
+                  ) -> tuple[Children, list[tuple[str, int]]]:
+    children = Children()
+    extra = ["--placement", str(placement)] if placement else []
+    try:
+        ports = children.start_all([
+            (f"expert {r}", ["expert", "--model", str(path), "--rank", str(r),
+                             "--num-ranks", str(num_ranks), "--num-threads", "1", *extra])
+            for r in range(num_ranks)], timeout=120)
+    except BaseException:
+        children.stop()
+        raise
+    return children, [("127.0.0.1", p) for p in ports]
+
+
+@pytest.fixture(scope="module")
+def qwen3_experts(qwen3_ckpt: tuple) -> Iterator[list[tuple[str, int]]]:
+    children, addresses = start_experts(qwen3_ckpt[0], NUM_RANKS)
+    yield addresses
+    children.stop()
+
+
+def rpc_engine(path: Path, addresses: list[tuple[str, int]], **kw: object) -> Engine:
+    return Engine(AttentionConfig(model=path, dispatch_backend="rpc",
+                                  expert_addresses=tuple(addresses), max_num_batched_tokens=8,
+                                  kv_cache_memory=1 << 22, **kw))  # type: ignore[arg-type]
+
+
+def test_rpc_dispatch_equals_local_across_processes(qwen3_ckpt: tuple,
+                                                    qwen3_experts: list) -> None:
+    path = qwen3_ckpt[0]
+    cfg = ModelConfig.from_dir(path)
+    moe = [i for i, m in enumerate(cfg.moe_layers) if m]
+    bank = ExpertBank(cfg, Checkpoint(path), all_experts(cfg), torch.float32)
+    local = LocalExperts(cfg.num_experts, bank.forward)
+    remote = RpcExperts(Placement.balanced(moe, cfg.num_experts, NUM_RANKS), qwen3_experts)
+    try:
+        g = torch.Generator().manual_seed(0)
+        for tokens, top_k in [(0, 2), (1, 1), (17, 2), (64, 8)]:
+            x = torch.randn(tokens, cfg.hidden_size, generator=g)
+            ids = torch.rand(tokens, cfg.num_experts, generator=g).topk(top_k).indices
+            w = torch.rand(tokens, top_k, generator=g)
+            for layer in moe:
+                assert torch.allclose(remote(layer, x, ids, w), local(layer, x, ids, w),
+                                      atol=1e-6)
+        # All tokens to one expert: only its rank works.
+        x = torch.randn(9, cfg.hidden_size, generator=g)
+        ids = torch.full((9, 1), 4)
+        w = torch.ones(9, 1)
+        assert torch.allclose(remote(0, x, ids, w), local(0, x, ids, w), atol=1e-6)
+    finally:
+        remote.close()
+
+
+def test_each_expert_service_holds_only_its_share(qwen3_ckpt: tuple,
+                                                  qwen3_experts: list) -> None:
+    cfg = ModelConfig.from_dir(qwen3_ckpt[0])
+    per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4  # float32 bytes
+    total = per_expert * cfg.num_experts * sum(cfg.moe_layers)
+    engine = rpc_engine(qwen3_ckpt[0], qwen3_experts)
+    try:
+        held = [info.weight_bytes for info in engine.experts.infos]
+    finally:
+        engine.close()
+    assert sum(held) == total
+    for b in held:  # balanced: within one expert per MoE layer of total / N
+        assert abs(b - total / NUM_RANKS) <= per_expert * sum(cfg.moe_layers)
+
+
+def test_logits_and_greedy_through_expert_processes(qwen3_ckpt: tuple,
+                                                    qwen3_experts: list) -> None:
+    path, model = qwen3_ckpt
+    engine = rpc_engine(path, qwen3_experts)
+    try:
+        for prompt in prompts(lengths=(5, 19, 40)):
+            with torch.no_grad():
+                ref = model(torch.tensor([prompt])).logits[0]
+            assert (engine.score(prompt) - ref).abs().max().item() < 1e-4
+        ps = prompts(seed=21, lengths=(12, 3, 30, 21))
+        got = run_to_completion(engine, {0: [greedy("a", ps[0]), greedy("b", ps[1])],
+                                         4: [greedy("c", ps[2])], 11: [greedy("d", ps[3])]})
+    finally:
+        engine.close()
+    assert got == {rid: reference_greedy(model, p, 32) for rid, p in zip("abcd", ps,
+                                                                          strict=True)}
+
+
+def test_replicated_placement_from_a_file(mixtral_ckpt: tuple, tmp_path: Path) -> None:
+    path, model = mixtral_ckpt
+    cfg = ModelConfig.from_dir(path)
+    # Expert 0 on every rank, the rest round-robin: replicas share expert 0's tokens.
+    layers = {str(i): [[0, 1]] + [[e % 2] for e in range(1, cfg.num_experts)]
+              for i in range(cfg.num_layers)}
+    placement = tmp_path / "placement.json"
+    placement.write_text(json.dumps({"num_ranks": 2, "layers": layers}))
+    children, addresses = start_experts(path, 2, placement)
+    try:
+        engine = rpc_engine(path, addresses, placement=placement)
+        prompt = prompts(seed=4, lengths=(33,))[0]
+        with torch.no_grad():
+            ref = model(torch.tensor([prompt])).logits[0]
+        assert (engine.score(prompt) - ref).abs().max().item() < 1e-4
+        engine.close()
+    finally:
+        children.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_unreachable_expert_rank_is_named(qwen3_ckpt: tuple, qwen3_experts: list) -> None:
+    port = free_port()  # nothing listens here
+    with pytest.raises(ExpertRankError, match=rf"expert rank 2 at 127\.0\.0\.1:{port}"):
+        Engine(AttentionConfig(model=qwen3_ckpt[0], dispatch_backend="rpc",
+                               expert_addresses=(*qwen3_experts[:2], ("127.0.0.1", port)),
+                               kv_cache_memory=1 << 20, expert_timeout=1.0))
+
+
+def test_expert_service_rejects_a_placement_that_leaves_an_expert_out(
+        qwen3_ckpt: tuple, tmp_path: Path) -> None:
+    cfg = ModelConfig.from_dir(qwen3_ckpt[0])
+    layers = {str(i): [[0]] * (cfg.num_experts - 1) + [[]]
+              for i, m in enumerate(cfg.moe_layers) if m}
+    bad = tmp_path / "p.json"
+    bad.write_text(json.dumps({"num_ranks": 1, "layers": layers}))
+    proc = subprocess.run([sys.executable, "-m", "switchyard", "expert", "--model",
+                           str(qwen3_ckpt[0]), "--placement", str(bad)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert f"expert {cfg.num_experts - 1} is unplaced" in proc.stderr
+
+
+def test_serve_rejects_an_unknown_backend(qwen3_ckpt: tuple) -> None:
+    proc = subprocess.run([sys.executable, "-m", "switchyard", "serve", "--model",
+                           str(qwen3_ckpt[0]), "--port", "0",
+                           "--dispatch-backend", "carrier-pigeon"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "unknown dispatch backend 'carrier-pigeon'; available: local, rpc" in proc.stderr
+
+
+@pytest.mark.parametrize("flags", [["--expert-services", "3", "--attention-groups", "2"],
+                                   ["--dispatch-backend", "local"]])
+def test_serve_topologies_match_transformers(ckpt: tuple, flags: list[str]) -> None:
+    path, model = ckpt
+    ps = prompts(seed=31, lengths=(2, 37, 15, 8, 26, 11))
+    with Served(["--model", str(path), "--max-num-batched-tokens", "16", *flags]) as served:
+        name = httpx.get(f"{served.url}/v1/models").json()["data"][0]["id"]
+
+        async def one(c: httpx.AsyncClient, p: list[int]) -> list[int]:
+            r = await c.post("/v1/completions", json={
+                "model": name, "prompt": p, "max_tokens": 16, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["token_ids"]
+
+        async def all_at_once() -> list[list[int]]:
+            async with httpx.AsyncClient(base_url=served.url, timeout=120) as c:
+                return await asyncio.gather(*(one(c, p) for p in ps))
+
+        got = asyncio.run(all_at_once())
+        health = httpx.get(f"{served.url}/health").json()
+    assert got == [reference_greedy(model, p, 16) for p in ps]
+    groups = 2 if "--attention-groups" in flags else 1
+    assert len(health["attention"]) == groups and all(a["ready"] for a in health["attention"])
