@@ -65,7 +65,21 @@ class Dispatcher(Protocol):
 
 class ExpertsClient(Protocol):
     """The attention side of a MoE layer when experts may live in other processes:
-    dispatch, remote grouped GEMM, combine (with the router weights), as one call."""
+    dispatch, remote grouped GEMM, combine (with the router weights), as one call.
+
+    Collective backends move all ranks in `lockstep`: every step starts with
+    `begin_step` on every attention rank, and a rank without work runs `idle_step`.
+    """
+
+    lockstep: bool
+
+    def begin_step(self, has_work: bool) -> bool:
+        """Whether any rank has work this step (collective for lockstep backends)."""
+        ...
+
+    def idle_step(self) -> None:
+        """Join this step's exchanges with zero rows (lockstep backends only)."""
+        ...
 
     def __call__(
         self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
@@ -76,3 +90,18 @@ class ExpertsClient(Protocol):
     def close(self) -> None:
         """Release connections and threads."""
         ...
+
+
+class PointToPoint:
+    """Defaults for backends where each attention rank steps on its own."""
+
+    lockstep = False
+
+    def begin_step(self, has_work: bool) -> bool:
+        return has_work
+
+    def idle_step(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

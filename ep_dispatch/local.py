@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ep_dispatch.base import DispatchHandle, ExpertFn
+from ep_dispatch.base import DispatchHandle, ExpertFn, PointToPoint
 
 
 class LocalDispatcher:
@@ -30,7 +30,7 @@ class LocalDispatcher:
         return out.index_add_(0, handle.src_token, y * handle.weights[:, None])
 
 
-class LocalExperts:
+class LocalExperts(PointToPoint):
     """`ExpertsClient` for experts held in this process, through a `LocalDispatcher`."""
 
     def __init__(self, num_experts: int, expert_fn: ExpertFn) -> None:
@@ -42,6 +42,3 @@ class LocalExperts:
     ) -> torch.Tensor:
         recv_x, tokens_per_expert, handle = self.dispatcher.dispatch(x, topk_ids, topk_weights)
         return self.dispatcher.combine(self.expert_fn(layer, recv_x, tokens_per_expert), handle)
-
-    def close(self) -> None:
-        pass

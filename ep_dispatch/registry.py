@@ -5,8 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
 
 from ep_dispatch.base import ExpertFn, ExpertsClient
+
+if TYPE_CHECKING:
+    from ep_dispatch.torch_dist import World
 
 
 @dataclass(frozen=True)
@@ -24,6 +30,9 @@ class BackendContext:
     placement_file: Path | None = None
     call_timeout: float = 30.0
     connect_timeout: float = 30.0
+    world: World | None = None  # `torch`: this rank's place among all ranks
+    hidden_size: int = 0
+    dtype: torch.dtype = torch.float32
 
 
 def _local(ctx: BackendContext) -> ExpertsClient:
@@ -45,7 +54,20 @@ def _rpc(ctx: BackendContext) -> ExpertsClient:
     return RpcExperts(placement, ctx.expert_addresses, ctx.call_timeout, ctx.connect_timeout)
 
 
-_BACKENDS: dict[str, Callable[[BackendContext], ExpertsClient]] = {"local": _local, "rpc": _rpc}
+def _torch(ctx: BackendContext) -> ExpertsClient:
+    from ep_dispatch.placement import make_placement
+    from ep_dispatch.torch_dist import TorchExperts, join
+
+    if ctx.world is None:
+        raise ValueError("the torch backend needs --dist-init HOST:PORT and the rank layout")
+    placement = make_placement(ctx.moe_layers, ctx.num_experts, ctx.world.num_experts,
+                               ctx.placement_file)
+    join(ctx.world, ctx.connect_timeout)
+    return TorchExperts(ctx.world, placement, ctx.hidden_size, ctx.dtype)
+
+
+_BACKENDS: dict[str, Callable[[BackendContext], ExpertsClient]] = {
+    "local": _local, "rpc": _rpc, "torch": _torch}
 
 
 def available_backends() -> list[str]:

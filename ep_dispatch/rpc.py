@@ -13,6 +13,7 @@ import anyio
 import torch
 from anyio.from_thread import start_blocking_portal
 
+from ep_dispatch.base import PointToPoint
 from ep_dispatch.layout import combine, compute_layout
 from ep_dispatch.placement import Placement
 from ep_dispatch.wire import from_wire, to_wire
@@ -24,7 +25,7 @@ class ExpertRankError(RuntimeError):
     """An expert rank that cannot be reached or answered wrongly; names the rank."""
 
 
-class RpcExperts:
+class RpcExperts(PointToPoint):
     def __init__(self, placement: Placement, addresses: list[tuple[str, int]],
                  call_timeout: float = 30.0, connect_timeout: float = 30.0) -> None:
         if len(addresses) != placement.num_ranks:

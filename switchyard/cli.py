@@ -37,7 +37,14 @@ def _attention_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ready-fd", type=int, default=None,
                    help="write the bound port to this file descriptor once listening")
     p.add_argument("--expert-addresses", default=env("EXPERT_ADDRESSES"),
-                   help="HOST:PORT of each expert rank, comma-separated, in rank order")
+                   help="rpc backend: HOST:PORT of each expert rank, comma-separated, in "
+                        "rank order")
+    p.add_argument("--attention-rank", type=int, default=int(env("ATTENTION_RANK", "0")),
+                   help="torch backend: this attention group's rank, 0..attention-ranks-1")
+    p.add_argument("--attention-ranks", type=int, default=int(env("ATTENTION_RANKS", "1")),
+                   help="torch backend: number of attention groups in the world")
+    p.add_argument("--expert-ranks", type=int, default=int(env("EXPERT_RANKS", "0")),
+                   help="torch backend: number of expert ranks in the world")
     add_engine_flags(p)
 
 

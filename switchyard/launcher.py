@@ -14,6 +14,7 @@ import ctypes
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -92,6 +93,13 @@ class Children:
                 proc.wait()
 
 
+def _free_port() -> int:
+    """A port free now; the rendezvous host binds it a moment later (a small race)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def _wait_healthy(url: str, children: Children, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     delay = 0.05
@@ -155,19 +163,30 @@ def _start_services(args: argparse.Namespace, model: Path, name: str,
     if args.attention_groups < 1:
         raise StartupError("--attention-groups must be at least 1")
     shared = ["--model", str(model), "--port", "0"]
-    expert_ports = children.start_all([
-        (f"expert rank {r}", [
-            "expert", *shared, "--rank", str(r), "--num-ranks", str(num_experts),
-            "--dtype", args.dtype,
-            *(["--placement", args.placement] if args.placement else []),
-            *(["--num-threads", str(args.num_threads)] if args.num_threads else [])])
-        for r in range(num_experts)], timeout)
-    addresses = ",".join(f"127.0.0.1:{p}" for p in expert_ports)
-    engine_ports = children.start_all([
-        (f"attention group {g}", [
-            "attention", *shared, *_engine_args(args),
-            *(["--expert-addresses", addresses] if addresses else [])])
-        for g in range(args.attention_groups)], timeout)
+    common = [*(["--placement", args.placement] if args.placement else []),
+              *(["--num-threads", str(args.num_threads)] if args.num_threads else [])]
+    experts = [(f"expert rank {r}", ["expert", *shared, "--rank", str(r), "--num-ranks",
+                                     str(num_experts), "--dtype", args.dtype, *common])
+               for r in range(num_experts)]
+    groups = [(f"attention group {g}", ["attention", *shared, *_engine_args(args)])
+              for g in range(args.attention_groups)]
+    if args.dispatch_backend == "torch":
+        # One process group: attention ranks 0..G-1, expert ranks G..G+N-1; all start
+        # together because the rendezvous needs every rank.
+        dist = ["--dist-init", f"127.0.0.1:{_free_port()}"]
+        for g, (_, cmd) in enumerate(groups):
+            cmd += [*dist, "--attention-rank", str(g), "--attention-ranks",
+                    str(args.attention_groups), "--expert-ranks", str(num_experts)]
+        for _, cmd in experts:
+            cmd += ["--dispatch-backend", "torch", *dist, "--attention-ranks",
+                    str(args.attention_groups)]
+        engine_ports = children.start_all(experts + groups, timeout)[num_experts:]
+    else:
+        expert_ports = children.start_all(experts, timeout)
+        addresses = ",".join(f"127.0.0.1:{p}" for p in expert_ports)
+        for _, cmd in groups:
+            cmd += ["--expert-addresses", addresses] if addresses else []
+        engine_ports = children.start_all(groups, timeout)
     [http_port] = children.start_all([("gateway", [
         "gateway", "--model", str(model), "--served-model-name", name,
         "--engine", ",".join(f"127.0.0.1:{p}" for p in engine_ports),

@@ -161,10 +161,10 @@ def test_sse_wire_format(demo: Served) -> None:
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_serve_stops_every_child_on_signal(qwen3_ckpt: tuple, sig: int) -> None:
-    served = Served(["--model", str(qwen3_ckpt[0])])  # default: 2 experts, attention, gateway
-    assert len(served.children) == 4 and all(alive(p) for p in served.children)
-    served.stop(sig)
-    assert not any(alive(p) for p in served.children)
+    with Served(["--model", str(qwen3_ckpt[0])]) as served:  # 2 experts, attention, gateway
+        assert len(served.children) == 4 and all(alive(p) for p in served.children)
+        served.stop(sig)
+        assert not any(alive(p) for p in served.children)
 
 
 def test_demo_model_is_a_normal_hf_checkpoint(tmp_path: Path) -> None:

@@ -28,6 +28,10 @@ class AttentionConfig:
     expert_addresses: tuple[tuple[str, int], ...] = ()
     placement: Path | None = None
     expert_timeout: float = 30.0
+    dist_init: tuple[str, int] | None = None  # torch backend: the rendezvous (TCP store)
+    attention_rank: int = 0
+    attention_ranks: int = 1
+    expert_ranks: int = 0
     num_threads: int | None = None
     host: str = "127.0.0.1"
     port: int = 0
@@ -95,6 +99,9 @@ def add_engine_flags(p: argparse.ArgumentParser, default_backend: str = "local")
                         "or to accept the connection at start-up")
     p.add_argument("--num-threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--dist-init", default=env("DIST_INIT"),
+                   help="torch backend: HOST:PORT of the rendezvous, hosted by attention "
+                        "rank 0")
 
 
 def from_args(args: argparse.Namespace) -> AttentionConfig:
@@ -106,6 +113,10 @@ def from_args(args: argparse.Namespace) -> AttentionConfig:
         expert_addresses=tuple(parse_addresses(getattr(args, "expert_addresses", None) or "")),
         placement=Path(args.placement) if args.placement else None,
         expert_timeout=args.expert_timeout,
+        dist_init=parse_addresses(args.dist_init)[0] if args.dist_init else None,
+        attention_rank=getattr(args, "attention_rank", 0),
+        attention_ranks=getattr(args, "attention_ranks", 1),
+        expert_ranks=getattr(args, "expert_ranks", 0),
         host=getattr(args, "host", "127.0.0.1"), port=getattr(args, "port", 0),
         ready_fd=getattr(args, "ready_fd", None),
     )

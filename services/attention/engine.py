@@ -8,6 +8,7 @@ import torch
 
 from ep_dispatch import BackendContext, create_experts_client
 from ep_dispatch.registry import check_backend
+from ep_dispatch.torch_dist import World
 from services.attention.batch import build_batch
 from services.attention.block_manager import BlockManager
 from services.attention.config import AttentionConfig
@@ -56,7 +57,8 @@ class Engine:
             num_experts=cfg.num_experts, expert_fn=bank.forward if bank else None,
             expert_addresses=list(config.expert_addresses),
             placement_file=config.placement, call_timeout=config.expert_timeout,
-            connect_timeout=config.expert_timeout))
+            connect_timeout=config.expert_timeout, world=_world(config),
+            hidden_size=cfg.hidden_size, dtype=self.dtype))
         num_blocks = config.kv_cache_memory // kv_bytes_per_block(cfg, config.block_size,
                                                                   self.dtype)
         self.kv = KVCache(cfg, num_blocks, config.block_size, self.dtype)
@@ -139,7 +141,10 @@ class Engine:
     def step(self) -> list[TokenDelta]:
         """Run one scheduler step; returns the new tokens of every sequence that got one."""
         scheduled = self.scheduler.schedule()
-        if not scheduled:
+        if not self.experts.begin_step(bool(scheduled)):
+            return []
+        if not scheduled:  # others have work: join their exchanges with zero rows
+            self.experts.idle_step()
             return []
         batch = build_batch(scheduled, self.block_manager.block_size,
                             self.model_config.sliding_window)
@@ -176,6 +181,7 @@ class Engine:
                 n = min(seq.num_tokens - seq.num_computed_tokens,
                         self.config.max_num_batched_tokens)
                 self.block_manager.allocate(seq, n)
+                self.experts.begin_step(True)
                 batch = build_batch([ScheduledSeq(seq, n)], self.block_manager.block_size,
                                     self.model_config.sliding_window, all_logits=True)
                 logits.append(self.model.logits(self.model.forward(batch, self.kv,
@@ -184,6 +190,13 @@ class Engine:
         finally:
             self.block_manager.free(seq)
         return torch.cat(logits)
+
+
+def _world(config: AttentionConfig) -> World | None:
+    if config.dist_init is None:
+        return None
+    return World(config.dist_init, config.attention_ranks, config.expert_ranks,
+                 rank=config.attention_rank)
 
 
 _SCORE_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)

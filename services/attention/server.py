@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import anyio
 from anyio.abc import SocketAttribute, SocketStream
 
+from ep_dispatch.rpc import ExpertRankError
+from ep_dispatch.torch_dist import RendezvousError
 from services.attention.config import AttentionConfig
 from services.attention.engine import Engine
 from services.model.config import CheckpointError
@@ -31,6 +33,7 @@ from switchyard.messages import (
 from switchyard.rpc import FrameStream
 
 log = logging.getLogger("switchyard.attention")
+LOCKSTEP_POLL_S = 0.002  # idle round cadence of collective backends
 
 
 @dataclass(frozen=True)
@@ -77,15 +80,21 @@ class AttentionServer:
             await conn.aclose()
 
     async def run_engine(self) -> None:
+        lockstep = self.engine.experts.lockstep
         while True:
-            if not self._inbox and not self.engine.has_work():
+            if lockstep:
+                # Every rank must join every round: wait for work only briefly.
+                with anyio.move_on_after(LOCKSTEP_POLL_S):
+                    await self._wakeup.wait()
+            elif not self._inbox and not self.engine.has_work():
                 await self._wakeup.wait()
             self._wakeup = anyio.Event()
             inbox, self._inbox = self._inbox, []
             deltas = [d for work in inbox if (d := self._apply(work))]
-            if self.engine.has_work():
+            if lockstep or self.engine.has_work():
                 try:
-                    deltas += await anyio.to_thread.run_sync(self.engine.step)
+                    deltas += await anyio.to_thread.run_sync(self.engine.step,
+                                                             abandon_on_cancel=True)
                 except Exception as exc:  # a bug must cost its batch, not the service
                     log.exception("engine step failed; failing its sequences")
                     deltas += self.engine.fail_all(f"internal engine error: {exc}")
@@ -139,8 +148,11 @@ def main(config: AttentionConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s attention %(message)s")
     try:
         engine = Engine(config)
-    except (CheckpointError, ValueError) as exc:
+    except (CheckpointError, ValueError, ExpertRankError, RendezvousError) as exc:
         print(f"switchyard attention: {exc}", file=sys.stderr)
         return 2
-    anyio.run(serve, config, engine)
+    try:
+        anyio.run(serve, config, engine)
+    finally:
+        engine.close()  # joins the rpc client's event-loop thread, leaves the torch group
     return 0

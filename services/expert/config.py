@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.attention.config import env
+from switchyard.rpc import parse_address
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,10 @@ class ExpertConfig:
     host: str = "127.0.0.1"
     port: int = 0
     ready_fd: int | None = None
+    dispatch_backend: str = "rpc"  # rpc: serve TCP; torch: join the collective world
+    dist_init: tuple[str, int] | None = None
+    attention_ranks: int = 1
+    rendezvous_timeout: float = 120.0
 
 
 def add_expert_parser(sub: argparse._SubParsersAction) -> None:
@@ -36,10 +41,23 @@ def add_expert_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default=env("EXPERT_HOST", "127.0.0.1"))
     p.add_argument("--port", type=int, default=int(env("EXPERT_PORT", "0")))
     p.add_argument("--ready-fd", type=int, default=None)
+    p.add_argument("--dispatch-backend", default=env("DISPATCH_BACKEND", "rpc"),
+                   choices=["rpc", "torch"],
+                   help="rpc: serve attention ranks over TCP; torch: join their process group")
+    p.add_argument("--dist-init", default=env("DIST_INIT"),
+                   help="torch backend: HOST:PORT of the rendezvous (attention rank 0)")
+    p.add_argument("--attention-ranks", type=int, default=int(env("ATTENTION_RANKS", "1")),
+                   help="torch backend: number of attention groups in the world")
+    p.add_argument("--rendezvous-timeout", type=float, default=120.0,
+                   help="seconds to wait for every peer to join")
 
 
 def expert_config(args: argparse.Namespace) -> ExpertConfig:
     return ExpertConfig(model=Path(args.model), rank=args.rank, num_ranks=args.num_ranks,
                         placement=Path(args.placement) if args.placement else None,
                         dtype=args.dtype, num_threads=args.num_threads, host=args.host,
-                        port=args.port, ready_fd=args.ready_fd)
+                        port=args.port, ready_fd=args.ready_fd,
+                        dispatch_backend=args.dispatch_backend,
+                        dist_init=parse_address(args.dist_init) if args.dist_init else None,
+                        attention_ranks=args.attention_ranks,
+                        rendezvous_timeout=args.rendezvous_timeout)

@@ -41,6 +41,7 @@ class ExpertBank:
     ) -> None:
         self.experts = {layer: list(ids) for layer, ids in experts.items()}
         self.dtype = dtype
+        self.hidden_size = config.hidden_size
         self.w_gate_up: dict[int, torch.Tensor] = {}
         self.w_down: dict[int, torch.Tensor] = {}
         hidden, inter = config.hidden_size, config.moe_intermediate_size

@@ -15,6 +15,7 @@ import torch
 from anyio.abc import SocketAttribute, SocketStream
 
 from ep_dispatch.placement import make_placement
+from ep_dispatch.torch_dist import RendezvousError, World, join, serve_experts
 from ep_dispatch.wire import from_wire, to_wire
 from services.attention.config import resolve_dtype
 from services.expert.config import ExpertConfig
@@ -96,9 +97,7 @@ async def serve(config: ExpertConfig, server: ExpertServer) -> None:
     port = listener.extra(SocketAttribute.local_port)
     log.info("expert rank %d/%d listening on %s:%d, holding %.1f MB", config.rank,
              config.num_ranks, config.host, port, server.bank.nbytes() / 1e6)
-    if config.ready_fd is not None:
-        os.write(config.ready_fd, f"{port}\n".encode())
-        os.close(config.ready_fd)
+    _report_ready(config, port)
 
     async def on_connect(stream: SocketStream) -> None:
         await server.handle(FrameStream(stream))
@@ -108,11 +107,35 @@ async def serve(config: ExpertConfig, server: ExpertServer) -> None:
         await listener.serve(on_connect)
 
 
+def _report_ready(config: ExpertConfig, port: int) -> None:
+    if config.ready_fd is not None:
+        os.write(config.ready_fd, f"{port}\n".encode())
+        os.close(config.ready_fd)
+
+
+def serve_collective(config: ExpertConfig, server: ExpertServer) -> None:
+    """torch backend: join the attention ranks' process group and serve every round."""
+    if config.dist_init is None:
+        raise ValueError("--dispatch-backend torch needs --dist-init HOST:PORT")
+    world = World(config.dist_init, config.attention_ranks, config.num_ranks,
+                  rank=config.attention_ranks + config.rank)
+    join(world, config.rendezvous_timeout)
+    log.info("expert rank %d/%d joined the torch world, holding %.1f MB", config.rank,
+             config.num_ranks, server.bank.nbytes() / 1e6)
+    _report_ready(config, 0)
+    with torch.inference_mode():
+        serve_experts(world, server.placement, server.bank.forward,
+                      server.bank.hidden_size, server.bank.dtype)
+
+
 def main(config: ExpertConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s expert %(message)s")
     try:
         server = ExpertServer(config)
-    except (CheckpointError, ValueError, OSError) as exc:
+        if config.dispatch_backend == "torch":
+            serve_collective(config, server)
+            return 0
+    except (CheckpointError, ValueError, OSError, RendezvousError) as exc:
         print(f"switchyard expert: {exc}", file=sys.stderr)
         return 2
     anyio.run(serve, config, server)

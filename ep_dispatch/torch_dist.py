@@ -1,0 +1,174 @@
+"""`torch` backend: torch.distributed all-to-all between attention and expert ranks.
+
+One process group spans G attention ranks (world ranks 0..G-1) and N expert ranks
+(world ranks G..G+N-1); gloo on CPU, the same calls with NCCL on GPU. Collectives need
+every rank, so the ranks move in lockstep: each round starts with an all-reduce of "does
+anyone have work"; if so every attention rank runs a step (an idle one joins each MoE
+layer's exchange with zero rows) and every expert rank serves each MoE layer once.
+
+Per MoE layer, three collectives: the per-expert row counts (`all_to_all_single`, fixed
+size), the rows themselves (`all_to_all_single` with the counts as splits), and the expert
+outputs back along the reverse splits. Combine applies the router weights on the
+attention side.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ep_dispatch.base import ExpertFn
+from ep_dispatch.layout import combine, compute_layout
+from ep_dispatch.placement import Placement
+
+log = logging.getLogger(__name__)
+
+
+class RendezvousError(RuntimeError):
+    """Peers that did not join in time; the message names them."""
+
+
+@dataclass(frozen=True)
+class World:
+    """Where this process sits among G attention and N expert ranks."""
+
+    init_address: tuple[str, int]  # the TCP store, hosted by attention rank 0
+    num_attention: int
+    num_experts: int
+    rank: int  # world rank
+
+    @property
+    def size(self) -> int:
+        return self.num_attention + self.num_experts
+
+    def describe(self, rank: int) -> str:
+        if rank < self.num_attention:
+            return f"attention rank {rank}"
+        return f"expert rank {rank - self.num_attention}"
+
+
+def join(world: World, timeout: float) -> None:
+    """Rendezvous through a TCP store, naming any peer missing after `timeout` seconds,
+    then form the gloo (CPU) or NCCL (GPU) process group."""
+    host, port = world.init_address
+    try:
+        store = dist.TCPStore(host, port, world.size, is_master=world.rank == 0,
+                              timeout=timedelta(seconds=timeout), wait_for_workers=False)
+    except Exception as exc:
+        raise RendezvousError(f"{world.describe(world.rank)} cannot reach the rendezvous at "
+                              f"{host}:{port} (hosted by attention rank 0): {exc}") from exc
+    store.set(f"joined/{world.rank}", "1")
+    keys = [f"joined/{r}" for r in range(world.size)]
+    try:
+        store.wait(keys, timedelta(seconds=timeout))
+    except Exception:
+        missing = [world.describe(r) for r, k in enumerate(keys) if not store.check([k])]
+        raise RendezvousError(f"waited {timeout:g}s at {host}:{port} for "
+                              f"{', '.join(missing)}") from None
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, store=store, rank=world.rank, world_size=world.size,
+                            timeout=timedelta(seconds=timeout))
+
+
+def _count_width(placement: Placement) -> int:
+    """Columns of the per-rank count matrix: the most experts any rank holds in a layer."""
+    return max(max(placement.table(layer).num_local) for layer in placement.replicas)
+
+
+def _any_work(has_work: bool) -> bool:
+    flag = torch.tensor([int(has_work)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+class TorchExperts:
+    """Attention side (`ExpertsClient`), in lockstep with every other rank."""
+
+    lockstep = True
+
+    def __init__(self, world: World, placement: Placement, hidden: int, dtype: torch.dtype
+                 ) -> None:
+        if placement.num_ranks != world.num_experts:
+            raise ValueError(f"placement has {placement.num_ranks} ranks, the world "
+                             f"{world.num_experts} expert ranks")
+        self.world, self.placement = world, placement
+        self.hidden, self.dtype = hidden, dtype
+        self.width = _count_width(placement)
+
+    def begin_step(self, has_work: bool) -> bool:
+        return _any_work(has_work)
+
+    def idle_step(self) -> None:
+        empty_ids = torch.zeros(0, 1, dtype=torch.int64)
+        for layer in sorted(self.placement.replicas):
+            self(layer, torch.zeros(0, self.hidden, dtype=self.dtype), empty_ids,
+                 torch.zeros(0, 1, dtype=self.dtype))
+
+    def __call__(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor) -> torch.Tensor:
+        layout = compute_layout(topk_ids, topk_weights, self.placement, layer)
+        g = self.world.num_attention
+        counts = torch.zeros(self.world.size, self.width, dtype=torch.int64)
+        for r, c in enumerate(layout.expert_counts):
+            counts[g + r, :len(c)] = torch.tensor(c, dtype=torch.int64)
+        dist.all_to_all_single(torch.empty_like(counts), counts)  # experts learn the layout
+        splits = [0] * g + layout.rank_counts
+        rows = x[layout.src_token].contiguous()  # [N, H] in send order
+        dist.all_to_all_single(torch.empty(0, self.hidden, dtype=x.dtype), rows,
+                               output_split_sizes=[0] * self.world.size,
+                               input_split_sizes=splits)
+        y = torch.empty_like(rows)
+        dist.all_to_all_single(y, torch.empty(0, self.hidden, dtype=x.dtype),
+                               output_split_sizes=splits,
+                               input_split_sizes=[0] * self.world.size)
+        return combine(y, layout)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def serve_experts(world: World, placement: Placement, expert_fn: ExpertFn, hidden: int,
+                  dtype: torch.dtype) -> None:
+    """Expert side: serve every round until the process is stopped."""
+    rank = world.rank - world.num_attention
+    width = _count_width(placement)
+    layers = sorted(placement.replicas)
+    while True:
+        if not _any_work(False):
+            continue
+        for layer in layers:
+            _serve_layer(world, layer, expert_fn, hidden, dtype, width,
+                         placement.table(layer).num_local[rank])
+
+
+def _serve_layer(world: World, layer: int, expert_fn: ExpertFn, hidden: int,
+                 dtype: torch.dtype, width: int, num_local: int) -> None:
+    g = world.num_attention
+    counts = torch.empty(world.size, width, dtype=torch.int64)
+    dist.all_to_all_single(counts, torch.zeros(world.size, width, dtype=torch.int64))
+    per_source = counts[:g, :num_local]  # [G, E_local] rows from each attention rank
+    splits = per_source.sum(dim=1).tolist() + [0] * world.num_experts
+    received = torch.empty(sum(splits), hidden, dtype=dtype)
+    dist.all_to_all_single(received, torch.empty(0, hidden, dtype=dtype),
+                           output_split_sizes=splits, input_split_sizes=[0] * world.size)
+    # Rows arrive source-major ([a][e]); the grouped GEMM wants expert-major ([e][a]).
+    perm = _expert_major(per_source)  # [M]
+    y = expert_fn(layer, received[perm], per_source.sum(dim=0).tolist())
+    y_source_major = torch.empty_like(received)
+    y_source_major[perm] = y
+    dist.all_to_all_single(torch.empty(0, hidden, dtype=dtype), y_source_major,
+                           output_split_sizes=[0] * world.size, input_split_sizes=splits)
+
+
+def _expert_major(per_source: torch.Tensor) -> torch.Tensor:
+    """Row indices that reorder source-major rows into expert-major order, for
+    per_source [G, E_local] row counts."""
+    starts = (per_source.flatten().cumsum(0) - per_source.flatten()).view(per_source.shape)
+    pieces = [torch.arange(int(starts[a, e]), int(starts[a, e] + per_source[a, e]))
+              for e in range(per_source.shape[1]) for a in range(per_source.shape[0])]
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
