@@ -43,31 +43,34 @@ class Children:
     def __init__(self) -> None:
         self.procs: list[tuple[str, subprocess.Popen]] = []
 
+    def spawn(self, name: str, args: list[str]) -> tuple[str, subprocess.Popen, int]:
+        """Start `python -m switchyard ARGS --ready-fd W`; returns what `wait_port` needs."""
+        read_fd, write_fd = os.pipe()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "switchyard", *args, "--ready-fd", str(write_fd)],
+            pass_fds=(write_fd,), preexec_fn=_die_with_parent)
+        os.close(write_fd)
+        self.procs.append((name, proc))
+        return name, proc, read_fd
+
+    @staticmethod
+    def wait_port(pending: tuple[str, subprocess.Popen, int], deadline: float) -> int:
+        """The port a spawned child reports once listening (by `deadline`, monotonic)."""
+        name, proc, read_fd = pending
+        with os.fdopen(read_fd) as ready:
+            if not select.select([ready], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                raise StartupError(f"{name} did not start listening in time")
+            line = ready.readline()  # EOF (empty) if the child died before listening
+        if not line.strip().isdigit():
+            proc.wait()
+            raise StartupError(f"{name} exited with status {proc.returncode} before listening")
+        return int(line)
+
     def start_all(self, specs: list[tuple[str, list[str]]], timeout: float) -> list[int]:
-        """Start `python -m switchyard ARGS --ready-fd W` for each (name, ARGS) at once;
-        return the ports they report once listening, in order."""
-        pending = []
-        for name, args in specs:
-            read_fd, write_fd = os.pipe()
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "switchyard", *args, "--ready-fd", str(write_fd)],
-                pass_fds=(write_fd,), preexec_fn=_die_with_parent)
-            os.close(write_fd)
-            self.procs.append((name, proc))
-            pending.append((name, proc, os.fdopen(read_fd)))
+        """Start every (name, ARGS) at once; return their ports, in order."""
+        pending = [self.spawn(name, args) for name, args in specs]
         deadline = time.monotonic() + timeout
-        ports = []
-        for name, proc, ready in pending:
-            with ready:
-                if not select.select([ready], [], [], max(0.0, deadline - time.monotonic()))[0]:
-                    raise StartupError(f"{name} did not start listening within {timeout:.0f}s")
-                line = ready.readline()  # EOF (empty) if the child died before listening
-            if not line.strip().isdigit():
-                proc.wait()
-                raise StartupError(f"{name} exited with status {proc.returncode} "
-                                   f"before listening")
-            ports.append(int(line))
-        return ports
+        return [self.wait_port(p, deadline) for p in pending]
 
     def check_alive(self) -> None:
         for name, proc in self.procs:

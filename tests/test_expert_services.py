@@ -7,6 +7,7 @@ import json
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -174,8 +175,10 @@ def test_serve_rejects_an_unknown_backend(qwen3_ckpt: tuple) -> None:
     assert "unknown dispatch backend 'carrier-pigeon'; available: local, rpc" in proc.stderr
 
 
-@pytest.mark.parametrize("flags", [["--expert-services", "3", "--attention-groups", "2"],
-                                   ["--dispatch-backend", "local"]])
+@pytest.mark.parametrize("flags", [
+    ["--expert-services", "3", "--attention-groups", "2"],  # rpc, the default backend
+    ["--dispatch-backend", "torch", "--expert-services", "3", "--attention-groups", "2"],
+    ["--dispatch-backend", "local"]])
 def test_serve_topologies_match_transformers(ckpt: tuple, flags: list[str]) -> None:
     path, model = ckpt
     ps = prompts(seed=31, lengths=(2, 37, 15, 8, 26, 11))
@@ -198,3 +201,46 @@ def test_serve_topologies_match_transformers(ckpt: tuple, flags: list[str]) -> N
     assert got == [reference_greedy(model, p, 16) for p in ps]
     groups = 2 if "--attention-groups" in flags else 1
     assert len(health["attention"]) == groups and all(a["ready"] for a in health["attention"])
+
+
+def test_torch_backend_across_processes(qwen3_ckpt: tuple) -> None:
+    """This process is attention rank 0 of a gloo world with 3 expert-rank processes."""
+    path, model = qwen3_ckpt
+    port = free_port()
+    children = Children()
+    # Expert ranks report ready only once the whole world (this rank too) has joined.
+    pending = [children.spawn(f"expert {r}", [
+        "expert", "--model", str(path), "--rank", str(r), "--num-ranks", str(NUM_RANKS),
+        "--num-threads", "1", "--dispatch-backend", "torch", "--dist-init",
+        f"127.0.0.1:{port}"]) for r in range(NUM_RANKS)]
+    try:
+        engine = Engine(AttentionConfig(model=path, dispatch_backend="torch",
+                                        dist_init=("127.0.0.1", port), expert_ranks=NUM_RANKS,
+                                        max_num_batched_tokens=8, kv_cache_memory=1 << 22,
+                                        expert_timeout=120))
+    except BaseException:
+        children.stop()
+        raise
+    try:
+        deadline = time.monotonic() + 60
+        assert [children.wait_port(p, deadline) for p in pending] == [0] * NUM_RANKS
+        cfg = engine.model_config
+        moe = [i for i, m in enumerate(cfg.moe_layers) if m]
+        bank = ExpertBank(cfg, Checkpoint(path), all_experts(cfg), torch.float32)
+        local = LocalExperts(cfg.num_experts, bank.forward)
+        g = torch.Generator().manual_seed(0)
+        for tokens, top_k in [(0, 2), (1, 1), (17, 2), (64, 8)]:
+            x = torch.randn(tokens, cfg.hidden_size, generator=g)
+            ids = torch.rand(tokens, cfg.num_experts, generator=g).topk(top_k).indices
+            w = torch.rand(tokens, top_k, generator=g)
+            assert engine.experts.begin_step(True)  # one round serves every MoE layer once
+            for layer in moe:
+                assert torch.allclose(engine.experts(layer, x, ids, w),
+                                      local(layer, x, ids, w), atol=1e-6)
+        prompt = prompts(lengths=(29,))[0]
+        with torch.no_grad():
+            ref = model(torch.tensor([prompt])).logits[0]
+        assert (engine.score(prompt) - ref).abs().max().item() < 1e-4
+    finally:
+        engine.close()
+        children.stop()
