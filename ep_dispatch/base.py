@@ -87,6 +87,10 @@ class ExpertsClient(Protocol):
         """MoE output [T, H] for x [T, H] routed to topk_ids [T, K] with topk_weights [T, K]."""
         ...
 
+    def describe(self) -> list[str]:
+        """One line per expert rank reached (for health reports)."""
+        ...
+
     def close(self) -> None:
         """Release connections and threads."""
         ...

@@ -42,3 +42,6 @@ class LocalExperts(PointToPoint):
     ) -> torch.Tensor:
         recv_x, tokens_per_expert, handle = self.dispatcher.dispatch(x, topk_ids, topk_weights)
         return self.dispatcher.combine(self.expert_fn(layer, recv_x, tokens_per_expert), handle)
+
+    def describe(self) -> list[str]:
+        return [f"in-process: all {self.dispatcher.num_local_experts} experts of every layer"]

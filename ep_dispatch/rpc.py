@@ -123,6 +123,12 @@ class RpcExperts(PointToPoint):
             raise ExpertRankError(f"{self._name(rank)} rejected layer {layer}: {result.error}")
         return from_wire(result.y)
 
+    def describe(self) -> list[str]:
+        return [f"{self._name(i.rank)}: {sum(map(len, i.experts.values()))} experts over "
+                f"{len(i.experts)} MoE layers, {i.weight_bytes / 1e6:.1f} MB, "
+                f"{'connected' if self._conns[i.rank] else 'disconnected'}"
+                for i in self.infos]
+
     def close(self) -> None:
         async def close_all() -> None:
             for conn in self._conns:

@@ -127,6 +127,13 @@ class TorchExperts:
                                input_split_sizes=[0] * self.world.size)
         return combine(y, layout)
 
+    def describe(self) -> list[str]:
+        return [f"{self.world.describe(self.world.num_attention + r)} (world rank "
+                f"{self.world.num_attention + r}): {sum(map(len, experts.values()))} experts "
+                f"over {len(experts)} MoE layers"
+                for r, experts in enumerate(map(self.placement.local_experts,
+                                                range(self.world.num_experts)))]
+
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -23,7 +23,9 @@ class EnginePool:
         return infos[0] if all(i is not None for i in infos) else None
 
     def status(self) -> list[dict[str, object]]:
-        return [{"address": f"{h}:{p}", "ready": c.info is not None}
+        return [{"address": f"{h}:{p}", "ready": c.info is not None,
+                 "dispatch_backend": c.info.dispatch_backend if c.info else None,
+                 "experts": c.info.expert_services if c.info else []}
                 for (h, p), c in zip(self.addresses, self.clients, strict=True)]
 
     async def run(self) -> None:

@@ -48,6 +48,29 @@ def _attention_parser(sub: argparse._SubParsersAction) -> None:
     add_engine_flags(p)
 
 
+def _placement_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("placement", help="print which expert service holds which experts")
+    p.add_argument("--model", required=True, help="HF checkpoint directory")
+    p.add_argument("--expert-services", type=int, default=2)
+    p.add_argument("--placement", default=None, help="check and print this placement file")
+    p.add_argument("--json", action="store_true", help="print the JSON form (to edit and load)")
+
+
+def _placement(args: argparse.Namespace) -> int:
+    from ep_dispatch.placement import PlacementError, make_placement
+    from services.model.config import CheckpointError, ModelConfig
+
+    try:
+        cfg = ModelConfig.from_dir(args.model)
+        placement = make_placement([i for i, m in enumerate(cfg.moe_layers) if m],
+                                   cfg.num_experts, args.expert_services, args.placement)
+    except (CheckpointError, PlacementError, OSError) as exc:
+        print(f"switchyard placement: {exc}", file=sys.stderr)
+        return 2
+    print(placement.to_json() if args.json else placement.describe())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "gateway":
@@ -63,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     _serve_parser(sub)
     _attention_parser(sub)
     add_expert_parser(sub)
+    _placement_parser(sub)
     sub.add_parser("gateway", help="run the HTTP gateway (see `switchyard gateway --help`)")
     sub.add_parser("eval", help="demo-task accuracy through the chat API (`switchyard eval -h`)")
     args = parser.parse_args(argv)
@@ -70,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         from switchyard.launcher import serve
 
         return serve(args)
+    if args.command == "placement":
+        return _placement(args)
     if args.command == "expert":
         from services.expert.server import main as expert_main
 

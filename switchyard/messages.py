@@ -73,6 +73,8 @@ class EngineInfo(msgspec.Struct, frozen=True, tag=True):
     dtype: str
     num_kv_blocks: int
     block_size: int
+    dispatch_backend: str = "local"
+    expert_services: list[str] = []  # one line per expert rank, for /health
 
 
 class StatsRequest(msgspec.Struct, frozen=True, tag=True):

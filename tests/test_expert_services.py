@@ -201,6 +201,9 @@ def test_serve_topologies_match_transformers(ckpt: tuple, flags: list[str]) -> N
     assert got == [reference_greedy(model, p, 16) for p in ps]
     groups = 2 if "--attention-groups" in flags else 1
     assert len(health["attention"]) == groups and all(a["ready"] for a in health["attention"])
+    experts = health["attention"][0]["experts"]
+    assert len(experts) == (1 if "local" in flags else 3)
+    assert all("expert rank" in e or "in-process" in e for e in experts)
 
 
 def test_torch_backend_across_processes(qwen3_ckpt: tuple) -> None:
@@ -244,3 +247,38 @@ def test_torch_backend_across_processes(qwen3_ckpt: tuple) -> None:
     finally:
         engine.close()
         children.stop()
+
+
+def test_expert_server_coalesces_batches_of_one_layer(qwen3_ckpt: tuple) -> None:
+    from ep_dispatch.wire import from_wire, to_wire
+    from services.expert.config import ExpertConfig
+    from services.expert.server import ExpertServer
+    from switchyard.messages import ExpertBatch
+
+    server = ExpertServer(ExpertConfig(model=qwen3_ckpt[0], rank=0, num_ranks=1))
+    g = torch.Generator().manual_seed(3)
+    hidden = server.bank.hidden_size
+
+    def batch(call_id: int, counts: list[int]) -> ExpertBatch:
+        return ExpertBatch(call_id, 0, counts, to_wire(torch.randn(sum(counts), hidden,
+                                                                   generator=g)))
+
+    a, b = batch(1, [2, 0, 1, 3, 0, 0, 1, 2]), batch(2, [0, 4, 1, 0, 0, 2, 0, 1])
+    bad = ExpertBatch(3, 0, [1, 2], a.x)  # wrong number of experts
+    together = server.compute([a, bad, b])
+    assert together[1].error and "does not match" in together[1].error
+    for merged, single in zip([together[0], together[2]],
+                              [server.compute([a])[0], server.compute([b])[0]], strict=True):
+        assert merged.call_id == single.call_id
+        assert torch.allclose(from_wire(merged.y), from_wire(single.y), atol=1e-6)
+
+
+def test_expert_rank_that_cannot_reach_the_rendezvous_says_so(qwen3_ckpt: tuple) -> None:
+    port = free_port()
+    proc = subprocess.run([sys.executable, "-m", "switchyard", "expert", "--model",
+                           str(qwen3_ckpt[0]), "--dispatch-backend", "torch", "--dist-init",
+                           f"127.0.0.1:{port}", "--rendezvous-timeout", "2"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert f"cannot reach the rendezvous at 127.0.0.1:{port} (hosted by attention rank 0)" \
+        in proc.stderr

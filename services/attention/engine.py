@@ -80,6 +80,8 @@ class Engine:
             vocab_size=cfg.vocab_size, eos_token_ids=cfg.eos_token_ids,
             dtype=str(self.dtype).removeprefix("torch."),
             num_kv_blocks=self.block_manager.num_blocks, block_size=self.block_manager.block_size,
+            dispatch_backend=self.config.dispatch_backend,
+            expert_services=self.experts.describe(),
         )
 
     def stats(self) -> EngineStats:

@@ -6,6 +6,7 @@ thread, one at a time, and answered on the connection it came from.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -44,50 +45,90 @@ class ExpertServer:
                                self.placement.local_experts(config.rank),
                                resolve_dtype(config.dtype, "cpu"))
         checkpoint.close()
-        self._compute = anyio.CapacityLimiter(1)
+        self._queue: list[tuple[ExpertBatch, FrameStream]] = []
+        self._arrived = anyio.Event()
+        self.num_coalesced = 0  # batches that shared a GEMM with an earlier one
 
     def info(self) -> ExpertInfo:
         return ExpertInfo(self.config.rank, self.config.num_ranks, self.bank.experts,
                           self.bank.nbytes())
 
-    def compute(self, batch: ExpertBatch) -> ExpertResult:
-        try:
-            x = from_wire(batch.x)
-            if batch.layer not in self.bank.experts:
-                raise ValueError(f"layer {batch.layer} is not an MoE layer")
-            if len(batch.tokens_per_expert) != len(self.bank.experts[batch.layer]) or \
-                    sum(batch.tokens_per_expert) != x.shape[0]:
-                raise ValueError("tokens_per_expert does not match this rank's experts")
-            with torch.inference_mode():
-                y = self.bank.forward(batch.layer, x.to(self.bank.dtype),
-                                      batch.tokens_per_expert)
-            return ExpertResult(batch.call_id, to_wire(y.to(x.dtype)))
-        except Exception as exc:  # a bad batch costs its caller, never the service
-            log.warning("rejecting batch %d: %s", batch.call_id, exc)
-            return ExpertResult(batch.call_id, error=str(exc))
+    def _check(self, batch: ExpertBatch) -> torch.Tensor:
+        x = from_wire(batch.x)
+        if batch.layer not in self.bank.experts:
+            raise ValueError(f"layer {batch.layer} is not an MoE layer")
+        if len(batch.tokens_per_expert) != len(self.bank.experts[batch.layer]) or \
+                sum(batch.tokens_per_expert) != x.shape[0] or x.ndim != 2 or \
+                x.shape[1] != self.bank.hidden_size:
+            raise ValueError("the batch does not match this rank's experts or hidden size")
+        return x
+
+    def compute(self, batches: list[ExpertBatch]) -> list[ExpertResult]:
+        """Answer batches of one layer (from any attention ranks) with one grouped GEMM."""
+        results: dict[int, ExpertResult] = {}
+        valid: list[tuple[int, ExpertBatch, torch.Tensor]] = []
+        for i, batch in enumerate(batches):
+            try:
+                valid.append((i, batch, self._check(batch)))
+            except Exception as exc:  # a bad batch costs its caller, never the service
+                log.warning("rejecting batch %d: %s", batch.call_id, exc)
+                results[i] = ExpertResult(batch.call_id, error=str(exc))
+        if valid:
+            outputs = self._grouped([b.tokens_per_expert for _, b, _ in valid],
+                                    [x for _, _, x in valid], valid[0][1].layer)
+            for (i, batch, x), y in zip(valid, outputs, strict=True):
+                results[i] = ExpertResult(batch.call_id, to_wire(y.to(x.dtype)))
+        return [results[i] for i in range(len(batches))]
+
+    def _grouped(self, counts: list[list[int]], xs: list[torch.Tensor], layer: int
+                 ) -> list[torch.Tensor]:
+        """Merge the batches expert by expert, run the FFN once, split the outputs back."""
+        n, num_local = len(xs), len(counts[0])
+        pieces = [x.to(self.bank.dtype).split(c) for x, c in zip(xs, counts, strict=True)]
+        merged = torch.cat([pieces[b][e] for e in range(num_local) for b in range(n)])
+        totals = [sum(c[e] for c in counts) for e in range(num_local)]
+        with torch.inference_mode():
+            y = self.bank.forward(layer, merged, totals)
+        y_pieces = y.split([counts[b][e] for e in range(num_local) for b in range(n)])
+        return [torch.cat([y_pieces[e * n + b] for e in range(num_local)]) for b in range(n)]
+
+    def submit(self, batch: ExpertBatch, conn: FrameStream) -> None:
+        self._queue.append((batch, conn))
+        self._arrived.set()
+
+    async def run_compute(self) -> None:
+        """Coalesce: whatever arrived for the same layer while the last GEMM ran is served
+        by the next one, so M attention ranks make one larger expert batch."""
+        while True:
+            if not self._queue:
+                await self._arrived.wait()
+                self._arrived = anyio.Event()
+                continue
+            layer = self._queue[0][0].layer
+            todo = [q for q in self._queue if q[0].layer == layer]
+            self._queue = [q for q in self._queue if q[0].layer != layer]
+            results = await anyio.to_thread.run_sync(self.compute, [b for b, _ in todo])
+            self.num_coalesced += len(todo) - 1
+            for (_, conn), result in zip(todo, results, strict=True):
+                with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    await conn.send(result)
 
     async def handle(self, conn: FrameStream) -> None:
-        async with anyio.create_task_group() as tg:
-            try:
-                while True:
-                    msg = await conn.receive()
-                    if isinstance(msg, InfoRequest):
-                        await conn.send(self.info())
-                    elif isinstance(msg, ExpertBatch):
-                        tg.start_soon(self._answer, conn, msg)
-                    else:
-                        log.warning("ignoring unexpected %s", type(msg).__name__)
-            except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
-                pass
-            except Exception:
-                log.exception("dropping a connection that sent a bad frame")
-            finally:
-                tg.cancel_scope.cancel()
-                await conn.aclose()
-
-    async def _answer(self, conn: FrameStream, batch: ExpertBatch) -> None:
-        result = await anyio.to_thread.run_sync(self.compute, batch, limiter=self._compute)
-        await conn.send(result)
+        try:
+            while True:
+                msg = await conn.receive()
+                if isinstance(msg, InfoRequest):
+                    await conn.send(self.info())
+                elif isinstance(msg, ExpertBatch):
+                    self.submit(msg, conn)
+                else:
+                    log.warning("ignoring unexpected %s", type(msg).__name__)
+        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
+            pass
+        except Exception:
+            log.exception("dropping a connection that sent a bad frame")
+        finally:
+            await conn.aclose()
 
 
 async def serve(config: ExpertConfig, server: ExpertServer) -> None:
@@ -104,6 +145,7 @@ async def serve(config: ExpertConfig, server: ExpertServer) -> None:
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(cancel_on_signal, tg.cancel_scope)
+        tg.start_soon(server.run_compute)
         await listener.serve(on_connect)
 
 
