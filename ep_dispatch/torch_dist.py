@@ -139,18 +139,23 @@ class TorchExperts:
             dist.destroy_process_group()
 
 
+def serve_round(world: World, placement: Placement, expert_fn: ExpertFn, hidden: int,
+                dtype: torch.dtype) -> None:
+    """One lockstep round on an expert rank: the work flag, then every MoE layer if any
+    attention rank has work."""
+    if not _any_work(False):
+        return
+    rank, width = world.rank - world.num_attention, _count_width(placement)
+    for layer in sorted(placement.replicas):
+        _serve_layer(world, layer, expert_fn, hidden, dtype, width,
+                     placement.table(layer).num_local[rank])
+
+
 def serve_experts(world: World, placement: Placement, expert_fn: ExpertFn, hidden: int,
                   dtype: torch.dtype) -> None:
     """Expert side: serve every round until the process is stopped."""
-    rank = world.rank - world.num_attention
-    width = _count_width(placement)
-    layers = sorted(placement.replicas)
     while True:
-        if not _any_work(False):
-            continue
-        for layer in layers:
-            _serve_layer(world, layer, expert_fn, hidden, dtype, width,
-                         placement.table(layer).num_local[rank])
+        serve_round(world, placement, expert_fn, hidden, dtype)
 
 
 def _serve_layer(world: World, layer: int, expert_fn: ExpertFn, hidden: int,
