@@ -126,6 +126,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--eval-every", type=int, default=500)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--init", type=Path, default=None,
+                    help="continue from this checkpoint (a new schedule, a new data stream)")
     args = ap.parse_args()
 
     from transformers import Qwen3MoeForCausalLM
@@ -133,9 +135,14 @@ def main() -> None:
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     enc = Encoder()
-    model = Qwen3MoeForCausalLM(model_config(enc.tok.get_vocab_size(),
-                                             eos=enc.ids["<|end|>"],
-                                             bos=enc.ids["<|endoftext|>"]))
+    if args.init is not None:
+        model = Qwen3MoeForCausalLM.from_pretrained(args.init, dtype=torch.float32)
+        model.config.output_router_logits = True
+    else:
+        model = Qwen3MoeForCausalLM(model_config(enc.tok.get_vocab_size(),
+                                                 eos=enc.ids["<|end|>"],
+                                                 bos=enc.ids["<|endoftext|>"]))
+    model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01,
                             betas=(0.9, 0.98))
     start, best = time.monotonic(), -1.0
