@@ -25,7 +25,7 @@ import httpx
 
 from ep_dispatch.registry import check_backend
 from services.model.config import CheckpointError, ModelConfig
-from switchyard.demo_model import DEMO_NAME, ensure_demo_model
+from switchyard.demo_model import DEFAULT_MODEL, DEFAULT_MODEL_NAME
 
 
 class StartupError(RuntimeError):
@@ -200,8 +200,8 @@ def _start_services(args: argparse.Namespace, model: Path, name: str,
 
 
 def serve(args: argparse.Namespace) -> int:
-    model = Path(args.model) if args.model else ensure_demo_model()
-    name = args.served_model_name or (DEMO_NAME if not args.model else model.name)
+    model = Path(args.model) if args.model else DEFAULT_MODEL
+    name = args.served_model_name or (model.name if args.model else DEFAULT_MODEL_NAME)
     try:
         # Fail fast on the common mistakes, before any process starts.
         ModelConfig.from_dir(model)

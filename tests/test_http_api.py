@@ -7,7 +7,6 @@ import asyncio
 import json
 import signal
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
@@ -29,10 +28,9 @@ def tiny(qwen3_ckpt: tuple) -> Iterator[tuple[Served, str, object]]:
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    """The bundled default model (generated into a fresh cache dir), with its tokenizer."""
-    cache = tmp_path_factory.mktemp("cache")
-    with Served([], env={"SWITCHYARD_CACHE_DIR": str(cache)}) as served:
+def demo() -> Iterator[Served]:
+    """The bundled default model, with its tokenizer and chat template."""
+    with Served([]) as served:
         yield served
 
 
@@ -167,14 +165,13 @@ def test_serve_stops_every_child_on_signal(qwen3_ckpt: tuple, sig: int) -> None:
         assert not any(alive(p) for p in served.children)
 
 
-def test_demo_model_is_a_normal_hf_checkpoint(tmp_path: Path) -> None:
+def test_demo_model_is_a_normal_hf_checkpoint() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from switchyard.demo_model import ensure_demo_model
+    from switchyard.demo_model import DEFAULT_MODEL
 
-    path = ensure_demo_model(tmp_path)
-    tok = AutoTokenizer.from_pretrained(path)
-    AutoModelForCausalLM.from_pretrained(path)
-    ids = tok.apply_chat_template([{"role": "user", "content": "hi"}],
-                                  add_generation_prompt=True, tokenize=False)
-    assert ids == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL)
+    text = tok.apply_chat_template([{"role": "user", "content": "What is 1 + 2?"}],
+                                   add_generation_prompt=True, tokenize=False)
+    assert text == "<|user|>What is 1 + 2?<|assistant|>"
