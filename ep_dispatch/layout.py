@@ -57,6 +57,9 @@ def compute_layout(
 
 
 def combine(y: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """out [T, H] = sum over each token's rows of weight * y, for y [N, H] in send order."""
+    """out [T, H] = sum over each token's rows of weight * y, for y [N, H] in send order.
+
+    Scales y in place: it is the receive buffer, used once.
+    """
     out = torch.zeros(layout.num_tokens, y.shape[1], dtype=y.dtype, device=y.device)
-    return out.index_add_(0, layout.src_token, y * layout.weights.to(y.dtype)[:, None])
+    return out.index_add_(0, layout.src_token, y.mul_(layout.weights.to(y.dtype)[:, None]))

@@ -168,12 +168,14 @@ def _serve_layer(world: World, layer: int, expert_fn: ExpertFn, hidden: int,
     received = torch.empty(sum(splits), hidden, dtype=dtype)
     dist.all_to_all_single(received, torch.empty(0, hidden, dtype=dtype),
                            output_split_sizes=splits, input_split_sizes=[0] * world.size)
-    # Rows arrive source-major ([a][e]); the grouped GEMM wants expert-major ([e][a]).
-    perm = _expert_major(per_source)  # [M]
-    y = expert_fn(layer, received[perm], per_source.sum(dim=0).tolist())
-    y_source_major = torch.empty_like(received)
-    y_source_major[perm] = y
-    dist.all_to_all_single(torch.empty(0, hidden, dtype=dtype), y_source_major,
+    if g == 1:  # one source: rows already arrive grouped by expert
+        y = expert_fn(layer, received, per_source[0].tolist()).contiguous()
+    else:
+        # Rows arrive source-major ([a][e]); the grouped GEMM wants expert-major ([e][a]).
+        perm = _expert_major(per_source)  # [M]
+        y = torch.empty_like(received)
+        y[perm] = expert_fn(layer, received[perm], per_source.sum(dim=0).tolist())
+    dist.all_to_all_single(torch.empty(0, hidden, dtype=dtype), y,
                            output_split_sizes=[0] * world.size, input_split_sizes=splits)
 
 
