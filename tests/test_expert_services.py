@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import socket
 import subprocess
@@ -26,6 +25,7 @@ from services.model.config import ModelConfig
 from switchyard.launcher import Children
 from switchyard.serve_process import Served
 from tests.test_engine_parity import greedy, prompts, reference_greedy, run_to_completion
+from tests.test_http_api import concurrent_greedy
 
 pytestmark = pytest.mark.timeout(300)
 NUM_RANKS = 3
@@ -184,19 +184,7 @@ def test_serve_topologies_match_transformers(ckpt: tuple, flags: list[str]) -> N
     ps = prompts(seed=31, lengths=(2, 37, 15, 8, 26, 11))
     with Served(["--model", str(path), "--max-num-batched-tokens", "16", *flags]) as served:
         name = httpx.get(f"{served.url}/v1/models").json()["data"][0]["id"]
-
-        async def one(c: httpx.AsyncClient, p: list[int]) -> list[int]:
-            r = await c.post("/v1/completions", json={
-                "model": name, "prompt": p, "max_tokens": 16, "temperature": 0,
-                "ignore_eos": True, "return_token_ids": True})
-            assert r.status_code == 200, r.text
-            return r.json()["choices"][0]["token_ids"]
-
-        async def all_at_once() -> list[list[int]]:
-            async with httpx.AsyncClient(base_url=served.url, timeout=120) as c:
-                return await asyncio.gather(*(one(c, p) for p in ps))
-
-        got = asyncio.run(all_at_once())
+        got = concurrent_greedy(served.url, name, ps, max_tokens=16)
         health = httpx.get(f"{served.url}/health").json()
     assert got == [reference_greedy(model, p, 16) for p in ps]
     groups = 2 if "--attention-groups" in flags else 1

@@ -55,20 +55,26 @@ def test_token_id_prompts_return_token_ids_equal_to_transformers(tiny: tuple) ->
 def test_concurrent_mixed_length_requests_each_equal_transformers(tiny: tuple) -> None:
     served, name, model = tiny
     ps = prompts(seed=12, lengths=(3, 40, 17, 8, 29, 1))
+    got = concurrent_greedy(served.url, name, ps, max_tokens=20)
+    assert got == [reference_greedy(model, p, 20) for p in ps]
+
+
+def concurrent_greedy(url: str, model: str, ps: list[list[int]], max_tokens: int
+                      ) -> list[list[int]]:
+    """Send every token-id prompt at once (greedy, exact length); their output token ids."""
 
     async def one(c: httpx.AsyncClient, p: list[int]) -> list[int]:
         r = await c.post("/v1/completions", json={
-            "model": name, "prompt": p, "max_tokens": 20, "temperature": 0,
+            "model": model, "prompt": p, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True})
         assert r.status_code == 200, r.text
         return r.json()["choices"][0]["token_ids"]
 
     async def all_at_once() -> list[list[int]]:
-        async with httpx.AsyncClient(base_url=served.url, timeout=120) as c:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as c:
             return await asyncio.gather(*(one(c, p) for p in ps))
 
-    got = asyncio.run(all_at_once())
-    assert got == [reference_greedy(model, p, 20) for p in ps]
+    return asyncio.run(all_at_once())
 
 
 def test_streaming_completion_with_usage(tiny: tuple) -> None:
