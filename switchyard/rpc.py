@@ -5,7 +5,9 @@ A frame is a 4-byte big-endian length followed by that many bytes of msgpack.
 
 from __future__ import annotations
 
+import logging
 import struct
+from collections.abc import Awaitable, Callable
 
 import anyio
 import msgspec
@@ -49,6 +51,21 @@ class FrameStream:
 
     async def aclose(self) -> None:
         await self._stream.aclose()
+
+
+async def serve_messages(conn: FrameStream, handle: Callable[[Message], Awaitable[None]],
+                         log: logging.Logger) -> None:
+    """Give each message from `conn` to `handle` until the peer goes away; a frame that
+    cannot be decoded drops the connection, never the service. Closes `conn`."""
+    try:
+        while True:
+            await handle(await conn.receive())
+    except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
+        pass
+    except Exception:
+        log.exception("dropping a connection that sent a bad frame")
+    finally:
+        await conn.aclose()
 
 
 async def connect(host: str, port: int, timeout: float = 30.0) -> FrameStream:

@@ -30,7 +30,7 @@ from switchyard.messages import (
     StatsRequest,
     TokenDelta,
 )
-from switchyard.rpc import FrameStream
+from switchyard.rpc import FrameStream, serve_messages
 
 log = logging.getLogger("switchyard.attention")
 LOCKSTEP_POLL_S = 0.002  # idle round cadence of collective backends
@@ -55,29 +55,26 @@ class AttentionServer:
 
     async def handle(self, conn: FrameStream) -> None:
         mine: set[str] = set()
+
+        async def on_message(msg: Message) -> None:
+            if isinstance(msg, InfoRequest):
+                await conn.send(self.engine.info())
+            elif isinstance(msg, StatsRequest):
+                await conn.send(self.engine.stats())
+            elif isinstance(msg, GenerateRequest | AbortRequest):
+                if isinstance(msg, GenerateRequest):
+                    mine.add(msg.request_id)
+                self._post(_Work(msg, conn))
+            else:
+                log.warning("ignoring unexpected %s", type(msg).__name__)
+
         try:
-            while True:
-                msg: Message = await conn.receive()
-                if isinstance(msg, InfoRequest):
-                    await conn.send(self.engine.info())
-                elif isinstance(msg, StatsRequest):
-                    await conn.send(self.engine.stats())
-                elif isinstance(msg, GenerateRequest | AbortRequest):
-                    if isinstance(msg, GenerateRequest):
-                        mine.add(msg.request_id)
-                    self._post(_Work(msg, conn))
-                else:
-                    log.warning("ignoring unexpected %s", type(msg).__name__)
-        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
-            pass
-        except Exception:
-            log.exception("dropping a connection that sent a bad frame")
+            await serve_messages(conn, on_message, log)
         finally:
             # A gateway that went away takes its requests with it.
             for request_id in mine:
                 if self._owners.get(request_id) is conn:
                     self._post(_Work(AbortRequest(request_id), conn))
-            await conn.aclose()
 
     async def run_engine(self) -> None:
         lockstep = self.engine.experts.lockstep

@@ -23,8 +23,8 @@ from services.expert.config import ExpertConfig
 from services.expert.experts import ExpertBank
 from services.model.checkpoint import Checkpoint
 from services.model.config import CheckpointError, ModelConfig
-from switchyard.messages import ExpertBatch, ExpertInfo, ExpertResult, InfoRequest
-from switchyard.rpc import FrameStream
+from switchyard.messages import ExpertBatch, ExpertInfo, ExpertResult, InfoRequest, Message
+from switchyard.rpc import FrameStream, serve_messages
 
 log = logging.getLogger("switchyard.expert")
 
@@ -114,21 +114,15 @@ class ExpertServer:
                     await conn.send(result)
 
     async def handle(self, conn: FrameStream) -> None:
-        try:
-            while True:
-                msg = await conn.receive()
-                if isinstance(msg, InfoRequest):
-                    await conn.send(self.info())
-                elif isinstance(msg, ExpertBatch):
-                    self.submit(msg, conn)
-                else:
-                    log.warning("ignoring unexpected %s", type(msg).__name__)
-        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
-            pass
-        except Exception:
-            log.exception("dropping a connection that sent a bad frame")
-        finally:
-            await conn.aclose()
+        async def on_message(msg: Message) -> None:
+            if isinstance(msg, InfoRequest):
+                await conn.send(self.info())
+            elif isinstance(msg, ExpertBatch):
+                self.submit(msg, conn)
+            else:
+                log.warning("ignoring unexpected %s", type(msg).__name__)
+
+        await serve_messages(conn, on_message, log)
 
 
 async def serve(config: ExpertConfig, server: ExpertServer) -> None:
