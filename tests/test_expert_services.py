@@ -270,3 +270,12 @@ def test_expert_rank_that_cannot_reach_the_rendezvous_says_so(qwen3_ckpt: tuple)
     assert proc.returncode == 2
     assert f"cannot reach the rendezvous at 127.0.0.1:{port} (hosted by attention rank 0)" \
         in proc.stderr
+
+
+def test_rendezvous_timeout_names_the_missing_ranks() -> None:
+    from ep_dispatch.torch_dist import RendezvousError, World, join
+
+    port = free_port()  # this process hosts the store as attention rank 0; nobody else comes
+    with pytest.raises(RendezvousError, match=rf"waited 1s at 127\.0\.0\.1:{port} for "
+                                              r"expert rank 0, expert rank 1"):
+        join(World(("127.0.0.1", port), num_attention=1, num_experts=2, rank=0), timeout=1)
