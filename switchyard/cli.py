@@ -81,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
         from switchyard.eval import main as eval_main
 
         return eval_main(argv[1:])
+    if argv and argv[0] == "bench":
+        from switchyard.bench import main as bench_main
+
+        return bench_main(argv[1:])
     parser = argparse.ArgumentParser(prog="switchyard", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
@@ -89,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     _placement_parser(sub)
     sub.add_parser("gateway", help="run the HTTP gateway (see `switchyard gateway --help`)")
     sub.add_parser("eval", help="demo-task accuracy through the chat API (`switchyard eval -h`)")
+    sub.add_parser("bench", help="serving load generator and latency report (`... bench -h`)")
     args = parser.parse_args(argv)
     if args.command == "serve":
         from switchyard.launcher import serve
