@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
-from switchyard.serve_process import Served
+from switchyard.serve_process import against_gateway, split_serve_flags
 
 
 @dataclass
@@ -197,9 +197,7 @@ def bench(url: str, args: argparse.Namespace) -> list[dict]:
 
 
 def main(argv: list[str]) -> int:
-    serve_flags: list[str] = []
-    if "--" in argv:
-        argv, serve_flags = argv[:argv.index("--")], argv[argv.index("--") + 1:]
+    argv, serve_flags = split_serve_flags(argv)
     ap = argparse.ArgumentParser(prog="switchyard bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", help="a running gateway (default: start `switchyard serve`)")
@@ -219,11 +217,7 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     if not 0.0 <= args.shared_prefix_fraction <= 1.0:
         ap.error("--shared-prefix-fraction must be within [0, 1]")
-    if args.url:
-        reports = bench(args.url, args)
-    else:
-        with Served(serve_flags, timeout=600) as served:
-            reports = bench(served.url, args)
+    reports = against_gateway(args.url, serve_flags, lambda url: bench(url, args))
     print(format_table(reports))
     if args.json:
         with open(args.json, "w") as f:

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 import httpx
 
 from switchyard.demo_task import Problem, is_correct, problems
-from switchyard.serve_process import Served
+from switchyard.serve_process import against_gateway, split_serve_flags
 
 
 @dataclass(frozen=True)
@@ -88,9 +88,7 @@ def format_report(r: EvalReport) -> str:
 
 
 def main(argv: list[str]) -> int:
-    serve_flags: list[str] = []
-    if "--" in argv:
-        argv, serve_flags = argv[:argv.index("--")], argv[argv.index("--") + 1:]
+    argv, serve_flags = split_serve_flags(argv)
     ap = argparse.ArgumentParser(prog="switchyard eval", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", help="a running gateway (default: start `switchyard serve`)")
@@ -99,12 +97,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--json", help="also write the report as JSON to this file")
     args = ap.parse_args(argv)
-    if args.url:
-        report = asyncio.run(evaluate(args.url, args.num_problems, args.seed, args.concurrency))
-    else:
-        with Served(serve_flags) as served:
-            report = asyncio.run(evaluate(served.url, args.num_problems, args.seed,
-                                          args.concurrency))
+    report = against_gateway(args.url, serve_flags, lambda url: asyncio.run(
+        evaluate(url, args.num_problems, args.seed, args.concurrency)))
     print(format_report(report))
     if args.json:
         with open(args.json, "w") as f:

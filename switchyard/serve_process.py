@@ -10,7 +10,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 def child_pids(pid: int) -> list[int]:
@@ -83,3 +87,20 @@ class Served:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def split_serve_flags(argv: list[str]) -> tuple[list[str], list[str]]:
+    """`TOOL_FLAGS -- SERVE_FLAGS` -> (TOOL_FLAGS, SERVE_FLAGS), for client tools."""
+    if "--" not in argv:
+        return argv, []
+    i = argv.index("--")
+    return argv[:i], argv[i + 1:]
+
+
+def against_gateway(url: str | None, serve_flags: list[str], fn: Callable[[str], T]) -> T:
+    """fn(base URL) on the gateway at `url`, or on a `switchyard serve SERVE_FLAGS`
+    started (and stopped) for the purpose."""
+    if url:
+        return fn(url)
+    with Served(serve_flags, timeout=600) as served:
+        return fn(served.url)
