@@ -9,6 +9,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.errors import GatewayError
+from gateway.logprobs import chat_logprobs
 from gateway.openai_protocol import (
     AssistantMessage,
     ChatChoice,
@@ -16,9 +17,11 @@ from gateway.openai_protocol import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatLogprobs,
     Delta,
     Usage,
 )
+from gateway.output import Output
 from gateway.serving import Run, Serving, client_gone, json_response
 from gateway.sse import DONE, EventStreamResponse, error_event, event
 
@@ -39,20 +42,32 @@ def _chunk(run: Run, choices: list[ChatChunkChoice], usage: Usage | None = None)
     return event(ChatCompletionChunk(run.id, run.created, run.model, choices, usage))
 
 
-async def _events(run: Run, include_usage: bool) -> AsyncIterator[bytes]:
-    """The SSE stream: a role chunk, content chunks, the finish, maybe usage, then [DONE]."""
-    yield _chunk(run, [ChatChunkChoice(0, Delta(role="assistant", content=""), None)])
+def _logprobs(serving: Serving, body: ChatCompletionRequest, step: Output
+              ) -> ChatLogprobs | None:
+    if not body.logprobs or not step.token_ids:
+        return None
+    return chat_logprobs(serving.maybe_tokenizer, step.token_ids, step.logprobs)
+
+
+async def _events(serving: Serving, run: Run, body: ChatCompletionRequest
+                  ) -> AsyncIterator[bytes]:
+    """The SSE stream: a role chunk per choice, content chunks, each choice's finish, maybe
+    usage, then [DONE]."""
+    for choice in run.choices:
+        yield _chunk(run, [ChatChunkChoice(choice.index, Delta(role="assistant", content=""),
+                                           None)])
     completion_tokens = 0
     try:
-        async for step in run.steps:
+        async for index, step in run.stream():
             completion_tokens += len(step.token_ids)
-            if step.text or step.finish_reason:
+            logprobs = _logprobs(serving, body, step)
+            if step.text or step.finish_reason or logprobs:
                 delta = Delta(content=step.text or None)
-                yield _chunk(run, [ChatChunkChoice(0, delta, step.finish_reason)])
+                yield _chunk(run, [ChatChunkChoice(index, delta, step.finish_reason, logprobs)])
     except GatewayError as exc:
         yield error_event(exc)
     else:
-        if include_usage:
+        if body.include_usage:
             yield _chunk(run, [], run.usage(completion_tokens))
     yield DONE
 
@@ -63,11 +78,11 @@ async def create_chat_completion(serving: Serving, request: Request) -> Response
     prompt_token_ids = serving.tokenizer.encode_chat(conversation(body))
     run = await serving.start(request, "chatcmpl", prompt_token_ids, body)
     if body.stream:
-        return EventStreamResponse(_events(run, body.include_usage), run.generation.aclose)
-    whole = await serving.complete(request, run)
-    if whole is None:
+        return EventStreamResponse(_events(serving, run, body), run.aclose)
+    outs = await serving.complete(request, run)
+    if outs is None:
         return client_gone()
-    choice = ChatChoice(0, AssistantMessage(whole.text), whole.finish_reason)
-    return json_response(
-        ChatCompletion(run.id, run.created, run.model, [choice], run.usage(len(whole.token_ids)))
-    )
+    choices = [ChatChoice(i, AssistantMessage(out.text), out.finish_reason,
+                          _logprobs(serving, body, out)) for i, out in enumerate(outs)]
+    usage = run.usage(sum(len(out.token_ids) for out in outs))
+    return json_response(ChatCompletion(run.id, run.created, run.model, choices, usage))

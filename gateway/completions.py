@@ -7,31 +7,57 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, bad_request
+from gateway.logprobs import completion_logprobs, token_text
 from gateway.openai_protocol import Completion, CompletionChoice, CompletionRequest
 from gateway.output import Output
 from gateway.serving import Run, Serving, client_gone, json_response
 from gateway.sse import DONE, EventStreamResponse, error_event, event
 
 
-def _choice(step: Output, prompt_token_ids: list[int] | None, with_ids: bool) -> CompletionChoice:
-    """A choice; token ids are attached only when the client asked (`return_token_ids`)."""
-    return CompletionChoice(0, step.text, step.finish_reason, None,
-                            prompt_token_ids if with_ids else None,
-                            step.token_ids if with_ids else None)
+class _ChoiceText:
+    """Shapes one choice's outputs: echo prefix, token ids, logprobs with text offsets."""
+
+    def __init__(self, serving: Serving, body: CompletionRequest, run: Run, echo: str) -> None:
+        self._serving, self._body, self._run = serving, body, run
+        self._prefix = echo  # sent with the choice's first output
+        self._offset = len(echo)
+        self._prompt_ids: list[int] | None = run.prompt_token_ids
+
+    def choice(self, index: int, step: Output) -> CompletionChoice:
+        with_ids, text = self._body.return_token_ids, self._prefix + step.text
+        prompt_ids, self._prompt_ids, self._prefix = self._prompt_ids, None, ""
+        logprobs = None
+        if self._body.logprobs is not None:
+            tokenizer = self._serving.maybe_tokenizer
+            logprobs = completion_logprobs(tokenizer, step.token_ids, step.logprobs,
+                                           self._offset)
+            self._offset += sum(len(token_text(tokenizer, t)) for t in step.token_ids)
+        return CompletionChoice(index, text, step.finish_reason, logprobs,
+                                prompt_ids if with_ids else None,
+                                step.token_ids if with_ids else None)
 
 
-async def _events(run: Run, body: CompletionRequest) -> AsyncIterator[bytes]:
-    """The SSE stream; with `return_token_ids` the first chunk carries the prompt's ids."""
-    with_ids = body.return_token_ids
-    prompt_ids: list[int] | None = run.prompt_token_ids
+def _echo_text(serving: Serving, body: CompletionRequest, prompt_token_ids: list[int]) -> str:
+    if not body.echo:
+        return ""
+    if body.logprobs is not None:
+        raise bad_request("echo with logprobs (prompt logprobs) is not supported.", "echo")
+    if isinstance(body.prompt, str):
+        return body.prompt
+    return serving.tokenizer.decode(prompt_token_ids)
+
+
+async def _events(run: Run, body: CompletionRequest, shapers: list[_ChoiceText]
+                  ) -> AsyncIterator[bytes]:
+    """The SSE stream; a choice's first chunk carries its echo and (with
+    `return_token_ids`) the prompt's ids."""
     completion_tokens = 0
     try:
-        async for step in run.steps:
+        async for index, step in run.stream():
             completion_tokens += len(step.token_ids)
-            if step.text or step.finish_reason or with_ids:
-                choice = _choice(step, prompt_ids, with_ids)
-                prompt_ids = None
+            choice = shapers[index].choice(index, step)
+            if choice.text or step.finish_reason or choice.token_ids or choice.logprobs:
                 yield event(Completion(run.id, run.created, run.model, [choice], None))
     except GatewayError as exc:
         yield error_event(exc)
@@ -47,12 +73,14 @@ async def create_completion(serving: Serving, request: Request) -> Response:
     body = await serving.parse(request, CompletionRequest)
     prompt = body.prompt
     prompt_token_ids = prompt if isinstance(prompt, list) else serving.tokenizer.encode(prompt)
+    echo = _echo_text(serving, body, prompt_token_ids)
     run = await serving.start(request, "cmpl", prompt_token_ids, body)
+    shapers = [_ChoiceText(serving, body, run, echo) for _ in run.choices]
     if body.stream:
-        return EventStreamResponse(_events(run, body), run.generation.aclose)
-    whole = await serving.complete(request, run)
-    if whole is None:
+        return EventStreamResponse(_events(run, body, shapers), run.aclose)
+    outs = await serving.complete(request, run)
+    if outs is None:
         return client_gone()
-    choice = _choice(whole, prompt_token_ids, body.return_token_ids)
-    usage = run.usage(len(whole.token_ids))
-    return json_response(Completion(run.id, run.created, run.model, [choice], usage))
+    choices = [shapers[i].choice(i, out) for i, out in enumerate(outs)]
+    usage = run.usage(sum(len(out.token_ids) for out in outs))
+    return json_response(Completion(run.id, run.created, run.model, choices, usage))

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from switchyard.rpc import parse_address
+from switchyard.units import parse_size
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,9 @@ class GatewayConfig:
     log_level: str = "warning"
     access_log: bool = False
     shutdown_timeout_s: float = 5.0
+    max_request_body_bytes: int = 16 << 20
+    max_queued_requests: int = 256  # beyond what the engines run at once
+    retry_after_s: int = 1
 
 
 def _env(name: str, default: str | None = None) -> str | None:
@@ -63,6 +67,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout", type=float,
                    default=float(_env("SHUTDOWN_TIMEOUT") or 5),
                    help="seconds open streams get to finish on shutdown")
+    p.add_argument("--max-request-body-size", type=parse_size,
+                   default=parse_size(_env("MAX_REQUEST_BODY_SIZE", "16MiB")),
+                   help="larger request bodies get 413")
+    p.add_argument("--max-queued-requests", type=int,
+                   default=int(_env("MAX_QUEUED_REQUESTS") or 256),
+                   help="requests (choices) that may wait beyond what the engines run at "
+                        "once; more get 429 with Retry-After")
+    p.add_argument("--retry-after", type=int, default=int(_env("RETRY_AFTER") or 1),
+                   help="seconds a 429 tells the client to wait")
     return p
 
 
@@ -76,6 +89,8 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
         parser.error(f"--engine: {exc}")
     if args.max_model_len is not None and args.max_model_len <= 0:
         parser.error("--max-model-len must be positive")
+    if args.max_queued_requests < 0 or args.retry_after < 0:
+        parser.error("--max-queued-requests and --retry-after must not be negative")
     model_dir = Path(args.model)
     if not model_dir.is_dir():
         parser.error(f"--model: {model_dir} is not a directory")
@@ -90,4 +105,7 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
         log_level=args.log_level,
         access_log=args.access_log,
         shutdown_timeout_s=args.shutdown_timeout,
+        max_request_body_bytes=args.max_request_body_size,
+        max_queued_requests=args.max_queued_requests,
+        retry_after_s=args.retry_after,
     )

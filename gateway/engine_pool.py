@@ -28,6 +28,10 @@ class EnginePool:
                  "experts": c.info.expert_services if c.info else []}
                 for (h, p), c in zip(self.addresses, self.clients, strict=True)]
 
+    def max_num_seqs(self) -> int:
+        """How many sequences the connected groups run at once, together."""
+        return sum(c.info.max_num_seqs for c in self.clients if c.info is not None)
+
     async def run(self) -> None:
         async with anyio.create_task_group() as tg:
             for client in self.clients:
@@ -56,6 +60,7 @@ class EnginePool:
             kv_blocks_used=sum(s.kv_blocks_used for s in parts),
             num_kv_blocks=sum(s.num_kv_blocks for s in parts),
             num_preemptions=sum(s.num_preemptions for s in parts),
+            num_aborted=sum(s.num_aborted for s in parts),
             expert_load=[[sum(col) for col in zip(*rows, strict=True)]
                          for rows in zip(*(s.expert_load for s in parts), strict=True)],
         )

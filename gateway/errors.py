@@ -37,11 +37,13 @@ class ErrorBody(msgspec.Struct):
 class GatewayError(Exception):
     """A request failed in a way the client should hear about with this HTTP status."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.headers = headers
 
     def body(self) -> ErrorBody:
         """The JSON body describing this error."""
@@ -51,7 +53,8 @@ class GatewayError(Exception):
     def response(self) -> Response:
         """A complete JSON error response."""
         body = msgspec.json.encode(self.body())
-        return Response(body, self.status, media_type="application/json")
+        return Response(body, self.status, headers=self.headers,
+                        media_type="application/json")
 
 
 def bad_request(message: str, param: str | None = None) -> GatewayError:

@@ -15,6 +15,11 @@ from gateway.errors import bad_request
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 Temperature = Annotated[float, msgspec.Meta(ge=0)]
 TopP = Annotated[float, msgspec.Meta(gt=0, le=1)]
+Probability = Annotated[float, msgspec.Meta(ge=0, le=1)]
+Penalty = Annotated[float, msgspec.Meta(ge=-2, le=2)]  # OpenAI's range
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+NumLogprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)]
+MAX_N = 128
 
 
 class StreamOptions(msgspec.Struct):
@@ -30,14 +35,29 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     max_tokens: PositiveInt | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    n: PositiveInt = 1
+    top_k: Annotated[int, msgspec.Meta(ge=-1)] | None = None  # -1 or 0: no top-k
+    min_p: Probability | None = None
+    seed: Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)] | None = None
+    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, msgspec.Meta(ge=0)]] | None = None
     ignore_eos: bool = False
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0)] | None = None
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """`stop` as a list without empty strings (which could never be found)."""
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        return [s for s in stops if s]
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Alternatives to report per token, or None when no logprobs were asked for."""
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -72,6 +92,12 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
+    logprobs: bool = False
+    top_logprobs: NumLogprobs | None = None
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -79,6 +105,44 @@ class CompletionRequest(SamplingFields, kw_only=True):
 
     prompt: str | list[Annotated[int, msgspec.Meta(ge=0)]]
     return_token_ids: bool = False
+    echo: bool = False
+    logprobs: NumLogprobs | None = None
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+
+class TopLogprob(msgspec.Struct):
+    """One likely token at a position (chat `top_logprobs` entries)."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(msgspec.Struct):
+    """The generated token at one position, and the likeliest alternatives."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct):
+    """A chat choice's `logprobs`."""
+
+    content: list[ChatTokenLogprob]
+
+
+class CompletionLogprobs(msgspec.Struct):
+    """A text completion choice's `logprobs`, in the legacy completions shape."""
+
+    text_offset: list[int]
+    token_logprobs: list[float | None]
+    tokens: list[str]
+    top_logprobs: list[dict[str, float] | None]
 
 
 class Usage(msgspec.Struct):
@@ -102,7 +166,7 @@ class ChatChoice(msgspec.Struct):
     index: int
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(msgspec.Struct):
@@ -129,7 +193,7 @@ class ChatChunkChoice(msgspec.Struct):
     index: int
     delta: Delta
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(msgspec.Struct):
@@ -149,7 +213,7 @@ class CompletionChoice(msgspec.Struct, omit_defaults=True):
     index: int
     text: str
     finish_reason: str | None
-    logprobs: None
+    logprobs: CompletionLogprobs | None
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
 

@@ -1,13 +1,17 @@
-"""A generation's engine deltas as text: what each step adds, and the collected whole."""
+"""A generation's engine deltas as text: what each step adds, stop strings, the collected
+whole, and several choices interleaved."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Collection
-from dataclasses import dataclass
+import asyncio
+from collections.abc import AsyncIterator, Collection, Sequence
+from dataclasses import dataclass, field
 
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.engine_client import Generation
 from gateway.errors import bad_request
+from gateway.metrics import RequestTimer
+from switchyard.messages import TokenLogprobs
 
 
 @dataclass
@@ -17,12 +21,49 @@ class Output:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+class StopStrings:
+    """Finds stop strings in streamed text. Text that might be the start of one is held
+    back until the next step decides; the stop string itself is never emitted."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops = list(stops)
+        self._longest = max(map(len, stops))
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """(text safe to emit, whether a stop string was found: then nothing follows)."""
+        text = self._held + text
+        hits = [i for stop in self._stops if (i := text.find(stop)) >= 0]
+        if hits:
+            self._held = ""
+            return text[:min(hits)], True
+        keep = self._partial_suffix(text)
+        self._held = text[len(text) - keep:]
+        return text[:len(text) - keep], False
+
+    def flush(self) -> str:
+        """At the end of the generation: the held-back text was not a stop string after all."""
+        held, self._held = self._held, ""
+        return held
+
+    def _partial_suffix(self, text: str) -> int:
+        """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+        for k in range(min(len(text), self._longest - 1), 0, -1):
+            if any(stop.startswith(text[-k:]) for stop in self._stops):
+                return k
+        return 0
 
 
 async def outputs(generation: Generation, detokenizer: IncrementalDetokenizer,
-                  stop_token_ids: Collection[int]) -> AsyncIterator[Output]:
-    """One `Output` per engine delta; the last carries the finish reason."""
+                  stop_token_ids: Collection[int], stops: StopStrings | None,
+                  timer: RequestTimer) -> AsyncIterator[Output]:
+    """One `Output` per engine delta; the last carries the finish reason. A stop string
+    ends the output early (the caller's `aclose` then aborts the engine request)."""
     async for delta in generation:
+        timer.on_delta(delta)
         if delta.finish_reason == "error":
             raise bad_request(delta.error or "The engine rejected the request.")
         text_ids = delta.token_ids
@@ -32,16 +73,50 @@ async def outputs(generation: Generation, detokenizer: IncrementalDetokenizer,
         text = detokenizer.add(text_ids)
         if delta.finish_reason is not None:
             text += detokenizer.flush()
-        yield Output(text, list(delta.token_ids), delta.finish_reason)
+        reason = delta.finish_reason
+        if stops is not None:
+            text, hit = stops.feed(text)
+            if hit:
+                timer.finish("stop")
+                yield Output(text, list(delta.token_ids), "stop", list(delta.logprobs or ()))
+                return
+            if reason is not None:
+                text += stops.flush()
+        yield Output(text, list(delta.token_ids), reason, list(delta.logprobs or ()))
 
 
 async def collect(steps: AsyncIterator[Output]) -> Output:
     """The whole generation as one `Output`."""
+    whole = Output("", [])
     texts: list[str] = []
-    token_ids: list[int] = []
-    finish_reason = None
     async for step in steps:
         texts.append(step.text)
-        token_ids += step.token_ids
-        finish_reason = step.finish_reason
-    return Output("".join(texts), token_ids, finish_reason)
+        whole.token_ids += step.token_ids
+        whole.logprobs += step.logprobs
+        whole.finish_reason = step.finish_reason
+    whole.text = "".join(texts)
+    return whole
+
+
+async def interleave(streams: Sequence[AsyncIterator[Output]]
+                     ) -> AsyncIterator[tuple[int, Output]]:
+    """(choice index, output) from several choices, in the order they arrive."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in sorted(done, key=pending.__getitem__):
+                index = pending.pop(future)
+                try:
+                    out = future.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(streams[index]))] = index
+                yield index, out
+    finally:
+        for future in pending:
+            future.cancel()

@@ -51,17 +51,9 @@ def _max_tokens(request: SamplingFields, prompt_len: int, limits: ModelLimits) -
     return asked
 
 
-def _check_supported(request: SamplingFields) -> None:
-    if request.n != 1:
-        raise bad_request(f"n={request.n} is not supported; only n=1 is.", "n")
-    if request.stop:
-        raise bad_request("Stop strings are not supported; use stop_token_ids.", "stop")
-
-
 def sampling_params(request: SamplingFields, prompt_token_ids: Sequence[int],
                     limits: ModelLimits) -> SamplingParams:
     """Validate the request against the model and build the engine's sampling parameters."""
-    _check_supported(request)
     check_prompt(prompt_token_ids, limits)
     stop_ids = tuple(request.stop_token_ids or ())
     if stop_ids and max(stop_ids) >= limits.vocab_size:
@@ -71,8 +63,13 @@ def sampling_params(request: SamplingFields, prompt_token_ids: Sequence[int],
         max_tokens=_max_tokens(request, len(prompt_token_ids), limits),
         temperature=1.0 if request.temperature is None else request.temperature,
         top_p=1.0 if request.top_p is None else request.top_p,
-        top_k=request.top_k or 0,
-        seed=request.seed,
+        top_k=max(request.top_k or 0, 0),
+        min_p=request.min_p or 0.0,
+        seed=None if request.seed is None else request.seed % 2**63,
         stop_token_ids=stop_ids,
         ignore_eos=request.ignore_eos,
+        presence_penalty=request.presence_penalty or 0.0,
+        frequency_penalty=request.frequency_penalty or 0.0,
+        repetition_penalty=request.repetition_penalty or 1.0,
+        logprobs=request.num_logprobs,
     )

@@ -1,11 +1,13 @@
-"""What the OpenAI endpoints share: parsing, limits, and starting a generation."""
+"""What the OpenAI endpoints share: parsing, limits, admission, and starting a generation."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import msgspec
@@ -17,32 +19,58 @@ from gateway.detokenizer import IncrementalDetokenizer
 from gateway.engine_client import Generation
 from gateway.engine_pool import EnginePool
 from gateway.errors import GatewayError, bad_request, engine_unavailable
+from gateway.metrics import Metrics, RequestTimer
 from gateway.openai_protocol import SamplingFields, Usage
-from gateway.output import Output, collect, outputs
+from gateway.output import Output, StopStrings, collect, interleave, outputs
 from gateway.sampling import ModelLimits, sampling_params
 from gateway.sse import unless_disconnected
 from gateway.tokenizer import NO_TOKENIZER_MESSAGE, Tokenizer
-from switchyard.messages import EngineInfo, GenerateRequest
+from switchyard.messages import EngineInfo, GenerateRequest, SamplingParams
 
-RequestT = TypeVar("RequestT", bound=SamplingFields)
+log = logging.getLogger(__name__)
+RequestT = TypeVar("RequestT", bound=msgspec.Struct)
 _TRACE_HEADERS = ("traceparent", "tracestate")
+_SEED_SPACE = 2**63
 
 
-@dataclass(frozen=True)
+@dataclass
+class Choice:
+    """One of a request's `n` independent generations."""
+
+    index: int
+    generation: Generation
+    steps: AsyncIterator[Output]
+    timer: RequestTimer
+
+
+@dataclass
 class Run:
-    """One accepted request: its identity, its engine generation, and its text outputs."""
+    """One accepted request: its identity, its choices, and its place in the queue."""
 
     id: str
     created: int
     model: str
     prompt_token_ids: list[int]
-    generation: Generation
-    steps: AsyncIterator[Output]
+    choices: list[Choice] = field(default_factory=list)
+    _serving: Serving | None = None
 
     def usage(self, completion_tokens: int) -> Usage:
         """Token counts for this request once `completion_tokens` were generated."""
         prompt_tokens = len(self.prompt_token_ids)
         return Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
+
+    def stream(self) -> AsyncIterator[tuple[int, Output]]:
+        """(choice index, output) as the choices produce them."""
+        return interleave([c.steps for c in self.choices])
+
+    async def aclose(self) -> None:
+        """Abort whatever still runs (client gone, stop string) and leave the queue."""
+        for choice in self.choices:
+            choice.timer.finish("abort")  # no-op for choices that already finished
+            await choice.generation.aclose()
+        if self._serving is not None:
+            self._serving.release(len(self.choices))
+            self._serving = None
 
 
 def json_response(body: object) -> Response:
@@ -68,25 +96,60 @@ class Serving:
                  tokenizer: Tokenizer | None) -> None:
         self.config = config
         self.engine = engine
+        self.metrics = Metrics(config.served_model_name)
         self._tokenizer = tokenizer
+        self._admitted = 0  # choices accepted and not yet finished
+        self._unknown_fields: set[str] = set()
+
+    async def read_body(self, request: Request) -> bytes:
+        """The request body, refused with 413 beyond --max-request-body-size."""
+        limit = self.config.max_request_body_bytes
+        too_large = GatewayError(413, f"The request body exceeds {limit} bytes.")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     async def parse(self, request: Request, kind: type[RequestT]) -> RequestT:
         """Decode and validate a JSON body, and check it names the served model."""
         try:
-            body = msgspec.json.decode(await request.body(), type=kind)
-        except msgspec.ValidationError as exc:
-            raise bad_request(str(exc), _error_param(exc)) from None
+            raw = msgspec.json.decode(await self.read_body(request))
         except msgspec.DecodeError as exc:
             raise bad_request(f"Invalid JSON in request body: {exc}") from None
-        if body.model is not None and body.model != self.config.served_model_name:
-            raise GatewayError(404, f"The model `{body.model}` does not exist.", "model")
+        if not isinstance(raw, dict):
+            raise bad_request("The request body must be a JSON object.")
+        self._note_unknown_fields(raw, kind)
+        try:
+            body = msgspec.convert(raw, kind)
+        except msgspec.ValidationError as exc:
+            raise bad_request(str(exc), _error_param(exc)) from None
+        model = getattr(body, "model", None)
+        if model is not None and model != self.config.served_model_name:
+            raise GatewayError(404, f"The model `{model}` does not exist.", "model")
         return body
+
+    def _note_unknown_fields(self, raw: dict, kind: type[msgspec.Struct]) -> None:
+        # Accepted and ignored, like vLLM; logged once per name so a flood cannot fill logs.
+        for name in raw.keys() - set(kind.__struct_fields__) - self._unknown_fields:
+            if len(self._unknown_fields) < 1000:
+                self._unknown_fields.add(name)
+                log.warning("ignoring unknown request field %r", name)
 
     @property
     def tokenizer(self) -> Tokenizer:
         """The tokenizer, or a 400 explaining that only token-id prompts work."""
         if self._tokenizer is None:
             raise bad_request(NO_TOKENIZER_MESSAGE)
+        return self._tokenizer
+
+    @property
+    def maybe_tokenizer(self) -> Tokenizer | None:
         return self._tokenizer
 
     def max_model_len(self, info: EngineInfo | None) -> int | None:
@@ -101,25 +164,65 @@ class Serving:
             raise engine_unavailable("not connected to the engine yet")
         return info
 
+    def _admit(self, n: int) -> None:
+        """Take `n` places, or refuse with 429 when running plus queued would overflow."""
+        capacity = self.engine.max_num_seqs() + self.config.max_queued_requests
+        if self._admitted + n > capacity:
+            self.metrics.rejected.labels(self.config.served_model_name).inc()
+            raise GatewayError(429, f"The server is overloaded: {self._admitted} requests are "
+                               "running or queued. Retry later.",
+                               headers={"Retry-After": str(self.config.retry_after_s)})
+        self._admitted += n
+
+    def release(self, n: int) -> None:
+        self._admitted -= n
+
     async def start(self, request: Request, kind: str, prompt_token_ids: list[int],
                     body: SamplingFields) -> Run:
-        """Validate the request against the model and start generating."""
+        """Validate the request against the model, queue it, and start its choices."""
         info = self._engine_info()
         limits = ModelLimits(self.max_model_len(info) or info.max_model_len, info.vocab_size)
         sampling = sampling_params(body, prompt_token_ids, limits)
-        request_id = f"{kind}-{uuid.uuid4().hex}"
-        trace = {h: v for h in _TRACE_HEADERS if (v := request.headers.get(h)) is not None}
-        generation = await self.engine.start(
-            GenerateRequest(request_id, prompt_token_ids, sampling, trace)
-        )
-        detokenizer = IncrementalDetokenizer(self._tokenizer, prompt_token_ids)
-        stop_ids = frozenset(sampling.stop_token_ids) | frozenset(info.eos_token_ids)
-        return Run(request_id, int(time.time()), self.config.served_model_name,
-                   prompt_token_ids, generation, outputs(generation, detokenizer, stop_ids))
-
-    async def complete(self, request: Request, run: Run) -> Output | None:
-        """The whole output of a non-streamed request; None if the client left (and we aborted)."""
+        self._admit(body.n)
+        run = Run(f"{kind}-{uuid.uuid4().hex}", int(time.time()),
+                  self.config.served_model_name, prompt_token_ids, _serving=self)
         try:
-            return await unless_disconnected(request, lambda: collect(run.steps))
+            self.metrics.prompt_tokens.labels(run.model).inc(len(prompt_token_ids))
+            trace = {h: v for h in _TRACE_HEADERS if (v := request.headers.get(h)) is not None}
+            stop_ids = frozenset(sampling.stop_token_ids) | frozenset(info.eos_token_ids)
+            for index in range(body.n):
+                run.choices.append(await self._start_choice(
+                    run, index, body, _choice_sampling(sampling, index), trace, stop_ids))
+        except BaseException:
+            await run.aclose()
+            raise
+        return run
+
+    async def _start_choice(self, run: Run, index: int, body: SamplingFields,
+                            sampling: SamplingParams, trace: dict[str, str],
+                            stop_ids: frozenset[int]) -> Choice:
+        timer = RequestTimer(self.metrics)
+        request_id = run.id if body.n == 1 else f"{run.id}-{index}"
+        generation = await self.engine.start(
+            GenerateRequest(request_id, run.prompt_token_ids, sampling, trace))
+        detokenizer = IncrementalDetokenizer(self._tokenizer, run.prompt_token_ids)
+        stops = StopStrings(body.stop_strings) if body.stop_strings else None
+        return Choice(index, generation, outputs(generation, detokenizer, stop_ids, stops,
+                                                 timer), timer)
+
+    async def complete(self, request: Request, run: Run) -> list[Output] | None:
+        """Every choice's whole output; None if the client left (and we aborted)."""
+        async def gather() -> list[Output]:
+            return list(await asyncio.gather(*(collect(c.steps) for c in run.choices)))
+
+        try:
+            return await unless_disconnected(request, gather)
         finally:
-            await run.generation.aclose()
+            await run.aclose()
+
+
+def _choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
+    """Choice i of a seeded request uses seed + i, so the n choices differ but reproduce."""
+    if index == 0 or sampling.seed is None:
+        return sampling
+    return msgspec.structs.replace(sampling, seed=(sampling.seed + index) % _SEED_SPACE)

@@ -17,17 +17,31 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """How to pick each next token and when to stop.
 
-    temperature 0 means greedy. top_k <= 0 and top_p >= 1 disable those filters.
-    A seed makes the request's sampled tokens reproducible whatever else is in the batch.
+    temperature 0 means greedy. top_k <= 0, top_p >= 1 and min_p <= 0 disable those
+    filters. Penalties follow OpenAI (presence, frequency: over the generated tokens) and
+    HF/vLLM (repetition: over prompt and generated tokens; 1 disables it). A seed makes the
+    request's sampled tokens reproducible whatever else is in the batch. `logprobs` asks
+    for the sampled token's log-probability and the `logprobs` most likely alternatives at
+    every generated position (None: no log-probabilities).
     """
 
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
 
 
 class GenerateRequest(msgspec.Struct, frozen=True, tag=True):
@@ -45,11 +59,22 @@ class AbortRequest(msgspec.Struct, frozen=True, tag=True):
     request_id: str
 
 
+class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """Log-probabilities at one generated position, of the model's raw output
+    distribution (before penalties, temperature and filters, as vLLM reports them)."""
+
+    logprob: float  # of the token that was sampled
+    top_ids: list[int]  # the most likely tokens, most likely first
+    top_logprobs: list[float]
+
+
 class TokenDelta(msgspec.Struct, frozen=True, tag=True):
     """Attention leader -> gateway: new tokens of one sequence, and whether it ended.
 
     `error` is set (with finish_reason "error") when the engine rejected the request,
-    e.g. a prompt longer than the model's context.
+    e.g. a prompt longer than the model's context. `logprobs` has one entry per token when
+    the request asked for them. The delta with a request's first token carries how long it
+    waited to be scheduled and how long its prefill took.
     """
 
     request_id: str
@@ -57,6 +82,9 @@ class TokenDelta(msgspec.Struct, frozen=True, tag=True):
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     error: str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    queue_time_s: float | None = None
+    prefill_time_s: float | None = None
 
 
 class InfoRequest(msgspec.Struct, frozen=True, tag=True):
@@ -73,6 +101,7 @@ class EngineInfo(msgspec.Struct, frozen=True, tag=True):
     dtype: str
     num_kv_blocks: int
     block_size: int
+    max_num_seqs: int = 1  # sequences one step runs at most
     dispatch_backend: str = "local"
     expert_services: list[str] = []  # one line per expert rank, for /health
 
@@ -94,6 +123,7 @@ class EngineStats(msgspec.Struct, frozen=True, tag=True):
     num_kv_blocks: int
     num_preemptions: int
     expert_load: list[list[int]]
+    num_aborted: int = 0  # requests aborted (client gone) since start
 
 
 class Tensor(msgspec.Struct, frozen=True):

@@ -16,6 +16,7 @@ from gateway.config import parse_args
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.errors import GatewayError
 from gateway.openai_protocol import ChatCompletionRequest, CompletionRequest
+from gateway.output import StopStrings
 from gateway.sampling import ModelLimits, sampling_params
 from gateway.tokenizer import Tokenizer
 from tests.test_gateway_support import write_checkpoint
@@ -196,7 +197,7 @@ def test_default_max_tokens_fills_the_context() -> None:
     request = CompletionRequest(prompt=[1, 2, 3], temperature=0.0, top_k=-1, stop_token_ids=[7])
     params = sampling_params(request, [1, 2, 3], LIMITS)
     assert (params.max_tokens, params.temperature, params.top_p) == (97, 0.0, 1.0)
-    assert (params.top_k, params.stop_token_ids) == (-1, (7,))
+    assert (params.top_k, params.stop_token_ids) == (0, (7,))  # -1 and 0 both disable top-k
 
 
 def test_max_completion_tokens_wins_for_chat() -> None:
@@ -211,8 +212,6 @@ def test_max_completion_tokens_wins_for_chat() -> None:
         ({}, list(range(1, 50)) * 3, "maximum context length is 100 tokens"),
         ({}, [], "empty"),
         ({}, [1, 50], "out of vocabulary"),
-        ({"n": 2}, [1], "n=2"),
-        ({"stop": ["\n"]}, [1], "Stop strings"),
         ({"stop_token_ids": [99]}, [1], "stop_token_ids"),
     ],
 )
@@ -222,3 +221,30 @@ def test_sampling_rejections(request_fields: dict[str, object], prompt: list[int
     with pytest.raises(GatewayError) as caught:
         sampling_params(request, prompt, LIMITS)
     assert caught.value.status == 400 and needle in caught.value.message
+
+
+# --- stop strings ---------------------------------------------------------------------------
+
+@given(pieces=st.lists(st.text(alphabet="abc\n", max_size=5), max_size=12),
+       stops=st.lists(st.text(alphabet="abc\n", min_size=1, max_size=3), min_size=1,
+                      max_size=3))
+def test_stop_strings_cut_the_stream_just_before_a_stop(pieces: list[str],
+                                                        stops: list[str]) -> None:
+    whole = "".join(pieces)
+    checker = StopStrings(stops)
+    emitted, found = [], False
+    for piece in pieces:
+        text, found = checker.feed(piece)
+        emitted.append(text)
+        # Nothing emitted so far may contain a stop string.
+        assert not any(stop in "".join(emitted) for stop in stops)
+        if found:
+            break
+    if not found:
+        emitted.append(checker.flush())
+    out = "".join(emitted)
+    assert found == any(stop in whole for stop in stops)
+    if found:  # the text up to a stop string, which is not emitted
+        assert any(whole.startswith(out + stop) for stop in stops)
+    else:
+        assert out == whole

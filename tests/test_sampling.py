@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from services.attention.sampler import sample
+from services.attention.sampler import apply_penalties, filtered_probs, sample
 from services.attention.sequence import Sequence
 from switchyard.messages import GenerateRequest, SamplingParams
 from tests.test_engine_parity import engine_for, greedy, prompts, run_to_completion
@@ -49,17 +49,80 @@ def _seqs(n: int, **kw: object) -> list[Sequence]:
 
 def test_top_p_keeps_only_the_nucleus() -> None:
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(200, 1)
-    tokens = sample(logits, _seqs(200, top_p=0.7, temperature=1.0))
+    tokens = sample(logits, _seqs(200, top_p=0.7, temperature=1.0)).tokens
     assert set(tokens) == {0, 1}  # 0.5 + 0.3 reaches 0.7; 2 and 3 are cut
 
 
 def test_top_k_keeps_only_the_k_best() -> None:
     logits = torch.tensor([[0.0, 3.0, 2.0, 1.0]]).repeat(200, 1)
-    assert set(sample(logits, _seqs(200, top_k=2, temperature=5.0))) == {1, 2}
+    assert set(sample(logits, _seqs(200, top_k=2, temperature=5.0)).tokens) == {1, 2}
 
 
 def test_sampling_follows_the_distribution() -> None:
     probs = torch.tensor([0.6, 0.3, 0.1])
-    tokens = sample(torch.log(probs).repeat(3000, 1), _seqs(3000, temperature=1.0))
+    tokens = sample(torch.log(probs).repeat(3000, 1), _seqs(3000, temperature=1.0)).tokens
     freq = torch.bincount(torch.tensor(tokens), minlength=3).float() / 3000
     assert (freq - probs).abs().max() < 0.04  # > 4 standard errors
+
+
+def test_min_p_keeps_what_transformers_keeps() -> None:
+    from transformers.generation.logits_process import MinPLogitsWarper
+
+    logits = torch.randn(16, 64, generator=torch.Generator().manual_seed(0)) * 3
+    for min_p in (0.05, 0.2, 0.9):
+        ours = filtered_probs(logits, [SamplingParams(min_p=min_p)] * 16) > 0
+        theirs = MinPLogitsWarper(min_p)(None, logits.clone()).isfinite()
+        assert torch.equal(ours, theirs)
+
+
+def test_repetition_penalty_equals_transformers() -> None:
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 64, generator=g) * 3
+    history = torch.randint(0, 64, (4, 12), generator=g)
+    seqs = [Sequence(str(i), history[i].tolist(), 5,
+                     SamplingParams(repetition_penalty=1.7)) for i in range(4)]
+    theirs = RepetitionPenaltyLogitsProcessor(1.7)(history, logits.clone())
+    assert torch.allclose(apply_penalties(logits, seqs), theirs)
+
+
+def test_presence_and_frequency_penalties_follow_openai_formula() -> None:
+    # OpenAI: mu[j] -= c[j] * frequency_penalty + (c[j] > 0) * presence_penalty, where c
+    # counts token j among the generated tokens only (the prompt's 3 tokens do not count).
+    logits = torch.zeros(1, 6)
+    seq = Sequence("p", [5, 5, 5, 1, 1, 2, 1], 3,
+                   SamplingParams(presence_penalty=0.5, frequency_penalty=0.25))
+    got = apply_penalties(logits, [seq])[0]
+    assert got.tolist() == [0.0, -(3 * 0.25 + 0.5), -(0.25 + 0.5), 0.0, 0.0, 0.0]
+
+
+def test_penalties_change_what_greedy_picks() -> None:
+    logits = torch.tensor([[0.0, 5.0, 4.0]])
+    seq = Sequence("p", [0, 1, 1], 1, SamplingParams(temperature=0.0, frequency_penalty=1.0))
+    assert sample(logits, [seq]).tokens == [2]  # 5 - 2 * 1 < 4
+
+
+def test_logprobs_are_the_models_and_rank_the_top_tokens(qwen3_ckpt: tuple) -> None:
+    path, model = qwen3_ckpt
+    prompt = prompts(seed=3, lengths=(7,))[0]
+    engine = engine_for(path)
+    params = SamplingParams(max_tokens=6, temperature=0.8, seed=5, ignore_eos=True, logprobs=3)
+    assert engine.add(GenerateRequest("lp", prompt, params)) is None
+    deltas = []
+    while engine.has_work():
+        deltas += engine.step()
+    tokens = [t for d in deltas for t in d.token_ids]
+    entries = [e for d in deltas for e in (d.logprobs or [])]
+    assert len(entries) == len(tokens) == 6
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt + tokens])).logits[0].log_softmax(-1)  # [L, V]
+    for i, (token, entry) in enumerate(zip(tokens, entries, strict=True)):
+        row = ref[len(prompt) - 1 + i]
+        assert abs(entry.logprob - float(row[token])) < 1e-4
+        top = row.topk(3)
+        assert entry.top_ids == top.indices.tolist()
+        assert torch.allclose(torch.tensor(entry.top_logprobs), top.values, atol=1e-4)
+    first = next(d for d in deltas if d.token_ids)
+    assert first.queue_time_s is not None and first.queue_time_s >= 0
+    assert first.prefill_time_s is not None and first.prefill_time_s > 0

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from switchyard.units import parse_size
 
 ENV_PREFIX = "SWITCHYARD_"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -49,15 +50,6 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     if name not in _DTYPES:
         raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(_DTYPES)}")
     return _DTYPES[name]
-
-
-def parse_size(text: str) -> int:
-    """'512MiB', '2GiB', '1000000' -> bytes."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B?)?\s*", text, re.IGNORECASE)
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MiB, 2GiB)")
-    unit = (m.group(2) or "").upper().rstrip("B").rstrip("I")
-    return int(float(m.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[unit])
 
 
 def parse_addresses(text: str) -> list[tuple[str, int]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -26,6 +27,7 @@ from switchyard.messages import (
     GenerateRequest,
     SamplingParams,
     TokenDelta,
+    TokenLogprobs,
 )
 
 log = logging.getLogger(__name__)
@@ -69,6 +71,7 @@ class Engine:
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings,
                                  cfg.max_position_embeddings, capacity)
         self._seqs: dict[str, Sequence] = {}
+        self.num_aborted = 0
 
     def close(self) -> None:
         self.experts.close()
@@ -80,6 +83,7 @@ class Engine:
             vocab_size=cfg.vocab_size, eos_token_ids=cfg.eos_token_ids,
             dtype=str(self.dtype).removeprefix("torch."),
             num_kv_blocks=self.block_manager.num_blocks, block_size=self.block_manager.block_size,
+            max_num_seqs=self.scheduler.max_num_seqs,
             dispatch_backend=self.config.dispatch_backend,
             expert_services=self.experts.describe(),
         )
@@ -90,7 +94,7 @@ class Engine:
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_blocks_used=bm.num_blocks - bm.num_free_blocks, num_kv_blocks=bm.num_blocks,
             num_preemptions=self.scheduler.num_preemptions,
-            expert_load=self.model.expert_load.tolist(),
+            expert_load=self.model.expert_load.tolist(), num_aborted=self.num_aborted,
         )
 
     def add(self, request: GenerateRequest) -> TokenDelta | None:
@@ -126,6 +130,7 @@ class Engine:
         if seq is None:
             return None
         self.scheduler.finish(seq)
+        self.num_aborted += 1
         return TokenDelta(request_id, [], "abort", seq.num_prompt_tokens)
 
     def fail_all(self, error: str) -> list[TokenDelta]:
@@ -148,18 +153,26 @@ class Engine:
         if not scheduled:  # others have work: join their exchanges with zero rows
             self.experts.idle_step()
             return []
+        now = time.monotonic()
+        for item in scheduled:
+            if item.seq.first_scheduled_time is None:
+                item.seq.first_scheduled_time = now
         batch = build_batch(scheduled, self.block_manager.block_size,
                             self.model_config.sliding_window)
         hidden = self.model.forward(batch, self.kv, self.experts)
         sampling = [s.seq for s in scheduled
                     if s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens]
-        tokens = sample(self.model.logits(hidden[batch.logits_rows]), sampling) if sampling \
-            else []
+        if not sampling:
+            for item in scheduled:
+                item.seq.num_computed_tokens += item.num_new_tokens
+            return []
+        sampled = sample(self.model.logits(hidden[batch.logits_rows]), sampling)
         for item in scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
-        return [self._append(seq, token) for seq, token in zip(sampling, tokens, strict=True)]
+        return [self._append(seq, token, logprobs) for seq, token, logprobs
+                in zip(sampling, sampled.tokens, sampled.logprobs, strict=True)]
 
-    def _append(self, seq: Sequence, token: int) -> TokenDelta:
+    def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> TokenDelta:
         seq.token_ids.append(token)
         p = seq.sampling
         if token in p.stop_token_ids or (token in self.model_config.eos_token_ids
@@ -170,7 +183,13 @@ class Engine:
         if seq.finish_reason:
             self.scheduler.finish(seq)
             del self._seqs[seq.request_id]
-        return TokenDelta(seq.request_id, [token], seq.finish_reason, seq.num_prompt_tokens)
+        queue_s = prefill_s = None
+        if seq.num_output_tokens == 1 and seq.first_scheduled_time is not None:
+            queue_s = seq.first_scheduled_time - seq.arrival_time
+            prefill_s = time.monotonic() - seq.first_scheduled_time
+        return TokenDelta(seq.request_id, [token], seq.finish_reason, seq.num_prompt_tokens,
+                          logprobs=None if logprobs is None else [logprobs],
+                          queue_time_s=queue_s, prefill_time_s=prefill_s)
 
     @torch.inference_mode()
     def score(self, token_ids: list[int]) -> torch.Tensor:

@@ -1,42 +1,98 @@
-"""Next-token sampling: greedy, temperature, top-k, top-p, each row with its own generator."""
+"""Next-token sampling: penalties, greedy, temperature, top-k, top-p, min-p, log-probabilities.
+
+Every row has its own generator, so a seeded request draws the same tokens whatever else
+shares the batch.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from services.attention.sequence import Sequence
+from switchyard.messages import SamplingParams, TokenLogprobs
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """One token per row of logits [S, V] (float32), row i sampled for seqs[i].
+@dataclass(frozen=True)
+class Sampled:
+    """The chosen tokens, and for rows that asked, their log-probabilities."""
 
-    Filters are row-wise and every draw uses the sequence's own generator, so a seeded
-    request gets the same tokens whatever else shares the batch.
-    """
+    tokens: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
+    """One token per row of logits [S, V] (float32), row i sampled for seqs[i]."""
     params = [s.sampling for s in seqs]
-    greedy = torch.tensor([p.temperature == 0.0 for p in params])
+    raw = logits
+    if any(p.penalized for p in params):
+        logits = apply_penalties(logits, seqs)
     tokens = logits.argmax(dim=-1)  # [S]
-    if greedy.all():
-        return tokens.tolist()
-    temps = torch.tensor([p.temperature or 1.0 for p in params], dtype=logits.dtype)
-    probs = _filtered_probs(logits / temps[:, None], params)  # [S, V]
+    greedy = [p.temperature == 0.0 for p in params]
+    if not all(greedy):
+        temps = torch.tensor([p.temperature or 1.0 for p in params], dtype=logits.dtype)
+        probs = filtered_probs(logits / temps[:, None], params)  # [S, V]
+        for i, seq in enumerate(seqs):
+            if not greedy[i]:
+                tokens[i] = torch.multinomial(probs[i], 1, generator=seq.generator)[0]
+    chosen = tokens.tolist()
+    return Sampled(chosen, _logprobs(raw, params, chosen))
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Presence and frequency penalties over each sequence's generated tokens (OpenAI),
+    and the repetition penalty over prompt and generated tokens (HF, vLLM)."""
+    logits = logits.clone()
+    vocab = logits.shape[-1]
     for i, seq in enumerate(seqs):
-        if not greedy[i]:
-            tokens[i] = torch.multinomial(probs[i], 1, generator=seq.generator)[0]
-    return tokens.tolist()
+        p = seq.sampling
+        if not p.penalized:
+            continue
+        row = logits[i]  # [V], a view: edited in place
+        if p.repetition_penalty != 1.0:
+            seen = torch.zeros(vocab, dtype=torch.bool)
+            seen[torch.tensor(seq.token_ids)] = True
+            scaled = torch.where(row > 0, row / p.repetition_penalty,
+                                 row * p.repetition_penalty)
+            row.copy_(torch.where(seen, scaled, row))
+        if p.presence_penalty or p.frequency_penalty:
+            counts = torch.bincount(torch.tensor(seq.output_token_ids, dtype=torch.int64),
+                                    minlength=vocab).to(row.dtype)  # [V]
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    return logits
 
 
-def _filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
-    """Softmax after masking tokens outside each row's top-k and top-p nucleus."""
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Softmax after masking tokens outside each row's top-k, top-p nucleus and min-p."""
     vocab = logits.shape[-1]
     top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
     top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)
+    min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype)
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # [S, V]
     ranks = torch.arange(vocab)[None, :]
     drop = ranks >= top_k[:, None]
     sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
     # Keep the smallest prefix whose mass reaches top_p (always the first token).
     drop |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]
+    # min-p: drop tokens less likely than min_p times the most likely one.
+    drop |= sorted_probs < min_p[:, None] * sorted_probs[:, :1]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     filtered = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     return filtered.softmax(dim=-1)
+
+
+def _logprobs(raw: torch.Tensor, params: list[SamplingParams], chosen: list[int]
+              ) -> list[TokenLogprobs | None]:
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    out: list[TokenLogprobs | None] = [None] * len(params)
+    if not rows:
+        return out
+    logprobs = raw[rows].log_softmax(dim=-1)  # [R, V]
+    k = max(params[i].logprobs or 0 for i in rows)
+    top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0])
+    for j, i in enumerate(rows):
+        n = params[i].logprobs or 0
+        out[i] = TokenLogprobs(float(logprobs[j, chosen[i]]), top_ids[j, :n].long().tolist(),
+                               top_lp[j, :n].tolist())
+    return out

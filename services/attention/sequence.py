@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +37,9 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
     num_sent_tokens: int = 0  # output tokens already reported to the client
+    # time.monotonic() when the request arrived, was first scheduled, got its first token.
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
 
     def __post_init__(self) -> None:
         # Each sequence draws from its own generator, so its samples do not depend on what

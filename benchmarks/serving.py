@@ -1,0 +1,149 @@
+"""Issue 5's tables in one run: Switchyard served vs. transformers `generate()`, and every
+configuration's decode step against this machine's memory-bandwidth floor.
+
+    .venv/bin/python benchmarks/serving.py [--concurrency 1 16 64] [--input-len 128]
+                                           [--output-len 128] [--json FILE]
+
+One run measures the machine (read and copy bandwidth, float32 matmul), then on the
+mid-size random checkpoint of benchmarks/generate.py, with the same fixed-seed prompts:
+
+1. transformers `generate()` with the `c` prompts as one batch (greedy, exactly
+   `--output-len` new tokens), end-to-end output tokens/s;
+2. the engine in-process: median decode step at batch `c` and the bytes that step must
+   read (experts actually hit, dense weights, KV), hence the floor;
+3. `switchyard serve` single-process and distributed (rpc, 2 expert services), loaded by
+   `switchyard bench`'s client at concurrency `c` through HTTP streaming.
+
+Everything is float32 (torch's bf16 matmul is ~100x slower on CPUs without AVX-512 BF16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import httpx
+import torch
+
+from benchmarks.floor import decode_steps, machine
+from benchmarks.generate import bench_transformers, build_checkpoint
+from services.attention.config import AttentionConfig
+from services.attention.engine import Engine
+from switchyard.bench import format_table, make_prompts, run_load, summarize
+from switchyard.serve_process import Served
+
+TOPOLOGIES = [
+    ("switchyard, 1 process", ["--dispatch-backend", "local"]),
+    ("switchyard, attention + 2 expert services (rpc)",
+     ["--dispatch-backend", "rpc", "--expert-services", "2"]),
+]
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def transformers_rows(path: Path, prompts: list[list[int]], levels: list[int],
+                      output_len: int) -> dict[int, float]:
+    from transformers import AutoModelForCausalLM
+
+    log("transformers: loading ...")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    bench_transformers(hf, prompts[:1], 2)  # warm-up
+    out = {}
+    for c in levels:
+        log(f"transformers: batch {c} ...")
+        out[c] = bench_transformers(hf, prompts[:c], output_len)
+    return out
+
+
+def floor_rows(path: Path, levels: list[int], input_len: int, read_gbs: float
+               ) -> dict[int, dict[str, float]]:
+    log("engine in-process: decode steps vs. floor ...")
+    engine = Engine(AttentionConfig(model=path, dtype="float32", kv_cache_memory=1 << 30,
+                                    max_num_batched_tokens=2048))
+    out = {}
+    for c in levels:
+        steps = decode_steps(engine, c, input_len, steps=10)
+        step_s = statistics.median(t for t, _ in steps)
+        nbytes = statistics.median(b for _, b in steps)
+        out[c] = {"step_ms": 1e3 * step_s, "mb_read": nbytes / 1e6,
+                  "floor_ms": 1e3 * nbytes / (read_gbs * 1e9)}
+    engine.close()
+    return out
+
+
+def served_rows(path: Path, flags: list[str], prompts: list[list[int]], levels: list[int],
+                output_len: int) -> dict[int, dict]:
+    out = {}
+    with Served(["--model", str(path), "--kv-cache-memory", "1GiB", *flags],
+                timeout=900) as served:
+        model = httpx.get(f"{served.url}/v1/models").json()["data"][0]["id"]
+        run_load(served.url, model, prompts[:2], 4, 2, None, 1, 0)  # warm-up
+        for c in levels:
+            n = max(c, 4)
+            log(f"  concurrency {c}: {n} requests ...")
+            records, duration = run_load(served.url, model, prompts[:n], output_len, c,
+                                         None, min(4, c), 0)
+            out[c] = summarize(records, duration, c, min(4, c))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/switchyard-bench"))
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--json", type=Path, help="also write every figure as JSON here")
+    args = ap.parse_args()
+    path = build_checkpoint(args.workdir)
+    levels = args.concurrency
+    prompts = make_prompts(max(max(levels), 4), args.input_len, 0.0, 200, seed=0)
+
+    log("measuring the machine ...")
+    m = machine()
+    hf = transformers_rows(path, prompts, levels, args.output_len)
+    gc.collect()
+    floor = floor_rows(path, levels, args.input_len, m["read_gbs"])
+    gc.collect()
+    served = {}
+    for name, flags in TOPOLOGIES:
+        log(f"{name}: starting ...")
+        served[name] = served_rows(path, flags, prompts, levels, args.output_len)
+
+    print(f"machine: read {m['read_gbs']:.1f} GB/s, copy {m['copy_gbs']:.1f} GB/s "
+          f"(read + write), float32 matmul {m['matmul_gflops']:.0f} GFLOP/s; "
+          f"{args.input_len} input + {args.output_len} output tokens, float32\n")
+    print("| concurrency | transformers out tok/s | "
+          + " | ".join(f"{name} out tok/s" for name in served) + " | best / transformers |")
+    print("|---:|---:|" + "---:|" * len(served) + "---:|")
+    for c in levels:
+        tps = [served[name][c]["output_throughput"] for name in served]
+        print(f"| {c} | {hf[c]:.1f} | " + " | ".join(f"{t:.1f}" for t in tps)
+              + f" | {max(tps) / hf[c]:.2f}x |")
+    print("\n| concurrency | MB read per decode step | floor ms | engine step ms (x floor) | "
+          + " | ".join(f"{name} TPOT median ms (x floor)" for name in served) + " |")
+    print("|---:|---:|---:|---:|" + "---:|" * len(served))
+    for c in levels:
+        f = floor[c]
+        tpots = [s[c]["tpot"]["median_ms"] for s in served.values()]
+        cells = [f"{t:.1f} ({t / f['floor_ms']:.2f}x)" for t in tpots]
+        print(f"| {c} | {f['mb_read']:.0f} | {f['floor_ms']:.1f} | "
+              f"{f['step_ms']:.1f} ({f['step_ms'] / f['floor_ms']:.2f}x) | " + " | ".join(cells)
+              + " |")
+    for name, rows in served.items():
+        print(f"\n{name}, through HTTP (switchyard bench client):\n")
+        print(format_table([rows[c] for c in levels]))
+    if args.json:
+        args.json.write_text(json.dumps({"machine": m, "transformers": hf, "floor": floor,
+                                         "served": served}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

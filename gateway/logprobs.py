@@ -1,0 +1,52 @@
+"""Engine log-probabilities in the two OpenAI shapes (chat and legacy completions)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from gateway.openai_protocol import (
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    TopLogprob,
+)
+from gateway.tokenizer import Tokenizer
+from switchyard.messages import TokenLogprobs
+
+
+def token_text(tokenizer: Tokenizer | None, token_id: int) -> str:
+    """How one token reads on its own; without a tokenizer, vLLM's `token_id:N` form."""
+    if tokenizer is None:
+        return f"token_id:{token_id}"
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def chat_logprobs(tokenizer: Tokenizer | None, token_ids: Sequence[int],
+                  entries: Sequence[TokenLogprobs]) -> ChatLogprobs:
+    def top(token_id: int, logprob: float) -> TopLogprob:
+        text = token_text(tokenizer, token_id)
+        return TopLogprob(text, logprob, list(text.encode()))
+
+    content = []
+    for token_id, entry in zip(token_ids, entries, strict=True):
+        text = token_text(tokenizer, token_id)
+        content.append(ChatTokenLogprob(
+            text, entry.logprob, list(text.encode()),
+            [top(i, lp) for i, lp in zip(entry.top_ids, entry.top_logprobs, strict=True)]))
+    return ChatLogprobs(content)
+
+
+def completion_logprobs(tokenizer: Tokenizer | None, token_ids: Sequence[int],
+                        entries: Sequence[TokenLogprobs], offset: int = 0
+                        ) -> CompletionLogprobs:
+    """`offset`: where the first token's text starts in the choice's whole text."""
+    out = CompletionLogprobs([], [], [], [])
+    for token_id, entry in zip(token_ids, entries, strict=True):
+        text = token_text(tokenizer, token_id)
+        out.text_offset.append(offset)
+        out.tokens.append(text)
+        out.token_logprobs.append(entry.logprob)
+        out.top_logprobs.append({token_text(tokenizer, i): lp for i, lp
+                                 in zip(entry.top_ids, entry.top_logprobs, strict=True)})
+        offset += len(text)
+    return out

@@ -1,0 +1,105 @@
+"""Prometheus metrics: the series vLLM's operators already graph, under `switchyard:`.
+
+Latencies are observed per choice as its tokens stream through the gateway; engine-side
+timings (queue, prefill) arrive on the first token's delta. Gauges of the engine's state
+are read from the engine when scraped, so they are never stale.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from switchyard.messages import EngineStats, TokenDelta
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                1.0, 2.5, 5.0, 10.0, 20.0, 80.0)
+
+
+class Metrics:
+    """Every series of one gateway, in its own registry, labelled with the model name."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = r = CollectorRegistry()
+        m = ["model_name"]
+        self._model = model_name
+        self.running = Gauge("switchyard:num_requests_running",
+                             "Requests in the engine's running batch.", m, registry=r)
+        self.waiting = Gauge("switchyard:num_requests_waiting",
+                             "Requests waiting to be scheduled.", m, registry=r)
+        self.kv_usage = Gauge("switchyard:kv_cache_usage_perc",
+                              "Fraction of KV-cache blocks in use (1 = full).", m, registry=r)
+        self.prompt_tokens = Counter("switchyard:prompt_tokens",
+                                     "Prompt tokens of accepted requests.", m, registry=r)
+        self.generation_tokens = Counter("switchyard:generation_tokens",
+                                         "Generated tokens.", m, registry=r)
+        self.finished = Counter("switchyard:request_success", "Finished choices.",
+                                [*m, "finished_reason"], registry=r)
+        self.rejected = Counter("switchyard:request_rejected",
+                                "Requests refused because the queue was full.", m, registry=r)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...] = _LATENCY_BUCKETS
+                      ) -> Histogram:
+            return Histogram(f"switchyard:{name}_seconds", doc, m, buckets=buckets,
+                             registry=r)
+
+        self.ttft = histogram("time_to_first_token", "Arrival to first token.")
+        self.itl = histogram("inter_token_latency", "Time between tokens.", _ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency", "Arrival to last token.")
+        self.queue = histogram("request_queue_time", "Time waiting to be scheduled.")
+        self.prefill = histogram("request_prefill_time", "First scheduled to first token.")
+        self.decode = histogram("request_decode_time", "First token to last token.")
+
+    def request_started(self, prompt_tokens: int) -> RequestTimer:
+        self.prompt_tokens.labels(self._model).inc(prompt_tokens)
+        return RequestTimer(self)
+
+    def render(self, stats: EngineStats | None) -> bytes:
+        """The text exposition; engine gauges come from `stats` when the engine answered."""
+        if stats is not None:
+            self.running.labels(self._model).set(stats.num_running)
+            self.waiting.labels(self._model).set(stats.num_waiting)
+            self.kv_usage.labels(self._model).set(stats.kv_blocks_used
+                                                  / max(stats.num_kv_blocks, 1))
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Observes one choice's latencies as its engine deltas arrive."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._m = metrics
+        self._start = self._last = time.monotonic()
+        self._first: float | None = None
+        self._done = False
+
+    def on_delta(self, delta: TokenDelta) -> None:
+        m, model, now = self._m, self._m._model, time.monotonic()
+        if delta.token_ids:
+            m.generation_tokens.labels(model).inc(len(delta.token_ids))
+            if self._first is None:
+                self._first = now
+                m.ttft.labels(model).observe(now - self._start)
+            else:
+                m.itl.labels(model).observe(now - self._last)
+            self._last = now
+        if delta.queue_time_s is not None:
+            m.queue.labels(model).observe(delta.queue_time_s)
+        if delta.prefill_time_s is not None:
+            m.prefill.labels(model).observe(delta.prefill_time_s)
+        if delta.finish_reason is not None:
+            self.finish(delta.finish_reason)
+
+    def finish(self, reason: str) -> None:
+        """Count the choice as ended (once), with its end-to-end and decode time."""
+        if self._done:
+            return
+        self._done = True
+        m, model, now = self._m, self._m._model, time.monotonic()
+        m.finished.labels(model, reason).inc()
+        m.e2e.labels(model).observe(now - self._start)
+        if self._first is not None:
+            m.decode.labels(model).observe(self._last - self._first)
