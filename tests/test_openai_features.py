@@ -1,0 +1,271 @@
+"""Every request feature of the OpenAI surface, through the official `openai` client,
+streaming and not, against `switchyard serve` running as real processes."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import anyio
+import httpx
+import openai
+import pytest
+import torch
+
+from switchyard.messages import AbortRequest
+from switchyard.rpc import connect, parse_address
+from switchyard.serve_process import Served
+from tests.test_engine_parity import prompts, reference_greedy
+
+pytestmark = pytest.mark.timeout(300)
+ARITH = "123+456="
+
+
+@pytest.fixture(scope="module")
+def demo() -> Iterator[Served]:
+    """The bundled model, with its tokenizer and chat template."""
+    with Served([]) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def tiny(qwen3_ckpt: tuple) -> Iterator[tuple[Served, object]]:
+    """The tiny transformers-built Qwen3-MoE: token-id prompts, transformers as the oracle."""
+    path, model = qwen3_ckpt
+    with Served(["--model", str(path)]) as served:
+        yield served, model
+
+
+def client(served: Served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0,
+                         timeout=60)
+
+
+def model_id(served: Served) -> str:
+    return httpx.get(f"{served.url}/v1/models").json()["data"][0]["id"]
+
+
+def streamed_texts(chunks: object, chat: bool) -> dict[int, str]:
+    """Choice index -> concatenated text of a stream."""
+    out: dict[int, str] = {}
+    for chunk in chunks:  # type: ignore[attr-defined]
+        for choice in chunk.choices:
+            piece = choice.delta.content if chat else choice.text
+            out[choice.index] = out.get(choice.index, "") + (piece or "")
+    return out
+
+
+SAMPLING = dict(temperature=1.3, top_p=0.9, seed=7, max_tokens=40, presence_penalty=0.3,
+                frequency_penalty=0.2,
+                extra_body={"top_k": 50, "min_p": 0.05, "ignore_eos": True,
+                            "repetition_penalty": 1.1})
+
+
+def test_seeded_completion_reproduces_and_stream_equals_non_stream(demo: Served) -> None:
+    c, m = client(demo), model_id(demo)
+    first = c.completions.create(model=m, prompt=ARITH, **SAMPLING)
+    again = c.completions.create(model=m, prompt=ARITH, **SAMPLING)
+    assert first.choices[0].text == again.choices[0].text
+    assert first.usage.completion_tokens == 40 and first.choices[0].finish_reason == "length"
+    stream = c.completions.create(model=m, prompt=ARITH, stream=True, **SAMPLING)
+    assert streamed_texts(stream, chat=False) == {0: first.choices[0].text}
+    other = c.completions.create(model=m, prompt=ARITH, **{**SAMPLING, "seed": 8})
+    assert other.choices[0].text != first.choices[0].text  # 40 tokens at temperature 1.3
+
+
+def test_seeded_chat_stream_equals_non_stream(demo: Served) -> None:
+    c, m = client(demo), model_id(demo)
+    messages = [{"role": "user", "content": ARITH}]
+    whole = c.chat.completions.create(model=m, messages=messages, **SAMPLING)
+    stream = c.chat.completions.create(model=m, messages=messages, stream=True, **SAMPLING)
+    assert streamed_texts(stream, chat=True) == {0: whole.choices[0].message.content}
+
+
+def test_n_choices_streaming_and_not(demo: Served) -> None:
+    c, m = client(demo), model_id(demo)
+    messages = [{"role": "user", "content": ARITH}]
+    kw = dict(model=m, messages=messages, n=3, seed=11, temperature=1.0, max_tokens=24,
+              extra_body={"ignore_eos": True})
+    whole = c.chat.completions.create(**kw)
+    assert [ch.index for ch in whole.choices] == [0, 1, 2]
+    texts = [ch.message.content for ch in whole.choices]
+    assert len(set(texts)) > 1
+    assert whole.usage.completion_tokens == 3 * 24
+    assert all(ch.finish_reason == "length" for ch in whole.choices)
+    chunks = list(c.chat.completions.create(**kw, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert streamed_texts(chunks, chat=True) == dict(enumerate(texts))
+    assert chunks[-1].usage.completion_tokens == 3 * 24
+    finishes = {ch.index: ch.finish_reason for chunk in chunks for ch in chunk.choices
+                if ch.finish_reason}
+    assert finishes == {0: "length", 1: "length", 2: "length"}
+    single = c.chat.completions.create(**{**kw, "n": 1})
+    assert single.choices[0].message.content == texts[0]  # choice i uses seed + i
+    completions = c.completions.create(model=m, prompt=ARITH, n=2, seed=3, max_tokens=10,
+                                       temperature=1.0)
+    assert [ch.index for ch in completions.choices] == [0, 1]
+
+
+def _greedy_text(c: openai.OpenAI, m: str) -> str:
+    text = c.completions.create(model=m, prompt=ARITH, temperature=0, max_tokens=40,
+                                extra_body={"ignore_eos": True}).choices[0].text
+    assert len(text) >= 12, text
+    return text
+
+
+def test_stop_strings_cut_before_the_stop_streaming_and_not(demo: Served) -> None:
+    c, m = client(demo), model_id(demo)
+    text = _greedy_text(c, m)
+    stop = text[6:9]
+    want = text[:text.find(stop)]
+    for stops in (stop, [stop, "never-there"]):
+        kw = dict(model=m, prompt=ARITH, temperature=0, max_tokens=40, stop=stops,
+                  extra_body={"ignore_eos": True})
+        whole = c.completions.create(**kw)
+        assert whole.choices[0].text == want
+        assert whole.choices[0].finish_reason == "stop"
+        chunks = list(c.completions.create(**kw, stream=True))
+        pieces = [ch.choices[0].text for ch in chunks if ch.choices]
+        assert "".join(pieces) == want
+        assert chunks[-1].choices[0].finish_reason == "stop"
+    # A stop string that never appears changes nothing.
+    none = c.completions.create(model=m, prompt=ARITH, temperature=0, max_tokens=40,
+                                stop=["never-there"], extra_body={"ignore_eos": True})
+    assert none.choices[0].text == text and none.choices[0].finish_reason == "length"
+
+
+def test_stop_token_ids_and_ignore_eos(tiny: tuple) -> None:
+    served, model = tiny
+    c, m = client(served), model_id(served)
+    prompt = prompts(seed=21, lengths=(6,))[0]
+    want = reference_greedy(model, prompt, 16)
+    stop_id = want[5]
+    cut = want.index(stop_id) + 1
+    r = c.completions.create(model=m, prompt=prompt, temperature=0, max_tokens=16,
+                             extra_body={"stop_token_ids": [stop_id], "ignore_eos": True,
+                                         "return_token_ids": True})
+    assert r.choices[0].token_ids == want[:cut]  # type: ignore[attr-defined]
+    assert r.choices[0].finish_reason == "stop"
+    full = c.completions.create(model=m, prompt=prompt, temperature=0, max_tokens=16,
+                                extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert full.choices[0].token_ids == want  # type: ignore[attr-defined]
+    assert full.choices[0].finish_reason == "length"
+
+
+def test_completion_logprobs_equal_transformers(tiny: tuple) -> None:
+    served, model = tiny
+    c, m = client(served), model_id(served)
+    prompt = prompts(seed=22, lengths=(9,))[0]
+    for stream in (False, True):
+        r = c.completions.create(model=m, prompt=prompt, temperature=0, max_tokens=6,
+                                 logprobs=3, stream=stream,
+                                 extra_body={"ignore_eos": True, "return_token_ids": True})
+        chunks = list(r) if stream else [r]
+        tokens = [t for ch in chunks for choice in ch.choices for t in choice.token_ids or []]
+        lps = [choice.logprobs for ch in chunks for choice in ch.choices if choice.logprobs]
+        token_logprobs = [x for lp in lps for x in lp.token_logprobs]
+        top = [x for lp in lps for x in lp.top_logprobs]
+        assert [s for lp in lps for s in lp.tokens] == [f"token_id:{t}" for t in tokens]
+        with torch.no_grad():
+            ref = model(torch.tensor([prompt + tokens])).logits[0].log_softmax(-1)
+        for i, token in enumerate(tokens):
+            row = ref[len(prompt) - 1 + i]
+            assert abs(token_logprobs[i] - float(row[token])) < 1e-4
+            best = row.topk(3)
+            assert list(top[i]) == [f"token_id:{t}" for t in best.indices.tolist()]
+            assert max(abs(a - b) for a, b in zip(top[i].values(), best.values.tolist(),
+                                                  strict=True)) < 1e-4
+
+
+def test_chat_logprobs_and_max_completion_tokens(demo: Served) -> None:
+    c, m = client(demo), model_id(demo)
+    messages = [{"role": "user", "content": ARITH}]
+    for stream in (False, True):
+        r = c.chat.completions.create(model=m, messages=messages, temperature=0,
+                                      max_completion_tokens=5, logprobs=True, top_logprobs=2,
+                                      stream=stream, extra_body={"ignore_eos": True})
+        if stream:
+            entries = [e for ch in r for choice in ch.choices if choice.logprobs
+                       for e in choice.logprobs.content]
+        else:
+            assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+            entries = r.choices[0].logprobs.content
+        assert len(entries) == 5
+        for e in entries:  # greedy: the chosen token is the most likely one
+            assert len(e.top_logprobs) == 2
+            assert e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
+            assert e.logprob == pytest.approx(e.top_logprobs[0].logprob)
+            assert e.token == e.top_logprobs[0].token and e.logprob <= 0
+
+
+def test_echo_prepends_the_prompt(demo: Served) -> None:
+    c, m = client(demo), model_id(demo)
+    whole = c.completions.create(model=m, prompt=ARITH, echo=True, temperature=0,
+                                 max_tokens=8)
+    plain = c.completions.create(model=m, prompt=ARITH, temperature=0, max_tokens=8)
+    assert whole.choices[0].text == ARITH + plain.choices[0].text
+    chunks = c.completions.create(model=m, prompt=ARITH, echo=True, temperature=0,
+                                  max_tokens=8, stream=True)
+    assert streamed_texts(chunks, chat=False) == {0: whole.choices[0].text}
+
+
+def test_unknown_fields_are_ignored(demo: Served) -> None:
+    c, m = client(demo), model_id(demo)
+    r = c.completions.create(model=m, prompt=ARITH, max_tokens=4, temperature=0,
+                             extra_body={"best_of_everything": 3, "guided_json": {"a": 1}})
+    assert r.choices[0].text == c.completions.create(model=m, prompt=ARITH, max_tokens=4,
+                                                     temperature=0).choices[0].text
+
+
+def test_errors_have_vllm_status_and_param(demo: Served) -> None:
+    c, m = client(demo), model_id(demo)
+    with pytest.raises(openai.NotFoundError):
+        c.completions.create(model="no-such-model", prompt=ARITH)
+    with pytest.raises(openai.BadRequestError) as bad:
+        c.completions.create(model=m, prompt=ARITH, temperature=-1)
+    assert bad.value.param == "temperature"
+    with pytest.raises(openai.BadRequestError) as long:
+        c.completions.create(model=m, prompt="1+1=" * 40, max_tokens=4)
+    assert "maximum context length is 128 tokens" in long.value.message
+    with pytest.raises(openai.BadRequestError) as room:
+        c.completions.create(model=m, prompt=ARITH, max_tokens=1000)
+    assert room.value.param == "max_tokens"
+    huge = b'{"prompt": "' + b"1" * (17 << 20) + b'"}'
+    r = httpx.post(f"{demo.url}/v1/completions", content=huge, timeout=60,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413
+
+
+def test_an_engine_side_abort_ends_the_stream_with_finish_reason_abort(demo: Served) -> None:
+    c, m = client(demo), model_id(demo)
+    address = httpx.get(f"{demo.url}/health").json()["attention"][0]["address"]
+    stream = c.completions.create(model=m, prompt=ARITH, max_tokens=100, temperature=1.0,
+                                  stream=True, extra_body={"ignore_eos": True})
+    first = next(iter(stream))
+
+    async def abort() -> None:
+        frames = await connect(*parse_address(address), timeout=10)
+        await frames.send(AbortRequest(first.id))  # an operator's abort, by request id
+        await frames.aclose()
+
+    anyio.run(abort)
+    finishes = [ch.choices[0].finish_reason for ch in stream if ch.choices]
+    assert finishes[-1] == "abort"
+
+
+def test_metrics_expose_the_operator_series(demo: Served) -> None:
+    c, m = client(demo), model_id(demo)
+    c.completions.create(model=m, prompt=ARITH, max_tokens=3, temperature=0)
+    text = httpx.get(f"{demo.url}/metrics").text
+    label = f'model_name="{m}"'
+    for series in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                   "prompt_tokens_total", "generation_tokens_total",
+                   "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
+                   "e2e_request_latency_seconds_bucket", "request_queue_time_seconds_bucket",
+                   "request_prefill_time_seconds_bucket", "request_decode_time_seconds_bucket"):
+        lines = [ln for ln in text.splitlines() if ln.startswith(f"switchyard:{series}")]
+        assert lines and all(label in ln for ln in lines), series
+    count = next(ln for ln in text.splitlines()
+                 if ln.startswith("switchyard:e2e_request_latency_seconds_count"))
+    assert float(count.split()[-1]) >= 1
+    assert json.loads(httpx.get(f"{demo.url}/stats").text)["num_running"] == 0
