@@ -91,6 +91,10 @@ class ExpertsClient(Protocol):
         """One line per expert rank reached (for health reports)."""
         ...
 
+    def ready(self) -> bool:
+        """Whether every expert rank can still be reached (for /health)."""
+        ...
+
     def close(self) -> None:
         """Release connections and threads."""
         ...
@@ -106,6 +110,9 @@ class PointToPoint:
 
     def idle_step(self) -> None:
         pass
+
+    def ready(self) -> bool:
+        return True
 
     def close(self) -> None:
         pass

@@ -95,11 +95,17 @@ class RpcExperts(PointToPoint):
         async def one(rank: int) -> None:
             ys[rank] = await self._call(rank, layer, parts[rank], counts[rank])
 
-        async with anyio.create_task_group() as tg:
-            for rank, part in enumerate(parts):
-                if part.shape[0]:
-                    tg.start_soon(one, rank)
+        try:
+            async with anyio.create_task_group() as tg:
+                for rank, part in enumerate(parts):
+                    if part.shape[0]:
+                        tg.start_soon(one, rank)
+        except* ExpertRankError as group:
+            raise min(group.exceptions, key=str) from None  # the lowest rank's message
         return ys
+
+    def ready(self) -> bool:
+        return all(conn is not None for conn in self._conns)
 
     async def _call(self, rank: int, layer: int, x: torch.Tensor, counts: list[int]
                     ) -> torch.Tensor:

@@ -134,6 +134,10 @@ class TorchExperts:
                 for r, experts in enumerate(map(self.placement.local_experts,
                                                 range(self.world.num_experts)))]
 
+    def ready(self) -> bool:
+        # A dead rank breaks the collective: the next step fails and its requests get 503.
+        return dist.is_initialized()
+
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -51,9 +51,9 @@ class EnginePool:
             raise engine_unavailable("not connected to any attention service")
         return await min(ready, key=lambda c: c.num_in_flight).start(request)
 
-    async def stats(self) -> EngineStats:
+    async def stats(self, timeout: float = 10.0) -> EngineStats:
         """Counters summed over the groups (expert load elementwise)."""
-        parts = [await c.stats() for c in self.clients]
+        parts = [await c.stats(timeout) for c in self.clients]
         return EngineStats(
             num_running=sum(s.num_running for s in parts),
             num_waiting=sum(s.num_waiting for s in parts),
@@ -61,6 +61,7 @@ class EnginePool:
             num_kv_blocks=sum(s.num_kv_blocks for s in parts),
             num_preemptions=sum(s.num_preemptions for s in parts),
             num_aborted=sum(s.num_aborted for s in parts),
+            experts_ready=all(s.experts_ready for s in parts),
             expert_load=[[sum(col) for col in zip(*rows, strict=True)]
                          for rows in zip(*(s.expert_load for s in parts), strict=True)],
         )

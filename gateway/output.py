@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.engine_client import Generation
-from gateway.errors import bad_request
+from gateway.errors import bad_request, engine_unavailable
 from gateway.metrics import RequestTimer
 from switchyard.messages import TokenLogprobs
 
@@ -65,6 +65,8 @@ async def outputs(generation: Generation, detokenizer: IncrementalDetokenizer,
     async for delta in generation:
         timer.on_delta(delta)
         if delta.finish_reason == "error":
+            if delta.retryable:
+                raise engine_unavailable(delta.error or "the engine failed the request")
             raise bad_request(delta.error or "The engine rejected the request.")
         text_ids = delta.token_ids
         if delta.finish_reason == "stop" and text_ids and text_ids[-1] in stop_token_ids:

@@ -72,7 +72,9 @@ class TokenDelta(msgspec.Struct, frozen=True, tag=True):
     """Attention leader -> gateway: new tokens of one sequence, and whether it ended.
 
     `error` is set (with finish_reason "error") when the engine rejected the request,
-    e.g. a prompt longer than the model's context. `logprobs` has one entry per token when
+    e.g. a prompt longer than the model's context; `retryable` marks errors that are the
+    service's fault, not the request's (an expert rank failed). `logprobs` has one entry
+    per token when
     the request asked for them. The delta with a request's first token carries how long it
     waited to be scheduled and how long its prefill took.
     """
@@ -82,6 +84,7 @@ class TokenDelta(msgspec.Struct, frozen=True, tag=True):
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     error: str | None = None
+    retryable: bool = False
     logprobs: list[TokenLogprobs] | None = None
     queue_time_s: float | None = None
     prefill_time_s: float | None = None
@@ -124,6 +127,7 @@ class EngineStats(msgspec.Struct, frozen=True, tag=True):
     num_preemptions: int
     expert_load: list[list[int]]
     num_aborted: int = 0  # requests aborted (client gone) since start
+    experts_ready: bool = True  # every expert rank still reachable
 
 
 class Tensor(msgspec.Struct, frozen=True):

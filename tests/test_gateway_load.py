@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -122,3 +124,22 @@ def test_overload_gets_429_fast_while_accepted_requests_finish_and_health_answer
         r = httpx.post(f"{served.url}/v1/completions", timeout=60,
                        json={**_body(model, ps[0], False), "max_tokens": 4})
         assert r.status_code == 200
+
+
+def test_a_hung_expert_service_is_a_503_not_a_client_error(qwen3_ckpt: tuple) -> None:
+    path: Path = qwen3_ckpt[0]
+    with Served(["--model", str(path), "--dispatch-backend", "rpc", "--expert-services", "2",
+                 "--expert-timeout", "2"]) as served:
+        model = httpx.get(f"{served.url}/v1/models").json()["data"][0]["id"]
+        body = {**_body(model, [1, 2, 3], False), "max_tokens": 4}
+        assert httpx.post(f"{served.url}/v1/completions", json=body, timeout=60).is_success
+        expert = next(pid for pid in served.children
+                      if b"expert" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"))
+        # Stopped, not killed: `switchyard serve` takes the whole tree down when a child exits.
+        os.kill(expert, signal.SIGSTOP)
+        r = httpx.post(f"{served.url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 503, r.text
+        assert "expert rank" in r.json()["error"]["message"]
+        health = httpx.get(f"{served.url}/health", timeout=30)
+        assert health.status_code == 503 and "expert" in health.json()["error"]["message"]
+        os.kill(expert, signal.SIGCONT)  # so that it can stop cleanly

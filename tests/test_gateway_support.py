@@ -17,8 +17,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from switchyard.messages import (
     AbortRequest,
     EngineInfo,
+    EngineStats,
     GenerateRequest,
     InfoRequest,
+    StatsRequest,
     TokenDelta,
 )
 from switchyard.rpc import FrameStream
@@ -145,6 +147,8 @@ class FakeEngine:
                     message = await frames.receive()
                     if isinstance(message, InfoRequest):
                         await frames.send(self.info)
+                    elif isinstance(message, StatsRequest):
+                        await frames.send(EngineStats(0, 0, 0, self.info.num_kv_blocks, 0, []))
                     elif isinstance(message, GenerateRequest):
                         tg.start_soon(self._reply, frames, message)
                     elif isinstance(message, AbortRequest):

@@ -95,6 +95,7 @@ class Engine:
             kv_blocks_used=bm.num_blocks - bm.num_free_blocks, num_kv_blocks=bm.num_blocks,
             num_preemptions=self.scheduler.num_preemptions,
             expert_load=self.model.expert_load.tolist(), num_aborted=self.num_aborted,
+            experts_ready=self.experts.ready(),
         )
 
     def add(self, request: GenerateRequest) -> TokenDelta | None:
@@ -139,7 +140,8 @@ class Engine:
         for request_id in list(self._seqs):
             seq = self._seqs.pop(request_id)
             self.scheduler.finish(seq)
-            deltas.append(TokenDelta(request_id, [], "error", seq.num_prompt_tokens, error))
+            deltas.append(TokenDelta(request_id, [], "error", seq.num_prompt_tokens, error,
+                                     retryable=True))
         return deltas
 
     def has_work(self) -> bool:
