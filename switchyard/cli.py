@@ -25,6 +25,11 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                         "local, which keeps the experts inside the attention service)")
     p.add_argument("--attention-groups", type=int, default=int(env("ATTENTION_GROUPS", "1")),
                    help="attention services sharing the expert services (data parallel)")
+    p.add_argument("--max-queued-requests", default=env("MAX_QUEUED_REQUESTS", "256"),
+                   help="gateway: requests that may wait beyond what the engines run at "
+                        "once; more get 429")
+    p.add_argument("--max-request-body-size", default=env("MAX_REQUEST_BODY_SIZE", "16MiB"),
+                   help="gateway: larger request bodies get 413")
     add_engine_flags(p, default_backend="rpc")
 
 

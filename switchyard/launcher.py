@@ -198,7 +198,9 @@ def _start_services(args: argparse.Namespace, model: Path, name: str,
     [http_port] = children.start_all([("gateway", [
         "gateway", "--model", str(model), "--served-model-name", name,
         "--engine", ",".join(f"127.0.0.1:{p}" for p in engine_ports),
-        "--host", args.host, "--port", str(args.port)])], timeout)
+        "--host", args.host, "--port", str(args.port),
+        "--max-queued-requests", args.max_queued_requests,
+        "--max-request-body-size", args.max_request_body_size])], timeout)
     url = f"http://{args.host}:{http_port}"
     _wait_healthy(f"{url}/health", children, timeout)
     return url

@@ -83,8 +83,9 @@ def test_overload_gets_429_fast_while_accepted_requests_finish_and_health_answer
         qwen3_ckpt: tuple) -> None:
     path: Path = qwen3_ckpt[0]
     # Two run at once and two may wait: 4 places; the rest of a 40-request flood is refused.
-    env = {"SWITCHYARD_MAX_QUEUED_REQUESTS": "2", "SWITCHYARD_RETRY_AFTER": "3"}
-    with Served(["--model", str(path), "--max-num-seqs", "2"], env=env) as served:
+    env = {"SWITCHYARD_RETRY_AFTER": "3"}  # a gateway-only flag, set from the environment
+    with Served(["--model", str(path), "--max-num-seqs", "2", "--max-queued-requests", "2"],
+                env=env) as served:
         model = httpx.get(f"{served.url}/v1/models").json()["data"][0]["id"]
         ps = prompts(seed=41, lengths=(6,) * 40)
 

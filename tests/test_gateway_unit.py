@@ -248,3 +248,17 @@ def test_stop_strings_cut_the_stream_just_before_a_stop(pieces: list[str],
         assert any(whole.startswith(out + stop) for stop in stops)
     else:
         assert out == whole
+
+
+def test_bundled_byte_level_tokenizer_streams_multibyte_characters_whole() -> None:
+    from switchyard.demo_model import DEFAULT_MODEL
+
+    tokenizer = Tokenizer.load(DEFAULT_MODEL)
+    assert tokenizer is not None
+    text = "héllo wörld 你好 🚀 = 42"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) > len(text)  # several tokens per character: splits really happen
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    pieces = [detokenizer.add([i]) for i in ids]
+    assert not any("\ufffd" in p for p in pieces)
+    assert "".join(pieces) + detokenizer.flush() == text
