@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from functools import partial
 
 import anyio
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -26,8 +27,13 @@ from gateway.errors import (
     handle_unexpected,
 )
 from gateway.openai_protocol import ModelCard, ModelList
+from gateway.openapi import openapi_json
 from gateway.serving import Serving, json_response
+from gateway.tokenization import detokenize, tokenize
 from gateway.tokenizer import Tokenizer
+from gateway.version import show_version
+
+HEALTH_TIMEOUT_S = 5.0
 
 
 async def list_models(serving: Serving, _: Request) -> Response:
@@ -47,7 +53,22 @@ async def health(serving: Serving, _: Request) -> Response:
     the body lists each backing service."""
     if serving.engine.info is None:
         return engine_unavailable("not connected to every attention service").response()
+    try:
+        stats = await serving.engine.stats(timeout=HEALTH_TIMEOUT_S)  # alive, not connected
+    except GatewayError as exc:
+        return exc.response()
+    if not stats.experts_ready:
+        return engine_unavailable("an expert service is unreachable").response()
     return json_response({"status": "ok", "attention": serving.engine.status()})
+
+
+async def metrics(serving: Serving, _: Request) -> Response:
+    """GET /metrics: Prometheus text format; engine gauges are read now (skipped if down)."""
+    try:
+        stats = await serving.engine.stats() if serving.engine.info is not None else None
+    except GatewayError:
+        stats = None
+    return Response(serving.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
 
 
 async def stats(serving: Serving, _: Request) -> Response:
@@ -73,6 +94,11 @@ def build_app(config: GatewayConfig, engine_client: EnginePool,
         Route("/v1/models", partial(list_models, serving), methods=["GET"]),
         Route("/health", partial(health, serving), methods=["GET"]),
         Route("/stats", partial(stats, serving), methods=["GET"]),
+        Route("/tokenize", partial(tokenize, serving), methods=["POST"]),
+        Route("/detokenize", partial(detokenize, serving), methods=["POST"]),
+        Route("/version", show_version, methods=["GET"]),
+        Route("/openapi.json", openapi_json, methods=["GET"]),
+        Route("/metrics", partial(metrics, serving), methods=["GET"]),
     ]
     handlers = {
         GatewayError: handle_gateway_error,

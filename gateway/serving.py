@@ -122,6 +122,8 @@ class Serving:
             raw = msgspec.json.decode(await self.read_body(request))
         except msgspec.DecodeError as exc:
             raise bad_request(f"Invalid JSON in request body: {exc}") from None
+        except RecursionError:
+            raise bad_request("The request body is nested too deeply.") from None
         if not isinstance(raw, dict):
             raise bad_request("The request body must be a JSON object.")
         self._note_unknown_fields(raw, kind)

@@ -126,3 +126,16 @@ def test_logprobs_are_the_models_and_rank_the_top_tokens(qwen3_ckpt: tuple) -> N
     first = next(d for d in deltas if d.token_ids)
     assert first.queue_time_s is not None and first.queue_time_s >= 0
     assert first.prefill_time_s is not None and first.prefill_time_s > 0
+
+
+def test_extreme_parameters_never_break_the_batch() -> None:
+    # Found by the gateway fuzz test: these once made NaN probabilities and failed the step.
+    logits = torch.randn(5, 32, generator=torch.Generator().manual_seed(4)) * 4
+    extreme = [dict(temperature=5e-324), dict(top_p=5e-324), dict(top_p=1e-306),
+               dict(repetition_penalty=5e-324), dict(min_p=1.0, temperature=1e30)]
+    seqs = [Sequence(str(i), [1, 2, 3], 2, SamplingParams(seed=i, **kw))  # type: ignore[arg-type]
+            for i, kw in enumerate(extreme)]
+    tokens = sample(logits, seqs).tokens
+    assert all(0 <= t < 32 for t in tokens)
+    # A tiny temperature or top_p means: the most likely token.
+    assert tokens[:3] == logits[:3].argmax(dim=-1).tolist()

@@ -13,6 +13,9 @@ import torch
 from services.attention.sequence import Sequence
 from switchyard.messages import SamplingParams, TokenLogprobs
 
+# Temperatures below this are greedy (as in vLLM): dividing by them overflows float32.
+GREEDY_BELOW = 1e-5
+
 
 @dataclass(frozen=True)
 class Sampled:
@@ -27,12 +30,18 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
     params = [s.sampling for s in seqs]
     raw = logits
     if any(p.penalized for p in params):
-        logits = apply_penalties(logits, seqs)
+        logits = _finite(apply_penalties(logits, seqs))
     tokens = logits.argmax(dim=-1)  # [S]
-    greedy = [p.temperature == 0.0 for p in params]
+    greedy = [p.temperature < GREEDY_BELOW for p in params]
     if not all(greedy):
-        temps = torch.tensor([p.temperature or 1.0 for p in params], dtype=logits.dtype)
-        probs = filtered_probs(logits / temps[:, None], params)  # [S, V]
+        temps = torch.tensor([max(p.temperature, GREEDY_BELOW) for p in params],
+                             dtype=logits.dtype)
+        probs = filtered_probs(_finite(logits / temps[:, None]), params)  # [S, V]
+        # Extreme parameters must cost their own request its randomness, never the batch.
+        broken = ~(probs.isfinite().all(dim=-1) & (probs.sum(dim=-1) > 0))
+        if broken.any():
+            probs[broken] = torch.nn.functional.one_hot(tokens[broken], probs.shape[-1]).to(
+                probs.dtype)
         for i, seq in enumerate(seqs):
             if not greedy[i]:
                 tokens[i] = torch.multinomial(probs[i], 1, generator=seq.generator)[0]
@@ -77,9 +86,15 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     drop |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]
     # min-p: drop tokens less likely than min_p times the most likely one.
     drop |= sorted_probs < min_p[:, None] * sorted_probs[:, :1]
+    drop[:, 0] = False  # the most likely token always survives (tiny top_p rounds to 0)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     filtered = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     return filtered.softmax(dim=-1)
+
+
+def _finite(logits: torch.Tensor) -> torch.Tensor:
+    """NaN -> -inf and +inf -> the largest float, so softmax stays defined."""
+    return logits.nan_to_num(nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
 
 
 def _logprobs(raw: torch.Tensor, params: list[SamplingParams], chosen: list[int]

@@ -1,0 +1,34 @@
+"""GET /version: which Switchyard is answering (vLLM's `/version` shape)."""
+
+from __future__ import annotations
+
+from functools import cache
+from importlib.metadata import PackageNotFoundError, version
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+import switchyard
+from gateway.serving import json_response
+
+
+class VersionResponse(msgspec.Struct):
+    """GET /version."""
+
+    version: str
+
+
+@cache
+def package_version() -> str:
+    """The installed distribution's version; a source checkout run without installing it
+    has no metadata, so fall back to the package's own `__version__`."""
+    try:
+        return version("switchyard")
+    except PackageNotFoundError:
+        return switchyard.__version__
+
+
+async def show_version(_: Request) -> Response:
+    """GET /version."""
+    return json_response(VersionResponse(package_version()))
