@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ep_dispatch.base import DispatchHandle, ExpertFn, PointToPoint
+from ep_dispatch.wire import activation_rows
 
 
 class LocalDispatcher:
@@ -21,7 +22,7 @@ class LocalDispatcher:
         order = torch.argsort(flat_ids, stable=True)  # [N], N = T*K, rows grouped by expert
         src_token = order // top_k
         counts = torch.bincount(flat_ids, minlength=self.num_local_experts)  # [E]
-        weights = topk_weights.reshape(-1)[order].to(x.dtype)  # [N]
+        weights = topk_weights.reshape(-1)[order]  # [N]
         handle = DispatchHandle(src_token=src_token, weights=weights, num_tokens=x.shape[0])
         return x[src_token], counts.tolist(), handle
 
@@ -33,15 +34,19 @@ class LocalDispatcher:
 class LocalExperts(PointToPoint):
     """`ExpertsClient` for experts held in this process, through a `LocalDispatcher`."""
 
-    def __init__(self, num_experts: int, expert_fn: ExpertFn) -> None:
+    def __init__(self, num_experts: int, expert_fn: ExpertFn,
+                 quantization: str | None = None) -> None:
         self.dispatcher = LocalDispatcher(num_experts)
         self.expert_fn = expert_fn
+        self.quantization = quantization
 
     def __call__(
         self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
-        recv_x, tokens_per_expert, handle = self.dispatcher.dispatch(x, topk_ids, topk_weights)
-        return self.dispatcher.combine(self.expert_fn(layer, recv_x, tokens_per_expert), handle)
+        rows = activation_rows(x, self.quantization)  # [T, H], or MXFP4 rows
+        recv, tokens_per_expert, handle = self.dispatcher.dispatch(rows, topk_ids, topk_weights)
+        y = self.expert_fn(layer, recv, tokens_per_expert)  # [N, H]
+        return self.dispatcher.combine(y, handle).to(x.dtype)
 
     def describe(self) -> list[str]:
         return [f"in-process: all {self.dispatcher.num_local_experts} experts of every layer"]

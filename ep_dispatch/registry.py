@@ -33,6 +33,7 @@ class BackendContext:
     world: World | None = None  # `torch`: this rank's place among all ranks
     hidden_size: int = 0
     dtype: torch.dtype = torch.float32
+    quantization: str | None = None  # "w4a4": activations travel as MXFP4
 
 
 def _local(ctx: BackendContext) -> ExpertsClient:
@@ -40,7 +41,7 @@ def _local(ctx: BackendContext) -> ExpertsClient:
 
     if ctx.expert_fn is None:
         raise ValueError("the local backend needs the experts in this process")
-    return LocalExperts(ctx.num_experts, ctx.expert_fn)
+    return LocalExperts(ctx.num_experts, ctx.expert_fn, ctx.quantization)
 
 
 def _rpc(ctx: BackendContext) -> ExpertsClient:
@@ -51,13 +52,17 @@ def _rpc(ctx: BackendContext) -> ExpertsClient:
         raise ValueError("the rpc backend needs --expert-addresses HOST:PORT,...")
     placement = make_placement(ctx.moe_layers, ctx.num_experts, len(ctx.expert_addresses),
                                ctx.placement_file)
-    return RpcExperts(placement, ctx.expert_addresses, ctx.call_timeout, ctx.connect_timeout)
+    return RpcExperts(placement, ctx.expert_addresses, ctx.call_timeout, ctx.connect_timeout,
+                      ctx.quantization)
 
 
 def _torch(ctx: BackendContext) -> ExpertsClient:
     from ep_dispatch.placement import make_placement
     from ep_dispatch.torch_dist import TorchExperts, join
 
+    if ctx.quantization:
+        raise ValueError(f"--quantization {ctx.quantization} works with the local and rpc "
+                         "dispatch backends; the torch backend moves float rows only")
     if ctx.world is None:
         raise ValueError("the torch backend needs --dist-init HOST:PORT and the rank layout")
     placement = make_placement(ctx.moe_layers, ctx.num_experts, ctx.world.num_experts,

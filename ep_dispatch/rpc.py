@@ -16,7 +16,7 @@ from anyio.from_thread import start_blocking_portal
 from ep_dispatch.base import PointToPoint
 from ep_dispatch.layout import combine, compute_layout
 from ep_dispatch.placement import Placement
-from ep_dispatch.wire import from_wire, to_wire
+from ep_dispatch.wire import activation_rows, from_wire, to_wire
 from switchyard.messages import ExpertBatch, ExpertInfo, ExpertResult, InfoRequest
 from switchyard.rpc import FrameStream, connect
 
@@ -27,13 +27,16 @@ class ExpertRankError(RuntimeError):
 
 class RpcExperts(PointToPoint):
     def __init__(self, placement: Placement, addresses: list[tuple[str, int]],
-                 call_timeout: float = 30.0, connect_timeout: float = 30.0) -> None:
+                 call_timeout: float = 30.0, connect_timeout: float = 30.0,
+                 quantization: str | None = None) -> None:
         if len(addresses) != placement.num_ranks:
             raise ValueError(f"{len(addresses)} expert addresses for a placement of "
                              f"{placement.num_ranks} ranks")
         self.placement = placement
         self.addresses = addresses
         self.call_timeout = call_timeout
+        self.quantization = quantization
+        self.dispatch_bytes = 0  # activation bytes sent to expert ranks, for accounting
         self._ids = itertools.count()
         self._portal_cm = start_blocking_portal()
         self._portal = self._portal_cm.__enter__()
@@ -72,6 +75,11 @@ class RpcExperts(PointToPoint):
             if not isinstance(info, ExpertInfo) or info.rank != rank or info.experts != want:
                 raise ExpertRankError(f"{self._name(rank)} holds a different share than the "
                                       f"placement expects: {info}")
+            if info.quantization != self.quantization:
+                raise ExpertRankError(f"{self._name(rank)} serves quantization "
+                                      f"{info.quantization}, this attention service "
+                                      f"{self.quantization}: start both with the same "
+                                      "--quantization")
             infos[rank] = info
 
         async with anyio.create_task_group() as tg:
@@ -84,9 +92,11 @@ class RpcExperts(PointToPoint):
     def __call__(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> torch.Tensor:
         layout = compute_layout(topk_ids, topk_weights, self.placement, layer)
-        parts = x[layout.src_token].split(layout.rank_counts)  # per rank [n_r, H]
+        rows = activation_rows(x, self.quantization)  # [T, H], or MXFP4 rows
+        parts = rows[layout.src_token].split(layout.rank_counts)  # per rank [n_r, width]
         ys = self._portal.call(self._exchange, layer, parts, layout.expert_counts)
-        return combine(torch.cat(ys) if ys else x[:0], layout)
+        ys = [y if y.shape[0] else x[:0] for y in ys]  # [n_r, H] each
+        return combine(torch.cat(ys).to(x.dtype) if ys else x[:0], layout)
 
     async def _exchange(self, layer: int, parts: tuple[torch.Tensor, ...],
                         counts: list[list[int]]) -> list[torch.Tensor]:
@@ -115,7 +125,9 @@ class RpcExperts(PointToPoint):
         call_id = next(self._ids)
         try:
             with anyio.fail_after(self.call_timeout):
-                await conn.send(ExpertBatch(call_id, layer, counts, to_wire(x)))
+                payload = to_wire(x)
+                self.dispatch_bytes += len(payload.data)
+                await conn.send(ExpertBatch(call_id, layer, counts, payload))
                 result = await conn.receive()
         except (TimeoutError, OSError, anyio.EndOfStream, anyio.BrokenResourceError) as exc:
             # The stream may hold a late answer now; never reuse it.
@@ -131,7 +143,8 @@ class RpcExperts(PointToPoint):
 
     def describe(self) -> list[str]:
         return [f"{self._name(i.rank)}: {sum(map(len, i.experts.values()))} experts over "
-                f"{len(i.experts)} MoE layers, {i.weight_bytes / 1e6:.1f} MB, "
+                f"{len(i.experts)} MoE layers, {i.weight_bytes / 1e6:.1f} MB"
+                f"{' MXFP4' if i.quantization else ''}, "
                 f"{'connected' if self._conns[i.rank] else 'disconnected'}"
                 for i in self.infos]
 

@@ -43,6 +43,7 @@ async def list_models(serving: Serving, _: Request) -> Response:
         id=config.served_model_name,
         created=int(time.time()),
         max_model_len=serving.max_model_len(serving.engine.info),
+        quantization=serving.engine.info.quantization if serving.engine.info else None,
         root=str(config.model_dir),
     )
     return json_response(ModelList([card]))

@@ -236,6 +236,7 @@ class ModelCard(msgspec.Struct):
     created: int
     max_model_len: int | None
     root: str
+    quantization: str | None = None  # "w4a4" when the experts serve in MXFP4
     owned_by: str = "switchyard"
     parent: str | None = None
     object: Literal["model"] = "model"

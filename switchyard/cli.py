@@ -90,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         from switchyard.bench import main as bench_main
 
         return bench_main(argv[1:])
+    if argv and argv[0] == "quantize":
+        from services.expert.quantize import main as quantize_main
+
+        return quantize_main(argv[1:])
     parser = argparse.ArgumentParser(prog="switchyard", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
@@ -99,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("gateway", help="run the HTTP gateway (see `switchyard gateway --help`)")
     sub.add_parser("eval", help="demo-task accuracy through the chat API (`switchyard eval -h`)")
     sub.add_parser("bench", help="serving load generator and latency report (`... bench -h`)")
+    sub.add_parser("quantize", help="write a W4A4 (MXFP4 experts) copy of a checkpoint")
     args = parser.parse_args(argv)
     if args.command == "serve":
         from switchyard.launcher import serve

@@ -142,6 +142,8 @@ def _engine_args(args: argparse.Namespace) -> list[str]:
         out += ["--num-threads", str(args.num_threads)]
     if args.placement:
         out += ["--placement", args.placement]
+    if args.quantization:
+        out += ["--quantization", args.quantization]
     return out
 
 
@@ -173,8 +175,10 @@ def _start_services(args: argparse.Namespace, model: Path, name: str,
     shared = ["--model", str(model), "--port", "0"]
     common = [*(["--placement", args.placement] if args.placement else []),
               *(["--num-threads", str(args.num_threads)] if args.num_threads else [])]
+    quantization = ["--quantization", args.quantization] if args.quantization else []
     experts = [(f"expert rank {r}", ["expert", *shared, "--rank", str(r), "--num-ranks",
-                                     str(num_experts), "--dtype", args.dtype, *common])
+                                     str(num_experts), "--dtype", args.dtype, *common,
+                                     *quantization])
                for r in range(num_experts)]
     groups = [(f"attention group {g}", ["attention", *shared, *_engine_args(args)])
               for g in range(args.attention_groups)]

@@ -105,6 +105,7 @@ class EngineInfo(msgspec.Struct, frozen=True, tag=True):
     num_kv_blocks: int
     block_size: int
     max_num_seqs: int = 1  # sequences one step runs at most
+    quantization: str | None = None  # "w4a4" when the experts and their inputs are MXFP4
     dispatch_backend: str = "local"
     expert_services: list[str] = []  # one line per expert rank, for /health
 
@@ -168,6 +169,7 @@ class ExpertInfo(msgspec.Struct, frozen=True, tag=True):
     num_ranks: int
     experts: dict[int, list[int]]  # MoE layer -> global expert ids held
     weight_bytes: int
+    quantization: str | None = None  # "w4a4": MXFP4 weights, takes MXFP4 activation rows
 
 
 Message = (

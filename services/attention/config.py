@@ -37,6 +37,7 @@ class AttentionConfig:
     host: str = "127.0.0.1"
     port: int = 0
     ready_fd: int | None = None
+    quantization: str | None = None  # "w4a4", or from the checkpoint
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -89,6 +90,11 @@ def add_engine_flags(p: argparse.ArgumentParser, default_backend: str = "local")
     p.add_argument("--expert-timeout", type=float, default=float(env("EXPERT_TIMEOUT", "30")),
                    help="seconds an expert rank may take to answer one layer call, "
                         "or to accept the connection at start-up")
+    p.add_argument("--quantization", default=env("QUANTIZATION") or None,
+                   choices=["w4a4"],
+                   help="w4a4: experts as MXFP4 (quantized at load unless the checkpoint "
+                        "already is, see `switchyard quantize`), activations dispatched as "
+                        "MXFP4 (local and rpc backends)")
     p.add_argument("--num-threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--dist-init", default=env("DIST_INIT"),
@@ -111,4 +117,5 @@ def from_args(args: argparse.Namespace) -> AttentionConfig:
         expert_ranks=getattr(args, "expert_ranks", 0),
         host=getattr(args, "host", "127.0.0.1"), port=getattr(args, "port", 0),
         ready_fd=getattr(args, "ready_fd", None),
+        quantization=args.quantization,
     )

@@ -18,7 +18,7 @@ from services.attention.model import DenseModel
 from services.attention.sampler import sample
 from services.attention.scheduler import ScheduledSeq, Scheduler
 from services.attention.sequence import Sequence
-from services.expert.experts import ExpertBank, all_experts
+from services.expert.experts import ExpertBank, all_experts, check_quantization
 from services.model.checkpoint import Checkpoint
 from services.model.config import ModelConfig
 from switchyard.messages import (
@@ -50,9 +50,10 @@ class Engine:
                  cfg.num_experts, self.dtype)
         self.model = DenseModel(cfg, checkpoint, self.dtype)
         check_backend(config.dispatch_backend)
+        self.quantization = check_quantization(cfg, config.quantization)
         bank = None
         if config.dispatch_backend == "local":  # the only backend with experts in-process
-            bank = ExpertBank(cfg, checkpoint, all_experts(cfg), self.dtype)
+            bank = ExpertBank(cfg, checkpoint, all_experts(cfg), self.dtype, self.quantization)
         checkpoint.close()
         self.experts = create_experts_client(config.dispatch_backend, BackendContext(
             moe_layers=[i for i, m in enumerate(cfg.moe_layers) if m],
@@ -60,7 +61,7 @@ class Engine:
             expert_addresses=list(config.expert_addresses),
             placement_file=config.placement, call_timeout=config.expert_timeout,
             connect_timeout=config.expert_timeout, world=_world(config),
-            hidden_size=cfg.hidden_size, dtype=self.dtype))
+            hidden_size=cfg.hidden_size, dtype=self.dtype, quantization=self.quantization))
         num_blocks = config.kv_cache_memory // kv_bytes_per_block(cfg, config.block_size,
                                                                   self.dtype)
         self.kv = KVCache(cfg, num_blocks, config.block_size, self.dtype)
@@ -83,7 +84,7 @@ class Engine:
             vocab_size=cfg.vocab_size, eos_token_ids=cfg.eos_token_ids,
             dtype=str(self.dtype).removeprefix("torch."),
             num_kv_blocks=self.block_manager.num_blocks, block_size=self.block_manager.block_size,
-            max_num_seqs=self.scheduler.max_num_seqs,
+            max_num_seqs=self.scheduler.max_num_seqs, quantization=self.quantization,
             dispatch_backend=self.config.dispatch_backend,
             expert_services=self.experts.describe(),
         )

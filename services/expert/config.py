@@ -25,6 +25,7 @@ class ExpertConfig:
     dist_init: tuple[str, int] | None = None
     attention_ranks: int = 1
     rendezvous_timeout: float = 120.0
+    quantization: str | None = None
 
 
 def add_expert_parser(sub: argparse._SubParsersAction) -> None:
@@ -50,6 +51,8 @@ def add_expert_parser(sub: argparse._SubParsersAction) -> None:
                    help="torch backend: number of attention groups in the world")
     p.add_argument("--rendezvous-timeout", type=float, default=120.0,
                    help="seconds to wait for every peer to join")
+    p.add_argument("--quantization", default=env("QUANTIZATION") or None, choices=["w4a4"],
+                   help="w4a4: hold the experts as MXFP4 and take MXFP4 activations")
 
 
 def expert_config(args: argparse.Namespace) -> ExpertConfig:
@@ -60,4 +63,5 @@ def expert_config(args: argparse.Namespace) -> ExpertConfig:
                         dispatch_backend=args.dispatch_backend,
                         dist_init=parse_address(args.dist_init) if args.dist_init else None,
                         attention_ranks=args.attention_ranks,
-                        rendezvous_timeout=args.rendezvous_timeout)
+                        rendezvous_timeout=args.rendezvous_timeout,
+                        quantization=args.quantization)

@@ -6,7 +6,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from moe_kernels.grouped_gemm import grouped_swiglu
+from moe_kernels.grouped_gemm import grouped_swiglu, grouped_swiglu_w4a4
+from moe_kernels.mxfp4 import MXFP4Tensor, check_blockable, quantize
 from services.model.checkpoint import Checkpoint
 from services.model.config import ModelConfig
 
@@ -15,11 +16,17 @@ _PROJ_NAMES = {
     "Qwen3MoeForCausalLM": ("gate_proj", "up_proj", "down_proj"),
     "MixtralForCausalLM": ("w1", "w3", "w2"),
 }
+QUANTIZATIONS = (None, "w4a4")
 
 
 def expert_tensor_names(config: ModelConfig, layer: int, expert: int) -> tuple[str, str, str]:
     base = f"model.layers.{layer}.{config.expert_prefix}.experts.{expert}"
     return tuple(f"{base}.{proj}.weight" for proj in _PROJ_NAMES[config.architecture])
+
+
+def packed_names(weight_name: str) -> tuple[str, str]:
+    """Where a quantized checkpoint keeps one weight: packed E2M1 codes, E8M0 scales."""
+    return f"{weight_name}_packed", f"{weight_name}_scale"
 
 
 def all_experts(config: ModelConfig) -> dict[int, list[int]]:
@@ -28,22 +35,38 @@ def all_experts(config: ModelConfig) -> dict[int, list[int]]:
             for layer, is_moe in enumerate(config.moe_layers) if is_moe}
 
 
+def check_quantization(config: ModelConfig, quantization: str | None) -> str | None:
+    """The quantization to serve with: the flag's, or the checkpoint's when it is quantized."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}; choose w4a4 or none")
+    if config.quantization and quantization not in (None, config.quantization):
+        raise ValueError(f"the checkpoint is quantized as {config.quantization}")
+    quantization = quantization or config.quantization
+    if quantization == "w4a4":
+        check_blockable(config.hidden_size)
+        check_blockable(config.moe_intermediate_size)
+    return quantization
+
+
 class ExpertBank:
     """Some experts of every MoE layer: `experts[layer]` lists global ids, ascending.
 
-    Weights per MoE layer: w_gate_up [E_local, 2 * I, H] and w_down [E_local, H, I]. Only
-    these experts' tensors are read from the checkpoint.
+    Weights per MoE layer: w_gate_up [E_local, 2 * I, H] and w_down [E_local, H, I], in
+    `dtype`, or with quantization "w4a4" as MXFP4 (blocks along the reduction dimension).
+    Only these experts' tensors are read from the checkpoint, one at a time; a quantized
+    checkpoint is read packed, never in full precision.
     """
 
     def __init__(
         self, config: ModelConfig, checkpoint: Checkpoint, experts: Mapping[int, Sequence[int]],
-        dtype: torch.dtype,
+        dtype: torch.dtype, quantization: str | None = None,
     ) -> None:
         self.experts = {layer: list(ids) for layer, ids in experts.items()}
         self.dtype = dtype
         self.hidden_size = config.hidden_size
-        self.w_gate_up: dict[int, torch.Tensor] = {}
-        self.w_down: dict[int, torch.Tensor] = {}
+        self.quantization = check_quantization(config, quantization)
+        self.w_gate_up: dict[int, torch.Tensor | MXFP4Tensor] = {}
+        self.w_down: dict[int, torch.Tensor | MXFP4Tensor] = {}
         hidden, inter = config.hidden_size, config.moe_intermediate_size
         for layer, expert_ids in self.experts.items():
             if not expert_ids:
@@ -51,18 +74,55 @@ class ExpertBank:
             gate_up, down = [], []
             for expert in expert_ids:
                 g, u, d = expert_tensor_names(config, layer, expert)
-                gate_up.append(torch.cat([checkpoint.get(g, (inter, hidden), dtype),
-                                          checkpoint.get(u, (inter, hidden), dtype)]))
-                down.append(checkpoint.get(d, (hidden, inter), dtype))
-            self.w_gate_up[layer] = torch.stack(gate_up)
-            self.w_down[layer] = torch.stack(down)
+                gate_up.append(self._cat([self._load(checkpoint, config, g, (inter, hidden)),
+                                          self._load(checkpoint, config, u, (inter, hidden))]))
+                down.append(self._load(checkpoint, config, d, (hidden, inter)))
+            self.w_gate_up[layer] = self._stack(gate_up)
+            self.w_down[layer] = self._stack(down)
+
+    def _load(self, ckpt: Checkpoint, config: ModelConfig, name: str,
+              shape: tuple[int, int]) -> torch.Tensor | MXFP4Tensor:
+        if config.quantization:
+            packed, scale = packed_names(name)
+            rows, k = shape
+            return MXFP4Tensor(ckpt.get(packed, (rows, k // 2), torch.uint8),
+                               ckpt.get(scale, (rows, k // 32), torch.uint8))
+        w = ckpt.get(name, shape, self.dtype)
+        return quantize(w) if self.quantization else w
+
+    def _cat(self, parts: list) -> torch.Tensor | MXFP4Tensor:
+        return MXFP4Tensor.cat(parts) if self.quantization else torch.cat(parts)
+
+    def _stack(self, parts: list) -> torch.Tensor | MXFP4Tensor:
+        if self.quantization:
+            return MXFP4Tensor(torch.stack([p.packed for p in parts]),
+                               torch.stack([p.scales for p in parts]))
+        return torch.stack(parts)
+
+    @property
+    def row_width(self) -> int:
+        """Columns of one dispatched row: H values, or H/2 + H/32 bytes for w4a4."""
+        h = self.hidden_size
+        return h // 2 + h // 32 if self.quantization else h
 
     def forward(self, layer: int, x: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
-        """Expert FFN of x [N, H] grouped by local expert -> [N, H] (router weights not applied)."""
+        """Expert FFN of N rows grouped by local expert -> [N, H] (router weights not applied).
+
+        x: [N, H] activations, or for w4a4 [N, H/2 + H/32] uint8 MXFP4 rows
+        (`MXFP4Tensor.to_rows`), as the attention side dispatches them.
+        """
         if x.shape[0] == 0:
-            return x
-        return grouped_swiglu(x, tokens_per_expert, self.w_gate_up[layer], self.w_down[layer])
+            return torch.zeros(0, self.hidden_size, dtype=self.dtype)
+        if not self.quantization:
+            return grouped_swiglu(x, tokens_per_expert, self.w_gate_up[layer],
+                                  self.w_down[layer])
+        q = MXFP4Tensor.from_rows(x, self.hidden_size) if x.dtype == torch.uint8 \
+            else quantize(x)
+        return grouped_swiglu_w4a4(q, tokens_per_expert, self.w_gate_up[layer],
+                                   self.w_down[layer]).to(self.dtype)
 
     def nbytes(self) -> int:
-        tensors = [*self.w_gate_up.values(), *self.w_down.values()]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        total = 0
+        for w in [*self.w_gate_up.values(), *self.w_down.values()]:
+            total += w.nbytes() if isinstance(w, MXFP4Tensor) else w.numel() * w.element_size()
+        return total

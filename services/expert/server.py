@@ -43,15 +43,18 @@ class ExpertServer:
         checkpoint = Checkpoint(config.model)
         self.bank = ExpertBank(model_config, checkpoint,
                                self.placement.local_experts(config.rank),
-                               resolve_dtype(config.dtype, "cpu"))
+                               resolve_dtype(config.dtype, "cpu"), config.quantization)
         checkpoint.close()
+        if self.bank.quantization and config.dispatch_backend == "torch":
+            raise ValueError("quantized experts work with the rpc dispatch backend; the "
+                             "torch backend moves float rows only")
         self._queue: list[tuple[ExpertBatch, FrameStream]] = []
         self._arrived = anyio.Event()
         self.num_coalesced = 0  # batches that shared a GEMM with an earlier one
 
     def info(self) -> ExpertInfo:
         return ExpertInfo(self.config.rank, self.config.num_ranks, self.bank.experts,
-                          self.bank.nbytes())
+                          self.bank.nbytes(), self.bank.quantization)
 
     def _check(self, batch: ExpertBatch) -> torch.Tensor:
         x = from_wire(batch.x)
@@ -59,7 +62,8 @@ class ExpertServer:
             raise ValueError(f"layer {batch.layer} is not an MoE layer")
         if len(batch.tokens_per_expert) != len(self.bank.experts[batch.layer]) or \
                 sum(batch.tokens_per_expert) != x.shape[0] or x.ndim != 2 or \
-                x.shape[1] != self.bank.hidden_size:
+                x.shape[1] != self.bank.row_width or \
+                (x.dtype == torch.uint8) != (self.bank.quantization == "w4a4"):
             raise ValueError("the batch does not match this rank's experts or hidden size")
         return x
 
@@ -77,14 +81,16 @@ class ExpertServer:
             outputs = self._grouped([b.tokens_per_expert for _, b, _ in valid],
                                     [x for _, _, x in valid], valid[0][1].layer)
             for (i, batch, x), y in zip(valid, outputs, strict=True):
-                results[i] = ExpertResult(batch.call_id, to_wire(y.to(x.dtype)))
+                out = y.to(x.dtype) if x.is_floating_point() else y  # MXFP4 in, float out
+                results[i] = ExpertResult(batch.call_id, to_wire(out))
         return [results[i] for i in range(len(batches))]
 
     def _grouped(self, counts: list[list[int]], xs: list[torch.Tensor], layer: int
                  ) -> list[torch.Tensor]:
         """Merge the batches expert by expert, run the FFN once, split the outputs back."""
         n, num_local = len(xs), len(counts[0])
-        pieces = [x.to(self.bank.dtype).split(c) for x, c in zip(xs, counts, strict=True)]
+        pieces = [(x if x.dtype == torch.uint8 else x.to(self.bank.dtype)).split(c)
+                  for x, c in zip(xs, counts, strict=True)]
         merged = torch.cat([pieces[b][e] for e in range(num_local) for b in range(n)])
         totals = [sum(c[e] for c in counts) for e in range(num_local)]
         with torch.inference_mode():

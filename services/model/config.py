@@ -43,6 +43,7 @@ class ModelConfig:
     moe_layers: tuple[bool, ...]
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
+    quantization: str | None = None  # "w4a4": experts stored as MXFP4 (switchyard quantize)
 
     @property
     def expert_prefix(self) -> str:
@@ -82,6 +83,7 @@ class ModelConfig:
         sliding = raw.get("sliding_window")
         if not mixtral and not raw.get("use_sliding_window", False):
             sliding = None
+        quantization = _quantization(raw)
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
@@ -107,7 +109,22 @@ class ModelConfig:
             moe_layers=_moe_layers(raw, num_layers, mixtral),
             eos_token_ids=eos_ids,
             torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
+            quantization=quantization,
         )
+
+
+QUANT_METHOD = "switchyard_mxfp4"  # what `switchyard quantize` writes in quantization_config
+
+
+def _quantization(raw: dict[str, Any]) -> str | None:
+    qc = raw.get("quantization_config")
+    if qc is None:
+        return None
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if method != QUANT_METHOD:
+        raise CheckpointError(f"unsupported quantization_config quant_method {method!r}; "
+                              f"supported: {QUANT_METHOD!r} (written by `switchyard quantize`)")
+    return "w4a4"
 
 
 def _first(raw: dict[str, Any], *keys: str) -> str:
