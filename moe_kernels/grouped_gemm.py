@@ -66,7 +66,7 @@ def grouped_swiglu_w4a4(
         re-quantized to MXFP4 per row, so both GEMMs are W4A4.
     """
     n, h = x.shape
-    out = torch.empty(n, h)
+    out = torch.empty(n, h, device=x.packed.device)
     start = 0
     for expert, count in enumerate(tokens_per_expert):
         if count:

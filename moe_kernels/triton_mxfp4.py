@@ -1,0 +1,275 @@
+"""Triton grouped GEMM over experts for W4A4 MXFP4: MXFP4 activations x MXFP4 weights with
+float32 accumulation, through `tl.dot_scaled(..., "e2m1", ..., "e2m1")`.
+
+This module is the only one in the project that imports triton; import it lazily. On a CPU it
+runs under `TRITON_INTERPRET=1` (set before this module is imported), which implements
+`tl.dot_scaled` from triton 3.8 on (3.7.0 and older lack it).
+
+Numerics match `moe_kernels.grouped_gemm.mxfp4_linear`: every MXFP4 value, and every product
+of two, is exact in bfloat16/float32, so only the order of the float32 summation can differ from
+the torch path (one K tile at a time here, one matmul there).
+
+Layout recap (see `moe_kernels.mxfp4`): `packed [..., K/2] uint8` holds two E2M1 codes per byte,
+the first value in the low nibble (the order `tl.dot_scaled` expects for "e2m1" packed along K);
+`scales [..., K/32] uint8` holds E8M0 biased exponents, 0xFF meaning NaN. `tl.dot_scaled` takes
+its lhs as `[rows, K/2]` with scales `[rows, K/32]`, and its rhs as `[K/2, cols]` (packed along
+K, `rhs_k_pack=True`) with scales `[cols, K/32]` (not transposed), so a weight tile loaded as
+`[cols, K/2]` is passed transposed and its scales as loaded.
+
+Two inner products, selected by `use_dot_scaled`:
+- `tl.dot_scaled` (default, what the issue asks for): native block-scaled MMA on Blackwell;
+  on Hopper and older, triton decomposes it into an upcast to bfloat16 and an ordinary MMA.
+- an explicit in-kernel decode of codes and scales to float32 followed by `tl.dot` (TF32 is
+  exact here: MXFP4 values have at most 2 mantissa bits), for triton builds or targets where
+  `tl.dot_scaled` with e2m1 on both sides fails, and as a baseline.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from moe_kernels.mxfp4 import BLOCK, MXFP4Tensor, check_blockable, quantize
+
+
+@triton.jit
+def _decode_mxfp4(packed, scales, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Decode one MXFP4 tile to float32, exactly as `moe_kernels.mxfp4.dequantize`.
+
+    packed: [ROWS, BLOCK_K / 2] uint8, two E2M1 codes per byte, first in the low nibble.
+    scales: [ROWS, BLOCK_K / 32] uint8, E8M0 biased exponents (0xFF = NaN).
+    Returns [ROWS, BLOCK_K] float32.
+    """
+    codes = tl.join(packed & 0xF, packed >> 4)  # [ROWS, BLOCK_K / 2, 2], low nibble first
+    codes = tl.reshape(codes, [ROWS, BLOCK_K]).to(tl.int32)  # [ROWS, BLOCK_K]
+    mag = codes & 7
+    # E2M1 magnitudes as float32 bits: codes 2..7 are normal, 1.m * 2**(e - 1) with
+    # e = mag >> 1 and m = mag & 1 (1, 1.5, 2, 3, 4, 6); code 1 is the subnormal 0.5.
+    normal = (((mag >> 1) + 126) << 23) | ((mag & 1) << 22)
+    bits = tl.where(mag >= 2, normal, tl.where(mag == 1, 126 << 23, 0))
+    values = (bits | ((codes & 8) << 28)).to(tl.float32, bitcast=True)  # sign into bit 31
+    # E8M0 2**(s - 127) as float32 bits: byte 0 is the subnormal 2**-127 (0x00400000),
+    # 0xFF is NaN; the others are s << 23.
+    s = scales.to(tl.int32)  # [ROWS, BLOCK_K / 32]
+    scale_bits = tl.where(s == 0xFF, 0x7FC00000, tl.where(s == 0, 0x00400000, s << 23))
+    scale = scale_bits.to(tl.float32, bitcast=True)  # [ROWS, BLOCK_K / 32]
+    values = tl.reshape(values, [ROWS, BLOCK_K // 32, 32]) * scale[:, :, None]
+    return tl.reshape(values, [ROWS, BLOCK_K])
+
+
+@triton.jit
+def _grouped_mxfp4_gemm_kernel(
+    x_ptr, x_scale_ptr,  # [N, K/2] uint8, [N, K/32] uint8: activations, rows sorted by expert
+    w_ptr, w_scale_ptr,  # [E, M, K/2] uint8, [E, M, K/32] uint8: weights
+    out_ptr,  # [N, M] float32
+    offsets_ptr,  # [E + 1] int32: expert e owns rows offsets[e]:offsets[e + 1]
+    tile_expert_ptr, tile_row_ptr,  # [T] int32 each: the row-tile schedule
+    M, K, num_experts,
+    stride_xn, stride_xsn,  # row strides of x packed / scales (elements; last dims dense)
+    stride_we, stride_wm, stride_wse, stride_wsm,  # expert and row strides of w packed / scales
+    stride_on,  # row stride of out
+    BLOCK_N: tl.constexpr,  # rows (tokens) per tile
+    BLOCK_M: tl.constexpr,  # output features per tile
+    BLOCK_K: tl.constexpr,  # reduction elements per step, a multiple of 32
+    USE_DOT_SCALED: tl.constexpr,
+):
+    """Program (tile, m-tile): out[rows, cols] = x[rows] @ w[expert, cols].T over all of K,
+    where the row tile `tile` lies inside one expert's rows (see `_tile_schedule`)."""
+    tile = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    expert = tl.load(tile_expert_ptr + tile)
+    if expert >= num_experts:  # a grid slot past the last real tile
+        return
+    row_start = tl.load(tile_row_ptr + tile)
+    row_end = tl.load(offsets_ptr + expert + 1)
+
+    rows = row_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    cols = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    row_ok = rows < row_end  # [BLOCK_N]: rows of the next expert, or past N, are masked
+    col_ok = cols < M  # [BLOCK_M]
+    rows64 = rows.to(tl.int64)  # 64-bit offsets: E * M * K / 2 passes 2**31 for big models
+    cols64 = cols.to(tl.int64)
+    expert64 = expert.to(tl.int64)
+    kb = tl.arange(0, BLOCK_K // 2)  # [BLOCK_K / 2] byte within the K step
+    ks = tl.arange(0, BLOCK_K // 32)  # [BLOCK_K / 32] scale block within the K step
+
+    x_rows = x_ptr + rows64[:, None] * stride_xn  # [BLOCK_N, 1]
+    xs_rows = x_scale_ptr + rows64[:, None] * stride_xsn  # [BLOCK_N, 1]
+    w_rows = w_ptr + expert64 * stride_we + cols64[:, None] * stride_wm  # [BLOCK_M, 1]
+    ws_rows = w_scale_ptr + expert64 * stride_wse + cols64[:, None] * stride_wsm  # [BLOCK_M, 1]
+
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        byte = k0 // 2 + kb  # [BLOCK_K / 2]
+        blk = k0 // 32 + ks  # [BLOCK_K / 32]
+        # K is a multiple of 32, so a partial last step masks whole blocks; masked bytes and
+        # scales read as 0, i.e. the value +0 (times 2**-127), adding nothing.
+        byte_ok = byte < K // 2
+        blk_ok = blk < K // 32
+        x = tl.load(x_rows + byte[None, :], mask=row_ok[:, None] & byte_ok[None, :],
+                    other=0)  # [BLOCK_N, BLOCK_K / 2] uint8
+        xs = tl.load(xs_rows + blk[None, :], mask=row_ok[:, None] & blk_ok[None, :],
+                     other=0)  # [BLOCK_N, BLOCK_K / 32] uint8
+        w = tl.load(w_rows + byte[None, :], mask=col_ok[:, None] & byte_ok[None, :],
+                    other=0)  # [BLOCK_M, BLOCK_K / 2] uint8
+        ws = tl.load(ws_rows + blk[None, :], mask=col_ok[:, None] & blk_ok[None, :],
+                     other=0)  # [BLOCK_M, BLOCK_K / 32] uint8
+        if USE_DOT_SCALED:
+            # rhs [BLOCK_K / 2, BLOCK_M] packed along K; rhs scales stay [BLOCK_M, BLOCK_K / 32].
+            acc = tl.dot_scaled(x, xs, "e2m1", tl.trans(w), ws, "e2m1", acc)
+        else:
+            x_f = _decode_mxfp4(x, xs, BLOCK_N, BLOCK_K)  # [BLOCK_N, BLOCK_K] float32
+            w_f = _decode_mxfp4(w, ws, BLOCK_M, BLOCK_K)  # [BLOCK_M, BLOCK_K] float32
+            acc = tl.dot(x_f, tl.trans(w_f), acc, input_precision="tf32")
+
+    out = out_ptr + rows64[:, None] * stride_on + cols64[None, :]  # [BLOCK_N, BLOCK_M]
+    tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _tile_schedule(offsets: torch.Tensor, n: int, block_n: int) -> tuple[torch.Tensor,
+                                                                           torch.Tensor]:
+    """Row tiles of at most `block_n` rows that never straddle two experts, computed on the
+    device without a host synchronization.
+
+    Arguments:
+        offsets: `[E + 1]` int32, cumulative row offsets (expert e owns rows
+            `offsets[e]:offsets[e + 1]`).
+        n: the number of rows N (`offsets[-1]`, known on the host from the tensor shape).
+        block_n: rows per tile.
+
+    Returns:
+        tile_expert: `[T]` int32, the expert of each tile; `E` for grid slots past the last
+            tile. `T = cdiv(N, block_n) + E` bounds `sum_e cdiv(n_e, block_n)` from above.
+        tile_row: `[T]` int32, the first row of each tile (meaningless where tile_expert is E).
+    """
+    e = offsets.numel() - 1
+    counts = (offsets[1:] - offsets[:-1]).long()  # [E] rows per expert
+    tiles = (counts + block_n - 1) // block_n  # [E] tiles per expert (0 for an empty expert)
+    tiles_end = torch.cumsum(tiles, 0)  # [E] one past each expert's last tile
+    t = torch.arange(triton.cdiv(n, block_n) + e, device=offsets.device)  # [T]
+    tile_expert = torch.searchsorted(tiles_end, t, right=True)  # [T] in [0, E]
+    safe = tile_expert.clamp(max=e - 1)  # [T]
+    first_tile = tiles_end[safe] - tiles[safe]  # [T]
+    tile_row = offsets[safe].long() + (t - first_tile) * block_n  # [T]
+    return tile_expert.to(torch.int32), tile_row.to(torch.int32)
+
+
+def _check_mxfp4(q: MXFP4Tensor, name: str, ndim: int) -> None:
+    if q.packed.dtype != torch.uint8 or q.scales.dtype != torch.uint8:
+        raise ValueError(f"{name}: packed and scales must be uint8; got {q.packed.dtype}, "
+                         f"{q.scales.dtype}")
+    if q.packed.dim() != ndim:
+        raise ValueError(f"{name}: expected an MXFP4 tensor of {ndim} dims; got shape "
+                         f"{tuple(q.shape)}")
+    k = q.shape[-1]
+    check_blockable(k)
+    if tuple(q.scales.shape) != (*q.packed.shape[:-1], k // BLOCK):
+        raise ValueError(f"{name}: scales shape {tuple(q.scales.shape)} does not match "
+                         f"packed shape {tuple(q.packed.shape)} (K = {k})")
+
+
+def _dense_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def grouped_mxfp4_gemm(
+    x: MXFP4Tensor, expert_offsets: torch.Tensor, w: MXFP4Tensor, *,
+    block_n: int | None = None, block_m: int | None = None, block_k: int = 128,
+    use_dot_scaled: bool = True, num_warps: int = 4, num_stages: int = 3,
+) -> torch.Tensor:
+    """Grouped W4A4 GEMM: each expert's rows of x times that expert's weights, transposed.
+
+    Arguments:
+        x: MXFP4 of `[N, K]` activations (packed `[N, K / 2]` uint8, scales `[N, K / 32]`
+            uint8), rows sorted by expert. Row views with a non-unit row stride (e.g.
+            `MXFP4Tensor.from_rows`) are read in place.
+        expert_offsets: `[E + 1]` int32 or int64 on any device, cumulative row offsets:
+            expert e owns rows `offsets[e]:offsets[e + 1]` (possibly empty); `offsets[0]` must
+            be 0 and `offsets[E]` must be N (not checked: that would need a host sync).
+        w: MXFP4 of `[E, M, K]` weights (packed `[E, M, K / 2]` uint8, scales
+            `[E, M, K / 32]` uint8), blocks along K; same device as x.
+        block_n, block_m, block_k: tile sizes (powers of two, at least 16; block_k a
+            multiple of 32 and at least 64). By default block_n follows the mean rows per
+            expert (16 to 64) and block_m is 64 (128 from block_n 64).
+        use_dot_scaled: `tl.dot_scaled` (True) or in-kernel decode plus `tl.dot` (False).
+        num_warps, num_stages: launch options (ignored by the interpreter).
+
+    Returns:
+        `[N, M]` float32 on x's device: row r of expert e is `dequantize(x[r]) @
+        dequantize(w[e]).T`, exact up to the float32 summation order.
+
+    Raises:
+        ValueError: K is not a multiple of 32, or the shapes disagree.
+    """
+    _check_mxfp4(x, "x", 2)
+    _check_mxfp4(w, "w", 3)
+    n, k = x.shape
+    e, m, k_w = w.shape
+    if k_w != k:
+        raise ValueError(f"x has K = {k} but w has K = {k_w}")
+    if e == 0 and n:
+        raise ValueError("w has no experts but x has rows")
+    if expert_offsets.dim() != 1 or expert_offsets.numel() != e + 1:
+        raise ValueError(f"expert_offsets must have E + 1 = {e + 1} entries; got shape "
+                         f"{tuple(expert_offsets.shape)}")
+    if block_k % BLOCK or block_k < 2 * BLOCK:
+        raise ValueError(f"block_k must be a multiple of {BLOCK}, at least {2 * BLOCK}; "
+                         f"got {block_k}")
+    device = x.packed.device
+    out = torch.empty(n, m, dtype=torch.float32, device=device)  # [N, M]
+    if n == 0 or m == 0:
+        return out
+    if block_n is None:
+        block_n = min(64, max(16, triton.next_power_of_2(triton.cdiv(n, e))))
+    if block_m is None:
+        block_m = 128 if block_n >= 64 else 64
+
+    x_packed, x_scales = _dense_last(x.packed), _dense_last(x.scales)
+    w_packed, w_scales = _dense_last(w.packed), _dense_last(w.scales)
+    offsets = expert_offsets.to(device=device, dtype=torch.int32)  # [E + 1]
+    tile_expert, tile_row = _tile_schedule(offsets, n, block_n)  # [T], [T]
+    grid = (tile_expert.numel(), triton.cdiv(m, block_m))
+    _grouped_mxfp4_gemm_kernel[grid](
+        x_packed, x_scales, w_packed, w_scales, out, offsets, tile_expert, tile_row,
+        m, k, e,
+        x_packed.stride(0), x_scales.stride(0),
+        w_packed.stride(0), w_packed.stride(1), w_scales.stride(0), w_scales.stride(1),
+        out.stride(0),
+        BLOCK_N=block_n, BLOCK_M=block_m, BLOCK_K=block_k, USE_DOT_SCALED=use_dot_scaled,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+def grouped_swiglu_w4a4_triton(
+    x: MXFP4Tensor, tokens_per_expert: list[int], w_gate_up: MXFP4Tensor,
+    w_down: MXFP4Tensor,
+) -> torch.Tensor:
+    """`moe_kernels.grouped_gemm.grouped_swiglu_w4a4` with both GEMMs on the Triton kernel.
+
+    Arguments:
+        x: MXFP4 of `[N, H]` activations, rows grouped by local expert in expert order.
+        tokens_per_expert: E_local ints summing to N; run e belongs to local expert e.
+        w_gate_up: MXFP4 of `[E, 2 * I, H]` (gate first), blocks along H; E >= E_local.
+        w_down: MXFP4 of `[E, H, I]`, blocks along I.
+
+    Returns:
+        `[N, H]` float32 expert outputs on x's device, not yet weighted by the router. The
+        SwiGLU output between the GEMMs is computed in float32 by torch and re-quantized to
+        MXFP4 per row, as in the torch path.
+    """
+    n, _ = x.shape
+    if sum(tokens_per_expert) != n or any(c < 0 for c in tokens_per_expert):
+        raise ValueError(f"tokens_per_expert {tokens_per_expert} must be >= 0 and sum to {n}")
+    e = len(tokens_per_expert)
+    if e > w_gate_up.packed.shape[0] or e > w_down.packed.shape[0]:
+        raise ValueError(f"{e} runs of tokens but only {w_gate_up.packed.shape[0]} experts")
+    offsets = torch.tensor([0, *itertools.accumulate(tokens_per_expert)], dtype=torch.int32,
+                           device=x.packed.device)  # [E_local + 1]
+    gate, up = grouped_mxfp4_gemm(x, offsets, w_gate_up[:e]).chunk(2, dim=-1)  # [N, I] each
+    act = quantize(F.silu(gate) * up)  # [N, I] -> MXFP4, per row
+    return grouped_mxfp4_gemm(act, offsets, w_down[:e])  # [N, H]

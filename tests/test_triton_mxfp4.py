@@ -1,0 +1,146 @@
+"""The Triton W4A4 grouped GEMM (moe_kernels.triton_mxfp4) against the torch path
+(`mxfp4_linear` per expert, `grouped_swiglu_w4a4`).
+
+On a CPU this runs the kernels in Triton's interpreter (TRITON_INTERPRET=1, set below before
+anything imports triton) and expects bit-identical results: every MXFP4 value and product is
+exact in float32, and at these shapes every partial sum is too, so the summation order of the
+kernel and of torch's matmul cannot matter. With TRITON_INTERPRET=0 on a CUDA machine the same
+tests run on the GPU, with a 1e-6 relative tolerance instead.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first `import triton`
+
+import pytest
+import torch
+
+from moe_kernels.grouped_gemm import grouped_swiglu_w4a4, mxfp4_linear
+from moe_kernels.mxfp4 import MXFP4Tensor, quantize
+
+pytest.importorskip("triton", reason="triton is not installed (pip install -e .[test])")
+
+from moe_kernels.triton_mxfp4 import (
+    grouped_mxfp4_gemm,
+    grouped_swiglu_w4a4_triton,
+)
+
+INTERPRET = os.environ["TRITON_INTERPRET"] == "1"
+if not INTERPRET and not torch.cuda.is_available():
+    pytest.skip("TRITON_INTERPRET=0 needs a CUDA device", allow_module_level=True)
+DEVICE = "cpu" if INTERPRET else "cuda"
+# Small tiles so that tiny shapes still span several tiles and hit every mask.
+SMALL = {"block_n": 16, "block_m": 32, "block_k": 64}
+
+
+def assert_same(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    actual, expected = actual.cpu(), expected.cpu()
+    if INTERPRET:
+        assert torch.equal(actual.isnan(), expected.isnan())
+        finite = ~expected.isnan()
+        # bit for bit, the sign of zero included
+        assert torch.equal(actual[finite].view(torch.int32), expected[finite].view(torch.int32))
+    else:
+        torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6 * expected.abs().max()
+                                   .item(), equal_nan=True)
+
+
+def offsets_of(tokens_per_expert: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(tokens_per_expert).cumsum(0).tolist()])
+
+
+def make(tokens_per_expert: list[int], k: int, m: int, seed: int = 0) -> tuple[MXFP4Tensor,
+                                                                               MXFP4Tensor]:
+    """x: MXFP4 of [N, K] activations; w: MXFP4 of [E, M, K] weights."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(tokens_per_expert), k, generator=g)
+    w = torch.randn(len(tokens_per_expert), m, k, generator=g) / k**0.5
+    qx, qw = quantize(x), quantize(w)
+    return (MXFP4Tensor(qx.packed.to(DEVICE), qx.scales.to(DEVICE)),
+            MXFP4Tensor(qw.packed.to(DEVICE), qw.scales.to(DEVICE)))
+
+
+def reference_gemm(x: MXFP4Tensor, tokens_per_expert: list[int], w: MXFP4Tensor) -> torch.Tensor:
+    """The torch path: `mxfp4_linear` on each expert's rows."""
+    out = torch.full((x.shape[0], w.shape[1]), float("nan"), device=DEVICE)
+    start = 0
+    for expert, count in enumerate(tokens_per_expert):
+        if count:
+            out[start:start + count] = mxfp4_linear(x[start:start + count], w[expert])
+            start += count
+    return out
+
+
+@pytest.mark.parametrize("use_dot_scaled", [True, False], ids=["dot_scaled", "decode"])
+@pytest.mark.parametrize(("tokens_per_expert", "k", "m"), [
+    ([0, 5, 17, 0, 3, 0], 64, 48),  # uneven; empty first, middle and last; 17 rows = 2 tiles
+    ([1], 32, 40),  # a single token
+    ([0, 0, 1, 0], 96, 24),  # a single token among empty experts; K = 1.5 K-steps
+])
+def test_gemm_matches_mxfp4_linear_per_expert(tokens_per_expert: list[int], k: int, m: int,
+                                              use_dot_scaled: bool) -> None:
+    x, w = make(tokens_per_expert, k, m)
+    out = grouped_mxfp4_gemm(x, offsets_of(tokens_per_expert), w,
+                             use_dot_scaled=use_dot_scaled, **SMALL)
+    assert_same(out, reference_gemm(x, tokens_per_expert, w))
+
+
+def test_gemm_default_tiles_strided_rows_and_int32_offsets() -> None:
+    tokens = [3, 0, 40, 2]
+    x, w = make(tokens, 96, 72, seed=1)
+    rows = MXFP4Tensor.from_rows(x.to_rows(), 96)  # packed/scales are views, row stride 51
+    assert not rows.packed.is_contiguous()
+    out = grouped_mxfp4_gemm(rows, offsets_of(tokens).int().to(DEVICE), w)
+    assert_same(out, reference_gemm(x, tokens, w))
+
+
+@pytest.mark.parametrize("use_dot_scaled", [True, False], ids=["dot_scaled", "decode"])
+def test_gemm_nan_block_poisons_its_row_only(use_dot_scaled: bool) -> None:
+    tokens = [2, 3]
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 64, generator=g)
+    x[3, 40] = float("inf")  # block 1 of row 3 gets the NaN scale 0xFF
+    qx, (_, w) = quantize(x), make(tokens, 64, 16)
+    qx = MXFP4Tensor(qx.packed.to(DEVICE), qx.scales.to(DEVICE))
+    assert qx.scales[3, 1].item() == 0xFF
+    out = grouped_mxfp4_gemm(qx, offsets_of(tokens), w, use_dot_scaled=use_dot_scaled,
+                             **SMALL)
+    assert out[3].isnan().all() and not out[[0, 1, 2, 4]].isnan().any()
+    assert_same(out, reference_gemm(qx, tokens, w))
+
+
+@pytest.mark.parametrize(("tokens_per_expert", "hidden", "inter"), [
+    ([0, 7, 1, 0, 20, 0], 32, 64),  # uneven, empty first and last; M = H = 32 < block_m 64
+    ([4, 0, 9], 64, 32),
+    ([0, 5, 0, 2], 96, 96),  # M = H = 96 and 2I = 192: partial and exact m-tiles
+    ([1], 64, 64),  # a single token
+    ([0, 1, 0], 96, 32),  # a single token among empty experts
+    ([3, 0, 12, 40, 0, 1, 70, 0], 256, 128),  # larger: several K steps, m-tiles, row tiles
+])
+def test_swiglu_matches_torch_path(tokens_per_expert: list[int], hidden: int,
+                                   inter: int) -> None:
+    x, w_gate_up = make(tokens_per_expert, hidden, 2 * inter, seed=hidden + inter)
+    _, w_down = make(tokens_per_expert, inter, hidden, seed=hidden * inter)
+    out = grouped_swiglu_w4a4_triton(x, tokens_per_expert, w_gate_up, w_down)
+    assert out.device.type == DEVICE
+    expected = grouped_swiglu_w4a4(x, tokens_per_expert, w_gate_up, w_down)
+    assert_same(out, expected.to(out.device))
+
+
+def test_k_not_a_multiple_of_32_raises() -> None:
+    x = MXFP4Tensor(torch.zeros(3, 24, dtype=torch.uint8), torch.zeros(3, 1, dtype=torch.uint8))
+    w = MXFP4Tensor(torch.zeros(2, 8, 24, dtype=torch.uint8),
+                    torch.zeros(2, 8, 1, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="multiple of 32; got 48"):
+        grouped_mxfp4_gemm(x, offsets_of([1, 2]), w)
+    with pytest.raises(ValueError, match="multiple of 32; got 48"):
+        grouped_swiglu_w4a4_triton(x, [1, 2], w, w)
+
+
+def test_bad_tokens_per_expert_raises() -> None:
+    x, w = make([2, 2], 32, 64)
+    with pytest.raises(ValueError, match="sum to 4"):
+        grouped_swiglu_w4a4_triton(x, [1, 2], w, w)
