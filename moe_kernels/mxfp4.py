@@ -112,20 +112,29 @@ def quantize(x: torch.Tensor) -> MXFP4Tensor:
     return MXFP4Tensor(packed.contiguous(), scales.contiguous())
 
 
-def _code_table(device: torch.device) -> torch.Tensor:
-    """float32 value of each 4-bit code [16]."""
-    mags = torch.tensor(E2M1_VALUES, device=device)
-    return torch.cat([mags, -mags])
+def _byte_table() -> torch.Tensor:
+    """[256, 2] float32: the two values (low nibble, high nibble) each byte encodes."""
+    mags = torch.tensor(E2M1_VALUES)
+    codes = torch.cat([mags, -mags])  # [16], by 4-bit code
+    return torch.stack([codes.repeat(16), codes.repeat_interleave(16)], dim=1)
+
+
+def _scale_table() -> torch.Tensor:
+    """[256] float32: the scale each E8M0 byte encodes (0xFF: NaN)."""
+    scales = torch.exp2(torch.arange(256, dtype=torch.float32) - SCALE_BIAS)
+    scales[SCALE_NAN] = float("nan")
+    return scales
+
+
+_BYTES, _SCALES = _byte_table(), _scale_table()
 
 
 def dequantize(q: MXFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The values [..., K] that q encodes, exactly (every MXFP4 value is a float32)."""
-    table = _code_table(q.packed.device)
-    low, high = table[(q.packed & 0xF).long()], table[(q.packed >> 4).long()]
-    values = torch.stack([low, high], dim=-1).flatten(-2)  # [..., K]
-    *lead, k = values.shape
-    exp = q.scales.float() - SCALE_BIAS
-    scale = torch.where(q.scales == SCALE_NAN, torch.full_like(exp, float("nan")),
-                        torch.exp2(exp))  # [..., K/32]
-    out = values.reshape(*lead, k // BLOCK, BLOCK) * scale[..., None]
-    return out.reshape(*lead, k).to(dtype)
+    device = q.packed.device
+    values = _BYTES.to(device)[q.packed.int()]  # [..., K/2, 2]: one lookup per byte
+    *lead, half, _ = values.shape
+    k = 2 * half
+    scale = _SCALES.to(device)[q.scales.int()]  # [..., K/32]
+    out = values.view(*lead, k // BLOCK, BLOCK) * scale[..., None]
+    return out.view(*lead, k).to(dtype)
