@@ -31,12 +31,27 @@ def child_pids(pid: int) -> list[int]:
     return out
 
 
-def alive(pid: int) -> bool:
+def _stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat fields after the command name (field 3 onwards), or None."""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
+        return None
+
+
+def start_time(pid: int) -> int | None:
+    """When the process started (clock ticks since boot): with the pid, its identity."""
+    fields = _stat(pid)
+    return int(fields[19]) if fields else None
+
+
+def alive(pid: int, started: int | None = None) -> bool:
+    """Whether `pid` runs (not a zombie); with `started`, whether it is still the process
+    that started then, not a later one (or a thread) that reuses the number."""
+    fields = _stat(pid)
+    if fields is None or fields[0] == "Z":
         return False
-    return state != "Z"
+    return started is None or int(fields[19]) == started
 
 
 class Served:
@@ -52,6 +67,11 @@ class Served:
             env={**os.environ, **(env or {})})
         self.url = self._wait_for_url(timeout)
         self.children = child_pids(self.proc.pid)
+        self._started = {pid: start_time(pid) for pid in self.children}
+
+    def children_alive(self) -> list[bool]:
+        """For each child the launcher started, whether that very process still runs."""
+        return [alive(pid, self._started[pid]) for pid in self.children]
 
     def _wait_for_url(self, timeout: float) -> str:
         deadline = time.monotonic() + timeout

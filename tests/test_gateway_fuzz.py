@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from hypothesis_jsonschema import from_schema
 
-from switchyard.serve_process import Served, alive
+from switchyard.serve_process import Served
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -242,7 +242,7 @@ def test_fuzz_never_5xx_and_the_server_survives(served: Served) -> None:
                          f"server log tail:\n{served.stderr()[-3000:]}"
     generated = sum(s == 200 for c, s in statuses if c.path.startswith("/v1/"))
     assert generated >= 100, "too few generation requests were accepted to mean anything"
-    assert served.proc.poll() is None and all(alive(p) for p in served.children)
+    assert served.proc.poll() is None and all(served.children_alive())
     r = httpx.post(f"{served.url}/v1/chat/completions", timeout=60, json={
         "model": model, "messages": [{"role": "user", "content": "What is 123 + 456?"}],
         "max_tokens": 8, "temperature": 0})

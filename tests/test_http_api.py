@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from switchyard.serve_process import Served, alive
+from switchyard.serve_process import Served
 from tests.test_engine_parity import prompts, reference_greedy
 
 pytestmark = pytest.mark.timeout(300)
@@ -166,9 +166,9 @@ def test_sse_wire_format(demo: Served) -> None:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_serve_stops_every_child_on_signal(qwen3_ckpt: tuple, sig: int) -> None:
     with Served(["--model", str(qwen3_ckpt[0])]) as served:  # 2 experts, attention, gateway
-        assert len(served.children) == 4 and all(alive(p) for p in served.children)
+        assert len(served.children) == 4 and all(served.children_alive())
         served.stop(sig)
-        assert not any(alive(p) for p in served.children)
+        assert not any(served.children_alive())
 
 
 def test_demo_model_is_a_normal_hf_checkpoint() -> None:

@@ -1,6 +1,8 @@
 """Train the bundled demo model: a small Qwen3-MoE that does 3-digit addition and subtraction.
 
     .venv/bin/python training/train_demo.py --out switchyard/models/arith-moe [--minutes 55]
+    .venv/bin/python training/train_demo.py --out DIR --init switchyard/models/arith-moe \
+        --qat-mxfp4 --steps 1500 --lr 3e-4 --warmup 50        # quantization-aware fine-tune
 
 CPU only, deterministic seeds. The model is transformers' own `Qwen3MoeForCausalLM`
 (transformers is a test/dev dependency), with its load-balancing auxiliary loss, trained on
@@ -108,6 +110,37 @@ def save(model: torch.nn.Module, enc: Encoder, out: Path) -> None:
         "model_max_length": model.config.max_position_embeddings}, indent=2))
 
 
+def fake_mxfp4(t: torch.Tensor) -> torch.Tensor:
+    """t as MXFP4 would round it (blocks of 32 along the last dimension), with the
+    straight-through gradient: the forward sees the quantized values, the backward
+    passes gradients through unchanged."""
+    from moe_kernels.mxfp4 import dequantize, quantize
+
+    return t + (dequantize(quantize(t.detach())) - t).detach()
+
+
+def enable_mxfp4_qat() -> None:
+    """Make transformers' Qwen3-MoE experts compute what `--quantization w4a4` serves:
+    MXFP4 weights, MXFP4 activations into both expert GEMMs (quantization-aware training,
+    as gpt-oss was trained for its MXFP4 experts)."""
+    import torch.nn.functional as F
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as m
+
+    def forward(self: m.Qwen3MoeExperts, hidden_states: torch.Tensor,
+                top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        gate_up, down = fake_mxfp4(self.gate_up_proj), fake_mxfp4(self.down_proj)
+        for expert in top_k_index.unique().tolist():
+            token, slot = torch.where(top_k_index == expert)
+            x = fake_mxfp4(hidden_states[token])  # [n, H]
+            gate, up = F.linear(x, gate_up[expert]).chunk(2, dim=-1)
+            y = F.linear(fake_mxfp4(self.act_fn(gate) * up), down[expert])  # [n, H]
+            out.index_add_(0, token, y * top_k_weights[token, slot, None])
+        return out
+
+    m.Qwen3MoeExperts.forward = forward
+
+
 def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -128,7 +161,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--init", type=Path, default=None,
                     help="continue from this checkpoint (a new schedule, a new data stream)")
+    ap.add_argument("--qat-mxfp4", action="store_true",
+                    help="quantization-aware: experts see MXFP4 weights and activations "
+                         "(training and evaluation), as `--quantization w4a4` serves them")
     args = ap.parse_args()
+    if args.qat_mxfp4:
+        enable_mxfp4_qat()
 
     from transformers import Qwen3MoeForCausalLM
 
