@@ -50,6 +50,11 @@ def _attention_parser(sub: argparse._SubParsersAction) -> None:
                    help="torch backend: number of attention groups in the world")
     p.add_argument("--expert-ranks", type=int, default=int(env("EXPERT_RANKS", "0")),
                    help="torch backend: number of expert ranks in the world")
+    p.add_argument("--dcp-rank", type=int, default=int(env("DCP_RANK", "0")),
+                   help="this process's rank in its DCP group (0: the leader, which the "
+                        "gateway connects to)")
+    p.add_argument("--dcp-init", default=env("DCP_INIT"),
+                   help="HOST:PORT of the DCP group's rendezvous, hosted by its rank 0")
     add_engine_flags(p)
 
 

@@ -144,7 +144,23 @@ def _engine_args(args: argparse.Namespace) -> list[str]:
         out += ["--placement", args.placement]
     if args.quantization:
         out += ["--quantization", args.quantization]
+    if args.dcp_size > 1:
+        out += ["--dcp-size", str(args.dcp_size), "--dcp-interleave", str(args.dcp_interleave)]
     return out
+
+
+def _dcp_peers(groups: list[tuple[str, list[str]]], size: int
+               ) -> list[tuple[str, list[str]]]:
+    """Ranks 1..D-1 of each attention group (rank 0, the leader, is the group itself)."""
+    if size < 1:
+        raise StartupError("--dcp-size must be at least 1")
+    peers = []
+    for name, cmd in groups:
+        if size > 1:
+            cmd += ["--dcp-init", f"127.0.0.1:{_free_port()}"]
+            peers += [(f"{name} DCP rank {r}", [*cmd, "--dcp-rank", str(r)])
+                      for r in range(1, size)]
+    return peers
 
 
 def _num_expert_services(args: argparse.Namespace) -> int:
@@ -182,6 +198,7 @@ def _start_services(args: argparse.Namespace, model: Path, name: str,
                for r in range(num_experts)]
     groups = [(f"attention group {g}", ["attention", *shared, *_engine_args(args)])
               for g in range(args.attention_groups)]
+    peers = _dcp_peers(groups, args.dcp_size)
     if args.dispatch_backend == "torch":
         # One process group: attention ranks 0..G-1, expert ranks G..G+N-1; all start
         # together because the rendezvous needs every rank.
@@ -193,12 +210,14 @@ def _start_services(args: argparse.Namespace, model: Path, name: str,
             cmd += ["--dispatch-backend", "torch", *dist, "--attention-ranks",
                     str(args.attention_groups)]
         engine_ports = children.start_all(experts + groups, timeout)[num_experts:]
+        peers = []
     else:
         expert_ports = children.start_all(experts, timeout)
         addresses = ",".join(f"127.0.0.1:{p}" for p in expert_ports)
         for _, cmd in groups:
             cmd += ["--expert-addresses", addresses] if addresses else []
-        engine_ports = children.start_all(groups, timeout)
+        # A DCP group's ranks start together: their rendezvous needs all of them.
+        engine_ports = children.start_all(groups + peers, timeout)[:len(groups)]
     [http_port] = children.start_all([("gateway", [
         "gateway", "--model", str(model), "--served-model-name", name,
         "--engine", ",".join(f"127.0.0.1:{p}" for p in engine_ports),

@@ -172,7 +172,24 @@ class ExpertInfo(msgspec.Struct, frozen=True, tag=True):
     quantization: str | None = None  # "w4a4": MXFP4 weights, takes MXFP4 activation rows
 
 
+class DcpSeqPlan(msgspec.Struct, frozen=True, array_like=True):
+    """One sequence's share of a DCP step: its new tokens from position `start`, and its
+    block table on every rank of the group."""
+
+    token_ids: list[int]
+    start: int
+    shard_tables: list[list[int]]
+
+
+class DcpPlan(msgspec.Struct, frozen=True, tag=True):
+    """DCP leader -> its peers, every step: the sequences to run, in batch order (`stop`
+    ends the peers)."""
+
+    seqs: list[DcpSeqPlan]
+    stop: bool = False
+
+
 Message = (
     GenerateRequest | AbortRequest | TokenDelta | InfoRequest | EngineInfo | StatsRequest
-    | EngineStats | ExpertBatch | ExpertResult | ExpertInfo
+    | EngineStats | ExpertBatch | ExpertResult | ExpertInfo | DcpPlan
 )

@@ -43,7 +43,7 @@ def _kv_slots(block_table: list[int], length: int, block_size: int) -> torch.Ten
     return slots[:length]  # [length]
 
 
-def _window_ok(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+def window_ok(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
     ok = k_pos <= q_pos
     if window is not None:
         ok &= k_pos > q_pos - window
@@ -75,7 +75,7 @@ def build_batch(
             decode_rows.append(row)
             decode_slots.append(kv_slots)
         else:
-            mask = _window_ok(pos[:, None], torch.arange(start + n)[None, :], sliding_window)
+            mask = window_ok(pos[:, None], torch.arange(start + n)[None, :], sliding_window)
             prefills.append(PrefillSlice(row, n, kv_slots, mask))
         if all_logits:
             logits_rows.extend(range(row, row + n))
@@ -107,5 +107,5 @@ def _pad_decodes(
     lengths = torch.tensor([len(s) for s in slots])
     padded = torch.nn.utils.rnn.pad_sequence(slots, batch_first=True)  # [B_d, L_max]
     k_pos = torch.arange(padded.shape[1])[None, :]
-    mask = (k_pos < lengths[:, None]) & _window_ok(q_pos[:, None], k_pos, window)
+    mask = (k_pos < lengths[:, None]) & window_ok(q_pos[:, None], k_pos, window)
     return padded, mask

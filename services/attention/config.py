@@ -38,6 +38,10 @@ class AttentionConfig:
     port: int = 0
     ready_fd: int | None = None
     quantization: str | None = None  # "w4a4", or from the checkpoint
+    dcp_size: int = 1  # ranks of this attention group sharing each sequence's KV
+    dcp_rank: int = 0  # 0: the leader (scheduler, gateway connection, experts)
+    dcp_interleave: int = 1  # consecutive tokens per rank
+    dcp_init: tuple[str, int] | None = None  # the group's rendezvous, hosted by rank 0
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -95,6 +99,11 @@ def add_engine_flags(p: argparse.ArgumentParser, default_backend: str = "local")
                    help="w4a4: experts as MXFP4 (quantized at load unless the checkpoint "
                         "already is, see `switchyard quantize`), activations dispatched as "
                         "MXFP4 (local and rpc backends)")
+    p.add_argument("--dcp-size", type=int, default=int(env("DCP_SIZE", "1")),
+                   help="decode context parallelism: ranks per attention group, each holding "
+                        "1/D of every sequence's KV cache")
+    p.add_argument("--dcp-interleave", type=int, default=int(env("DCP_INTERLEAVE", "1")),
+                   help="consecutive tokens stored on one DCP rank before the next")
     p.add_argument("--num-threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--dist-init", default=env("DIST_INIT"),
@@ -118,4 +127,7 @@ def from_args(args: argparse.Namespace) -> AttentionConfig:
         host=getattr(args, "host", "127.0.0.1"), port=getattr(args, "port", 0),
         ready_fd=getattr(args, "ready_fd", None),
         quantization=args.quantization,
+        dcp_size=args.dcp_size, dcp_interleave=args.dcp_interleave,
+        dcp_rank=getattr(args, "dcp_rank", 0),
+        dcp_init=parse_addresses(args.dcp_init)[0] if getattr(args, "dcp_init", None) else None,
     )

@@ -7,10 +7,13 @@ import time
 
 import torch
 
+from dcp.batch import build_rank_batch
+from dcp.group import DcpGroup, GroupExperts
+from dcp.sharding import ShardedBlockManager, Sharding
 from ep_dispatch import BackendContext, create_experts_client
 from ep_dispatch.registry import check_backend
 from ep_dispatch.torch_dist import World
-from services.attention.batch import build_batch
+from services.attention.batch import StepBatch, build_batch
 from services.attention.block_manager import BlockManager
 from services.attention.config import AttentionConfig
 from services.attention.kv_cache import KVCache, kv_bytes_per_block
@@ -22,6 +25,8 @@ from services.expert.experts import ExpertBank, all_experts, check_quantization
 from services.model.checkpoint import Checkpoint
 from services.model.config import ModelConfig
 from switchyard.messages import (
+    DcpPlan,
+    DcpSeqPlan,
     EngineInfo,
     EngineStats,
     GenerateRequest,
@@ -48,7 +53,9 @@ class Engine:
         checkpoint = Checkpoint(config.model)
         log.info("loading %s (%d layers, %d experts) as %s", cfg.architecture, cfg.num_layers,
                  cfg.num_experts, self.dtype)
-        self.model = DenseModel(cfg, checkpoint, self.dtype)
+        self.group = _dcp_group(config)
+        self.model = DenseModel(cfg, checkpoint, self.dtype,
+                                self.group.attend if self.group else None)
         check_backend(config.dispatch_backend)
         self.quantization = check_quantization(cfg, config.quantization)
         bank = None
@@ -65,10 +72,16 @@ class Engine:
         num_blocks = config.kv_cache_memory // kv_bytes_per_block(cfg, config.block_size,
                                                                   self.dtype)
         self.kv = KVCache(cfg, num_blocks, config.block_size, self.dtype)
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.sharding = Sharding(config.dcp_size, config.dcp_interleave)
+        capacity = self.sharding.max_length(num_blocks * config.block_size)
+        if self.group:
+            self.experts = GroupExperts(self.group, self.experts)
+            self.block_manager: BlockManager | ShardedBlockManager = ShardedBlockManager(
+                num_blocks, config.block_size, self.sharding)
+        else:
+            self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens,
                                    config.max_num_seqs)
-        capacity = num_blocks * config.block_size
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings,
                                  cfg.max_position_embeddings, capacity)
         self._seqs: dict[str, Sequence] = {}
@@ -76,6 +89,29 @@ class Engine:
 
     def close(self) -> None:
         self.experts.close()
+        if self.group:
+            self.group.send_plan(DcpPlan([], stop=True))
+            self.group.close()
+
+    def _batch(self, scheduled: list[ScheduledSeq], all_logits: bool = False) -> StepBatch:
+        """The step's inputs; a DCP leader first sends its peers the plan."""
+        if self.group is None:
+            return build_batch(scheduled, self.block_manager.block_size,
+                               self.model_config.sliding_window, all_logits)
+        rows, seqs, first = [], [], 0
+        for item in scheduled:
+            seq, n = item.seq, item.num_new_tokens
+            start = seq.num_computed_tokens
+            seqs.append(DcpSeqPlan(seq.token_ids[start:start + n], start, seq.shard_tables))
+            if all_logits:
+                rows.extend(range(first, first + n))
+            elif start + n == seq.num_tokens:
+                rows.append(first + n - 1)
+            first += n
+        plan = DcpPlan(seqs)
+        self.group.send_plan(plan)
+        return build_rank_batch(plan.seqs, 0, self.sharding, self.block_manager.block_size,
+                                self.model_config.sliding_window, rows)
 
     def info(self) -> EngineInfo:
         cfg = self.model_config
@@ -160,8 +196,7 @@ class Engine:
         for item in scheduled:
             if item.seq.first_scheduled_time is None:
                 item.seq.first_scheduled_time = now
-        batch = build_batch(scheduled, self.block_manager.block_size,
-                            self.model_config.sliding_window)
+        batch = self._batch(scheduled)
         hidden = self.model.forward(batch, self.kv, self.experts)
         sampling = [s.seq for s in scheduled
                     if s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens]
@@ -206,14 +241,24 @@ class Engine:
                         self.config.max_num_batched_tokens)
                 self.block_manager.allocate(seq, n)
                 self.experts.begin_step(True)
-                batch = build_batch([ScheduledSeq(seq, n)], self.block_manager.block_size,
-                                    self.model_config.sliding_window, all_logits=True)
+                batch = self._batch([ScheduledSeq(seq, n)], all_logits=True)
                 logits.append(self.model.logits(self.model.forward(batch, self.kv,
                                                                    self.experts)))
                 seq.num_computed_tokens += n
         finally:
             self.block_manager.free(seq)
         return torch.cat(logits)
+
+
+def _dcp_group(config: AttentionConfig) -> DcpGroup | None:
+    if config.dcp_size == 1:
+        return None
+    if config.dcp_init is None:
+        raise ValueError("--dcp-size > 1 needs --dcp-init HOST:PORT for the group's rendezvous")
+    if config.dispatch_backend == "torch":
+        raise ValueError("DCP works with the local and rpc dispatch backends; the torch "
+                         "backend's process group is the expert world")
+    return DcpGroup(config.dcp_init, 0, config.dcp_size)
 
 
 def _world(config: AttentionConfig) -> World | None:

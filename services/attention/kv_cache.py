@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dcp.merge import partial_attention
 from services.attention.batch import StepBatch
 from services.model.config import ModelConfig
 
@@ -25,7 +26,11 @@ class KVCache:
         self.v = [torch.zeros(shape, dtype=dtype) for _ in range(config.num_layers)]
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        """Store k, v [T, kv_heads, head_dim] at `slots` [T]."""
+        """Store k, v [T, kv_heads, head_dim] at `slots` [T]; slot -1 (a token another DCP
+        rank stores) is skipped."""
+        if bool((slots < 0).any()):
+            keep = slots >= 0
+            k, v, slots = k[keep], v[keep], slots[keep]
         self.k[layer][slots] = k
         self.v[layer][slots] = v
 
@@ -47,3 +52,26 @@ class KVCache:
             o = F.scaled_dot_product_attention(qp, k, v, attn_mask=p.mask, enable_gqa=True)
             out[p.start:p.start + p.length] = o[0].transpose(0, 1)
         return out
+
+    def attend_partial(self, layer: int, q: torch.Tensor, batch: StepBatch
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of q [T, heads, head_dim] over the keys this cache holds (one DCP
+        shard): (out [T, heads, head_dim], lse [T, heads] float32), for `dcp.merge`."""
+        k_all, v_all = self.k[layer], self.v[layer]
+        scale = q.shape[-1] ** -0.5
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32)
+        if batch.decode_rows.numel():
+            qd = q[batch.decode_rows].unsqueeze(2)  # [B, heads, 1, D]
+            k = k_all[batch.decode_kv_slots].transpose(1, 2)  # [B, kv_heads, L, D]
+            v = v_all[batch.decode_kv_slots].transpose(1, 2)
+            o, s = partial_attention(qd, k, v, batch.decode_mask[:, None, None, :], scale)
+            out[batch.decode_rows], lse[batch.decode_rows] = o.squeeze(2), s.squeeze(2)
+        for p in batch.prefills:
+            rows = slice(p.start, p.start + p.length)
+            qp = q[rows].transpose(0, 1)[None]  # [1, heads, n, D]
+            k = k_all[p.kv_slots].transpose(0, 1)[None]  # [1, kv_heads, L, D]
+            v = v_all[p.kv_slots].transpose(0, 1)[None]
+            o, s = partial_attention(qp, k, v, p.mask[None, None], scale)
+            out[rows], lse[rows] = o[0].transpose(0, 1), s[0].transpose(0, 1)
+        return out, lse

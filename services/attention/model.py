@@ -3,6 +3,7 @@ dense MLPs, lm_head. Expert FFNs are reached through an `ExpertsClient`."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,8 @@ from services.attention.router import route
 from services.model.checkpoint import Checkpoint
 from services.model.config import ModelConfig
 from services.model.layers import apply_rope, rms_norm, rope_cos_sin
+
+Attend = Callable[[KVCache, int, torch.Tensor, StepBatch], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -60,8 +63,11 @@ def load_layer(ckpt: Checkpoint, cfg: ModelConfig, i: int, dtype: torch.dtype) -
 class DenseModel:
     """The attention service's share of the model, run over one `StepBatch` at a time."""
 
-    def __init__(self, cfg: ModelConfig, ckpt: Checkpoint, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, ckpt: Checkpoint, dtype: torch.dtype,
+                 attend: Attend | None = None) -> None:
         self.cfg = cfg
+        # Paged attention over this process's KV cache, or a DCP group's sharded one.
+        self.attend: Attend = attend or (lambda kv, layer, q, batch: kv.attend(layer, q, batch))
         self.dtype = dtype
         h = cfg.hidden_size
         self.embed = ckpt.get("model.embed_tokens.weight", (cfg.vocab_size, h), dtype)
@@ -107,7 +113,7 @@ class DenseModel:
             k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         kv.write(i, k, v.view(t, cfg.num_kv_heads, cfg.head_dim), batch.slot_mapping)
-        out = kv.attend(i, q, batch)  # [T, heads, D]
+        out = self.attend(kv, i, q, batch)  # [T, heads, D]
         return F.linear(out.reshape(t, -1), w.o)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

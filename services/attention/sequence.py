@@ -34,6 +34,7 @@ class Sequence:
     generator: torch.Generator = field(default_factory=torch.Generator)
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    shard_tables: list[list[int]] = field(default_factory=list)  # DCP: one table per rank
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
     num_sent_tokens: int = 0  # output tokens already reported to the client

@@ -143,6 +143,15 @@ async def cancel_on_signal(scope: anyio.CancelScope) -> None:
 
 def main(config: AttentionConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s attention %(message)s")
+    if config.dcp_rank > 0:
+        from dcp.peer import run_peer
+
+        try:
+            run_peer(config)
+        except (CheckpointError, ValueError) as exc:
+            print(f"switchyard attention (DCP rank {config.dcp_rank}): {exc}", file=sys.stderr)
+            return 2
+        return 0
     try:
         engine = Engine(config)
     except (CheckpointError, ValueError, ExpertRankError, RendezvousError) as exc:

@@ -1,0 +1,98 @@
+"""The collectives of one DCP attention group (torch.distributed: gloo on CPU, NCCL on GPU).
+
+The leader (rank 0) schedules and broadcasts each step's plan; every rank runs the dense
+model on all the step's tokens, attends over its own keys, and the partial results are
+merged by log-sum-exp. Only the leader dispatches to the experts; it broadcasts the MoE
+outputs, so expert services never see a token twice.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from dcp.merge import merge
+from ep_dispatch.base import ExpertsClient
+from services.attention.batch import StepBatch
+from services.attention.kv_cache import KVCache
+from switchyard.messages import DcpPlan
+
+# Peers wait in a broadcast while the leader idles: no timeout short of a year.
+_IDLE_FOREVER = datetime.timedelta(days=365)
+
+
+class DcpGroup:
+    def __init__(self, init: tuple[str, int], rank: int, size: int) -> None:
+        host, port = init
+        store = dist.TCPStore(host, port, size, is_master=rank == 0,
+                              timeout=datetime.timedelta(seconds=120))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=size,
+                                timeout=_IDLE_FOREVER)
+        self.rank, self.size = rank, size
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(DcpPlan)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    def send_plan(self, plan: DcpPlan) -> None:
+        data = torch.frombuffer(bytearray(self._encoder.encode(plan)), dtype=torch.uint8)
+        dist.broadcast(torch.tensor([data.numel()]), src=0)
+        dist.broadcast(data, src=0)
+
+    def receive_plan(self) -> DcpPlan:
+        size = torch.zeros(1, dtype=torch.int64)
+        dist.broadcast(size, src=0)
+        data = torch.empty(int(size), dtype=torch.uint8)
+        dist.broadcast(data, src=0)
+        return self._decoder.decode(data.numpy().tobytes())
+
+    def attend(self, kv: KVCache, layer: int, q: torch.Tensor, batch: StepBatch
+               ) -> torch.Tensor:
+        """Attention over the whole group's keys: local partials, gathered and merged."""
+        out, lse = kv.attend_partial(layer, q, batch)  # [T, H, D], [T, H]
+        outs = [torch.empty_like(out) for _ in range(self.size)]
+        lses = [torch.empty_like(lse) for _ in range(self.size)]
+        dist.all_gather(outs, out)
+        dist.all_gather(lses, lse)
+        return merge(torch.stack(outs), torch.stack(lses))[0]
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class GroupExperts:
+    """The MoE seam of a DCP rank: the leader calls the real experts client and broadcasts
+    the outputs; peers receive them."""
+
+    lockstep = False
+
+    def __init__(self, group: DcpGroup, inner: ExpertsClient | None) -> None:
+        self.group, self.inner = group, inner
+
+    def begin_step(self, has_work: bool) -> bool:
+        return self.inner.begin_step(has_work) if self.inner else has_work
+
+    def idle_step(self) -> None:
+        pass
+
+    def __call__(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor) -> torch.Tensor:
+        y = self.inner(layer, x, topk_ids, topk_weights) if self.inner else torch.empty_like(x)
+        dist.broadcast(y, src=0)  # [T, H]
+        return y
+
+    def describe(self) -> list[str]:
+        return self.inner.describe() if self.inner else []
+
+    def ready(self) -> bool:
+        return self.inner.ready() if self.inner else True
+
+    def close(self) -> None:
+        if self.inner:
+            self.inner.close()

@@ -1,0 +1,48 @@
+"""A DCP peer (rank > 0 of an attention group): no scheduler, no connections; it runs
+each step its leader plans, over its share of the KV cache, until told to stop."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from dcp.batch import build_rank_batch
+from dcp.group import DcpGroup, GroupExperts
+from dcp.sharding import Sharding
+from services.attention.config import AttentionConfig
+from services.attention.kv_cache import KVCache, kv_bytes_per_block
+from services.attention.model import DenseModel
+from services.model.checkpoint import Checkpoint
+from services.model.config import ModelConfig
+
+log = logging.getLogger("switchyard.dcp")
+
+
+def run_peer(config: AttentionConfig) -> None:
+    if config.dcp_init is None:
+        raise ValueError("a DCP peer needs --dcp-init HOST:PORT (its leader's rendezvous)")
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    cfg, dtype = ModelConfig.from_dir(config.model), config.torch_dtype
+    checkpoint = Checkpoint(config.model)
+    group = DcpGroup(config.dcp_init, config.dcp_rank, config.dcp_size)
+    model = DenseModel(cfg, checkpoint, dtype, group.attend)
+    checkpoint.close()
+    num_blocks = config.kv_cache_memory // kv_bytes_per_block(cfg, config.block_size, dtype)
+    kv = KVCache(cfg, num_blocks, config.block_size, dtype)
+    sharding, experts = Sharding(config.dcp_size, config.dcp_interleave), GroupExperts(group,
+                                                                                      None)
+    log.info("DCP rank %d/%d ready: %d KV blocks", config.dcp_rank, config.dcp_size,
+             num_blocks)
+    if config.ready_fd is not None:
+        os.write(config.ready_fd, b"0\n")
+        os.close(config.ready_fd)
+    try:
+        while not (plan := group.receive_plan()).stop:
+            batch = build_rank_batch(plan.seqs, config.dcp_rank, sharding, config.block_size,
+                                     cfg.sliding_window, [])
+            model.forward(batch, kv, experts)
+    finally:
+        group.close()

@@ -1,0 +1,136 @@
+"""Decode context parallelism with real peer processes: logits and greedy outputs equal
+D = 1 and transformers; the group's KV capacity is D times a rank's."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from dcp.sharding import Sharding
+from services.attention.config import AttentionConfig
+from services.attention.engine import Engine
+from switchyard.launcher import Children
+from switchyard.serve_process import Served
+from tests.test_engine_parity import greedy, prompts, reference_greedy, run_to_completion
+from tests.test_http_api import concurrent_greedy
+
+pytestmark = pytest.mark.timeout(300)
+KV_BUDGET = 1 << 20  # per rank: 85 blocks of 16 tokens on the tiny model (12 KiB a block)
+SMALL_BUDGET = 16 * 12288  # per rank: 16 blocks, 256 tokens
+ENGINE = dict(max_num_batched_tokens=16, kv_cache_memory=KV_BUDGET, block_size=16)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def dcp_engine(path: Path, size: int, interleave: int = 1, **kw: object) -> Iterator[Engine]:
+    """This process as rank 0 (the leader) of a group whose other ranks are real processes."""
+    init = f"127.0.0.1:{_free_port()}"
+    children = Children()
+    settings = {**ENGINE, **kw}
+    flags = ["--model", str(path), "--dcp-size", str(size), "--dcp-interleave",
+             str(interleave), "--dcp-init", init, "--num-threads", "1",
+             *(f for k, v in settings.items() for f in (f"--{k.replace('_', '-')}", str(v)))]
+    pending = [children.spawn(f"peer {r}", ["attention", *flags, "--dcp-rank", str(r)])
+               for r in range(1, size)]
+    try:
+        host, port = init.split(":")
+        engine = Engine(AttentionConfig(model=path, dcp_size=size, dcp_interleave=interleave,
+                                        dcp_init=(host, int(port)), **settings))  # type: ignore[arg-type]
+        for p in pending:
+            children.wait_port(p, time.monotonic() + 120)
+        try:
+            yield engine
+        finally:
+            engine.close()
+    finally:
+        children.stop()
+
+
+@pytest.mark.parametrize(("size", "interleave"), [(2, 1), (3, 1), (2, 16)],
+                         ids=["d2", "d3", "d2-block-interleave"])
+def test_logits_and_greedy_equal_d1_and_transformers(qwen3_ckpt: tuple, size: int,
+                                                     interleave: int) -> None:
+    path, model = qwen3_ckpt
+    ps = prompts(seed=51, lengths=(70, 5, 33))  # several 16-token blocks; chunked prefill
+    single = Engine(AttentionConfig(model=path, **ENGINE))  # type: ignore[arg-type]
+    arrivals = {0: [greedy("a", ps[0], 20), greedy("b", ps[1], 20)],
+                6: [greedy("c", ps[2], 12)]}  # arrives while a and b decode
+    with dcp_engine(path, size, interleave) as engine:
+        for prompt in ps:
+            got = engine.score(prompt)
+            with torch.no_grad():
+                want = model(torch.tensor([prompt])).logits[0]
+            assert (got - want).abs().max() < 1e-4
+            assert (got - single.score(prompt)).abs().max() < 1e-4
+        outputs = run_to_completion(engine, arrivals)
+    assert outputs == run_to_completion(single, arrivals)
+    assert outputs["a"] == reference_greedy(model, ps[0], 20)
+
+
+def test_each_rank_holds_its_share_of_a_long_request(qwen3_ckpt: tuple) -> None:
+    path, _ = qwen3_ckpt
+    with dcp_engine(path, 2) as engine:
+        assert engine.add(greedy("long", prompts(seed=52, lengths=(200,))[0], 90)) is None
+        seq = engine._seqs["long"]
+        while seq.num_output_tokens < 89:
+            engine.step()
+        total = seq.num_computed_tokens
+        per_rank = [len(t) for t in seq.shard_tables]  # blocks held on each rank
+        bm = engine.block_manager
+        assert [bm.blocks_per_rank - bm.free_blocks(r) for r in range(2)] == per_rank
+        for blocks in per_rank:  # within one block of total / D
+            assert abs(blocks * bm.block_size - total / 2) <= bm.block_size
+        while engine.has_work():
+            engine.step()
+        assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_sharding_positions_and_capacity() -> None:
+    s = Sharding(size=3, interleave=2)
+    pos = torch.arange(12)
+    assert s.owner(pos).tolist() == [0, 0, 1, 1, 2, 2, 0, 0, 1, 1, 2, 2]
+    assert s.local_index(pos).tolist() == [0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3]
+    assert [s.num_owned(r, 9) for r in range(3)] == [4, 3, 2]
+    assert s.max_length(4) == 12 and Sharding(2).max_length(64) == 128
+
+
+def test_a_prompt_too_long_for_one_rank_is_served_by_two(qwen3_ckpt: tuple) -> None:
+    path, model = qwen3_ckpt
+    prompt = prompts(seed=53, lengths=(300,))[0]  # > 256 tokens: one rank's whole budget
+    flags = ["--model", str(path), "--dispatch-backend", "local", "--kv-cache-memory",
+             str(SMALL_BUDGET), "--max-num-batched-tokens", "64"]
+    with Served(flags) as one:
+        name = httpx.get(f"{one.url}/v1/models").json()["data"][0]["id"]
+        assert httpx.get(f"{one.url}/v1/models").json()["data"][0]["max_model_len"] == 256
+        r = httpx.post(f"{one.url}/v1/completions", timeout=60, json={
+            "model": name, "prompt": prompt, "max_tokens": 4})
+        assert r.status_code == 400 and "maximum context length is 256" in r.text
+    with Served([*flags, "--dcp-size", "2"]) as two:
+        card = httpx.get(f"{two.url}/v1/models").json()["data"][0]
+        assert card["max_model_len"] == 512
+        assert concurrent_greedy(two.url, name, [prompt], 8) == \
+            [reference_greedy(model, prompt, 8)]
+
+
+def test_preemption_by_recompute_across_the_group(qwen3_ckpt: tuple) -> None:
+    path, _ = qwen3_ckpt
+    ps = prompts(seed=54, lengths=(40, 36, 44, 38))
+    arrivals = {0: [greedy(f"r{i}", p, 30) for i, p in enumerate(ps)]}
+    want = run_to_completion(Engine(AttentionConfig(model=path, **ENGINE)), arrivals)  # type: ignore[arg-type]
+    # 6 blocks per rank (96 tokens): the four requests (~280 tokens) cannot all stay.
+    with dcp_engine(path, 2, kv_cache_memory=6 * 12288) as engine:
+        assert run_to_completion(engine, arrivals) == want
+        assert engine.scheduler.num_preemptions > 0
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
