@@ -3,20 +3,17 @@ D = 1 and transformers; the group's KV capacity is D times a rank's."""
 
 from __future__ import annotations
 
-import socket
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
 
+from dcp.launch import leader_engine
 from dcp.sharding import Sharding
 from services.attention.config import AttentionConfig
 from services.attention.engine import Engine
-from switchyard.launcher import Children
 from switchyard.serve_process import Served
 from tests.test_engine_parity import greedy, prompts, reference_greedy, run_to_completion
 from tests.test_http_api import concurrent_greedy
@@ -27,35 +24,9 @@ SMALL_BUDGET = 16 * 12288  # per rank: 16 blocks, 256 tokens
 ENGINE = dict(max_num_batched_tokens=16, kv_cache_memory=KV_BUDGET, block_size=16)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def dcp_engine(path: Path, size: int, interleave: int = 1, **kw: object) -> Iterator[Engine]:
-    """This process as rank 0 (the leader) of a group whose other ranks are real processes."""
-    init = f"127.0.0.1:{_free_port()}"
-    children = Children()
-    settings = {**ENGINE, **kw}
-    flags = ["--model", str(path), "--dcp-size", str(size), "--dcp-interleave",
-             str(interleave), "--dcp-init", init, "--num-threads", "1",
-             *(f for k, v in settings.items() for f in (f"--{k.replace('_', '-')}", str(v)))]
-    pending = [children.spawn(f"peer {r}", ["attention", *flags, "--dcp-rank", str(r)])
-               for r in range(1, size)]
-    try:
-        host, port = init.split(":")
-        engine = Engine(AttentionConfig(model=path, dcp_size=size, dcp_interleave=interleave,
-                                        dcp_init=(host, int(port)), **settings))  # type: ignore[arg-type]
-        for p in pending:
-            children.wait_port(p, time.monotonic() + 120)
-        try:
-            yield engine
-        finally:
-            engine.close()
-    finally:
-        children.stop()
+def dcp_engine(path: Path, size: int, interleave: int = 1, **kw: object
+               ) -> AbstractContextManager[Engine]:
+    return leader_engine(path, size, interleave, **{**ENGINE, **kw})
 
 
 @pytest.mark.parametrize(("size", "interleave"), [(2, 1), (3, 1), (2, 16)],

@@ -66,7 +66,8 @@ def test_transformers_generate_gives_the_same_answers(default_serve: Served) -> 
     ["--expert-services", "3", "--attention-groups", "2"],
     ["--dispatch-backend", "torch", "--expert-services", "2", "--attention-groups", "2"],
     ["--quantization", "w4a4"],
-], ids=["local", "rpc-1", "rpc-4", "rpc-3x2", "torch-2x2", "w4a4-rpc-2"])
+    ["--dcp-size", "2", "--attention-groups", "2"],
+], ids=["local", "rpc-1", "rpc-4", "rpc-3x2", "torch-2x2", "w4a4-rpc-2", "dcp-2x2-rpc-2"])
 def test_accuracy_holds_in_every_topology(flags: list[str]) -> None:
     """Short regression version; `switchyard eval -- FLAGS` runs the full one."""
     with Served(flags) as served:
