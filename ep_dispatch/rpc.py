@@ -17,8 +17,10 @@ from ep_dispatch.base import PointToPoint
 from ep_dispatch.layout import combine, compute_layout
 from ep_dispatch.placement import Placement
 from ep_dispatch.wire import activation_rows, from_wire, to_wire
+from switchyard import tracing
 from switchyard.messages import ExpertBatch, ExpertInfo, ExpertResult, InfoRequest
 from switchyard.rpc import FrameStream, connect
+from switchyard.tracing import layer_span
 
 
 class ExpertRankError(RuntimeError):
@@ -91,19 +93,24 @@ class RpcExperts(PointToPoint):
 
     def __call__(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> torch.Tensor:
-        layout = compute_layout(topk_ids, topk_weights, self.placement, layer)
-        rows = activation_rows(x, self.quantization)  # [T, H], or MXFP4 rows
-        parts = rows[layout.src_token].split(layout.rank_counts)  # per rank [n_r, width]
-        ys = self._portal.call(self._exchange, layer, parts, layout.expert_counts)
-        ys = [y if y.shape[0] else x[:0] for y in ys]  # [n_r, H] each
-        return combine(torch.cat(ys).to(x.dtype) if ys else x[:0], layout)
+        attrs = {"switchyard.layer": layer, "switchyard.tokens": x.shape[0]}
+        with layer_span("dispatch", attrs):
+            layout = compute_layout(topk_ids, topk_weights, self.placement, layer)
+            rows = activation_rows(x, self.quantization)  # [T, H], or MXFP4 rows
+            parts = rows[layout.src_token].split(layout.rank_counts)  # per rank [n_r, width]
+            trace = tracing.inject() if tracing.enabled() else {}
+            ys = self._portal.call(self._exchange, layer, parts, layout.expert_counts, trace)
+        with layer_span("combine", attrs):
+            ys = [y if y.shape[0] else x[:0] for y in ys]  # [n_r, H] each
+            return combine(torch.cat(ys).to(x.dtype) if ys else x[:0], layout)
 
     async def _exchange(self, layer: int, parts: tuple[torch.Tensor, ...],
-                        counts: list[list[int]]) -> list[torch.Tensor]:
+                        counts: list[list[int]], trace: dict[str, str]
+                        ) -> list[torch.Tensor]:
         ys: list[torch.Tensor] = list(parts)  # empty parts stay as they are
 
         async def one(rank: int) -> None:
-            ys[rank] = await self._call(rank, layer, parts[rank], counts[rank])
+            ys[rank] = await self._call(rank, layer, parts[rank], counts[rank], trace)
 
         try:
             async with anyio.create_task_group() as tg:
@@ -117,8 +124,8 @@ class RpcExperts(PointToPoint):
     def ready(self) -> bool:
         return all(conn is not None for conn in self._conns)
 
-    async def _call(self, rank: int, layer: int, x: torch.Tensor, counts: list[int]
-                    ) -> torch.Tensor:
+    async def _call(self, rank: int, layer: int, x: torch.Tensor, counts: list[int],
+                    trace: dict[str, str]) -> torch.Tensor:
         conn = self._conns[rank]
         if conn is None:
             raise ExpertRankError(f"{self._name(rank)} is not connected")
@@ -127,7 +134,7 @@ class RpcExperts(PointToPoint):
             with anyio.fail_after(self.call_timeout):
                 payload = to_wire(x)
                 self.dispatch_bytes += len(payload.data)
-                await conn.send(ExpertBatch(call_id, layer, counts, payload))
+                await conn.send(ExpertBatch(call_id, layer, counts, payload, trace))
                 result = await conn.receive()
         except (TimeoutError, OSError, anyio.EndOfStream, anyio.BrokenResourceError) as exc:
             # The stream may hold a late answer now; never reuse it.

@@ -32,6 +32,7 @@ from gateway.serving import Serving, json_response
 from gateway.tokenization import detokenize, tokenize
 from gateway.tokenizer import Tokenizer
 from gateway.version import show_version
+from switchyard import tracing
 
 HEALTH_TIMEOUT_S = 5.0
 
@@ -88,6 +89,7 @@ def build_app(config: GatewayConfig, engine_client: EnginePool,
             tg.start_soon(engine_client.run)
             yield
             tg.cancel_scope.cancel()
+        tracing.shutdown()  # uvicorn re-raises SIGTERM after serving: atexit would not run
 
     routes = [
         Route("/v1/chat/completions", partial(create_chat_completion, serving), methods=["POST"]),

@@ -33,6 +33,7 @@ class GatewayConfig:
     max_request_body_bytes: int = 16 << 20
     max_queued_requests: int = 256  # beyond what the engines run at once
     retry_after_s: int = 1
+    otlp_traces_endpoint: str | None = None
 
 
 def _env(name: str, default: str | None = None) -> str | None:
@@ -76,6 +77,8 @@ def _parser() -> argparse.ArgumentParser:
                         "once; more get 429 with Retry-After")
     p.add_argument("--retry-after", type=int, default=int(_env("RETRY_AFTER") or 1),
                    help="seconds a 429 tells the client to wait")
+    p.add_argument("--otlp-traces-endpoint", default=_env("OTLP_TRACES_ENDPOINT"),
+                   help="OTLP traces URL (or set the OTEL_EXPORTER_OTLP_* variables)")
     return p
 
 
@@ -108,4 +111,5 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
         max_request_body_bytes=args.max_request_body_size,
         max_queued_requests=args.max_queued_requests,
         retry_after_s=args.retry_after,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
     )

@@ -75,10 +75,13 @@ class RequestTimer:
         self._start = self._last = time.monotonic()
         self._first: float | None = None
         self._done = False
+        self.num_tokens = 0
+        self.finish_reason: str | None = None
 
     def on_delta(self, delta: TokenDelta) -> None:
         m, model, now = self._m, self._m._model, time.monotonic()
         if delta.token_ids:
+            self.num_tokens += len(delta.token_ids)
             m.generation_tokens.labels(model).inc(len(delta.token_ids))
             if self._first is None:
                 self._first = now
@@ -93,11 +96,16 @@ class RequestTimer:
         if delta.finish_reason is not None:
             self.finish(delta.finish_reason)
 
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self._first is None else self._first - self._start
+
     def finish(self, reason: str) -> None:
         """Count the choice as ended (once), with its end-to-end and decode time."""
         if self._done:
             return
         self._done = True
+        self.finish_reason = reason
         m, model, now = self._m, self._m._model, time.monotonic()
         m.finished.labels(model, reason).inc()
         m.e2e.labels(model).observe(now - self._start)

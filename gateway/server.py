@@ -14,6 +14,7 @@ from gateway.app import build_app
 from gateway.config import GatewayConfig, parse_args
 from gateway.engine_pool import EnginePool
 from gateway.tokenizer import Tokenizer
+from switchyard.tracing import setup_tracing
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     config = parse_args(argv)
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_tracing("switchyard-gateway", config.otlp_traces_endpoint)
     server = uvicorn_server(config)
     sock = bind(config.host, config.port)
     report_port(config.ready_fd, sock.getsockname()[1])

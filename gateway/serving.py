@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 import msgspec
+from opentelemetry.trace import INVALID_SPAN, Span, SpanKind, set_span_in_context
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -25,6 +26,7 @@ from gateway.output import Output, StopStrings, collect, interleave, outputs
 from gateway.sampling import ModelLimits, sampling_params
 from gateway.sse import unless_disconnected
 from gateway.tokenizer import NO_TOKENIZER_MESSAGE, Tokenizer
+from switchyard import tracing
 from switchyard.messages import EngineInfo, GenerateRequest, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -52,6 +54,7 @@ class Run:
     model: str
     prompt_token_ids: list[int]
     choices: list[Choice] = field(default_factory=list)
+    span: Span = INVALID_SPAN  # the request's trace span (a no-op one when tracing is off)
     _serving: Serving | None = None
 
     def usage(self, completion_tokens: int) -> Usage:
@@ -71,6 +74,17 @@ class Run:
         if self._serving is not None:
             self._serving.release(len(self.choices))
             self._serving = None
+            self._end_span()
+
+    def _end_span(self) -> None:
+        timers = [c.timer for c in self.choices]
+        firsts = [t.ttft_s for t in timers if t.ttft_s is not None]
+        self.span.set_attributes({
+            "gen_ai.usage.output_tokens": sum(t.num_tokens for t in timers),
+            "gen_ai.response.finish_reasons": [t.finish_reason or "abort" for t in timers],
+            **({"switchyard.time_to_first_token_s": min(firsts)} if firsts else {}),
+        })
+        self.span.end()
 
 
 def json_response(body: object) -> Response:
@@ -190,7 +204,8 @@ class Serving:
                   self.config.served_model_name, prompt_token_ids, _serving=self)
         try:
             self.metrics.prompt_tokens.labels(run.model).inc(len(prompt_token_ids))
-            trace = {h: v for h in _TRACE_HEADERS if (v := request.headers.get(h)) is not None}
+            run.span = self._request_span(request, kind, run, sampling)
+            trace = tracing.inject(set_span_in_context(run.span))
             stop_ids = frozenset(sampling.stop_token_ids) | frozenset(info.eos_token_ids)
             for index in range(body.n):
                 run.choices.append(await self._start_choice(
@@ -199,6 +214,21 @@ class Serving:
             await run.aclose()
             raise
         return run
+
+    def _request_span(self, request: Request, kind: str, run: Run,
+                      sampling: SamplingParams) -> Span:
+        """The request's span, continuing the client's W3C trace if it sent one."""
+        client = {h: v for h in _TRACE_HEADERS if (v := request.headers.get(h)) is not None}
+        operation = "chat" if kind == "chatcmpl" else "text_completion"
+        return tracing.tracer().start_span(
+            f"{operation} {run.model}", context=tracing.extract(client), kind=SpanKind.SERVER,
+            attributes={"gen_ai.operation.name": operation,
+                        "gen_ai.request.model": run.model,
+                        "gen_ai.request.max_tokens": sampling.max_tokens,
+                        "gen_ai.request.temperature": sampling.temperature,
+                        "gen_ai.request.top_p": sampling.top_p,
+                        "gen_ai.usage.input_tokens": len(run.prompt_token_ids),
+                        "gen_ai.response.id": run.id})
 
     async def _start_choice(self, run: Run, index: int, body: SamplingFields,
                             sampling: SamplingParams, trace: dict[str, str],

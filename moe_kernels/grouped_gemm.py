@@ -3,6 +3,8 @@ W4A4 MXFP4, torch paths for any device."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 
@@ -16,7 +18,8 @@ def swiglu_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -
 
 
 def grouped_swiglu(
-    x: torch.Tensor, tokens_per_expert: list[int], w_gate_up: torch.Tensor, w_down: torch.Tensor
+    x: torch.Tensor, tokens_per_expert: list[int], w_gate_up: torch.Tensor, w_down: torch.Tensor,
+    spans: list[tuple[int, int]] | None = None,
 ) -> torch.Tensor:
     """Run each local expert's FFN on its contiguous run of rows.
 
@@ -26,16 +29,22 @@ def grouped_swiglu(
         w_gate_up: [E_local, 2 * I, H] gate and up projections stacked (gate first).
         w_down: [E_local, H, I] down projections.
 
+        spans: if given, filled with each local expert's (start, end) wall-clock ns (for
+            per-expert tracing; (0, 0) for experts without tokens).
+
     Returns:
         [N, H] expert outputs, row-aligned with `x`, not yet weighted by the router.
     """
     out = torch.empty_like(x)
     start = 0
     for expert, count in enumerate(tokens_per_expert):
+        t0 = time.time_ns()
         if count:
             rows = slice(start, start + count)
             out[rows] = swiglu_mlp(x[rows], w_gate_up[expert], w_down[expert])
             start += count
+        if spans is not None:
+            spans.append((t0, time.time_ns()) if count else (0, 0))
     return out
 
 
@@ -51,7 +60,7 @@ def mxfp4_linear(x: MXFP4Tensor, w: MXFP4Tensor) -> torch.Tensor:
 
 def grouped_swiglu_w4a4(
     x: MXFP4Tensor, tokens_per_expert: list[int], w_gate_up: MXFP4Tensor,
-    w_down: MXFP4Tensor,
+    w_down: MXFP4Tensor, spans: list[tuple[int, int]] | None = None,
 ) -> torch.Tensor:
     """W4A4 version of `grouped_swiglu`, the torch path (any device).
 
@@ -69,10 +78,13 @@ def grouped_swiglu_w4a4(
     out = torch.empty(n, h, device=x.packed.device)
     start = 0
     for expert, count in enumerate(tokens_per_expert):
+        t0 = time.time_ns()
         if count:
             rows = slice(start, start + count)
             gate, up = mxfp4_linear(x[rows], w_gate_up[expert]).chunk(2, dim=-1)
             act = quantize(F.silu(gate) * up)  # [count, I] -> MXFP4
             out[rows] = mxfp4_linear(act, w_down[expert])
             start += count
+        if spans is not None:
+            spans.append((t0, time.time_ns()) if count else (0, 0))
     return out

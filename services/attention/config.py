@@ -42,6 +42,7 @@ class AttentionConfig:
     dcp_rank: int = 0  # 0: the leader (scheduler, gateway connection, experts)
     dcp_interleave: int = 1  # consecutive tokens per rank
     dcp_init: tuple[str, int] | None = None  # the group's rendezvous, hosted by rank 0
+    otlp_traces_endpoint: str | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -106,6 +107,8 @@ def add_engine_flags(p: argparse.ArgumentParser, default_backend: str = "local")
                    help="consecutive tokens stored on one DCP rank before the next")
     p.add_argument("--num-threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--otlp-traces-endpoint", default=env("OTLP_TRACES_ENDPOINT"),
+                   help="OTLP traces URL (or set the OTEL_EXPORTER_OTLP_* variables)")
     p.add_argument("--dist-init", default=env("DIST_INIT"),
                    help="torch backend: HOST:PORT of the rendezvous, hosted by attention "
                         "rank 0")
@@ -130,4 +133,5 @@ def from_args(args: argparse.Namespace) -> AttentionConfig:
         dcp_size=args.dcp_size, dcp_interleave=args.dcp_interleave,
         dcp_rank=getattr(args, "dcp_rank", 0),
         dcp_init=parse_addresses(args.dcp_init)[0] if getattr(args, "dcp_init", None) else None,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
     )

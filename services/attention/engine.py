@@ -21,6 +21,7 @@ from services.attention.model import DenseModel
 from services.attention.sampler import sample
 from services.attention.scheduler import ScheduledSeq, Scheduler
 from services.attention.sequence import Sequence
+from services.attention.tracing import step_span, trace_request
 from services.expert.experts import ExpertBank, all_experts, check_quantization
 from services.model.checkpoint import Checkpoint
 from services.model.config import ModelConfig
@@ -142,7 +143,8 @@ class Engine:
             return TokenDelta(request.request_id, [], "error", len(request.prompt_token_ids),
                               error)
         seq = Sequence(request.request_id, list(request.prompt_token_ids),
-                       len(request.prompt_token_ids), request.sampling)
+                       len(request.prompt_token_ids), request.sampling,
+                       trace_context=dict(request.trace_context))
         self._seqs[seq.request_id] = seq
         self.scheduler.add(seq)
         return None
@@ -169,6 +171,7 @@ class Engine:
             return None
         self.scheduler.finish(seq)
         self.num_aborted += 1
+        trace_request(seq, "abort")
         return TokenDelta(request_id, [], "abort", seq.num_prompt_tokens)
 
     def fail_all(self, error: str) -> list[TokenDelta]:
@@ -196,8 +199,9 @@ class Engine:
         for item in scheduled:
             if item.seq.first_scheduled_time is None:
                 item.seq.first_scheduled_time = now
-        batch = self._batch(scheduled)
-        hidden = self.model.forward(batch, self.kv, self.experts)
+        with step_span(scheduled):
+            batch = self._batch(scheduled)
+            hidden = self.model.forward(batch, self.kv, self.experts)
         sampling = [s.seq for s in scheduled
                     if s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens]
         if not sampling:
@@ -218,9 +222,12 @@ class Engine:
             seq.finish_reason = "stop"
         elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
         if seq.finish_reason:
             self.scheduler.finish(seq)
             del self._seqs[seq.request_id]
+            trace_request(seq, seq.finish_reason)
         queue_s = prefill_s = None
         if seq.num_output_tokens == 1 and seq.first_scheduled_time is not None:
             queue_s = seq.first_scheduled_time - seq.arrival_time

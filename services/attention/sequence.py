@@ -41,6 +41,8 @@ class Sequence:
     # time.monotonic() when the request arrived, was first scheduled, got its first token.
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    trace_context: dict[str, str] = field(default_factory=dict)  # W3C, from the gateway
 
     def __post_init__(self) -> None:
         # Each sequence draws from its own generator, so its samples do not depend on what

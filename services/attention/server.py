@@ -31,6 +31,7 @@ from switchyard.messages import (
     TokenDelta,
 )
 from switchyard.rpc import FrameStream, serve_messages
+from switchyard.tracing import setup_tracing
 
 log = logging.getLogger("switchyard.attention")
 LOCKSTEP_POLL_S = 0.002  # idle round cadence of collective backends
@@ -143,6 +144,7 @@ async def cancel_on_signal(scope: anyio.CancelScope) -> None:
 
 def main(config: AttentionConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s attention %(message)s")
+    setup_tracing("switchyard-attention", config.otlp_traces_endpoint)
     if config.dcp_rank > 0:
         from dcp.peer import run_peer
 

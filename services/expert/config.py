@@ -26,6 +26,7 @@ class ExpertConfig:
     attention_ranks: int = 1
     rendezvous_timeout: float = 120.0
     quantization: str | None = None
+    otlp_traces_endpoint: str | None = None
 
 
 def add_expert_parser(sub: argparse._SubParsersAction) -> None:
@@ -53,6 +54,8 @@ def add_expert_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds to wait for every peer to join")
     p.add_argument("--quantization", default=env("QUANTIZATION") or None, choices=["w4a4"],
                    help="w4a4: hold the experts as MXFP4 and take MXFP4 activations")
+    p.add_argument("--otlp-traces-endpoint", default=env("OTLP_TRACES_ENDPOINT"),
+                   help="OTLP traces URL (or set the OTEL_EXPORTER_OTLP_* variables)")
 
 
 def expert_config(args: argparse.Namespace) -> ExpertConfig:
@@ -64,4 +67,5 @@ def expert_config(args: argparse.Namespace) -> ExpertConfig:
                         dist_init=parse_address(args.dist_init) if args.dist_init else None,
                         attention_ranks=args.attention_ranks,
                         rendezvous_timeout=args.rendezvous_timeout,
-                        quantization=args.quantization)
+                        quantization=args.quantization,
+                        otlp_traces_endpoint=args.otlp_traces_endpoint)

@@ -105,21 +105,23 @@ class ExpertBank:
         h = self.hidden_size
         return h // 2 + h // 32 if self.quantization else h
 
-    def forward(self, layer: int, x: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
+    def forward(self, layer: int, x: torch.Tensor, tokens_per_expert: list[int],
+                spans: list[tuple[int, int]] | None = None) -> torch.Tensor:
         """Expert FFN of N rows grouped by local expert -> [N, H] (router weights not applied).
 
         x: [N, H] activations, or for w4a4 [N, H/2 + H/32] uint8 MXFP4 rows
-        (`MXFP4Tensor.to_rows`), as the attention side dispatches them.
+        (`MXFP4Tensor.to_rows`), as the attention side dispatches them. `spans`, if given,
+        gets each local expert's (start, end) wall-clock ns.
         """
         if x.shape[0] == 0:
             return torch.zeros(0, self.hidden_size, dtype=self.dtype)
         if not self.quantization:
             return grouped_swiglu(x, tokens_per_expert, self.w_gate_up[layer],
-                                  self.w_down[layer])
+                                  self.w_down[layer], spans)
         q = MXFP4Tensor.from_rows(x, self.hidden_size) if x.dtype == torch.uint8 \
             else quantize(x)
         return grouped_swiglu_w4a4(q, tokens_per_expert, self.w_gate_up[layer],
-                                   self.w_down[layer]).to(self.dtype)
+                                   self.w_down[layer], spans).to(self.dtype)
 
     def nbytes(self) -> int:
         total = 0

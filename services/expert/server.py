@@ -10,10 +10,12 @@ import contextlib
 import logging
 import os
 import sys
+import time
 
 import anyio
 import torch
 from anyio.abc import SocketAttribute, SocketStream
+from opentelemetry.trace import set_span_in_context
 
 from ep_dispatch.placement import make_placement
 from ep_dispatch.torch_dist import RendezvousError, World, join, serve_experts
@@ -23,8 +25,10 @@ from services.expert.config import ExpertConfig
 from services.expert.experts import ExpertBank
 from services.model.checkpoint import Checkpoint
 from services.model.config import CheckpointError, ModelConfig
+from switchyard import tracing
 from switchyard.messages import ExpertBatch, ExpertInfo, ExpertResult, InfoRequest, Message
 from switchyard.rpc import FrameStream, serve_messages
+from switchyard.tracing import setup_tracing
 
 log = logging.getLogger("switchyard.expert")
 
@@ -78,15 +82,42 @@ class ExpertServer:
                 log.warning("rejecting batch %d: %s", batch.call_id, exc)
                 results[i] = ExpertResult(batch.call_id, error=str(exc))
         if valid:
+            start, spans = time.time_ns(), [] if tracing.enabled() else None
             outputs = self._grouped([b.tokens_per_expert for _, b, _ in valid],
-                                    [x for _, _, x in valid], valid[0][1].layer)
+                                    [x for _, _, x in valid], valid[0][1].layer, spans)
+            if spans is not None:
+                for _, batch, _ in valid:
+                    self._trace(batch, start, spans)
             for (i, batch, x), y in zip(valid, outputs, strict=True):
                 out = y.to(x.dtype) if x.is_floating_point() else y  # MXFP4 in, float out
                 results[i] = ExpertResult(batch.call_id, to_wire(out))
         return [results[i] for i in range(len(batches))]
 
-    def _grouped(self, counts: list[list[int]], xs: list[torch.Tensor], layer: int
-                 ) -> list[torch.Tensor]:
+    def _trace(self, batch: ExpertBatch, start: int, spans: list[tuple[int, int]]) -> None:
+        """The layer's span under the caller's dispatch span, and one span per local expert
+        (the GEMM time is shared when batches were coalesced)."""
+        tracer, rank = tracing.tracer(), self.config.rank
+        layer_span = tracer.start_span(
+            f"experts layer {batch.layer}", context=tracing.extract(batch.trace_context),
+            start_time=start, attributes={"switchyard.layer": batch.layer,
+                                          "switchyard.expert_rank": rank,
+                                          "switchyard.tokens": sum(batch.tokens_per_expert)})
+        context = set_span_in_context(layer_span)
+        experts = self.bank.experts[batch.layer]
+        for expert, count, (t0, t1) in zip(experts, batch.tokens_per_expert, spans,
+                                           strict=True):
+            if count:
+                tracer.start_span(f"expert {batch.layer}.{expert}", context=context,
+                                  start_time=t0, attributes={
+                                      "switchyard.layer": batch.layer,
+                                      "switchyard.expert": expert,
+                                      "switchyard.expert_rank": rank,
+                                      "switchyard.tokens": count,
+                                      "switchyard.duration_s": (t1 - t0) / 1e9}).end(t1)
+        layer_span.end()
+
+    def _grouped(self, counts: list[list[int]], xs: list[torch.Tensor], layer: int,
+                 spans: list[tuple[int, int]] | None = None) -> list[torch.Tensor]:
         """Merge the batches expert by expert, run the FFN once, split the outputs back."""
         n, num_local = len(xs), len(counts[0])
         pieces = [(x if x.dtype == torch.uint8 else x.to(self.bank.dtype)).split(c)
@@ -94,7 +125,7 @@ class ExpertServer:
         merged = torch.cat([pieces[b][e] for e in range(num_local) for b in range(n)])
         totals = [sum(c[e] for c in counts) for e in range(num_local)]
         with torch.inference_mode():
-            y = self.bank.forward(layer, merged, totals)
+            y = self.bank.forward(layer, merged, totals, spans)
         y_pieces = y.split([counts[b][e] for e in range(num_local) for b in range(n)])
         return [torch.cat([y_pieces[e * n + b] for e in range(num_local)]) for b in range(n)]
 
@@ -172,6 +203,7 @@ def serve_collective(config: ExpertConfig, server: ExpertServer) -> None:
 
 def main(config: ExpertConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s expert %(message)s")
+    setup_tracing("switchyard-expert", config.otlp_traces_endpoint)
     try:
         server = ExpertServer(config)
         if config.dispatch_backend == "torch":

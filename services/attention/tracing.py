@@ -1,0 +1,49 @@
+"""The attention service's spans: each request's queue, prefill and decode phases, and
+(sampled) scheduler steps linked to every request they served."""
+
+from __future__ import annotations
+
+import time
+from contextlib import AbstractContextManager, nullcontext
+
+from opentelemetry.trace import Link, get_current_span
+
+from services.attention.scheduler import ScheduledSeq
+from services.attention.sequence import Sequence
+from switchyard import tracing
+
+
+def _wall_ns(monotonic_s: float) -> int:
+    """A time.monotonic() reading as wall-clock ns (spans carry wall-clock times)."""
+    return time.time_ns() - int((time.monotonic() - monotonic_s) * 1e9)
+
+
+def trace_request(seq: Sequence, reason: str) -> None:
+    """Emit the phases of a finished (or aborted) request under its gateway span."""
+    if not tracing.enabled():
+        return
+    parent = tracing.extract(seq.trace_context)
+    tracer, end = tracing.tracer(), time.time_ns()
+    marks = [("queue", _wall_ns(seq.arrival_time))]
+    if seq.first_scheduled_time is not None:
+        marks.append(("prefill", _wall_ns(seq.first_scheduled_time)))
+    if seq.first_token_time is not None:
+        marks.append(("decode", _wall_ns(seq.first_token_time)))
+    for (name, start), (_, stop) in zip(marks, [*marks[1:], ("", end)], strict=True):
+        tracer.start_span(name, context=parent, start_time=start, attributes={
+            "switchyard.request_id": seq.request_id,
+            "switchyard.output_tokens": seq.num_output_tokens,
+            "switchyard.finish_reason": reason}).end(stop)
+
+
+def step_span(scheduled: list[ScheduledSeq]) -> AbstractContextManager:
+    """A span around one scheduler step, linked to each request it serves (a step serves
+    many requests, so it is a root of its own, sampled like any root)."""
+    if not tracing.enabled():
+        return nullcontext()
+    links = [Link(ctx) for item in scheduled
+             if (ctx := get_current_span(tracing.extract(item.seq.trace_context))
+                 .get_span_context()).is_valid]
+    tokens = sum(item.num_new_tokens for item in scheduled)
+    return tracing.tracer().start_as_current_span("step", links=links, attributes={
+        "switchyard.sequences": len(scheduled), "switchyard.tokens": tokens})

@@ -1,0 +1,132 @@
+"""OpenTelemetry tracing for every service, configured the standard way.
+
+Tracing is on when `--otlp-traces-endpoint` or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` /
+`OTEL_EXPORTER_OTLP_ENDPOINT` is set; `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL` (or
+`OTEL_EXPORTER_OTLP_PROTOCOL`) picks `http/protobuf` (default) or `grpc`,
+`OTEL_SERVICE_NAME` overrides the service's name and `OTEL_TRACES_SAMPLER` /
+`OTEL_TRACES_SAMPLER_ARG` the sampling (the SDK reads them). Off, the API's no-op tracer
+is used: no spans are built and nothing is exported.
+
+Context crosses processes in the messages' `trace_context` field (W3C `traceparent`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+from contextlib import AbstractContextManager, nullcontext
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+TRACER_NAME = "switchyard"
+_enabled = False
+
+
+def enabled() -> bool:
+    """Whether this process records spans (skip building span inputs when not)."""
+    return _enabled
+
+
+def tracing_endpoint(flag: str | None) -> str | None:
+    return flag or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or \
+        os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+
+
+def setup_tracing(service: str, endpoint: str | None = None) -> bool:
+    """Install an SDK tracer provider exporting over OTLP, if an endpoint is configured.
+    Returns whether tracing is on.
+
+    `SWITCHYARD_TRACES_DUMP_DIR` instead keeps the spans in the SDK's in-memory exporter
+    and writes them, one JSON object per line, to `DIR/SERVICE-PID.jsonl` when the process
+    exits (how the tests see one trace across processes without a collector).
+    """
+    dump_dir = os.environ.get("SWITCHYARD_TRACES_DUMP_DIR")
+    if not tracing_endpoint(endpoint) and not dump_dir:
+        return False
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+
+    name = os.environ.get("OTEL_SERVICE_NAME", service)
+    provider = TracerProvider(resource=Resource.create({"service.name": name}))
+    if dump_dir:
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
+            InMemorySpanExporter,
+        )
+
+        memory = InMemorySpanExporter()
+        provider.add_span_processor(SimpleSpanProcessor(memory))
+        _at_shutdown.append(lambda: _dump(memory, os.path.join(
+            dump_dir, f"{name}-{os.getpid()}.jsonl")))
+    else:
+        provider.add_span_processor(BatchSpanProcessor(_exporter(endpoint)))
+    trace.set_tracer_provider(provider)
+    _at_shutdown.insert(0, provider.shutdown)  # flush what is buffered, then dump
+    atexit.register(shutdown)
+    global _enabled
+    _enabled = True
+    return True
+
+
+_at_shutdown: list = []
+
+
+def shutdown() -> None:
+    """Flush and stop tracing (at exit, or earlier where a server re-raises SIGTERM and
+    so skips `atexit`: uvicorn does). Safe to call twice."""
+    while _at_shutdown:
+        _at_shutdown.pop(0)()
+
+
+def _dump(memory: object, path: str) -> None:
+    with open(path, "w") as f:
+        for span in memory.get_finished_spans():  # type: ignore[attr-defined]
+            f.write(span.to_json(indent=None) + "\n")
+
+
+def _exporter(flag: str | None) -> object:
+    protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or \
+        os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+    if protocol == "grpc":
+        try:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        except ImportError as exc:
+            raise RuntimeError("OTLP over grpc needs the opentelemetry-exporter-otlp-proto-grpc "
+                               "package (pip install opentelemetry-exporter-otlp-proto-grpc)"
+                               ) from exc
+        return OTLPSpanExporter(endpoint=flag) if flag else OTLPSpanExporter()
+    if protocol != "http/protobuf":
+        raise RuntimeError(f"unsupported OTLP traces protocol {protocol!r}: use http/protobuf "
+                           "or grpc")
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    # The flag is the full traces URL (like vLLM's); the env endpoint is a base URL the
+    # exporter completes with /v1/traces itself.
+    return OTLPSpanExporter(endpoint=flag) if flag else OTLPSpanExporter()
+
+
+def tracer() -> trace.Tracer:
+    return trace.get_tracer(TRACER_NAME)
+
+
+def inject(context: Context | None = None) -> dict[str, str]:
+    """The W3C headers (`traceparent`, `tracestate`) of the current or given context."""
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier, context=context)
+    return carrier
+
+
+def extract(carrier: dict[str, str]) -> Context:
+    """The context a message's `trace_context` carries (empty: a new trace starts)."""
+    return _PROPAGATOR.extract(carrier)
+
+
+def layer_span(stage: str, attributes: dict[str, int]) -> AbstractContextManager:
+    """`{stage} layer N` as the current span while tracing, else nothing at all."""
+    if not _enabled:
+        return nullcontext()
+    return tracer().start_as_current_span(f"{stage} layer {attributes['switchyard.layer']}",
+                                          attributes=attributes)
