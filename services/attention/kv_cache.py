@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from dcp.merge import partial_attention
 from services.attention.batch import StepBatch
@@ -35,23 +34,12 @@ class KVCache:
         self.v[layer][slots] = v
 
     def attend(self, layer: int, q: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        """Attention of q [T, heads, head_dim] over each sequence's cached keys -> same shape."""
-        k_all, v_all = self.k[layer], self.v[layer]
-        out = torch.empty_like(q)
-        if batch.decode_rows.numel():
-            qd = q[batch.decode_rows].unsqueeze(2)  # [B, heads, 1, D]
-            k = k_all[batch.decode_kv_slots].transpose(1, 2)  # [B, kv_heads, L, D]
-            v = v_all[batch.decode_kv_slots].transpose(1, 2)
-            mask = batch.decode_mask[:, None, None, :]  # [B, 1, 1, L]
-            o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, enable_gqa=True)
-            out[batch.decode_rows] = o.squeeze(2)
-        for p in batch.prefills:
-            qp = q[p.start:p.start + p.length].transpose(0, 1)[None]  # [1, heads, n, D]
-            k = k_all[p.kv_slots].transpose(0, 1)[None]  # [1, kv_heads, L, D]
-            v = v_all[p.kv_slots].transpose(0, 1)[None]
-            o = F.scaled_dot_product_attention(qp, k, v, attn_mask=p.mask, enable_gqa=True)
-            out[p.start:p.start + p.length] = o[0].transpose(0, 1)
-        return out
+        """Attention of q [T, heads, head_dim] over each sequence's cached keys -> same shape.
+
+        The same fused kernel as a DCP shard's (`dcp.merge.partial_attention`); with every
+        key here, its output is already the full attention.
+        """
+        return self.attend_partial(layer, q, batch)[0]
 
     def attend_partial(self, layer: int, q: torch.Tensor, batch: StepBatch
                        ) -> tuple[torch.Tensor, torch.Tensor]:
