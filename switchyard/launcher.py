@@ -146,7 +146,13 @@ def _engine_args(args: argparse.Namespace) -> list[str]:
         out += ["--quantization", args.quantization]
     if args.dcp_size > 1:
         out += ["--dcp-size", str(args.dcp_size), "--dcp-interleave", str(args.dcp_interleave)]
+    out += _tracing_args(args)
     return out
+
+
+def _tracing_args(args: argparse.Namespace) -> list[str]:
+    endpoint = args.otlp_traces_endpoint
+    return ["--otlp-traces-endpoint", endpoint] if endpoint else []
 
 
 def _dcp_peers(groups: list[tuple[str, list[str]]], size: int
@@ -191,10 +197,11 @@ def _start_services(args: argparse.Namespace, model: Path, name: str,
     shared = ["--model", str(model), "--port", "0"]
     common = [*(["--placement", args.placement] if args.placement else []),
               *(["--num-threads", str(args.num_threads)] if args.num_threads else [])]
-    quantization = ["--quantization", args.quantization] if args.quantization else []
+    expert_flags = [*(["--quantization", args.quantization] if args.quantization else []),
+                    *_tracing_args(args)]
     experts = [(f"expert rank {r}", ["expert", *shared, "--rank", str(r), "--num-ranks",
                                      str(num_experts), "--dtype", args.dtype, *common,
-                                     *quantization])
+                                     *expert_flags])
                for r in range(num_experts)]
     groups = [(f"attention group {g}", ["attention", *shared, *_engine_args(args)])
               for g in range(args.attention_groups)]
@@ -223,7 +230,8 @@ def _start_services(args: argparse.Namespace, model: Path, name: str,
         "--engine", ",".join(f"127.0.0.1:{p}" for p in engine_ports),
         "--host", args.host, "--port", str(args.port),
         "--max-queued-requests", args.max_queued_requests,
-        "--max-request-body-size", args.max_request_body_size])], timeout)
+        "--max-request-body-size", args.max_request_body_size, *_tracing_args(args)])],
+        timeout)
     url = f"http://{args.host}:{http_port}"
     _wait_healthy(f"{url}/health", children, timeout)
     return url
