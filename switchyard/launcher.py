@@ -118,15 +118,18 @@ def _wait_healthy(url: str, children: Children, timeout: float) -> None:
 
 
 @contextlib.contextmanager
-def _terminate_on_sigterm() -> Iterator[None]:
+def _stop_on_signals() -> Iterator[None]:
+    """SIGTERM and SIGINT both stop the topology. SIGINT explicitly: a process started in
+    the background by a shell inherits SIGINT as ignored, and Python then leaves it so."""
     def handler(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, handler)
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def _engine_args(args: argparse.Namespace) -> list[str]:
@@ -248,7 +251,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"switchyard serve: {exc}", file=sys.stderr)
         return 2
     children = Children()
-    with _terminate_on_sigterm():
+    with _stop_on_signals():
         try:
             url = _start_services(args, model, name, children)
             print(f"Switchyard is serving {name!r} at {url}/v1", flush=True)
