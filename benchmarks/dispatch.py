@@ -1,7 +1,7 @@
 """Dispatch + combine per layer (torch backend, gloo) vs. a raw all_to_all_single moving the
 same rows there and back, side by side in one world of 1 attention + N expert ranks.
 
-    .venv/bin/python benchmarks/dispatch.py [--expert-ranks 3] [--tokens 1 16 256 4096]
+    .venv/bin/python -m benchmarks.dispatch [--expert-ranks 3] [--tokens 1 16 256 4096]
                                             [--hidden 1024 4096] [--iters 20]
 
 Experts are the identity (y = x), so only data movement, layout and combine are timed.

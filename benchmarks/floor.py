@@ -1,6 +1,6 @@
 """Decode step time of the engine vs. the memory-bandwidth floor of the bytes it must read.
 
-    .venv/bin/python benchmarks/floor.py [--batch-sizes 1 16] [--input-len 128]
+    .venv/bin/python -m benchmarks.floor [--batch-sizes 1 16] [--input-len 128]
 
 Measures this machine once (read bandwidth: `sum` over 2 GiB; copy bandwidth; float32
 matmul GFLOP/s), then runs the engine in-process on the mid-size checkpoint of
@@ -21,34 +21,25 @@ from pathlib import Path
 import torch
 
 from benchmarks.generate import build_checkpoint, make_prompts
+from benchmarks.timing import timed
 from services.attention.config import AttentionConfig
 from services.attention.engine import Engine
 from switchyard.messages import GenerateRequest, SamplingParams
-
-
-def _best_of(fn: object, repeat: int = 5) -> float:
-    fn()  # type: ignore[operator]
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()  # type: ignore[operator]
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def _bandwidth() -> tuple[float, float]:
     """(read, copy) GB/s over 2 GiB of float32; the tensors die with this frame."""
     a = torch.randn(512 * 1024 * 1024)
     b = torch.empty_like(a)
-    read = a.numel() * 4 / _best_of(a.sum) / 1e9
-    copy = 2 * a.numel() * 4 / _best_of(lambda: b.copy_(a)) / 1e9
+    read = a.numel() * 4 / timed(a.sum) / 1e9
+    copy = 2 * a.numel() * 4 / timed(lambda: b.copy_(a)) / 1e9
     return read, copy
 
 
 def machine() -> dict[str, float]:
     read, copy = _bandwidth()
     m = torch.randn(2048, 2048)
-    gflops = 2 * 2048**3 / _best_of(lambda: m @ m) / 1e9
+    gflops = 2 * 2048**3 / timed(lambda: m @ m) / 1e9
     return {"read_gbs": read, "copy_gbs": copy, "matmul_gflops": gflops}
 
 

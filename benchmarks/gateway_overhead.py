@@ -1,6 +1,6 @@
 """What the HTTP gateway adds: the real gateway in front of a fake engine that answers at once.
 
-    .venv/bin/python benchmarks/gateway_overhead.py [--rate 200] [--duration 10]
+    .venv/bin/python -m benchmarks.gateway_overhead [--rate 200] [--duration 10]
         [--concurrency 32] [--stream-tokens 2000] [--streams 1 4] [--json FILE]
 
 Three processes (plus the client's): a fake engine speaking the engine's RPC protocol

@@ -3,7 +3,7 @@
 Same checkpoint (a random mid-size Qwen3-MoE built by transformers), same prompts, greedy,
 fixed output length, float32 for both, batch 1 and 16, in one run:
 
-    .venv/bin/python benchmarks/generate.py [--batch-sizes 1 16] [--input-len 64] [--output-len 64]
+    .venv/bin/python -m benchmarks.generate [--batch-sizes 1 16] [--input-len 64] [--output-len 64]
 
 The checkpoint is cached under --workdir (default /tmp/switchyard-bench).
 """

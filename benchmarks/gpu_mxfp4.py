@@ -1,6 +1,6 @@
 """Triton W4A4 MXFP4 grouped GEMM on an NVIDIA GPU (H100/H200): correctness, then speed.
 
-    .venv/bin/python benchmarks/gpu_mxfp4.py [--experts 64] [--hidden 4096] [--inter 2048]
+    .venv/bin/python -m benchmarks.gpu_mxfp4 [--experts 64] [--hidden 4096] [--inter 2048]
 
 Exits 0 with a message when no CUDA device is present (so it is safe anywhere).
 

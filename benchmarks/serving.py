@@ -1,7 +1,7 @@
 """Issue 5's tables in one run: Switchyard served vs. transformers `generate()`, and every
 configuration's decode step against this machine's memory-bandwidth floor.
 
-    .venv/bin/python benchmarks/serving.py [--concurrency 1 16 64] [--input-len 128]
+    .venv/bin/python -m benchmarks.serving [--concurrency 1 16 64] [--input-len 128]
                                            [--output-len 128] [--json FILE]
 
 One run measures the machine (read and copy bandwidth, float32 matmul), then on the

@@ -1,6 +1,6 @@
 """Grouped expert FFN on the CPU: W4A4 (MXFP4 torch path) vs. float32 vs. bfloat16.
 
-    .venv/bin/python benchmarks/w4a4_cpu.py [--experts 8] [--hidden 1024] [--inter 768]
+    .venv/bin/python -m benchmarks.w4a4_cpu [--experts 8] [--hidden 1024] [--inter 768]
 
 Eight local experts of the mid-size checkpoint's shape; every expert gets the same number
 of tokens: decode shapes (1 to 64 tokens per expert) and a prefill shape (512). The W4A4
@@ -15,22 +15,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 
 import torch
 
+from benchmarks.timing import timed
 from moe_kernels.grouped_gemm import grouped_swiglu, grouped_swiglu_w4a4
 from moe_kernels.mxfp4 import quantize
-
-
-def timed(fn: object, repeat: int) -> float:
-    fn()  # type: ignore[operator]
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()  # type: ignore[operator]
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -61,11 +51,11 @@ def main() -> None:
         x16 = x.bfloat16()
         print(f"{t} tokens per expert ...", file=sys.stderr, flush=True)
         f32 = timed(lambda x=x, c=counts: grouped_swiglu(x, c, w_gate_up, w_down),
-                    args.repeat)
+                    args.repeat, statistics.median)
         b16 = timed(lambda x=x16, c=counts: grouped_swiglu(x, c, *w16),
-                    max(1, args.repeat // 5))
-        w4 = timed(lambda x=x, c=counts: grouped_swiglu_w4a4(quantize(x), c, q_gate_up,
-                                                              q_down), args.repeat)
+                    max(1, args.repeat // 5), statistics.median)
+        w4 = timed(lambda x=x, c=counts: grouped_swiglu_w4a4(quantize(x), c, q_gate_up, q_down),
+                   args.repeat, statistics.median)
         print(f"| {t} | {1e3 * f32:.1f} | {1e3 * b16:.1f} | {1e3 * w4:.1f} | "
               f"{w4 / f32:.2f}x |", flush=True)
 

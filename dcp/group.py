@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from dcp.merge import merge
-from ep_dispatch.base import ExpertsClient
+from ep_dispatch.base import ExpertsClient, PointToPoint
 from services.attention.batch import StepBatch
 from services.attention.kv_cache import KVCache
 from switchyard.messages import DcpPlan
@@ -66,20 +66,15 @@ class DcpGroup:
             dist.destroy_process_group()
 
 
-class GroupExperts:
+class GroupExperts(PointToPoint):
     """The MoE seam of a DCP rank: the leader calls the real experts client and broadcasts
     the outputs; peers receive them."""
-
-    lockstep = False
 
     def __init__(self, group: DcpGroup, inner: ExpertsClient | None) -> None:
         self.group, self.inner = group, inner
 
     def begin_step(self, has_work: bool) -> bool:
         return self.inner.begin_step(has_work) if self.inner else has_work
-
-    def idle_step(self) -> None:
-        pass
 
     def __call__(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> torch.Tensor:

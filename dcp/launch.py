@@ -3,7 +3,6 @@ for tests, benchmarks and tools that drive an `Engine` directly."""
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -11,13 +10,7 @@ from pathlib import Path
 
 from services.attention.config import AttentionConfig
 from services.attention.engine import Engine
-from switchyard.launcher import Children
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from switchyard.launcher import Children, free_port
 
 
 @contextmanager
@@ -25,7 +18,7 @@ def leader_engine(model: Path, size: int, interleave: int = 1, peer_threads: int
                   timeout: float = 300.0, **settings: object) -> Iterator[Engine]:
     """An `Engine` with `dcp_size` = size, its peers started as `switchyard attention
     --dcp-rank r` with the same `settings` (AttentionConfig fields), stopped afterwards."""
-    port = _free_port()
+    port = free_port()
     flags = ["--model", str(model), "--dcp-size", str(size), "--dcp-interleave",
              str(interleave), "--dcp-init", f"127.0.0.1:{port}", "--num-threads",
              str(peer_threads),

@@ -68,10 +68,6 @@ class ShardedBlockManager:
     def free_blocks(self, rank: int) -> int:
         return len(self._free[rank])
 
-    @property
-    def usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_blocks
-
     def _needed(self, seq: Sequence, num_new_tokens: int) -> list[int]:
         total = seq.num_computed_tokens + num_new_tokens
         if not seq.shard_tables:

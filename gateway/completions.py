@@ -8,7 +8,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.errors import GatewayError, bad_request
-from gateway.logprobs import completion_logprobs, token_text
+from gateway.logprobs import completion_logprobs
 from gateway.openai_protocol import Completion, CompletionChoice, CompletionRequest
 from gateway.output import Output
 from gateway.serving import Run, Serving, client_gone, json_response
@@ -32,7 +32,7 @@ class _ChoiceText:
             tokenizer = self._serving.maybe_tokenizer
             logprobs = completion_logprobs(tokenizer, step.token_ids, step.logprobs,
                                            self._offset)
-            self._offset += sum(len(token_text(tokenizer, t)) for t in step.token_ids)
+            self._offset += sum(map(len, logprobs.tokens))
         return CompletionChoice(index, text, step.finish_reason, logprobs,
                                 prompt_ids if with_ids else None,
                                 step.token_ids if with_ids else None)

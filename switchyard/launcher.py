@@ -96,7 +96,7 @@ class Children:
                 proc.wait()
 
 
-def _free_port() -> int:
+def free_port() -> int:
     """A port free now; the rendezvous host binds it a moment later (a small race)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -166,7 +166,7 @@ def _dcp_peers(groups: list[tuple[str, list[str]]], size: int
     peers = []
     for name, cmd in groups:
         if size > 1:
-            cmd += ["--dcp-init", f"127.0.0.1:{_free_port()}"]
+            cmd += ["--dcp-init", f"127.0.0.1:{free_port()}"]
             peers += [(f"{name} DCP rank {r}", [*cmd, "--dcp-rank", str(r)])
                       for r in range(1, size)]
     return peers
@@ -212,7 +212,7 @@ def _start_services(args: argparse.Namespace, model: Path, name: str,
     if args.dispatch_backend == "torch":
         # One process group: attention ranks 0..G-1, expert ranks G..G+N-1; all start
         # together because the rendezvous needs every rank.
-        dist = ["--dist-init", f"127.0.0.1:{_free_port()}"]
+        dist = ["--dist-init", f"127.0.0.1:{free_port()}"]
         for g, (_, cmd) in enumerate(groups):
             cmd += [*dist, "--attention-rank", str(g), "--attention-ranks",
                     str(args.attention_groups), "--expert-ranks", str(num_experts)]
