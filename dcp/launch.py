@@ -32,7 +32,7 @@ def leader_engine(model: Path, size: int, interleave: int = 1, peer_threads: int
         try:
             deadline = time.monotonic() + timeout
             for p in pending:
-                children.wait_port(p, deadline)
+                children.wait_ports(p, deadline)
             yield engine
         finally:
             engine.close()

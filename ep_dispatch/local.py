@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ep_dispatch.base import DispatchHandle, ExpertFn, PointToPoint
+from ep_dispatch.metrics import phase
 from ep_dispatch.wire import activation_rows
 
 
@@ -43,10 +44,13 @@ class LocalExperts(PointToPoint):
     def __call__(
         self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
-        rows = activation_rows(x, self.quantization)  # [T, H], or MXFP4 rows
-        recv, tokens_per_expert, handle = self.dispatcher.dispatch(rows, topk_ids, topk_weights)
-        y = self.expert_fn(layer, recv, tokens_per_expert)  # [N, H]
-        return self.dispatcher.combine(y, handle).to(x.dtype)
+        with phase("dispatch", "local", layer, x.shape[0]):
+            rows = activation_rows(x, self.quantization)  # [T, H], or MXFP4 rows
+            recv, tokens_per_expert, handle = self.dispatcher.dispatch(rows, topk_ids,
+                                                                       topk_weights)
+            y = self.expert_fn(layer, recv, tokens_per_expert)  # [N, H]
+        with phase("combine", "local", layer, x.shape[0]):
+            return self.dispatcher.combine(y, handle).to(x.dtype)
 
     def describe(self) -> list[str]:
         return [f"in-process: all {self.dispatcher.num_local_experts} experts of every layer"]

@@ -15,12 +15,12 @@ from anyio.from_thread import start_blocking_portal
 
 from ep_dispatch.base import PointToPoint
 from ep_dispatch.layout import combine, compute_layout
+from ep_dispatch.metrics import phase
 from ep_dispatch.placement import Placement
 from ep_dispatch.wire import activation_rows, from_wire, to_wire
 from switchyard import tracing
 from switchyard.messages import ExpertBatch, ExpertInfo, ExpertResult, InfoRequest
 from switchyard.rpc import FrameStream, connect
-from switchyard.tracing import layer_span
 
 
 class ExpertRankError(RuntimeError):
@@ -93,14 +93,13 @@ class RpcExperts(PointToPoint):
 
     def __call__(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> torch.Tensor:
-        attrs = {"switchyard.layer": layer, "switchyard.tokens": x.shape[0]}
-        with layer_span("dispatch", attrs):
+        with phase("dispatch", "rpc", layer, x.shape[0]):
             layout = compute_layout(topk_ids, topk_weights, self.placement, layer)
             rows = activation_rows(x, self.quantization)  # [T, H], or MXFP4 rows
             parts = rows[layout.src_token].split(layout.rank_counts)  # per rank [n_r, width]
             trace = tracing.inject() if tracing.enabled() else {}
             ys = self._portal.call(self._exchange, layer, parts, layout.expert_counts, trace)
-        with layer_span("combine", attrs):
+        with phase("combine", "rpc", layer, x.shape[0]):
             ys = [y if y.shape[0] else x[:0] for y in ys]  # [n_r, H] each
             return combine(torch.cat(ys).to(x.dtype) if ys else x[:0], layout)
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from ep_dispatch.base import ExpertFn
 from ep_dispatch.layout import combine, compute_layout
+from ep_dispatch.metrics import phase
 from ep_dispatch.placement import Placement
 
 log = logging.getLogger(__name__)
@@ -110,22 +111,24 @@ class TorchExperts:
 
     def __call__(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> torch.Tensor:
-        layout = compute_layout(topk_ids, topk_weights, self.placement, layer)
-        g = self.world.num_attention
-        counts = torch.zeros(self.world.size, self.width, dtype=torch.int64)
-        for r, c in enumerate(layout.expert_counts):
-            counts[g + r, :len(c)] = torch.tensor(c, dtype=torch.int64)
-        dist.all_to_all_single(torch.empty_like(counts), counts)  # experts learn the layout
-        splits = [0] * g + layout.rank_counts
-        rows = x[layout.src_token].contiguous()  # [N, H] in send order
-        dist.all_to_all_single(torch.empty(0, self.hidden, dtype=x.dtype), rows,
-                               output_split_sizes=[0] * self.world.size,
-                               input_split_sizes=splits)
-        y = torch.empty_like(rows)
-        dist.all_to_all_single(y, torch.empty(0, self.hidden, dtype=x.dtype),
-                               output_split_sizes=splits,
-                               input_split_sizes=[0] * self.world.size)
-        return combine(y, layout)
+        with phase("dispatch", "torch", layer, x.shape[0]):
+            layout = compute_layout(topk_ids, topk_weights, self.placement, layer)
+            g = self.world.num_attention
+            counts = torch.zeros(self.world.size, self.width, dtype=torch.int64)
+            for r, c in enumerate(layout.expert_counts):
+                counts[g + r, :len(c)] = torch.tensor(c, dtype=torch.int64)
+            dist.all_to_all_single(torch.empty_like(counts), counts)  # experts learn layout
+            splits = [0] * g + layout.rank_counts
+            rows = x[layout.src_token].contiguous()  # [N, H] in send order
+            dist.all_to_all_single(torch.empty(0, self.hidden, dtype=x.dtype), rows,
+                                   output_split_sizes=[0] * self.world.size,
+                                   input_split_sizes=splits)
+            y = torch.empty_like(rows)
+            dist.all_to_all_single(y, torch.empty(0, self.hidden, dtype=x.dtype),
+                                   output_split_sizes=splits,
+                                   input_split_sizes=[0] * self.world.size)
+        with phase("combine", "torch", layer, x.shape[0]):
+            return combine(y, layout)
 
     def describe(self) -> list[str]:
         return [f"{self.world.describe(self.world.num_attention + r)} (world rank "

@@ -18,6 +18,7 @@ from starlette.routing import Route
 from gateway.chat import create_chat_completion
 from gateway.completions import create_completion
 from gateway.config import GatewayConfig
+from gateway.dashboard import dashboard_routes
 from gateway.engine_pool import EnginePool
 from gateway.errors import (
     GatewayError,
@@ -65,12 +66,14 @@ async def health(serving: Serving, _: Request) -> Response:
 
 
 async def metrics(serving: Serving, _: Request) -> Response:
-    """GET /metrics: Prometheus text format; engine gauges are read now (skipped if down)."""
+    """GET /metrics: Prometheus text format; engine gauges are read now (skipped if down),
+    and the services' series (per-expert, dispatch) are scraped now and merged."""
     try:
         stats = await serving.engine.stats() if serving.engine.info is not None else None
     except GatewayError:
         stats = None
-    return Response(serving.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
+    scrapes = await serving.services.scrape()
+    return Response(serving.metrics.render(stats, scrapes), media_type=CONTENT_TYPE_LATEST)
 
 
 async def stats(serving: Serving, _: Request) -> Response:
@@ -102,6 +105,7 @@ def build_app(config: GatewayConfig, engine_client: EnginePool,
         Route("/version", show_version, methods=["GET"]),
         Route("/openapi.json", openapi_json, methods=["GET"]),
         Route("/metrics", partial(metrics, serving), methods=["GET"]),
+        *dashboard_routes(serving),
     ]
     handlers = {
         GatewayError: handle_gateway_error,

@@ -34,6 +34,8 @@ class GatewayConfig:
     max_queued_requests: int = 256  # beyond what the engines run at once
     retry_after_s: int = 1
     otlp_traces_endpoint: str | None = None
+    service_metrics: tuple[str, ...] = ()  # /metrics URLs of the attention and expert services
+    dashboard_window_s: float = 60.0
 
 
 def _env(name: str, default: str | None = None) -> str | None:
@@ -79,6 +81,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds a 429 tells the client to wait")
     p.add_argument("--otlp-traces-endpoint", default=_env("OTLP_TRACES_ENDPOINT"),
                    help="OTLP traces URL (or set the OTEL_EXPORTER_OTLP_* variables)")
+    p.add_argument("--service-metrics", default=_env("SERVICE_METRICS", ""),
+                   help="the attention and expert services' /metrics URLs, comma-separated: "
+                        "merged into the gateway's /metrics and shown on /dashboard")
+    p.add_argument("--dashboard-window", type=float,
+                   default=float(_env("DASHBOARD_WINDOW") or 60),
+                   help="seconds of recent load /dashboard summarizes by default")
     return p
 
 
@@ -92,6 +100,8 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
         parser.error(f"--engine: {exc}")
     if args.max_model_len is not None and args.max_model_len <= 0:
         parser.error("--max-model-len must be positive")
+    if args.dashboard_window <= 0:
+        parser.error("--dashboard-window must be positive")
     if args.max_queued_requests < 0 or args.retry_after < 0:
         parser.error("--max-queued-requests and --retry-after must not be negative")
     model_dir = Path(args.model)
@@ -112,4 +122,6 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
         max_queued_requests=args.max_queued_requests,
         retry_after_s=args.retry_after,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
+        service_metrics=tuple(u.strip() for u in args.service_metrics.split(",") if u.strip()),
+        dashboard_window_s=args.dashboard_window,
     )

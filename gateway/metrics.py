@@ -11,6 +11,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from gateway.service_metrics import Families, Scrape, merge
 from switchyard.messages import EngineStats, TokenDelta
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -40,6 +41,9 @@ class Metrics:
                                 [*m, "finished_reason"], registry=r)
         self.rejected = Counter("switchyard:request_rejected",
                                 "Requests refused because the queue was full.", m, registry=r)
+        self.service_up = Gauge("switchyard:service_up",
+                                "1 if a service's /metrics answered the last scrape.",
+                                [*m, "service"], registry=r)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...] = _LATENCY_BUCKETS
                       ) -> Histogram:
@@ -57,14 +61,17 @@ class Metrics:
         self.prompt_tokens.labels(self._model).inc(prompt_tokens)
         return RequestTimer(self)
 
-    def render(self, stats: EngineStats | None) -> bytes:
-        """The text exposition; engine gauges come from `stats` when the engine answered."""
+    def render(self, stats: EngineStats | None, scrapes: list[Scrape]) -> bytes:
+        """The text exposition: the gateway's series (engine gauges from `stats` when the
+        engine answered), then the services' series merged from `scrapes`."""
         if stats is not None:
             self.running.labels(self._model).set(stats.num_running)
             self.waiting.labels(self._model).set(stats.num_waiting)
             self.kv_usage.labels(self._model).set(stats.kv_blocks_used
                                                   / max(stats.num_kv_blocks, 1))
-        return generate_latest(self.registry)
+        for scrape in scrapes:
+            self.service_up.labels(self._model, scrape.url).set(int(scrape.up))
+        return generate_latest(self.registry) + generate_latest(Families(merge(scrapes)))
 
 
 class RequestTimer:

@@ -24,6 +24,7 @@ from gateway.metrics import Metrics, RequestTimer
 from gateway.openai_protocol import SamplingFields, Usage
 from gateway.output import Output, StopStrings, collect, interleave, outputs
 from gateway.sampling import ModelLimits, sampling_params
+from gateway.service_metrics import ServiceMetrics
 from gateway.sse import unless_disconnected
 from gateway.tokenizer import NO_TOKENIZER_MESSAGE, Tokenizer
 from switchyard import tracing
@@ -111,6 +112,7 @@ class Serving:
         self.config = config
         self.engine = engine
         self.metrics = Metrics(config.served_model_name)
+        self.services = ServiceMetrics(config.service_metrics)
         self._tokenizer = tokenizer
         self._admitted = 0  # choices accepted and not yet finished
         self._unknown_fields: set[str] = set()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from services.attention.config import add_engine_flags, env, from_args
+from services.attention.config import add_engine_flags, add_metrics_flag, env, from_args
 from services.expert.config import add_expert_parser, expert_config
 
 
@@ -56,6 +56,7 @@ def _attention_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dcp-init", default=env("DCP_INIT"),
                    help="HOST:PORT of the DCP group's rendezvous, hosted by its rank 0")
     add_engine_flags(p)
+    add_metrics_flag(p)
 
 
 def _placement_parser(sub: argparse._SubParsersAction) -> None:

@@ -44,7 +44,7 @@ class Children:
         self.procs: list[tuple[str, subprocess.Popen]] = []
 
     def spawn(self, name: str, args: list[str]) -> tuple[str, subprocess.Popen, int]:
-        """Start `python -m switchyard ARGS --ready-fd W`; returns what `wait_port` needs."""
+        """Start `python -m switchyard ARGS --ready-fd W`; returns what `wait_ports` needs."""
         read_fd, write_fd = os.pipe()
         proc = subprocess.Popen(
             [sys.executable, "-m", "switchyard", *args, "--ready-fd", str(write_fd)],
@@ -54,23 +54,26 @@ class Children:
         return name, proc, read_fd
 
     @staticmethod
-    def wait_port(pending: tuple[str, subprocess.Popen, int], deadline: float) -> int:
-        """The port a spawned child reports once listening (by `deadline`, monotonic)."""
+    def wait_ports(pending: tuple[str, subprocess.Popen, int], deadline: float
+                   ) -> tuple[int, ...]:
+        """The ports a spawned child reports once listening (by `deadline`, monotonic):
+        its service port, then its /metrics port if it serves one."""
         name, proc, read_fd = pending
         with os.fdopen(read_fd) as ready:
             if not select.select([ready], [], [], max(0.0, deadline - time.monotonic()))[0]:
                 raise StartupError(f"{name} did not start listening in time")
-            line = ready.readline()  # EOF (empty) if the child died before listening
-        if not line.strip().isdigit():
+            words = ready.readline().split()  # EOF (empty) if the child died before listening
+        if not words or not all(w.isdigit() for w in words):
             proc.wait()
             raise StartupError(f"{name} exited with status {proc.returncode} before listening")
-        return int(line)
+        return tuple(map(int, words))
 
-    def start_all(self, specs: list[tuple[str, list[str]]], timeout: float) -> list[int]:
-        """Start every (name, ARGS) at once; return their ports, in order."""
+    def start_all(self, specs: list[tuple[str, list[str]]], timeout: float
+                  ) -> list[tuple[int, ...]]:
+        """Start every (name, ARGS) at once; return their reported ports, in order."""
         pending = [self.spawn(name, args) for name, args in specs]
         deadline = time.monotonic() + timeout
-        return [self.wait_port(p, deadline) for p in pending]
+        return [self.wait_ports(p, deadline) for p in pending]
 
     def check_alive(self) -> None:
         for name, proc in self.procs:
@@ -201,12 +204,13 @@ def _start_services(args: argparse.Namespace, model: Path, name: str,
     common = [*(["--placement", args.placement] if args.placement else []),
               *(["--num-threads", str(args.num_threads)] if args.num_threads else [])]
     expert_flags = [*(["--quantization", args.quantization] if args.quantization else []),
-                    *_tracing_args(args)]
+                    *_tracing_args(args), "--metrics-port", "0"]
     experts = [(f"expert rank {r}", ["expert", *shared, "--rank", str(r), "--num-ranks",
                                      str(num_experts), "--dtype", args.dtype, *common,
                                      *expert_flags])
                for r in range(num_experts)]
-    groups = [(f"attention group {g}", ["attention", *shared, *_engine_args(args)])
+    groups = [(f"attention group {g}", ["attention", *shared, *_engine_args(args),
+                                        "--metrics-port", "0"])
               for g in range(args.attention_groups)]
     peers = _dcp_peers(groups, args.dcp_size)
     if args.dispatch_backend == "torch":
@@ -219,18 +223,21 @@ def _start_services(args: argparse.Namespace, model: Path, name: str,
         for _, cmd in experts:
             cmd += ["--dispatch-backend", "torch", *dist, "--attention-ranks",
                     str(args.attention_groups)]
-        engine_ports = children.start_all(experts + groups, timeout)[num_experts:]
+        started = children.start_all(experts + groups, timeout)
+        expert_ports, engine_ports = started[:num_experts], started[num_experts:]
         peers = []
     else:
         expert_ports = children.start_all(experts, timeout)
-        addresses = ",".join(f"127.0.0.1:{p}" for p in expert_ports)
+        addresses = ",".join(f"127.0.0.1:{p}" for p, _ in expert_ports)
         for _, cmd in groups:
             cmd += ["--expert-addresses", addresses] if addresses else []
         # A DCP group's ranks start together: their rendezvous needs all of them.
         engine_ports = children.start_all(groups + peers, timeout)[:len(groups)]
-    [http_port] = children.start_all([("gateway", [
+    scrape = ",".join(f"http://127.0.0.1:{m}/metrics" for _, m in engine_ports + expert_ports)
+    [(http_port,)] = children.start_all([("gateway", [
         "gateway", "--model", str(model), "--served-model-name", name,
-        "--engine", ",".join(f"127.0.0.1:{p}" for p in engine_ports),
+        "--engine", ",".join(f"127.0.0.1:{p}" for p, _ in engine_ports),
+        "--service-metrics", scrape,
         "--host", args.host, "--port", str(args.port),
         "--max-queued-requests", args.max_queued_requests,
         "--max-request-body-size", args.max_request_body_size, *_tracing_args(args)])],

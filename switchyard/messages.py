@@ -108,6 +108,8 @@ class EngineInfo(msgspec.Struct, frozen=True, tag=True):
     quantization: str | None = None  # "w4a4" when the experts and their inputs are MXFP4
     dispatch_backend: str = "local"
     expert_services: list[str] = []  # one line per expert rank, for /health
+    moe_layers: list[int] = []  # decoder layers with routed experts
+    num_experts: int = 0  # routed experts per MoE layer
 
 
 class StatsRequest(msgspec.Struct, frozen=True, tag=True):

@@ -43,7 +43,7 @@ def start_experts(path: Path, num_ranks: int, placement: Path | None = None
     except BaseException:
         children.stop()
         raise
-    return children, [("127.0.0.1", p) for p in ports]
+    return children, [("127.0.0.1", p) for p, *_ in ports]
 
 
 @pytest.fixture(scope="module")
@@ -214,7 +214,7 @@ def test_torch_backend_across_processes(qwen3_ckpt: tuple) -> None:
         raise
     try:
         deadline = time.monotonic() + 60
-        assert [children.wait_port(p, deadline) for p in pending] == [0] * NUM_RANKS
+        assert [children.wait_ports(p, deadline) for p in pending] == [(0,)] * NUM_RANKS
         cfg = engine.model_config
         moe = [i for i, m in enumerate(cfg.moe_layers) if m]
         bank = ExpertBank(cfg, Checkpoint(path), all_experts(cfg), torch.float32)

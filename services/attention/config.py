@@ -43,6 +43,7 @@ class AttentionConfig:
     dcp_interleave: int = 1  # consecutive tokens per rank
     dcp_init: tuple[str, int] | None = None  # the group's rendezvous, hosted by rank 0
     otlp_traces_endpoint: str | None = None
+    metrics_port: int | None = None  # Prometheus /metrics; None: not served
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -67,6 +68,13 @@ def parse_addresses(text: str) -> list[tuple[str, int]]:
 
 def env(name: str, default: str | None = None) -> str | None:
     return os.environ.get(ENV_PREFIX + name, default)
+
+
+def add_metrics_flag(p: argparse.ArgumentParser) -> None:
+    port = env("METRICS_PORT")
+    p.add_argument("--metrics-port", type=int, default=int(port) if port else None,
+                   help="serve Prometheus /metrics on this port, on --host (0: a free one; "
+                        "default: not served)")
 
 
 def add_engine_flags(p: argparse.ArgumentParser, default_backend: str = "local") -> None:
@@ -134,4 +142,5 @@ def from_args(args: argparse.Namespace) -> AttentionConfig:
         dcp_rank=getattr(args, "dcp_rank", 0),
         dcp_init=parse_addresses(args.dcp_init)[0] if getattr(args, "dcp_init", None) else None,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
+        metrics_port=getattr(args, "metrics_port", None),
     )

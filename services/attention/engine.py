@@ -124,6 +124,8 @@ class Engine:
             max_num_seqs=self.scheduler.max_num_seqs, quantization=self.quantization,
             dispatch_backend=self.config.dispatch_backend,
             expert_services=self.experts.describe(),
+            moe_layers=[i for i, is_moe in enumerate(cfg.moe_layers) if is_moe],
+            num_experts=cfg.num_experts,
         )
 
     def stats(self) -> EngineStats:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import signal
 import sys
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from switchyard.messages import (
     StatsRequest,
     TokenDelta,
 )
+from switchyard.metrics import report_ready, start_metrics_server
 from switchyard.rpc import FrameStream, serve_messages
 from switchyard.tracing import setup_tracing
 
@@ -117,14 +117,12 @@ class AttentionServer:
             await conn.send(delta)
 
 
-async def serve(config: AttentionConfig, engine: Engine) -> None:
+async def serve(config: AttentionConfig, engine: Engine, metrics_port: int | None) -> None:
     server = AttentionServer(engine)
     listener = await anyio.create_tcp_listener(local_host=config.host, local_port=config.port)
     port = listener.extra(SocketAttribute.local_port)
     log.info("attention service listening on %s:%d", config.host, port)
-    if config.ready_fd is not None:
-        os.write(config.ready_fd, f"{port}\n".encode())
-        os.close(config.ready_fd)
+    report_ready(config.ready_fd, port, metrics_port)
 
     async def on_connect(stream: SocketStream) -> None:
         await server.handle(FrameStream(stream))
@@ -156,11 +154,12 @@ def main(config: AttentionConfig) -> int:
         return 0
     try:
         engine = Engine(config)
-    except (CheckpointError, ValueError, ExpertRankError, RendezvousError) as exc:
+        metrics_port = start_metrics_server(config.host, config.metrics_port)
+    except (CheckpointError, ValueError, OSError, ExpertRankError, RendezvousError) as exc:
         print(f"switchyard attention: {exc}", file=sys.stderr)
         return 2
     try:
-        anyio.run(serve, config, engine)
+        anyio.run(serve, config, engine, metrics_port)
     finally:
         engine.close()  # joins the rpc client's event-loop thread, leaves the torch group
     return 0

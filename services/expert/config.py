@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.attention.config import env
+from services.attention.config import add_metrics_flag, env
 from switchyard.rpc import parse_address
 
 
@@ -27,6 +27,7 @@ class ExpertConfig:
     rendezvous_timeout: float = 120.0
     quantization: str | None = None
     otlp_traces_endpoint: str | None = None
+    metrics_port: int | None = None  # Prometheus /metrics; None: not served
 
 
 def add_expert_parser(sub: argparse._SubParsersAction) -> None:
@@ -56,6 +57,7 @@ def add_expert_parser(sub: argparse._SubParsersAction) -> None:
                    help="w4a4: hold the experts as MXFP4 and take MXFP4 activations")
     p.add_argument("--otlp-traces-endpoint", default=env("OTLP_TRACES_ENDPOINT"),
                    help="OTLP traces URL (or set the OTEL_EXPORTER_OTLP_* variables)")
+    add_metrics_flag(p)
 
 
 def expert_config(args: argparse.Namespace) -> ExpertConfig:
@@ -68,4 +70,5 @@ def expert_config(args: argparse.Namespace) -> ExpertConfig:
                         attention_ranks=args.attention_ranks,
                         rendezvous_timeout=args.rendezvous_timeout,
                         quantization=args.quantization,
-                        otlp_traces_endpoint=args.otlp_traces_endpoint)
+                        otlp_traces_endpoint=args.otlp_traces_endpoint,
+                        metrics_port=args.metrics_port)

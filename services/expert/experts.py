@@ -8,6 +8,7 @@ import torch
 
 from moe_kernels.grouped_gemm import grouped_swiglu, grouped_swiglu_w4a4
 from moe_kernels.mxfp4 import MXFP4Tensor, check_blockable, quantize
+from services.expert.metrics import ExpertMetrics
 from services.model.checkpoint import Checkpoint
 from services.model.config import ModelConfig
 
@@ -54,14 +55,16 @@ class ExpertBank:
     Weights per MoE layer: w_gate_up [E_local, 2 * I, H] and w_down [E_local, H, I], in
     `dtype`, or with quantization "w4a4" as MXFP4 (blocks along the reduction dimension).
     Only these experts' tensors are read from the checkpoint, one at a time; a quantized
-    checkpoint is read packed, never in full precision.
+    checkpoint is read packed, never in full precision. Every layer call is recorded in
+    the per-expert metrics of expert rank `rank`.
     """
 
     def __init__(
         self, config: ModelConfig, checkpoint: Checkpoint, experts: Mapping[int, Sequence[int]],
-        dtype: torch.dtype, quantization: str | None = None,
+        dtype: torch.dtype, quantization: str | None = None, rank: int = 0,
     ) -> None:
         self.experts = {layer: list(ids) for layer, ids in experts.items()}
+        self.metrics = ExpertMetrics(rank)
         self.dtype = dtype
         self.hidden_size = config.hidden_size
         self.quantization = check_quantization(config, quantization)
@@ -115,13 +118,17 @@ class ExpertBank:
         """
         if x.shape[0] == 0:
             return torch.zeros(0, self.hidden_size, dtype=self.dtype)
+        spans = [] if spans is None else spans
         if not self.quantization:
-            return grouped_swiglu(x, tokens_per_expert, self.w_gate_up[layer],
-                                  self.w_down[layer], spans)
-        q = MXFP4Tensor.from_rows(x, self.hidden_size) if x.dtype == torch.uint8 \
-            else quantize(x)
-        return grouped_swiglu_w4a4(q, tokens_per_expert, self.w_gate_up[layer],
-                                   self.w_down[layer], spans).to(self.dtype)
+            y = grouped_swiglu(x, tokens_per_expert, self.w_gate_up[layer],
+                               self.w_down[layer], spans)
+        else:
+            q = MXFP4Tensor.from_rows(x, self.hidden_size) if x.dtype == torch.uint8 \
+                else quantize(x)
+            y = grouped_swiglu_w4a4(q, tokens_per_expert, self.w_gate_up[layer],
+                                    self.w_down[layer], spans).to(self.dtype)
+        self.metrics.observe(layer, self.experts[layer], tokens_per_expert, spans)
+        return y
 
     def nbytes(self) -> int:
         total = 0

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import sys
 import time
 
@@ -27,6 +26,7 @@ from services.model.checkpoint import Checkpoint
 from services.model.config import CheckpointError, ModelConfig
 from switchyard import tracing
 from switchyard.messages import ExpertBatch, ExpertInfo, ExpertResult, InfoRequest, Message
+from switchyard.metrics import report_ready, start_metrics_server
 from switchyard.rpc import FrameStream, serve_messages
 from switchyard.tracing import setup_tracing
 
@@ -47,7 +47,8 @@ class ExpertServer:
         checkpoint = Checkpoint(config.model)
         self.bank = ExpertBank(model_config, checkpoint,
                                self.placement.local_experts(config.rank),
-                               resolve_dtype(config.dtype, "cpu"), config.quantization)
+                               resolve_dtype(config.dtype, "cpu"), config.quantization,
+                               config.rank)
         checkpoint.close()
         if self.bank.quantization and config.dispatch_backend == "torch":
             raise ValueError("quantized experts work with the rpc dispatch backend; the "
@@ -82,10 +83,10 @@ class ExpertServer:
                 log.warning("rejecting batch %d: %s", batch.call_id, exc)
                 results[i] = ExpertResult(batch.call_id, error=str(exc))
         if valid:
-            start, spans = time.time_ns(), [] if tracing.enabled() else None
+            start, spans = time.time_ns(), []
             outputs = self._grouped([b.tokens_per_expert for _, b, _ in valid],
                                     [x for _, _, x in valid], valid[0][1].layer, spans)
-            if spans is not None:
+            if tracing.enabled():
                 for _, batch, _ in valid:
                     self._trace(batch, start, spans)
             for (i, batch, x), y in zip(valid, outputs, strict=True):
@@ -117,7 +118,7 @@ class ExpertServer:
         layer_span.end()
 
     def _grouped(self, counts: list[list[int]], xs: list[torch.Tensor], layer: int,
-                 spans: list[tuple[int, int]] | None = None) -> list[torch.Tensor]:
+                 spans: list[tuple[int, int]]) -> list[torch.Tensor]:
         """Merge the batches expert by expert, run the FFN once, split the outputs back."""
         n, num_local = len(xs), len(counts[0])
         pieces = [(x if x.dtype == torch.uint8 else x.to(self.bank.dtype)).split(c)
@@ -162,14 +163,14 @@ class ExpertServer:
         await serve_messages(conn, on_message, log)
 
 
-async def serve(config: ExpertConfig, server: ExpertServer) -> None:
+async def serve(config: ExpertConfig, server: ExpertServer, metrics_port: int | None) -> None:
     from services.attention.server import cancel_on_signal
 
     listener = await anyio.create_tcp_listener(local_host=config.host, local_port=config.port)
     port = listener.extra(SocketAttribute.local_port)
     log.info("expert rank %d/%d listening on %s:%d, holding %.1f MB", config.rank,
              config.num_ranks, config.host, port, server.bank.nbytes() / 1e6)
-    _report_ready(config, port)
+    report_ready(config.ready_fd, port, metrics_port)
 
     async def on_connect(stream: SocketStream) -> None:
         await server.handle(FrameStream(stream))
@@ -180,13 +181,8 @@ async def serve(config: ExpertConfig, server: ExpertServer) -> None:
         await listener.serve(on_connect)
 
 
-def _report_ready(config: ExpertConfig, port: int) -> None:
-    if config.ready_fd is not None:
-        os.write(config.ready_fd, f"{port}\n".encode())
-        os.close(config.ready_fd)
-
-
-def serve_collective(config: ExpertConfig, server: ExpertServer) -> None:
+def serve_collective(config: ExpertConfig, server: ExpertServer,
+                     metrics_port: int | None) -> None:
     """torch backend: join the attention ranks' process group and serve every round."""
     if config.dist_init is None:
         raise ValueError("--dispatch-backend torch needs --dist-init HOST:PORT")
@@ -195,7 +191,7 @@ def serve_collective(config: ExpertConfig, server: ExpertServer) -> None:
     join(world, config.rendezvous_timeout)
     log.info("expert rank %d/%d joined the torch world, holding %.1f MB", config.rank,
              config.num_ranks, server.bank.nbytes() / 1e6)
-    _report_ready(config, 0)
+    report_ready(config.ready_fd, 0, metrics_port)
     with torch.inference_mode():
         serve_experts(world, server.placement, server.bank.forward,
                       server.bank.hidden_size, server.bank.dtype)
@@ -206,11 +202,12 @@ def main(config: ExpertConfig) -> int:
     setup_tracing("switchyard-expert", config.otlp_traces_endpoint)
     try:
         server = ExpertServer(config)
+        metrics_port = start_metrics_server(config.host, config.metrics_port)
         if config.dispatch_backend == "torch":
-            serve_collective(config, server)
+            serve_collective(config, server, metrics_port)
             return 0
     except (CheckpointError, ValueError, OSError, RendezvousError) as exc:
         print(f"switchyard expert: {exc}", file=sys.stderr)
         return 2
-    anyio.run(serve, config, server)
+    anyio.run(serve, config, server, metrics_port)
     return 0
