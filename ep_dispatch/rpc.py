@@ -97,7 +97,7 @@ class RpcExperts(PointToPoint):
             layout = compute_layout(topk_ids, topk_weights, self.placement, layer)
             rows = activation_rows(x, self.quantization)  # [T, H], or MXFP4 rows
             parts = rows[layout.src_token].split(layout.rank_counts)  # per rank [n_r, width]
-            trace = tracing.inject() if tracing.enabled() else {}
+            trace = tracing.inject() if tracing.recording() else {}
             ys = self._portal.call(self._exchange, layer, parts, layout.expert_counts, trace)
         with phase("combine", "rpc", layer, x.shape[0]):
             ys = [y if y.shape[0] else x[:0] for y in ys]  # [n_r, H] each

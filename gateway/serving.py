@@ -207,7 +207,9 @@ class Serving:
         try:
             self.metrics.prompt_tokens.labels(run.model).inc(len(prompt_token_ids))
             run.span = self._request_span(request, kind, run, sampling)
-            trace = tracing.inject(set_span_in_context(run.span))
+            # Unsampled requests send no context: downstream records nothing for them.
+            trace = tracing.inject(set_span_in_context(run.span)) \
+                if run.span.is_recording() else {}
             stop_ids = frozenset(sampling.stop_token_ids) | frozenset(info.eos_token_ids)
             for index in range(body.n):
                 run.choices.append(await self._start_choice(

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import atexit
 import os
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 
 from opentelemetry import trace
 from opentelemetry.context import Context
+from opentelemetry.trace import Link, SpanContext, SpanKind, TraceState, get_current_span
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.util.types import Attributes
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 TRACER_NAME = "switchyard"
@@ -51,7 +54,8 @@ def setup_tracing(service: str, endpoint: str | None = None) -> bool:
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 
     name = os.environ.get("OTEL_SERVICE_NAME", service)
-    provider = TracerProvider(resource=Resource.create({"service.name": name}))
+    provider = TracerProvider(resource=Resource.create({"service.name": name}),
+                              sampler=_follow_links())
     if dump_dir:
         from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
             InMemorySpanExporter,
@@ -124,9 +128,54 @@ def extract(carrier: dict[str, str]) -> Context:
     return _PROPAGATOR.extract(carrier)
 
 
+def sampled_span(carrier: dict[str, str]) -> SpanContext | None:
+    """The span a message's `trace_context` names, if it is sampled; else None, and the
+    receiver records nothing for it (its sender already decided not to)."""
+    if not _enabled or not carrier:
+        return None
+    context = get_current_span(extract(carrier)).get_span_context()
+    return context if context.is_valid and context.trace_flags.sampled else None
+
+
+def recording() -> bool:
+    """Whether the current span records: child spans and propagation are worth building."""
+    return _enabled and get_current_span().is_recording()
+
+
 def layer_span(stage: str, attributes: dict[str, int]) -> AbstractContextManager:
-    """`{stage} layer N` as the current span while tracing, else nothing at all."""
-    if not _enabled:
+    """`{stage} layer N` as the current span while its parent records, else nothing."""
+    if not recording():
         return nullcontext()
     return tracer().start_as_current_span(f"{stage} layer {attributes['switchyard.layer']}",
                                           attributes=attributes)
+
+
+def _follow_links() -> object:
+    """The sampler the `OTEL_TRACES_SAMPLER*` variables configure, except that a root span
+    linked to a sampled span is sampled too: a scheduler step that serves a sampled
+    request is recorded, so every sampled request's trace shows all of its steps."""
+    from opentelemetry.sdk.trace.sampling import (
+        Decision,
+        Sampler,
+        SamplingResult,
+        _get_from_env_or_default,
+    )
+
+    class FollowLinks(Sampler):
+        def __init__(self, base: Sampler) -> None:
+            self.base = base
+
+        def should_sample(self, parent_context: Context | None, trace_id: int, name: str,
+                          kind: SpanKind | None = None, attributes: Attributes = None,
+                          links: Sequence[Link] | None = None,
+                          trace_state: TraceState | None = None) -> SamplingResult:
+            is_root = not get_current_span(parent_context).get_span_context().is_valid
+            if is_root and any(link.context.trace_flags.sampled for link in links or ()):
+                return SamplingResult(Decision.RECORD_AND_SAMPLE, attributes)
+            return self.base.should_sample(parent_context, trace_id, name, kind, attributes,
+                                           links, trace_state)
+
+        def get_description(self) -> str:
+            return f"FollowLinks{{{self.base.get_description()}}}"
+
+    return FollowLinks(_get_from_env_or_default())

@@ -88,3 +88,35 @@ def test_one_request_is_one_trace_across_every_service(qwen3_ckpt: tuple,
     step_traces = {s["context"]["trace_id"] for s in steps}
     assert {s["context"]["trace_id"] for s in expert_layers} <= step_traces
 
+
+
+def test_only_sampled_requests_are_traced(qwen3_ckpt: tuple, tmp_path: Path) -> None:
+    """With a sampler that samples no new root, a request whose client sampled it is traced
+    in every service, with every step that served it (steps follow their links); a request
+    nobody sampled leaves no span anywhere, and neither do steps that served only it."""
+    path, _ = qwen3_ckpt
+    env = {"SWITCHYARD_TRACES_DUMP_DIR": str(tmp_path),
+           "OTEL_TRACES_SAMPLER": "parentbased_always_off"}
+    with Served(["--model", str(path), "--expert-services", "2"], env=env) as served:
+        name = httpx.get(f"{served.url}/v1/models").json()["data"][0]["id"]
+        [sampled, unsampled] = prompts(seed=62, lengths=(6, 7))
+        for prompt, headers in ((unsampled, {}),
+                                (sampled, {"traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-01"}),
+                                (unsampled, {"traceparent": f"00-{'1' * 32}-{'2' * 16}-00"})):
+            r = httpx.post(f"{served.url}/v1/completions", timeout=60, headers=headers,
+                           json={"model": name, "prompt": prompt, "max_tokens": 3,
+                                 "ignore_eos": True})
+            assert r.status_code == 200
+    spans = read_spans(tmp_path)
+    [request] = [s for s in spans if s["name"] == f"text_completion {name}"]
+    assert request["context"]["trace_id"] == f"0x{TRACE_ID}"
+    phases = [s for s in spans if s["parent_id"] == request["context"]["span_id"]]
+    assert sorted(s["name"] for s in phases) == ["decode", "prefill", "queue"]
+    steps = [s for s in spans if s["name"] == "step"]
+    assert len(steps) == 3  # prefill and two decode steps of the sampled request, no others
+    assert all([link["context"]["span_id"] for link in s["links"]]
+               == [request["context"]["span_id"]] for s in steps)
+    step_traces = {s["context"]["trace_id"] for s in steps}
+    experts = [s for s in spans if s["name"].startswith("expert ")]
+    assert experts and {s["context"]["trace_id"] for s in experts} <= step_traces
+    assert {s["context"]["trace_id"] for s in spans} == step_traces | {f"0x{TRACE_ID}"}

@@ -25,6 +25,7 @@ from services.attention.tracing import step_span, trace_request
 from services.expert.experts import ExpertBank, all_experts, check_quantization
 from services.model.checkpoint import Checkpoint
 from services.model.config import ModelConfig
+from switchyard import tracing
 from switchyard.messages import (
     DcpPlan,
     DcpSeqPlan,
@@ -146,7 +147,7 @@ class Engine:
                               error)
         seq = Sequence(request.request_id, list(request.prompt_token_ids),
                        len(request.prompt_token_ids), request.sampling,
-                       trace_context=dict(request.trace_context))
+                       trace_parent=tracing.sampled_span(request.trace_context))
         self._seqs[seq.request_id] = seq
         self.scheduler.add(seq)
         return None

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from opentelemetry.trace import SpanContext
 
 from switchyard.messages import FinishReason, SamplingParams
 
@@ -42,7 +43,7 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
-    trace_context: dict[str, str] = field(default_factory=dict)  # W3C, from the gateway
+    trace_parent: SpanContext | None = None  # the gateway's request span, when sampled
 
     def __post_init__(self) -> None:
         # Each sequence draws from its own generator, so its samples do not depend on what

@@ -6,7 +6,8 @@ from __future__ import annotations
 import time
 from contextlib import AbstractContextManager, nullcontext
 
-from opentelemetry.trace import Link, get_current_span
+from opentelemetry.context import Context
+from opentelemetry.trace import Link, NonRecordingSpan, set_span_in_context
 
 from services.attention.scheduler import ScheduledSeq
 from services.attention.sequence import Sequence
@@ -19,10 +20,10 @@ def _wall_ns(monotonic_s: float) -> int:
 
 
 def trace_request(seq: Sequence, reason: str) -> None:
-    """Emit the phases of a finished (or aborted) request under its gateway span."""
-    if not tracing.enabled():
+    """Emit the phases of a finished (or aborted) request under its sampled gateway span."""
+    if seq.trace_parent is None:
         return
-    parent = tracing.extract(seq.trace_context)
+    parent = set_span_in_context(NonRecordingSpan(seq.trace_parent))
     tracer, end = tracing.tracer(), time.time_ns()
     marks = [("queue", _wall_ns(seq.arrival_time))]
     if seq.first_scheduled_time is not None:
@@ -37,13 +38,13 @@ def trace_request(seq: Sequence, reason: str) -> None:
 
 
 def step_span(scheduled: list[ScheduledSeq]) -> AbstractContextManager:
-    """A span around one scheduler step, linked to each request it serves (a step serves
-    many requests, so it is a root of its own, sampled like any root)."""
+    """A span around one scheduler step, linked to each sampled request it serves. A step
+    serves many requests, so it is a root of its own: sampled when any of them is (see
+    `tracing._follow_links`), else like any root."""
     if not tracing.enabled():
         return nullcontext()
-    links = [Link(ctx) for item in scheduled
-             if (ctx := get_current_span(tracing.extract(item.seq.trace_context))
-                 .get_span_context()).is_valid]
+    links = [Link(item.seq.trace_parent) for item in scheduled if item.seq.trace_parent]
     tokens = sum(item.num_new_tokens for item in scheduled)
-    return tracing.tracer().start_as_current_span("step", links=links, attributes={
+    return tracing.tracer().start_as_current_span("step", context=Context(), links=links,
+                                                  attributes={
         "switchyard.sequences": len(scheduled), "switchyard.tokens": tokens})

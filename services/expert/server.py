@@ -86,8 +86,8 @@ class ExpertServer:
             start, spans = time.time_ns(), []
             outputs = self._grouped([b.tokens_per_expert for _, b, _ in valid],
                                     [x for _, _, x in valid], valid[0][1].layer, spans)
-            if tracing.enabled():
-                for _, batch, _ in valid:
+            for _, batch, _ in valid:
+                if batch.trace_context:  # sent only by a recording dispatch span
                     self._trace(batch, start, spans)
             for (i, batch, x), y in zip(valid, outputs, strict=True):
                 out = y.to(x.dtype) if x.is_floating_point() else y  # MXFP4 in, float out
