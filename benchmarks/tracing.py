@@ -136,12 +136,15 @@ def main() -> None:
     print(f"\n{args.rounds} rounds x {args.requests} requests, concurrency "
           f"{args.concurrency}, {args.input_len} in / {args.output_len} out, "
           f"model {args.model.name}\n")
-    print("| tracing | out tok/s (median) | each round | vs off | spans per request |")
-    print("|---|---:|---|---:|---:|")
+    print("| tracing | out tok/s (median) | each round | vs off (medians) | "
+          "vs off, same round: median (min-max) | spans per request |")
+    print("|---|---:|---|---:|---:|---:|")
     for (name, _), rs, n in zip(CONFIGS, rates, spans, strict=True):
         med = statistics.median(rs)
+        paired = [x / off for x, off in zip(rs, rates[0], strict=True)]
         print(f"| {name} | {med:.1f} | {', '.join(f'{x:.1f}' for x in rs)} | "
-              f"{med / base:.3f} | {n / requests:.1f} |")
+              f"{med / base:.3f} | {statistics.median(paired):.3f} ({min(paired):.2f}-"
+              f"{max(paired):.2f}) | {n / requests:.1f} |")
 
 
 if __name__ == "__main__":

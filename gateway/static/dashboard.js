@@ -34,6 +34,9 @@ function row(cells, numeric) {
 function buildGrid(layers, numExperts) {
   const table = $("heatmap");
   table.replaceChildren();
+  // Cells as large as fit: 8 experts get big squares, 256 get small ones.
+  const size = Math.max(12, Math.min(44, Math.floor(880 / Math.max(numExperts, 1))));
+  table.style.setProperty("--cell", size + "px");
   const head = document.createElement("tr");
   head.appendChild(document.createElement("th"));
   for (let e = 0; e < numExperts; e++) {
