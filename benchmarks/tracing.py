@@ -9,8 +9,10 @@ by side on the same model; the "on" ones export over OTLP/HTTP to a sink process
 decodes and counts the spans (so export is real, and the sampling visibly works). Rounds
 alternate the configurations in rotating order, each a closed loop of `--requests`
 streamed completions at `--concurrency` by `switchyard bench`'s client; the table gives
-each configuration's median output tokens/s, its ratio to tracing off, and spans
-received per request. Sampling is the standard `parentbased_traceidratio` sampler.
+each configuration's median output tokens/s and its ratio to tracing off, the CPU
+time the topology's processes spent per output token (steadier than throughput on a
+small, shared machine), and spans received per request. Sampling is the standard
+`parentbased_traceidratio` sampler.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import statistics
 import sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -83,6 +86,16 @@ def start_sink() -> tuple[mp.Process, str]:
     return proc, f"http://127.0.0.1:{ready.get(timeout=60)}"
 
 
+def cpu_seconds(served: Served) -> float:
+    """User + system CPU time of the topology's service processes so far."""
+    total = 0
+    for pid in served.children:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def serve(model: Path, sink: str, ratio: str | None) -> Served:
     """A topology exporting to `sink` (a URL of its own on the sink), or not at all."""
     flags = ["--model", str(model), "--expert-services", "2"]
@@ -116,13 +129,17 @@ def main() -> None:
         for s in served:
             run_load(s.url, model, prompts[:4], 8, 4, None, 1, 0)  # warm-up
         rates: list[list[float]] = [[] for _ in CONFIGS]
+        cpu_per_token: list[list[float]] = [[] for _ in CONFIGS]
         for r in range(args.rounds):
             for i in [(r + k) % len(CONFIGS) for k in range(len(CONFIGS))]:
+                cpu = cpu_seconds(served[i])
                 records, duration = run_load(served[i].url, model, prompts, args.output_len,
                                              args.concurrency, None, 4, 0)
                 report = summarize(records, duration, args.concurrency, 4)
                 assert report["failed"] == 0, report["errors"]
                 rates[i].append(report["output_throughput"])
+                tokens = report["output_throughput"] * report["duration_s"]
+                cpu_per_token[i].append(1e3 * (cpu_seconds(served[i]) - cpu) / tokens)
                 log(f"round {r + 1}: {CONFIGS[i][0]}: {rates[i][-1]:.1f} out tok/s")
         for s in served:
             s.stop()  # flushes what the batch span processors still hold
@@ -136,15 +153,18 @@ def main() -> None:
     print(f"\n{args.rounds} rounds x {args.requests} requests, concurrency "
           f"{args.concurrency}, {args.input_len} in / {args.output_len} out, "
           f"model {args.model.name}\n")
-    print("| tracing | out tok/s (median) | each round | vs off (medians) | "
-          "vs off, same round: median (min-max) | spans per request |")
-    print("|---|---:|---|---:|---:|---:|")
-    for (name, _), rs, n in zip(CONFIGS, rates, spans, strict=True):
+    base_cpu = statistics.median(cpu_per_token[0])
+    print("| tracing | out tok/s: median (each round) | vs off | vs off, same round: "
+          "median (min-max) | service CPU ms per token: median | vs off | "
+          "spans per request |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for (name, _), rs, cs, n in zip(CONFIGS, rates, cpu_per_token, spans, strict=True):
         med = statistics.median(rs)
         paired = [x / off for x, off in zip(rs, rates[0], strict=True)]
-        print(f"| {name} | {med:.1f} | {', '.join(f'{x:.1f}' for x in rs)} | "
+        print(f"| {name} | {med:.1f} ({', '.join(f'{x:.0f}' for x in rs)}) | "
               f"{med / base:.3f} | {statistics.median(paired):.3f} ({min(paired):.2f}-"
-              f"{max(paired):.2f}) | {n / requests:.1f} |")
+              f"{max(paired):.2f}) | {statistics.median(cs):.2f} | "
+              f"{statistics.median(cs) / base_cpu:.3f} | {n / requests:.1f} |")
 
 
 if __name__ == "__main__":
