@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Create or refresh the project's virtual environment; idempotent.
-# usage: scripts/bootstrap.sh [EXTRAS]   (e.g. "test"); prints the venv's python path.
+# usage: scripts/bootstrap.sh [EXTRAS]   (e.g. "test", "gpu"); prints the venv's python path.
+# SWITCHYARD_VENV: where (default .venv); SWITCHYARD_TORCH: the torch requirement to install
+# (default: the CPU build on machines without an NVIDIA GPU, a CUDA build with one).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${SWITCHYARD_VENV:-$root/.venv}
@@ -15,7 +17,10 @@ key=$(cat "$root/pyproject.toml" "$root/scripts/bootstrap.sh" | sha256sum | cut 
 stamp="$venv/.switchyard-${extras:-base}-$key"
 if [ ! -f "$stamp" ]; then
   if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
-    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    if [ -n "${SWITCHYARD_TORCH:-}" ]; then
+      # Chosen by the caller (the Dockerfile: a CUDA build where no GPU is visible).
+      "${pip[@]}" install "$SWITCHYARD_TORCH" >&2
+    elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
       "${pip[@]}" install "torch>=2.5" >&2
     else
       # CPU machine: this exact version resolves to the CPU wheel on this machine's disk;

@@ -96,6 +96,14 @@ def main(argv: list[str] | None = None) -> int:
         from switchyard.bench import main as bench_main
 
         return bench_main(argv[1:])
+    if argv and argv[0] == "compose":
+        from switchyard.compose import main as compose_main
+
+        return compose_main(argv[1:])
+    if argv and argv[0] == "probe":
+        from switchyard.probe import main as probe_main
+
+        return probe_main(argv[1:])
     if argv and argv[0] == "quantize":
         from services.expert.quantize import main as quantize_main
 
@@ -110,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("eval", help="demo-task accuracy through the chat API (`switchyard eval -h`)")
     sub.add_parser("bench", help="serving load generator and latency report (`... bench -h`)")
     sub.add_parser("quantize", help="write a W4A4 (MXFP4 experts) copy of a checkpoint")
+    sub.add_parser("compose", help="render the docker compose file for a GPU layout")
+    sub.add_parser("probe", help="healthcheck: is this URL or service answering?")
     args = parser.parse_args(argv)
     if args.command == "serve":
         from switchyard.launcher import serve

@@ -147,8 +147,9 @@ def main(config: AttentionConfig) -> int:
         from dcp.peer import run_peer
 
         try:
+            start_metrics_server(config.host, config.metrics_port)  # for healthchecks
             run_peer(config)
-        except (CheckpointError, ValueError) as exc:
+        except (CheckpointError, ValueError, OSError) as exc:
             print(f"switchyard attention (DCP rank {config.dcp_rank}): {exc}", file=sys.stderr)
             return 2
         return 0

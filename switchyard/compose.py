@@ -1,0 +1,240 @@
+"""`switchyard compose`: the docker compose deployment of one GPU host, for a layout.
+
+    switchyard compose --gpus 8 --expert-services 6 --dcp-size 2 > compose.yaml
+
+renders the gateway, G attention groups of D DCP ranks each, E expert services, Jaeger
+(OTLP in, UI on 16686) and Prometheus (scraping every service's /metrics), each GPU service
+pinned to its own GPU, with healthchecks and start-up order; plus a `cpu` profile that
+serves the bundled demo model in one container with no GPU. `--prometheus` writes the
+scrape configuration the layout needs. The committed `compose.yaml` and
+`deploy/prometheus.yml` are this command's output for the default layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+GATEWAY_PORT = 8000
+ATTENTION_PORT = 7000
+EXPERT_PORT = 7100
+METRICS_PORT = 9400
+DCP_INIT_PORT = 29500
+OTLP = "http://jaeger:4318"
+# Third-party images, pinned; `switchyard` services use the image built from ./Dockerfile.
+JAEGER_IMAGE = "jaegertracing/jaeger:2.21.0"
+PROMETHEUS_IMAGE = "prom/prometheus:v3.5.0"
+HEADER = """\
+# Switchyard on one GPU host: rendered by `switchyard compose {args}`
+# (tests/test_compose.py keeps this file equal to that output). Settings: .env.
+#   docker compose up                  # the GPU services (COMPOSE_PROFILES=gpu in .env)
+#   docker compose --profile cpu up    # the bundled demo model on the CPU, no GPU
+# Chat: http://HOST:8000/v1   Jaeger: http://HOST:16686   Prometheus: http://HOST:9090
+"""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which GPU runs what: attention group g's DCP rank r on GPU g * D + r, then the
+    expert services, one GPU each."""
+
+    gpus: int = 8
+    expert_services: int = 6
+    dcp_size: int = 2
+    attention_groups: int = 1
+
+    def check(self) -> None:
+        if min(self.gpus, self.expert_services, self.dcp_size, self.attention_groups) < 1:
+            raise ValueError("--gpus, --expert-services, --dcp-size and --attention-groups "
+                             "must be at least 1")
+        need = self.attention_groups * self.dcp_size + self.expert_services
+        if need > self.gpus:
+            raise ValueError(f"{self.attention_groups} attention group(s) of {self.dcp_size} "
+                             f"DCP rank(s) and {self.expert_services} expert services need "
+                             f"{need} GPUs; --gpus is {self.gpus}")
+
+    def attention_gpu(self, group: int, rank: int) -> int:
+        return group * self.dcp_size + rank
+
+    def expert_gpu(self, rank: int) -> int:
+        return self.attention_groups * self.dcp_size + rank
+
+    def args(self) -> str:
+        return (f"--gpus {self.gpus} --expert-services {self.expert_services} "
+                f"--dcp-size {self.dcp_size} --attention-groups {self.attention_groups}")
+
+
+def _attention_name(group: int, rank: int) -> str:
+    return f"attention-{group}" if rank == 0 else f"attention-{group}-dcp{rank}"
+
+
+def _common_env(service: str) -> dict[str, str]:
+    return {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": OTLP,
+        "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+        "OTEL_TRACES_SAMPLER_ARG": "${SWITCHYARD_TRACE_SAMPLE_RATIO:-0.01}",
+        "OTEL_RESOURCE_ATTRIBUTES": f"service.instance.id={service}",
+    }
+
+
+def _gpu_service(layout: Layout, name: str, gpu: int, command: list[str],
+                 health: list[str], depends: list[str]) -> dict:
+    service: dict = {
+        "image": "${SWITCHYARD_IMAGE:-switchyard:latest}",
+        "profiles": ["gpu"],
+        "command": command,
+        "environment": _common_env(name),
+        "volumes": ["${SWITCHYARD_MODEL_DIR:-./model}:/model:ro"],
+        "ipc": "host",  # NCCL and CUDA IPC between the GPU services
+        "ulimits": {"memlock": -1, "stack": 67108864},
+        "deploy": {"resources": {"reservations": {"devices": [{
+            "driver": "nvidia", "device_ids": [str(gpu)], "capabilities": ["gpu"]}]}}},
+        "healthcheck": {"test": ["CMD", "switchyard", "probe", *health], "interval": "5s",
+                        "timeout": "5s", "retries": 3, "start_period": "600s"},
+    }
+    if depends:
+        service["depends_on"] = {d: {"condition": "service_healthy"} for d in depends}
+    return service
+
+
+def _engine_flags() -> list[str]:
+    return ["--model", "/model", "--host", "0.0.0.0", "--dtype", "${SWITCHYARD_DTYPE:-auto}",
+            "--kv-cache-memory", "${SWITCHYARD_KV_CACHE_MEMORY:-40GiB}",
+            "--max-num-seqs", "${SWITCHYARD_MAX_NUM_SEQS:-256}",
+            "--metrics-port", str(METRICS_PORT)]
+
+
+def render(layout: Layout) -> dict:
+    """The compose document for `layout`."""
+    layout.check()
+    experts = [f"expert-{r}" for r in range(layout.expert_services)]
+    services: dict[str, dict] = {}
+    for r, name in enumerate(experts):
+        services[name] = _gpu_service(layout, name, layout.expert_gpu(r), [
+            "switchyard", "expert", "--model", "/model", "--host", "0.0.0.0",
+            "--port", str(EXPERT_PORT), "--rank", str(r),
+            "--num-ranks", str(layout.expert_services), "--dtype", "${SWITCHYARD_DTYPE:-auto}",
+            "--metrics-port", str(METRICS_PORT)],
+            [f"127.0.0.1:{EXPERT_PORT}"], [])
+    leaders = []
+    addresses = ",".join(f"{e}:{EXPERT_PORT}" for e in experts)
+    for g in range(layout.attention_groups):
+        leader = _attention_name(g, 0)
+        leaders.append(leader)
+        dcp = ["--dcp-size", str(layout.dcp_size), "--dcp-init",
+               f"{leader}:{DCP_INIT_PORT}"] if layout.dcp_size > 1 else []
+        for r in range(layout.dcp_size):
+            name = _attention_name(g, r)
+            command = ["switchyard", "attention", *_engine_flags(),
+                       "--dispatch-backend", "rpc", "--expert-addresses", addresses, *dcp]
+            if r == 0:
+                command += ["--port", str(ATTENTION_PORT)]
+                health = [f"127.0.0.1:{ATTENTION_PORT}"]
+            else:
+                command += ["--dcp-rank", str(r)]
+                health = [f"http://127.0.0.1:{METRICS_PORT}/metrics"]
+            # A group's ranks start together (their rendezvous needs all of them), once
+            # the experts answer; the leader is healthy when the whole group has joined.
+            services[name] = _gpu_service(layout, name, layout.attention_gpu(g, r), command,
+                                          health, experts)
+    scrape = [f"http://{s}:{METRICS_PORT}/metrics" for s in services]
+    services["gateway"] = {
+        "image": "${SWITCHYARD_IMAGE:-switchyard:latest}",
+        "profiles": ["gpu"],
+        "command": ["switchyard", "gateway", "--model", "/model",
+                    "--served-model-name", "${SWITCHYARD_SERVED_MODEL_NAME:-switchyard}",
+                    "--host", "0.0.0.0", "--port", str(GATEWAY_PORT),
+                    "--engine", ",".join(f"{g}:{ATTENTION_PORT}" for g in leaders),
+                    "--service-metrics", ",".join(scrape)],
+        "environment": _common_env("gateway"),
+        "volumes": ["${SWITCHYARD_MODEL_DIR:-./model}:/model:ro"],
+        "ports": [f"${{SWITCHYARD_PORT:-{GATEWAY_PORT}}}:{GATEWAY_PORT}"],
+        "depends_on": {g: {"condition": "service_healthy"} for g in leaders},
+        "healthcheck": _http_health(f"http://127.0.0.1:{GATEWAY_PORT}/health"),
+    }
+    services["cpu"] = {
+        "image": "${SWITCHYARD_IMAGE:-switchyard:latest}",
+        "profiles": ["cpu"],
+        "command": ["switchyard", "serve", "--host", "0.0.0.0", "--port", str(GATEWAY_PORT),
+                    "--otlp-traces-endpoint", f"{OTLP}/v1/traces"],
+        "environment": {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+                        "OTEL_TRACES_SAMPLER_ARG": "${SWITCHYARD_TRACE_SAMPLE_RATIO:-0.01}"},
+        "ports": [f"${{SWITCHYARD_PORT:-{GATEWAY_PORT}}}:{GATEWAY_PORT}"],
+        "healthcheck": _http_health(f"http://127.0.0.1:{GATEWAY_PORT}/health"),
+    }
+    services["jaeger"] = {
+        "image": JAEGER_IMAGE,
+        "command": ["--set", "receivers.otlp.protocols.http.endpoint=0.0.0.0:4318",
+                    "--set", "receivers.otlp.protocols.grpc.endpoint=0.0.0.0:4317"],
+        "ports": ["${SWITCHYARD_JAEGER_PORT:-16686}:16686"],
+    }
+    services["prometheus"] = {
+        "image": PROMETHEUS_IMAGE,
+        "volumes": ["./deploy/prometheus.yml:/etc/prometheus/prometheus.yml:ro"],
+        "ports": ["${SWITCHYARD_PROMETHEUS_PORT:-9090}:9090"],
+    }
+    return {"services": services}
+
+
+def _http_health(url: str) -> dict:
+    return {"test": ["CMD", "switchyard", "probe", url], "interval": "5s", "timeout": "5s",
+            "retries": 3, "start_period": "600s"}
+
+
+def prometheus_config(layout: Layout) -> dict:
+    """Prometheus' scrape configuration: the gateway's own series, and each service."""
+    doc = render(layout)["services"]
+    targets = [f"{name}:{METRICS_PORT}" for name, s in doc.items()
+               if "--metrics-port" in s.get("command", [])]
+    return {"global": {"scrape_interval": "5s"},
+            "scrape_configs": [
+                {"job_name": "gateway", "static_configs": [
+                    {"targets": [f"gateway:{GATEWAY_PORT}", f"cpu:{GATEWAY_PORT}"]}]},
+                {"job_name": "services", "static_configs": [{"targets": targets}]}]}
+
+
+class _Dumper(yaml.SafeDumper):
+    """Lists of plain values on one line (`command: [switchyard, expert, ...]`)."""
+
+    def represent_list(self, data: list) -> yaml.Node:
+        flat = all(isinstance(x, str | int | float) for x in data)
+        return self.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=flat)
+
+
+_Dumper.add_representer(list, _Dumper.represent_list)
+
+
+def dump(doc: dict, header: str = "") -> str:
+    return header + yaml.dump(doc, Dumper=_Dumper, sort_keys=False, width=100)
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="switchyard compose", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gpus", type=int, default=8)
+    ap.add_argument("--expert-services", type=int, default=6)
+    ap.add_argument("--dcp-size", type=int, default=2)
+    ap.add_argument("--attention-groups", type=int, default=1)
+    ap.add_argument("--out", type=Path, help="write the compose file here (default: stdout)")
+    ap.add_argument("--prometheus", type=Path,
+                    help="also write the Prometheus scrape configuration here")
+    args = ap.parse_args(argv)
+    layout = Layout(args.gpus, args.expert_services, args.dcp_size, args.attention_groups)
+    try:
+        text = dump(render(layout), HEADER.format(args=layout.args()))
+    except ValueError as exc:
+        print(f"switchyard compose: {exc}", file=sys.stderr)
+        return 2
+    if args.out:
+        args.out.write_text(text)
+    else:
+        sys.stdout.write(text)
+    if args.prometheus:
+        args.prometheus.parent.mkdir(parents=True, exist_ok=True)
+        args.prometheus.write_text(dump(prometheus_config(layout),
+                                        "# Rendered by `switchyard compose`.\n"))
+    return 0

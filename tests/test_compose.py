@@ -1,0 +1,138 @@
+"""compose.yaml: what `switchyard compose` renders, valid Compose by a real implementation's
+parser, and runnable: its Switchyard services, started as local processes with their own
+commands, environments and healthchecks, answer a chat completion correctly."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from ep_dispatch.placement import make_placement
+from services.model.config import ModelConfig
+from switchyard.compose import Layout, main, render
+from switchyard.demo_model import DEFAULT_MODEL, DEFAULT_MODEL_NAME
+from tests.compose_runner import LocalCompose, interpolate
+from tests.tools import missing
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSE = ROOT / "compose.yaml"
+pytestmark = pytest.mark.timeout(600)
+
+
+def dotenv() -> dict[str, str]:
+    lines = (ROOT / ".env").read_text().splitlines()
+    return dict(line.split("=", 1) for line in lines if line and not line.startswith("#"))
+
+
+def test_committed_files_are_the_default_layout(tmp_path: Path) -> None:
+    assert main(["--out", str(tmp_path / "compose.yaml"),
+                 "--prometheus", str(tmp_path / "prometheus.yml")]) == 0
+    assert (tmp_path / "compose.yaml").read_text() == COMPOSE.read_text()
+    assert (tmp_path / "prometheus.yml").read_text() == \
+        (ROOT / "deploy/prometheus.yml").read_text()
+
+
+def _commands(services: dict, kind: str) -> list[list[str]]:
+    """The commands of the `switchyard KIND` services."""
+    return [s["command"] for s in services.values() if s.get("command", [])[1:2] == [kind]]
+
+
+def _flag(command: list[str], name: str) -> str | None:
+    return command[command.index(name) + 1] if name in command else None
+
+
+@pytest.mark.parametrize("layout", [Layout(), Layout(4, 2, 1, 2), Layout(16, 12, 2, 2),
+                                    Layout(3, 1, 2, 1), Layout(8, 3, 1, 1)],
+                         ids=lambda x: x.args().replace(" ", ""))
+def test_layouts_pin_each_gpu_once_and_place_every_expert(layout: Layout) -> None:
+    services = render(layout)["services"]
+    gpus = [d["device_ids"] for s in services.values()
+            for d in s.get("deploy", {}).get("resources", {}).get("reservations", {})
+            .get("devices", [])]
+    flat = [int(g) for ids in gpus for g in ids]
+    assert all(len(ids) == 1 for ids in gpus)
+    assert len(flat) == len(set(flat)) == layout.attention_groups * layout.dcp_size + \
+        layout.expert_services
+    assert all(0 <= g < layout.gpus for g in flat)
+
+    experts = _commands(services, "expert")
+    ranks = sorted(int(_flag(c, "--rank")) for c in experts)
+    assert ranks == list(range(layout.expert_services))
+    assert {_flag(c, "--num-ranks") for c in experts} == {str(layout.expert_services)}
+    cfg = ModelConfig.from_dir(DEFAULT_MODEL)
+    moe = [i for i, m in enumerate(cfg.moe_layers) if m]
+    placement = make_placement(moe, cfg.num_experts, layout.expert_services)
+    held = {(layer, e) for r in ranks for layer, ids in placement.local_experts(r).items()
+            for e in ids}
+    assert held == {(layer, e) for layer in moe for e in range(cfg.num_experts)}
+
+    attention = _commands(services, "attention")
+    assert len(attention) == layout.attention_groups * layout.dcp_size
+    addresses = {_flag(c, "--expert-addresses") for c in attention}
+    assert len(addresses) == 1 and len(addresses.pop().split(",")) == layout.expert_services
+    engines = _flag(services["gateway"]["command"], "--engine").split(",")
+    assert len(engines) == layout.attention_groups
+    for name, s in services.items():
+        for dep in s.get("depends_on", {}):
+            assert dep in services and dep != name
+
+
+def test_too_few_gpus_is_an_error() -> None:
+    with pytest.raises(ValueError, match="need 9 GPUs; --gpus is 8"):
+        render(Layout(8, 7, 2, 1))
+    assert main(["--gpus", "2", "--expert-services", "2"]) == 2
+
+
+@pytest.mark.parametrize("profile", ["gpu", "cpu"])
+def test_a_compose_implementation_accepts_it(profile: str) -> None:
+    """Debian's docker-compose (1.29, the Python implementation) parses, interpolates and
+    validates the file against the Compose schema it ships, without a Docker engine."""
+    exe = shutil.which("docker-compose")
+    if exe is None:
+        missing("docker-compose")
+    out = subprocess.run([exe, "--project-directory", str(ROOT), "-f", str(COMPOSE),
+                          "--profile", profile, "config"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    services = yaml.safe_load(out.stdout)["services"]
+    assert {"gateway", "expert-0", "attention-0", "jaeger", "prometheus"} <= set(services)
+    assert services["gateway"]["depends_on"]["attention-0"]["condition"] == "service_healthy"
+
+
+def test_the_dockerfile_installs_as_the_readme_does() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    stages = re.findall(r"^FROM (\S+)", text, re.M)
+    assert len(stages) == 2 and all(s.startswith("nvidia/cuda:") for s in stages)
+    runs = " ".join(re.findall(r"^RUN (.*(?:\\\n.*)*)", text, re.M))
+    assert "scripts/bootstrap.sh gpu" in runs
+    assert "pip install" not in runs.replace("pip install --no-build-isolation .", "")
+    assert re.search(r"^USER switchyard$", text, re.M)
+    assert "WITH_DEEPEP" in text
+
+
+@pytest.mark.parametrize("profile", ["gpu", "cpu"])
+def test_the_compose_services_run_as_local_processes(profile: str) -> None:
+    env = {**dotenv(), "SWITCHYARD_MODEL_DIR": str(DEFAULT_MODEL),
+           "SWITCHYARD_SERVED_MODEL_NAME": DEFAULT_MODEL_NAME,
+           "SWITCHYARD_KV_CACHE_MEMORY": "64MiB", "SWITCHYARD_MAX_NUM_SEQS": "16"}
+    doc = interpolate(yaml.safe_load(COMPOSE.read_text()), env)
+    with LocalCompose(doc, {profile}) as compose:
+        assert len(compose.services) == (9 if profile == "gpu" else 1)
+        compose.up()
+        front = "gateway" if profile == "gpu" else "cpu"
+        url = f"http://127.0.0.1:{compose.local_port(front, 8000)}"
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+            "model": DEFAULT_MODEL_NAME, "max_tokens": 8, "temperature": 0,
+            "messages": [{"role": "user", "content": "What is 123 + 456?"}]})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == "579"
+        if profile == "gpu":  # the gateway reaches every service's /metrics
+            ups = [line for line in httpx.get(f"{url}/metrics").text.splitlines()
+                   if line.startswith("switchyard:service_up")]
+            assert len(ups) == 8 and all(line.endswith(" 1.0") for line in ups)
