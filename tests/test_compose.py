@@ -136,3 +136,13 @@ def test_the_compose_services_run_as_local_processes(profile: str) -> None:
             ups = [line for line in httpx.get(f"{url}/metrics").text.splitlines()
                    if line.startswith("switchyard:service_up")]
             assert len(ups) == 8 and all(line.endswith(" 1.0") for line in ups)
+
+
+def test_probe_reports_what_is_wrong() -> None:
+    from switchyard.launcher import free_port
+    from switchyard.probe import main as probe
+
+    port = free_port()  # nothing listens there
+    assert probe([f"127.0.0.1:{port}", "--timeout", "2"]) == 1
+    assert probe([f"http://127.0.0.1:{port}/health", "--timeout", "2"]) == 1
+    assert probe(["not-an-address", "--timeout", "2"]) == 1

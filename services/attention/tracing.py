@@ -44,7 +44,7 @@ def step_span(scheduled: list[ScheduledSeq]) -> AbstractContextManager:
     if not tracing.enabled():
         return nullcontext()
     links = [Link(item.seq.trace_parent) for item in scheduled if item.seq.trace_parent]
-    tokens = sum(item.num_new_tokens for item in scheduled)
+    attributes = {"switchyard.sequences": len(scheduled),
+                  "switchyard.tokens": sum(item.num_new_tokens for item in scheduled)}
     return tracing.tracer().start_as_current_span("step", context=Context(), links=links,
-                                                  attributes={
-        "switchyard.sequences": len(scheduled), "switchyard.tokens": tokens})
+                                                  attributes=attributes)
