@@ -25,11 +25,12 @@ _IDLE_FOREVER = datetime.timedelta(days=365)
 
 
 class DcpGroup:
-    def __init__(self, init: tuple[str, int], rank: int, size: int) -> None:
+    def __init__(self, init: tuple[str, int], rank: int, size: int, backend: str = "gloo"
+                 ) -> None:
         host, port = init
         store = dist.TCPStore(host, port, size, is_master=rank == 0,
                               timeout=datetime.timedelta(seconds=120))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=size,
+        dist.init_process_group(backend, store=store, rank=rank, world_size=size,
                                 timeout=_IDLE_FOREVER)
         self.rank, self.size = rank, size
         self._encoder = msgspec.msgpack.Encoder()

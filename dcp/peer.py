@@ -16,6 +16,7 @@ from services.attention.kv_cache import KVCache, kv_bytes_per_block
 from services.attention.model import DenseModel
 from services.model.checkpoint import Checkpoint
 from services.model.config import ModelConfig
+from switchyard.device import check_device, collective_backend
 
 log = logging.getLogger("switchyard.dcp")
 
@@ -27,7 +28,9 @@ def run_peer(config: AttentionConfig) -> None:
         torch.set_num_threads(config.num_threads)
     cfg, dtype = ModelConfig.from_dir(config.model), config.torch_dtype
     checkpoint = Checkpoint(config.model)
-    group = DcpGroup(config.dcp_init, config.dcp_rank, config.dcp_size)
+    check_device(config.device, "attention")
+    group = DcpGroup(config.dcp_init, config.dcp_rank, config.dcp_size,
+                     collective_backend(config.device))
     model = DenseModel(cfg, checkpoint, dtype, group.attend)
     checkpoint.close()
     num_blocks = config.kv_cache_memory // kv_bytes_per_block(cfg, config.block_size, dtype)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ep_dispatch.base import ExpertFn, ExpertsClient
+from switchyard.device import collective_backend
 
 if TYPE_CHECKING:
     from ep_dispatch.torch_dist import World
@@ -34,6 +35,7 @@ class BackendContext:
     hidden_size: int = 0
     dtype: torch.dtype = torch.float32
     quantization: str | None = None  # "w4a4": activations travel as MXFP4
+    device: str = "cpu"  # where the activations live
 
 
 def _local(ctx: BackendContext) -> ExpertsClient:
@@ -67,7 +69,7 @@ def _torch(ctx: BackendContext) -> ExpertsClient:
         raise ValueError("the torch backend needs --dist-init HOST:PORT and the rank layout")
     placement = make_placement(ctx.moe_layers, ctx.num_experts, ctx.world.num_experts,
                                ctx.placement_file)
-    join(ctx.world, ctx.connect_timeout)
+    join(ctx.world, ctx.connect_timeout, collective_backend(ctx.device))
     return TorchExperts(ctx.world, placement, ctx.hidden_size, ctx.dtype)
 
 

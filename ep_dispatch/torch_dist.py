@@ -52,9 +52,9 @@ class World:
         return f"expert rank {rank - self.num_attention}"
 
 
-def join(world: World, timeout: float) -> None:
+def join(world: World, timeout: float, backend: str = "gloo") -> None:
     """Rendezvous through a TCP store, naming any peer missing after `timeout` seconds,
-    then form the gloo (CPU) or NCCL (GPU) process group."""
+    then form the process group: gloo for CPU tensors, NCCL for CUDA ones."""
     host, port = world.init_address
     try:
         store = dist.TCPStore(host, port, world.size, is_master=world.rank == 0,
@@ -70,7 +70,6 @@ def join(world: World, timeout: float) -> None:
         missing = [world.describe(r) for r, k in enumerate(keys) if not store.check([k])]
         raise RendezvousError(f"waited {timeout:g}s at {host}:{port} for "
                               f"{', '.join(missing)}") from None
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, store=store, rank=world.rank, world_size=world.size,
                             timeout=timedelta(seconds=timeout))
 

@@ -26,6 +26,7 @@ import httpx
 from ep_dispatch.registry import check_backend
 from services.model.config import CheckpointError, ModelConfig
 from switchyard.demo_model import DEFAULT_MODEL, DEFAULT_MODEL_NAME
+from switchyard.device import check_device
 
 
 class StartupError(RuntimeError):
@@ -136,7 +137,7 @@ def _stop_on_signals() -> Iterator[None]:
 
 
 def _engine_args(args: argparse.Namespace) -> list[str]:
-    out = ["--dtype", args.dtype, "--block-size", str(args.block_size),
+    out = ["--dtype", args.dtype, "--device", args.device, "--block-size", str(args.block_size),
            "--expert-timeout", str(args.expert_timeout),
            "--kv-cache-memory", str(args.kv_cache_memory),
            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
@@ -206,7 +207,8 @@ def _start_services(args: argparse.Namespace, model: Path, name: str,
     expert_flags = [*(["--quantization", args.quantization] if args.quantization else []),
                     *_tracing_args(args), "--metrics-port", "0"]
     experts = [(f"expert rank {r}", ["expert", *shared, "--rank", str(r), "--num-ranks",
-                                     str(num_experts), "--dtype", args.dtype, *common,
+                                     str(num_experts), "--dtype", args.dtype,
+                                     "--device", args.device, *common,
                                      *expert_flags])
                for r in range(num_experts)]
     groups = [(f"attention group {g}", ["attention", *shared, *_engine_args(args),
@@ -254,6 +256,7 @@ def serve(args: argparse.Namespace) -> int:
         # Fail fast on the common mistakes, before any process starts.
         ModelConfig.from_dir(model)
         check_backend(args.dispatch_backend)
+        check_device(args.device, "attention")
     except (CheckpointError, ValueError) as exc:
         print(f"switchyard serve: {exc}", file=sys.stderr)
         return 2

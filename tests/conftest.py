@@ -26,3 +26,15 @@ def mixtral_ckpt(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object
 @pytest.fixture(params=["qwen3", "mixtral"])
 def ckpt(request: pytest.FixtureRequest) -> tuple[Path, object]:
     return request.getfixturevalue(f"{request.param}_ckpt")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `gpu` are skipped, saying so, where torch sees no CUDA device."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU: torch.cuda.is_available() is False")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -70,6 +70,11 @@ def env(name: str, default: str | None = None) -> str | None:
     return os.environ.get(ENV_PREFIX + name, default)
 
 
+def add_device_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default=env("DEVICE", "cpu"), choices=["cpu", "cuda"],
+                   help="where to compute (CUDA execution is not built yet)")
+
+
 def add_metrics_flag(p: argparse.ArgumentParser) -> None:
     port = env("METRICS_PORT")
     p.add_argument("--metrics-port", type=int, default=int(port) if port else None,
@@ -83,6 +88,7 @@ def add_engine_flags(p: argparse.ArgumentParser, default_backend: str = "local")
                    help="compute dtype: auto (float32 on CPU, where bfloat16 matmuls are "
                         "~100x slower without AVX-512 BF16; bfloat16 on GPU), float32, "
                         "bfloat16, float16")
+    add_device_flag(p)
     p.add_argument("--block-size", type=int, default=int(env("BLOCK_SIZE", "16")),
                    help="tokens per KV-cache block")
     p.add_argument("--kv-cache-memory", type=parse_size,
@@ -124,7 +130,8 @@ def add_engine_flags(p: argparse.ArgumentParser, default_backend: str = "local")
 
 def from_args(args: argparse.Namespace) -> AttentionConfig:
     return AttentionConfig(
-        model=Path(args.model), dtype=args.dtype, block_size=args.block_size,
+        model=Path(args.model), dtype=args.dtype, device=args.device,
+        block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         dispatch_backend=args.dispatch_backend, num_threads=args.num_threads,

@@ -26,6 +26,7 @@ from services.expert.experts import ExpertBank, all_experts, check_quantization
 from services.model.checkpoint import Checkpoint
 from services.model.config import ModelConfig
 from switchyard import tracing
+from switchyard.device import check_device, collective_backend
 from switchyard.messages import (
     DcpPlan,
     DcpSeqPlan,
@@ -48,6 +49,7 @@ class Engine:
 
     def __init__(self, config: AttentionConfig) -> None:
         self.config = config
+        check_device(config.device, "attention")
         self.dtype = config.torch_dtype
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -70,7 +72,8 @@ class Engine:
             expert_addresses=list(config.expert_addresses),
             placement_file=config.placement, call_timeout=config.expert_timeout,
             connect_timeout=config.expert_timeout, world=_world(config),
-            hidden_size=cfg.hidden_size, dtype=self.dtype, quantization=self.quantization))
+            hidden_size=cfg.hidden_size, dtype=self.dtype, quantization=self.quantization,
+            device=config.device))
         num_blocks = config.kv_cache_memory // kv_bytes_per_block(cfg, config.block_size,
                                                                   self.dtype)
         self.kv = KVCache(cfg, num_blocks, config.block_size, self.dtype)
@@ -268,7 +271,7 @@ def _dcp_group(config: AttentionConfig) -> DcpGroup | None:
     if config.dispatch_backend == "torch":
         raise ValueError("DCP works with the local and rpc dispatch backends; the torch "
                          "backend's process group is the expert world")
-    return DcpGroup(config.dcp_init, 0, config.dcp_size)
+    return DcpGroup(config.dcp_init, 0, config.dcp_size, collective_backend(config.device))
 
 
 def _world(config: AttentionConfig) -> World | None:

@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.attention.config import add_metrics_flag, env
+from services.attention.config import add_device_flag, add_metrics_flag, env
 from switchyard.rpc import parse_address
 
 
@@ -28,6 +28,7 @@ class ExpertConfig:
     quantization: str | None = None
     otlp_traces_endpoint: str | None = None
     metrics_port: int | None = None  # Prometheus /metrics; None: not served
+    device: str = "cpu"
 
 
 def add_expert_parser(sub: argparse._SubParsersAction) -> None:
@@ -40,6 +41,7 @@ def add_expert_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--placement", default=env("PLACEMENT"),
                    help="placement JSON file (default: balanced round-robin)")
     p.add_argument("--dtype", default=env("DTYPE", "auto"))
+    add_device_flag(p)
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--host", default=env("EXPERT_HOST", "127.0.0.1"))
     p.add_argument("--port", type=int, default=int(env("EXPERT_PORT", "0")))
@@ -71,4 +73,4 @@ def expert_config(args: argparse.Namespace) -> ExpertConfig:
                         rendezvous_timeout=args.rendezvous_timeout,
                         quantization=args.quantization,
                         otlp_traces_endpoint=args.otlp_traces_endpoint,
-                        metrics_port=args.metrics_port)
+                        metrics_port=args.metrics_port, device=args.device)

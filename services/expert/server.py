@@ -25,6 +25,7 @@ from services.expert.experts import ExpertBank
 from services.model.checkpoint import Checkpoint
 from services.model.config import CheckpointError, ModelConfig
 from switchyard import tracing
+from switchyard.device import check_device, collective_backend
 from switchyard.messages import ExpertBatch, ExpertInfo, ExpertResult, InfoRequest, Message
 from switchyard.metrics import report_ready, start_metrics_server
 from switchyard.rpc import FrameStream, serve_messages
@@ -37,6 +38,7 @@ class ExpertServer:
     def __init__(self, config: ExpertConfig) -> None:
         if not 0 <= config.rank < config.num_ranks:
             raise ValueError(f"--rank {config.rank} is outside 0..{config.num_ranks - 1}")
+        check_device(config.device, "expert")
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
@@ -47,7 +49,7 @@ class ExpertServer:
         checkpoint = Checkpoint(config.model)
         self.bank = ExpertBank(model_config, checkpoint,
                                self.placement.local_experts(config.rank),
-                               resolve_dtype(config.dtype, "cpu"), config.quantization,
+                               resolve_dtype(config.dtype, config.device), config.quantization,
                                config.rank)
         checkpoint.close()
         if self.bank.quantization and config.dispatch_backend == "torch":
@@ -188,7 +190,7 @@ def serve_collective(config: ExpertConfig, server: ExpertServer,
         raise ValueError("--dispatch-backend torch needs --dist-init HOST:PORT")
     world = World(config.dist_init, config.attention_ranks, config.num_ranks,
                   rank=config.attention_ranks + config.rank)
-    join(world, config.rendezvous_timeout)
+    join(world, config.rendezvous_timeout, collective_backend(config.device))
     log.info("expert rank %d/%d joined the torch world, holding %.1f MB", config.rank,
              config.num_ranks, server.bank.nbytes() / 1e6)
     report_ready(config.ready_fd, 0, metrics_port)

@@ -1,0 +1,62 @@
+"""`--device`: the GPU code imports on a CPU machine, GPU-only checks skip with a reason,
+and asking for a device this process cannot use is a clear start-up error."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from switchyard.device import check_device, collective_backend
+
+NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+
+
+@pytest.mark.parametrize("module", ["moe_kernels.triton_mxfp4", "benchmarks.gpu_mxfp4",
+                                    "ep_dispatch.torch_dist", "switchyard.device"])
+def test_gpu_code_imports_without_cuda(module: str) -> None:
+    importlib.import_module(module)
+
+
+def test_devices_and_their_collectives() -> None:
+    assert check_device("cpu", "attention") == "cpu"
+    assert collective_backend("cpu") == "gloo" and collective_backend("cuda") == "nccl"
+    with pytest.raises(ValueError, match="unknown device 'tpu'; choose cpu or cuda"):
+        check_device("tpu", "attention")
+
+
+@NO_GPU
+def test_cuda_without_a_gpu_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match=r"--device cuda needs an NVIDIA GPU and a CUDA build "
+                                         r"of torch; this torch .* sees no GPU"):
+        check_device("cuda", "expert")
+
+
+@NO_GPU
+@pytest.mark.parametrize("command", [["serve"], ["attention", "--port", "0"],
+                                     ["expert", "--rank", "0", "--num-ranks", "1"]])
+def test_services_refuse_cuda_without_a_gpu(command: list[str]) -> None:
+    from switchyard.demo_model import DEFAULT_MODEL
+
+    out = subprocess.run([sys.executable, "-m", "switchyard", *command, "--model",
+                          str(DEFAULT_MODEL), "--device", "cuda"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert "--device cuda needs an NVIDIA GPU" in out.stderr
+
+
+@pytest.mark.gpu
+def test_w4a4_triton_kernel_matches_the_torch_path_on_the_gpu() -> None:
+    """The grouped MXFP4 GEMM compiled for this GPU (not the interpreter) against the
+    torch path, uneven and empty experts included (benchmarks/gpu_mxfp4.py's check)."""
+    from benchmarks.gpu_mxfp4 import check, parse_args
+
+    sys_argv, sys.argv = sys.argv, ["gpu_mxfp4", "--hidden", "512", "--inter", "256"]
+    try:
+        ok, working = check(parse_args(), ["dot_scaled", "decode"])
+    finally:
+        sys.argv = sys_argv
+    assert ok and working
