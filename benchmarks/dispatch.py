@@ -96,10 +96,10 @@ def _attention_iteration(placement: Placement, world: World, tokens: int, hidden
 
 
 def _expert_iteration(placement: Placement, world: World, tokens: int, hidden: int) -> None:
-    _any_work(False)  # the step's work flag (untimed on the attention side)
+    _any_work(False, torch.device("cpu"))  # the step's work flag (untimed on attention)
     dist.barrier()
     rank = world.rank - world.num_attention
-    _serve_layer(world, 0, _identity, hidden, torch.float32, _count_width(placement),
+    _serve_layer(world, 0, _identity, torch.empty(0, hidden), _count_width(placement),
                  placement.table(0).num_local[rank])
     counts: list[list[int] | None] = [None]
     dist.broadcast_object_list(counts, src=0)

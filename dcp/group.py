@@ -33,6 +33,7 @@ class DcpGroup:
         dist.init_process_group(backend, store=store, rank=rank, world_size=size,
                                 timeout=_IDLE_FOREVER)
         self.rank, self.size = rank, size
+        self._device = "cuda" if backend == "nccl" else "cpu"  # where NCCL/gloo want tensors
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(DcpPlan)
 
@@ -42,15 +43,15 @@ class DcpGroup:
 
     def send_plan(self, plan: DcpPlan) -> None:
         data = torch.frombuffer(bytearray(self._encoder.encode(plan)), dtype=torch.uint8)
-        dist.broadcast(torch.tensor([data.numel()]), src=0)
-        dist.broadcast(data, src=0)
+        dist.broadcast(torch.tensor([data.numel()], device=self._device), src=0)
+        dist.broadcast(data.to(self._device), src=0)
 
     def receive_plan(self) -> DcpPlan:
-        size = torch.zeros(1, dtype=torch.int64)
+        size = torch.zeros(1, dtype=torch.int64, device=self._device)
         dist.broadcast(size, src=0)
-        data = torch.empty(int(size), dtype=torch.uint8)
+        data = torch.empty(int(size), dtype=torch.uint8, device=self._device)
         dist.broadcast(data, src=0)
-        return self._decoder.decode(data.numpy().tobytes())
+        return self._decoder.decode(data.cpu().numpy().tobytes())
 
     def attend(self, kv: KVCache, layer: int, q: torch.Tensor, batch: StepBatch
                ) -> torch.Tensor:

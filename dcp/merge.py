@@ -34,7 +34,7 @@ def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     """
     b, h, tq, d = q.shape
     if k.shape[2] == 0:  # this shard holds no key of these sequences
-        return torch.zeros_like(q), torch.full((b, h, tq), float("-inf"))
+        return torch.zeros_like(q), torch.full((b, h, tq), float("-inf"), device=q.device)
     if q.device.type != "cpu":
         return reference_partial_attention(q, k, v, mask, scale)
     kvh, length = k.shape[1], k.shape[2]

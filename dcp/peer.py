@@ -28,13 +28,13 @@ def run_peer(config: AttentionConfig) -> None:
         torch.set_num_threads(config.num_threads)
     cfg, dtype = ModelConfig.from_dir(config.model), config.torch_dtype
     checkpoint = Checkpoint(config.model)
-    check_device(config.device, "attention")
+    device = check_device(config.device, "attention")
     group = DcpGroup(config.dcp_init, config.dcp_rank, config.dcp_size,
-                     collective_backend(config.device))
-    model = DenseModel(cfg, checkpoint, dtype, group.attend)
+                     collective_backend(device))
+    model = DenseModel(cfg, checkpoint, dtype, group.attend, device)
     checkpoint.close()
     num_blocks = config.kv_cache_memory // kv_bytes_per_block(cfg, config.block_size, dtype)
-    kv = KVCache(cfg, num_blocks, config.block_size, dtype)
+    kv = KVCache(cfg, num_blocks, config.block_size, dtype, device)
     sharding, experts = Sharding(config.dcp_size, config.dcp_interleave), GroupExperts(group,
                                                                                       None)
     log.info("DCP rank %d/%d ready: %d KV blocks", config.dcp_rank, config.dcp_size,
@@ -45,7 +45,7 @@ def run_peer(config: AttentionConfig) -> None:
     try:
         while not (plan := group.receive_plan()).stop:
             batch = build_rank_batch(plan.seqs, config.dcp_rank, sharding, config.block_size,
-                                     cfg.sliding_window, [])
+                                     cfg.sliding_window, []).to(device)
             model.forward(batch, kv, experts)
     finally:
         group.close()

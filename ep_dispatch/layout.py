@@ -38,7 +38,8 @@ def compute_layout(
 ) -> Layout:
     """Plan the rows of topk_ids [T, K] (global expert ids) and topk_weights [T, K]."""
     num_tokens, top_k = topk_ids.shape
-    flat = topk_ids.reshape(-1)  # [T*K]
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1).cpu()  # [T*K]: planned on the CPU, where the tables are
     token = torch.arange(flat.numel()) // top_k
     table = placement.table(layer)
     rank = table.replica_ranks[flat, token % table.num_replicas[flat]]  # [T*K]
@@ -48,8 +49,8 @@ def compute_layout(
     counts = torch.bincount(key, minlength=placement.num_ranks * placement.num_experts)
     counts = counts.view(placement.num_ranks, placement.num_experts)
     return Layout(
-        src_token=token[order],
-        weights=topk_weights.reshape(-1)[order],
+        src_token=token[order].to(device),
+        weights=topk_weights.reshape(-1)[order.to(device)],
         rank_counts=counts.sum(dim=1).tolist(),
         expert_counts=[counts[r, :n].tolist() for r, n in enumerate(table.num_local)],
         num_tokens=num_tokens,

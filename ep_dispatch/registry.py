@@ -70,7 +70,7 @@ def _torch(ctx: BackendContext) -> ExpertsClient:
     placement = make_placement(ctx.moe_layers, ctx.num_experts, ctx.world.num_experts,
                                ctx.placement_file)
     join(ctx.world, ctx.connect_timeout, collective_backend(ctx.device))
-    return TorchExperts(ctx.world, placement, ctx.hidden_size, ctx.dtype)
+    return TorchExperts(ctx.world, placement, ctx.hidden_size, ctx.dtype, ctx.device)
 
 
 _BACKENDS: dict[str, Callable[[BackendContext], ExpertsClient]] = {

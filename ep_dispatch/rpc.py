@@ -96,11 +96,12 @@ class RpcExperts(PointToPoint):
         with phase("dispatch", "rpc", layer, x.shape[0]):
             layout = compute_layout(topk_ids, topk_weights, self.placement, layer)
             rows = activation_rows(x, self.quantization)  # [T, H], or MXFP4 rows
-            parts = rows[layout.src_token].split(layout.rank_counts)  # per rank [n_r, width]
+            # per rank [n_r, width], copied to the host once for the wire
+            parts = rows[layout.src_token].cpu().split(layout.rank_counts)
             trace = tracing.inject() if tracing.recording() else {}
             ys = self._portal.call(self._exchange, layer, parts, layout.expert_counts, trace)
         with phase("combine", "rpc", layer, x.shape[0]):
-            ys = [y if y.shape[0] else x[:0] for y in ys]  # [n_r, H] each
+            ys = [y.to(x.device) if y.shape[0] else x[:0] for y in ys]  # [n_r, H] each
             return combine(torch.cat(ys).to(x.dtype) if ys else x[:0], layout)
 
     async def _exchange(self, layer: int, parts: tuple[torch.Tensor, ...],

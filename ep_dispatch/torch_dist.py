@@ -79,8 +79,8 @@ def _count_width(placement: Placement) -> int:
     return max(max(placement.table(layer).num_local) for layer in placement.replicas)
 
 
-def _any_work(has_work: bool) -> bool:
-    flag = torch.tensor([int(has_work)])
+def _any_work(has_work: bool, device: torch.device) -> bool:
+    flag = torch.tensor([int(has_work)], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
 
@@ -90,23 +90,23 @@ class TorchExperts:
 
     lockstep = True
 
-    def __init__(self, world: World, placement: Placement, hidden: int, dtype: torch.dtype
-                 ) -> None:
+    def __init__(self, world: World, placement: Placement, hidden: int, dtype: torch.dtype,
+                 device: str = "cpu") -> None:
         if placement.num_ranks != world.num_experts:
             raise ValueError(f"placement has {placement.num_ranks} ranks, the world "
                              f"{world.num_experts} expert ranks")
         self.world, self.placement = world, placement
-        self.hidden, self.dtype = hidden, dtype
+        self.hidden, self.dtype, self.device = hidden, dtype, torch.device(device)
         self.width = _count_width(placement)
 
     def begin_step(self, has_work: bool) -> bool:
-        return _any_work(has_work)
+        return _any_work(has_work, self.device)
 
     def idle_step(self) -> None:
-        empty_ids = torch.zeros(0, 1, dtype=torch.int64)
+        empty_ids = torch.zeros(0, 1, dtype=torch.int64, device=self.device)
         for layer in sorted(self.placement.replicas):
-            self(layer, torch.zeros(0, self.hidden, dtype=self.dtype), empty_ids,
-                 torch.zeros(0, 1, dtype=self.dtype))
+            self(layer, torch.zeros(0, self.hidden, dtype=self.dtype, device=self.device),
+                 empty_ids, torch.zeros(0, 1, dtype=self.dtype, device=self.device))
 
     def __call__(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> torch.Tensor:
@@ -116,14 +116,16 @@ class TorchExperts:
             counts = torch.zeros(self.world.size, self.width, dtype=torch.int64)
             for r, c in enumerate(layout.expert_counts):
                 counts[g + r, :len(c)] = torch.tensor(c, dtype=torch.int64)
+            counts = counts.to(x.device)
             dist.all_to_all_single(torch.empty_like(counts), counts)  # experts learn layout
             splits = [0] * g + layout.rank_counts
             rows = x[layout.src_token].contiguous()  # [N, H] in send order
-            dist.all_to_all_single(torch.empty(0, self.hidden, dtype=x.dtype), rows,
+            nothing = x.new_empty(0, self.hidden)
+            dist.all_to_all_single(nothing, rows,
                                    output_split_sizes=[0] * self.world.size,
                                    input_split_sizes=splits)
             y = torch.empty_like(rows)
-            dist.all_to_all_single(y, torch.empty(0, self.hidden, dtype=x.dtype),
+            dist.all_to_all_single(y, nothing,
                                    output_split_sizes=splits,
                                    input_split_sizes=[0] * self.world.size)
         with phase("combine", "torch", layer, x.shape[0]):
@@ -146,42 +148,46 @@ class TorchExperts:
 
 
 def serve_round(world: World, placement: Placement, expert_fn: ExpertFn, hidden: int,
-                dtype: torch.dtype) -> None:
+                dtype: torch.dtype, device: torch.device) -> None:
     """One lockstep round on an expert rank: the work flag, then every MoE layer if any
     attention rank has work."""
-    if not _any_work(False):
+    if not _any_work(False, device):
         return
     rank, width = world.rank - world.num_attention, _count_width(placement)
     for layer in sorted(placement.replicas):
-        _serve_layer(world, layer, expert_fn, hidden, dtype, width,
-                     placement.table(layer).num_local[rank])
+        _serve_layer(world, layer, expert_fn, torch.empty(0, hidden, dtype=dtype,
+                                                          device=device),
+                     width, placement.table(layer).num_local[rank])
 
 
 def serve_experts(world: World, placement: Placement, expert_fn: ExpertFn, hidden: int,
-                  dtype: torch.dtype) -> None:
+                  dtype: torch.dtype, device: str = "cpu") -> None:
     """Expert side: serve every round until the process is stopped."""
     while True:
-        serve_round(world, placement, expert_fn, hidden, dtype)
+        serve_round(world, placement, expert_fn, hidden, dtype, torch.device(device))
 
 
-def _serve_layer(world: World, layer: int, expert_fn: ExpertFn, hidden: int,
-                 dtype: torch.dtype, width: int, num_local: int) -> None:
-    g = world.num_attention
-    counts = torch.empty(world.size, width, dtype=torch.int64)
-    dist.all_to_all_single(counts, torch.zeros(world.size, width, dtype=torch.int64))
-    per_source = counts[:g, :num_local]  # [G, E_local] rows from each attention rank
+def _serve_layer(world: World, layer: int, expert_fn: ExpertFn, nothing: torch.Tensor,
+                 width: int, num_local: int) -> None:
+    """One MoE layer's exchange on an expert rank; `nothing` is an empty [0, H] tensor of
+    the rows' dtype and device."""
+    g, hidden, device = world.num_attention, nothing.shape[1], nothing.device
+    counts = torch.empty(world.size, width, dtype=torch.int64, device=device)
+    dist.all_to_all_single(counts, torch.zeros(world.size, width, dtype=torch.int64,
+                                               device=device))
+    per_source = counts[:g, :num_local].cpu()  # [G, E_local] rows from each attention rank
     splits = per_source.sum(dim=1).tolist() + [0] * world.num_experts
-    received = torch.empty(sum(splits), hidden, dtype=dtype)
-    dist.all_to_all_single(received, torch.empty(0, hidden, dtype=dtype),
+    received = nothing.new_empty(sum(splits), hidden)
+    dist.all_to_all_single(received, nothing,
                            output_split_sizes=splits, input_split_sizes=[0] * world.size)
     if g == 1:  # one source: rows already arrive grouped by expert
         y = expert_fn(layer, received, per_source[0].tolist()).contiguous()
     else:
         # Rows arrive source-major ([a][e]); the grouped GEMM wants expert-major ([e][a]).
-        perm = _expert_major(per_source)  # [M]
+        perm = _expert_major(per_source).to(device)  # [M]
         y = torch.empty_like(received)
         y[perm] = expert_fn(layer, received[perm], per_source.sum(dim=0).tolist())
-    dist.all_to_all_single(torch.empty(0, hidden, dtype=dtype), y,
+    dist.all_to_all_single(nothing, y,
                            output_split_sizes=[0] * world.size, input_split_sizes=splits)
 
 

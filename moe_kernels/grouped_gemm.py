@@ -17,6 +17,54 @@ def swiglu_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -
     return F.linear(F.silu(gate) * up, w_down)
 
 
+class ExpertTimer:
+    """Each expert's (start, end) wall-clock ns, appended to `spans` (if given) on `close`.
+
+    On the CPU, clock readings around each expert. On CUDA, events recorded on the stream
+    and read after the call with one synchronisation: the durations are the GPU's, and the
+    times are anchored at the wall clock when the call began (its launch, not its start).
+    """
+
+    def __init__(self, spans: list[tuple[int, int]] | None, device: torch.device) -> None:
+        self.spans = spans
+        self.cuda = spans is not None and device.type == "cuda"
+        self.marks: list[tuple[object, object] | None] = []
+        if self.cuda:
+            self.wall_ns, self.origin = time.time_ns(), self._event()
+
+    @staticmethod
+    def _event() -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def now(self) -> object:
+        if self.spans is None:
+            return None
+        return self._event() if self.cuda else time.time_ns()
+
+    def done(self, start: object) -> None:
+        if self.spans is not None:
+            self.marks.append((start, self.now()))
+
+    def idle(self) -> None:
+        if self.spans is not None:
+            self.marks.append(None)
+
+    def close(self) -> None:
+        if self.spans is None:
+            return
+        if self.cuda and self.marks:
+            torch.cuda.current_stream().synchronize()
+        for mark in self.marks:
+            self.spans.append((self._ns(mark[0]), self._ns(mark[1])) if mark else (0, 0))
+
+    def _ns(self, mark: object) -> int:
+        if not self.cuda:
+            return mark  # type: ignore[return-value]
+        return self.wall_ns + int(self.origin.elapsed_time(mark) * 1e6)  # type: ignore[attr-defined]
+
+
 def grouped_swiglu(
     x: torch.Tensor, tokens_per_expert: list[int], w_gate_up: torch.Tensor, w_down: torch.Tensor,
     spans: list[tuple[int, int]] | None = None,
@@ -36,15 +84,17 @@ def grouped_swiglu(
         [N, H] expert outputs, row-aligned with `x`, not yet weighted by the router.
     """
     out = torch.empty_like(x)
-    start = 0
+    timer, start = ExpertTimer(spans, x.device), 0
     for expert, count in enumerate(tokens_per_expert):
-        t0 = time.time_ns()
-        if count:
-            rows = slice(start, start + count)
-            out[rows] = swiglu_mlp(x[rows], w_gate_up[expert], w_down[expert])
-            start += count
-        if spans is not None:
-            spans.append((t0, time.time_ns()) if count else (0, 0))
+        if not count:
+            timer.idle()
+            continue
+        t0 = timer.now()
+        rows = slice(start, start + count)
+        out[rows] = swiglu_mlp(x[rows], w_gate_up[expert], w_down[expert])
+        timer.done(t0)
+        start += count
+    timer.close()
     return out
 
 
@@ -76,15 +126,17 @@ def grouped_swiglu_w4a4(
     """
     n, h = x.shape
     out = torch.empty(n, h, device=x.packed.device)
-    start = 0
+    timer, start = ExpertTimer(spans, x.packed.device), 0
     for expert, count in enumerate(tokens_per_expert):
-        t0 = time.time_ns()
-        if count:
-            rows = slice(start, start + count)
-            gate, up = mxfp4_linear(x[rows], w_gate_up[expert]).chunk(2, dim=-1)
-            act = quantize(F.silu(gate) * up)  # [count, I] -> MXFP4
-            out[rows] = mxfp4_linear(act, w_down[expert])
-            start += count
-        if spans is not None:
-            spans.append((t0, time.time_ns()) if count else (0, 0))
+        if not count:
+            timer.idle()
+            continue
+        t0 = timer.now()
+        rows = slice(start, start + count)
+        gate, up = mxfp4_linear(x[rows], w_gate_up[expert]).chunk(2, dim=-1)
+        act = quantize(F.silu(gate) * up)  # [count, I] -> MXFP4
+        out[rows] = mxfp4_linear(act, w_down[expert])
+        timer.done(t0)
+        start += count
+    timer.close()
     return out

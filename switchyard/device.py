@@ -11,12 +11,10 @@ def check_device(name: str, service: str) -> str:
     """`name` if this process can compute there; otherwise an error saying why not."""
     if name not in DEVICES:
         raise ValueError(f"unknown device {name!r}; choose {' or '.join(DEVICES)}")
-    if name == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"--device cuda needs an NVIDIA GPU and a CUDA build of torch; "
-                             f"this torch ({torch.__version__}) sees no GPU")
-        raise ValueError(f"--device cuda: the {service} service computes on the CPU only so "
-                         "far (CUDA execution is not built yet); use --device cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device cuda needs an NVIDIA GPU and a CUDA build of torch; "
+                         f"this torch ({torch.__version__}) sees no GPU (the {service} "
+                         "service can run with --device cpu)")
     return name
 
 

@@ -36,6 +36,21 @@ class StepBatch:
     prefills: list[PrefillSlice]
     logits_rows: torch.Tensor  # [S] int64 rows whose logits are sampled (last token of a seq)
 
+    def to(self, device: str) -> StepBatch:
+        """The same batch with every tensor on `device` (built on the CPU, copied once)."""
+        if device == "cpu":
+            return self
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=True)
+
+        return StepBatch(
+            move(self.input_ids), move(self.positions), move(self.slot_mapping),
+            move(self.decode_rows), move(self.decode_kv_slots), move(self.decode_mask),
+            [PrefillSlice(p.start, p.length, move(p.kv_slots), move(p.mask))
+             for p in self.prefills],
+            move(self.logits_rows))
+
 
 def _kv_slots(block_table: list[int], length: int, block_size: int) -> torch.Tensor:
     blocks = torch.tensor(block_table, dtype=torch.int64)

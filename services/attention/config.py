@@ -72,7 +72,8 @@ def env(name: str, default: str | None = None) -> str | None:
 
 def add_device_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=env("DEVICE", "cpu"), choices=["cpu", "cuda"],
-                   help="where to compute (CUDA execution is not built yet)")
+                   help="where to compute: cpu, or cuda (the process's current GPU: pin "
+                        "one with CUDA_VISIBLE_DEVICES)")
 
 
 def add_metrics_flag(p: argparse.ArgumentParser) -> None:

@@ -49,7 +49,7 @@ class Engine:
 
     def __init__(self, config: AttentionConfig) -> None:
         self.config = config
-        check_device(config.device, "attention")
+        self.device = check_device(config.device, "attention")
         self.dtype = config.torch_dtype
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -59,12 +59,13 @@ class Engine:
                  cfg.num_experts, self.dtype)
         self.group = _dcp_group(config)
         self.model = DenseModel(cfg, checkpoint, self.dtype,
-                                self.group.attend if self.group else None)
+                                self.group.attend if self.group else None, self.device)
         check_backend(config.dispatch_backend)
         self.quantization = check_quantization(cfg, config.quantization)
         bank = None
         if config.dispatch_backend == "local":  # the only backend with experts in-process
-            bank = ExpertBank(cfg, checkpoint, all_experts(cfg), self.dtype, self.quantization)
+            bank = ExpertBank(cfg, checkpoint, all_experts(cfg), self.dtype, self.quantization,
+                              device=self.device)
         checkpoint.close()
         self.experts = create_experts_client(config.dispatch_backend, BackendContext(
             moe_layers=[i for i, m in enumerate(cfg.moe_layers) if m],
@@ -76,7 +77,7 @@ class Engine:
             device=config.device))
         num_blocks = config.kv_cache_memory // kv_bytes_per_block(cfg, config.block_size,
                                                                   self.dtype)
-        self.kv = KVCache(cfg, num_blocks, config.block_size, self.dtype)
+        self.kv = KVCache(cfg, num_blocks, config.block_size, self.dtype, self.device)
         self.sharding = Sharding(config.dcp_size, config.dcp_interleave)
         capacity = self.sharding.max_length(num_blocks * config.block_size)
         if self.group:
@@ -99,7 +100,11 @@ class Engine:
             self.group.close()
 
     def _batch(self, scheduled: list[ScheduledSeq], all_logits: bool = False) -> StepBatch:
-        """The step's inputs; a DCP leader first sends its peers the plan."""
+        """The step's inputs, on the engine's device."""
+        return self._plan_batch(scheduled, all_logits).to(self.device)
+
+    def _plan_batch(self, scheduled: list[ScheduledSeq], all_logits: bool) -> StepBatch:
+        """The step's inputs on the CPU; a DCP leader first sends its peers the plan."""
         if self.group is None:
             return build_batch(scheduled, self.block_manager.block_size,
                                self.model_config.sliding_window, all_logits)
@@ -150,6 +155,7 @@ class Engine:
                               error)
         seq = Sequence(request.request_id, list(request.prompt_token_ids),
                        len(request.prompt_token_ids), request.sampling,
+                       torch.Generator(self.device),
                        trace_parent=tracing.sampled_span(request.trace_context))
         self._seqs[seq.request_id] = seq
         self.scheduler.add(seq)

@@ -18,11 +18,14 @@ class KVCache:
     """Per layer, K and V of shape [num_blocks * block_size, kv_heads, head_dim] (slot-major)."""
 
     def __init__(
-        self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype
+        self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+        device: str = "cpu",
     ) -> None:
         shape = (num_blocks * block_size, config.num_kv_heads, config.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(config.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(config.num_layers)]
+        self.k = [torch.zeros(shape, dtype=dtype, device=device)
+                  for _ in range(config.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device)
+                  for _ in range(config.num_layers)]
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Store k, v [T, kv_heads, head_dim] at `slots` [T]; slot -1 (a token another DCP
@@ -48,7 +51,7 @@ class KVCache:
         k_all, v_all = self.k[layer], self.v[layer]
         scale = q.shape[-1] ** -0.5
         out = torch.empty_like(q)
-        lse = torch.empty(q.shape[:2], dtype=torch.float32)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         if batch.decode_rows.numel():
             qd = q[batch.decode_rows].unsqueeze(2)  # [B, heads, 1, D]
             k = k_all[batch.decode_kv_slots].transpose(1, 2)  # [B, kv_heads, L, D]

@@ -34,13 +34,14 @@ class LayerWeights:
     mlp_down: torch.Tensor | None  # [H, I]
 
 
-def load_layer(ckpt: Checkpoint, cfg: ModelConfig, i: int, dtype: torch.dtype) -> LayerWeights:
+def load_layer(ckpt: Checkpoint, cfg: ModelConfig, i: int, dtype: torch.dtype,
+               device: str = "cpu") -> LayerWeights:
     p = f"model.layers.{i}"
     h, d = cfg.hidden_size, cfg.head_dim
     q_rows, kv_rows = cfg.num_heads * d, cfg.num_kv_heads * d
 
     def get(name: str, *shape: int) -> torch.Tensor:
-        return ckpt.get(f"{p}.{name}", shape, dtype)
+        return ckpt.get(f"{p}.{name}", shape, dtype).to(device)
 
     dense = not cfg.moe_layers[i]
     inter = cfg.intermediate_size
@@ -64,20 +65,24 @@ class DenseModel:
     """The attention service's share of the model, run over one `StepBatch` at a time."""
 
     def __init__(self, cfg: ModelConfig, ckpt: Checkpoint, dtype: torch.dtype,
-                 attend: Attend | None = None) -> None:
+                 attend: Attend | None = None, device: str = "cpu") -> None:
         self.cfg = cfg
         # Paged attention over this process's KV cache, or a DCP group's sharded one.
         self.attend: Attend = attend or (lambda kv, layer, q, batch: kv.attend(layer, q, batch))
         self.dtype = dtype
         h = cfg.hidden_size
-        self.embed = ckpt.get("model.embed_tokens.weight", (cfg.vocab_size, h), dtype)
-        self.layers = [load_layer(ckpt, cfg, i, dtype) for i in range(cfg.num_layers)]
-        self.norm = ckpt.get("model.norm.weight", (h,), dtype)
+
+        def get(name: str, *shape: int) -> torch.Tensor:
+            return ckpt.get(name, shape, dtype).to(device)
+
+        self.embed = get("model.embed_tokens.weight", cfg.vocab_size, h)
+        self.layers = [load_layer(ckpt, cfg, i, dtype, device) for i in range(cfg.num_layers)]
+        self.norm = get("model.norm.weight", h)
         tied = cfg.tie_word_embeddings and "lm_head.weight" not in ckpt
-        self.lm_head = self.embed if tied else ckpt.get("lm_head.weight", (cfg.vocab_size, h),
-                                                        dtype)
+        self.lm_head = self.embed if tied else get("lm_head.weight", cfg.vocab_size, h)
         # Routed token copies per (layer, expert) since start: what operators balance on.
-        self.expert_load = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.int64)
+        self.expert_load = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.int64,
+                                       device=device)
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch, kv: KVCache, experts: ExpertsClient) -> torch.Tensor:

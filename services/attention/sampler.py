@@ -35,7 +35,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
     greedy = [p.temperature < GREEDY_BELOW for p in params]
     if not all(greedy):
         temps = torch.tensor([max(p.temperature, GREEDY_BELOW) for p in params],
-                             dtype=logits.dtype)
+                             dtype=logits.dtype, device=logits.device)
         probs = filtered_probs(_finite(logits / temps[:, None]), params)  # [S, V]
         # Extreme parameters must cost their own request its randomness, never the batch.
         broken = ~(probs.isfinite().all(dim=-1) & (probs.sum(dim=-1) > 0))
@@ -60,13 +60,14 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
             continue
         row = logits[i]  # [V], a view: edited in place
         if p.repetition_penalty != 1.0:
-            seen = torch.zeros(vocab, dtype=torch.bool)
-            seen[torch.tensor(seq.token_ids)] = True
+            seen = torch.zeros(vocab, dtype=torch.bool, device=row.device)
+            seen[torch.tensor(seq.token_ids, device=row.device)] = True
             scaled = torch.where(row > 0, row / p.repetition_penalty,
                                  row * p.repetition_penalty)
             row.copy_(torch.where(seen, scaled, row))
         if p.presence_penalty or p.frequency_penalty:
-            counts = torch.bincount(torch.tensor(seq.output_token_ids, dtype=torch.int64),
+            counts = torch.bincount(torch.tensor(seq.output_token_ids, dtype=torch.int64,
+                                                 device=row.device),
                                     minlength=vocab).to(row.dtype)  # [V]
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
     return logits
@@ -75,11 +76,13 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Softmax after masking tokens outside each row's top-k, top-p nucleus and min-p."""
     vocab = logits.shape[-1]
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
-    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)
-    min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype)
+    device = logits.device
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params],
+                         device=device)
+    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=device)
+    min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=device)
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # [S, V]
-    ranks = torch.arange(vocab)[None, :]
+    ranks = torch.arange(vocab, device=device)[None, :]
     drop = ranks >= top_k[:, None]
     sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
     # Keep the smallest prefix whose mass reaches top_p (always the first token).

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from moe_kernels.grouped_gemm import grouped_swiglu, grouped_swiglu_w4a4
+from moe_kernels.grouped_gemm import ExpertTimer, grouped_swiglu, grouped_swiglu_w4a4
 from moe_kernels.mxfp4 import MXFP4Tensor, check_blockable, quantize
 from services.expert.metrics import ExpertMetrics
 from services.model.checkpoint import Checkpoint
@@ -62,10 +62,12 @@ class ExpertBank:
     def __init__(
         self, config: ModelConfig, checkpoint: Checkpoint, experts: Mapping[int, Sequence[int]],
         dtype: torch.dtype, quantization: str | None = None, rank: int = 0,
+        device: str = "cpu",
     ) -> None:
         self.experts = {layer: list(ids) for layer, ids in experts.items()}
         self.metrics = ExpertMetrics(rank)
         self.dtype = dtype
+        self.device = torch.device(device)
         self.hidden_size = config.hidden_size
         self.quantization = check_quantization(config, quantization)
         self.w_gate_up: dict[int, torch.Tensor | MXFP4Tensor] = {}
@@ -97,10 +99,11 @@ class ExpertBank:
         return MXFP4Tensor.cat(parts) if self.quantization else torch.cat(parts)
 
     def _stack(self, parts: list) -> torch.Tensor | MXFP4Tensor:
+        """One layer's experts as one tensor, on the bank's device."""
         if self.quantization:
-            return MXFP4Tensor(torch.stack([p.packed for p in parts]),
-                               torch.stack([p.scales for p in parts]))
-        return torch.stack(parts)
+            return MXFP4Tensor(torch.stack([p.packed for p in parts]).to(self.device),
+                               torch.stack([p.scales for p in parts]).to(self.device))
+        return torch.stack(parts).to(self.device)
 
     @property
     def row_width(self) -> int:
@@ -117,7 +120,7 @@ class ExpertBank:
         gets each local expert's (start, end) wall-clock ns.
         """
         if x.shape[0] == 0:
-            return torch.zeros(0, self.hidden_size, dtype=self.dtype)
+            return torch.zeros(0, self.hidden_size, dtype=self.dtype, device=self.device)
         spans = [] if spans is None else spans
         if not self.quantization:
             y = grouped_swiglu(x, tokens_per_expert, self.w_gate_up[layer],
@@ -125,9 +128,26 @@ class ExpertBank:
         else:
             q = MXFP4Tensor.from_rows(x, self.hidden_size) if x.dtype == torch.uint8 \
                 else quantize(x)
-            y = grouped_swiglu_w4a4(q, tokens_per_expert, self.w_gate_up[layer],
-                                    self.w_down[layer], spans).to(self.dtype)
+            w4a4 = self._triton_w4a4 if self.device.type == "cuda" else grouped_swiglu_w4a4
+            y = w4a4(q, tokens_per_expert, self.w_gate_up[layer], self.w_down[layer],
+                     spans).to(self.dtype)
         self.metrics.observe(layer, self.experts[layer], tokens_per_expert, spans)
+        return y
+
+    def _triton_w4a4(self, q: MXFP4Tensor, tokens_per_expert: list[int],
+                     w_gate_up: MXFP4Tensor, w_down: MXFP4Tensor,
+                     spans: list[tuple[int, int]]) -> torch.Tensor:
+        """The GPU path: one grouped Triton kernel per GEMM (`tl.dot_scaled`). Its experts
+        run together, so each expert's span is the whole call's."""
+        from moe_kernels.triton_mxfp4 import grouped_swiglu_w4a4_triton
+
+        timer = ExpertTimer(spans, self.device)
+        start = timer.now()
+        y = grouped_swiglu_w4a4_triton(q, tokens_per_expert, w_gate_up, w_down)
+        end = timer.now()
+        for count in tokens_per_expert:
+            timer.marks.append((start, end) if count else None)
+        timer.close()
         return y
 
     def nbytes(self) -> int:

@@ -50,7 +50,7 @@ class ExpertServer:
         self.bank = ExpertBank(model_config, checkpoint,
                                self.placement.local_experts(config.rank),
                                resolve_dtype(config.dtype, config.device), config.quantization,
-                               config.rank)
+                               config.rank, config.device)
         checkpoint.close()
         if self.bank.quantization and config.dispatch_backend == "torch":
             raise ValueError("quantized experts work with the rpc dispatch backend; the "
@@ -123,7 +123,8 @@ class ExpertServer:
                  spans: list[tuple[int, int]]) -> list[torch.Tensor]:
         """Merge the batches expert by expert, run the FFN once, split the outputs back."""
         n, num_local = len(xs), len(counts[0])
-        pieces = [(x if x.dtype == torch.uint8 else x.to(self.bank.dtype)).split(c)
+        device = self.bank.device
+        pieces = [(x if x.dtype == torch.uint8 else x.to(self.bank.dtype)).to(device).split(c)
                   for x, c in zip(xs, counts, strict=True)]
         merged = torch.cat([pieces[b][e] for e in range(num_local) for b in range(n)])
         totals = [sum(c[e] for c in counts) for e in range(num_local)]
@@ -196,7 +197,7 @@ def serve_collective(config: ExpertConfig, server: ExpertServer,
     report_ready(config.ready_fd, 0, metrics_port)
     with torch.inference_mode():
         serve_experts(world, server.placement, server.bank.forward,
-                      server.bank.hidden_size, server.bank.dtype)
+                      server.bank.hidden_size, server.bank.dtype, config.device)
 
 
 def main(config: ExpertConfig) -> int:
