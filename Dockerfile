@@ -18,9 +18,11 @@ COPY services services
 COPY ep_dispatch ep_dispatch
 COPY dcp dcp
 COPY moe_kernels moe_kernels
-# A CUDA build of torch (the default PyPI wheel), then the project with its GPU extras.
-ENV SWITCHYARD_VENV=/opt/switchyard/venv SWITCHYARD_TORCH="torch>=2.9"
-RUN scripts/bootstrap.sh gpu
+# torch built for this image's CUDA (12.8, as cupy-cuda12x), then the project with its GPU
+# extras; compiled ahead, as the non-root user cannot write __pycache__ here.
+ENV SWITCHYARD_VENV=/opt/switchyard/venv \
+    SWITCHYARD_TORCH="torch==2.9.1 --index-url https://download.pytorch.org/whl/cu128"
+RUN scripts/bootstrap.sh gpu && "$SWITCHYARD_VENV/bin/python" -m compileall -q .
 ARG WITH_DEEPEP=0
 ARG DEEPEP_REF=main
 RUN if [ "$WITH_DEEPEP" = 1 ]; then \

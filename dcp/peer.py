@@ -17,6 +17,7 @@ from services.attention.model import DenseModel
 from services.model.checkpoint import Checkpoint
 from services.model.config import ModelConfig
 from switchyard.device import check_device, collective_backend
+from switchyard.metrics import start_metrics_server
 
 log = logging.getLogger("switchyard.dcp")
 
@@ -37,6 +38,8 @@ def run_peer(config: AttentionConfig) -> None:
     kv = KVCache(cfg, num_blocks, config.block_size, dtype, device)
     sharding, experts = Sharding(config.dcp_size, config.dcp_interleave), GroupExperts(group,
                                                                                       None)
+    # /metrics only once loaded and joined: it is what a deployment's healthcheck asks.
+    start_metrics_server(config.host, config.metrics_port)
     log.info("DCP rank %d/%d ready: %d KV blocks", config.dcp_rank, config.dcp_size,
              num_blocks)
     if config.ready_fd is not None:

@@ -98,7 +98,7 @@ class RpcExperts(PointToPoint):
             rows = activation_rows(x, self.quantization)  # [T, H], or MXFP4 rows
             # per rank [n_r, width], copied to the host once for the wire
             parts = rows[layout.src_token].cpu().split(layout.rank_counts)
-            trace = tracing.inject() if tracing.recording() else {}
+            trace = tracing.inject() if tracing.detailed() else {}
             ys = self._portal.call(self._exchange, layer, parts, layout.expert_counts, trace)
         with phase("combine", "rpc", layer, x.shape[0]):
             ys = [y.to(x.device) if y.shape[0] else x[:0] for y in ys]  # [n_r, H] each

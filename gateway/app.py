@@ -73,7 +73,8 @@ async def metrics(serving: Serving, _: Request) -> Response:
     except GatewayError:
         stats = None
     scrapes = await serving.services.scrape()
-    return Response(serving.metrics.render(stats, scrapes), media_type=CONTENT_TYPE_LATEST)
+    body = await anyio.to_thread.run_sync(serving.metrics.render, stats, scrapes)
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
 async def stats(serving: Serving, _: Request) -> Response:

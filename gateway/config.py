@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from gateway.expert_stats import MAX_WINDOW_S
+from gateway.service_metrics import check_url
 from switchyard.rpc import parse_address
 from switchyard.units import parse_size
 
@@ -100,8 +102,14 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
         parser.error(f"--engine: {exc}")
     if args.max_model_len is not None and args.max_model_len <= 0:
         parser.error("--max-model-len must be positive")
-    if args.dashboard_window <= 0:
-        parser.error("--dashboard-window must be positive")
+    if not 0 < args.dashboard_window <= MAX_WINDOW_S:
+        parser.error(f"--dashboard-window must be in (0, {MAX_WINDOW_S:g}] seconds")
+    service_metrics = tuple(u.strip() for u in args.service_metrics.split(",") if u.strip())
+    try:
+        for url in service_metrics:
+            check_url(url)
+    except ValueError as exc:
+        parser.error(f"--service-metrics: {exc}")
     if args.max_queued_requests < 0 or args.retry_after < 0:
         parser.error("--max-queued-requests and --retry-after must not be negative")
     model_dir = Path(args.model)
@@ -122,6 +130,6 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
         max_queued_requests=args.max_queued_requests,
         retry_after_s=args.retry_after,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
-        service_metrics=tuple(u.strip() for u in args.service_metrics.split(",") if u.strip()),
+        service_metrics=service_metrics,
         dashboard_window_s=args.dashboard_window,
     )

@@ -1,13 +1,19 @@
 """The attention and expert services' `/metrics`, scraped on demand and merged.
 
 Samples with the same name and labels from several services are summed: counters and
-histogram buckets add up (two attention groups' dispatch histograms become one), and
-per-expert series never collide, as they carry the expert rank. `_created` series are
+histogram buckets add up (two attention groups' dispatch histograms become one). Direct
+Prometheus scrapes of the services keep them apart by `instance`. `_created` series are
 dropped: a sum of start times means nothing.
+
+A scrape is shared by every caller for a while (at least a second, and five times as long
+as the last scrape took), and the text is parsed in a worker thread: a large model's
+services export tens of thousands of series, and the gateway's event loop must keep
+streaming tokens while they are read.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -33,14 +39,45 @@ class Scrape:
         return self.error is None
 
 
+def check_url(url: str) -> str:
+    """`url` if it is an http(s) URL with a host, else a ValueError naming it."""
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as exc:
+        raise ValueError(f"{url!r} is not a URL: {exc}") from None
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ValueError(f"{url!r} is not an http(s) URL with a host")
+    return url
+
+
+def parse(text: str) -> list[Metric]:
+    """Switchyard's families of one exposition text."""
+    return [f for f in text_string_to_metric_families(text)
+            if f.name.startswith(PREFIX) and not f.name.endswith("_created")]
+
+
 class ServiceMetrics:
     """Scrapes a fixed list of `/metrics` URLs, all at once, each bounded by `timeout`."""
 
-    def __init__(self, urls: Iterable[str], timeout: float = 2.0) -> None:
-        self.urls = list(urls)
+    def __init__(self, urls: Iterable[str], timeout: float = 2.0,
+                 min_age_s: float = 1.0) -> None:
+        self.urls = [check_url(u) for u in urls]
         self.timeout = timeout
+        self.min_age_s = min_age_s
+        self._lock = anyio.Lock()
+        self._last: tuple[float, float, list[Scrape]] | None = None  # (at, took, scrapes)
 
     async def scrape(self) -> list[Scrape]:
+        """Every service's families: a fresh scrape, or the last one while it is recent."""
+        async with self._lock:
+            now = time.monotonic()
+            if self._last and now - self._last[0] < max(self.min_age_s, 5 * self._last[1]):
+                return self._last[2]
+            scrapes = await self._scrape_all()
+            self._last = (now, time.monotonic() - now, scrapes)
+            return scrapes
+
+    async def _scrape_all(self) -> list[Scrape]:
         results: list[Scrape] = [Scrape(u) for u in self.urls]
         async with httpx.AsyncClient(timeout=self.timeout) as client:
 
@@ -48,11 +85,9 @@ class ServiceMetrics:
                 try:
                     response = await client.get(url)
                     response.raise_for_status()
-                    families = [f for f in text_string_to_metric_families(response.text)
-                                if f.name.startswith(PREFIX) and
-                                not f.name.endswith("_created")]
-                    results[i] = Scrape(url, families)
-                except (httpx.HTTPError, ValueError) as exc:
+                    results[i] = Scrape(url, await anyio.to_thread.run_sync(parse,
+                                                                            response.text))
+                except Exception as exc:  # one bad service must not cost the others
                     results[i] = Scrape(url, error=f"{type(exc).__name__}: {exc}")
 
             async with anyio.create_task_group() as tg:

@@ -20,17 +20,19 @@ def swiglu_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -
 class ExpertTimer:
     """Each expert's (start, end) wall-clock ns, appended to `spans` (if given) on `close`.
 
-    On the CPU, clock readings around each expert. On CUDA, events recorded on the stream
-    and read after the call with one synchronisation: the durations are the GPU's, and the
-    times are anchored at the wall clock when the call began (its launch, not its start).
+    On the CPU, monotonic clock readings around each expert (so a clock step cannot bend a
+    duration). On CUDA, events recorded on the stream and read after the call with one
+    synchronisation: the durations are the GPU's. Either way the times are anchored at the
+    wall clock when the call began (on CUDA: its launch, not its start).
     """
 
     def __init__(self, spans: list[tuple[int, int]] | None, device: torch.device) -> None:
         self.spans = spans
         self.cuda = spans is not None and device.type == "cuda"
         self.marks: list[tuple[object, object] | None] = []
+        self.wall_ns, self.clock_ns = time.time_ns(), time.perf_counter_ns()
         if self.cuda:
-            self.wall_ns, self.origin = time.time_ns(), self._event()
+            self.origin = self._event()
 
     @staticmethod
     def _event() -> torch.cuda.Event:
@@ -41,7 +43,7 @@ class ExpertTimer:
     def now(self) -> object:
         if self.spans is None:
             return None
-        return self._event() if self.cuda else time.time_ns()
+        return self._event() if self.cuda else time.perf_counter_ns()
 
     def done(self, start: object) -> None:
         if self.spans is not None:
@@ -61,7 +63,7 @@ class ExpertTimer:
 
     def _ns(self, mark: object) -> int:
         if not self.cuda:
-            return mark  # type: ignore[return-value]
+            return self.wall_ns + mark - self.clock_ns  # type: ignore[operator]
         return self.wall_ns + int(self.origin.elapsed_time(mark) * 1e6)  # type: ignore[attr-defined]
 
 

@@ -18,8 +18,10 @@ stamp="$venv/.switchyard-${extras:-base}-$key"
 if [ ! -f "$stamp" ]; then
   if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
     if [ -n "${SWITCHYARD_TORCH:-}" ]; then
-      # Chosen by the caller (the Dockerfile: a CUDA build where no GPU is visible).
-      "${pip[@]}" install "$SWITCHYARD_TORCH" >&2
+      # Chosen by the caller (the Dockerfile: a CUDA build where no GPU is visible); pip
+      # arguments, split on spaces (e.g. "torch==2.9.1 --index-url URL").
+      read -ra torch_args <<< "$SWITCHYARD_TORCH"
+      "${pip[@]}" install "${torch_args[@]}" >&2
     elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
       "${pip[@]}" install "torch>=2.5" >&2
     else

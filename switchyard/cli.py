@@ -5,11 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from services.attention.config import add_engine_flags, add_metrics_flag, env, from_args
-from services.expert.config import add_expert_parser, expert_config
-
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    from services.attention.config import add_engine_flags, env
+
     p = sub.add_parser("serve", help="start the whole local topology (gateway + engine)")
     p.add_argument("--model", default=env("MODEL"),
                    help="HF checkpoint directory (default: the bundled demo model)")
@@ -34,6 +33,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _attention_parser(sub: argparse._SubParsersAction) -> None:
+    from services.attention.config import add_engine_flags, add_metrics_flag, env
+
     p = sub.add_parser("attention", help="run one attention service (the engine core)")
     p.add_argument("--model", required=True, help="HF checkpoint directory")
     p.add_argument("--host", default=env("ATTENTION_HOST", "127.0.0.1"))
@@ -108,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
         from services.expert.quantize import main as quantize_main
 
         return quantize_main(argv[1:])
+    # The service flags import torch; the subcommands above (a healthcheck) must not wait.
+    from services.attention.config import from_args
+    from services.expert.config import add_expert_parser, expert_config
+
     parser = argparse.ArgumentParser(prog="switchyard", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)

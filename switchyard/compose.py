@@ -81,8 +81,8 @@ def _common_env(service: str) -> dict[str, str]:
     }
 
 
-def _gpu_service(layout: Layout, name: str, gpu: int, command: list[str],
-                 health: list[str], depends: list[str]) -> dict:
+def _gpu_service(name: str, gpu: int, command: list[str], health: str,
+                 depends: list[str]) -> dict:
     service: dict = {
         "image": "${SWITCHYARD_IMAGE:-switchyard:latest}",
         "profiles": ["gpu"],
@@ -93,16 +93,19 @@ def _gpu_service(layout: Layout, name: str, gpu: int, command: list[str],
         "ulimits": {"memlock": -1, "stack": 67108864},
         "deploy": {"resources": {"reservations": {"devices": [{
             "driver": "nvidia", "device_ids": [str(gpu)], "capabilities": ["gpu"]}]}}},
-        "healthcheck": {"test": ["CMD", "switchyard", "probe", *health], "interval": "5s",
-                        "timeout": "5s", "retries": 3, "start_period": "600s"},
+        "healthcheck": _health(health),
     }
     if depends:
         service["depends_on"] = {d: {"condition": "service_healthy"} for d in depends}
     return service
 
 
+def _device_flags() -> list[str]:
+    return ["--device", "${SWITCHYARD_DEVICE:-cuda}", "--dtype", "${SWITCHYARD_DTYPE:-auto}"]
+
+
 def _engine_flags() -> list[str]:
-    return ["--model", "/model", "--host", "0.0.0.0", "--dtype", "${SWITCHYARD_DTYPE:-auto}",
+    return ["--model", "/model", "--host", "0.0.0.0", *_device_flags(),
             "--kv-cache-memory", "${SWITCHYARD_KV_CACHE_MEMORY:-40GiB}",
             "--max-num-seqs", "${SWITCHYARD_MAX_NUM_SEQS:-256}",
             "--metrics-port", str(METRICS_PORT)]
@@ -114,12 +117,12 @@ def render(layout: Layout) -> dict:
     experts = [f"expert-{r}" for r in range(layout.expert_services)]
     services: dict[str, dict] = {}
     for r, name in enumerate(experts):
-        services[name] = _gpu_service(layout, name, layout.expert_gpu(r), [
+        services[name] = _gpu_service(name, layout.expert_gpu(r), [
             "switchyard", "expert", "--model", "/model", "--host", "0.0.0.0",
             "--port", str(EXPERT_PORT), "--rank", str(r),
-            "--num-ranks", str(layout.expert_services), "--dtype", "${SWITCHYARD_DTYPE:-auto}",
+            "--num-ranks", str(layout.expert_services), *_device_flags(),
             "--metrics-port", str(METRICS_PORT)],
-            [f"127.0.0.1:{EXPERT_PORT}"], [])
+            f"127.0.0.1:{EXPERT_PORT}", [])
     leaders = []
     addresses = ",".join(f"{e}:{EXPERT_PORT}" for e in experts)
     for g in range(layout.attention_groups):
@@ -133,13 +136,13 @@ def render(layout: Layout) -> dict:
                        "--dispatch-backend", "rpc", "--expert-addresses", addresses, *dcp]
             if r == 0:
                 command += ["--port", str(ATTENTION_PORT)]
-                health = [f"127.0.0.1:{ATTENTION_PORT}"]
+                health = f"127.0.0.1:{ATTENTION_PORT}"
             else:
                 command += ["--dcp-rank", str(r)]
-                health = [f"http://127.0.0.1:{METRICS_PORT}/metrics"]
+                health = f"http://127.0.0.1:{METRICS_PORT}/metrics"  # once joined
             # A group's ranks start together (their rendezvous needs all of them), once
             # the experts answer; the leader is healthy when the whole group has joined.
-            services[name] = _gpu_service(layout, name, layout.attention_gpu(g, r), command,
+            services[name] = _gpu_service(name, layout.attention_gpu(g, r), command,
                                           health, experts)
     scrape = [f"http://{s}:{METRICS_PORT}/metrics" for s in services]
     services["gateway"] = {
@@ -154,7 +157,7 @@ def render(layout: Layout) -> dict:
         "volumes": ["${SWITCHYARD_MODEL_DIR:-./model}:/model:ro"],
         "ports": [f"${{SWITCHYARD_PORT:-{GATEWAY_PORT}}}:{GATEWAY_PORT}"],
         "depends_on": {g: {"condition": "service_healthy"} for g in leaders},
-        "healthcheck": _http_health(f"http://127.0.0.1:{GATEWAY_PORT}/health"),
+        "healthcheck": _health(f"http://127.0.0.1:{GATEWAY_PORT}/health"),
     }
     services["cpu"] = {
         "image": "${SWITCHYARD_IMAGE:-switchyard:latest}",
@@ -164,7 +167,7 @@ def render(layout: Layout) -> dict:
         "environment": {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
                         "OTEL_TRACES_SAMPLER_ARG": "${SWITCHYARD_TRACE_SAMPLE_RATIO:-0.01}"},
         "ports": [f"${{SWITCHYARD_PORT:-{GATEWAY_PORT}}}:{GATEWAY_PORT}"],
-        "healthcheck": _http_health(f"http://127.0.0.1:{GATEWAY_PORT}/health"),
+        "healthcheck": _health(f"http://127.0.0.1:{GATEWAY_PORT}/health"),
     }
     services["jaeger"] = {
         "image": JAEGER_IMAGE,
@@ -180,21 +183,27 @@ def render(layout: Layout) -> dict:
     return {"services": services}
 
 
-def _http_health(url: str) -> dict:
-    return {"test": ["CMD", "switchyard", "probe", url], "interval": "5s", "timeout": "5s",
-            "retries": 3, "start_period": "600s"}
+def _health(target: str) -> dict:
+    """`switchyard probe` answers within its own 3 s, inside the check's 5 s."""
+    return {"test": ["CMD", "switchyard", "probe", "--timeout", "3", target],
+            "interval": "5s", "timeout": "5s", "retries": 3, "start_period": "600s"}
 
 
 def prometheus_config(layout: Layout) -> dict:
-    """Prometheus' scrape configuration: the gateway's own series, and each service."""
+    """Prometheus' scrape configuration: every service directly, and the gateway's own
+    series (its copy of the services' series dropped: they would count twice). The CPU
+    demo's services are inside its one container, so its gateway is scraped whole."""
     doc = render(layout)["services"]
     targets = [f"{name}:{METRICS_PORT}" for name, s in doc.items()
                if "--metrics-port" in s.get("command", [])]
+    merged = {"source_labels": ["__name__"], "action": "drop",
+              "regex": "switchyard:(expert|dispatch|combine)_.*"}
     return {"global": {"scrape_interval": "5s"},
             "scrape_configs": [
-                {"job_name": "gateway", "static_configs": [
-                    {"targets": [f"gateway:{GATEWAY_PORT}", f"cpu:{GATEWAY_PORT}"]}]},
-                {"job_name": "services", "static_configs": [{"targets": targets}]}]}
+                {"job_name": "gateway", "metric_relabel_configs": [merged],
+                 "static_configs": [{"targets": [f"gateway:{GATEWAY_PORT}"]}]},
+                {"job_name": "services", "static_configs": [{"targets": targets}]},
+                {"job_name": "cpu", "static_configs": [{"targets": [f"cpu:{GATEWAY_PORT}"]}]}]}
 
 
 class _Dumper(yaml.SafeDumper):

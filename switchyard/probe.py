@@ -35,7 +35,9 @@ def probe(target: str, timeout: float) -> str | None:
         info = anyio.run(_rpc_info, *parse_address(target), timeout)
         return None if isinstance(info, EngineInfo | ExpertInfo) else \
             f"{target} answered {type(info).__name__}"
-    except (OSError, TimeoutError, ValueError, httpx.HTTPError, anyio.EndOfStream) as exc:
+    except TimeoutError:
+        return f"{target}: no answer within {timeout:g}s"
+    except (OSError, ValueError, httpx.HTTPError, anyio.EndOfStream) as exc:
         return f"{target}: {type(exc).__name__}: {exc}"
 
 

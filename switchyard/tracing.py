@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import atexit
 import os
-from collections.abc import Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextvars import ContextVar
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -137,14 +138,28 @@ def sampled_span(carrier: dict[str, str]) -> SpanContext | None:
     return context if context.is_valid and context.trace_flags.sampled else None
 
 
-def recording() -> bool:
-    """Whether the current span records: child spans and propagation are worth building."""
-    return _enabled and get_current_span().is_recording()
+_DETAIL: ContextVar[bool] = ContextVar("switchyard_trace_detail", default=True)
+
+
+def detailed() -> bool:
+    """Whether per-layer and per-expert spans are wanted here: the current span records,
+    and is not a step recorded only for the sampled requests it serves (`detail`)."""
+    return _enabled and _DETAIL.get() and get_current_span().is_recording()
+
+
+@contextmanager
+def detail(wanted: bool) -> Iterator[None]:
+    """Within this block, per-layer and per-expert spans are built only if `wanted`."""
+    token = _DETAIL.set(wanted)
+    try:
+        yield
+    finally:
+        _DETAIL.reset(token)
 
 
 def layer_span(stage: str, attributes: dict[str, int]) -> AbstractContextManager:
-    """`{stage} layer N` as the current span while its parent records, else nothing."""
-    if not recording():
+    """`{stage} layer N` as the current span where detail is wanted, else nothing."""
+    if not detailed():
         return nullcontext()
     return tracer().start_as_current_span(f"{stage} layer {attributes['switchyard.layer']}",
                                           attributes=attributes)
@@ -152,8 +167,11 @@ def layer_span(stage: str, attributes: dict[str, int]) -> AbstractContextManager
 
 def _follow_links() -> object:
     """The sampler the `OTEL_TRACES_SAMPLER*` variables configure, except that a root span
-    linked to a sampled span is sampled too: a scheduler step that serves a sampled
-    request is recorded, so every sampled request's trace shows all of its steps."""
+    it drops is still recorded when linked to a sampled span, marked
+    `switchyard.detail=False`: a scheduler step that serves a sampled request is always
+    there, so the request's trace shows all of its steps, but its per-layer and per-expert
+    spans only when the sampler picked the step itself (a step of 256 requests serves a
+    1%-sampled one most of the time)."""
     from opentelemetry.sdk.trace.sampling import (
         Decision,
         Sampler,
@@ -169,11 +187,14 @@ def _follow_links() -> object:
                           kind: SpanKind | None = None, attributes: Attributes = None,
                           links: Sequence[Link] | None = None,
                           trace_state: TraceState | None = None) -> SamplingResult:
+            result = self.base.should_sample(parent_context, trace_id, name, kind,
+                                             attributes, links, trace_state)
             is_root = not get_current_span(parent_context).get_span_context().is_valid
-            if is_root and any(link.context.trace_flags.sampled for link in links or ()):
-                return SamplingResult(Decision.RECORD_AND_SAMPLE, attributes)
-            return self.base.should_sample(parent_context, trace_id, name, kind, attributes,
-                                           links, trace_state)
+            if result.decision != Decision.RECORD_AND_SAMPLE and is_root and \
+                    any(link.context.trace_flags.sampled for link in links or ()):
+                return SamplingResult(Decision.RECORD_AND_SAMPLE,
+                                      {**(attributes or {}), "switchyard.detail": False})
+            return result
 
         def get_description(self) -> str:
             return f"FollowLinks{{{self.base.get_description()}}}"

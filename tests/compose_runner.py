@@ -11,6 +11,7 @@ healthchecks, as compose does.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -93,12 +94,17 @@ class LocalCompose:
         return [str(switchyard), *(self._rewrite(name, t) for t in test[2:])]
 
     def healthy(self, name: str) -> bool:
+        """One run of the service's healthcheck, failing past its `timeout` as Docker's."""
         proc = self.procs[name]
         if proc.poll() is not None:
             raise RuntimeError(f"{name} exited with status {proc.returncode}: "
                                f"{self.log(name)[-3000:]}")
-        return subprocess.run(self.healthcheck(name), capture_output=True,
-                              timeout=30).returncode == 0
+        timeout = float(self.services[name]["healthcheck"]["timeout"].removesuffix("s"))
+        try:
+            return subprocess.run(self.healthcheck(name), capture_output=True,
+                                  timeout=timeout).returncode == 0
+        except subprocess.TimeoutExpired:
+            return False
 
     def log(self, name: str) -> str:
         return Path(self.logs.name, f"{name}.log").read_text(errors="replace")
@@ -127,14 +133,16 @@ class LocalCompose:
                        lambda name=name: f"{name} healthy")
 
     def down(self) -> None:
+        """Stop every service's whole process group (a `serve` has children of its own)."""
         for proc in self.procs.values():
-            if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)
         for proc in self.procs.values():
             try:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         self.logs.cleanup()
 

@@ -120,7 +120,8 @@ def test_the_dockerfile_installs_as_the_readme_does() -> None:
 def test_the_compose_services_run_as_local_processes(profile: str) -> None:
     env = {**dotenv(), "SWITCHYARD_MODEL_DIR": str(DEFAULT_MODEL),
            "SWITCHYARD_SERVED_MODEL_NAME": DEFAULT_MODEL_NAME,
-           "SWITCHYARD_KV_CACHE_MEMORY": "64MiB", "SWITCHYARD_MAX_NUM_SEQS": "16"}
+           "SWITCHYARD_KV_CACHE_MEMORY": "64MiB", "SWITCHYARD_MAX_NUM_SEQS": "16",
+           "SWITCHYARD_DEVICE": "cpu"}  # no GPU here: the same commands on the CPU
     doc = interpolate(yaml.safe_load(COMPOSE.read_text()), env)
     with LocalCompose(doc, {profile}) as compose:
         assert len(compose.services) == (9 if profile == "gpu" else 1)

@@ -3,7 +3,8 @@
 
 const params = new URLSearchParams(location.search);
 const windowParam = params.get("window");
-const refreshMs = 1000 * Number(params.get("refresh") || 2);
+// At least half a second between polls, whatever the URL asks (NaN too).
+const refreshMs = Math.max(500, 1000 * Number(params.get("refresh") || 2) || 2000);
 const $ = (id) => document.getElementById(id);
 let shape = "";
 let renders = 0;

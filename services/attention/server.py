@@ -147,15 +147,15 @@ def main(config: AttentionConfig) -> int:
         from dcp.peer import run_peer
 
         try:
-            start_metrics_server(config.host, config.metrics_port)  # for healthchecks
             run_peer(config)
         except (CheckpointError, ValueError, OSError) as exc:
             print(f"switchyard attention (DCP rank {config.dcp_rank}): {exc}", file=sys.stderr)
             return 2
         return 0
     try:
-        engine = Engine(config)
+        # Before the engine: an rpc client's thread would keep a failed process alive.
         metrics_port = start_metrics_server(config.host, config.metrics_port)
+        engine = Engine(config)
     except (CheckpointError, ValueError, OSError, ExpertRankError, RendezvousError) as exc:
         print(f"switchyard attention: {exc}", file=sys.stderr)
         return 2

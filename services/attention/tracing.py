@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import time
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from opentelemetry.context import Context
 from opentelemetry.trace import Link, NonRecordingSpan, set_span_in_context
@@ -37,14 +38,19 @@ def trace_request(seq: Sequence, reason: str) -> None:
             "switchyard.finish_reason": reason}).end(stop)
 
 
-def step_span(scheduled: list[ScheduledSeq]) -> AbstractContextManager:
+@contextmanager
+def step_span(scheduled: list[ScheduledSeq]) -> Iterator[None]:
     """A span around one scheduler step, linked to each sampled request it serves. A step
-    serves many requests, so it is a root of its own: sampled when any of them is (see
-    `tracing._follow_links`), else like any root."""
+    serves many requests, so it is a root of its own: sampled like any root, and recorded
+    without per-layer detail when only a request it serves is (`tracing._follow_links`)."""
     if not tracing.enabled():
-        return nullcontext()
+        yield
+        return
     links = [Link(item.seq.trace_parent) for item in scheduled if item.seq.trace_parent]
     attributes = {"switchyard.sequences": len(scheduled),
                   "switchyard.tokens": sum(item.num_new_tokens for item in scheduled)}
-    return tracing.tracer().start_as_current_span("step", context=Context(), links=links,
-                                                  attributes=attributes)
+    with tracing.tracer().start_as_current_span("step", context=Context(), links=links,
+                                                attributes=attributes) as span:
+        recorded = getattr(span, "attributes", None) or {}
+        with tracing.detail(recorded.get("switchyard.detail", True)):
+            yield

@@ -1,0 +1,85 @@
+"""The dashboard's numbers: Prometheus' histogram_quantile on hand-computed cases, and
+windows over several services that restart or fail to answer."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.config import parse_args
+from gateway.expert_stats import ExpertWindow, Hist
+from gateway.service_metrics import Scrape, parse
+from switchyard.demo_model import DEFAULT_MODEL
+
+INF = float("inf")
+
+
+@pytest.mark.parametrize(("counts", "q", "expected"), [
+    ((2, 6, 8), 0.5, 0.55),  # rank 4 in (0.1, 1]: 0.1 + 0.9 * (4 - 2) / (6 - 2)
+    ((2, 6, 8), 0.1, 0.04),  # rank 0.8 in the first bucket, from 0: 0.1 * 0.8 / 2
+    ((2, 6, 8), 0.99, 1.0),  # rank 7.92 in +Inf: the largest finite bound
+    ((0, 0, 5), 0.5, 1.0),
+    ((5, 3, 3), 0.9, 0.09),  # forced monotonic (5, 5, 5): rank 4.5 of 5 in (0, 0.1]
+    ((1, 1 + 1e-13, 2), 0.75, 1.0),  # a precision wobble is no observation
+])
+def test_quantile_is_prometheus_histogram_quantile(counts: tuple, q: float,
+                                                   expected: float) -> None:
+    assert Hist((0.1, 1.0, INF), counts).quantile(q) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("hist", [Hist((INF,), (3,)), Hist((0.1, INF), (0, 0)),
+                                  Hist((0.1, 1.0), (1, 2))])
+def test_quantile_is_none_where_prometheus_gives_nan(hist: Hist) -> None:
+    assert hist.quantile(0.5) is None  # one bucket, no observation, no +Inf bucket
+
+
+def test_quantile_zero_over_an_empty_first_bucket() -> None:
+    assert Hist((0.1, 1.0, INF), (0, 4, 4)).quantile(0.0) is None
+
+
+def scrape(url: str, counts: tuple[int, int], tokens: int, total_s: float = 0.01) -> Scrape:
+    """A service reporting expert (layer 0, expert 1) of rank 0 (two local-backend
+    attention groups both report rank 0)."""
+    labels = 'layer="0",expert="1",rank="0"'
+    text = f"""# TYPE switchyard:expert_compute_seconds histogram
+switchyard:expert_compute_seconds_bucket{{{labels},le="0.001"}} {counts[0]}
+switchyard:expert_compute_seconds_bucket{{{labels},le="+Inf"}} {counts[1]}
+switchyard:expert_compute_seconds_count{{{labels}}} {counts[1]}
+switchyard:expert_compute_seconds_sum{{{labels}}} {total_s}
+# TYPE switchyard:expert_tokens_total counter
+switchyard:expert_tokens_total{{{labels}}} {tokens}
+"""
+    return Scrape(url, parse(text))
+
+
+def expert(window: ExpertWindow, now: float, seconds: float) -> tuple[Hist, float | None]:
+    recent, age = window.recent(now, seconds)
+    return recent[("expert", "0", "1")], age
+
+
+def test_windows_survive_restarts_and_failed_scrapes() -> None:
+    w = ExpertWindow()
+    w.absorb([scrape("a", (2, 4), 40), scrape("b", (1, 1), 5)], now=0)
+    h, age = expert(w, 0, 60)
+    assert (h.counts, h.tokens, age) == ((3, 5), 45, None)  # since the services started
+
+    # a restarted: all it holds is new; b grew. The last 10 s: only what was added.
+    w.absorb([scrape("a", (0, 1), 3), scrape("b", (1, 3), 20)], now=20)
+    h, age = expert(w, 20, 10)
+    assert (h.counts, h.tokens, age) == ((0, 3), 18, 20)
+
+    # a does not answer; when it does, what it counted meanwhile arrives, counted once.
+    w.absorb([Scrape("a", error="timeout"), scrape("b", (1, 4), 25)], now=30)
+    w.absorb([scrape("a", (0, 2), 6), scrape("b", (1, 4), 25)], now=40)
+    h, age = expert(w, 40, 15)
+    assert (h.counts, h.tokens, age) == ((0, 2), 8, 20)
+    assert h.quantile(0.5) == pytest.approx(0.001)  # both in (0.001, +Inf]: the bound
+
+
+def test_bad_gateway_settings_fail_at_start(capsys: pytest.CaptureFixture) -> None:
+    base = ["--model", str(DEFAULT_MODEL), "--engine", "127.0.0.1:1"]
+    with pytest.raises(SystemExit):
+        parse_args([*base, "--service-metrics", "http://host:port/metrics"])
+    assert "--service-metrics" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args([*base, "--dashboard-window", "7200"])
+    assert "--dashboard-window must be in (0, 900]" in capsys.readouterr().err
