@@ -72,7 +72,7 @@ async def metrics(serving: Serving, _: Request) -> Response:
         stats = await serving.engine.stats() if serving.engine.info is not None else None
     except GatewayError:
         stats = None
-    scrapes = await serving.services.scrape()
+    scrapes = await serving.services.scrape(fresh=True)
     body = await anyio.to_thread.run_sync(serving.metrics.render, stats, scrapes)
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 

@@ -5,10 +5,10 @@ histogram buckets add up (two attention groups' dispatch histograms become one).
 Prometheus scrapes of the services keep them apart by `instance`. `_created` series are
 dropped: a sum of start times means nothing.
 
-A scrape is shared by every caller for a while (at least a second, and five times as long
-as the last scrape took), and the text is parsed in a worker thread: a large model's
-services export tens of thousands of series, and the gateway's event loop must keep
-streaming tokens while they are read.
+The text is parsed in a worker thread: a large model's services export tens of thousands
+of series, and the gateway's event loop must keep streaming tokens while they are read.
+Dashboard polls share the last scrape for a while (at least a second, and five times as
+long as it took); `/metrics` always scrapes afresh.
 """
 
 from __future__ import annotations
@@ -67,11 +67,13 @@ class ServiceMetrics:
         self._lock = anyio.Lock()
         self._last: tuple[float, float, list[Scrape]] | None = None  # (at, took, scrapes)
 
-    async def scrape(self) -> list[Scrape]:
-        """Every service's families: a fresh scrape, or the last one while it is recent."""
+    async def scrape(self, fresh: bool = False) -> list[Scrape]:
+        """Every service's families: scraped now, or (unless `fresh`) the last scrape while
+        it is recent."""
         async with self._lock:
             now = time.monotonic()
-            if self._last and now - self._last[0] < max(self.min_age_s, 5 * self._last[1]):
+            if not fresh and self._last and \
+                    now - self._last[0] < max(self.min_age_s, 5 * self._last[1]):
                 return self._last[2]
             scrapes = await self._scrape_all()
             self._last = (now, time.monotonic() - now, scrapes)

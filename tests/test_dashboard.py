@@ -55,9 +55,12 @@ def test_dashboard_in_chromium(qwen3_ckpt: tuple) -> None:
         generate(served.url, seed=81, lengths=(9, 14, 6, 11))
         samples = scrape(f"{served.url}/metrics")
         tokens = per_expert(samples, TOKENS)
-        browser.get(f"{served.url}/dashboard?window=3600&refresh=0.5")
+        browser.get(f"{served.url}/dashboard?window=900&refresh=0.5")
         WebDriverWait(browser, 30).until(
             lambda b: b.execute_script("return document.body.dataset.renders"))
+
+        for bad in ("0", "abc", "901"):  # a window the server cannot keep is refused
+            assert httpx.get(f"{served.url}/dashboard/data?window={bad}").status_code == 400
 
         # Offline: every resource came from the gateway itself.
         origin = "{0.scheme}://{0.netloc}".format(urlsplit(served.url))

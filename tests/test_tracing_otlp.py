@@ -34,10 +34,23 @@ def test_spans_reach_a_real_otlp_receiver(qwen3_ckpt: tuple) -> None:
             assert r.status_code == 200, r.text
 
             def arrived() -> list[dict] | None:
+                """Every span once the request's are in and each expert span's ancestors
+                too (batches from different processes arrive in any order)."""
                 spans = receiver.spans()
+                ids = {s["context"]["span_id"]: s for s in spans}
+                experts = [s for s in spans if s["name"].startswith("expert ")]
+
+                def rooted(s: dict) -> bool:
+                    while s["parent_id"] is not None:
+                        if s["parent_id"] not in ids:
+                            return False
+                        s = ids[s["parent_id"]]
+                    return True
+
                 names = {s["name"] for s in spans}
-                return spans if {"decode", f"text_completion {name}"} <= names and \
-                    any(n.startswith("expert ") for n in names) else None
+                done = {"decode", f"text_completion {name}"} <= names and experts and \
+                    all(rooted(s) for s in experts)
+                return spans if done else None
 
             spans = wait_until(arrived, 60, lambda: "the request's spans in Phoenix")
 
