@@ -16,6 +16,7 @@ NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has 
 
 
 @pytest.mark.parametrize("module", ["moe_kernels.triton_mxfp4", "benchmarks.gpu_mxfp4",
+                                    "benchmarks.gpu_check",
                                     "ep_dispatch.torch_dist", "switchyard.device"])
 def test_gpu_code_imports_without_cuda(module: str) -> None:
     importlib.import_module(module)
@@ -46,6 +47,13 @@ def test_services_refuse_cuda_without_a_gpu(command: list[str]) -> None:
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr
     assert "--device cuda needs an NVIDIA GPU" in out.stderr
+
+
+@NO_GPU
+def test_the_gpu_check_says_there_is_nothing_to_do_without_a_gpu() -> None:
+    out = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and "no CUDA device" in out.stdout
 
 
 @pytest.mark.gpu
