@@ -114,73 +114,94 @@ def _engine_flags() -> list[str]:
 def render(layout: Layout) -> dict:
     """The compose document for `layout`."""
     layout.check()
-    experts = [f"expert-{r}" for r in range(layout.expert_services)]
-    services: dict[str, dict] = {}
-    for r, name in enumerate(experts):
-        services[name] = _gpu_service(name, layout.expert_gpu(r), [
-            "switchyard", "expert", "--model", "/model", "--host", "0.0.0.0",
-            "--port", str(EXPERT_PORT), "--rank", str(r),
-            "--num-ranks", str(layout.expert_services), *_device_flags(),
-            "--metrics-port", str(METRICS_PORT)],
-            f"127.0.0.1:{EXPERT_PORT}", [])
-    leaders = []
-    addresses = ",".join(f"{e}:{EXPERT_PORT}" for e in experts)
+    services = _expert_services(layout)
+    experts = list(services)
+    leaders: list[str] = []
     for g in range(layout.attention_groups):
-        leader = _attention_name(g, 0)
-        leaders.append(leader)
-        dcp = ["--dcp-size", str(layout.dcp_size), "--dcp-init",
-               f"{leader}:{DCP_INIT_PORT}"] if layout.dcp_size > 1 else []
-        for r in range(layout.dcp_size):
-            name = _attention_name(g, r)
-            command = ["switchyard", "attention", *_engine_flags(),
-                       "--dispatch-backend", "rpc", "--expert-addresses", addresses, *dcp]
-            if r == 0:
-                command += ["--port", str(ATTENTION_PORT)]
-                health = f"127.0.0.1:{ATTENTION_PORT}"
-            else:
-                command += ["--dcp-rank", str(r)]
-                health = f"http://127.0.0.1:{METRICS_PORT}/metrics"  # once joined
-            # A group's ranks start together (their rendezvous needs all of them), once
-            # the experts answer; the leader is healthy when the whole group has joined.
-            services[name] = _gpu_service(name, layout.attention_gpu(g, r), command,
-                                          health, experts)
-    scrape = [f"http://{s}:{METRICS_PORT}/metrics" for s in services]
-    services["gateway"] = {
+        services.update(_attention_group(layout, g, experts))
+        leaders.append(_attention_name(g, 0))
+    services["gateway"] = _gateway(leaders, list(services))
+    services.update(_companions())
+    return {"services": services}
+
+
+def _expert_services(layout: Layout) -> dict[str, dict]:
+    names = [f"expert-{r}" for r in range(layout.expert_services)]
+    return {name: _gpu_service(name, layout.expert_gpu(r), [
+        "switchyard", "expert", "--model", "/model", "--host", "0.0.0.0",
+        "--port", str(EXPERT_PORT), "--rank", str(r),
+        "--num-ranks", str(layout.expert_services), *_device_flags(),
+        "--metrics-port", str(METRICS_PORT)], f"127.0.0.1:{EXPERT_PORT}", [])
+        for r, name in enumerate(names)}
+
+
+def _attention_group(layout: Layout, g: int, experts: list[str]) -> dict[str, dict]:
+    """Group g's DCP ranks. They start together (their rendezvous needs all of them), once
+    the experts answer; the leader is healthy when the whole group has joined."""
+    leader = _attention_name(g, 0)
+    addresses = ",".join(f"{e}:{EXPERT_PORT}" for e in experts)
+    dcp = ["--dcp-size", str(layout.dcp_size), "--dcp-init",
+           f"{leader}:{DCP_INIT_PORT}"] if layout.dcp_size > 1 else []
+    services = {}
+    for r in range(layout.dcp_size):
+        command = ["switchyard", "attention", *_engine_flags(),
+                   "--dispatch-backend", "rpc", "--expert-addresses", addresses, *dcp]
+        if r == 0:
+            command += ["--port", str(ATTENTION_PORT)]
+            health = f"127.0.0.1:{ATTENTION_PORT}"
+        else:
+            command += ["--dcp-rank", str(r)]
+            health = f"http://127.0.0.1:{METRICS_PORT}/metrics"  # served once joined
+        name = _attention_name(g, r)
+        services[name] = _gpu_service(name, layout.attention_gpu(g, r), command, health,
+                                      experts)
+    return services
+
+
+def _gateway(leaders: list[str], scraped: list[str]) -> dict:
+    return {
         "image": "${SWITCHYARD_IMAGE:-switchyard:latest}",
         "profiles": ["gpu"],
         "command": ["switchyard", "gateway", "--model", "/model",
                     "--served-model-name", "${SWITCHYARD_SERVED_MODEL_NAME:-switchyard}",
                     "--host", "0.0.0.0", "--port", str(GATEWAY_PORT),
                     "--engine", ",".join(f"{g}:{ATTENTION_PORT}" for g in leaders),
-                    "--service-metrics", ",".join(scrape)],
+                    "--service-metrics",
+                    ",".join(f"http://{s}:{METRICS_PORT}/metrics" for s in scraped)],
         "environment": _common_env("gateway"),
         "volumes": ["${SWITCHYARD_MODEL_DIR:-./model}:/model:ro"],
         "ports": [f"${{SWITCHYARD_PORT:-{GATEWAY_PORT}}}:{GATEWAY_PORT}"],
         "depends_on": {g: {"condition": "service_healthy"} for g in leaders},
         "healthcheck": _health(f"http://127.0.0.1:{GATEWAY_PORT}/health"),
     }
-    services["cpu"] = {
-        "image": "${SWITCHYARD_IMAGE:-switchyard:latest}",
-        "profiles": ["cpu"],
-        "command": ["switchyard", "serve", "--host", "0.0.0.0", "--port", str(GATEWAY_PORT),
-                    "--otlp-traces-endpoint", f"{OTLP}/v1/traces"],
-        "environment": {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
-                        "OTEL_TRACES_SAMPLER_ARG": "${SWITCHYARD_TRACE_SAMPLE_RATIO:-0.01}"},
-        "ports": [f"${{SWITCHYARD_PORT:-{GATEWAY_PORT}}}:{GATEWAY_PORT}"],
-        "healthcheck": _health(f"http://127.0.0.1:{GATEWAY_PORT}/health"),
+
+
+def _companions() -> dict[str, dict]:
+    """The CPU demo (profile `cpu`), Jaeger and Prometheus."""
+    return {
+        "cpu": {
+            "image": "${SWITCHYARD_IMAGE:-switchyard:latest}",
+            "profiles": ["cpu"],
+            "command": ["switchyard", "serve", "--host", "0.0.0.0", "--port",
+                        str(GATEWAY_PORT), "--otlp-traces-endpoint", f"{OTLP}/v1/traces"],
+            "environment": {
+                "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+                "OTEL_TRACES_SAMPLER_ARG": "${SWITCHYARD_TRACE_SAMPLE_RATIO:-0.01}"},
+            "ports": [f"${{SWITCHYARD_PORT:-{GATEWAY_PORT}}}:{GATEWAY_PORT}"],
+            "healthcheck": _health(f"http://127.0.0.1:{GATEWAY_PORT}/health"),
+        },
+        "jaeger": {
+            "image": JAEGER_IMAGE,
+            "command": ["--set", "receivers.otlp.protocols.http.endpoint=0.0.0.0:4318",
+                        "--set", "receivers.otlp.protocols.grpc.endpoint=0.0.0.0:4317"],
+            "ports": ["${SWITCHYARD_JAEGER_PORT:-16686}:16686"],
+        },
+        "prometheus": {
+            "image": PROMETHEUS_IMAGE,
+            "volumes": ["./deploy/prometheus.yml:/etc/prometheus/prometheus.yml:ro"],
+            "ports": ["${SWITCHYARD_PROMETHEUS_PORT:-9090}:9090"],
+        },
     }
-    services["jaeger"] = {
-        "image": JAEGER_IMAGE,
-        "command": ["--set", "receivers.otlp.protocols.http.endpoint=0.0.0.0:4318",
-                    "--set", "receivers.otlp.protocols.grpc.endpoint=0.0.0.0:4317"],
-        "ports": ["${SWITCHYARD_JAEGER_PORT:-16686}:16686"],
-    }
-    services["prometheus"] = {
-        "image": PROMETHEUS_IMAGE,
-        "volumes": ["./deploy/prometheus.yml:/etc/prometheus/prometheus.yml:ro"],
-        "ports": ["${SWITCHYARD_PROMETHEUS_PORT:-9090}:9090"],
-    }
-    return {"services": services}
 
 
 def _health(target: str) -> dict:

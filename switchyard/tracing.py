@@ -17,12 +17,16 @@ import os
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
+from typing import TYPE_CHECKING
 
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Link, SpanContext, SpanKind, TraceState, get_current_span
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.types import Attributes
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace.sampling import Sampler
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 TRACER_NAME = "switchyard"
@@ -165,7 +169,7 @@ def layer_span(stage: str, attributes: dict[str, int]) -> AbstractContextManager
                                           attributes=attributes)
 
 
-def _follow_links() -> object:
+def _follow_links() -> Sampler:
     """The sampler the `OTEL_TRACES_SAMPLER*` variables configure, except that a root span
     it drops is still recorded when linked to a sampled span, marked
     `switchyard.detail=False`: a scheduler step that serves a sampled request is always

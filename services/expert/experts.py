@@ -124,7 +124,7 @@ class ExpertBank:
         spans = [] if spans is None else spans
         if not self.quantization:
             y = grouped_swiglu(x, tokens_per_expert, self.w_gate_up[layer],
-                               self.w_down[layer], spans)
+                               self.w_down[layer], spans)  # [N, H]
         else:
             q = MXFP4Tensor.from_rows(x, self.hidden_size) if x.dtype == torch.uint8 \
                 else quantize(x)
