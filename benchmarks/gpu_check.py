@@ -19,6 +19,14 @@ Made to run once, within 8 minutes and without network access, on a lent machine
 The `torch` dispatch backend over NCCL needs two GPUs (NCCL refuses two ranks on one),
 and the `nccl` (CuPy) and `deepep` backends are not built: the table says so. Exits 0
 with a message where there is no CUDA device. One table on stdout, everything as JSON.
+
+On this workplace's lent H200 (torch, Triton and CuPy installed; no network), after
+`scripts/gpu-wheels` here, one device run with `carry: [".whl"]` and `timeout_s: 540`:
+
+    set -o pipefail; python3 -m pip install -q --no-index --no-deps --no-compile \
+      --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && \
+    export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 && \
+    python3 -m benchmarks.gpu_check --json $OUT/gpu_check.json 2>&1 | tee $OUT/gpu_check.md
 """
 
 from __future__ import annotations
