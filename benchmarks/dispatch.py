@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 from ep_dispatch.layout import compute_layout
 from ep_dispatch.placement import Placement
 from ep_dispatch.torch_dist import (
+    TorchCollective,
     TorchExperts,
     World,
     _any_work,
@@ -100,7 +101,7 @@ def _expert_iteration(placement: Placement, world: World, tokens: int, hidden: i
     dist.barrier()
     rank = world.rank - world.num_attention
     _serve_layer(world, 0, _identity, torch.empty(0, hidden), _count_width(placement),
-                 placement.table(0).num_local[rank])
+                 placement.table(0).num_local[rank], TorchCollective())
     counts: list[list[int] | None] = [None]
     dist.broadcast_object_list(counts, src=0)
     dist.barrier()

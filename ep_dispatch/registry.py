@@ -73,22 +73,48 @@ def _torch(ctx: BackendContext) -> ExpertsClient:
     return TorchExperts(ctx.world, placement, ctx.hidden_size, ctx.dtype, ctx.device)
 
 
+def _nccl(ctx: BackendContext) -> ExpertsClient:
+    from ep_dispatch.nccl import CupyNccl, import_nccl
+    from ep_dispatch.placement import make_placement
+    from ep_dispatch.torch_dist import TorchExperts
+
+    check_backend("nccl", ctx.device)
+    import_nccl()
+    if ctx.quantization:
+        raise ValueError(f"--quantization {ctx.quantization} works with the local and rpc "
+                         "dispatch backends; the nccl backend moves float rows only")
+    if ctx.world is None:
+        raise ValueError("the nccl backend needs --dist-init HOST:PORT and the rank layout")
+    placement = make_placement(ctx.moe_layers, ctx.num_experts, ctx.world.num_experts,
+                               ctx.placement_file)
+    return TorchExperts(ctx.world, placement, ctx.hidden_size, ctx.dtype, ctx.device,
+                        CupyNccl(ctx.world, ctx.connect_timeout))
+
+
 _BACKENDS: dict[str, Callable[[BackendContext], ExpertsClient]] = {
-    "local": _local, "rpc": _rpc, "torch": _torch}
+    "local": _local, "rpc": _rpc, "torch": _torch, "nccl": _nccl}
+# Backends whose ranks move in lockstep through collectives (the launcher starts every
+# rank together), and those that move CUDA tensors only.
+COLLECTIVE = ("torch", "nccl")
+CUDA_ONLY = ("nccl",)
 
 
 def available_backends() -> list[str]:
     return sorted(_BACKENDS)
 
 
-def check_backend(name: str) -> None:
+def check_backend(name: str, device: str = "cpu") -> None:
+    """A clear error for an unknown backend, or one that cannot move `device`'s tensors."""
     if name not in _BACKENDS:
         raise ValueError(
             f"unknown dispatch backend {name!r}; available: {', '.join(available_backends())}"
         )
+    if name in CUDA_ONLY and device != "cuda":
+        raise ValueError(f"the {name} dispatch backend moves CUDA tensors: run the services "
+                         "with --device cuda")
 
 
 def create_experts_client(name: str, ctx: BackendContext) -> ExpertsClient:
     """Build the backend called `name`; unknown names get an error listing the known ones."""
-    check_backend(name)
+    check_backend(name, ctx.device)
     return _BACKENDS[name](ctx)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -52,9 +53,9 @@ class World:
         return f"expert rank {rank - self.num_attention}"
 
 
-def join(world: World, timeout: float, backend: str = "gloo") -> None:
-    """Rendezvous through a TCP store, naming any peer missing after `timeout` seconds,
-    then form the process group: gloo for CPU tensors, NCCL for CUDA ones."""
+def rendezvous(world: World, timeout: float) -> dist.TCPStore:
+    """Meet every rank at the TCP store hosted by attention rank 0, naming any peer still
+    missing after `timeout` seconds. The store stays usable for exchanging more."""
     host, port = world.init_address
     try:
         store = dist.TCPStore(host, port, world.size, is_master=world.rank == 0,
@@ -70,8 +71,57 @@ def join(world: World, timeout: float, backend: str = "gloo") -> None:
         missing = [world.describe(r) for r, k in enumerate(keys) if not store.check([k])]
         raise RendezvousError(f"waited {timeout:g}s at {host}:{port} for "
                               f"{', '.join(missing)}") from None
+    return store
+
+
+def join(world: World, timeout: float, backend: str = "gloo") -> None:
+    """Rendezvous, then form the torch.distributed process group: gloo for CPU tensors,
+    NCCL for CUDA ones."""
+    store = rendezvous(world, timeout)
     dist.init_process_group(backend, store=store, rank=world.rank, world_size=world.size,
                             timeout=timedelta(seconds=timeout))
+
+
+class Collective(Protocol):
+    """The two collectives the lockstep exchange needs, over every rank of the world."""
+
+    def any_work(self, has_work: bool, device: torch.device) -> bool:
+        """Whether any rank has work (an all-reduce of a flag)."""
+        ...
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor,
+                   out_splits: list[int] | None = None,
+                   in_splits: list[int] | None = None) -> None:
+        """`dist.all_to_all_single`: rows of `inp` [sum(in_splits), ...] to each rank,
+        rows from each rank into `out` [sum(out_splits), ...]; None splits are equal."""
+        ...
+
+    def ready(self) -> bool:
+        """Whether the communicator is up (a dead rank shows at the next collective)."""
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+class TorchCollective:
+    """The collectives of the torch.distributed process group (`join`)."""
+
+    def any_work(self, has_work: bool, device: torch.device) -> bool:
+        return _any_work(has_work, device)
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor,
+                   out_splits: list[int] | None = None,
+                   in_splits: list[int] | None = None) -> None:
+        dist.all_to_all_single(out, inp, output_split_sizes=out_splits,
+                               input_split_sizes=in_splits)
+
+    def ready(self) -> bool:
+        return dist.is_initialized()
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _count_width(placement: Placement) -> int:
@@ -91,16 +141,17 @@ class TorchExperts:
     lockstep = True
 
     def __init__(self, world: World, placement: Placement, hidden: int, dtype: torch.dtype,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", collective: Collective | None = None) -> None:
         if placement.num_ranks != world.num_experts:
             raise ValueError(f"placement has {placement.num_ranks} ranks, the world "
                              f"{world.num_experts} expert ranks")
         self.world, self.placement = world, placement
         self.hidden, self.dtype, self.device = hidden, dtype, torch.device(device)
         self.width = _count_width(placement)
+        self.coll = collective or TorchCollective()
 
     def begin_step(self, has_work: bool) -> bool:
-        return _any_work(has_work, self.device)
+        return self.coll.any_work(has_work, self.device)
 
     def idle_step(self) -> None:
         empty_ids = torch.zeros(0, 1, dtype=torch.int64, device=self.device)
@@ -117,17 +168,13 @@ class TorchExperts:
             for r, c in enumerate(layout.expert_counts):
                 counts[g + r, :len(c)] = torch.tensor(c, dtype=torch.int64)
             counts = counts.to(x.device)
-            dist.all_to_all_single(torch.empty_like(counts), counts)  # experts learn layout
+            self.coll.all_to_all(torch.empty_like(counts), counts)  # experts learn layout
             splits = [0] * g + layout.rank_counts
             rows = x[layout.src_token].contiguous()  # [N, H] in send order
-            nothing = x.new_empty(0, self.hidden)
-            dist.all_to_all_single(nothing, rows,
-                                   output_split_sizes=[0] * self.world.size,
-                                   input_split_sizes=splits)
+            nothing, none = x.new_empty(0, self.hidden), [0] * self.world.size
+            self.coll.all_to_all(nothing, rows, none, splits)
             y = torch.empty_like(rows)
-            dist.all_to_all_single(y, nothing,
-                                   output_split_sizes=splits,
-                                   input_split_sizes=[0] * self.world.size)
+            self.coll.all_to_all(y, nothing, splits, none)
         with phase("combine", "torch", layer, x.shape[0]):
             return combine(y, layout)
 
@@ -140,46 +187,44 @@ class TorchExperts:
 
     def ready(self) -> bool:
         # A dead rank breaks the collective: the next step fails and its requests get 503.
-        return dist.is_initialized()
+        return self.coll.ready()
 
     def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        self.coll.close()
 
 
-def serve_round(world: World, placement: Placement, expert_fn: ExpertFn, hidden: int,
-                dtype: torch.dtype, device: torch.device) -> None:
+def serve_round(world: World, placement: Placement, expert_fn: ExpertFn,
+                nothing: torch.Tensor, coll: Collective) -> None:
     """One lockstep round on an expert rank: the work flag, then every MoE layer if any
-    attention rank has work."""
-    if not _any_work(False, device):
+    attention rank has work. `nothing` is an empty [0, H] tensor of the rows' dtype and
+    device."""
+    if not coll.any_work(False, nothing.device):
         return
     rank, width = world.rank - world.num_attention, _count_width(placement)
     for layer in sorted(placement.replicas):
-        _serve_layer(world, layer, expert_fn, torch.empty(0, hidden, dtype=dtype,
-                                                          device=device),
-                     width, placement.table(layer).num_local[rank])
+        _serve_layer(world, layer, expert_fn, nothing, width,
+                     placement.table(layer).num_local[rank], coll)
 
 
 def serve_experts(world: World, placement: Placement, expert_fn: ExpertFn, hidden: int,
-                  dtype: torch.dtype, device: str = "cpu") -> None:
+                  dtype: torch.dtype, device: str = "cpu",
+                  collective: Collective | None = None) -> None:
     """Expert side: serve every round until the process is stopped."""
+    nothing = torch.empty(0, hidden, dtype=dtype, device=device)
     while True:
-        serve_round(world, placement, expert_fn, hidden, dtype, torch.device(device))
+        serve_round(world, placement, expert_fn, nothing, collective or TorchCollective())
 
 
 def _serve_layer(world: World, layer: int, expert_fn: ExpertFn, nothing: torch.Tensor,
-                 width: int, num_local: int) -> None:
-    """One MoE layer's exchange on an expert rank; `nothing` is an empty [0, H] tensor of
-    the rows' dtype and device."""
+                 width: int, num_local: int, coll: Collective) -> None:
+    """One MoE layer's exchange on an expert rank."""
     g, hidden, device = world.num_attention, nothing.shape[1], nothing.device
     counts = torch.empty(world.size, width, dtype=torch.int64, device=device)
-    dist.all_to_all_single(counts, torch.zeros(world.size, width, dtype=torch.int64,
-                                               device=device))
+    coll.all_to_all(counts, torch.zeros(world.size, width, dtype=torch.int64, device=device))
     per_source = counts[:g, :num_local].cpu()  # [G, E_local] rows from each attention rank
     splits = per_source.sum(dim=1).tolist() + [0] * world.num_experts
     received = nothing.new_empty(sum(splits), hidden)
-    dist.all_to_all_single(received, nothing,
-                           output_split_sizes=splits, input_split_sizes=[0] * world.size)
+    coll.all_to_all(received, nothing, splits, [0] * world.size)
     if g == 1:  # one source: rows already arrive grouped by expert
         y = expert_fn(layer, received, per_source[0].tolist()).contiguous()
     else:
@@ -187,8 +232,7 @@ def _serve_layer(world: World, layer: int, expert_fn: ExpertFn, nothing: torch.T
         perm = _expert_major(per_source).to(device)  # [M]
         y = torch.empty_like(received)
         y[perm] = expert_fn(layer, received[perm], per_source.sum(dim=0).tolist())
-    dist.all_to_all_single(nothing, y,
-                           output_split_sizes=[0] * world.size, input_split_sizes=splits)
+    coll.all_to_all(nothing, y, [0] * world.size, splits)
 
 
 def _expert_major(per_source: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from ep_dispatch.registry import check_backend
+from ep_dispatch.registry import COLLECTIVE, check_backend
 from services.model.config import CheckpointError, ModelConfig
 from switchyard.demo_model import DEFAULT_MODEL, DEFAULT_MODEL_NAME
 from switchyard.device import check_device
@@ -215,7 +215,7 @@ def _start_services(args: argparse.Namespace, model: Path, name: str,
                                         "--metrics-port", "0"])
               for g in range(args.attention_groups)]
     peers = _dcp_peers(groups, args.dcp_size)
-    if args.dispatch_backend == "torch":
+    if args.dispatch_backend in COLLECTIVE:
         # One process group: attention ranks 0..G-1, expert ranks G..G+N-1; all start
         # together because the rendezvous needs every rank.
         dist = ["--dist-init", f"127.0.0.1:{free_port()}"]
@@ -223,7 +223,7 @@ def _start_services(args: argparse.Namespace, model: Path, name: str,
             cmd += [*dist, "--attention-rank", str(g), "--attention-ranks",
                     str(args.attention_groups), "--expert-ranks", str(num_experts)]
         for _, cmd in experts:
-            cmd += ["--dispatch-backend", "torch", *dist, "--attention-ranks",
+            cmd += ["--dispatch-backend", args.dispatch_backend, *dist, "--attention-ranks",
                     str(args.attention_groups)]
         started = children.start_all(experts + groups, timeout)
         expert_ports, engine_ports = started[:num_experts], started[num_experts:]
@@ -255,8 +255,8 @@ def serve(args: argparse.Namespace) -> int:
     try:
         # Fail fast on the common mistakes, before any process starts.
         ModelConfig.from_dir(model)
-        check_backend(args.dispatch_backend)
         check_device(args.device, "attention")
+        check_backend(args.dispatch_backend, args.device)
     except (CheckpointError, ValueError) as exc:
         print(f"switchyard serve: {exc}", file=sys.stderr)
         return 2

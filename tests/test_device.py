@@ -68,3 +68,33 @@ def test_w4a4_triton_kernel_matches_the_torch_path_on_the_gpu() -> None:
     finally:
         sys.argv = sys_argv
     assert ok and working
+
+
+def test_nccl_backend_needs_cuda_and_names_cupy() -> None:
+    from ep_dispatch.registry import BackendContext, check_backend, create_experts_client
+
+    with pytest.raises(ValueError, match="moves CUDA tensors: run the services with "
+                                         "--device cuda"):
+        check_backend("nccl", "cpu")
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        with pytest.raises(ValueError, match="needs CuPy with NCCL: pip install cupy-cuda12x"):
+            create_experts_client("nccl", BackendContext([0], 8, device="cuda"))
+
+
+@NO_GPU
+def test_serve_refuses_nccl_on_the_cpu() -> None:
+    out = subprocess.run([sys.executable, "-m", "switchyard", "serve", "--dispatch-backend",
+                          "nccl"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "moves CUDA tensors" in out.stderr
+
+
+def test_nccl_all_to_all_plan() -> None:
+    """Byte offsets of the grouped sends and receives, as all_to_all_single's splits."""
+    from ep_dispatch.nccl import p2p_plan
+
+    # 3 ranks, 8-byte rows: send 2 rows to rank 0, none to 1, 1 to 2; receive 0, 3, 1.
+    assert p2p_plan([0, 3, 1], [2, 0, 1], 8) == [
+        (0, 0, 16, 0, 0), (1, 16, 0, 0, 24), (2, 16, 8, 24, 8)]
+    assert p2p_plan([0, 0], [0, 0], 8) == []

@@ -104,7 +104,9 @@ def add_engine_flags(p: argparse.ArgumentParser, default_backend: str = "local")
                    help="context limit (default: the model's, capped by the KV cache)")
     p.add_argument("--dispatch-backend", default=env("DISPATCH_BACKEND", default_backend),
                    help="ep_dispatch backend between attention and experts: local (experts "
-                        "in the attention process) or rpc (expert services over TCP)")
+                        "in the attention process), rpc (expert services over TCP), torch "
+                        "(torch.distributed all-to-all: gloo, or NCCL with --device cuda) or "
+                        "nccl (NCCL through CuPy, --device cuda)")
     p.add_argument("--placement", default=env("PLACEMENT"),
                    help="placement JSON file (default: balanced round-robin)")
     p.add_argument("--expert-timeout", type=float, default=float(env("EXPERT_TIMEOUT", "30")),

@@ -11,7 +11,7 @@ from dcp.batch import build_rank_batch
 from dcp.group import DcpGroup, GroupExperts
 from dcp.sharding import ShardedBlockManager, Sharding
 from ep_dispatch import BackendContext, create_experts_client
-from ep_dispatch.registry import check_backend
+from ep_dispatch.registry import COLLECTIVE, check_backend
 from ep_dispatch.torch_dist import World
 from services.attention.batch import StepBatch, build_batch
 from services.attention.block_manager import BlockManager
@@ -60,7 +60,7 @@ class Engine:
         self.group = _dcp_group(config)
         self.model = DenseModel(cfg, checkpoint, self.dtype,
                                 self.group.attend if self.group else None, self.device)
-        check_backend(config.dispatch_backend)
+        check_backend(config.dispatch_backend, self.device)
         self.quantization = check_quantization(cfg, config.quantization)
         bank = None
         if config.dispatch_backend == "local":  # the only backend with experts in-process
@@ -274,8 +274,8 @@ def _dcp_group(config: AttentionConfig) -> DcpGroup | None:
         return None
     if config.dcp_init is None:
         raise ValueError("--dcp-size > 1 needs --dcp-init HOST:PORT for the group's rendezvous")
-    if config.dispatch_backend == "torch":
-        raise ValueError("DCP works with the local and rpc dispatch backends; the torch "
+    if config.dispatch_backend in COLLECTIVE:
+        raise ValueError("DCP works with the local and rpc dispatch backends; the collective "
                          "backend's process group is the expert world")
     return DcpGroup(config.dcp_init, 0, config.dcp_size, collective_backend(config.device))
 

@@ -47,8 +47,9 @@ def add_expert_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=int(env("EXPERT_PORT", "0")))
     p.add_argument("--ready-fd", type=int, default=None)
     p.add_argument("--dispatch-backend", default=env("DISPATCH_BACKEND", "rpc"),
-                   choices=["rpc", "torch"],
-                   help="rpc: serve attention ranks over TCP; torch: join their process group")
+                   choices=["rpc", "torch", "nccl"],
+                   help="rpc: serve attention ranks over TCP; torch: join their process "
+                        "group; nccl: their NCCL communicator (CuPy, --device cuda)")
     p.add_argument("--dist-init", default=env("DIST_INIT"),
                    help="torch backend: HOST:PORT of the rendezvous (attention rank 0)")
     p.add_argument("--attention-ranks", type=int, default=int(env("ATTENTION_RANKS", "1")),

@@ -17,7 +17,15 @@ from anyio.abc import SocketAttribute, SocketStream
 from opentelemetry.trace import set_span_in_context
 
 from ep_dispatch.placement import make_placement
-from ep_dispatch.torch_dist import RendezvousError, World, join, serve_experts
+from ep_dispatch.registry import COLLECTIVE, check_backend
+from ep_dispatch.torch_dist import (
+    Collective,
+    RendezvousError,
+    TorchCollective,
+    World,
+    join,
+    serve_experts,
+)
 from ep_dispatch.wire import from_wire, to_wire
 from services.attention.config import resolve_dtype
 from services.expert.config import ExpertConfig
@@ -52,9 +60,10 @@ class ExpertServer:
                                resolve_dtype(config.dtype, config.device), config.quantization,
                                config.rank, config.device)
         checkpoint.close()
-        if self.bank.quantization and config.dispatch_backend == "torch":
+        check_backend(config.dispatch_backend, config.device)
+        if self.bank.quantization and config.dispatch_backend in COLLECTIVE:
             raise ValueError("quantized experts work with the rpc dispatch backend; the "
-                             "torch backend moves float rows only")
+                             f"{config.dispatch_backend} backend moves float rows only")
         self._queue: list[tuple[ExpertBatch, FrameStream]] = []
         self._arrived = anyio.Event()
         self.num_coalesced = 0  # batches that shared a GEMM with an earlier one
@@ -186,18 +195,25 @@ async def serve(config: ExpertConfig, server: ExpertServer, metrics_port: int | 
 
 def serve_collective(config: ExpertConfig, server: ExpertServer,
                      metrics_port: int | None) -> None:
-    """torch backend: join the attention ranks' process group and serve every round."""
+    """torch or nccl backend: join the attention ranks' world and serve every round."""
     if config.dist_init is None:
-        raise ValueError("--dispatch-backend torch needs --dist-init HOST:PORT")
+        raise ValueError(f"--dispatch-backend {config.dispatch_backend} needs --dist-init "
+                         "HOST:PORT")
     world = World(config.dist_init, config.attention_ranks, config.num_ranks,
                   rank=config.attention_ranks + config.rank)
-    join(world, config.rendezvous_timeout, collective_backend(config.device))
-    log.info("expert rank %d/%d joined the torch world, holding %.1f MB", config.rank,
-             config.num_ranks, server.bank.nbytes() / 1e6)
+    if config.dispatch_backend == "nccl":
+        from ep_dispatch.nccl import CupyNccl
+
+        collective: Collective = CupyNccl(world, config.rendezvous_timeout)
+    else:
+        join(world, config.rendezvous_timeout, collective_backend(config.device))
+        collective = TorchCollective()
+    log.info("expert rank %d/%d joined the %s world, holding %.1f MB", config.rank,
+             config.num_ranks, config.dispatch_backend, server.bank.nbytes() / 1e6)
     report_ready(config.ready_fd, 0, metrics_port)
     with torch.inference_mode():
         serve_experts(world, server.placement, server.bank.forward,
-                      server.bank.hidden_size, server.bank.dtype, config.device)
+                      server.bank.hidden_size, server.bank.dtype, config.device, collective)
 
 
 def main(config: ExpertConfig) -> int:
@@ -206,7 +222,7 @@ def main(config: ExpertConfig) -> int:
     try:
         server = ExpertServer(config)
         metrics_port = start_metrics_server(config.host, config.metrics_port)
-        if config.dispatch_backend == "torch":
+        if config.dispatch_backend in COLLECTIVE:
             serve_collective(config, server, metrics_port)
             return 0
     except (CheckpointError, ValueError, OSError, RendezvousError) as exc:

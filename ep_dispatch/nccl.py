@@ -1,0 +1,90 @@
+"""`nccl` backend: the `torch` backend's lockstep exchange, over NCCL through CuPy.
+
+The ranks meet at the same TCP store as the `torch` backend; rank 0 publishes an NCCL
+unique id there and every rank builds a `cupy.cuda.nccl.NcclCommunicator` from it. Each
+all-to-all is one NCCL group of point-to-point sends and receives of raw bytes (so
+MXFP4 rows would travel as they are), on torch's current CUDA stream, so it is ordered
+with the kernels around it without host synchronisation.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from ep_dispatch.torch_dist import World, rendezvous
+
+_UID_KEY = "switchyard/nccl_unique_id"
+
+
+def import_nccl() -> Any:
+    """`cupy.cuda.nccl`, or an error that says how to install it."""
+    try:
+        from cupy.cuda import nccl
+    except ImportError as exc:
+        raise ValueError("the nccl dispatch backend needs CuPy with NCCL: pip install "
+                         "cupy-cuda12x (scripts/bootstrap.sh gpu installs it)") from exc
+    return nccl
+
+
+def p2p_plan(out_splits: list[int], in_splits: list[int], row_bytes: int
+             ) -> list[tuple[int, int, int, int, int]]:
+    """Per peer with anything to move: (peer, send offset, send bytes, receive offset,
+    receive bytes), offsets in bytes into the flat input and output buffers."""
+    plan, send_at, recv_at = [], 0, 0
+    for peer, (n_out, n_in) in enumerate(zip(out_splits, in_splits, strict=True)):
+        if n_out or n_in:
+            plan.append((peer, send_at, n_in * row_bytes, recv_at, n_out * row_bytes))
+        send_at += n_in * row_bytes
+        recv_at += n_out * row_bytes
+    return plan
+
+
+class CupyNccl:
+    """The `Collective` of torch_dist over a CuPy NCCL communicator (CUDA tensors only)."""
+
+    def __init__(self, world: World, timeout: float) -> None:
+        self.nccl = import_nccl()
+        self.size = world.size
+        self._store = rendezvous(world, timeout)  # rank 0 hosts it: keep it alive
+        if world.rank == 0:
+            self._store.set(_UID_KEY, json.dumps(list(self.nccl.get_unique_id())))
+        self._store.wait([_UID_KEY], timedelta(seconds=timeout))
+        uid = tuple(json.loads(self._store.get(_UID_KEY)))
+        self.comm = self.nccl.NcclCommunicator(world.size, uid, world.rank)
+
+    @staticmethod
+    def _stream() -> int:
+        return torch.cuda.current_stream().cuda_stream
+
+    def any_work(self, has_work: bool, device: torch.device) -> bool:
+        flag = torch.tensor([int(has_work)], dtype=torch.int32, device=device)
+        self.comm.allReduce(flag.data_ptr(), flag.data_ptr(), 1, self.nccl.NCCL_INT32,
+                            self.nccl.NCCL_MAX, self._stream())
+        return bool(flag.item())
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor,
+                   out_splits: list[int] | None = None,
+                   in_splits: list[int] | None = None) -> None:
+        out_splits = out_splits or [out.shape[0] // self.size] * self.size
+        in_splits = in_splits or [inp.shape[0] // self.size] * self.size
+        row = max(out[0].numel() if out.shape[0] else 0,
+                  inp[0].numel() if inp.shape[0] else 0) * inp.element_size()
+        inp = inp.contiguous()
+        nccl, stream = self.nccl, self._stream()
+        nccl.groupStart()
+        for peer, send_at, send, recv_at, recv in p2p_plan(out_splits, in_splits, row):
+            if send:
+                self.comm.send(inp.data_ptr() + send_at, send, nccl.NCCL_UINT8, peer, stream)
+            if recv:
+                self.comm.recv(out.data_ptr() + recv_at, recv, nccl.NCCL_UINT8, peer, stream)
+        nccl.groupEnd()
+
+    def ready(self) -> bool:
+        return True  # a dead rank shows as an error at the next collective
+
+    def close(self) -> None:
+        self.comm.destroy()
