@@ -14,10 +14,11 @@ Made to run once, within 8 minutes and without network access, on a lent machine
    on this GPU) answering the demo questions as the CPU does;
 5. the W4A4 grouped GEMM (`benchmarks/gpu_mxfp4.py`): checked against the torch path, and
    timed at decode and prefill shapes against the copy bandwidth;
-6. decode step time of the demo model on CUDA at batch 1, 16 and 64.
+6. decode step time of the demo model on CUDA at batch 1, 16 and 64;
+7. the `nccl` backend's CuPy collective at world size 1 (rows to itself, and the flag).
 
-The `torch` dispatch backend over NCCL needs two GPUs (NCCL refuses two ranks on one),
-and the `nccl` (CuPy) and `deepep` backends are not built: the table says so. Exits 0
+The `torch` and `nccl` backends across ranks need two GPUs (NCCL refuses two ranks on
+one), and the `deepep` backend is not built: the table says so. Exits 0
 with a message where there is no CUDA device. One table on stdout, everything as JSON.
 
 On this workplace's lent H200 (torch, Triton and CuPy installed; no network), after
@@ -153,6 +154,23 @@ def kernel() -> None:
         sys.argv = argv
 
 
+def nccl_self() -> None:
+    """The CuPy NCCL collective at world size 1: rows sent to oneself come back whole."""
+    from ep_dispatch.nccl import CupyNccl
+    from ep_dispatch.torch_dist import World
+    from switchyard.launcher import free_port
+
+    coll = CupyNccl(World(("127.0.0.1", free_port()), 1, 0, rank=0), timeout=60)
+    x = torch.randn(128 * 8, 7168, dtype=torch.bfloat16, device="cuda")  # 128 tokens, top-8
+    out = torch.empty_like(x)
+    coll.all_to_all(out, x, [x.shape[0]], [x.shape[0]])
+    ok = torch.equal(out, x) and coll.any_work(True, x.device)
+    ms = time_ms(lambda: coll.all_to_all(out, x, [x.shape[0]], [x.shape[0]]), 3, 20, None)
+    row("nccl (CuPy) all-to-all, world size 1", "ok" if ok else "FAIL", f"{ms * 1e3:.0f} us",
+        "1024 rows x 7168 bf16 to itself (a copy through NCCL, not a network figure)")
+    coll.close()
+
+
 def decode_steps() -> None:
     from switchyard.messages import GenerateRequest, SamplingParams
 
@@ -192,9 +210,11 @@ def main() -> int:
     if not args.skip_kernel:
         guarded("W4A4 kernel", kernel)
     guarded("decode steps", decode_steps)
+    guarded("nccl (CuPy)", nccl_self)
     if torch.cuda.device_count() < 2:
-        row("torch backend over NCCL", "skipped", "", "needs 2 GPUs (NCCL: one rank each)")
-    row("nccl (CuPy) and deepep backends", "not built", "", "issue 11")
+        row("torch and nccl backends across ranks", "skipped", "",
+            "needs 2 GPUs (NCCL: one rank each)")
+    row("deepep backend", "not built", "", "issue 11")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(ROWS, f, indent=1)

@@ -172,7 +172,8 @@ def test_serve_rejects_an_unknown_backend(qwen3_ckpt: tuple) -> None:
                            "--dispatch-backend", "carrier-pigeon"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
-    assert "unknown dispatch backend 'carrier-pigeon'; available: local, nccl, rpc, torch" in proc.stderr
+    assert ("unknown dispatch backend 'carrier-pigeon'; available: local, nccl, rpc, torch"
+            in proc.stderr)
 
 
 @pytest.mark.parametrize("flags", [
