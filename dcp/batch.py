@@ -45,11 +45,13 @@ def build_rank_batch(seqs: list[DcpSeqPlan], rank: int, sharding: Sharding, bloc
             prefills.append(PrefillSlice(row, n, key_slots, mask))
     pos_all = torch.cat(positions)
     dec_slots, dec_mask = _pad(decode_keys, pos_all[decode_rows], sliding_window)
+    slot_mapping = torch.cat(slots)
     return StepBatch(
         input_ids=torch.tensor(ids, dtype=torch.int64), positions=pos_all,
-        slot_mapping=torch.cat(slots), decode_rows=torch.tensor(decode_rows, dtype=torch.int64),
+        slot_mapping=slot_mapping, decode_rows=torch.tensor(decode_rows, dtype=torch.int64),
         decode_kv_slots=dec_slots, decode_mask=dec_mask, prefills=prefills,
-        logits_rows=torch.tensor(logits_rows, dtype=torch.int64))
+        logits_rows=torch.tensor(logits_rows, dtype=torch.int64),
+        foreign_slots=bool((slot_mapping < 0).any()))  # decided on the host, once
 
 
 def _slots(table: torch.Tensor, local: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -247,7 +247,7 @@ def grouped_mxfp4_gemm(
 
 def grouped_swiglu_w4a4_triton(
     x: MXFP4Tensor, tokens_per_expert: list[int], w_gate_up: MXFP4Tensor,
-    w_down: MXFP4Tensor,
+    w_down: MXFP4Tensor, use_dot_scaled: bool = True,
 ) -> torch.Tensor:
     """`moe_kernels.grouped_gemm.grouped_swiglu_w4a4` with both GEMMs on the Triton kernel.
 
@@ -256,6 +256,8 @@ def grouped_swiglu_w4a4_triton(
         tokens_per_expert: E_local ints summing to N; run e belongs to local expert e.
         w_gate_up: MXFP4 of `[E, 2 * I, H]` (gate first), blocks along H; E >= E_local.
         w_down: MXFP4 of `[E, H, I]`, blocks along I.
+        use_dot_scaled: the inner product (`tl.dot_scaled`, or in-kernel decode + `tl.dot`
+            where this Triton cannot compile the first for this GPU).
 
     Returns:
         `[N, H]` float32 expert outputs on x's device, not yet weighted by the router. The
@@ -270,6 +272,7 @@ def grouped_swiglu_w4a4_triton(
         raise ValueError(f"{e} runs of tokens but only {w_gate_up.packed.shape[0]} experts")
     offsets = torch.tensor([0, *itertools.accumulate(tokens_per_expert)], dtype=torch.int32,
                            device=x.packed.device)  # [E_local + 1]
-    gate, up = grouped_mxfp4_gemm(x, offsets, w_gate_up[:e]).chunk(2, dim=-1)  # [N, I] each
+    gate, up = grouped_mxfp4_gemm(x, offsets, w_gate_up[:e], use_dot_scaled=use_dot_scaled
+                                  ).chunk(2, dim=-1)  # [N, I] each
     act = quantize(F.silu(gate) * up)  # [N, I] -> MXFP4, per row
-    return grouped_mxfp4_gemm(act, offsets, w_down[:e])  # [N, H]
+    return grouped_mxfp4_gemm(act, offsets, w_down[:e], use_dot_scaled=use_dot_scaled)

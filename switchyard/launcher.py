@@ -41,15 +41,23 @@ def _die_with_parent() -> None:
 class Children:
     """Child processes that are all stopped together."""
 
-    def __init__(self) -> None:
+    def __init__(self, gpus: int = 0) -> None:
         self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.gpus = gpus  # GPUs to pin services to, round-robin (0: none)
+        self._next_gpu = 0
 
-    def spawn(self, name: str, args: list[str]) -> tuple[str, subprocess.Popen, int]:
-        """Start `python -m switchyard ARGS --ready-fd W`; returns what `wait_ports` needs."""
+    def spawn(self, name: str, args: list[str], gpu: bool = False
+              ) -> tuple[str, subprocess.Popen, int]:
+        """Start `python -m switchyard ARGS --ready-fd W` (pinned to the next GPU by
+        CUDA_VISIBLE_DEVICES if `gpu`); returns what `wait_ports` needs."""
         read_fd, write_fd = os.pipe()
+        env = None
+        if gpu and self.gpus:
+            env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(self._next_gpu % self.gpus)}
+            self._next_gpu += 1
         proc = subprocess.Popen(
             [sys.executable, "-m", "switchyard", *args, "--ready-fd", str(write_fd)],
-            pass_fds=(write_fd,), preexec_fn=_die_with_parent)
+            pass_fds=(write_fd,), preexec_fn=_die_with_parent, env=env)
         os.close(write_fd)
         self.procs.append((name, proc))
         return name, proc, read_fd
@@ -69,10 +77,10 @@ class Children:
             raise StartupError(f"{name} exited with status {proc.returncode} before listening")
         return tuple(map(int, words))
 
-    def start_all(self, specs: list[tuple[str, list[str]]], timeout: float
-                  ) -> list[tuple[int, ...]]:
+    def start_all(self, specs: list[tuple[str, list[str]]], timeout: float,
+                  gpu: bool = False) -> list[tuple[int, ...]]:
         """Start every (name, ARGS) at once; return their reported ports, in order."""
-        pending = [self.spawn(name, args) for name, args in specs]
+        pending = [self.spawn(name, args, gpu) for name, args in specs]
         deadline = time.monotonic() + timeout
         return [self.wait_ports(p, deadline) for p in pending]
 
@@ -225,16 +233,16 @@ def _start_services(args: argparse.Namespace, model: Path, name: str,
         for _, cmd in experts:
             cmd += ["--dispatch-backend", args.dispatch_backend, *dist, "--attention-ranks",
                     str(args.attention_groups)]
-        started = children.start_all(experts + groups, timeout)
+        started = children.start_all(experts + groups, timeout, gpu=True)
         expert_ports, engine_ports = started[:num_experts], started[num_experts:]
         peers = []
     else:
-        expert_ports = children.start_all(experts, timeout)
+        expert_ports = children.start_all(experts, timeout, gpu=True)
         addresses = ",".join(f"127.0.0.1:{p}" for p, _ in expert_ports)
         for _, cmd in groups:
             cmd += ["--expert-addresses", addresses] if addresses else []
         # A DCP group's ranks start together: their rendezvous needs all of them.
-        engine_ports = children.start_all(groups + peers, timeout)[:len(groups)]
+        engine_ports = children.start_all(groups + peers, timeout, gpu=True)[:len(groups)]
     scrape = ",".join(f"http://127.0.0.1:{m}/metrics" for _, m in engine_ports + expert_ports)
     [(http_port,)] = children.start_all([("gateway", [
         "gateway", "--model", str(model), "--served-model-name", name,
@@ -249,6 +257,22 @@ def _start_services(args: argparse.Namespace, model: Path, name: str,
     return url
 
 
+def _gpus(args: argparse.Namespace, num_experts: int) -> int:
+    """GPUs to spread the services over (0 on the CPU). NCCL gives each rank its own GPU,
+    so collective backends and DCP need one per rank; rpc services may share."""
+    if args.device != "cuda":
+        return 0
+    import torch
+
+    have = torch.cuda.device_count()
+    collective = args.dispatch_backend in COLLECTIVE
+    ranks = args.attention_groups * args.dcp_size + (num_experts if collective else 0)
+    if (collective or args.dcp_size > 1) and ranks > have:
+        raise StartupError(f"{ranks} NCCL ranks need as many GPUs; {have} visible "
+                           "(rpc services without DCP can share GPUs)")
+    return have
+
+
 def serve(args: argparse.Namespace) -> int:
     model = Path(args.model) if args.model else DEFAULT_MODEL
     name = args.served_model_name or (model.name if args.model else DEFAULT_MODEL_NAME)
@@ -260,7 +284,11 @@ def serve(args: argparse.Namespace) -> int:
     except (CheckpointError, ValueError) as exc:
         print(f"switchyard serve: {exc}", file=sys.stderr)
         return 2
-    children = Children()
+    try:
+        children = Children(_gpus(args, _num_expert_services(args)))
+    except StartupError as exc:
+        print(f"switchyard serve: {exc}", file=sys.stderr)
+        return 2
     with _stop_on_signals():
         try:
             url = _start_services(args, model, name, children)

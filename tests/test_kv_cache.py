@@ -84,3 +84,35 @@ def test_preempted_requests_finish_with_the_same_greedy_output(ckpt: tuple) -> N
     assert engine.scheduler.num_preemptions > 0
     assert got == expected
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_the_gpu_attention_kernel_matches_the_cpu_one() -> None:
+    """`KVCache.attend` uses SDPA with grouped KV heads off the CPU; run both kernels on
+    the CPU over the same paged batch (two decodes, one prefill chunk, a sliding window)
+    and compare."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from dcp.merge import partial_attention
+    from services.attention.batch import build_batch
+    from services.attention.kv_cache import KVCache, _sdpa
+    from services.attention.scheduler import ScheduledSeq
+
+    torch.manual_seed(0)
+    cfg = SimpleNamespace(num_layers=1, num_kv_heads=2, head_dim=16)
+    kv = KVCache(cfg, num_blocks=16, block_size=4, dtype=torch.float32)
+    kv.k[0].normal_()
+    kv.v[0].normal_()
+    seqs = []
+    for i, (n, done, blocks) in enumerate([(20, 19, range(0, 5)), (30, 0, range(5, 13)),
+                                           (13, 12, range(13, 16))]):
+        s = seq(n, f"s{i}")
+        s.num_computed_tokens, s.block_table = done, list(blocks)
+        seqs.append(ScheduledSeq(s, min(n - done, 12)))
+    for window in (None, 7):
+        batch = build_batch(seqs, 4, window)
+        q = torch.randn(batch.input_ids.shape[0], 4, 16)
+        ours, _ = kv._attend(0, q, batch, partial_attention)
+        sdpa, _ = kv._attend(0, q, batch, _sdpa)
+        torch.testing.assert_close(sdpa, ours, rtol=1e-5, atol=1e-5)

@@ -35,6 +35,7 @@ class StepBatch:
     decode_mask: torch.Tensor  # [B_d, L_max] bool, True for real (and in-window) keys
     prefills: list[PrefillSlice]
     logits_rows: torch.Tensor  # [S] int64 rows whose logits are sampled (last token of a seq)
+    foreign_slots: bool = False  # some slot_mapping entries are -1 (another DCP rank's)
 
     def to(self, device: str) -> StepBatch:
         """The same batch with every tensor on `device` (built on the CPU, copied once)."""
@@ -49,7 +50,7 @@ class StepBatch:
             move(self.decode_rows), move(self.decode_kv_slots), move(self.decode_mask),
             [PrefillSlice(p.start, p.length, move(p.kv_slots), move(p.mask))
              for p in self.prefills],
-            move(self.logits_rows))
+            move(self.logits_rows), self.foreign_slots)
 
 
 def _kv_slots(block_table: list[int], length: int, block_size: int) -> torch.Tensor:

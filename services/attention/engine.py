@@ -214,6 +214,7 @@ class Engine:
         with step_span(scheduled):
             batch = self._batch(scheduled)
             hidden = self.model.forward(batch, self.kv, self.experts)
+        self.model.publish_load()  # for stats(), which must not wait on the device
         sampling = [s.seq for s in scheduled
                     if s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens]
         if not sampling:

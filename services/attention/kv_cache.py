@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 
 from dcp.merge import partial_attention
 from services.attention.batch import StepBatch
@@ -27,10 +30,11 @@ class KVCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device)
                   for _ in range(config.num_layers)]
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        """Store k, v [T, kv_heads, head_dim] at `slots` [T]; slot -1 (a token another DCP
-        rank stores) is skipped."""
-        if bool((slots < 0).any()):
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+              foreign: bool = False) -> None:
+        """Store k, v [T, kv_heads, head_dim] at `slots` [T]; with `foreign`, slots -1 (a
+        token another DCP rank stores) are skipped."""
+        if foreign:
             keep = slots >= 0
             k, v, slots = k[keep], v[keep], slots[keep]
         self.k[layer][slots] = k
@@ -39,15 +43,23 @@ class KVCache:
     def attend(self, layer: int, q: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """Attention of q [T, heads, head_dim] over each sequence's cached keys -> same shape.
 
-        The same fused kernel as a DCP shard's (`dcp.merge.partial_attention`); with every
-        key here, its output is already the full attention.
+        On the CPU the same fused kernel as a DCP shard's (`dcp.merge.partial_attention`:
+        with every key here, its output is already the full attention); elsewhere torch's
+        SDPA with grouped KV heads (no log-sum-exp needed, no K/V copies per head).
         """
-        return self.attend_partial(layer, q, batch)[0]
+        if q.device.type == "cpu":
+            return self.attend_partial(layer, q, batch)[0]
+        return self._attend(layer, q, batch, _sdpa)[0]
 
     def attend_partial(self, layer: int, q: torch.Tensor, batch: StepBatch
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of q [T, heads, head_dim] over the keys this cache holds (one DCP
         shard): (out [T, heads, head_dim], lse [T, heads] float32), for `dcp.merge`."""
+        return self._attend(layer, q, batch, partial_attention)
+
+    def _attend(self, layer: int, q: torch.Tensor, batch: StepBatch, kernel: Kernel
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`kernel` over the decodes as one padded batch, then each prefill chunk."""
         k_all, v_all = self.k[layer], self.v[layer]
         scale = q.shape[-1] ** -0.5
         out = torch.empty_like(q)
@@ -56,13 +68,27 @@ class KVCache:
             qd = q[batch.decode_rows].unsqueeze(2)  # [B, heads, 1, D]
             k = k_all[batch.decode_kv_slots].transpose(1, 2)  # [B, kv_heads, L, D]
             v = v_all[batch.decode_kv_slots].transpose(1, 2)
-            o, s = partial_attention(qd, k, v, batch.decode_mask[:, None, None, :], scale)
+            o, s = kernel(qd, k, v, batch.decode_mask[:, None, None, :], scale)
             out[batch.decode_rows], lse[batch.decode_rows] = o.squeeze(2), s.squeeze(2)
         for p in batch.prefills:
             rows = slice(p.start, p.start + p.length)
             qp = q[rows].transpose(0, 1)[None]  # [1, heads, n, D]
             k = k_all[p.kv_slots].transpose(0, 1)[None]  # [1, kv_heads, L, D]
             v = v_all[p.kv_slots].transpose(0, 1)[None]
-            o, s = partial_attention(qp, k, v, p.mask[None, None], scale)
+            o, s = kernel(qp, k, v, p.mask[None, None], scale)
             out[rows], lse[rows] = o[0].transpose(0, 1), s[0].transpose(0, 1)
         return out, lse
+
+
+# (q [B, H, Tq, D], k, v [B, KVH, L, D], mask [B, 1, Tq, L], scale) -> (out, lse [B, H, Tq])
+Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float],
+                  tuple[torch.Tensor, torch.Tensor]]
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+          scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Full attention by torch's SDPA; the lse is not computed (NaN), as `attend` drops it.
+    Every query sees at least its own key here, so no row is fully masked."""
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                         enable_gqa=True)
+    return out, torch.full(q.shape[:3], float("nan"), device=q.device)

@@ -81,8 +81,10 @@ class DenseModel:
         tied = cfg.tie_word_embeddings and "lm_head.weight" not in ckpt
         self.lm_head = self.embed if tied else get("lm_head.weight", cfg.vocab_size, h)
         # Routed token copies per (layer, expert) since start: what operators balance on.
-        self.expert_load = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.int64,
-                                       device=device)
+        # Counted on the device without a host sync; `load()` reads it between steps.
+        self._load = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.int64,
+                                 device=device)
+        self.expert_load = self._load.cpu()
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch, kv: KVCache, experts: ExpertsClient) -> torch.Tensor:
@@ -98,8 +100,8 @@ class DenseModel:
                 h = h + swiglu_mlp(x, w.mlp_gate_up, w.mlp_down)
             else:
                 ids, weights = route(x, w.gate, self.cfg.top_k, self.cfg.norm_topk_prob)
-                self.expert_load[i] += torch.bincount(ids.reshape(-1),
-                                                      minlength=self.cfg.num_experts)
+                flat = ids.reshape(-1)  # [T*K]
+                self._load[i].index_add_(0, flat, torch.ones_like(flat))
                 h = h + experts(i, x, ids, weights)
         return rms_norm(h, self.norm, self.cfg.rms_norm_eps)
 
@@ -117,9 +119,14 @@ class DenseModel:
             q = rms_norm(q, w.q_norm, cfg.rms_norm_eps)
             k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        kv.write(i, k, v.view(t, cfg.num_kv_heads, cfg.head_dim), batch.slot_mapping)
+        kv.write(i, k, v.view(t, cfg.num_kv_heads, cfg.head_dim), batch.slot_mapping,
+                 batch.foreign_slots)
         out = self.attend(kv, i, q, batch)  # [T, heads, D]
         return F.linear(out.reshape(t, -1), w.o)
+
+    def publish_load(self) -> None:
+        """Copy the routing counts to the host (`expert_load`), after a step synchronised."""
+        self.expert_load = self._load.cpu()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [S, V] of hidden rows [S, H]."""

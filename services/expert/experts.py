@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -18,6 +19,7 @@ _PROJ_NAMES = {
     "MixtralForCausalLM": ("w1", "w3", "w2"),
 }
 QUANTIZATIONS = (None, "w4a4")
+log = logging.getLogger("switchyard.expert")
 
 
 def expert_tensor_names(config: ModelConfig, layer: int, expert: int) -> tuple[str, str, str]:
@@ -68,6 +70,7 @@ class ExpertBank:
         self.metrics = ExpertMetrics(rank)
         self.dtype = dtype
         self.device = torch.device(device)
+        self._dot_scaled: bool | None = None  # the Triton variant that runs here, once known
         self.hidden_size = config.hidden_size
         self.quantization = check_quantization(config, quantization)
         self.w_gate_up: dict[int, torch.Tensor | MXFP4Tensor] = {}
@@ -92,7 +95,7 @@ class ExpertBank:
             rows, k = shape
             return MXFP4Tensor(ckpt.get(packed, (rows, k // 2), torch.uint8),
                                ckpt.get(scale, (rows, k // 32), torch.uint8))
-        w = ckpt.get(name, shape, self.dtype)
+        w = ckpt.get(name, shape, self.dtype).to(self.device)  # quantized where it runs
         return quantize(w) if self.quantization else w
 
     def _cat(self, parts: list) -> torch.Tensor | MXFP4Tensor:
@@ -141,9 +144,12 @@ class ExpertBank:
         run together, so each expert's span is the whole call's."""
         from moe_kernels.triton_mxfp4 import grouped_swiglu_w4a4_triton
 
+        if self._dot_scaled is None:
+            self._dot_scaled = _dot_scaled_compiles(q, tokens_per_expert, w_gate_up, w_down)
         timer = ExpertTimer(spans, self.device)
         start = timer.now()
-        y = grouped_swiglu_w4a4_triton(q, tokens_per_expert, w_gate_up, w_down)
+        y = grouped_swiglu_w4a4_triton(q, tokens_per_expert, w_gate_up, w_down,
+                                       self._dot_scaled)
         end = timer.now()
         for count in tokens_per_expert:
             timer.marks.append((start, end) if count else None)
@@ -155,3 +161,19 @@ class ExpertBank:
         for w in [*self.w_gate_up.values(), *self.w_down.values()]:
             total += w.nbytes() if isinstance(w, MXFP4Tensor) else w.numel() * w.element_size()
         return total
+
+
+def _dot_scaled_compiles(q: MXFP4Tensor, tokens_per_expert: list[int], w_gate_up: MXFP4Tensor,
+                         w_down: MXFP4Tensor) -> bool:
+    """Whether this Triton compiles `tl.dot_scaled` (e2m1 x e2m1) for this GPU; if not,
+    the kernel decodes in-kernel and uses `tl.dot` (benchmarks/gpu_mxfp4.py times both)."""
+    from moe_kernels.triton_mxfp4 import grouped_swiglu_w4a4_triton
+
+    try:
+        grouped_swiglu_w4a4_triton(q, tokens_per_expert, w_gate_up, w_down, True)
+        torch.cuda.synchronize()
+        return True
+    except Exception as exc:  # a compiler error for this arch: fall back, say so
+        log.warning("tl.dot_scaled does not compile here (%s); W4A4 uses in-kernel decode",
+                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        return False
