@@ -13,6 +13,7 @@ from ep_dispatch.base import ExpertFn, ExpertsClient
 from switchyard.device import collective_backend
 
 if TYPE_CHECKING:
+    from ep_dispatch.placement import Placement
     from ep_dispatch.torch_dist import World
 
 
@@ -58,37 +59,37 @@ def _rpc(ctx: BackendContext) -> ExpertsClient:
                       ctx.quantization)
 
 
-def _torch(ctx: BackendContext) -> ExpertsClient:
+def _collective_world(name: str, ctx: BackendContext) -> tuple[World, Placement]:
+    """What the lockstep backends (`torch`, `nccl`) share: float rows, a world, a placement
+    over its expert ranks."""
     from ep_dispatch.placement import make_placement
-    from ep_dispatch.torch_dist import TorchExperts, join
 
     if ctx.quantization:
         raise ValueError(f"--quantization {ctx.quantization} works with the local and rpc "
-                         "dispatch backends; the torch backend moves float rows only")
+                         f"dispatch backends; the {name} backend moves float rows only")
     if ctx.world is None:
-        raise ValueError("the torch backend needs --dist-init HOST:PORT and the rank layout")
-    placement = make_placement(ctx.moe_layers, ctx.num_experts, ctx.world.num_experts,
-                               ctx.placement_file)
-    join(ctx.world, ctx.connect_timeout, collective_backend(ctx.device))
-    return TorchExperts(ctx.world, placement, ctx.hidden_size, ctx.dtype, ctx.device)
+        raise ValueError(f"the {name} backend needs --dist-init HOST:PORT and the rank layout")
+    return ctx.world, make_placement(ctx.moe_layers, ctx.num_experts,
+                                     ctx.world.num_experts, ctx.placement_file)
+
+
+def _torch(ctx: BackendContext) -> ExpertsClient:
+    from ep_dispatch.torch_dist import TorchExperts, join
+
+    world, placement = _collective_world("torch", ctx)
+    join(world, ctx.connect_timeout, collective_backend(ctx.device))
+    return TorchExperts(world, placement, ctx.hidden_size, ctx.dtype, ctx.device)
 
 
 def _nccl(ctx: BackendContext) -> ExpertsClient:
     from ep_dispatch.nccl import CupyNccl, import_nccl
-    from ep_dispatch.placement import make_placement
     from ep_dispatch.torch_dist import TorchExperts
 
     check_backend("nccl", ctx.device)
     import_nccl()
-    if ctx.quantization:
-        raise ValueError(f"--quantization {ctx.quantization} works with the local and rpc "
-                         "dispatch backends; the nccl backend moves float rows only")
-    if ctx.world is None:
-        raise ValueError("the nccl backend needs --dist-init HOST:PORT and the rank layout")
-    placement = make_placement(ctx.moe_layers, ctx.num_experts, ctx.world.num_experts,
-                               ctx.placement_file)
-    return TorchExperts(ctx.world, placement, ctx.hidden_size, ctx.dtype, ctx.device,
-                        CupyNccl(ctx.world, ctx.connect_timeout))
+    world, placement = _collective_world("nccl", ctx)
+    return TorchExperts(world, placement, ctx.hidden_size, ctx.dtype, ctx.device,
+                        CupyNccl(world, ctx.connect_timeout))
 
 
 _BACKENDS: dict[str, Callable[[BackendContext], ExpertsClient]] = {
