@@ -4,7 +4,6 @@ each step its leader plans, over its share of the KV cache, until told to stop."
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -17,7 +16,7 @@ from services.attention.model import DenseModel
 from services.model.checkpoint import Checkpoint
 from services.model.config import ModelConfig
 from switchyard.device import check_device, collective_backend
-from switchyard.metrics import start_metrics_server
+from switchyard.metrics import report_ready, start_metrics_server
 
 log = logging.getLogger("switchyard.dcp")
 
@@ -42,9 +41,7 @@ def run_peer(config: AttentionConfig) -> None:
     start_metrics_server(config.host, config.metrics_port)
     log.info("DCP rank %d/%d ready: %d KV blocks", config.dcp_rank, config.dcp_size,
              num_blocks)
-    if config.ready_fd is not None:
-        os.write(config.ready_fd, b"0\n")
-        os.close(config.ready_fd)
+    report_ready(config.ready_fd, 0, None)
     try:
         while not (plan := group.receive_plan()).stop:
             batch = build_rank_batch(plan.seqs, config.dcp_rank, sharding, config.block_size,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import socket
 from collections.abc import Sequence
 
@@ -14,6 +13,7 @@ from gateway.app import build_app
 from gateway.config import GatewayConfig, parse_args
 from gateway.engine_pool import EnginePool
 from gateway.tokenizer import Tokenizer
+from switchyard.metrics import report_ready
 from switchyard.tracing import setup_tracing
 
 log = logging.getLogger(__name__)
@@ -34,14 +34,6 @@ def bind(host: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
-
-
-def report_port(ready_fd: int | None, port: int) -> None:
-    """Tell whoever launched us which port we listen on, then close the descriptor."""
-    if ready_fd is None:
-        return
-    with os.fdopen(ready_fd, "w") as ready:
-        ready.write(f"{port}\n")
 
 
 def uvicorn_server(config: GatewayConfig) -> uvicorn.Server:
@@ -68,5 +60,5 @@ def main(argv: Sequence[str] | None = None) -> None:
     setup_tracing("switchyard-gateway", config.otlp_traces_endpoint)
     server = uvicorn_server(config)
     sock = bind(config.host, config.port)
-    report_port(config.ready_fd, sock.getsockname()[1])
+    report_ready(config.ready_fd, sock.getsockname()[1], None)
     asyncio.run(server.serve(sockets=[sock]))

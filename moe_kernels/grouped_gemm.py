@@ -4,6 +4,7 @@ W4A4 MXFP4, torch paths for any device."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -86,18 +87,27 @@ def grouped_swiglu(
         [N, H] expert outputs, row-aligned with `x`, not yet weighted by the router.
     """
     out = torch.empty_like(x)
-    timer, start = ExpertTimer(spans, x.device), 0
+
+    def ffn(rows: slice, expert: int) -> None:
+        out[rows] = swiglu_mlp(x[rows], w_gate_up[expert], w_down[expert])
+
+    _each_expert(tokens_per_expert, ffn, ExpertTimer(spans, x.device))
+    return out
+
+
+def _each_expert(tokens_per_expert: list[int], ffn: Callable[[slice, int], None],
+                 timer: ExpertTimer) -> None:
+    """ffn(rows, expert) for each local expert's run of rows, timed (empty runs skipped)."""
+    start = 0
     for expert, count in enumerate(tokens_per_expert):
         if not count:
             timer.idle()
             continue
         t0 = timer.now()
-        rows = slice(start, start + count)
-        out[rows] = swiglu_mlp(x[rows], w_gate_up[expert], w_down[expert])
+        ffn(slice(start, start + count), expert)
         timer.done(t0)
         start += count
     timer.close()
-    return out
 
 
 def mxfp4_linear(x: MXFP4Tensor, w: MXFP4Tensor) -> torch.Tensor:
@@ -128,17 +138,11 @@ def grouped_swiglu_w4a4(
     """
     n, h = x.shape
     out = torch.empty(n, h, device=x.packed.device)
-    timer, start = ExpertTimer(spans, x.packed.device), 0
-    for expert, count in enumerate(tokens_per_expert):
-        if not count:
-            timer.idle()
-            continue
-        t0 = timer.now()
-        rows = slice(start, start + count)
+
+    def ffn(rows: slice, expert: int) -> None:
         gate, up = mxfp4_linear(x[rows], w_gate_up[expert]).chunk(2, dim=-1)
         act = quantize(F.silu(gate) * up)  # [count, I] -> MXFP4
         out[rows] = mxfp4_linear(act, w_down[expert])
-        timer.done(t0)
-        start += count
-    timer.close()
+
+    _each_expert(tokens_per_expert, ffn, ExpertTimer(spans, x.packed.device))
     return out
