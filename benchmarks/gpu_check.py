@@ -35,10 +35,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -50,22 +53,49 @@ if TYPE_CHECKING:
     from services.attention.engine import Engine
 
 ROWS: list[dict[str, object]] = []
+JSON_PATH: str | None = None
+KERNEL_VARIANTS: list[str] = []  # the inner products that compiled and matched
+DEADLINE = float("inf")  # time.monotonic() by which every section must end
 PROMPTS = [[1, 5, 9, 17, 33, 65, 129, 200], [7] * 24, list(range(3, 60, 2))]
 
 
 def row(check: str, result: str, value: str = "", note: str = "") -> None:
     ROWS.append({"check": check, "result": result, "value": value, "note": note})
     print(f"| {check} | {result} | {value} | {note} |", flush=True)
+    if JSON_PATH:  # after every row: a run stopped at its limit keeps what it measured
+        with open(JSON_PATH, "w") as f:
+            json.dump(ROWS, f, indent=1)
 
 
-def guarded(name: str, fn: Callable[[], None]) -> None:
-    """Run one section; an exception is a FAIL row, and the other sections still run."""
+class SectionTimeout(Exception):
+    pass
+
+
+def _alarm(signum: int, frame: object) -> None:
+    raise SectionTimeout
+
+
+def guarded(name: str, fn: Callable[[], None], limit_s: float) -> None:
+    """Run one section within min(limit_s, what is left of the budget); an exception or
+    the time limit is a FAIL row, and the other sections still run."""
+    left = DEADLINE - time.monotonic()
+    if left < 10:
+        row(name, "not run", "", "out of time (--budget)")
+        return
     start = time.perf_counter()
+    signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(max(1, int(min(limit_s, left))))
     try:
         fn()
+    except SectionTimeout:
+        row(name, "FAIL", "", f"did not finish within {min(limit_s, left):.0f} s")
     except Exception as exc:
-        row(name, "FAIL", "", f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
-    print(f"<!-- {name}: {time.perf_counter() - start:.1f} s -->", file=sys.stderr)
+        row(name, "FAIL", "", f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+            if str(exc) else type(exc).__name__)
+        traceback.print_exc()
+    finally:
+        signal.alarm(0)
+    print(f"<!-- {name}: {time.perf_counter() - start:.1f} s -->", file=sys.stderr, flush=True)
 
 
 def machine() -> None:
@@ -104,22 +134,38 @@ def greedy(e: Engine, prompt: list[int], n: int = 8) -> list[int]:
     return out
 
 
+def chat_prompts(n: int = 4) -> list[list[int]]:
+    """Demo-task questions as the gateway renders them: the model's own distribution."""
+    from gateway.tokenizer import Tokenizer
+    from switchyard.demo_task import problems
+
+    tok = Tokenizer.load(DEFAULT_MODEL)
+    assert tok is not None
+    return [tok.encode_chat([{"role": "user", "content": p.question}])
+            for p in problems(0, n)]
+
+
 def logits_vs_cpu(quantization: str | None) -> None:
+    """float32 on random-byte prompts (any routing), bfloat16 on demo questions: on the
+    random-byte prompts bfloat16 flips top-k routing choices, and transformers' own
+    Qwen3-MoE in bfloat16 is 0.9 (relative) away from its float32 there."""
     label = "W4A4 " if quantization else ""
     cpu = engine("cpu", "float32", quantization)
-    reference = [cpu.score(p) for p in PROMPTS]
-    tokens = [greedy(cpu, p) for p in PROMPTS]
+    prompts = {"float32": PROMPTS, "bfloat16": chat_prompts()}
+    reference = {d: [cpu.score(p) for p in ps] for d, ps in prompts.items()}
+    tokens = {d: [greedy(cpu, p) for p in ps] for d, ps in prompts.items()}
     # W4A4 re-quantizes between the GEMMs: float32 summation order flips a code now and then.
     # bfloat16 keeps 8 bits of mantissa: 5e-2 of the largest logit is a few of its ulps.
     for dtype, bound in (("float32", 5e-2 if quantization else 1e-3), ("bfloat16", 5e-2)):
         gpu = engine("cuda", dtype, quantization)
-        err = max(((gpu.score(p).cpu() - r).abs().max() / r.abs().max()).item()
-                  for p, r in zip(PROMPTS, reference, strict=True))
-        same = [greedy(gpu, p) for p in PROMPTS] == tokens
+        err = max(((gpu.score(p).cpu().float() - r).abs().max() / r.abs().max()).item()
+                  for p, r in zip(prompts[dtype], reference[dtype], strict=True))
+        same = [greedy(gpu, p) for p in prompts[dtype]] == tokens[dtype]
         ok = err <= bound and (same or dtype != "float32")
         row(f"{label}logits, cuda {dtype} vs cpu float32", "ok" if ok else "FAIL",
             f"max rel err {err:.1e}", f"bound {bound:g}; greedy tokens "
-            f"{'equal' if same else 'differ'}")
+            f"{'equal' if same else 'differ'}; "
+            f"{'random-byte prompts' if dtype == 'float32' else 'demo questions'}")
         del gpu
         torch.cuda.empty_cache()
 
@@ -172,12 +218,167 @@ def kernel() -> None:
     try:
         args = parse_args()
         ok, variants = check(args, args.variants)
+        KERNEL_VARIANTS[:] = variants
         row("W4A4 Triton kernel vs torch path", "ok" if ok else "FAIL", ", ".join(variants),
             "tables above")
         if variants:
             bench(args, variants, copy_bandwidth(4.0))
     finally:
         sys.argv = argv
+
+
+def sweep_configs(block_ns: tuple[int, ...], block_ms: tuple[int, ...],
+                  block_ks: tuple[int, ...], warps: tuple[int, ...],
+                  stages: tuple[int, ...]) -> list[tuple[int, int, int, int, int]]:
+    return [(bn, bm, bk, w, s) for bn in block_ns for bm in block_ms for bk in block_ks
+            for w in warps for s in stages]
+
+
+def kernel_sweep(json_path: str | None) -> None:
+    """Variants, tile sizes and launch options of the W4A4 kernel at the timed shapes (32
+    experts, H 7168, I 2048), to choose its defaults; config = (block_n, block_m, block_k,
+    warps, stages). Every call gets `max_rows`, as from the expert service."""
+    from benchmarks.gpu_mxfp4 import offsets_of, random_mxfp4, variant_options
+    from moe_kernels.mxfp4 import quantize
+    from moe_kernels.triton_mxfp4 import grouped_mxfp4_gemm
+
+    if not KERNEL_VARIANTS:
+        row("W4A4 kernel sweep", "not run", "", "no variant compiled and matched")
+        return
+    bw = copy_bandwidth(4.0)
+    e, h, i = 32, 7168, 2048
+    flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
+    gemms = {"gate_up": random_mxfp4(e, 2 * i, h, "cuda", seed=3),
+             "down": random_mxfp4(e, h, i, "cuda", seed=4)}
+    decode = [(16, bm, bk, nw, ns) for bm in (64, 128) for bk in (128, 256)
+              for nw, ns in ((4, 3), (4, 4), (8, 3))]
+    prefill = sweep_configs((64, 128), (128,), (128,), (4, 8), (3,))
+    results: list[dict[str, object]] = []
+    print(f"## W4A4 kernel sweep (copy bandwidth {bw / 1e12:.2f} TB/s)\n")
+    print("| GEMM | tokens/expert | variant | block_n, block_m, block_k, warps, stages | us | "
+          "weight TB/s | of copy BW | TFLOP/s |\n|---|---:|---|---|---:|---:|---:|---:|")
+    for t, configs in ((1, decode), (16, decode), (512, prefill)):
+        for name, w in gemms.items():
+            _, m, k = w.shape
+            n = t * e
+            offsets = offsets_of([t] * e, "cuda")
+            xq = quantize(torch.randn(n, k, dtype=torch.bfloat16, device="cuda"))
+            timed: list[tuple[float, str, tuple[int, ...]]] = []
+            for variant in KERNEL_VARIANTS:
+                for bn, bm, bk, nw, ns in configs:
+                    config = (bn, bm, bk, nw, ns)
+                    try:
+                        ms = time_ms(partial(grouped_mxfp4_gemm, xq, offsets, w, block_n=bn,
+                                             block_m=bm, block_k=bk, num_warps=nw,
+                                             num_stages=ns, max_rows=t,
+                                             **variant_options(variant)), 2, 7, flush)
+                    except Exception as exc:  # e.g. out of shared memory for this tile
+                        print(f"| {name} | {t} | {variant} | {config} | "
+                              f"{type(exc).__name__} | | | |")
+                        continue
+                    tbs = w.nbytes() / (ms * 1e-3)
+                    timed.append((ms, variant, config))
+                    results.append({"gemm": name, "tokens_per_expert": t, "variant": variant,
+                                    "config": list(config), "us": ms * 1e3,
+                                    "weight_tb_s": tbs / 1e12, "of_copy_bw": tbs / bw})
+                    print(f"| {name} | {t} | {variant} | {config} | {ms * 1e3:.1f} | "
+                          f"{tbs / 1e12:.2f} | {tbs / bw:.0%} | "
+                          f"{2 * n * m * k / (ms * 1e-3) / 1e12:.1f} |", flush=True)
+            if timed:
+                ms, variant, best = min(timed)
+                tbs = w.nbytes() / (ms * 1e-3)
+                per_variant = {v: min(x[0] for x in timed if x[1] == v)
+                               for v in KERNEL_VARIANTS if any(x[1] == v for x in timed)}
+                row(f"W4A4 sweep: {name}, {t} tokens/expert", "info",
+                    f"{ms * 1e3:.1f} us, {tbs / 1e12:.2f} TB/s ({tbs / bw:.0%} of copy)",
+                    f"best of {len(timed)}: {variant} {best}; best us per variant: "
+                    + ", ".join(f"{v} {b * 1e3:.0f}" for v, b in per_variant.items()))
+            if json_path:
+                with open(json_path.removesuffix(".json") + "_sweep.json", "w") as f:
+                    json.dump(results, f, indent=1)
+
+
+def dispatch_path(device: str = "cuda") -> None:
+    """The `torch` and `nccl` backends' per-layer path on one GPU at world size 1: layout,
+    gather, all-to-all (to itself: no network), combine, for 128 tokens of hidden 7168
+    routed top-8 of 256 experts over 8 expert ranks; checked against x * sum(weights)."""
+    import torch.distributed as dist
+
+    from ep_dispatch.layout import combine, compute_layout
+    from ep_dispatch.nccl import CupyNccl
+    from ep_dispatch.placement import Placement
+    from ep_dispatch.torch_dist import Collective, TorchCollective, World, join
+    from switchyard.launcher import free_port
+
+    t, h, k, e = 128, 7168, 8, 256
+    placement = Placement.balanced([0], e, 8)
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(t, h, dtype=torch.bfloat16, device=device, generator=g)  # [T, H]
+    probs = torch.randn(t, e, device=device, generator=g).softmax(-1)  # [T, E]
+    weights, ids = probs.topk(k)  # [T, K] each
+    expected = x.float() * weights.sum(-1, keepdim=True)  # [T, H]: experts as identity
+    on_gpu = device == "cuda"  # the CPU run (gloo, no CuPy) only tests this function
+    join(World(("127.0.0.1", free_port()), 1, 0, rank=0), 60, "nccl" if on_gpu else "gloo")
+    makers: dict[str, Callable[[], Collective]] = {
+        "torch (torch.distributed NCCL)": TorchCollective}
+    if on_gpu:
+        makers["nccl (CuPy)"] = lambda: CupyNccl(
+            World(("127.0.0.1", free_port()), 1, 0, rank=0), 60)
+    for name, make in makers.items():
+        try:
+            coll = make()
+        except Exception as exc:
+            row(f"dispatch+combine, {name}, world size 1", "FAIL", "",
+                f"{type(exc).__name__}: {exc}")
+            continue
+        parts = {"layout": 0.0, "gather": 0.0, "all-to-all": 0.0, "combine": 0.0}
+
+        def once(parts: dict[str, float] | None = None, coll=coll) -> torch.Tensor:
+            marks = [time.perf_counter()]
+
+            def mark() -> None:
+                if on_gpu:
+                    torch.cuda.synchronize()
+                marks.append(time.perf_counter())
+
+            layout = compute_layout(ids, weights.to(x.dtype), placement, 0)
+            mark()
+            rows = x[layout.src_token]  # [T*K, H] in send order
+            mark()
+            y = torch.empty_like(rows)
+            coll.all_to_all(y, rows, [rows.shape[0]], [rows.shape[0]])
+            mark()
+            out = combine(y, layout)  # [T, H]
+            mark()
+            if parts is not None:
+                for key, a, b in zip(parts, marks[:-1], marks[1:], strict=True):
+                    parts[key] += b - a
+            return out
+
+        err = ((once().float() - expected).abs().max() / expected.abs().max()).item()
+        for _ in range(5):
+            once()
+        n = 50
+        for _ in range(n):
+            once(parts)
+        split = ", ".join(f"{key} {v / n * 1e6:.0f}" for key, v in parts.items())
+        row(f"dispatch+combine, {name}, world size 1", "ok" if err <= 2e-2 else "FAIL",
+            f"{sum(parts.values()) / n * 1e6:.0f} us",
+            f"128 tokens x 7168 bf16, top-8 of 256 experts on 8 ranks, synchronised after "
+            f"each part (us): {split}; max rel err {err:.1e}; a copy to itself, no network")
+        coll.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def deepep() -> None:
+    try:
+        import deep_ep
+    except ImportError:
+        row("deepep backend", "not run", "", "deep_ep is not installed on this machine")
+        return
+    row("deepep backend", "not run", getattr(deep_ep, "__version__", "installed"),
+        "deep_ep is installed; the check needs the backend (issue 11)")
 
 
 def nccl_self() -> None:
@@ -217,34 +418,75 @@ def decode_steps() -> None:
             f"{(time.perf_counter() - start) / n * 1e3:.2f} ms", "cuda bfloat16, local")
 
 
+def decode_profile() -> None:
+    """Where a decode step's time goes (batch 16): the host synchronisations it makes
+    (torch's sync debug mode, by source line) and torch.profiler's table of 3 steps."""
+    import warnings
+    from collections import Counter
+    from pathlib import Path
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from switchyard.messages import GenerateRequest, SamplingParams
+
+    e = engine("cuda", "bfloat16")
+    for i in range(16):
+        e.add(GenerateRequest(f"r{i}", PROMPTS[0], SamplingParams(
+            max_tokens=40, temperature=0.0, ignore_eos=True)))
+    for _ in range(4):
+        e.step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            e.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    where = Counter(f"{Path(w.filename).parent.name}/{Path(w.filename).name}:{w.lineno}"
+                    for w in caught)
+    row("decode step, host synchronisations", "info", f"{len(caught)}",
+        "; ".join(f"{k} x{v}" for k, v in where.most_common(15)))
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            e.step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=30), flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="write every row here")
     ap.add_argument("--skip-serve", action="store_true")
     ap.add_argument("--skip-kernel", action="store_true")
+    ap.add_argument("--budget", type=float, default=480,
+                    help="seconds for all sections; a section that would start later is "
+                         "reported as not run, one that runs over is stopped")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device; this check needs an NVIDIA GPU. Nothing to do.")
         return 0
+    global JSON_PATH, DEADLINE
+    JSON_PATH, DEADLINE = args.json, time.monotonic() + args.budget
     print("| check | result | value | note |\n|---|---|---|---|")
-    guarded("machine", machine)
-    guarded("logits", lambda: logits_vs_cpu(None))
-    guarded("W4A4 logits", lambda: logits_vs_cpu("w4a4"))
-    guarded("sampling", sampled_twice)
-    if not args.skip_serve:
-        guarded("serve", serve_vs_cpu)
+    guarded("machine", machine, 60)
     if not args.skip_kernel:
-        guarded("W4A4 kernel", kernel)
-    guarded("decode steps", decode_steps)
-    guarded("nccl (CuPy)", nccl_self)
+        guarded("W4A4 kernel", kernel, 150)
+        guarded("W4A4 kernel sweep", lambda: kernel_sweep(args.json), 200)
+    guarded("logits", lambda: logits_vs_cpu(None), 90)
+    guarded("W4A4 logits", lambda: logits_vs_cpu("w4a4"), 120)
+    guarded("sampling", sampled_twice, 60)
+    guarded("decode steps", decode_steps, 60)
+    guarded("decode profile", decode_profile, 60)
+    guarded("dispatch path", dispatch_path, 60)
+    guarded("nccl (CuPy)", nccl_self, 60)
+    guarded("deepep", deepep, 20)
     row("torch and nccl backends across ranks", "not run", "",
         "needs 2 GPUs (NCCL: one rank each)" if torch.cuda.device_count() < 2
         else "not in this check yet: run serve --dispatch-backend nccl --device cuda")
-    row("deepep backend", "not built", "", "issue 11")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(ROWS, f, indent=1)
+    if not args.skip_serve:
+        guarded("serve", serve_vs_cpu, 200)
     return 1 if any(r["result"] == "FAIL" for r in ROWS) else 0
 
 

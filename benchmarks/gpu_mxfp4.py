@@ -4,10 +4,12 @@
 
 Exits 0 with a message when no CUDA device is present (so it is safe anywhere).
 
-1. Checks `moe_kernels.triton_mxfp4.grouped_mxfp4_gemm` (both inner products: `tl.dot_scaled`
-   and the in-kernel decode + `tl.dot`) against the torch path (`mxfp4_linear` per expert, in
-   IEEE float32: TF32 is switched off) on a small shape and on a slice of the full shape, with
-   uneven and empty experts; and `grouped_swiglu_w4a4_triton` against `grouped_swiglu_w4a4`.
+1. Checks `moe_kernels.triton_mxfp4.grouped_mxfp4_gemm` (each variant: the inner products
+   `tl.dot_scaled`, in-kernel decode + TF32 `tl.dot`, in-kernel decode + bf16 `tl.dot`; each
+   with activations or weights as the MMA's left operand) against the torch path
+   (`mxfp4_linear` per expert, in IEEE float32: TF32 is switched off) on a small shape and
+   on a slice of the full shape, with uneven and empty experts; and
+   `grouped_swiglu_w4a4_triton` against `grouped_swiglu_w4a4`.
 2. Measures HBM copy bandwidth: `dst.copy_(src)` of a 4 GiB tensor, counting the bytes read
    plus the bytes written.
 3. Times the gate_up GEMM (`[E, 2I, H]`, K = H) and the down GEMM (`[E, H, I]`, K = I) at
@@ -15,8 +17,8 @@ Exits 0 with a message when no CUDA device is present (so it is safe anywhere).
    getting the same number of tokens: Triton (per variant) vs. a bf16 torch grouped GEMM
    (`torch._grouped_mm` when it runs and matches, else a per-expert `torch.mm` loop) on the
    same data dequantized to bf16. CUDA events around each call, L2 flushed before each,
-   warm-up, median of --iters. The Triton time includes building the tile schedule (a few
-   small torch kernels); the activations are quantized outside the timing.
+   warm-up, median of --iters. Triton gets `max_rows` (the expert service knows its
+   counts), so no tile schedule is built; the activations are quantized outside the timing.
 
 Table: median time; weight TB/s = weight bytes / time (MXFP4: packed + scales; bf16: 2 bytes
 per weight; activations and outputs are not counted, so at prefill this understates traffic);
@@ -33,8 +35,18 @@ import os
 import statistics
 import sys
 from collections.abc import Callable
+from functools import partial
 
 import torch
+
+VARIANTS = [f"{inner}{swap}" for inner in ("dot_scaled", "decode", "bf16")
+            for swap in ("", "/swap")]
+
+
+def variant_options(variant: str) -> dict[str, object]:
+    """`grouped_mxfp4_gemm` keywords of a variant name: "bf16/swap" -> inner, swap_ab."""
+    inner, _, swap = variant.partition("/")
+    return {"inner": inner, "swap_ab": swap == "swap"}
 
 
 def parse_args() -> argparse.Namespace:
@@ -47,8 +59,8 @@ def parse_args() -> argparse.Namespace:
                     help="decode shapes: tokens per expert")
     ap.add_argument("--prefill", type=int, nargs="*", default=[512, 2048],
                     help="prefill shapes: tokens per expert")
-    ap.add_argument("--variants", nargs="+", default=["dot_scaled", "decode"],
-                    choices=["dot_scaled", "decode"])
+    ap.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS,
+                    help="inner product, then /swap for weights as the left operand")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--copy-gib", type=float, default=4.0, help="size of the copy test")
@@ -114,8 +126,7 @@ def check(args: argparse.Namespace, variants: list[str]) -> tuple[bool, list[str
                 start += count
             for variant in list(working):
                 try:
-                    out = grouped_mxfp4_gemm(xq, offsets, w,
-                                             use_dot_scaled=variant == "dot_scaled")
+                    out = grouped_mxfp4_gemm(xq, offsets, w, **variant_options(variant))
                     torch.cuda.synchronize()
                 except Exception as exc:  # e.g. dot_scaled e2m1 x e2m1 unsupported here
                     print(f"| {h} | {i} | {counts} | {name} | {variant} | - | - | "
@@ -131,7 +142,7 @@ def check(args: argparse.Namespace, variants: list[str]) -> tuple[bool, list[str
                 print(f"| {h} | {i} | {counts} | {name} | {variant} | {err:.2e} | "
                       f"{'yes' if exact else 'no'} | {'ok' if passed else 'FAIL'} |")
         if "dot_scaled" in working:  # the whole FFN, default variant
-            out = grouped_swiglu_w4a4_triton(x, counts, w_gate_up, w_down)
+            out = grouped_swiglu_w4a4_triton(x, counts, w_gate_up, w_down, "dot_scaled")
             ref = grouped_swiglu_w4a4(x, counts, w_gate_up, w_down).to(out.device)
             err = rel_err(out, ref)
             # Re-quantizing between the GEMMs turns float32 rounding differences in the
@@ -206,7 +217,7 @@ def bf16_grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int],
 
 def bench(args: argparse.Namespace, variants: list[str], copy_bw: float) -> None:
     from moe_kernels.mxfp4 import quantize
-    from moe_kernels.triton_mxfp4 import _tile_schedule, grouped_mxfp4_gemm
+    from moe_kernels.triton_mxfp4 import grouped_mxfp4_gemm
 
     e, h, i = args.experts, args.hidden, args.inter
     flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")  # > any L2
@@ -228,15 +239,10 @@ def bench(args: argparse.Namespace, variants: list[str], copy_bw: float) -> None
             flops = 2 * n * m * k
             baseline, baseline_name = bf16_grouped_mm(x_bf16, w_bf16, counts, offsets)
             runs = [(f"bf16 {baseline_name}", baseline, bytes_bf16)]
-            for variant in variants:
-                runs.append((f"triton {variant}",
-                             lambda xq=xq, o=offsets, w=w, v=variant: grouped_mxfp4_gemm(
-                                 xq, o, w, use_dot_scaled=v == "dot_scaled"), bytes_mxfp4))
-            if args.decode and t == args.decode[0]:
-                ms = time_ms(lambda o=offsets, n=n: _tile_schedule(o.int(), n, 16),
-                             args.warmup, args.iters, flush)
-                print(f"| {name} | {t} | {n} | (tile schedule alone, included below) | "
-                      f"{ms * 1e3:.1f} | | | | |")
+            for variant in variants:  # max_rows: the expert service knows its counts
+                runs.append((f"triton {variant}", partial(
+                    grouped_mxfp4_gemm, xq, offsets, w, max_rows=t, **variant_options(variant)),
+                    bytes_mxfp4))
             base_ms = None
             for label, fn, nbytes in runs:
                 ms = time_ms(fn, args.warmup, args.iters, flush)

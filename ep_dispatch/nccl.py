@@ -30,6 +30,17 @@ def import_nccl() -> Any:
     return nccl
 
 
+def encode_unique_id(uid: bytes | tuple[int, ...]) -> str:
+    """NCCL's 128-byte unique id for the store: CuPy 14 gives and takes `bytes`, CuPy 13
+    a tuple of signed chars."""
+    return json.dumps({"bytes": isinstance(uid, bytes), "id": list(uid)})
+
+
+def decode_unique_id(text: bytes | str) -> bytes | tuple[int, ...]:
+    raw = json.loads(text)
+    return bytes(raw["id"]) if raw["bytes"] else tuple(raw["id"])
+
+
 def p2p_plan(out_splits: list[int], in_splits: list[int], row_bytes: int
              ) -> list[tuple[int, int, int, int, int]]:
     """Per peer with anything to move: (peer, send offset, send bytes, receive offset,
@@ -51,9 +62,9 @@ class CupyNccl:
         self.size = world.size
         self._store = rendezvous(world, timeout)  # rank 0 hosts it: keep it alive
         if world.rank == 0:
-            self._store.set(_UID_KEY, json.dumps(list(self.nccl.get_unique_id())))
+            self._store.set(_UID_KEY, encode_unique_id(self.nccl.get_unique_id()))
         self._store.wait([_UID_KEY], timedelta(seconds=timeout))
-        uid = tuple(json.loads(self._store.get(_UID_KEY)))
+        uid = decode_unique_id(self._store.get(_UID_KEY))
         self.comm = self.nccl.NcclCommunicator(world.size, uid, world.rank)
 
     @staticmethod

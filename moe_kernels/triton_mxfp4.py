@@ -67,25 +67,34 @@ def _grouped_mxfp4_gemm_kernel(
     w_ptr, w_scale_ptr,  # [E, M, K/2] uint8, [E, M, K/32] uint8: weights
     out_ptr,  # [N, M] float32
     offsets_ptr,  # [E + 1] int32: expert e owns rows offsets[e]:offsets[e + 1]
-    tile_expert_ptr, tile_row_ptr,  # [T] int32 each: the row-tile schedule
-    M, K, num_experts,
+    tile_expert_ptr, tile_row_ptr,  # [T] int32 each: the row-tile schedule (unless DENSE)
+    M, K, num_experts, tiles_per_expert,
     stride_xn, stride_xsn,  # row strides of x packed / scales (elements; last dims dense)
     stride_we, stride_wm, stride_wse, stride_wsm,  # expert and row strides of w packed / scales
     stride_on,  # row stride of out
     BLOCK_N: tl.constexpr,  # rows (tokens) per tile
     BLOCK_M: tl.constexpr,  # output features per tile
     BLOCK_K: tl.constexpr,  # reduction elements per step, a multiple of 32
-    USE_DOT_SCALED: tl.constexpr,
+    INNER: tl.constexpr,  # 0: tl.dot_scaled; 1: decode, tf32 tl.dot; 2: decode, bf16 tl.dot
+    SWAP_AB: tl.constexpr,  # weights as the MMA's left operand (tokens as its N)
+    DENSE: tl.constexpr,  # tiles_per_expert row tiles per expert instead of the schedule
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K masks, so loads vectorize
 ):
     """Program (tile, m-tile): out[rows, cols] = x[rows] @ w[expert, cols].T over all of K,
     where the row tile `tile` lies inside one expert's rows (see `_tile_schedule`)."""
-    tile = tl.program_id(0)
+    tile = tl.program_id(0)  # (grid axis 0: up to 2**31 - 1 tiles; axis 1 stops at 65535)
     pid_m = tl.program_id(1)
-    expert = tl.load(tile_expert_ptr + tile)
-    if expert >= num_experts:  # a grid slot past the last real tile
-        return
-    row_start = tl.load(tile_row_ptr + tile)
+    if DENSE:
+        expert = tile // tiles_per_expert
+        row_start = tl.load(offsets_ptr + expert) + (tile % tiles_per_expert) * BLOCK_N
+    else:
+        expert = tl.load(tile_expert_ptr + tile)
+        if expert >= num_experts:  # a grid slot past the last real tile
+            return
+        row_start = tl.load(tile_row_ptr + tile)
     row_end = tl.load(offsets_ptr + expert + 1)
+    if row_start >= row_end:  # DENSE: this expert has fewer row tiles
+        return
 
     rows = row_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     cols = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
@@ -102,14 +111,14 @@ def _grouped_mxfp4_gemm_kernel(
     w_rows = w_ptr + expert64 * stride_we + cols64[:, None] * stride_wm  # [BLOCK_M, 1]
     ws_rows = w_scale_ptr + expert64 * stride_wse + cols64[:, None] * stride_wsm  # [BLOCK_M, 1]
 
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N] if SWAP_AB else [BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         byte = k0 // 2 + kb  # [BLOCK_K / 2]
         blk = k0 // 32 + ks  # [BLOCK_K / 32]
         # K is a multiple of 32, so a partial last step masks whole blocks; masked bytes and
         # scales read as 0, i.e. the value +0 (times 2**-127), adding nothing.
-        byte_ok = byte < K // 2
-        blk_ok = blk < K // 32
+        byte_ok = (byte < K // 2) | EVEN_K
+        blk_ok = (blk < K // 32) | EVEN_K
         x = tl.load(x_rows + byte[None, :], mask=row_ok[:, None] & byte_ok[None, :],
                     other=0)  # [BLOCK_N, BLOCK_K / 2] uint8
         xs = tl.load(xs_rows + blk[None, :], mask=row_ok[:, None] & blk_ok[None, :],
@@ -118,14 +127,25 @@ def _grouped_mxfp4_gemm_kernel(
                     other=0)  # [BLOCK_M, BLOCK_K / 2] uint8
         ws = tl.load(ws_rows + blk[None, :], mask=col_ok[:, None] & blk_ok[None, :],
                      other=0)  # [BLOCK_M, BLOCK_K / 32] uint8
-        if USE_DOT_SCALED:
-            # rhs [BLOCK_K / 2, BLOCK_M] packed along K; rhs scales stay [BLOCK_M, BLOCK_K / 32].
-            acc = tl.dot_scaled(x, xs, "e2m1", tl.trans(w), ws, "e2m1", acc)
+        if INNER == 0:
+            # rhs [BLOCK_K / 2, cols] packed along K; rhs scales stay [cols, BLOCK_K / 32].
+            if SWAP_AB:
+                acc = tl.dot_scaled(w, ws, "e2m1", tl.trans(x), xs, "e2m1", acc)
+            else:
+                acc = tl.dot_scaled(x, xs, "e2m1", tl.trans(w), ws, "e2m1", acc)
         else:
             x_f = _decode_mxfp4(x, xs, BLOCK_N, BLOCK_K)  # [BLOCK_N, BLOCK_K] float32
             w_f = _decode_mxfp4(w, ws, BLOCK_M, BLOCK_K)  # [BLOCK_M, BLOCK_K] float32
-            acc = tl.dot(x_f, tl.trans(w_f), acc, input_precision="tf32")
+            if INNER == 2:  # exact: MXFP4 values have at most 2 mantissa bits
+                x_f = x_f.to(tl.bfloat16)
+                w_f = w_f.to(tl.bfloat16)
+            if SWAP_AB:
+                acc = tl.dot(w_f, tl.trans(x_f), acc, input_precision="tf32")
+            else:
+                acc = tl.dot(x_f, tl.trans(w_f), acc, input_precision="tf32")
 
+    if SWAP_AB:
+        acc = tl.trans(acc)  # [BLOCK_N, BLOCK_M]
     out = out_ptr + rows64[:, None] * stride_on + cols64[None, :]  # [BLOCK_N, BLOCK_M]
     tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
 
@@ -176,10 +196,14 @@ def _dense_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+INNER_PRODUCTS = {"dot_scaled": 0, "decode": 1, "bf16": 2}
+
+
 def grouped_mxfp4_gemm(
     x: MXFP4Tensor, expert_offsets: torch.Tensor, w: MXFP4Tensor, *,
     block_n: int | None = None, block_m: int | None = None, block_k: int = 128,
-    use_dot_scaled: bool = True, num_warps: int = 4, num_stages: int = 3,
+    inner: str = "dot_scaled", swap_ab: bool = False, max_rows: int | None = None,
+    num_warps: int = 4, num_stages: int = 3,
 ) -> torch.Tensor:
     """Grouped W4A4 GEMM: each expert's rows of x times that expert's weights, transposed.
 
@@ -195,7 +219,12 @@ def grouped_mxfp4_gemm(
         block_n, block_m, block_k: tile sizes (powers of two, at least 16; block_k a
             multiple of 32 and at least 64). By default block_n follows the mean rows per
             expert (16 to 64) and block_m is 64 (128 from block_n 64).
-        use_dot_scaled: `tl.dot_scaled` (True) or in-kernel decode plus `tl.dot` (False).
+        inner: the inner product: `tl.dot_scaled` ("dot_scaled"), or an in-kernel decode
+            to float32 then `tl.dot` in TF32 ("decode") or bfloat16 ("bf16"); all exact.
+        swap_ab: compute out.T = w @ x.T, so the weights are the MMA's left operand.
+        max_rows: the most rows any expert has, if the caller knows it without a device
+            sync: the grid is then E x cdiv(max_rows, block_n) row tiles, and the tile
+            schedule (a few small kernels) is not built.
         num_warps, num_stages: launch options (ignored by the interpreter).
 
     Returns:
@@ -219,6 +248,9 @@ def grouped_mxfp4_gemm(
     if block_k % BLOCK or block_k < 2 * BLOCK:
         raise ValueError(f"block_k must be a multiple of {BLOCK}, at least {2 * BLOCK}; "
                          f"got {block_k}")
+    if inner not in INNER_PRODUCTS:
+        raise ValueError(f"unknown inner product {inner!r}; choose "
+                         f"{', '.join(INNER_PRODUCTS)}")
     device = x.packed.device
     out = torch.empty(n, m, dtype=torch.float32, device=device)  # [N, M]
     if n == 0 or m == 0:
@@ -231,15 +263,22 @@ def grouped_mxfp4_gemm(
     x_packed, x_scales = _dense_last(x.packed), _dense_last(x.scales)
     w_packed, w_scales = _dense_last(w.packed), _dense_last(w.scales)
     offsets = expert_offsets.to(device=device, dtype=torch.int32)  # [E + 1]
-    tile_expert, tile_row = _tile_schedule(offsets, n, block_n)  # [T], [T]
-    grid = (tile_expert.numel(), triton.cdiv(m, block_m))
+    if max_rows is None:
+        tile_expert, tile_row = _tile_schedule(offsets, n, block_n)  # [T], [T]
+        tiles, per_expert = tile_expert.numel(), 0
+    else:
+        tile_expert = tile_row = offsets  # unused
+        per_expert = max(1, triton.cdiv(max_rows, block_n))
+        tiles = e * per_expert
+    grid = (tiles, triton.cdiv(m, block_m))
     _grouped_mxfp4_gemm_kernel[grid](
         x_packed, x_scales, w_packed, w_scales, out, offsets, tile_expert, tile_row,
-        m, k, e,
+        m, k, e, per_expert,
         x_packed.stride(0), x_scales.stride(0),
         w_packed.stride(0), w_packed.stride(1), w_scales.stride(0), w_scales.stride(1),
         out.stride(0),
-        BLOCK_N=block_n, BLOCK_M=block_m, BLOCK_K=block_k, USE_DOT_SCALED=use_dot_scaled,
+        BLOCK_N=block_n, BLOCK_M=block_m, BLOCK_K=block_k, INNER=INNER_PRODUCTS[inner],
+        SWAP_AB=swap_ab, DENSE=max_rows is not None, EVEN_K=k % block_k == 0,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
@@ -247,7 +286,7 @@ def grouped_mxfp4_gemm(
 
 def grouped_swiglu_w4a4_triton(
     x: MXFP4Tensor, tokens_per_expert: list[int], w_gate_up: MXFP4Tensor,
-    w_down: MXFP4Tensor, use_dot_scaled: bool = True,
+    w_down: MXFP4Tensor, inner: str = "dot_scaled",
 ) -> torch.Tensor:
     """`moe_kernels.grouped_gemm.grouped_swiglu_w4a4` with both GEMMs on the Triton kernel.
 
@@ -256,8 +295,8 @@ def grouped_swiglu_w4a4_triton(
         tokens_per_expert: E_local ints summing to N; run e belongs to local expert e.
         w_gate_up: MXFP4 of `[E, 2 * I, H]` (gate first), blocks along H; E >= E_local.
         w_down: MXFP4 of `[E, H, I]`, blocks along I.
-        use_dot_scaled: the inner product (`tl.dot_scaled`, or in-kernel decode + `tl.dot`
-            where this Triton cannot compile the first for this GPU).
+        inner: the inner product (`grouped_mxfp4_gemm`'s; "decode" where this Triton
+            cannot compile `tl.dot_scaled` for this GPU).
 
     Returns:
         `[N, H]` float32 expert outputs on x's device, not yet weighted by the router. The
@@ -272,7 +311,8 @@ def grouped_swiglu_w4a4_triton(
         raise ValueError(f"{e} runs of tokens but only {w_gate_up.packed.shape[0]} experts")
     offsets = torch.tensor([0, *itertools.accumulate(tokens_per_expert)], dtype=torch.int32,
                            device=x.packed.device)  # [E_local + 1]
-    gate, up = grouped_mxfp4_gemm(x, offsets, w_gate_up[:e], use_dot_scaled=use_dot_scaled
+    most = max(tokens_per_expert, default=0)  # known here: no tile schedule to build
+    gate, up = grouped_mxfp4_gemm(x, offsets, w_gate_up[:e], inner=inner, max_rows=most
                                   ).chunk(2, dim=-1)  # [N, I] each
     act = quantize(F.silu(gate) * up)  # [N, I] -> MXFP4, per row
-    return grouped_mxfp4_gemm(act, offsets, w_down[:e], use_dot_scaled=use_dot_scaled)
+    return grouped_mxfp4_gemm(act, offsets, w_down[:e], inner=inner, max_rows=most)

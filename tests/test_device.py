@@ -98,3 +98,12 @@ def test_nccl_all_to_all_plan() -> None:
     assert p2p_plan([0, 3, 1], [2, 0, 1], 8) == [
         (0, 0, 16, 0, 0), (1, 16, 0, 0, 24), (2, 16, 8, 24, 8)]
     assert p2p_plan([0, 0], [0, 0], 8) == []
+
+
+@pytest.mark.parametrize("uid", [bytes(range(128)),  # CuPy 14: bytes
+                                 tuple(range(-64, 64))])  # CuPy 13: signed chars
+def test_nccl_unique_id_crosses_the_store_in_the_type_cupy_gave(uid: bytes | tuple) -> None:
+    from ep_dispatch.nccl import decode_unique_id, encode_unique_id
+
+    back = decode_unique_id(encode_unique_id(uid).encode())
+    assert back == uid and type(back) is type(uid)

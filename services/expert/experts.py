@@ -70,7 +70,7 @@ class ExpertBank:
         self.metrics = ExpertMetrics(rank)
         self.dtype = dtype
         self.device = torch.device(device)
-        self._dot_scaled: bool | None = None  # the Triton variant that runs here, once known
+        self._inner: str | None = None  # the Triton inner product that runs here, once known
         self.hidden_size = config.hidden_size
         self.quantization = check_quantization(config, quantization)
         self.w_gate_up: dict[int, torch.Tensor | MXFP4Tensor] = {}
@@ -144,12 +144,12 @@ class ExpertBank:
         run together, so each expert's span is the whole call's."""
         from moe_kernels.triton_mxfp4 import grouped_swiglu_w4a4_triton
 
-        if self._dot_scaled is None:
-            self._dot_scaled = _dot_scaled_compiles(q, tokens_per_expert, w_gate_up, w_down)
+        if self._inner is None:
+            self._inner = _inner_product(q, tokens_per_expert, w_gate_up, w_down)
         timer = ExpertTimer(spans, self.device)
         start = timer.now()
         y = grouped_swiglu_w4a4_triton(q, tokens_per_expert, w_gate_up, w_down,
-                                       self._dot_scaled)
+                                       self._inner)
         end = timer.now()
         for count in tokens_per_expert:
             timer.marks.append((start, end) if count else None)
@@ -163,17 +163,17 @@ class ExpertBank:
         return total
 
 
-def _dot_scaled_compiles(q: MXFP4Tensor, tokens_per_expert: list[int], w_gate_up: MXFP4Tensor,
-                         w_down: MXFP4Tensor) -> bool:
-    """Whether this Triton compiles `tl.dot_scaled` (e2m1 x e2m1) for this GPU; if not,
-    the kernel decodes in-kernel and uses `tl.dot` (benchmarks/gpu_mxfp4.py times both)."""
+def _inner_product(q: MXFP4Tensor, tokens_per_expert: list[int], w_gate_up: MXFP4Tensor,
+                   w_down: MXFP4Tensor) -> str:
+    """"dot_scaled" where this Triton compiles `tl.dot_scaled` (e2m1 x e2m1) for this GPU,
+    else "decode": in-kernel decode and `tl.dot` (benchmarks/gpu_mxfp4.py times both)."""
     from moe_kernels.triton_mxfp4 import grouped_swiglu_w4a4_triton
 
     try:
-        grouped_swiglu_w4a4_triton(q, tokens_per_expert, w_gate_up, w_down, True)
+        grouped_swiglu_w4a4_triton(q, tokens_per_expert, w_gate_up, w_down, "dot_scaled")
         torch.cuda.synchronize()
-        return True
+        return "dot_scaled"
     except Exception as exc:  # a compiler error for this arch: fall back, say so
         log.warning("tl.dot_scaled does not compile here (%s); W4A4 uses in-kernel decode",
                     str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-        return False
+        return "decode"
