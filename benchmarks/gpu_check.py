@@ -146,26 +146,34 @@ def chat_prompts(n: int = 4) -> list[list[int]]:
 
 
 def logits_vs_cpu(quantization: str | None) -> None:
-    """float32 on random-byte prompts (any routing), bfloat16 on demo questions: on the
-    random-byte prompts bfloat16 flips top-k routing choices, and transformers' own
-    Qwen3-MoE in bfloat16 is 0.9 (relative) away from its float32 there."""
+    """Against the CPU in float32: float32 on random-byte prompts (any routing), within a
+    tight bound; bfloat16 on demo questions, within 1.5x of the CPU's own bfloat16 error
+    (at least 5e-2). On random-byte prompts bfloat16 flips top-k routing choices
+    (transformers' own Qwen3-MoE in bfloat16 is 0.9 off its float32 there), and with W4A4
+    bfloat16 activations quantize to other codes (the CPU's own error is about 0.1)."""
     label = "W4A4 " if quantization else ""
     cpu = engine("cpu", "float32", quantization)
     prompts = {"float32": PROMPTS, "bfloat16": chat_prompts()}
     reference = {d: [cpu.score(p) for p in ps] for d, ps in prompts.items()}
     tokens = {d: [greedy(cpu, p) for p in ps] for d, ps in prompts.items()}
+
+    def error(e: Engine, dtype: str) -> float:
+        return max(((e.score(p).cpu().float() - r).abs().max() / r.abs().max()).item()
+                   for p, r in zip(prompts[dtype], reference[dtype], strict=True))
+
+    cpu_bf16 = error(engine("cpu", "bfloat16", quantization), "bfloat16")
     # W4A4 re-quantizes between the GEMMs: float32 summation order flips a code now and then.
-    # bfloat16 keeps 8 bits of mantissa: 5e-2 of the largest logit is a few of its ulps.
-    for dtype, bound in (("float32", 5e-2 if quantization else 1e-3), ("bfloat16", 5e-2)):
+    bounds = {"float32": 5e-2 if quantization else 1e-3, "bfloat16": max(5e-2, 1.5 * cpu_bf16)}
+    for dtype, bound in bounds.items():
         gpu = engine("cuda", dtype, quantization)
-        err = max(((gpu.score(p).cpu().float() - r).abs().max() / r.abs().max()).item()
-                  for p, r in zip(prompts[dtype], reference[dtype], strict=True))
+        err = error(gpu, dtype)
         same = [greedy(gpu, p) for p in prompts[dtype]] == tokens[dtype]
         ok = err <= bound and (same or dtype != "float32")
         row(f"{label}logits, cuda {dtype} vs cpu float32", "ok" if ok else "FAIL",
-            f"max rel err {err:.1e}", f"bound {bound:g}; greedy tokens "
-            f"{'equal' if same else 'differ'}; "
-            f"{'random-byte prompts' if dtype == 'float32' else 'demo questions'}")
+            f"max rel err {err:.1e}", f"bound {bound:.2g}; greedy tokens "
+            f"{'equal' if same else 'differ'}; " + ("random-byte prompts" if dtype == "float32"
+                                                    else f"demo questions; cpu bfloat16: "
+                                                         f"{cpu_bf16:.1e}"))
         del gpu
         torch.cuda.empty_cache()
 
@@ -221,8 +229,9 @@ def kernel() -> None:
         KERNEL_VARIANTS[:] = variants
         row("W4A4 Triton kernel vs torch path", "ok" if ok else "FAIL", ", ".join(variants),
             "tables above")
-        if variants:
-            bench(args, variants, copy_bandwidth(4.0))
+        timed = [v for v in variants if v.partition("/")[0] in ("dot_scaled", "f16")]
+        if timed:  # the others lost to these on the H200 (docs/benchmarks.md)
+            bench(args, timed, copy_bandwidth(4.0))
     finally:
         sys.argv = argv
 
@@ -250,22 +259,31 @@ def kernel_sweep(json_path: str | None) -> None:
     flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
     gemms = {"gate_up": random_mxfp4(e, 2 * i, h, "cuda", seed=3),
              "down": random_mxfp4(e, h, i, "cuda", seed=4)}
-    decode = [(16, bm, bk, nw, ns) for bm in (64, 128) for bk in (128, 256)
-              for nw, ns in ((4, 3), (4, 4), (8, 3))]
-    prefill = sweep_configs((64, 128), (128,), (128,), (4, 8), (3,))
+    def configs(variant: str, t: int) -> list[tuple[int, int, int, int, int]]:
+        f16 = variant.startswith("f16")  # block_k is 32 there: more stages instead
+        if t >= 256:
+            return sweep_configs((64, 128), (128,), (32,) if f16 else (128,), (4, 8),
+                                 (3, 4) if f16 else (3,))
+        if f16:
+            return [(16, bm, 32, nw, ns) for bm in (64, 128, 256)
+                    for nw, ns in ((4, 3), (4, 5), (8, 4), (8, 6))]
+        return [(16, 128, bk, nw, ns) for bk in (128, 256) for nw, ns in ((4, 3), (4, 4),
+                                                                           (8, 3))]
+
+    variants = [v for v in KERNEL_VARIANTS if v.partition("/")[0] in ("dot_scaled", "f16")]
     results: list[dict[str, object]] = []
     print(f"## W4A4 kernel sweep (copy bandwidth {bw / 1e12:.2f} TB/s)\n")
     print("| GEMM | tokens/expert | variant | block_n, block_m, block_k, warps, stages | us | "
           "weight TB/s | of copy BW | TFLOP/s |\n|---|---:|---|---|---:|---:|---:|---:|")
-    for t, configs in ((1, decode), (16, decode), (512, prefill)):
+    for t in (1, 16, 512):
         for name, w in gemms.items():
             _, m, k = w.shape
             n = t * e
             offsets = offsets_of([t] * e, "cuda")
             xq = quantize(torch.randn(n, k, dtype=torch.bfloat16, device="cuda"))
             timed: list[tuple[float, str, tuple[int, ...]]] = []
-            for variant in KERNEL_VARIANTS:
-                for bn, bm, bk, nw, ns in configs:
+            for variant in variants:
+                for bn, bm, bk, nw, ns in configs(variant, t):
                     config = (bn, bm, bk, nw, ns)
                     try:
                         ms = time_ms(partial(grouped_mxfp4_gemm, xq, offsets, w, block_n=bn,
@@ -288,7 +306,7 @@ def kernel_sweep(json_path: str | None) -> None:
                 ms, variant, best = min(timed)
                 tbs = w.nbytes() / (ms * 1e-3)
                 per_variant = {v: min(x[0] for x in timed if x[1] == v)
-                               for v in KERNEL_VARIANTS if any(x[1] == v for x in timed)}
+                               for v in variants if any(x[1] == v for x in timed)}
                 row(f"W4A4 sweep: {name}, {t} tokens/expert", "info",
                     f"{ms * 1e3:.1f} us, {tbs / 1e12:.2f} TB/s ({tbs / bw:.0%} of copy)",
                     f"best of {len(timed)}: {variant} {best}; best us per variant: "
@@ -419,20 +437,30 @@ def decode_steps() -> None:
 
 
 def decode_profile() -> None:
-    """Where a decode step's time goes (batch 16): the host synchronisations it makes
-    (torch's sync debug mode, by source line) and torch.profiler's table of 3 steps."""
+    """Where a decode step's time goes (batch 16): the cost of one host synchronisation
+    here, the synchronisations a step makes (torch's sync debug mode, by source line), each
+    step's wall time, and cProfile's top functions over 10 steps."""
+    import cProfile
+    import pstats
+    import statistics
     import warnings
     from collections import Counter
     from pathlib import Path
 
-    from torch.profiler import ProfilerActivity, profile
-
     from switchyard.messages import GenerateRequest, SamplingParams
 
+    x = torch.ones(1, device="cuda")
+    for _ in range(10):
+        (x + 1).item()
+    start = time.perf_counter()
+    for _ in range(200):
+        (x + 1).item()
+    row("one tiny kernel + .item()", "info", f"{(time.perf_counter() - start) / 200 * 1e6:.0f} us",
+        "a host synchronisation's round trip on this machine")
     e = engine("cuda", "bfloat16")
     for i in range(16):
         e.add(GenerateRequest(f"r{i}", PROMPTS[0], SamplingParams(
-            max_tokens=40, temperature=0.0, ignore_eos=True)))
+            max_tokens=60, temperature=0.0, ignore_eos=True)))
     for _ in range(4):
         e.step()
     torch.cuda.synchronize()
@@ -444,15 +472,24 @@ def decode_profile() -> None:
     finally:
         torch.cuda.set_sync_debug_mode(0)
     where = Counter(f"{Path(w.filename).parent.name}/{Path(w.filename).name}:{w.lineno}"
-                    for w in caught)
-    row("decode step, host synchronisations", "info", f"{len(caught)}",
+                    for w in caught if "synchroniz" in str(w.message))
+    row("decode step, host synchronisations", "info", f"{sum(where.values())}",
         "; ".join(f"{k} x{v}" for k, v in where.most_common(15)))
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            e.step()
+    times = []
+    for _ in range(15):
+        t0 = time.perf_counter()
+        e.step()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=30), flush=True)
-
+        times.append((time.perf_counter() - t0) * 1e3)
+    row("decode step, batch 16, each step", "info", f"median {statistics.median(times):.1f} ms",
+        "min " + f"{min(times):.1f}, max {max(times):.1f} ms (synchronised after each)")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(10):
+        e.step()
+    torch.cuda.synchronize()
+    prof.disable()
+    pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(25)
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,

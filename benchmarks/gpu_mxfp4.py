@@ -39,7 +39,7 @@ from functools import partial
 
 import torch
 
-VARIANTS = [f"{inner}{swap}" for inner in ("dot_scaled", "decode", "bf16")
+VARIANTS = [f"{inner}{swap}" for inner in ("dot_scaled", "decode", "bf16", "f16")
             for swap in ("", "/swap")]
 
 

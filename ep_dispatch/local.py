@@ -22,7 +22,9 @@ class LocalDispatcher:
         flat_ids = topk_ids.reshape(-1)  # [T*K]
         order = torch.argsort(flat_ids, stable=True)  # [N], N = T*K, rows grouped by expert
         src_token = order // top_k
-        counts = torch.bincount(flat_ids, minlength=self.num_local_experts)  # [E]
+        # [E]; not bincount, which synchronises twice with a CUDA device to size its output
+        counts = flat_ids.new_zeros(self.num_local_experts).index_add_(
+            0, flat_ids, torch.ones_like(flat_ids))
         weights = topk_weights.reshape(-1)[order]  # [N]
         handle = DispatchHandle(src_token=src_token, weights=weights, num_tokens=x.shape[0])
         return x[src_token], counts.tolist(), handle

@@ -37,6 +37,15 @@ from moe_kernels.mxfp4 import BLOCK, MXFP4Tensor, check_blockable, quantize
 
 
 @triton.jit
+def _e8m0(scales):
+    """E8M0 biased exponents (any int shape) -> exact float32 2**(s - 127); byte 0 is the
+    subnormal 2**-127 (0x00400000), 0xFF is NaN."""
+    s = scales.to(tl.int32)
+    bits = tl.where(s == 0xFF, 0x7FC00000, tl.where(s == 0, 0x00400000, s << 23))
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _decode_mxfp4(packed, scales, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
     """Decode one MXFP4 tile to float32, exactly as `moe_kernels.mxfp4.dequantize`.
 
@@ -52,13 +61,24 @@ def _decode_mxfp4(packed, scales, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
     normal = (((mag >> 1) + 126) << 23) | ((mag & 1) << 22)
     bits = tl.where(mag >= 2, normal, tl.where(mag == 1, 126 << 23, 0))
     values = (bits | ((codes & 8) << 28)).to(tl.float32, bitcast=True)  # sign into bit 31
-    # E8M0 2**(s - 127) as float32 bits: byte 0 is the subnormal 2**-127 (0x00400000),
-    # 0xFF is NaN; the others are s << 23.
-    s = scales.to(tl.int32)  # [ROWS, BLOCK_K / 32]
-    scale_bits = tl.where(s == 0xFF, 0x7FC00000, tl.where(s == 0, 0x00400000, s << 23))
-    scale = scale_bits.to(tl.float32, bitcast=True)  # [ROWS, BLOCK_K / 32]
+    scale = _e8m0(scales)  # [ROWS, BLOCK_K / 32]
     values = tl.reshape(values, [ROWS, BLOCK_K // 32, 32]) * scale[:, :, None]
     return tl.reshape(values, [ROWS, BLOCK_K])
+
+
+@triton.jit
+def _codes_f16(packed, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """E2M1 codes as float16 equal to value * 2**-14, by placing the code's exponent and
+    mantissa bits in float16's lowest exponent bits (code 1, i.e. 0.5, is the subnormal
+    2**-15): three integer operations per value, no lookups, no scale.
+
+    packed: [ROWS, BLOCK_K / 2] uint8, first value in the low nibble. Returns
+    [ROWS, BLOCK_K] float16.
+    """
+    codes = tl.join(packed & 0xF, packed >> 4)  # [ROWS, BLOCK_K / 2, 2]
+    codes = tl.reshape(codes, [ROWS, BLOCK_K]).to(tl.int16)  # [ROWS, BLOCK_K]
+    bits = ((codes & 7) << 9) | ((codes & 8) << 12)  # magnitude to bits 11..9, sign to 15
+    return bits.to(tl.float16, bitcast=True)
 
 
 @triton.jit
@@ -75,7 +95,8 @@ def _grouped_mxfp4_gemm_kernel(
     BLOCK_N: tl.constexpr,  # rows (tokens) per tile
     BLOCK_M: tl.constexpr,  # output features per tile
     BLOCK_K: tl.constexpr,  # reduction elements per step, a multiple of 32
-    INNER: tl.constexpr,  # 0: tl.dot_scaled; 1: decode, tf32 tl.dot; 2: decode, bf16 tl.dot
+    INNER: tl.constexpr,  # 0: tl.dot_scaled; 1: decode, tf32 tl.dot; 2: decode, bf16 tl.dot;
+    # 3: float16 codes, one 32-block per step, scales applied to the block's product
     SWAP_AB: tl.constexpr,  # weights as the MMA's left operand (tokens as its N)
     DENSE: tl.constexpr,  # tiles_per_expert row tiles per expert instead of the schedule
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K masks, so loads vectorize
@@ -133,6 +154,17 @@ def _grouped_mxfp4_gemm_kernel(
                 acc = tl.dot_scaled(w, ws, "e2m1", tl.trans(x), xs, "e2m1", acc)
             else:
                 acc = tl.dot_scaled(x, xs, "e2m1", tl.trans(w), ws, "e2m1", acc)
+        elif INNER == 3:  # BLOCK_K == 32: xs [BLOCK_N, 1], ws [BLOCK_M, 1]
+            x_h = _codes_f16(x, BLOCK_N, BLOCK_K)  # [BLOCK_N, 32] float16, value * 2**-14
+            w_h = _codes_f16(w, BLOCK_M, BLOCK_K)  # [BLOCK_M, 32]
+            # 32 products of two codes, each a multiple of 2**-30 below 36 * 2**-28, add
+            # up exactly in float32; then undo the 2**-28 and apply both scales (exact).
+            if SWAP_AB:
+                block = tl.dot(w_h, tl.trans(x_h)) * 268435456.0  # [BLOCK_M, BLOCK_N]
+                acc += block * _e8m0(ws) * tl.reshape(_e8m0(xs), [1, BLOCK_N])
+            else:
+                block = tl.dot(x_h, tl.trans(w_h)) * 268435456.0  # [BLOCK_N, BLOCK_M]
+                acc += block * _e8m0(xs) * tl.reshape(_e8m0(ws), [1, BLOCK_M])
         else:
             x_f = _decode_mxfp4(x, xs, BLOCK_N, BLOCK_K)  # [BLOCK_N, BLOCK_K] float32
             w_f = _decode_mxfp4(w, ws, BLOCK_M, BLOCK_K)  # [BLOCK_M, BLOCK_K] float32
@@ -196,7 +228,7 @@ def _dense_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-INNER_PRODUCTS = {"dot_scaled": 0, "decode": 1, "bf16": 2}
+INNER_PRODUCTS = {"dot_scaled": 0, "decode": 1, "bf16": 2, "f16": 3}
 
 
 def grouped_mxfp4_gemm(
@@ -219,8 +251,10 @@ def grouped_mxfp4_gemm(
         block_n, block_m, block_k: tile sizes (powers of two, at least 16; block_k a
             multiple of 32 and at least 64). By default block_n follows the mean rows per
             expert (16 to 64) and block_m is 64 (128 from block_n 64).
-        inner: the inner product: `tl.dot_scaled` ("dot_scaled"), or an in-kernel decode
-            to float32 then `tl.dot` in TF32 ("decode") or bfloat16 ("bf16"); all exact.
+        inner: the inner product: `tl.dot_scaled` ("dot_scaled"); an in-kernel decode
+            to float32 then `tl.dot` in TF32 ("decode") or bfloat16 ("bf16"); or float16
+            codes, one 32-block per step, the block's product scaled ("f16", block_k 32).
+            All exact up to the float32 summation order.
         swap_ab: compute out.T = w @ x.T, so the weights are the MMA's left operand.
         max_rows: the most rows any expert has, if the caller knows it without a device
             sync: the grid is then E x cdiv(max_rows, block_n) row tiles, and the tile
@@ -245,12 +279,14 @@ def grouped_mxfp4_gemm(
     if expert_offsets.dim() != 1 or expert_offsets.numel() != e + 1:
         raise ValueError(f"expert_offsets must have E + 1 = {e + 1} entries; got shape "
                          f"{tuple(expert_offsets.shape)}")
-    if block_k % BLOCK or block_k < 2 * BLOCK:
-        raise ValueError(f"block_k must be a multiple of {BLOCK}, at least {2 * BLOCK}; "
-                         f"got {block_k}")
     if inner not in INNER_PRODUCTS:
         raise ValueError(f"unknown inner product {inner!r}; choose "
                          f"{', '.join(INNER_PRODUCTS)}")
+    if inner == "f16":
+        block_k = BLOCK  # one scale block per step
+    elif block_k % BLOCK or block_k < 2 * BLOCK:
+        raise ValueError(f"block_k must be a multiple of {BLOCK}, at least {2 * BLOCK}; "
+                         f"got {block_k}")
     device = x.packed.device
     out = torch.empty(n, m, dtype=torch.float32, device=device)  # [N, M]
     if n == 0 or m == 0:
