@@ -497,6 +497,7 @@ def main() -> int:
     ap.add_argument("--json", help="write every row here")
     ap.add_argument("--skip-serve", action="store_true")
     ap.add_argument("--skip-kernel", action="store_true")
+    ap.add_argument("--skip-sweep", action="store_true", help="skip the W4A4 kernel sweep")
     ap.add_argument("--budget", type=float, default=480,
                     help="seconds for all sections; a section that would start later is "
                          "reported as not run, one that runs over is stopped")
@@ -510,7 +511,8 @@ def main() -> int:
     guarded("machine", machine, 60)
     if not args.skip_kernel:
         guarded("W4A4 kernel", kernel, 150)
-        guarded("W4A4 kernel sweep", lambda: kernel_sweep(args.json), 200)
+        if not args.skip_sweep:
+            guarded("W4A4 kernel sweep", lambda: kernel_sweep(args.json), 200)
     guarded("logits", lambda: logits_vs_cpu(None), 90)
     guarded("W4A4 logits", lambda: logits_vs_cpu("w4a4"), 120)
     guarded("sampling", sampled_twice, 60)

@@ -250,7 +250,7 @@ def grouped_mxfp4_gemm(
             `[E, M, K / 32]` uint8), blocks along K; same device as x.
         block_n, block_m, block_k: tile sizes (powers of two, at least 16; block_k a
             multiple of 32 and at least 64). By default block_n follows the mean rows per
-            expert (16 to 64) and block_m is 64 (128 from block_n 64).
+            expert (16 to 64) and block_m is 128 (the best on an H200: docs/benchmarks.md).
         inner: the inner product: `tl.dot_scaled` ("dot_scaled"); an in-kernel decode
             to float32 then `tl.dot` in TF32 ("decode") or bfloat16 ("bf16"); or float16
             codes, one 32-block per step, the block's product scaled ("f16", block_k 32).
@@ -293,8 +293,8 @@ def grouped_mxfp4_gemm(
         return out
     if block_n is None:
         block_n = min(64, max(16, triton.next_power_of_2(triton.cdiv(n, e))))
-    if block_m is None:
-        block_m = 128 if block_n >= 64 else 64
+    if block_m is None:  # the H200 sweep's best for dot_scaled at decode and prefill
+        block_m = 128
 
     x_packed, x_scales = _dense_last(x.packed), _dense_last(x.scales)
     w_packed, w_scales = _dense_last(w.packed), _dense_last(w.scales)

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dcp.merge import partial_attention
 from services.attention.batch import StepBatch
@@ -85,10 +86,16 @@ Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float
                   tuple[torch.Tensor, torch.Tensor]]
 
 
+# Not cuDNN's SDPA: it builds an execution plan per new shape, and decode shapes change
+# every step (on an H200 a step then took up to 0.8 s in SDPA instead of milliseconds).
+_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Full attention by torch's SDPA; the lse is not computed (NaN), as `attend` drops it.
     Every query sees at least its own key here, so no row is fully masked."""
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                         enable_gqa=True)
+    with sdpa_kernel(_SDPA_BACKENDS):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                             enable_gqa=True)
     return out, torch.full(q.shape[:3], float("nan"), device=q.device)
