@@ -81,7 +81,7 @@ def _attention_iteration(placement: Placement, world: World, tokens: int, hidden
                          queue: mp.Queue) -> None:
     x, ids, w = _routing(tokens, hidden)
     client = TorchExperts(world, placement, hidden, torch.float32)
-    client.begin_step(True)  # once per step, shared by all layers: not timed per layer
+    client.begin_step(1)  # once per step, shared by all layers: not timed per layer
     dist.barrier()
     start = time.perf_counter()
     client(0, x, ids, w)

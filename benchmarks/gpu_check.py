@@ -1,26 +1,33 @@
 """The GPU check: every GPU path against the CPU path, then timed, on one NVIDIA GPU.
 
-    .venv/bin/python -m benchmarks.gpu_check [--json FILE] [--skip-serve] [--skip-kernel]
+    .venv/bin/python -m benchmarks.gpu_check [--json FILE] [--budget S] [--skip-serve]
+        [--skip-kernel] [--skip-sweep]
 
-Made to run once, within 8 minutes and without network access, on a lent machine:
+Made to run once, within 8 minutes and without network access, on a lent machine; each
+section has a time limit, and one that fails or runs over is a FAIL row while the others
+still run. In order:
 
 1. machine: GPU, driver, torch/CUDA/Triton versions; device-to-device copy bandwidth
    (bytes read + written) and bf16 matmul TFLOP/s (8192^3);
-2. the bundled demo model on `--device cuda` (local backend) against the CPU in float32:
-   logits of fixed prompts through the paged-KV path (`Engine.score`), float32 and
-   bfloat16, and greedy continuations; and seeded sampling (penalties, logprobs) giving the
-   same tokens twice on CUDA;
-3. the same with W4A4 experts (the Triton kernel on CUDA against the torch path on CPU);
-4. `switchyard serve --device cuda` (gateway, attention, 2 expert services over `rpc`, all
-   on this GPU) answering the demo questions as the CPU does;
-5. the W4A4 grouped GEMM (`benchmarks/gpu_mxfp4.py`): checked against the torch path, and
-   timed at decode and prefill shapes against the copy bandwidth;
-6. decode step time of the demo model on CUDA at batch 1, 16 and 64;
-7. the `nccl` backend's CuPy collective at world size 1 (rows to itself, and the flag).
+2. the W4A4 grouped GEMM (`benchmarks/gpu_mxfp4.py`): every variant checked against the
+   torch path, then timed at decode and prefill shapes against the copy bandwidth; and a
+   sweep of variants, tiles and launch options (`--skip-sweep`), to choose the defaults;
+3. the bundled demo model on `--device cuda` (local backend) against the CPU in float32:
+   logits through the paged-KV path (`Engine.score`) and greedy continuations, in float32
+   (random-byte prompts) and bfloat16 (demo questions, against the CPU's own bfloat16
+   error), then the same with W4A4 experts; seeded sampling giving the same tokens twice;
+4. decode step time at batch 1, 16 and 64, and a decode profile: one host sync's cost,
+   the syncs a step makes (by source line), each step's time, cProfile's top functions;
+5. the dispatch path of the `torch` (torch.distributed NCCL) and `nccl` (CuPy) backends
+   at world size 1 (128 tokens x 7168, top-8 of 256 experts over 8 ranks, checked), and
+   the CuPy collective alone;
+6. `switchyard serve --device cuda` (gateway, attention, 2 expert services over `rpc`, all
+   on this GPU) answering the demo questions as the CPU does (`--skip-serve`).
 
-The `torch` and `nccl` backends across ranks need two GPUs (NCCL refuses two ranks on
-one), and the `deepep` backend is not built: the table says so. Exits 0
-with a message where there is no CUDA device. One table on stdout, everything as JSON.
+The `torch`, `nccl` and `deepep` backends across ranks need two GPUs or more (NCCL
+refuses two ranks on one GPU; DeepEP's Buffer needs 2, 4 or 8 ranks): the table says so.
+Exits 0 with a message where there is no CUDA device. One table on stdout, everything as
+JSON (rewritten after each row).
 
 On this workplace's lent H200 (torch, Triton and CuPy installed; no network), after
 `scripts/gpu-wheels` here, one device run with `carry: [".whl"]` and `timeout_s: 540`:
@@ -390,14 +397,15 @@ def dispatch_path(device: str = "cuda") -> None:
 
 
 def deepep() -> None:
+    """DeepEP's Buffer needs 2, 4 or 8 ranks, one GPU each: here only whether it imports."""
     try:
         import deep_ep
     except ImportError:
         row("deepep backend", "not run", "", "deep_ep is not installed on this machine")
         return
     row("deepep backend", "not run", getattr(deep_ep, "__version__", "installed"),
-        "deep_ep is installed; the check needs the backend (issue 11)")
-
+        "deep_ep imports; its Buffer needs 2+ GPUs" if torch.cuda.device_count() < 2
+        else "deep_ep imports; run serve --dispatch-backend deepep --device cuda")
 
 def nccl_self() -> None:
     """The CuPy NCCL collective at world size 1: rows sent to oneself come back whole."""

@@ -73,8 +73,9 @@ class ExpertsClient(Protocol):
 
     lockstep: bool
 
-    def begin_step(self, has_work: bool) -> bool:
-        """Whether any rank has work this step (collective for lockstep backends)."""
+    def begin_step(self, num_tokens: int) -> bool:
+        """Whether any rank has work this step, given this rank's token count (collective
+        for lockstep backends; `deepep` also picks its kernels from the largest count)."""
         ...
 
     def idle_step(self) -> None:
@@ -105,8 +106,8 @@ class PointToPoint:
 
     lockstep = False
 
-    def begin_step(self, has_work: bool) -> bool:
-        return has_work
+    def begin_step(self, num_tokens: int) -> bool:
+        return num_tokens > 0
 
     def idle_step(self) -> None:
         pass

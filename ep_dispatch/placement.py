@@ -118,6 +118,11 @@ class Placement:
         """Lookup tensors for vectorised dispatch of `layer` (built once)."""
         return self._tables[layer]
 
+    @property
+    def most_local(self) -> int:
+        """The most experts one rank holds in one MoE layer."""
+        return max(max(t.num_local) for t in self._tables.values())
+
     def describe(self) -> str:
         """Human-readable: per rank, the experts it holds in each layer."""
         lines = [f"{self.num_ranks} expert rank(s), {self.num_experts} experts per MoE layer"]

@@ -13,6 +13,7 @@ from ep_dispatch.base import ExpertFn, ExpertsClient
 from switchyard.device import collective_backend
 
 if TYPE_CHECKING:
+    from ep_dispatch.deepep import DeepEPSettings
     from ep_dispatch.placement import Placement
     from ep_dispatch.torch_dist import World
 
@@ -37,6 +38,8 @@ class BackendContext:
     dtype: torch.dtype = torch.float32
     quantization: str | None = None  # "w4a4": activations travel as MXFP4
     device: str = "cpu"  # where the activations live
+    top_k: int = 0  # experts per token (`deepep` pads empty ranks with it)
+    deepep: DeepEPSettings | None = None  # `deepep`: the --deepep-* flags
 
 
 def _local(ctx: BackendContext) -> ExpertsClient:
@@ -60,8 +63,8 @@ def _rpc(ctx: BackendContext) -> ExpertsClient:
 
 
 def _collective_world(name: str, ctx: BackendContext) -> tuple[World, Placement]:
-    """What the lockstep backends (`torch`, `nccl`) share: float rows, a world, a placement
-    over its expert ranks."""
+    """What the lockstep backends (`torch`, `nccl`, `deepep`) share: float rows, a world,
+    a placement over its expert ranks."""
     from ep_dispatch.placement import make_placement
 
     if ctx.quantization:
@@ -92,12 +95,25 @@ def _nccl(ctx: BackendContext) -> ExpertsClient:
                         CupyNccl(world, ctx.connect_timeout))
 
 
+def _deepep(ctx: BackendContext) -> ExpertsClient:
+    from ep_dispatch.deepep import DeepEPExperts, DeepEPSettings, check_deepep, import_deep_ep
+    from ep_dispatch.torch_dist import join
+
+    world, placement = _collective_world("deepep", ctx)
+    settings = ctx.deepep or DeepEPSettings()
+    check_deepep(settings, world.size, ctx.hidden_size, ctx.top_k, placement.most_local,
+                 ctx.dtype)
+    import_deep_ep()
+    join(world, ctx.connect_timeout, "nccl")
+    return DeepEPExperts(world, placement, ctx.hidden_size, ctx.top_k, settings)
+
+
 _BACKENDS: dict[str, Callable[[BackendContext], ExpertsClient]] = {
-    "local": _local, "rpc": _rpc, "torch": _torch, "nccl": _nccl}
+    "local": _local, "rpc": _rpc, "torch": _torch, "nccl": _nccl, "deepep": _deepep}
 # Backends whose ranks move in lockstep through collectives (the launcher starts every
 # rank together), and those that move CUDA tensors only.
-COLLECTIVE = ("torch", "nccl")
-CUDA_ONLY = ("nccl",)
+COLLECTIVE = ("torch", "nccl", "deepep")
+CUDA_ONLY = ("nccl", "deepep")
 
 
 def available_backends() -> list[str]:

@@ -124,11 +124,6 @@ class TorchCollective:
             dist.destroy_process_group()
 
 
-def _count_width(placement: Placement) -> int:
-    """Columns of the per-rank count matrix: the most experts any rank holds in a layer."""
-    return max(max(placement.table(layer).num_local) for layer in placement.replicas)
-
-
 def _any_work(has_work: bool, device: torch.device) -> bool:
     flag = torch.tensor([int(has_work)], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -147,11 +142,11 @@ class TorchExperts:
                              f"{world.num_experts} expert ranks")
         self.world, self.placement = world, placement
         self.hidden, self.dtype, self.device = hidden, dtype, torch.device(device)
-        self.width = _count_width(placement)
+        self.width = placement.most_local
         self.coll = collective or TorchCollective()
 
-    def begin_step(self, has_work: bool) -> bool:
-        return self.coll.any_work(has_work, self.device)
+    def begin_step(self, num_tokens: int) -> bool:
+        return self.coll.any_work(num_tokens > 0, self.device)
 
     def idle_step(self) -> None:
         empty_ids = torch.zeros(0, 1, dtype=torch.int64, device=self.device)
@@ -200,7 +195,7 @@ def serve_round(world: World, placement: Placement, expert_fn: ExpertFn,
     device."""
     if not coll.any_work(False, nothing.device):
         return
-    rank, width = world.rank - world.num_attention, _count_width(placement)
+    rank, width = world.rank - world.num_attention, placement.most_local
     for layer in sorted(placement.replicas):
         _serve_layer(world, layer, expert_fn, nothing, width,
                      placement.table(layer).num_local[rank], coll)

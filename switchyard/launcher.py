@@ -23,6 +23,7 @@ from pathlib import Path
 
 import httpx
 
+from ep_dispatch.deepep import deepep_flags, deepep_settings
 from ep_dispatch.registry import COLLECTIVE, check_backend
 from services.model.config import CheckpointError, ModelConfig
 from switchyard.demo_model import DEFAULT_MODEL, DEFAULT_MODEL_NAME
@@ -161,6 +162,8 @@ def _engine_args(args: argparse.Namespace) -> list[str]:
         out += ["--quantization", args.quantization]
     if args.dcp_size > 1:
         out += ["--dcp-size", str(args.dcp_size), "--dcp-interleave", str(args.dcp_interleave)]
+    if args.dispatch_backend == "deepep":
+        out += deepep_flags(deepep_settings(args))
     out += _tracing_args(args)
     return out
 
@@ -233,6 +236,8 @@ def _start_services(args: argparse.Namespace, model: Path, name: str,
         for _, cmd in experts:
             cmd += ["--dispatch-backend", args.dispatch_backend, *dist, "--attention-ranks",
                     str(args.attention_groups)]
+            if args.dispatch_backend == "deepep":
+                cmd += deepep_flags(deepep_settings(args))
         started = children.start_all(experts + groups, timeout, gpu=True)
         expert_ports, engine_ports = started[:num_experts], started[num_experts:]
         peers = []
@@ -257,6 +262,22 @@ def _start_services(args: argparse.Namespace, model: Path, name: str,
     return url
 
 
+def _check_deepep(args: argparse.Namespace, cfg: ModelConfig) -> None:
+    """DeepEP's limits for this layout and model, and DeepEP itself, before any process."""
+    from ep_dispatch.deepep import check_deepep, check_step_budget, import_deep_ep
+    from ep_dispatch.placement import make_placement
+    from services.attention.config import resolve_dtype
+
+    num_experts = _num_expert_services(args)
+    placement = make_placement([i for i, m in enumerate(cfg.moe_layers) if m],
+                               cfg.num_experts, num_experts, args.placement)
+    settings = deepep_settings(args)
+    check_deepep(settings, args.attention_groups + num_experts, cfg.hidden_size, cfg.top_k,
+                 placement.most_local, resolve_dtype(args.dtype, args.device))
+    check_step_budget(settings, args.max_num_batched_tokens)
+    import_deep_ep()
+
+
 def _gpus(args: argparse.Namespace, num_experts: int) -> int:
     """GPUs to spread the services over (0 on the CPU). NCCL gives each rank its own GPU,
     so collective backends and DCP need one per rank; rpc services may share."""
@@ -278,10 +299,12 @@ def serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or (model.name if args.model else DEFAULT_MODEL_NAME)
     try:
         # Fail fast on the common mistakes, before any process starts.
-        ModelConfig.from_dir(model)
+        cfg = ModelConfig.from_dir(model)
         check_device(args.device, "attention")
         check_backend(args.dispatch_backend, args.device)
-    except (CheckpointError, ValueError) as exc:
+        if args.dispatch_backend == "deepep":
+            _check_deepep(args, cfg)
+    except (CheckpointError, ValueError, StartupError) as exc:
         print(f"switchyard serve: {exc}", file=sys.stderr)
         return 2
     try:

@@ -142,7 +142,8 @@ def test_balanced_placement_and_file_errors(tmp_path: object) -> None:
 
 
 def test_unknown_backend_names_the_known_ones() -> None:
-    with pytest.raises(ValueError, match=r"unknown dispatch backend 'nope'; available: local"):
+    with pytest.raises(ValueError, match=r"unknown dispatch backend 'nope'; available: deepep, "
+                                         r"local, nccl, rpc, torch$"):
         create_experts_client("nope", BackendContext(moe_layers=[0], num_experts=2))
 
 

@@ -172,7 +172,8 @@ def test_serve_rejects_an_unknown_backend(qwen3_ckpt: tuple) -> None:
                            "--dispatch-backend", "carrier-pigeon"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
-    assert ("unknown dispatch backend 'carrier-pigeon'; available: local, nccl, rpc, torch"
+    assert ("unknown dispatch backend 'carrier-pigeon'; available: deepep, local, nccl, rpc, "
+            "torch"
             in proc.stderr)
 
 
@@ -225,7 +226,8 @@ def test_torch_backend_across_processes(qwen3_ckpt: tuple) -> None:
             x = torch.randn(tokens, cfg.hidden_size, generator=g)
             ids = torch.rand(tokens, cfg.num_experts, generator=g).topk(top_k).indices
             w = torch.rand(tokens, top_k, generator=g)
-            assert engine.experts.begin_step(True)  # one round serves every MoE layer once
+            # announce work, so that every rank runs the round (the 0-token call too)
+            assert engine.experts.begin_step(1)  # one round serves every MoE layer once
             for layer in moe:
                 assert torch.allclose(engine.experts(layer, x, ids, w),
                                       local(layer, x, ids, w), atol=1e-6)

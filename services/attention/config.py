@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from ep_dispatch.deepep import DeepEPSettings, add_deepep_flags, deepep_settings
 from switchyard.units import parse_size
 
 ENV_PREFIX = "SWITCHYARD_"
@@ -44,6 +45,7 @@ class AttentionConfig:
     dcp_init: tuple[str, int] | None = None  # the group's rendezvous, hosted by rank 0
     otlp_traces_endpoint: str | None = None
     metrics_port: int | None = None  # Prometheus /metrics; None: not served
+    deepep: DeepEPSettings = field(default_factory=DeepEPSettings)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -105,8 +107,9 @@ def add_engine_flags(p: argparse.ArgumentParser, default_backend: str = "local")
     p.add_argument("--dispatch-backend", default=env("DISPATCH_BACKEND", default_backend),
                    help="ep_dispatch backend between attention and experts: local (experts "
                         "in the attention process), rpc (expert services over TCP), torch "
-                        "(torch.distributed all-to-all: gloo, or NCCL with --device cuda) or "
-                        "nccl (NCCL through CuPy, --device cuda)")
+                        "(torch.distributed all-to-all: gloo, or NCCL with --device cuda), "
+                        "nccl (NCCL through CuPy, --device cuda) or deepep (DeepEP's "
+                        "kernels, --device cuda)")
     p.add_argument("--placement", default=env("PLACEMENT"),
                    help="placement JSON file (default: balanced round-robin)")
     p.add_argument("--expert-timeout", type=float, default=float(env("EXPERT_TIMEOUT", "30")),
@@ -129,6 +132,7 @@ def add_engine_flags(p: argparse.ArgumentParser, default_backend: str = "local")
     p.add_argument("--dist-init", default=env("DIST_INIT"),
                    help="torch backend: HOST:PORT of the rendezvous, hosted by attention "
                         "rank 0")
+    add_deepep_flags(p, env)
 
 
 def from_args(args: argparse.Namespace) -> AttentionConfig:
@@ -153,4 +157,5 @@ def from_args(args: argparse.Namespace) -> AttentionConfig:
         dcp_init=parse_addresses(args.dcp_init)[0] if getattr(args, "dcp_init", None) else None,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         metrics_port=getattr(args, "metrics_port", None),
+        deepep=deepep_settings(args),
     )

@@ -11,6 +11,7 @@ from dcp.batch import build_rank_batch
 from dcp.group import DcpGroup, GroupExperts
 from dcp.sharding import ShardedBlockManager, Sharding
 from ep_dispatch import BackendContext, create_experts_client
+from ep_dispatch.deepep import check_step_budget
 from ep_dispatch.registry import COLLECTIVE, check_backend
 from ep_dispatch.torch_dist import World
 from services.attention.batch import StepBatch, build_batch
@@ -61,6 +62,8 @@ class Engine:
         self.model = DenseModel(cfg, checkpoint, self.dtype,
                                 self.group.attend if self.group else None, self.device)
         check_backend(config.dispatch_backend, self.device)
+        if config.dispatch_backend == "deepep":
+            check_step_budget(config.deepep, config.max_num_batched_tokens)
         self.quantization = check_quantization(cfg, config.quantization)
         bank = None
         if config.dispatch_backend == "local":  # the only backend with experts in-process
@@ -74,7 +77,7 @@ class Engine:
             placement_file=config.placement, call_timeout=config.expert_timeout,
             connect_timeout=config.expert_timeout, world=_world(config),
             hidden_size=cfg.hidden_size, dtype=self.dtype, quantization=self.quantization,
-            device=config.device))
+            device=config.device, top_k=cfg.top_k, deepep=config.deepep))
         num_blocks = config.kv_cache_memory // kv_bytes_per_block(cfg, config.block_size,
                                                                   self.dtype)
         self.kv = KVCache(cfg, num_blocks, config.block_size, self.dtype, self.device)
@@ -202,7 +205,7 @@ class Engine:
     def step(self) -> list[TokenDelta]:
         """Run one scheduler step; returns the new tokens of every sequence that got one."""
         scheduled = self.scheduler.schedule()
-        if not self.experts.begin_step(bool(scheduled)):
+        if not self.experts.begin_step(sum(item.num_new_tokens for item in scheduled)):
             return []
         if not scheduled:  # others have work: join their exchanges with zero rows
             self.experts.idle_step()
@@ -260,7 +263,7 @@ class Engine:
                 n = min(seq.num_tokens - seq.num_computed_tokens,
                         self.config.max_num_batched_tokens)
                 self.block_manager.allocate(seq, n)
-                self.experts.begin_step(True)
+                self.experts.begin_step(n)
                 batch = self._batch([ScheduledSeq(seq, n)], all_logits=True)
                 logits.append(self.model.logits(self.model.forward(batch, self.kv,
                                                                    self.experts)))

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from ep_dispatch.deepep import DeepEPSettings, add_deepep_flags, deepep_settings
 from services.attention.config import add_device_flag, add_metrics_flag, env
 from switchyard.rpc import parse_address
 
@@ -29,6 +30,7 @@ class ExpertConfig:
     otlp_traces_endpoint: str | None = None
     metrics_port: int | None = None  # Prometheus /metrics; None: not served
     device: str = "cpu"
+    deepep: DeepEPSettings = field(default_factory=DeepEPSettings)
 
 
 def add_expert_parser(sub: argparse._SubParsersAction) -> None:
@@ -47,9 +49,10 @@ def add_expert_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=int(env("EXPERT_PORT", "0")))
     p.add_argument("--ready-fd", type=int, default=None)
     p.add_argument("--dispatch-backend", default=env("DISPATCH_BACKEND", "rpc"),
-                   choices=["rpc", "torch", "nccl"],
+                   choices=["rpc", "torch", "nccl", "deepep"],
                    help="rpc: serve attention ranks over TCP; torch: join their process "
-                        "group; nccl: their NCCL communicator (CuPy, --device cuda)")
+                        "group; nccl: their NCCL communicator (CuPy, --device cuda); "
+                        "deepep: their DeepEP buffer (--device cuda)")
     p.add_argument("--dist-init", default=env("DIST_INIT"),
                    help="torch backend: HOST:PORT of the rendezvous (attention rank 0)")
     p.add_argument("--attention-ranks", type=int, default=int(env("ATTENTION_RANKS", "1")),
@@ -61,6 +64,7 @@ def add_expert_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--otlp-traces-endpoint", default=env("OTLP_TRACES_ENDPOINT"),
                    help="OTLP traces URL (or set the OTEL_EXPORTER_OTLP_* variables)")
     add_metrics_flag(p)
+    add_deepep_flags(p, env)
 
 
 def expert_config(args: argparse.Namespace) -> ExpertConfig:
@@ -74,4 +78,5 @@ def expert_config(args: argparse.Namespace) -> ExpertConfig:
                         rendezvous_timeout=args.rendezvous_timeout,
                         quantization=args.quantization,
                         otlp_traces_endpoint=args.otlp_traces_endpoint,
-                        metrics_port=args.metrics_port, device=args.device)
+                        metrics_port=args.metrics_port, device=args.device,
+                        deepep=deepep_settings(args))

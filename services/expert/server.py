@@ -50,7 +50,7 @@ class ExpertServer:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
-        model_config = ModelConfig.from_dir(config.model)
+        self.model_config = model_config = ModelConfig.from_dir(config.model)
         moe_layers = [i for i, is_moe in enumerate(model_config.moe_layers) if is_moe]
         self.placement = make_placement(moe_layers, model_config.num_experts, config.num_ranks,
                                         config.placement)
@@ -201,6 +201,9 @@ def serve_collective(config: ExpertConfig, server: ExpertServer,
                          "HOST:PORT")
     world = World(config.dist_init, config.attention_ranks, config.num_ranks,
                   rank=config.attention_ranks + config.rank)
+    if config.dispatch_backend == "deepep":
+        serve_deepep_rank(config, server, world, metrics_port)
+        return
     if config.dispatch_backend == "nccl":
         from ep_dispatch.nccl import CupyNccl
 
@@ -214,6 +217,24 @@ def serve_collective(config: ExpertConfig, server: ExpertServer,
     with torch.inference_mode():
         serve_experts(world, server.placement, server.bank.forward,
                       server.bank.hidden_size, server.bank.dtype, config.device, collective)
+
+
+def serve_deepep_rank(config: ExpertConfig, server: ExpertServer, world: World,
+                      metrics_port: int | None) -> None:
+    """deepep backend: this rank's share of DeepEP's buffer, serving every round."""
+    from ep_dispatch.deepep import check_deepep, import_deep_ep, serve_deepep
+
+    bank, top_k = server.bank, server.model_config.top_k
+    check_deepep(config.deepep, world.size, bank.hidden_size, top_k,
+                 server.placement.most_local, bank.dtype)
+    import_deep_ep()
+    join(world, config.rendezvous_timeout, "nccl")
+    log.info("expert rank %d/%d joined the deepep world, holding %.1f MB", config.rank,
+             config.num_ranks, bank.nbytes() / 1e6)
+    report_ready(config.ready_fd, 0, metrics_port)
+    with torch.inference_mode():
+        serve_deepep(world, server.placement, bank.forward, bank.hidden_size, top_k,
+                     config.deepep)
 
 
 def main(config: ExpertConfig) -> int:

@@ -1,0 +1,397 @@
+"""`deepep` backend: DeepEP's all-to-all kernels between attention and expert ranks.
+
+DeepEP (github.com/deepseek-ai/DeepEP, its V1 `deep_ep.Buffer`) assumes symmetric expert
+parallelism: each rank of the Buffer's group sends tokens and hosts num_experts / num_ranks
+experts, expert e on rank e // experts_per_rank. Here attention ranks send and expert ranks
+compute, so experts are renumbered into *slots*: every world rank owns L slots (L = the
+most experts an expert rank holds in one MoE layer), expert rank r's k-th local expert of a
+layer is slot (G + r) * L + k, and no token is routed to the G attention ranks' slots.
+Expert ranks dispatch one padding token routed nowhere (top-k ids -1), because DeepEP has
+crashed on ranks with no tokens.
+
+Every round starts with an all-reduce of the largest token count of any attention rank,
+which picks the kernels for all ranks (`--deepep-mode auto`): the low-latency kernels when
+it fits `--deepep-max-tokens` (decode steps), else the normal ones (prefill steps).
+
+- normal: `get_dispatch_layout`, then `dispatch` sends each token once to each rank it
+  needs, with its top-k local slots and weights; the expert rank runs every (token, slot)
+  pair and sums them per token, weighted; `combine` (a plain sum) brings them back.
+- low latency: `low_latency_dispatch` (bf16) fills [L, max_tokens * W, H] per-slot rows
+  with counts; the expert rank runs its grouped GEMM on each slot's rows, writing the
+  outputs in place; `low_latency_combine` sums them weighted by the sender's top-k weights.
+
+The handle of each dispatch is used by its combine; layouts are computed once per layer
+call. Not yet run: DeepEP is not installed on the lent GPU machine (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ep_dispatch.base import ExpertFn
+from ep_dispatch.metrics import phase
+from ep_dispatch.placement import Placement
+from ep_dispatch.torch_dist import World
+from switchyard.units import parse_size
+
+log = logging.getLogger(__name__)
+
+# DeepEP's constraints (csrc/kernels/launch.cuh SWITCH_HIDDEN and SWITCH_RANKS,
+# internode_ll.cu kNumMaxTopK, deep_ep.cpp): checked before any process group exists.
+LOW_LATENCY_HIDDEN = (2048, 2560, 3072, 3584, 4096, 5120, 6144, 7168, 8192)
+MAX_TOP_K = 9
+MAX_LOW_LATENCY_TOKENS = 511  # (tokens + 1) * 2 <= NVSHMEM_QP_DEPTH, 1024 by default
+INTRANODE_RANKS = (2, 4, 8)
+INTERNODE_NODES = (2, 3, 4, 6, 8, 12, 16, 18, 20)  # of 8 ranks each
+MAX_LOCAL_SLOTS = 1024
+MODES = ("auto", "normal", "low_latency")
+BUILD_HINT = ("build it from https://github.com/deepseek-ai/DeepEP with NVSHMEM (pip install "
+              "nvidia-nvshmem-cu12, then `pip install --no-build-isolation .` in its "
+              "checkout), or build the image with --build-arg WITH_DEEPEP=1")
+
+# (rows [M, H] grouped by local slot, rows per local slot) -> outputs [M, H], unweighted
+SlotFn = Callable[[torch.Tensor, list[int]], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class DeepEPSettings:
+    """The `--deepep-*` flags; every rank of the world must be given the same."""
+
+    mode: str = "auto"  # auto: low latency when a round's tokens fit max_tokens, else normal
+    max_tokens: int = 128  # low latency: the most tokens one attention rank sends per round
+    nvl_bytes: int = 0  # the Buffer's NVLink buffer; 0: DeepEP's size hint
+    rdma_bytes: int = 0  # its RDMA buffer; 0: DeepEP's size hint
+
+    @property
+    def low_latency(self) -> bool:
+        return self.mode != "normal"
+
+
+def add_deepep_flags(p: argparse.ArgumentParser, env: Callable[[str, str], str]) -> None:
+    p.add_argument("--deepep-mode", default=env("DEEPEP_MODE", "auto"), choices=MODES,
+                   help="deepep backend: its low-latency kernels for rounds of at most "
+                        "--deepep-max-tokens tokens per attention rank and normal ones "
+                        "above (auto), or one kind always")
+    p.add_argument("--deepep-max-tokens", type=int,
+                   default=int(env("DEEPEP_MAX_TOKENS", "128")),
+                   help="deepep: tokens per attention rank the low-latency buffers hold")
+    p.add_argument("--deepep-nvl-bytes", type=parse_size,
+                   default=parse_size(env("DEEPEP_NVL_BYTES", "0")),
+                   help="deepep: NVLink buffer per rank (0: DeepEP's size hint)")
+    p.add_argument("--deepep-rdma-bytes", type=parse_size,
+                   default=parse_size(env("DEEPEP_RDMA_BYTES", "0")),
+                   help="deepep: RDMA buffer per rank (0: DeepEP's size hint)")
+
+
+def deepep_settings(args: argparse.Namespace) -> DeepEPSettings:
+    return DeepEPSettings(args.deepep_mode, args.deepep_max_tokens, args.deepep_nvl_bytes,
+                          args.deepep_rdma_bytes)
+
+
+def deepep_flags(s: DeepEPSettings) -> list[str]:
+    """The flags that give another process these settings."""
+    return ["--deepep-mode", s.mode, "--deepep-max-tokens", str(s.max_tokens),
+            "--deepep-nvl-bytes", str(s.nvl_bytes), "--deepep-rdma-bytes", str(s.rdma_bytes)]
+
+
+def check_deepep(s: DeepEPSettings, world_size: int, hidden: int, top_k: int,
+                 slots_per_rank: int, dtype: torch.dtype) -> None:
+    """Refuse, before anything starts, what DeepEP's kernels cannot run."""
+    if s.mode not in MODES:
+        raise ValueError(f"unknown --deepep-mode {s.mode!r}; choose {', '.join(MODES)}")
+    if dtype != torch.bfloat16:
+        raise ValueError(f"the deepep backend moves bfloat16 rows; this model computes in "
+                         f"{dtype} (use --dtype bfloat16 or auto on the GPU)")
+    if world_size > 8 and (world_size % 8 or world_size // 8 not in INTERNODE_NODES):
+        raise ValueError(f"DeepEP runs 2, 4 or 8 ranks on one node, or 8 per node on "
+                         f"{', '.join(map(str, INTERNODE_NODES))} nodes; this layout has "
+                         f"{world_size} (attention and expert ranks together)")
+    if world_size <= 8 and world_size not in INTRANODE_RANKS:
+        raise ValueError(f"DeepEP's intranode kernels run on {INTRANODE_RANKS} ranks; this "
+                         f"layout has {world_size} (attention and expert ranks together)")
+    if slots_per_rank > MAX_LOCAL_SLOTS:
+        raise ValueError(f"an expert rank holds {slots_per_rank} experts of one layer; "
+                         f"DeepEP allows {MAX_LOCAL_SLOTS}: use more expert ranks")
+    if hidden % 8:
+        raise ValueError(f"DeepEP moves rows in 16-byte units; hidden size {hidden} is not "
+                         "a multiple of 8")
+    if not s.low_latency:
+        return
+    fix = "; or run --deepep-mode normal"
+    if hidden not in LOW_LATENCY_HIDDEN:
+        raise ValueError(f"DeepEP's low-latency kernels support hidden sizes "
+                         f"{', '.join(map(str, LOW_LATENCY_HIDDEN))}; this model's is "
+                         f"{hidden}{fix}")
+    if top_k > MAX_TOP_K:
+        raise ValueError(f"DeepEP's low-latency kernels route each token to at most "
+                         f"{MAX_TOP_K} experts; this model's top-k is {top_k}{fix}")
+    if not 1 <= s.max_tokens <= MAX_LOW_LATENCY_TOKENS:
+        raise ValueError(f"--deepep-max-tokens must be 1..{MAX_LOW_LATENCY_TOKENS} (DeepEP "
+                         f"with NVSHMEM's default queue depth); got {s.max_tokens}")
+    if s.max_tokens * world_size % 4:
+        raise ValueError(f"DeepEP needs --deepep-max-tokens x ranks to be a multiple of 4; "
+                         f"{s.max_tokens} x {world_size} is not")
+
+
+def check_step_budget(s: DeepEPSettings, max_num_batched_tokens: int) -> None:
+    """With low-latency kernels only, no step may send more tokens than they hold."""
+    if s.mode == "low_latency" and max_num_batched_tokens > s.max_tokens:
+        raise ValueError(f"--deepep-mode low_latency holds {s.max_tokens} tokens per rank "
+                         f"(--deepep-max-tokens) but a step may run "
+                         f"{max_num_batched_tokens} (--max-num-batched-tokens)")
+
+
+def import_deep_ep() -> Any:
+    """`deep_ep`, or an error that says how to get it."""
+    try:
+        import deep_ep
+    except ImportError as exc:
+        raise ValueError(f"the deepep dispatch backend needs DeepEP (import deep_ep failed: "
+                         f"{exc}); {BUILD_HINT}") from exc
+    return deep_ep
+
+
+class Slots:
+    """DeepEP's expert ids for our placement: per MoE layer, each expert's slot for each of
+    its replicas, and how many replicas it has."""
+
+    def __init__(self, placement: Placement, num_attention: int, device: torch.device) -> None:
+        self.per_rank = placement.most_local  # L
+        self.num_slots = (num_attention + placement.num_ranks) * self.per_rank
+        self.num_local = {layer: placement.table(layer).num_local
+                          for layer in placement.replicas}
+        self._slot: dict[int, torch.Tensor] = {}
+        self._replicas: dict[int, torch.Tensor] = {}
+        for layer in placement.replicas:
+            t = placement.table(layer)
+            ranks = t.replica_ranks  # [E, R_max] expert ranks
+            local = t.local_index.gather(0, ranks.T).T  # [E, R_max] index on that rank
+            self._slot[layer] = ((num_attention + ranks) * self.per_rank + local).to(device)
+            self._replicas[layer] = t.num_replicas.to(device)
+
+    def route(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
+        """Slots [T, K] int64 of global expert ids [T, K]; token t takes replica
+        t % num_replicas, as the other backends do."""
+        token = torch.arange(topk_ids.shape[0], device=topk_ids.device)[:, None]  # [T, 1]
+        replica = token % self._replicas[layer][topk_ids]  # [T, K]
+        return self._slot[layer][topk_ids, replica]
+
+
+def weighted_by_slot(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
+                     per_slot: list[int], fn: SlotFn) -> torch.Tensor:
+    """What an expert rank returns for normal-mode rows: per row, the sum over its local
+    slots of weight * fn(row).
+
+    Args:
+        x: [M, H] received rows.
+        slots: [M, K] int64 local slot of each of a row's top-k choices, -1 where that
+            choice is on another rank.
+        weights: [M, K] float32 router weights.
+        per_slot: rows per local slot (DeepEP's num_recv_tokens_per_expert_list).
+        fn: the experts: rows grouped by local slot -> outputs [M', H], unweighted.
+
+    Returns:
+        [M, H] in x's dtype.
+    """
+    out = torch.zeros_like(x)
+    n = sum(per_slot)
+    if n == 0:
+        return out
+    top_k = slots.shape[1]
+    flat = slots.reshape(-1)  # [M*K]
+    key = torch.where(flat >= 0, flat, len(per_slot))  # others' choices sort last
+    pairs = torch.argsort(key, stable=True)[:n]  # [n] (row, choice) pairs by slot
+    rows = pairs // top_k  # [n]
+    y = fn(x[rows], per_slot)  # [n, H]
+    w = weights.reshape(-1)[pairs].to(torch.float32)[:, None]  # [n, 1]
+    return out.index_add_(0, rows, (y.float() * w).to(x.dtype))
+
+
+def packed_rows(packed: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Low-latency receive buffer [L, cap, H] -> its valid rows [sum(counts), H], by slot."""
+    parts = [packed[s, :c] for s, c in enumerate(counts) if c]
+    return torch.cat(parts) if parts else packed.new_zeros(0, packed.shape[-1])
+
+
+def unpack_into(packed: torch.Tensor, counts: list[int], y: torch.Tensor) -> None:
+    """Write y [sum(counts), H] back into packed [L, cap, H], slot by slot."""
+    start = 0
+    for s, c in enumerate(counts):
+        if c:
+            packed[s, :c] = y[start:start + c]
+            start += c
+
+
+class DeepEPRank:
+    """One rank of the Buffer's world: attention ranks send tokens (`slot_fn` None), expert
+    ranks run their slots (`slot_fn(layer)`)."""
+
+    def __init__(self, world: World, placement: Placement, hidden: int, top_k: int,
+                 settings: DeepEPSettings,
+                 slot_fn: Callable[[int], SlotFn] | None = None) -> None:
+        self.deep_ep = import_deep_ep()
+        self.world, self.hidden, self.top_k, self.settings = world, hidden, top_k, settings
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.slots = Slots(placement, world.num_attention, self.device)
+        self.layers = sorted(placement.replicas)
+        self.slot_fn = slot_fn
+        _agree(settings, hidden, top_k, self.slots.per_rank)
+        self.buffer = self._buffer()
+        self.mode, self._ll_clean = "normal", False
+
+    def _buffer(self) -> Any:
+        Buffer, s, w = self.deep_ep.Buffer, self.settings, self.world.size
+        hidden_bytes = self.hidden * 2
+        nvl, rdma = s.nvl_bytes, s.rdma_bytes
+        if not nvl and s.mode != "low_latency":
+            nvl = max(c.get_nvl_buffer_size_hint(hidden_bytes, w)
+                      for c in (Buffer.get_dispatch_config(w), Buffer.get_combine_config(w)))
+        if not rdma:
+            hints = [Buffer.get_low_latency_rdma_size_hint(
+                s.max_tokens, self.hidden, w, self.slots.num_slots)] if s.low_latency else []
+            if s.mode != "low_latency" and w > 8:
+                hints += [c.get_rdma_buffer_size_hint(hidden_bytes, w) for c in
+                          (Buffer.get_dispatch_config(w), Buffer.get_combine_config(w))]
+            rdma = max(hints, default=0)
+        log.info("DeepEP buffer: %d ranks, %d slots each, NVLink %.0f MB, RDMA %.0f MB, "
+                 "mode %s", w, self.slots.per_rank, nvl / 1e6, rdma / 1e6, s.mode)
+        return Buffer(dist.group.WORLD, nvl, rdma, low_latency_mode=s.low_latency,
+                      num_qps_per_rank=self.slots.per_rank)
+
+    def begin_round(self, num_tokens: int) -> bool:
+        """The round's kernels, from every rank's token count (collective)."""
+        most = torch.tensor([num_tokens], device=self.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        tokens = int(most.item())
+        if self.settings.mode == "auto":
+            self.mode = "low_latency" if tokens <= self.settings.max_tokens else "normal"
+        else:
+            self.mode = self.settings.mode
+        return tokens > 0
+
+    def layer(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
+              topk_weights: torch.Tensor) -> torch.Tensor:
+        """One MoE layer's exchange: x [T, H] bf16 routed to topk_ids [T, K] -> [T, H]."""
+        num_tokens = x.shape[0]
+        slots = self.slots.route(layer, topk_ids)  # [T, K] int64
+        weights = topk_weights.float()  # [T, K]
+        if num_tokens == 0:  # one token routed nowhere: DeepEP has failed on empty ranks
+            x = x.new_zeros(1, self.hidden)
+            slots = torch.full((1, self.top_k), -1, dtype=torch.int64, device=x.device)
+            weights = torch.zeros(1, self.top_k, device=x.device)
+        fn = self.slot_fn(layer) if self.slot_fn else None
+        if self.mode == "low_latency":
+            out = self._low_latency(x, slots, weights, layer, fn)
+        else:
+            out = self._normal(x, slots, weights, fn)
+        return out[:num_tokens]
+
+    def _normal(self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
+                fn: SlotFn | None) -> torch.Tensor:
+        b = self.buffer
+        self._ll_clean = False
+        per_rank, _, per_slot, in_rank, _ = b.get_dispatch_layout(slots, self.slots.num_slots)
+        recv_x, recv_slots, recv_w, recv_per_slot, handle, _ = b.dispatch(
+            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_slot, topk_idx=slots, topk_weights=weights)
+        y = weighted_by_slot(recv_x, recv_slots, recv_w, recv_per_slot, fn) if fn \
+            else torch.zeros_like(recv_x)  # [M, H]; attention ranks receive no rows
+        combined, _, _ = b.combine(y, handle)
+        return combined
+
+    def _low_latency(self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
+                     layer: int, fn: SlotFn | None) -> torch.Tensor:
+        b, s = self.buffer, self.settings
+        if not self._ll_clean:  # after normal kernels, before low-latency ones
+            b.clean_low_latency_buffer(s.max_tokens, self.hidden, self.slots.num_slots)
+            self._ll_clean = True
+        packed, counts, handle, _, _ = b.low_latency_dispatch(
+            x, slots, s.max_tokens, self.slots.num_slots, use_fp8=False)
+        if fn:  # packed [L, max_tokens * W, H], counts [L]
+            n = counts.tolist()
+            unpack_into(packed, n, fn(packed_rows(packed, n), n))
+        combined, _, _ = b.low_latency_combine(packed, slots, weights, handle)
+        return combined
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _agree(settings: DeepEPSettings, hidden: int, top_k: int, per_rank: int) -> None:
+    """Every rank must size DeepEP alike (different max tokens hang its kernels)."""
+    mine = (settings, hidden, top_k, per_rank)
+    everyone: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if any(other != mine for other in everyone):
+        raise ValueError(f"the ranks' DeepEP settings differ: {everyone}")
+
+
+class DeepEPExperts:
+    """Attention side (`ExpertsClient`), in lockstep with every other rank."""
+
+    lockstep = True
+
+    def __init__(self, world: World, placement: Placement, hidden: int, top_k: int,
+                 settings: DeepEPSettings) -> None:
+        self.rank = DeepEPRank(world, placement, hidden, top_k, settings)
+        self.hidden = hidden
+
+    def begin_step(self, num_tokens: int) -> bool:
+        return self.rank.begin_round(num_tokens)
+
+    def idle_step(self) -> None:
+        d = self.rank.device
+        for layer in self.rank.layers:
+            self.rank.layer(layer, torch.zeros(0, self.hidden, dtype=torch.bfloat16, device=d),
+                            torch.zeros(0, self.rank.top_k, dtype=torch.int64, device=d),
+                            torch.zeros(0, self.rank.top_k, device=d))
+
+    def __call__(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor) -> torch.Tensor:
+        with phase("dispatch", "deepep", layer, x.shape[0]):  # dispatch + combine
+            return self.rank.layer(layer, x, topk_ids, topk_weights)
+
+    def describe(self) -> list[str]:
+        w = self.rank.world
+        return [f"DeepEP world of {w.size} ranks: {w.num_attention} attention, "
+                f"{w.num_experts} expert; {self.rank.slots.per_rank} slots per rank"]
+
+    def ready(self) -> bool:
+        return dist.is_initialized()
+
+    def close(self) -> None:
+        self.rank.close()
+
+
+def serve_deepep(world: World, placement: Placement, expert_fn: ExpertFn, hidden: int,
+                 top_k: int, settings: DeepEPSettings) -> None:
+    """Expert side: every round, each MoE layer's exchange, until the process is stopped."""
+    rank_index = world.rank - world.num_attention
+
+    def slot_fn(layer: int) -> SlotFn:
+        num_local = placement.table(layer).num_local[rank_index]
+
+        def run(rows: torch.Tensor, per_slot: list[int]) -> torch.Tensor:
+            if any(per_slot[num_local:]):
+                raise RuntimeError(f"layer {layer}: rows for slots this rank does not hold")
+            return expert_fn(layer, rows, per_slot[:num_local])
+
+        return run
+
+    rank = DeepEPRank(world, placement, hidden, top_k, settings, slot_fn)
+    d = rank.device
+    nothing = torch.zeros(0, hidden, dtype=torch.bfloat16, device=d)
+    no_ids = torch.zeros(0, top_k, dtype=torch.int64, device=d)
+    no_weights = torch.zeros(0, top_k, device=d)
+    while True:
+        if rank.begin_round(0):
+            for layer in rank.layers:
+                rank.layer(layer, nothing, no_ids, no_weights)

@@ -1,0 +1,166 @@
+"""The `deepep` backend on a CPU machine: its start-up errors (no CUDA, no `deep_ep`,
+limits of DeepEP's kernels), the renumbering of experts into DeepEP's slots, and the
+expert rank's row transforms, against direct loops. DeepEP itself needs NVIDIA GPUs with
+NVSHMEM; it has not run here (docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ep_dispatch.deepep import (
+    DeepEPSettings,
+    Slots,
+    check_deepep,
+    check_step_budget,
+    packed_rows,
+    unpack_into,
+    weighted_by_slot,
+)
+from ep_dispatch.placement import Placement
+from ep_dispatch.registry import BackendContext, create_experts_client
+from ep_dispatch.torch_dist import World
+
+BF16 = torch.bfloat16
+NO_DEEP_EP = importlib.util.find_spec("deep_ep") is None
+
+
+DEFAULT = DeepEPSettings()
+
+
+def check(settings: DeepEPSettings = DEFAULT, world: int = 8, hidden: int = 7168,
+          top_k: int = 8, slots: int = 32, dtype: torch.dtype = BF16) -> None:
+    check_deepep(settings, world, hidden, top_k, slots, dtype)
+
+
+def test_a_layout_deepep_runs_passes() -> None:
+    check()
+    check(DeepEPSettings(mode="normal"), world=16, hidden=128, top_k=16)
+    check(world=2, hidden=2048)
+
+
+@pytest.mark.parametrize(("kwargs", "error"), [
+    ({"hidden": 1024}, r"low-latency kernels support hidden sizes 2048, 2560, .*, 8192; "
+                       r"this model's is 1024; or run --deepep-mode normal"),
+    ({"hidden": 128, "settings": DeepEPSettings(mode="low_latency")}, r"this model's is 128"),
+    ({"hidden": 7172, "settings": DeepEPSettings(mode="normal")}, r"not a multiple of 8"),
+    ({"top_k": 10}, r"at most 9 experts; this model's top-k is 10"),
+    ({"world": 3}, r"intranode kernels run on \(2, 4, 8\) ranks; this layout has 3"),
+    ({"world": 12}, r"8 per node on 2, 3, .* nodes; this layout has 12"),
+    ({"world": 80}, r"this layout has 80"),
+    ({"dtype": torch.float32}, r"moves bfloat16 rows; this model computes in torch.float32"),
+    ({"settings": DeepEPSettings(max_tokens=600)}, r"--deepep-max-tokens must be 1..511"),
+    ({"settings": DeepEPSettings(max_tokens=3), "world": 2},
+     r"max-tokens x ranks to be a multiple of 4; 3 x 2"),
+    ({"slots": 1025}, r"holds 1025 experts of one layer; DeepEP allows 1024"),
+    ({"settings": DeepEPSettings(mode="fast")}, r"unknown --deepep-mode 'fast'"),
+])
+def test_what_deepep_cannot_run_is_refused_with_the_reason(kwargs: dict, error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        check(**kwargs)
+
+
+def test_low_latency_only_needs_steps_that_fit_its_buffers() -> None:
+    check_step_budget(DeepEPSettings(mode="auto", max_tokens=128), 512)  # larger: normal
+    check_step_budget(DeepEPSettings(mode="low_latency", max_tokens=128), 128)
+    with pytest.raises(ValueError, match=r"holds 128 tokens per rank \(--deepep-max-tokens\) "
+                                         r"but a step may run 512"):
+        check_step_budget(DeepEPSettings(mode="low_latency", max_tokens=128), 512)
+
+
+def context(hidden: int) -> BackendContext:
+    return BackendContext([0, 1], 16, world=World(("127.0.0.1", 1), 1, 1, rank=0),
+                          hidden_size=hidden, dtype=BF16, top_k=8, device="cuda")
+
+
+@pytest.mark.skipif(not NO_DEEP_EP, reason="deep_ep is installed here")
+def test_without_deep_ep_the_backend_says_what_to_install() -> None:
+    with pytest.raises(ValueError, match=r"needs DeepEP \(import deep_ep failed: .*\); build "
+                                         r"it from https://github.com/deepseek-ai/DeepEP .*"
+                                         r"WITH_DEEPEP=1"):
+        create_experts_client("deepep", context(7168))
+
+
+def test_limits_are_checked_before_deep_ep_is_needed() -> None:
+    with pytest.raises(ValueError, match="this model's is 1000"):
+        create_experts_client("deepep", context(1000))
+    with pytest.raises(ValueError, match="moves CUDA tensors"):
+        create_experts_client("deepep", BackendContext([0], 8, device="cpu"))
+
+
+@pytest.mark.parametrize(("flags", "error"), [
+    ([], "the deepep dispatch backend moves CUDA tensors: run the services with --device cuda"),
+    (["--device", "cuda"], "--device cuda needs an NVIDIA GPU"),
+])
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_serve_refuses_deepep_without_a_gpu(flags: list[str], error: str) -> None:
+    out = subprocess.run([sys.executable, "-m", "switchyard", "serve", "--dispatch-backend",
+                          "deepep", *flags], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and error in out.stderr, out.stderr
+
+
+def test_slots_put_each_expert_on_its_rank_after_the_attention_ranks() -> None:
+    """2 attention ranks, 3 expert ranks, 8 experts: L = 3 slots per rank; expert e of a
+    balanced placement is on expert rank e % 3 at local index e // 3."""
+    placement = Placement.balanced([0, 2], 8, 3)
+    slots = Slots(placement, num_attention=2, device=torch.device("cpu"))
+    assert slots.per_rank == 3 and slots.num_slots == 5 * 3
+    ids = torch.arange(8).repeat(4, 1)  # [4 tokens, 8 choices]
+    got = slots.route(2, ids)
+    want = torch.tensor([(2 + e % 3) * 3 + e // 3 for e in range(8)])
+    assert torch.equal(got, want.expand(4, 8))
+
+
+def test_slots_spread_replicas_over_tokens_as_the_other_backends_do() -> None:
+    text = '{"num_ranks": 2, "layers": {"0": [[0, 1], [1], [0]]}}'
+    placement = Placement.from_json(text, [0], 3)
+    slots = Slots(placement, num_attention=1, device=torch.device("cpu"))
+    # rank 0 holds experts 0, 2 (local 0, 1); rank 1 holds 0, 1 (local 0, 1); L = 2
+    got = slots.route(0, torch.tensor([[0, 1], [0, 2], [0, 1]]))
+    assert got.tolist() == [[1 * 2 + 0, 2 * 2 + 1],  # token 0: expert 0 on its 1st replica
+                            [2 * 2 + 0, 1 * 2 + 1],  # token 1: its 2nd (rank 1)
+                            [1 * 2 + 0, 2 * 2 + 1]]
+
+
+def test_normal_mode_rows_are_weighted_and_summed_per_row() -> None:
+    """Each received row: sum over its local slots of weight * f_slot(row); choices on
+    other ranks (-1) add nothing. f_slot(x) = (slot + 1) * x + slot."""
+    g = torch.Generator().manual_seed(0)
+    m, k, num_local, h = 9, 4, 3, 16
+    x = torch.randn(m, h, generator=g)
+    slots = torch.randint(-1, num_local, (m, k), generator=g)
+    slots[0] = -1  # a row with nothing here
+    weights = torch.rand(m, k, generator=g)
+    per_slot = [int((slots == s).sum()) for s in range(num_local)]
+
+    def fn(rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        assert counts == per_slot and rows.shape[0] == sum(counts)
+        slot = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+        return (slot[:, None] + 1) * rows + slot[:, None]
+
+    want = torch.zeros(m, h)
+    for r in range(m):
+        for c in range(k):
+            s = int(slots[r, c])
+            if s >= 0:
+                want[r] += weights[r, c] * ((s + 1) * x[r] + s)
+    got = weighted_by_slot(x, slots, weights, per_slot, fn)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_low_latency_rows_round_trip_through_the_packed_buffer() -> None:
+    packed = torch.arange(3 * 5 * 2, dtype=torch.float32).view(3, 5, 2)  # [L, cap, H]
+    counts = [2, 0, 4]
+    rows = packed_rows(packed, counts)
+    assert torch.equal(rows, torch.cat([packed[0, :2], packed[2, :4]]))
+    before = packed.clone()
+    unpack_into(packed, counts, -rows)
+    assert torch.equal(packed[0, :2], -before[0, :2]) and torch.equal(packed[2, :4],
+                                                                      -before[2, :4])
+    assert torch.equal(packed[0, 2:], before[0, 2:]) and torch.equal(packed[1], before[1])
+    assert packed_rows(packed, [0, 0, 0]).shape == (0, 2)
+
