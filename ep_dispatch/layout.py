@@ -36,23 +36,26 @@ class Layout:
 def compute_layout(
     topk_ids: torch.Tensor, topk_weights: torch.Tensor, placement: Placement, layer: int
 ) -> Layout:
-    """Plan the rows of topk_ids [T, K] (global expert ids) and topk_weights [T, K]."""
+    """Plan the rows of topk_ids [T, K] (global expert ids) and topk_weights [T, K] on
+    their device, with one copy to the host: the row counts, which the transfers need."""
     num_tokens, top_k = topk_ids.shape
     device = topk_ids.device
-    flat = topk_ids.reshape(-1).cpu()  # [T*K]: planned on the CPU, where the tables are
-    token = torch.arange(flat.numel()) // top_k
-    table = placement.table(layer)
+    table = placement.table(layer, device)
+    flat = topk_ids.reshape(-1)  # [T*K]
+    token = torch.arange(flat.numel(), device=device) // top_k  # [T*K]
     rank = table.replica_ranks[flat, token % table.num_replicas[flat]]  # [T*K]
     local = table.local_index[rank, flat]  # [T*K]
-    key = rank * placement.num_experts + local
-    order = torch.argsort(key, stable=True)
-    counts = torch.bincount(key, minlength=placement.num_ranks * placement.num_experts)
-    counts = counts.view(placement.num_ranks, placement.num_experts)
+    key = rank * placement.num_experts + local  # [T*K]
+    order = torch.argsort(key, stable=True)  # [T*K]
+    # not bincount: on a GPU it synchronises twice to size its output
+    counts = torch.zeros(placement.num_ranks * placement.num_experts, dtype=torch.int64,
+                         device=device).index_add_(0, key, torch.ones_like(key))
+    per_rank = counts.view(placement.num_ranks, placement.num_experts).tolist()
     return Layout(
-        src_token=token[order].to(device),
-        weights=topk_weights.reshape(-1)[order.to(device)],
-        rank_counts=counts.sum(dim=1).tolist(),
-        expert_counts=[counts[r, :n].tolist() for r, n in enumerate(table.num_local)],
+        src_token=token[order],
+        weights=topk_weights.reshape(-1)[order],
+        rank_counts=[sum(c) for c in per_rank],
+        expert_counts=[c[:n] for c, n in zip(per_rank, table.num_local, strict=True)],
         num_tokens=num_tokens,
     )
 

@@ -114,9 +114,22 @@ class Placement:
             num_replicas=torch.tensor([len(r) for r in experts]),
             local_index=local_index, num_local=held)
 
-    def table(self, layer: int) -> RoutingTable:
-        """Lookup tensors for vectorised dispatch of `layer` (built once)."""
-        return self._tables[layer]
+    def table(self, layer: int, device: torch.device | None = None) -> RoutingTable:
+        """Lookup tensors for vectorised dispatch of `layer` (built once; copied once to
+        `device` if given)."""
+        table = self._tables[layer]
+        if device is None or device.type == "cpu":
+            return table
+        key = (layer, str(device))
+        if key not in self._device_tables:
+            self._device_tables[key] = RoutingTable(
+                table.replica_ranks.to(device), table.num_replicas.to(device),
+                table.local_index.to(device), table.num_local)
+        return self._device_tables[key]
+
+    @cached_property
+    def _device_tables(self) -> dict[tuple[int, str], RoutingTable]:
+        return {}
 
     @property
     def most_local(self) -> int:
