@@ -243,17 +243,10 @@ def kernel() -> None:
         sys.argv = argv
 
 
-def sweep_configs(block_ns: tuple[int, ...], block_ms: tuple[int, ...],
-                  block_ks: tuple[int, ...], warps: tuple[int, ...],
-                  stages: tuple[int, ...]) -> list[tuple[int, int, int, int, int]]:
-    return [(bn, bm, bk, w, s) for bn in block_ns for bm in block_ms for bk in block_ks
-            for w in warps for s in stages]
-
-
 def kernel_sweep(json_path: str | None) -> None:
     """Variants, tile sizes and launch options of the W4A4 kernel at the timed shapes (32
-    experts, H 7168, I 2048), to choose its defaults; config = (block_n, block_m, block_k,
-    warps, stages). Every call gets `max_rows`, as from the expert service."""
+    experts, H 7168, I 2048), to choose its defaults. Every call gets `max_rows`, as from
+    the expert service."""
     from benchmarks.gpu_mxfp4 import offsets_of, random_mxfp4, variant_options
     from moe_kernels.mxfp4 import quantize
     from moe_kernels.triton_mxfp4 import grouped_mxfp4_gemm
@@ -266,21 +259,22 @@ def kernel_sweep(json_path: str | None) -> None:
     flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
     gemms = {"gate_up": random_mxfp4(e, 2 * i, h, "cuda", seed=3),
              "down": random_mxfp4(e, h, i, "cuda", seed=4)}
-    def configs(variant: str, t: int) -> list[tuple[int, int, int, int, int]]:
-        f16 = variant.startswith("f16")  # block_k is 32 there: more stages instead
+    def configs(variant: str, t: int) -> list[tuple[int, ...]]:
+        """(block_n, block_m, block_k, warps, stages, split_k): around the best of the
+        H200 runs of 2026-11-30, and K split over 1-8 programs at decode."""
         if t >= 256:
-            return sweep_configs((64, 128), (128,), (32,) if f16 else (128,), (4, 8),
-                                 (3, 4) if f16 else (3,))
-        if f16:
-            return [(16, bm, 32, nw, ns) for bm in (64, 128, 256)
-                    for nw, ns in ((4, 3), (4, 5), (8, 4), (8, 6))]
-        return [(16, 128, bk, nw, ns) for bk in (128, 256) for nw, ns in ((4, 3), (4, 4),
-                                                                           (8, 3))]
+            return [(bn, 128, 32 if variant.startswith("f16") else 128, 4, 3, 1)
+                    for bn in (64, 128)]
+        if variant.startswith("f16"):
+            return [(16, bm, 32, 4, ns, sk) for bm in (128, 256) for ns in (3, 5)
+                    for sk in (1, 2, 4, 8)]
+        return [(16, 128, bk, 4, 3, sk) for bk in (128, 256) for sk in (1, 2, 4, 8)]
 
     variants = [v for v in KERNEL_VARIANTS if v.partition("/")[0] in ("dot_scaled", "f16")]
     results: list[dict[str, object]] = []
     print(f"## W4A4 kernel sweep (copy bandwidth {bw / 1e12:.2f} TB/s)\n")
-    print("| GEMM | tokens/expert | variant | block_n, block_m, block_k, warps, stages | us | "
+    print("| GEMM | tokens/expert | variant | block_n, block_m, block_k, warps, stages, split_k "
+          "| us | "
           "weight TB/s | of copy BW | TFLOP/s |\n|---|---:|---|---|---:|---:|---:|---:|")
     for t in (1, 16, 512):
         for name, w in gemms.items():
@@ -290,12 +284,12 @@ def kernel_sweep(json_path: str | None) -> None:
             xq = quantize(torch.randn(n, k, dtype=torch.bfloat16, device="cuda"))
             timed: list[tuple[float, str, tuple[int, ...]]] = []
             for variant in variants:
-                for bn, bm, bk, nw, ns in configs(variant, t):
-                    config = (bn, bm, bk, nw, ns)
+                for config in configs(variant, t):
+                    bn, bm, bk, nw, ns, sk = config
                     try:
                         ms = time_ms(partial(grouped_mxfp4_gemm, xq, offsets, w, block_n=bn,
                                              block_m=bm, block_k=bk, num_warps=nw,
-                                             num_stages=ns, max_rows=t,
+                                             num_stages=ns, max_rows=t, split_k=sk,
                                              **variant_options(variant)), 2, 7, flush)
                     except Exception as exc:  # e.g. out of shared memory for this tile
                         print(f"| {name} | {t} | {variant} | {config} | "

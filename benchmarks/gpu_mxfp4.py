@@ -141,6 +141,14 @@ def check(args: argparse.Namespace, variants: list[str]) -> tuple[bool, list[str
                 ok &= passed
                 print(f"| {h} | {i} | {counts} | {name} | {variant} | {err:.2e} | "
                       f"{'yes' if exact else 'no'} | {'ok' if passed else 'FAIL'} |")
+            for variant in working:  # K split over 3 programs, on the dense grid
+                out = grouped_mxfp4_gemm(xq, offsets, w, max_rows=max(counts), split_k=3,
+                                         **variant_options(variant))
+                err = rel_err(out, ref)
+                ok &= err <= 1e-5
+                print(f"| {h} | {i} | {counts} | {name} | {variant}, split_k 3, dense | "
+                      f"{err:.2e} | {'yes' if torch.equal(out, ref) else 'no'} | "
+                      f"{'ok' if err <= 1e-5 else 'FAIL'} |")
         if "dot_scaled" in working:  # the whole FFN, default variant
             out = grouped_swiglu_w4a4_triton(x, counts, w_gate_up, w_down, "dot_scaled")
             ref = grouped_swiglu_w4a4(x, counts, w_gate_up, w_down).to(out.device)

@@ -88,10 +88,10 @@ def _grouped_mxfp4_gemm_kernel(
     out_ptr,  # [N, M] float32
     offsets_ptr,  # [E + 1] int32: expert e owns rows offsets[e]:offsets[e + 1]
     tile_expert_ptr, tile_row_ptr,  # [T] int32 each: the row-tile schedule (unless DENSE)
-    M, K, num_experts, tiles_per_expert,
+    M, K, num_experts, tiles_per_expert, k_per_split,
     stride_xn, stride_xsn,  # row strides of x packed / scales (elements; last dims dense)
     stride_we, stride_wm, stride_wse, stride_wsm,  # expert and row strides of w packed / scales
-    stride_on,  # row stride of out
+    stride_on, stride_os,  # row stride of out; its split stride (SPLIT_K > 1)
     BLOCK_N: tl.constexpr,  # rows (tokens) per tile
     BLOCK_M: tl.constexpr,  # output features per tile
     BLOCK_K: tl.constexpr,  # reduction elements per step, a multiple of 32
@@ -100,6 +100,7 @@ def _grouped_mxfp4_gemm_kernel(
     SWAP_AB: tl.constexpr,  # weights as the MMA's left operand (tokens as its N)
     DENSE: tl.constexpr,  # tiles_per_expert row tiles per expert instead of the schedule
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K masks, so loads vectorize
+    SPLIT_K: tl.constexpr,  # programs sharing one tile's K, each writing its partial sum
 ):
     """Program (tile, m-tile): out[rows, cols] = x[rows] @ w[expert, cols].T over all of K,
     where the row tile `tile` lies inside one expert's rows (see `_tile_schedule`)."""
@@ -133,7 +134,9 @@ def _grouped_mxfp4_gemm_kernel(
     ws_rows = w_scale_ptr + expert64 * stride_wse + cols64[:, None] * stride_wsm  # [BLOCK_M, 1]
 
     acc = tl.zeros([BLOCK_M, BLOCK_N] if SWAP_AB else [BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start = tl.program_id(2) * k_per_split if SPLIT_K > 1 else 0
+    k_end = tl.minimum(K, k_start + k_per_split) if SPLIT_K > 1 else K
+    for k0 in range(k_start, k_end, BLOCK_K):
         byte = k0 // 2 + kb  # [BLOCK_K / 2]
         blk = k0 // 32 + ks  # [BLOCK_K / 32]
         # K is a multiple of 32, so a partial last step masks whole blocks; masked bytes and
@@ -178,6 +181,8 @@ def _grouped_mxfp4_gemm_kernel(
 
     if SWAP_AB:
         acc = tl.trans(acc)  # [BLOCK_N, BLOCK_M]
+    if SPLIT_K > 1:
+        out_ptr += tl.program_id(2).to(tl.int64) * stride_os
     out = out_ptr + rows64[:, None] * stride_on + cols64[None, :]  # [BLOCK_N, BLOCK_M]
     tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
 
@@ -235,7 +240,7 @@ def grouped_mxfp4_gemm(
     x: MXFP4Tensor, expert_offsets: torch.Tensor, w: MXFP4Tensor, *,
     block_n: int | None = None, block_m: int | None = None, block_k: int = 128,
     inner: str = "dot_scaled", swap_ab: bool = False, max_rows: int | None = None,
-    num_warps: int = 4, num_stages: int = 3,
+    split_k: int = 1, num_warps: int = 4, num_stages: int = 3,
 ) -> torch.Tensor:
     """Grouped W4A4 GEMM: each expert's rows of x times that expert's weights, transposed.
 
@@ -259,6 +264,8 @@ def grouped_mxfp4_gemm(
         max_rows: the most rows any expert has, if the caller knows it without a device
             sync: the grid is then E x cdiv(max_rows, block_n) row tiles, and the tile
             schedule (a few small kernels) is not built.
+        split_k: programs per output tile, each summing a share of K into its own
+            partial output; the partials are then added in a fixed order (deterministic).
         num_warps, num_stages: launch options (ignored by the interpreter).
 
     Returns:
@@ -306,18 +313,24 @@ def grouped_mxfp4_gemm(
         tile_expert = tile_row = offsets  # unused
         per_expert = max(1, triton.cdiv(max_rows, block_n))
         tiles = e * per_expert
-    grid = (tiles, triton.cdiv(m, block_m))
+    steps = triton.cdiv(k, block_k)
+    split_k = max(1, min(split_k, steps))
+    k_per_split = triton.cdiv(steps, split_k) * block_k  # whole K steps per split
+    split_k = triton.cdiv(k, k_per_split)
+    partial = out if split_k == 1 else torch.empty(split_k, n, m, dtype=torch.float32,
+                                                   device=device)  # [S, N, M]
+    grid = (tiles, triton.cdiv(m, block_m), split_k)
     _grouped_mxfp4_gemm_kernel[grid](
-        x_packed, x_scales, w_packed, w_scales, out, offsets, tile_expert, tile_row,
-        m, k, e, per_expert,
+        x_packed, x_scales, w_packed, w_scales, partial, offsets, tile_expert, tile_row,
+        m, k, e, per_expert, k_per_split,
         x_packed.stride(0), x_scales.stride(0),
         w_packed.stride(0), w_packed.stride(1), w_scales.stride(0), w_scales.stride(1),
-        out.stride(0),
+        partial.stride(-2), partial.stride(0) if split_k > 1 else 0,
         BLOCK_N=block_n, BLOCK_M=block_m, BLOCK_K=block_k, INNER=INNER_PRODUCTS[inner],
         SWAP_AB=swap_ab, DENSE=max_rows is not None, EVEN_K=k % block_k == 0,
-        num_warps=num_warps, num_stages=num_stages,
+        SPLIT_K=split_k, num_warps=num_warps, num_stages=num_stages,
     )
-    return out
+    return out if split_k == 1 else torch.sum(partial, dim=0, out=out)
 
 
 def grouped_swiglu_w4a4_triton(

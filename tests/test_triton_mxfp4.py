@@ -82,19 +82,23 @@ def reference_gemm(x: MXFP4Tensor, tokens_per_expert: list[int], w: MXFP4Tensor)
 @pytest.mark.parametrize("inner", INNERS)
 @pytest.mark.parametrize("swap_ab", [False, True], ids=["x_w", "w_x"])
 @pytest.mark.parametrize("dense", [False, True], ids=["schedule", "dense"])
+@pytest.mark.parametrize("split_k", [1, 3])
 @pytest.mark.parametrize(("tokens_per_expert", "k", "m"), [
     ([0, 5, 17, 0, 3, 0], 64, 48),  # uneven; empty first, middle and last; 17 rows = 2 tiles
     ([1], 32, 40),  # a single token
     ([0, 0, 1, 0], 96, 24),  # a single token among empty experts; K = 1.5 K-steps
+    ([2, 0, 3], 256, 16),  # 4 K-steps (8 for f16): split 3 ways unevenly
 ])
 def test_gemm_matches_mxfp4_linear_per_expert(tokens_per_expert: list[int], k: int, m: int,
-                                              inner: str, swap_ab: bool, dense: bool) -> None:
-    """Every inner product, both operand orders, and both row-tile grids (the device-built
-    schedule, and E x cdiv(max rows, block_n) tiles when the caller knows the max)."""
+                                              inner: str, swap_ab: bool, dense: bool,
+                                              split_k: int) -> None:
+    """Every inner product, both operand orders, both row-tile grids (the device-built
+    schedule, and E x cdiv(max rows, block_n) tiles when the caller knows the max), and K
+    split over programs (as many as there are K steps, at most)."""
     x, w = make(tokens_per_expert, k, m)
     out = grouped_mxfp4_gemm(x, offsets_of(tokens_per_expert), w, inner=inner,
                              swap_ab=swap_ab, max_rows=max(tokens_per_expert) if dense else None,
-                             **SMALL)
+                             split_k=split_k, **SMALL)
     assert_same(out, reference_gemm(x, tokens_per_expert, w))
 
 
