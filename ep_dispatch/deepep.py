@@ -27,6 +27,7 @@ call. Not yet run: DeepEP is not installed on the lent GPU machine (docs/benchma
 from __future__ import annotations
 
 import argparse
+import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,14 +44,18 @@ from switchyard.units import parse_size
 
 log = logging.getLogger(__name__)
 
-# DeepEP's constraints (csrc/kernels/launch.cuh SWITCH_HIDDEN and SWITCH_RANKS,
-# internode_ll.cu kNumMaxTopK, deep_ep.cpp): checked before any process group exists.
-LOW_LATENCY_HIDDEN = (2048, 2560, 3072, 3584, 4096, 5120, 6144, 7168, 8192)
-MAX_TOP_K = 9
+# DeepEP's constraints (deepseek-ai/DeepEP: csrc/kernels/launch.cuh SWITCH_HIDDEN and
+# SWITCH_RANKS, intranode.cu notify_dispatch, internode_ll.cu, deep_ep.cpp), checked before
+# any process group exists. 3072 needs DeepEP from October 2025 on (its PR #458).
+LOW_LATENCY_HIDDEN = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
+MAX_TOP_K = 9  # kNumMaxTopK of the low-latency kernels (11 in newer DeepEP)
 MAX_LOW_LATENCY_TOKENS = 511  # (tokens + 1) * 2 <= NVSHMEM_QP_DEPTH, 1024 by default
 INTRANODE_RANKS = (2, 4, 8)
-INTERNODE_NODES = (2, 3, 4, 6, 8, 12, 16, 18, 20)  # of 8 ranks each
-MAX_LOCAL_SLOTS = 1024
+INTERNODE_NODES = (2, 4, 8, 16)  # of 8 ranks each (SWITCH_RDMA_RANKS)
+MAX_SLOTS_INTRANODE = 128  # experts per rank, normal kernels on one node (notify_dispatch)
+MAX_SLOTS = 1024  # NUM_MAX_LOCAL_EXPERTS
+MAX_WARP_GROUPS = 14  # low latency: cdiv(slots of all ranks, SMs) < 15
+BUFFER_ALIGNMENT = 128  # bytes
 MODES = ("auto", "normal", "low_latency")
 BUILD_HINT = ("build it from https://github.com/deepseek-ai/DeepEP with NVSHMEM (pip install "
               "nvidia-nvshmem-cu12, then `pip install --no-build-isolation .` in its "
@@ -109,21 +114,41 @@ def check_deepep(s: DeepEPSettings, world_size: int, hidden: int, top_k: int,
     if dtype != torch.bfloat16:
         raise ValueError(f"the deepep backend moves bfloat16 rows; this model computes in "
                          f"{dtype} (use --dtype bfloat16 or auto on the GPU)")
-    if world_size > 8 and (world_size % 8 or world_size // 8 not in INTERNODE_NODES):
-        raise ValueError(f"DeepEP runs 2, 4 or 8 ranks on one node, or 8 per node on "
-                         f"{', '.join(map(str, INTERNODE_NODES))} nodes; this layout has "
-                         f"{world_size} (attention and expert ranks together)")
-    if world_size <= 8 and world_size not in INTRANODE_RANKS:
-        raise ValueError(f"DeepEP's intranode kernels run on {INTRANODE_RANKS} ranks; this "
-                         f"layout has {world_size} (attention and expert ranks together)")
-    if slots_per_rank > MAX_LOCAL_SLOTS:
-        raise ValueError(f"an expert rank holds {slots_per_rank} experts of one layer; "
-                         f"DeepEP allows {MAX_LOCAL_SLOTS}: use more expert ranks")
     if hidden % 8:
         raise ValueError(f"DeepEP moves rows in 16-byte units; hidden size {hidden} is not "
                          "a multiple of 8")
-    if not s.low_latency:
-        return
+    if slots_per_rank > MAX_SLOTS:
+        raise ValueError(f"an expert rank holds {slots_per_rank} experts of one layer; "
+                         f"DeepEP allows {MAX_SLOTS}: use more expert ranks")
+    for name, size in (("nvl", s.nvl_bytes), ("rdma", s.rdma_bytes)):
+        if size % BUFFER_ALIGNMENT:
+            raise ValueError(f"--deepep-{name}-bytes must be a multiple of "
+                             f"{BUFFER_ALIGNMENT}; got {size}")
+    if world_size > 8 and world_size % 8:
+        raise ValueError(f"DeepEP runs more than 8 ranks only as 8 per node; this layout "
+                         f"has {world_size} (attention and expert ranks together)")
+    if s.mode != "low_latency":
+        _check_normal(world_size, slots_per_rank)
+    if s.low_latency:
+        _check_low_latency(s, world_size, hidden, top_k)
+
+
+def _check_normal(world_size: int, slots_per_rank: int) -> None:
+    fix = "; or run --deepep-mode low_latency"
+    if world_size <= 8 and world_size not in INTRANODE_RANKS:
+        raise ValueError(f"DeepEP's normal kernels run on {INTRANODE_RANKS} ranks in one "
+                         f"node; this layout has {world_size} (attention and expert ranks "
+                         f"together){fix}")
+    if world_size > 8 and world_size // 8 not in INTERNODE_NODES:
+        raise ValueError(f"DeepEP's normal kernels run on {INTERNODE_NODES} nodes of 8 "
+                         f"ranks; this layout has {world_size} ranks{fix}")
+    if world_size <= 8 and slots_per_rank > MAX_SLOTS_INTRANODE:
+        raise ValueError(f"an expert rank holds {slots_per_rank} experts of one layer; "
+                         f"DeepEP's normal kernels on one node allow {MAX_SLOTS_INTRANODE}: "
+                         f"use more expert ranks")
+
+
+def _check_low_latency(s: DeepEPSettings, world_size: int, hidden: int, top_k: int) -> None:
     fix = "; or run --deepep-mode normal"
     if hidden not in LOW_LATENCY_HIDDEN:
         raise ValueError(f"DeepEP's low-latency kernels support hidden sizes "
@@ -138,6 +163,15 @@ def check_deepep(s: DeepEPSettings, world_size: int, hidden: int, top_k: int,
     if s.max_tokens * world_size % 4:
         raise ValueError(f"DeepEP needs --deepep-max-tokens x ranks to be a multiple of 4; "
                          f"{s.max_tokens} x {world_size} is not")
+
+
+def check_slots_fit(s: DeepEPSettings, num_slots: int, num_sms: int) -> None:
+    """Low latency: DeepEP gives each SM at most 14 groups of experts to serve."""
+    if s.low_latency and -(-num_slots // num_sms) > MAX_WARP_GROUPS:
+        raise ValueError(f"DeepEP's low-latency kernels serve at most {MAX_WARP_GROUPS} x "
+                         f"{num_sms} SMs experts; the world's {num_slots} expert slots (every "
+                         f"rank holds as many as the fullest expert rank) are more: use more "
+                         f"expert ranks or --deepep-mode normal")
 
 
 def check_step_budget(s: DeepEPSettings, max_num_batched_tokens: int) -> None:
@@ -165,8 +199,6 @@ class Slots:
     def __init__(self, placement: Placement, num_attention: int, device: torch.device) -> None:
         self.per_rank = placement.most_local  # L
         self.num_slots = (num_attention + placement.num_ranks) * self.per_rank
-        self.num_local = {layer: placement.table(layer).num_local
-                          for layer in placement.replicas}
         self._slot: dict[int, torch.Tensor] = {}
         self._replicas: dict[int, torch.Tensor] = {}
         for layer in placement.replicas:
@@ -198,12 +230,11 @@ def weighted_by_slot(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor
         fn: the experts: rows grouped by local slot -> outputs [M', H], unweighted.
 
     Returns:
-        [M, H] in x's dtype.
+        [M, H] in x's dtype, summed in float32.
     """
-    out = torch.zeros_like(x)
     n = sum(per_slot)
     if n == 0:
-        return out
+        return torch.zeros_like(x)
     top_k = slots.shape[1]
     flat = slots.reshape(-1)  # [M*K]
     key = torch.where(flat >= 0, flat, len(per_slot))  # others' choices sort last
@@ -211,7 +242,8 @@ def weighted_by_slot(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor
     rows = pairs // top_k  # [n]
     y = fn(x[rows], per_slot)  # [n, H]
     w = weights.reshape(-1)[pairs].to(torch.float32)[:, None]  # [n, 1]
-    return out.index_add_(0, rows, (y.float() * w).to(x.dtype))
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [M, H]
+    return out.index_add_(0, rows, y.float() * w).to(x.dtype)
 
 
 def packed_rows(packed: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -240,6 +272,9 @@ class DeepEPRank:
         self.world, self.hidden, self.top_k, self.settings = world, hidden, top_k, settings
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.slots = Slots(placement, world.num_attention, self.device)
+        check_slots_fit(settings, self.slots.num_slots,
+                        torch.cuda.get_device_properties(self.device).multi_processor_count)
+        self.idx_dtype = getattr(self.deep_ep, "topk_idx_t", torch.int64)
         self.layers = sorted(placement.replicas)
         self.slot_fn = slot_fn
         _agree(settings, hidden, top_k, self.slots.per_rank)
@@ -249,21 +284,28 @@ class DeepEPRank:
     def _buffer(self) -> Any:
         Buffer, s, w = self.deep_ep.Buffer, self.settings, self.world.size
         hidden_bytes = self.hidden * 2
-        nvl, rdma = s.nvl_bytes, s.rdma_bytes
-        if not nvl and s.mode != "low_latency":
-            nvl = max(c.get_nvl_buffer_size_hint(hidden_bytes, w)
-                      for c in (Buffer.get_dispatch_config(w), Buffer.get_combine_config(w)))
-        if not rdma:
-            hints = [Buffer.get_low_latency_rdma_size_hint(
-                s.max_tokens, self.hidden, w, self.slots.num_slots)] if s.low_latency else []
-            if s.mode != "low_latency" and w > 8:
-                hints += [c.get_rdma_buffer_size_hint(hidden_bytes, w) for c in
-                          (Buffer.get_dispatch_config(w), Buffer.get_combine_config(w))]
-            rdma = max(hints, default=0)
+        configs = []
+        if s.mode != "low_latency":
+            try:  # this DeepEP's tuned configs cover the rank counts it supports
+                configs = [Buffer.get_dispatch_config(w), Buffer.get_combine_config(w)]
+            except AssertionError:
+                raise ValueError(f"this DeepEP has no normal-kernel configs for {w} ranks; "
+                                 f"use another layout or --deepep-mode low_latency") from None
+        nvl = s.nvl_bytes or max((c.get_nvl_buffer_size_hint(hidden_bytes, w)
+                                  for c in configs), default=0)
+        hints = [Buffer.get_low_latency_rdma_size_hint(
+            s.max_tokens, self.hidden, w, self.slots.num_slots)] if s.low_latency else []
+        if w > 8:
+            hints += [c.get_rdma_buffer_size_hint(hidden_bytes, w) for c in configs]
+        rdma = s.rdma_bytes or max(hints, default=0)
         log.info("DeepEP buffer: %d ranks, %d slots each, NVLink %.0f MB, RDMA %.0f MB, "
                  "mode %s", w, self.slots.per_rank, nvl / 1e6, rdma / 1e6, s.mode)
+        # queue pairs: the low-latency kernels need one per local expert, the normal
+        # internode ones one per channel (num_sms / 2), as DeepEP's own tests give
+        self._explicit = "explicitly_destroy" in inspect.signature(Buffer).parameters
+        extra = {"explicitly_destroy": True} if self._explicit else {}
         return Buffer(dist.group.WORLD, nvl, rdma, low_latency_mode=s.low_latency,
-                      num_qps_per_rank=self.slots.per_rank)
+                      num_qps_per_rank=max(self.slots.per_rank, Buffer.num_sms), **extra)
 
     def begin_round(self, num_tokens: int) -> bool:
         """The round's kernels, from every rank's token count (collective)."""
@@ -280,12 +322,13 @@ class DeepEPRank:
               topk_weights: torch.Tensor) -> torch.Tensor:
         """One MoE layer's exchange: x [T, H] bf16 routed to topk_ids [T, K] -> [T, H]."""
         num_tokens = x.shape[0]
-        slots = self.slots.route(layer, topk_ids)  # [T, K] int64
-        weights = topk_weights.float()  # [T, K]
+        slots = self.slots.route(layer, topk_ids).to(self.idx_dtype).contiguous()  # [T, K]
+        weights = topk_weights.to(torch.float32).contiguous()  # [T, K]
         if num_tokens == 0:  # one token routed nowhere: DeepEP has failed on empty ranks
             x = x.new_zeros(1, self.hidden)
-            slots = torch.full((1, self.top_k), -1, dtype=torch.int64, device=x.device)
-            weights = torch.zeros(1, self.top_k, device=x.device)
+            slots = torch.full((1, self.top_k), -1, dtype=self.idx_dtype, device=x.device)
+            weights = torch.zeros(1, self.top_k, dtype=torch.float32, device=x.device)
+        x = x.contiguous()
         fn = self.slot_fn(layer) if self.slot_fn else None
         if self.mode == "low_latency":
             out = self._low_latency(x, slots, weights, layer, fn)
@@ -297,10 +340,12 @@ class DeepEPRank:
                 fn: SlotFn | None) -> torch.Tensor:
         b = self.buffer
         self._ll_clean = False
-        per_rank, _, per_slot, in_rank, _ = b.get_dispatch_layout(slots, self.slots.num_slots)
+        per_rank, per_rdma_rank, per_slot, in_rank, _ = b.get_dispatch_layout(
+            slots, self.slots.num_slots)  # per_rdma_rank: None on one node
         recv_x, recv_slots, recv_w, recv_per_slot, handle, _ = b.dispatch(
-            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-            num_tokens_per_expert=per_slot, topk_idx=slots, topk_weights=weights)
+            x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank,
+            is_token_in_rank=in_rank, num_tokens_per_expert=per_slot, topk_idx=slots,
+            topk_weights=weights)
         y = weighted_by_slot(recv_x, recv_slots, recv_w, recv_per_slot, fn) if fn \
             else torch.zeros_like(recv_x)  # [M, H]; attention ranks receive no rows
         combined, _, _ = b.combine(y, handle)
@@ -321,6 +366,8 @@ class DeepEPRank:
         return combined
 
     def close(self) -> None:
+        if self._explicit:  # collective, and before the process group goes
+            self.buffer.destroy()
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -16,6 +16,7 @@ from ep_dispatch.deepep import (
     DeepEPSettings,
     Slots,
     check_deepep,
+    check_slots_fit,
     check_step_budget,
     packed_rows,
     unpack_into,
@@ -39,8 +40,9 @@ def check(settings: DeepEPSettings = DEFAULT, world: int = 8, hidden: int = 7168
 
 def test_a_layout_deepep_runs_passes() -> None:
     check()
-    check(DeepEPSettings(mode="normal"), world=16, hidden=128, top_k=16)
+    check(DeepEPSettings(mode="normal"), world=16, hidden=128, top_k=16, slots=512)
     check(world=2, hidden=2048)
+    check(DeepEPSettings(mode="low_latency"), world=3, slots=512)  # no SWITCH_RANKS there
 
 
 @pytest.mark.parametrize(("kwargs", "error"), [
@@ -49,9 +51,17 @@ def test_a_layout_deepep_runs_passes() -> None:
     ({"hidden": 128, "settings": DeepEPSettings(mode="low_latency")}, r"this model's is 128"),
     ({"hidden": 7172, "settings": DeepEPSettings(mode="normal")}, r"not a multiple of 8"),
     ({"top_k": 10}, r"at most 9 experts; this model's top-k is 10"),
-    ({"world": 3}, r"intranode kernels run on \(2, 4, 8\) ranks; this layout has 3"),
-    ({"world": 12}, r"8 per node on 2, 3, .* nodes; this layout has 12"),
-    ({"world": 80}, r"this layout has 80"),
+    ({"hidden": 3584}, r"this model's is 3584"),  # DeepEP PR #731, not merged
+    ({"world": 3}, r"normal kernels run on \(2, 4, 8\) ranks in one node; this layout has "
+                   r"3 \(attention and expert ranks together\); or run --deepep-mode "
+                   r"low_latency"),
+    ({"world": 12}, r"more than 8 ranks only as 8 per node; this layout has 12"),
+    ({"world": 80}, r"normal kernels run on \(2, 4, 8, 16\) nodes of 8 ranks; this layout "
+                    r"has 80"),
+    ({"slots": 129}, r"holds 129 experts of one layer; DeepEP's normal kernels on one node "
+                     r"allow 128"),
+    ({"settings": DeepEPSettings(nvl_bytes=1000)}, r"--deepep-nvl-bytes must be a multiple "
+                                                   r"of 128; got 1000"),
     ({"dtype": torch.float32}, r"moves bfloat16 rows; this model computes in torch.float32"),
     ({"settings": DeepEPSettings(max_tokens=600)}, r"--deepep-max-tokens must be 1..511"),
     ({"settings": DeepEPSettings(max_tokens=3), "world": 2},
@@ -62,6 +72,14 @@ def test_a_layout_deepep_runs_passes() -> None:
 def test_what_deepep_cannot_run_is_refused_with_the_reason(kwargs: dict, error: str) -> None:
     with pytest.raises(ValueError, match=error):
         check(**kwargs)
+
+
+def test_low_latency_slots_must_fit_the_sms() -> None:
+    check_slots_fit(DeepEPSettings(), 14 * 132, 132)
+    check_slots_fit(DeepEPSettings(mode="normal"), 8 * 256, 132)
+    with pytest.raises(ValueError, match=r"at most 14 x 132 SMs experts; the world's 2048 "
+                                         r"expert slots"):
+        check_slots_fit(DeepEPSettings(), 8 * 256, 132)
 
 
 def test_low_latency_only_needs_steps_that_fit_its_buffers() -> None:
