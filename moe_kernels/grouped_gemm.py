@@ -3,6 +3,7 @@ W4A4 MXFP4, torch paths for any device."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 
@@ -93,6 +94,31 @@ def grouped_swiglu(
 
     _each_expert(tokens_per_expert, ffn, ExpertTimer(spans, x.device))
     return out
+
+
+def grouped_swiglu_mm(x: torch.Tensor, tokens_per_expert: list[int],
+                      w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """`grouped_swiglu` as two grouped GEMMs (`torch._grouped_mm`, torch >= 2.8): a few
+    kernels per call instead of three per expert. Same arguments and result (float32: the
+    same bits on the CPU); no per-expert times, the experts run together."""
+    ends = torch.tensor(list(itertools.accumulate(tokens_per_expert)), dtype=torch.int32,
+                        device=x.device)  # [E_local] each expert's last row + 1
+    gate, up = torch._grouped_mm(x, w_gate_up.transpose(-2, -1), offs=ends).chunk(2, dim=-1)
+    return torch._grouped_mm(F.silu(gate) * up, w_down.transpose(-2, -1), offs=ends)
+
+
+def timed_together(spans: list[tuple[int, int]] | None, tokens_per_expert: list[int],
+                   device: torch.device, run: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """run() for experts that run together (one grouped kernel): each expert with tokens
+    gets the whole call's span."""
+    timer = ExpertTimer(spans, device)
+    start = timer.now()
+    y = run()
+    end = timer.now()
+    for count in tokens_per_expert:
+        timer.marks.append((start, end) if count else None)
+    timer.close()
+    return y
 
 
 def _each_expert(tokens_per_expert: list[int], ffn: Callable[[slice, int], None],

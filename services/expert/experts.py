@@ -7,7 +7,12 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from moe_kernels.grouped_gemm import ExpertTimer, grouped_swiglu, grouped_swiglu_w4a4
+from moe_kernels.grouped_gemm import (
+    grouped_swiglu,
+    grouped_swiglu_mm,
+    grouped_swiglu_w4a4,
+    timed_together,
+)
 from moe_kernels.mxfp4 import MXFP4Tensor, check_blockable, quantize
 from services.expert.metrics import ExpertMetrics
 from services.model.checkpoint import Checkpoint
@@ -71,6 +76,7 @@ class ExpertBank:
         self.dtype = dtype
         self.device = torch.device(device)
         self._inner: str | None = None  # the Triton inner product that runs here, once known
+        self._grouped_mm: bool | None = None  # torch._grouped_mm works here, once known
         self.hidden_size = config.hidden_size
         self.quantization = check_quantization(config, quantization)
         self.w_gate_up: dict[int, torch.Tensor | MXFP4Tensor] = {}
@@ -126,8 +132,8 @@ class ExpertBank:
             return torch.zeros(0, self.hidden_size, dtype=self.dtype, device=self.device)
         spans = [] if spans is None else spans
         if not self.quantization:
-            y = grouped_swiglu(x, tokens_per_expert, self.w_gate_up[layer],
-                               self.w_down[layer], spans)  # [N, H]
+            y = self._float_ffn(x, tokens_per_expert, self.w_gate_up[layer],
+                                self.w_down[layer], spans)  # [N, H]
         else:
             q = MXFP4Tensor.from_rows(x, self.hidden_size) if x.dtype == torch.uint8 \
                 else quantize(x)
@@ -136,6 +142,19 @@ class ExpertBank:
                      spans).to(self.dtype)
         self.metrics.observe(layer, self.experts[layer], tokens_per_expert, spans)
         return y
+
+    def _float_ffn(self, x: torch.Tensor, tokens_per_expert: list[int],
+                   w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                   spans: list[tuple[int, int]]) -> torch.Tensor:
+        """On CUDA, two grouped GEMMs where `torch._grouped_mm` runs and agrees (its experts
+        then share the call's span); else expert by expert, each timed on its own."""
+        if self._grouped_mm is None:  # once: can this torch group them here?
+            self._grouped_mm = self.device.type == "cuda" and _grouped_mm_matches(
+                x, tokens_per_expert, w_gate_up, w_down)
+        if self._grouped_mm:
+            return timed_together(spans, tokens_per_expert, self.device, lambda: (
+                grouped_swiglu_mm(x, tokens_per_expert, w_gate_up, w_down)))
+        return grouped_swiglu(x, tokens_per_expert, w_gate_up, w_down, spans)
 
     def _triton_w4a4(self, q: MXFP4Tensor, tokens_per_expert: list[int],
                      w_gate_up: MXFP4Tensor, w_down: MXFP4Tensor,
@@ -146,21 +165,34 @@ class ExpertBank:
 
         if self._inner is None:
             self._inner = _inner_product(q, tokens_per_expert, w_gate_up, w_down)
-        timer = ExpertTimer(spans, self.device)
-        start = timer.now()
-        y = grouped_swiglu_w4a4_triton(q, tokens_per_expert, w_gate_up, w_down,
-                                       self._inner)
-        end = timer.now()
-        for count in tokens_per_expert:
-            timer.marks.append((start, end) if count else None)
-        timer.close()
-        return y
+        inner = self._inner
+        return timed_together(spans, tokens_per_expert, self.device, lambda: (
+            grouped_swiglu_w4a4_triton(q, tokens_per_expert, w_gate_up, w_down, inner)))
 
     def nbytes(self) -> int:
         total = 0
         for w in [*self.w_gate_up.values(), *self.w_down.values()]:
             total += w.nbytes() if isinstance(w, MXFP4Tensor) else w.numel() * w.element_size()
         return total
+
+
+def _grouped_mm_matches(x: torch.Tensor, tokens_per_expert: list[int],
+                        w_gate_up: torch.Tensor, w_down: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm` runs here (a CUDA build, arch, dtype and alignment it
+    supports) and agrees with the per-expert loop on a first batch; if not, the loop."""
+    try:
+        got = grouped_swiglu_mm(x, tokens_per_expert, w_gate_up, w_down).float()
+    except (AttributeError, RuntimeError) as exc:
+        log.info("torch._grouped_mm does not run here (%s); experts run one by one",
+                 str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        return False
+    want = grouped_swiglu(x, tokens_per_expert, w_gate_up, w_down).float()
+    err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+    if not err <= 2e-2:  # bfloat16 outputs: a few ulps
+        log.warning("torch._grouped_mm differs from the per-expert loop here (max relative "
+                    "error %.2g); experts run one by one", err)
+        return False
+    return True
 
 
 def _inner_product(q: MXFP4Tensor, tokens_per_expert: list[int], w_gate_up: MXFP4Tensor,
