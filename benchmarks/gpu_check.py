@@ -24,8 +24,8 @@ still run. In order:
 6. `switchyard serve --device cuda` (gateway, attention, 2 expert services over `rpc`, all
    on this GPU) answering the demo questions as the CPU does (`--skip-serve`).
 
-The `torch`, `nccl` and `deepep` backends across ranks need two GPUs or more (NCCL
-refuses two ranks on one GPU; DeepEP's Buffer needs 2, 4 or 8 ranks): the table says so.
+The `torch`, `nccl` and `deepep` backends across ranks need two GPUs or more (NCCL and
+DeepEP give each rank its own GPU): the table says so.
 Exits 0 with a message where there is no CUDA device. One table on stdout, everything as
 JSON (rewritten after each row).
 
@@ -391,7 +391,7 @@ def dispatch_path(device: str = "cuda") -> None:
 
 
 def deepep() -> None:
-    """DeepEP's Buffer needs 2, 4 or 8 ranks, one GPU each: here only whether it imports."""
+    """DeepEP's Buffer needs 2 ranks or more, one GPU each: here only whether it imports."""
     try:
         import deep_ep
     except ImportError:

@@ -5,8 +5,9 @@
 Exits 0 with a message when no CUDA device is present (so it is safe anywhere).
 
 1. Checks `moe_kernels.triton_mxfp4.grouped_mxfp4_gemm` (each variant: the inner products
-   `tl.dot_scaled`, in-kernel decode + TF32 `tl.dot`, in-kernel decode + bf16 `tl.dot`; each
-   with activations or weights as the MMA's left operand) against the torch path
+   `tl.dot_scaled`, in-kernel decode + TF32 or bf16 `tl.dot`, float16 codes per 32-block;
+   each with activations or weights as the MMA's left operand, and split over K on the
+   dense grid) against the torch path
    (`mxfp4_linear` per expert, in IEEE float32: TF32 is switched off) on a small shape and
    on a slice of the full shape, with uneven and empty experts; and
    `grouped_swiglu_w4a4_triton` against `grouped_swiglu_w4a4`.
@@ -16,9 +17,10 @@ Exits 0 with a message when no CUDA device is present (so it is safe anywhere).
    decode (1, 4, 16, 64 tokens per expert) and prefill (512, 2048) shapes, every expert
    getting the same number of tokens: Triton (per variant) vs. bf16 torch on the same data
    dequantized to bf16: `torch._grouped_mm` when it runs and matches (what CUDA expert
-   banks run), and the per-expert `torch.mm` loop. CUDA events around each call, L2 flushed before each,
-   warm-up, median of --iters. Triton gets `max_rows` (the expert service knows its
-   counts), so no tile schedule is built; the activations are quantized outside the timing.
+   banks run), and the per-expert `torch.mm` loop. CUDA events around each call, L2
+   flushed before each, warm-up, median of --iters. Triton gets `max_rows` (the expert
+   service knows its counts), so no tile schedule is built; the activations are quantized
+   outside the timing.
 
 Table: median time; weight TB/s = weight bytes / time (MXFP4: packed + scales; bf16: 2 bytes
 per weight; activations and outputs are not counted, so at prefill this understates traffic);

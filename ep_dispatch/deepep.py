@@ -336,6 +336,13 @@ class DeepEPRank:
             out = self._normal(x, slots, weights, fn)
         return out[:num_tokens]
 
+    def idle_layer(self, layer: int) -> torch.Tensor:
+        """This rank's part of a layer's exchange without tokens of its own."""
+        d = self.device
+        return self.layer(layer, torch.zeros(0, self.hidden, dtype=torch.bfloat16, device=d),
+                          torch.zeros(0, self.top_k, dtype=torch.int64, device=d),
+                          torch.zeros(0, self.top_k, dtype=torch.float32, device=d))
+
     def _normal(self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
                 fn: SlotFn | None) -> torch.Tensor:
         b = self.buffer
@@ -395,11 +402,8 @@ class DeepEPExperts:
         return self.rank.begin_round(num_tokens)
 
     def idle_step(self) -> None:
-        d = self.rank.device
         for layer in self.rank.layers:
-            self.rank.layer(layer, torch.zeros(0, self.hidden, dtype=torch.bfloat16, device=d),
-                            torch.zeros(0, self.rank.top_k, dtype=torch.int64, device=d),
-                            torch.zeros(0, self.rank.top_k, device=d))
+            self.rank.idle_layer(layer)
 
     def __call__(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> torch.Tensor:
@@ -434,11 +438,7 @@ def serve_deepep(world: World, placement: Placement, expert_fn: ExpertFn, hidden
         return run
 
     rank = DeepEPRank(world, placement, hidden, top_k, settings, slot_fn)
-    d = rank.device
-    nothing = torch.zeros(0, hidden, dtype=torch.bfloat16, device=d)
-    no_ids = torch.zeros(0, top_k, dtype=torch.int64, device=d)
-    no_weights = torch.zeros(0, top_k, device=d)
     while True:
         if rank.begin_round(0):
             for layer in rank.layers:
-                rank.layer(layer, nothing, no_ids, no_weights)
+                rank.idle_layer(layer)

@@ -16,12 +16,19 @@ its lhs as `[rows, K/2]` with scales `[rows, K/32]`, and its rhs as `[K/2, cols]
 K, `rhs_k_pack=True`) with scales `[cols, K/32]` (not transposed), so a weight tile loaded as
 `[cols, K/2]` is passed transposed and its scales as loaded.
 
-Two inner products, selected by `use_dot_scaled`:
-- `tl.dot_scaled` (default, what the issue asks for): native block-scaled MMA on Blackwell;
-  on Hopper and older, triton decomposes it into an upcast to bfloat16 and an ordinary MMA.
-- an explicit in-kernel decode of codes and scales to float32 followed by `tl.dot` (TF32 is
-  exact here: MXFP4 values have at most 2 mantissa bits), for triton builds or targets where
-  `tl.dot_scaled` with e2m1 on both sides fails, and as a baseline.
+Four inner products, selected by `inner` (all exact; the H200 runs chose the default,
+docs/benchmarks.md):
+- "dot_scaled" (default): `tl.dot_scaled`, native block-scaled MMA on Blackwell; on Hopper
+  and older triton decomposes it into an upcast to bfloat16 and an ordinary MMA.
+- "decode": an explicit in-kernel decode of codes and scales to float32, then `tl.dot` in
+  TF32 (exact here: MXFP4 values have at most 2 mantissa bits), for triton builds or
+  targets where `tl.dot_scaled` with e2m1 on both sides fails.
+- "bf16": the same decode, then a bfloat16 `tl.dot` (the interpreter gets bf16 dots wrong:
+  checked on GPUs only).
+- "f16": codes as float16 by three integer operations, one 32-block per K step, the block's
+  product scaled by both scales in float32.
+Either operand can be the MMA's left one (`swap_ab`), and K can be split over programs
+(`split_k`).
 """
 
 from __future__ import annotations
@@ -141,7 +148,7 @@ def _grouped_mxfp4_gemm_kernel(
         blk = k0 // 32 + ks  # [BLOCK_K / 32]
         # K is a multiple of 32, so a partial last step masks whole blocks; masked bytes and
         # scales read as 0, i.e. the value +0 (times 2**-127), adding nothing.
-        byte_ok = (byte < K // 2) | EVEN_K
+        byte_ok = (byte < K // 2) | EVEN_K  # EVEN_K, a constexpr True: no K masks at all
         blk_ok = (blk < K // 32) | EVEN_K
         x = tl.load(x_rows + byte[None, :], mask=row_ok[:, None] & byte_ok[None, :],
                     other=0)  # [BLOCK_N, BLOCK_K / 2] uint8
@@ -238,7 +245,7 @@ INNER_PRODUCTS = {"dot_scaled": 0, "decode": 1, "bf16": 2, "f16": 3}
 
 def grouped_mxfp4_gemm(
     x: MXFP4Tensor, expert_offsets: torch.Tensor, w: MXFP4Tensor, *,
-    block_n: int | None = None, block_m: int | None = None, block_k: int = 128,
+    block_n: int | None = None, block_m: int | None = None, block_k: int | None = None,
     inner: str = "dot_scaled", swap_ab: bool = False, max_rows: int | None = None,
     split_k: int = 1, num_warps: int = 4, num_stages: int = 3,
 ) -> torch.Tensor:
@@ -254,8 +261,9 @@ def grouped_mxfp4_gemm(
         w: MXFP4 of `[E, M, K]` weights (packed `[E, M, K / 2]` uint8, scales
             `[E, M, K / 32]` uint8), blocks along K; same device as x.
         block_n, block_m, block_k: tile sizes (powers of two, at least 16; block_k a
-            multiple of 32 and at least 64). By default block_n follows the mean rows per
-            expert (16 to 64) and block_m is 128 (the best on an H200: docs/benchmarks.md).
+            multiple of 32 and at least 64, or 32 for "f16"). By default block_n follows
+            the mean rows per expert (16 to 64), block_m is 128 (the best on an H200:
+            docs/benchmarks.md) and block_k 128.
         inner: the inner product: `tl.dot_scaled` ("dot_scaled"); an in-kernel decode
             to float32 then `tl.dot` in TF32 ("decode") or bfloat16 ("bf16"); or float16
             codes, one 32-block per step, the block's product scaled ("f16", block_k 32).
@@ -263,7 +271,8 @@ def grouped_mxfp4_gemm(
         swap_ab: compute out.T = w @ x.T, so the weights are the MMA's left operand.
         max_rows: the most rows any expert has, if the caller knows it without a device
             sync: the grid is then E x cdiv(max_rows, block_n) row tiles, and the tile
-            schedule (a few small kernels) is not built.
+            schedule (a few small kernels) is not built. Not checked (that would need a
+            sync): rows beyond it are left unwritten.
         split_k: programs per output tile, each summing a share of K into its own
             partial output; the partials are then added in a fixed order (deterministic).
         num_warps, num_stages: launch options (ignored by the interpreter).
@@ -289,9 +298,13 @@ def grouped_mxfp4_gemm(
     if inner not in INNER_PRODUCTS:
         raise ValueError(f"unknown inner product {inner!r}; choose "
                          f"{', '.join(INNER_PRODUCTS)}")
-    if inner == "f16":
-        block_k = BLOCK  # one scale block per step
-    elif block_k % BLOCK or block_k < 2 * BLOCK:
+    if inner == "f16":  # one scale block per step
+        if block_k not in (None, BLOCK):
+            raise ValueError(f"the f16 inner product steps {BLOCK} at a time; got block_k "
+                             f"{block_k}")
+        block_k = BLOCK
+    block_k = block_k or 128
+    if inner != "f16" and (block_k % BLOCK or block_k < 2 * BLOCK):
         raise ValueError(f"block_k must be a multiple of {BLOCK}, at least {2 * BLOCK}; "
                          f"got {block_k}")
     device = x.packed.device

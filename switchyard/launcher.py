@@ -264,17 +264,27 @@ def _start_services(args: argparse.Namespace, model: Path, name: str,
 
 def _check_deepep(args: argparse.Namespace, cfg: ModelConfig) -> None:
     """DeepEP's limits for this layout and model, and DeepEP itself, before any process."""
-    from ep_dispatch.deepep import check_deepep, check_step_budget, import_deep_ep
+    import torch
+
+    from ep_dispatch.deepep import (
+        check_deepep,
+        check_slots_fit,
+        check_step_budget,
+        import_deep_ep,
+    )
     from ep_dispatch.placement import make_placement
     from services.attention.config import resolve_dtype
 
     num_experts = _num_expert_services(args)
+    world = args.attention_groups + num_experts
     placement = make_placement([i for i, m in enumerate(cfg.moe_layers) if m],
                                cfg.num_experts, num_experts, args.placement)
     settings = deepep_settings(args)
-    check_deepep(settings, args.attention_groups + num_experts, cfg.hidden_size, cfg.top_k,
-                 placement.most_local, resolve_dtype(args.dtype, args.device))
+    check_deepep(settings, world, cfg.hidden_size, cfg.top_k, placement.most_local,
+                 resolve_dtype(args.dtype, args.device))
     check_step_budget(settings, args.max_num_batched_tokens)
+    check_slots_fit(settings, world * placement.most_local,
+                    torch.cuda.get_device_properties(0).multi_processor_count)
     import_deep_ep()
 
 

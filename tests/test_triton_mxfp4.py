@@ -39,6 +39,11 @@ INNERS = ["dot_scaled", "decode", "f16", pytest.param("bf16", marks=pytest.mark.
 SMALL = {"block_n": 16, "block_m": 32, "block_k": 64}
 
 
+def small(inner: str) -> dict[str, int]:
+    """SMALL tiles; "f16" steps K by 32 (one scale block) whatever the rest use."""
+    return {**SMALL, "block_k": 32} if inner == "f16" else SMALL
+
+
 def assert_same(actual: torch.Tensor, expected: torch.Tensor) -> None:
     assert actual.shape == expected.shape and actual.dtype == expected.dtype
     actual, expected = actual.cpu(), expected.cpu()
@@ -87,7 +92,8 @@ def reference_gemm(x: MXFP4Tensor, tokens_per_expert: list[int], w: MXFP4Tensor)
     ([0, 5, 17, 0, 3, 0], 64, 48),  # uneven; empty first, middle and last; 17 rows = 2 tiles
     ([1], 32, 40),  # a single token
     ([0, 0, 1, 0], 96, 24),  # a single token among empty experts; K = 1.5 K-steps
-    ([2, 0, 3], 256, 16),  # 4 K-steps (8 for f16): split 3 ways unevenly
+    ([2, 0, 3], 256, 16),  # 4 K-steps: split 3 -> 2 of 2 (f16: 8 steps, 3 + 3 + 2)
+    ([3, 1], 224, 16),  # 3.5 K-steps: split 3 -> 2 + 1.5 (f16: 7 steps, 3 + 3 + 1)
 ])
 def test_gemm_matches_mxfp4_linear_per_expert(tokens_per_expert: list[int], k: int, m: int,
                                               inner: str, swap_ab: bool, dense: bool,
@@ -98,7 +104,7 @@ def test_gemm_matches_mxfp4_linear_per_expert(tokens_per_expert: list[int], k: i
     x, w = make(tokens_per_expert, k, m)
     out = grouped_mxfp4_gemm(x, offsets_of(tokens_per_expert), w, inner=inner,
                              swap_ab=swap_ab, max_rows=max(tokens_per_expert) if dense else None,
-                             split_k=split_k, **SMALL)
+                             split_k=split_k, **small(inner))
     assert_same(out, reference_gemm(x, tokens_per_expert, w))
 
 
@@ -120,7 +126,7 @@ def test_gemm_nan_block_poisons_its_row_only(inner: str) -> None:
     qx, (_, w) = quantize(x), make(tokens, 64, 16)
     qx = MXFP4Tensor(qx.packed.to(DEVICE), qx.scales.to(DEVICE))
     assert qx.scales[3, 1].item() == 0xFF
-    out = grouped_mxfp4_gemm(qx, offsets_of(tokens), w, inner=inner, **SMALL)
+    out = grouped_mxfp4_gemm(qx, offsets_of(tokens), w, inner=inner, **small(inner))
     assert out[3].isnan().all() and not out[[0, 1, 2, 4]].isnan().any()
     assert_same(out, reference_gemm(qx, tokens, w))
 
@@ -157,3 +163,11 @@ def test_bad_tokens_per_expert_raises() -> None:
     x, w = make([2, 2], 32, 64)
     with pytest.raises(ValueError, match="sum to 4"):
         grouped_swiglu_w4a4_triton(x, [1, 2], w, w)
+
+
+def test_f16_steps_one_scale_block_and_says_so() -> None:
+    x, w = make([2], 64, 32)
+    with pytest.raises(ValueError, match="f16 inner product steps 32 at a time; got block_k 64"):
+        grouped_mxfp4_gemm(x, offsets_of([2]), w, inner="f16", block_k=64)
+    with pytest.raises(ValueError, match="unknown inner product 'fp8'"):
+        grouped_mxfp4_gemm(x, offsets_of([2]), w, inner="fp8")

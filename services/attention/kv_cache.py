@@ -86,16 +86,28 @@ Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float
                   tuple[torch.Tensor, torch.Tensor]]
 
 
-# Not cuDNN's SDPA: it builds an execution plan per new shape, and decode shapes change
-# every step (on an H200 a step then took up to 0.8 s in SDPA instead of milliseconds).
+# Not cuDNN's SDPA: it builds an execution plan for each new shape, and decode shapes change
+# every step (on an H200, 10 decode steps spent 0.82 s in SDPA; docs/benchmarks.md). Flash
+# takes no mask, so the mem-efficient kernel runs, or math where it cannot.
 _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Full attention by torch's SDPA; the lse is not computed (NaN), as `attend` drops it.
-    Every query sees at least its own key here, so no row is fully masked."""
+    Every query sees at least its own key here, so no row is fully masked.
+
+    With grouped KV heads, each KV head's g query heads are folded into its query rows
+    ([B, KVH, g * Tq, D]): no K/V copies, and the mem-efficient kernel qualifies (torch's
+    `enable_gqa` runs only on flash, which takes no mask, and math, which holds all scores).
+    """
+    b, heads, tq, d = q.shape
+    kv_heads = k.shape[1]
+    g = heads // kv_heads
+    if g > 1:  # head h uses KV head h // g, as transformers' repeat_kv
+        q = q.reshape(b, kv_heads, g * tq, d)  # rows (j, t): query head j of the group
+        mask = mask.repeat(1, 1, g, 1) if tq > 1 else mask  # [B, 1, g * Tq, L]
     with sdpa_kernel(_SDPA_BACKENDS):
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                             enable_gqa=True)
-    return out, torch.full(q.shape[:3], float("nan"), device=q.device)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out.reshape(b, heads, tq, d), torch.full((b, heads, tq), float("nan"),
+                                                    device=q.device)
