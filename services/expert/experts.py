@@ -182,7 +182,7 @@ def _grouped_mm_matches(x: torch.Tensor, tokens_per_expert: list[int],
     supports) and agrees with the per-expert loop on a first batch; if not, the loop."""
     try:
         got = grouped_swiglu_mm(x, tokens_per_expert, w_gate_up, w_down).float()
-    except (AttributeError, RuntimeError) as exc:
+    except (AttributeError, RuntimeError, TypeError, ValueError) as exc:  # unsupported here
         log.info("torch._grouped_mm does not run here (%s); experts run one by one",
                  str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         return False
