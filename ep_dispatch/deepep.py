@@ -21,7 +21,8 @@ it fits `--deepep-max-tokens` (decode steps), else the normal ones (prefill step
   outputs in place; `low_latency_combine` sums them weighted by the sender's top-k weights.
 
 The handle of each dispatch is used by its combine; layouts are computed once per layer
-call. Not yet run: DeepEP is not installed on the lent GPU machine (docs/benchmarks.md).
+call. Tested across processes over a CPU double of DeepEP's API (tests/deepep_fake.py);
+not yet run with DeepEP itself, which the lent GPU machine lacks (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -263,17 +264,19 @@ def unpack_into(packed: torch.Tensor, counts: list[int], y: torch.Tensor) -> Non
 
 class DeepEPRank:
     """One rank of the Buffer's world: attention ranks send tokens (`slot_fn` None), expert
-    ranks run their slots (`slot_fn(layer)`)."""
+    ranks run their slots (`slot_fn(layer)`). `device` is this process's GPU; the tests
+    give the CPU, with a CPU double of `deep_ep` over gloo."""
 
     def __init__(self, world: World, placement: Placement, hidden: int, top_k: int,
-                 settings: DeepEPSettings,
-                 slot_fn: Callable[[int], SlotFn] | None = None) -> None:
+                 settings: DeepEPSettings, slot_fn: Callable[[int], SlotFn] | None = None,
+                 device: torch.device | None = None) -> None:
         self.deep_ep = import_deep_ep()
         self.world, self.hidden, self.top_k, self.settings = world, hidden, top_k, settings
-        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device or torch.device("cuda", torch.cuda.current_device())
         self.slots = Slots(placement, world.num_attention, self.device)
-        check_slots_fit(settings, self.slots.num_slots,
-                        torch.cuda.get_device_properties(self.device).multi_processor_count)
+        if self.device.type == "cuda":
+            check_slots_fit(settings, self.slots.num_slots, torch.cuda.get_device_properties(
+                self.device).multi_processor_count)
         self.idx_dtype = getattr(self.deep_ep, "topk_idx_t", torch.int64)
         self.layers = sorted(placement.replicas)
         self.slot_fn = slot_fn
@@ -394,8 +397,8 @@ class DeepEPExperts:
     lockstep = True
 
     def __init__(self, world: World, placement: Placement, hidden: int, top_k: int,
-                 settings: DeepEPSettings) -> None:
-        self.rank = DeepEPRank(world, placement, hidden, top_k, settings)
+                 settings: DeepEPSettings, device: torch.device | None = None) -> None:
+        self.rank = DeepEPRank(world, placement, hidden, top_k, settings, device=device)
         self.hidden = hidden
 
     def begin_step(self, num_tokens: int) -> bool:
@@ -423,7 +426,8 @@ class DeepEPExperts:
 
 
 def serve_deepep(world: World, placement: Placement, expert_fn: ExpertFn, hidden: int,
-                 top_k: int, settings: DeepEPSettings) -> None:
+                 top_k: int, settings: DeepEPSettings, device: torch.device | None = None
+                 ) -> None:
     """Expert side: every round, each MoE layer's exchange, until the process is stopped."""
     rank_index = world.rank - world.num_attention
 
@@ -437,7 +441,7 @@ def serve_deepep(world: World, placement: Placement, expert_fn: ExpertFn, hidden
 
         return run
 
-    rank = DeepEPRank(world, placement, hidden, top_k, settings, slot_fn)
+    rank = DeepEPRank(world, placement, hidden, top_k, settings, slot_fn, device)
     while True:
         if rank.begin_round(0):
             for layer in rank.layers:

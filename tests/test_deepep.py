@@ -182,3 +182,108 @@ def test_low_latency_rows_round_trip_through_the_packed_buffer() -> None:
     assert torch.equal(packed[0, 2:], before[0, 2:]) and torch.equal(packed[1], before[1])
     assert packed_rows(packed, [0, 0, 0]).shape == (0, 2)
 
+
+
+# The backend's protocol across real processes, over a CPU double of DeepEP's V1 API
+# (tests/deepep_fake.py, written from DeepEP's source apart from the backend): 2 attention
+# ranks and 2 expert ranks over gloo, rounds that pick the low-latency kernels, the normal
+# ones and back, and an attention rank idling while the other works.
+HIDDEN, NUM_EXPERTS, TOP_K, LAYERS = 2048, 8, 2, [0, 1]
+SETTINGS = DeepEPSettings(mode="auto", max_tokens=16)
+ROUNDS = [(5, 0), (40, 7), (0, 0), (3, 20), (16, 16)]  # tokens of attention ranks 0, 1
+MODES = ["low_latency", "normal", None, "normal", "low_latency"]  # None: nobody has work
+
+
+def _scale(layer: int, expert: int) -> float:
+    """Expert e of a layer multiplies by a power of two: exact in bfloat16."""
+    return 2.0 ** (expert % 4 - 2) * (layer + 1)
+
+
+def _world(rank: int, port: int) -> World:
+    import sys
+
+    from ep_dispatch.torch_dist import join
+    from tests import deepep_fake
+
+    sys.modules["deep_ep"] = deepep_fake
+    world = World(("127.0.0.1", port), 2, 2, rank)
+    join(world, 60, "gloo")
+    return world
+
+
+def _expert_rank(rank: int, port: int) -> None:
+    from ep_dispatch.deepep import serve_deepep
+
+    world = _world(rank, port)
+    placement = Placement.balanced(LAYERS, NUM_EXPERTS, 2)
+    local = placement.local_experts(rank - 2)
+
+    def expert_fn(layer: int, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        out, start = torch.empty_like(rows), 0
+        for k, count in enumerate(counts):
+            out[start:start + count] = rows[start:start + count] * _scale(layer,
+                                                                          local[layer][k])
+            start += count
+        return out
+
+    serve_deepep(world, placement, expert_fn, HIDDEN, TOP_K, SETTINGS, torch.device("cpu"))
+
+
+def _attention_rank(rank: int, port: int, results: object) -> None:
+    from ep_dispatch.deepep import DeepEPExperts
+
+    world = _world(rank, port)
+    client = DeepEPExperts(world, Placement.balanced(LAYERS, NUM_EXPERTS, 2), HIDDEN, TOP_K,
+                           SETTINGS, torch.device("cpu"))
+    g = torch.Generator().manual_seed(rank)
+    modes, errors = [], []
+    for counts in ROUNDS:
+        tokens = counts[rank]
+        if not client.begin_step(tokens):
+            modes.append(None)
+            continue
+        modes.append(client.rank.mode)
+        if not tokens:
+            client.idle_step()
+            continue
+        for layer in LAYERS:
+            x = torch.randn(tokens, HIDDEN, generator=g).to(torch.bfloat16)
+            ids = torch.rand(tokens, NUM_EXPERTS, generator=g).topk(TOP_K).indices
+            w = torch.rand(tokens, TOP_K, generator=g).to(torch.bfloat16)
+            got = client(layer, x, ids, w).float()
+            scale = torch.tensor([[_scale(layer, int(e)) for e in row] for row in ids])
+            want = ((w.float() * scale)[:, :, None] * x.float()[:, None]).sum(1)
+            errors.append(((got - want).abs().max() / want.abs().max()).item())
+    results.put((rank, modes, errors))  # type: ignore[attr-defined]
+
+
+def test_deepep_protocol_across_processes_over_a_cpu_double_of_deep_ep() -> None:
+    import multiprocessing as mp
+
+    from switchyard.launcher import free_port
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    attention = [ctx.Process(target=_attention_rank, args=(r, port, results))
+                 for r in range(2)]
+    experts = [ctx.Process(target=_expert_rank, args=(r, port), daemon=True) for r in (2, 3)]
+    procs = attention + experts
+    for p in procs:
+        p.start()
+    try:
+        got = dict((rank, (modes, errors)) for rank, modes, errors in
+                   (results.get(timeout=240) for _ in attention))
+        for rank in (0, 1):
+            modes, errors = got[rank]
+            assert modes == MODES, (rank, modes)
+            # bfloat16 outputs, summed over 2 experts on different ranks: a few of its ulps
+            assert errors and max(errors) < 2e-2, (rank, errors)
+        for p in attention:
+            p.join(timeout=30)
+            assert p.exitcode == 0
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+            p.join(timeout=30)
