@@ -48,7 +48,6 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -244,77 +243,19 @@ def kernel() -> None:
 
 
 def kernel_sweep(json_path: str | None) -> None:
-    """Variants, tile sizes and launch options of the W4A4 kernel at the timed shapes (32
-    experts, H 7168, I 2048), to choose its defaults. Every call gets `max_rows`, as from
-    the expert service."""
-    from benchmarks.gpu_mxfp4 import offsets_of, random_mxfp4, variant_options
-    from moe_kernels.mxfp4 import quantize
-    from moe_kernels.triton_mxfp4 import grouped_mxfp4_gemm
+    """The W4A4 kernel's sweep (`benchmarks.gpu_mxfp4.sweep`): one row per shape."""
+    from benchmarks.gpu_mxfp4 import sweep
 
     if not KERNEL_VARIANTS:
         row("W4A4 kernel sweep", "not run", "", "no variant compiled and matched")
         return
-    bw = copy_bandwidth(4.0)
-    e, h, i = 32, 7168, 2048
-    flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
-    gemms = {"gate_up": random_mxfp4(e, 2 * i, h, "cuda", seed=3),
-             "down": random_mxfp4(e, h, i, "cuda", seed=4)}
-    def configs(variant: str, t: int) -> list[tuple[int, ...]]:
-        """(block_n, block_m, block_k, warps, stages, split_k): around the best of the
-        H200 runs of 2026-11-30, and K split over 1-8 programs at decode."""
-        if t >= 256:
-            return [(bn, 128, 32 if variant.startswith("f16") else 128, 4, 3, 1)
-                    for bn in (64, 128)]
-        if variant.startswith("f16"):
-            return [(16, bm, 32, 4, ns, sk) for bm in (128, 256) for ns in (3, 5)
-                    for sk in (1, 2, 4, 8)]
-        return [(16, 128, bk, 4, 3, sk) for bk in (128, 256) for sk in (1, 2, 4, 8)]
-
-    variants = [v for v in KERNEL_VARIANTS if v.partition("/")[0] in ("dot_scaled", "f16")]
-    results: list[dict[str, object]] = []
-    print(f"## W4A4 kernel sweep (copy bandwidth {bw / 1e12:.2f} TB/s)\n")
-    print("| GEMM | tokens/expert | variant | block_n, block_m, block_k, warps, stages, split_k "
-          "| us | "
-          "weight TB/s | of copy BW | TFLOP/s |\n|---|---:|---|---|---:|---:|---:|---:|")
-    for t in (1, 16, 512):
-        for name, w in gemms.items():
-            _, m, k = w.shape
-            n = t * e
-            offsets = offsets_of([t] * e, "cuda")
-            xq = quantize(torch.randn(n, k, dtype=torch.bfloat16, device="cuda"))
-            timed: list[tuple[float, str, tuple[int, ...]]] = []
-            for variant in variants:
-                for config in configs(variant, t):
-                    bn, bm, bk, nw, ns, sk = config
-                    try:
-                        ms = time_ms(partial(grouped_mxfp4_gemm, xq, offsets, w, block_n=bn,
-                                             block_m=bm, block_k=bk, num_warps=nw,
-                                             num_stages=ns, max_rows=t, split_k=sk,
-                                             **variant_options(variant)), 2, 7, flush)
-                    except Exception as exc:  # e.g. out of shared memory for this tile
-                        print(f"| {name} | {t} | {variant} | {config} | "
-                              f"{type(exc).__name__} | | | |")
-                        continue
-                    tbs = w.nbytes() / (ms * 1e-3)
-                    timed.append((ms, variant, config))
-                    results.append({"gemm": name, "tokens_per_expert": t, "variant": variant,
-                                    "config": list(config), "us": ms * 1e3,
-                                    "weight_tb_s": tbs / 1e12, "of_copy_bw": tbs / bw})
-                    print(f"| {name} | {t} | {variant} | {config} | {ms * 1e3:.1f} | "
-                          f"{tbs / 1e12:.2f} | {tbs / bw:.0%} | "
-                          f"{2 * n * m * k / (ms * 1e-3) / 1e12:.1f} |", flush=True)
-            if timed:
-                ms, variant, best = min(timed)
-                tbs = w.nbytes() / (ms * 1e-3)
-                per_variant = {v: min(x[0] for x in timed if x[1] == v)
-                               for v in variants if any(x[1] == v for x in timed)}
-                row(f"W4A4 sweep: {name}, {t} tokens/expert", "info",
-                    f"{ms * 1e3:.1f} us, {tbs / 1e12:.2f} TB/s ({tbs / bw:.0%} of copy)",
-                    f"best of {len(timed)}: {variant} {best}; best us per variant: "
-                    + ", ".join(f"{v} {b * 1e3:.0f}" for v, b in per_variant.items()))
-            if json_path:
-                with open(json_path.removesuffix(".json") + "_sweep.json", "w") as f:
-                    json.dump(results, f, indent=1)
+    sweep_json = json_path.removesuffix(".json") + "_sweep.json" if json_path else None
+    for best in sweep(KERNEL_VARIANTS, copy_bandwidth(4.0), sweep_json):
+        row(f"W4A4 sweep: {best['gemm']}, {best['tokens_per_expert']} tokens/expert", "info",
+            f"{best['us']:.1f} us, {best['weight_tb_s']:.2f} TB/s "
+            f"({best['of_copy_bw']:.0%} of copy)",
+            f"best of {best['tried']}: {best['variant']} {tuple(best['config'])}; best us per "
+            f"variant: " + ", ".join(f"{v} {us:.0f}" for v, us in best['per_variant'].items()))
 
 
 def dispatch_path(device: str = "cuda") -> None:

@@ -1,6 +1,7 @@
 """Triton W4A4 MXFP4 grouped GEMM on an NVIDIA GPU (H100/H200): correctness, then speed.
 
     .venv/bin/python -m benchmarks.gpu_mxfp4 [--experts 64] [--hidden 4096] [--inter 2048]
+        [--sweep [JSON]]
 
 Exits 0 with a message when no CUDA device is present (so it is safe anywhere).
 
@@ -22,6 +23,9 @@ Exits 0 with a message when no CUDA device is present (so it is safe anywhere).
    service knows its counts), so no tile schedule is built; the activations are quantized
    outside the timing.
 
+4. With `--sweep`: tile sizes, launch options and split_k of the "dot_scaled" and "f16"
+   variants at 1, 16 and 512 tokens per expert (`sweep`), to choose the defaults.
+
 Table: median time; weight TB/s = weight bytes / time (MXFP4: packed + scales; bf16: 2 bytes
 per weight; activations and outputs are not counted, so at prefill this understates traffic);
 that as a fraction of the copy bandwidth; TFLOP/s = 2 N M K / time.
@@ -33,11 +37,13 @@ magnitude of real expert weights; the kernel's speed does not depend on the valu
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -67,6 +73,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--copy-gib", type=float, default=4.0, help="size of the copy test")
     ap.add_argument("--skip-check", action="store_true", help="skip the correctness checks")
+    ap.add_argument("--sweep", metavar="JSON", nargs="?", const="", default=None,
+                    help="then sweep tiles, launch options and split_k (`sweep`), writing "
+                         "every timing to JSON if given")
     return ap.parse_args()
 
 
@@ -267,6 +276,74 @@ def bench(args: argparse.Namespace, variants: list[str], copy_bw: float) -> None
     print()
 
 
+def sweep_configs(variant: str, tokens: int) -> list[tuple[int, int, int, int, int, int]]:
+    """(block_n, block_m, block_k, warps, stages, split_k) to try: around the best of the
+    H200 runs of 2026-11-30 (docs/benchmarks.md), and K split over 1-8 programs at decode."""
+    f16 = variant.startswith("f16")  # one 32-block per K step
+    if tokens >= 256:
+        return [(bn, 128, 32 if f16 else 128, 4, 3, 1) for bn in (64, 128)]
+    if f16:
+        return [(16, bm, 32, 4, ns, sk) for bm in (128, 256) for ns in (3, 5)
+                for sk in (1, 2, 4, 8)]
+    return [(16, 128, bk, 4, 3, sk) for bk in (128, 256) for sk in (1, 2, 4, 8)]
+
+
+def sweep(variants: list[str], copy_bw: float, json_path: str | None = None,
+          experts: int = 32, hidden: int = 7168, inter: int = 2048,
+          tokens: tuple[int, ...] = (1, 16, 512)) -> list[dict[str, Any]]:
+    """Time `sweep_configs` of the "dot_scaled" and "f16" variants among `variants` at each
+    GEMM and tokens per expert (every call with `max_rows`, as from the expert service),
+    printing a table and writing every timing to `json_path`; returns the best per shape."""
+    from moe_kernels.mxfp4 import quantize
+    from moe_kernels.triton_mxfp4 import grouped_mxfp4_gemm
+
+    variants = [v for v in variants if v.partition("/")[0] in ("dot_scaled", "f16")]
+    flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
+    gemms = {"gate_up": random_mxfp4(experts, 2 * inter, hidden, "cuda", seed=3),
+             "down": random_mxfp4(experts, hidden, inter, "cuda", seed=4)}
+    results: list[dict[str, Any]] = []
+    best: list[dict[str, Any]] = []
+    print(f"## W4A4 kernel sweep (copy bandwidth {copy_bw / 1e12:.2f} TB/s)\n")
+    print("| GEMM | tokens/expert | variant | block_n, block_m, block_k, warps, stages, "
+          "split_k | us | weight TB/s | of copy BW | TFLOP/s |\n"
+          "|---|---:|---|---|---:|---:|---:|---:|")
+    for t in tokens:
+        for name, w in gemms.items():
+            _, m, k = w.shape
+            n = t * experts
+            offsets = offsets_of([t] * experts, "cuda")
+            xq = quantize(torch.randn(n, k, dtype=torch.bfloat16, device="cuda"))
+            shape: list[dict[str, Any]] = []
+            for variant in variants:
+                for config in sweep_configs(variant, t):
+                    bn, bm, bk, nw, ns, sk = config
+                    try:
+                        ms = time_ms(partial(grouped_mxfp4_gemm, xq, offsets, w, block_n=bn,
+                                             block_m=bm, block_k=bk, num_warps=nw,
+                                             num_stages=ns, max_rows=t, split_k=sk,
+                                             **variant_options(variant)), 2, 7, flush)
+                    except Exception as exc:  # e.g. out of shared memory for this tile
+                        print(f"| {name} | {t} | {variant} | {config} | "
+                              f"{type(exc).__name__} | | | |")
+                        continue
+                    tbs = w.nbytes() / (ms * 1e-3)
+                    shape.append({"gemm": name, "tokens_per_expert": t, "variant": variant,
+                                  "config": list(config), "us": ms * 1e3,
+                                  "weight_tb_s": tbs / 1e12, "of_copy_bw": tbs / copy_bw})
+                    print(f"| {name} | {t} | {variant} | {config} | {ms * 1e3:.1f} | "
+                          f"{tbs / 1e12:.2f} | {tbs / copy_bw:.0%} | "
+                          f"{2 * n * m * k / (ms * 1e-3) / 1e12:.1f} |", flush=True)
+            results += shape
+            if shape:
+                per_variant = {v: min(r["us"] for r in shape if r["variant"] == v)
+                               for v in variants if any(r["variant"] == v for r in shape)}
+                best.append({**min(shape, key=lambda r: r["us"]), "tried": len(shape),
+                             "per_variant": per_variant})
+            if json_path:
+                with open(json_path, "w") as f:
+                    json.dump(results, f, indent=1)
+    return best
+
 def main() -> int:
     args = parse_args()
     if not torch.cuda.is_available():
@@ -289,6 +366,8 @@ def main() -> int:
     copy_bw = copy_bandwidth(args.copy_gib)
     if variants:
         bench(args, variants, copy_bw)
+        if args.sweep is not None:
+            sweep(variants, copy_bw, args.sweep or None, args.experts, args.hidden, args.inter)
     else:
         print("no Triton variant ran; nothing to time")
     return 0 if ok else 1
