@@ -18,7 +18,9 @@ Exits 0 with a message when no CUDA device is present (so it is safe anywhere).
    decode (1, 4, 16, 64 tokens per expert) and prefill (512, 2048) shapes, every expert
    getting the same number of tokens: Triton (per variant) vs. bf16 torch on the same data
    dequantized to bf16: `torch._grouped_mm` when it runs and matches (what CUDA expert
-   banks run), and the per-expert `torch.mm` loop. CUDA events around each call, L2
+   banks run), and the per-expert `torch.mm` loop; and W4A4 by another route, both
+   operands decoded to bf16 in one pass each (`dequantize_mxfp4`) then `torch._grouped_mm`,
+   the decoding timed with it. CUDA events around each call, L2
    flushed before each, warm-up, median of --iters. Triton gets `max_rows` (the expert
    service knows its counts), so no tile schedule is built; the activations are quantized
    outside the timing.
@@ -112,9 +114,13 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 def check(args: argparse.Namespace, variants: list[str]) -> tuple[bool, list[str]]:
     """Triton vs. the torch path; returns (all passed, variants that ran)."""
-    from moe_kernels.grouped_gemm import grouped_swiglu_w4a4, mxfp4_linear
-    from moe_kernels.mxfp4 import quantize
-    from moe_kernels.triton_mxfp4 import grouped_mxfp4_gemm, grouped_swiglu_w4a4_triton
+    from moe_kernels.grouped_gemm import grouped_swiglu, grouped_swiglu_w4a4, mxfp4_linear
+    from moe_kernels.mxfp4 import dequantize, quantize
+    from moe_kernels.triton_mxfp4 import (
+        grouped_mxfp4_gemm,
+        grouped_swiglu_w4a4_bf16,
+        grouped_swiglu_w4a4_triton,
+    )
 
     torch.backends.cuda.matmul.allow_tf32 = False  # the torch path in IEEE float32
     ok, working = True, list(variants)
@@ -171,8 +177,28 @@ def check(args: argparse.Namespace, variants: list[str]) -> tuple[bool, list[str
             print(f"| {h} | {i} | {counts} | swiglu | dot_scaled | {err:.2e} | "
                   f"{'yes' if torch.equal(out, ref) else 'no'} | "
                   f"{'ok' if passed else 'FAIL'} |")
+        try:  # the route through bf16 grouped GEMMs: bf16-rounded GEMM outputs, so a
+            # re-quantized code flips now and then: as close to the float FFN of the same
+            # operands as the torch path is (tests/test_triton_mxfp4.py)
+            out = grouped_swiglu_w4a4_bf16(x, counts, w_gate_up, w_down)
+            ref = grouped_swiglu_w4a4(x, counts, w_gate_up, w_down).to(out.device)
+            ffn = grouped_swiglu(dequantize(x), counts, dequantize(w_gate_up),
+                                 dequantize(w_down)).to(out.device)
+            err, bound = norm_err(out, ffn), 1.05 * norm_err(ref, ffn)
+            ok &= err <= bound
+            print(f"| {h} | {i} | {counts} | swiglu | bf16 dequant + torch._grouped_mm | "
+                  f"{err:.3f} vs float (torch path {bound / 1.05:.3f}) | no | "
+                  f"{'ok' if err <= bound else 'FAIL'} |")
+        except RuntimeError as exc:  # torch._grouped_mm unsupported here
+            print(f"| {h} | {i} | {counts} | swiglu | bf16 dequant + torch._grouped_mm | - | "
+                  f"- | did not run: {str(exc).splitlines()[0][:120]} |")
     print()
     return ok, working
+
+
+def norm_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected|| / ||expected||: for results where a few elements may flip."""
+    return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
 
 
 def copy_bandwidth(gib: float) -> float:
@@ -236,7 +262,7 @@ def bf16_grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int], offsets
 
 def bench(args: argparse.Namespace, variants: list[str], copy_bw: float) -> None:
     from moe_kernels.mxfp4 import quantize
-    from moe_kernels.triton_mxfp4 import grouped_mxfp4_gemm
+    from moe_kernels.triton_mxfp4 import dequantize_mxfp4, grouped_mxfp4_gemm
 
     e, h, i = args.experts, args.hidden, args.inter
     flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")  # > any L2
@@ -256,8 +282,13 @@ def bench(args: argparse.Namespace, variants: list[str], copy_bw: float) -> None
             x_bf16 = torch.randn(n, k, dtype=torch.bfloat16, device="cuda")
             xq = quantize(x_bf16)
             flops = 2 * n * m * k
-            runs = [(f"bf16 {name}", fn, bytes_bf16)
-                    for name, fn in bf16_grouped_mm(x_bf16, w_bf16, counts, offsets)]
+            bf16_runs = bf16_grouped_mm(x_bf16, w_bf16, counts, offsets)
+            runs = [(f"bf16 {name}", fn, bytes_bf16) for name, fn in bf16_runs]
+            if bf16_runs[0][0] == "torch._grouped_mm":  # W4A4 decoded, then that GEMM
+                ends = offsets[1:].to(torch.int32)
+                runs.append(("w4a4: bf16 dequant + torch._grouped_mm", lambda xq=xq, w=w,
+                             ends=ends: torch._grouped_mm(dequantize_mxfp4(xq), dequantize_mxfp4(
+                                 w).transpose(-2, -1), offs=ends), bytes_mxfp4))
             for variant in variants:  # max_rows: the expert service knows its counts
                 runs.append((f"triton {variant}", partial(
                     grouped_mxfp4_gemm, xq, offsets, w, max_rows=t, **variant_options(variant)),

@@ -194,6 +194,48 @@ def _grouped_mxfp4_gemm_kernel(
     tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def _dequantize_kernel(
+    packed_ptr, scales_ptr,  # [R, K/2] uint8, [R, K/32] uint8 (row strides below)
+    out_ptr,  # [R, K] in the output dtype, dense
+    R, K, stride_p, stride_s,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Program (row block, K block): decode MXFP4 values, exactly, to out's dtype."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
+    kb = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)  # [BLOCK_K / 2]
+    ks = tl.program_id(1) * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)  # [BLOCK_K / 32]
+    row_ok = rows[:, None] < R
+    rows64 = rows.to(tl.int64)[:, None]
+    packed = tl.load(packed_ptr + rows64 * stride_p + kb[None, :],
+                     mask=row_ok & (kb[None, :] < K // 2), other=0)
+    scales = tl.load(scales_ptr + rows64 * stride_s + ks[None, :],
+                     mask=row_ok & (ks[None, :] < K // 32), other=0)
+    values = _decode_mxfp4(packed, scales, BLOCK_R, BLOCK_K)  # [BLOCK_R, BLOCK_K] float32
+    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    tl.store(out_ptr + rows64 * K + k[None, :], values.to(out_ptr.dtype.element_ty),
+             mask=row_ok & (k[None, :] < K))
+
+
+def dequantize_mxfp4(q: MXFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """`moe_kernels.mxfp4.dequantize` in one kernel pass: q [..., K] -> values [..., K] in
+    `dtype` (exact in float32 and bfloat16: MXFP4 values have at most 2 mantissa bits, and
+    E8M0 scales are powers of two in float32's range). Rows may be strided views."""
+    *lead, k = q.shape
+    check_blockable(k)
+    packed = q.packed.reshape(-1, k // 2)  # [R, K/2]: a view where the rows allow
+    scales = q.scales.reshape(-1, k // BLOCK)  # [R, K/32]
+    packed, scales = _dense_last(packed), _dense_last(scales)
+    rows = packed.shape[0]
+    out = torch.empty(rows, k, dtype=dtype, device=packed.device)  # [R, K]
+    if rows and k:
+        block_r, block_k = 16, 128
+        grid = (triton.cdiv(rows, block_r), triton.cdiv(k, block_k))
+        _dequantize_kernel[grid](packed, scales, out, rows, k, packed.stride(0),
+                                 scales.stride(0), BLOCK_R=block_r, BLOCK_K=block_k)
+    return out.view(*lead, k)
+
+
 def _tile_schedule(offsets: torch.Tensor, n: int, block_n: int) -> tuple[torch.Tensor,
                                                                            torch.Tensor]:
     """Row tiles of at most `block_n` rows that never straddle two experts, computed on the
@@ -378,3 +420,26 @@ def grouped_swiglu_w4a4_triton(
                                   ).chunk(2, dim=-1)  # [N, I] each
     act = quantize(F.silu(gate) * up)  # [N, I] -> MXFP4, per row
     return grouped_mxfp4_gemm(act, offsets, w_down[:e], inner=inner, max_rows=most)
+
+
+def grouped_swiglu_w4a4_bf16(x: MXFP4Tensor, tokens_per_expert: list[int],
+                             w_gate_up: MXFP4Tensor, w_down: MXFP4Tensor) -> torch.Tensor:
+    """`grouped_swiglu_w4a4_triton`'s result by another route: both operands of each GEMM
+    decoded exactly to bfloat16 (`dequantize_mxfp4`), then bf16 grouped GEMMs
+    (`torch._grouped_mm`). A candidate for many tokens per expert, where the Triton
+    kernel's decode-sized tiles lose to bf16 (docs/benchmarks.md); not yet timed on a GPU.
+    torch._grouped_mm returns its inputs' dtype, so the GEMMs' outputs are rounded to
+    bfloat16 (the torch path keeps float32).
+
+    Returns:
+        `[N, H]` float32 expert outputs, as `grouped_swiglu_w4a4_triton`.
+    """
+    e = len(tokens_per_expert)
+    ends = torch.tensor(list(itertools.accumulate(tokens_per_expert)), dtype=torch.int32,
+                        device=x.packed.device)  # [E_local] each expert's last row + 1
+    w1 = dequantize_mxfp4(w_gate_up[:e])  # [E, 2I, H] bf16
+    gate, up = torch._grouped_mm(dequantize_mxfp4(x), w1.transpose(-2, -1), offs=ends
+                                 ).float().chunk(2, dim=-1)  # [N, I] each
+    act = quantize(F.silu(gate) * up)  # [N, I] -> MXFP4, per row
+    w2 = dequantize_mxfp4(w_down[:e])  # [E, H, I] bf16
+    return torch._grouped_mm(dequantize_mxfp4(act), w2.transpose(-2, -1), offs=ends).float()
