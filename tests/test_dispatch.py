@@ -161,3 +161,15 @@ def test_local_experts_client_equals_dense_reference() -> None:
     want = torch.stack([sum(weights[t, k] * (x[t] @ w[ids[t, k]]) for k in range(2))
                         for t in range(6)])
     assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_routing_tables_are_copied_to_a_device_once() -> None:
+    """Layouts are planned where the top-k ids live: each layer's tables are copied there
+    once (the meta device stands in for a GPU) and the CPU ones are the originals."""
+    placement = Placement.balanced([0, 2], 8, 3)
+    meta = torch.device("meta")
+    table = placement.table(2, meta)
+    assert table.replica_ranks.device == meta and table.local_index.device == meta
+    assert placement.table(2, meta) is table and placement.table(0, meta) is not table
+    assert placement.table(2, torch.device("cpu")) is placement.table(2)
+    assert table.num_local == placement.table(2).num_local == [3, 3, 2]
