@@ -324,27 +324,26 @@ class DeepEPRank:
     def layer(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
               topk_weights: torch.Tensor) -> torch.Tensor:
         """One MoE layer's exchange: x [T, H] bf16 routed to topk_ids [T, K] -> [T, H]."""
-        num_tokens = x.shape[0]
+        if x.shape[0] == 0:
+            return self.idle_layer(layer)
         slots = self.slots.route(layer, topk_ids).to(self.idx_dtype).contiguous()  # [T, K]
         weights = topk_weights.to(torch.float32).contiguous()  # [T, K]
-        if num_tokens == 0:  # one token routed nowhere: DeepEP has failed on empty ranks
-            x = x.new_zeros(1, self.hidden)
-            slots = torch.full((1, self.top_k), -1, dtype=self.idx_dtype, device=x.device)
-            weights = torch.zeros(1, self.top_k, dtype=torch.float32, device=x.device)
-        x = x.contiguous()
-        fn = self.slot_fn(layer) if self.slot_fn else None
-        if self.mode == "low_latency":
-            out = self._low_latency(x, slots, weights, layer, fn)
-        else:
-            out = self._normal(x, slots, weights, fn)
-        return out[:num_tokens]
+        return self._exchange(layer, x.contiguous(), slots, weights)
 
     def idle_layer(self, layer: int) -> torch.Tensor:
-        """This rank's part of a layer's exchange without tokens of its own."""
-        d = self.device
-        return self.layer(layer, torch.zeros(0, self.hidden, dtype=torch.bfloat16, device=d),
-                          torch.zeros(0, self.top_k, dtype=torch.int64, device=d),
-                          torch.zeros(0, self.top_k, dtype=torch.float32, device=d))
+        """This rank's part of a layer's exchange without tokens of its own: one padding
+        token routed nowhere (DeepEP has failed on empty ranks). Returns [0, H]."""
+        d, k = self.device, self.top_k
+        return self._exchange(layer, torch.zeros(1, self.hidden, dtype=torch.bfloat16, device=d),
+                              torch.full((1, k), -1, dtype=self.idx_dtype, device=d),
+                              torch.zeros(1, k, dtype=torch.float32, device=d))[:0]
+
+    def _exchange(self, layer: int, x: torch.Tensor, slots: torch.Tensor,
+                  weights: torch.Tensor) -> torch.Tensor:
+        fn = self.slot_fn(layer) if self.slot_fn else None
+        if self.mode == "low_latency":
+            return self._low_latency(x, slots, weights, layer, fn)
+        return self._normal(x, slots, weights, fn)
 
     def _normal(self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
                 fn: SlotFn | None) -> torch.Tensor:
@@ -399,7 +398,6 @@ class DeepEPExperts:
     def __init__(self, world: World, placement: Placement, hidden: int, top_k: int,
                  settings: DeepEPSettings, device: torch.device | None = None) -> None:
         self.rank = DeepEPRank(world, placement, hidden, top_k, settings, device=device)
-        self.hidden = hidden
 
     def begin_step(self, num_tokens: int) -> bool:
         return self.rank.begin_round(num_tokens)
