@@ -11,7 +11,9 @@ still run. In order:
    (bytes read + written) and bf16 matmul TFLOP/s (8192^3);
 2. the W4A4 grouped GEMM (`benchmarks/gpu_mxfp4.py`): every variant checked against the
    torch path, then timed at decode and prefill shapes against the copy bandwidth; and a
-   sweep of variants, tiles and launch options (`--skip-sweep`), to choose the defaults;
+   sweep of variants, tiles and launch options (`--skip-sweep`), whose fastest config per
+   tokens per expert is written beside the JSON as `<device>.json`: this GPU's tuned
+   table, to commit to `moe_kernels/configs/`;
 3. the bundled demo model on `--device cuda` (local backend) against the CPU in float32:
    logits through the paged-KV path (`Engine.score`) and greedy continuations, in float32
    (random-byte prompts) and bfloat16 (demo questions, against the CPU's own bfloat16
@@ -48,6 +50,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -225,7 +228,7 @@ def serve_vs_cpu() -> None:
 
 
 def kernel() -> None:
-    from benchmarks.gpu_mxfp4 import bench, check, parse_args
+    from benchmarks.gpu_mxfp4 import SWEPT, bench, check, parse_args
 
     argv, sys.argv = sys.argv, ["gpu_mxfp4", "--hidden", "7168", "--inter", "2048",
                                 "--experts", "32", "--iters", "10"]
@@ -235,7 +238,7 @@ def kernel() -> None:
         KERNEL_VARIANTS[:] = variants
         row("W4A4 Triton kernel vs torch path", "ok" if ok else "FAIL", ", ".join(variants),
             "tables above")
-        timed = [v for v in variants if v.partition("/")[0] in ("dot_scaled", "f16")]
+        timed = [v for v in variants if v.partition("/")[0] in SWEPT]
         if timed:  # the others lost to these on the H200 (docs/benchmarks.md)
             bench(args, timed, copy_bandwidth(4.0))
     finally:
@@ -244,13 +247,20 @@ def kernel() -> None:
 
 def kernel_sweep(json_path: str | None) -> None:
     """The W4A4 kernel's sweep (`benchmarks.gpu_mxfp4.sweep`): one row per shape."""
-    from benchmarks.gpu_mxfp4 import sweep
+    from benchmarks.gpu_mxfp4 import best_per_shape, sweep, write_tuned
+    from moe_kernels.kernel_configs import config_path
 
     if not KERNEL_VARIANTS:
         row("W4A4 kernel sweep", "not run", "", "no variant compiled and matched")
         return
     sweep_json = json_path.removesuffix(".json") + "_sweep.json" if json_path else None
-    for best in sweep(KERNEL_VARIANTS, copy_bandwidth(4.0), sweep_json):
+    results = sweep(KERNEL_VARIANTS, copy_bandwidth(4.0), sweep_json)
+    if json_path and results:  # this GPU's tuned table, to commit as moe_kernels/configs/
+        path = write_tuned(results, str(config_path(torch.cuda.get_device_name(),
+                                                    Path(json_path).parent)),
+                           "benchmarks.gpu_check sweep")
+        row("W4A4 tuned configs", "info", path, "the fastest config per tokens per expert")
+    for best in best_per_shape(results):
         row(f"W4A4 sweep: {best['gemm']}, {best['tokens_per_expert']} tokens/expert", "info",
             f"{best['us']:.1f} us, {best['weight_tb_s']:.2f} TB/s "
             f"({best['of_copy_bw']:.0%} of copy)",

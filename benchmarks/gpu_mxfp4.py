@@ -1,7 +1,7 @@
 """Triton W4A4 MXFP4 grouped GEMM on an NVIDIA GPU (H100/H200): correctness, then speed.
 
     .venv/bin/python -m benchmarks.gpu_mxfp4 [--experts 64] [--hidden 4096] [--inter 2048]
-        [--sweep [JSON]]
+        [--sweep [JSON]] [--write-config [PATH]]
 
 Exits 0 with a message when no CUDA device is present (so it is safe anywhere).
 
@@ -25,8 +25,11 @@ Exits 0 with a message when no CUDA device is present (so it is safe anywhere).
    service knows its counts), so no tile schedule is built; the activations are quantized
    outside the timing.
 
-4. With `--sweep`: tile sizes, launch options and split_k of the "dot_scaled" and "f16"
-   variants at 1, 16 and 512 tokens per expert (`sweep`), to choose the defaults.
+4. With `--sweep`: tile sizes, launch options and split_k of the "dot_scaled", "f16" and
+   "f16x2" variants at 1, 16 and 512 tokens per expert (`sweep`); with `--write-config`
+   the fastest per tokens per expert becomes this GPU's tuned table
+   (`moe_kernels/configs/<device>.json`, which the expert service runs; step 3 times it as
+   "triton tuned").
 
 Table: median time; weight TB/s = weight bytes / time (MXFP4: packed + scales; bf16: 2 bytes
 per weight; activations and outputs are not counted, so at prefill this understates traffic);
@@ -43,14 +46,22 @@ import json
 import os
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import torch
 
-VARIANTS = [f"{inner}{swap}" for inner in ("dot_scaled", "decode", "bf16", "f16")
+VARIANTS = [f"{inner}{swap}" for inner in ("dot_scaled", "decode", "bf16", "f16", "f16x2")
             for swap in ("", "/swap")]
+SWEPT = ("dot_scaled", "f16", "f16x2")  # the inner products the sweep tries (the others lost)
+
+
+def config_label(config) -> str:  # KernelConfig -> "f16/swap (16, 256, 32, 4, 5, 1)"
+    return (f"{config.inner}{'/swap' if config.swap_ab else ''} ({config.block_n}, "
+            f"{config.block_m}, {config.block_k}, {config.num_warps}, {config.num_stages}, "
+            f"{config.split_k})")
 
 
 def variant_options(variant: str) -> dict[str, object]:
@@ -78,6 +89,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--sweep", metavar="JSON", nargs="?", const="", default=None,
                     help="then sweep tiles, launch options and split_k (`sweep`), writing "
                          "every timing to JSON if given")
+    ap.add_argument("--write-config", metavar="PATH", nargs="?", const="", default=None,
+                    help="with --sweep: write the fastest config per tokens per expert for "
+                         "this GPU (default: moe_kernels/configs/<device>.json)")
     return ap.parse_args()
 
 
@@ -261,10 +275,14 @@ def bf16_grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int], offsets
 
 
 def bench(args: argparse.Namespace, variants: list[str], copy_bw: float) -> None:
+    import msgspec
+
+    from moe_kernels.kernel_configs import load_configs, pick
     from moe_kernels.mxfp4 import quantize
     from moe_kernels.triton_mxfp4 import dequantize_mxfp4, grouped_mxfp4_gemm
 
     e, h, i = args.experts, args.hidden, args.inter
+    tuned = load_configs(torch.cuda.get_device_name())  # {}: this GPU has no tuned file
     flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")  # > any L2
     gemms = {"gate_up": random_mxfp4(e, 2 * i, h, "cuda", seed=3),
              "down": random_mxfp4(e, h, i, "cuda", seed=4)}
@@ -293,6 +311,11 @@ def bench(args: argparse.Namespace, variants: list[str], copy_bw: float) -> None
                 runs.append((f"triton {variant}", partial(
                     grouped_mxfp4_gemm, xq, offsets, w, max_rows=t, **variant_options(variant)),
                     bytes_mxfp4))
+            if tuned:  # what the expert service runs here
+                config = pick(tuned, t)
+                runs.append((f"triton tuned: {config_label(config)}", partial(
+                    grouped_mxfp4_gemm, xq, offsets, w, max_rows=t,
+                    **msgspec.structs.asdict(config)), bytes_mxfp4))
             base_ms = None
             for label, fn, nbytes in runs:
                 ms = time_ms(fn, args.warmup, args.iters, flush)
@@ -309,31 +332,34 @@ def bench(args: argparse.Namespace, variants: list[str], copy_bw: float) -> None
 
 def sweep_configs(variant: str, tokens: int) -> list[tuple[int, int, int, int, int, int]]:
     """(block_n, block_m, block_k, warps, stages, split_k) to try: around the best of the
-    H200 runs of 2026-11-30 (docs/benchmarks.md), and K split over 1-8 programs at decode."""
-    f16 = variant.startswith("f16")  # one 32-block per K step
+    H200 runs of 2026-11-30 (docs/benchmarks.md), with K split over 4 programs at decode,
+    and for "f16x2" (not yet run on a GPU) 1-4 scale blocks per K step. 32 configs per
+    decode shape for the 6 swept variants, fewer than run 3's 36, to fit gpu_check's time."""
+    inner = variant.partition("/")[0]
     if tokens >= 256:
-        return [(bn, 128, 32 if f16 else 128, 4, 3, 1) for bn in (64, 128)]
-    if f16:
-        return [(16, bm, 32, 4, ns, sk) for bm in (128, 256) for ns in (3, 5)
-                for sk in (1, 2, 4, 8)]
-    return [(16, 128, bk, 4, 3, sk) for bk in (128, 256) for sk in (1, 2, 4, 8)]
+        return [(bn, 128, 32 if inner.startswith("f16") else 128, 4, 3, 1) for bn in (64, 128)]
+    if inner == "f16":  # swept in run 3: block_m 256 won
+        return [(16, 256, 32, 4, ns, sk) for ns in (3, 5) for sk in (1, 4)]
+    if inner == "f16x2":
+        return [*((16, bm, bk, 4, 3, 1) for bm in (128, 256) for bk in (32, 64, 128)),
+                *((16, 256, 32, 4, 5, sk) for sk in (1, 4))]
+    return [(16, 128, bk, 4, 3, sk) for bk in (128, 256) for sk in (1, 4)]
 
 
 def sweep(variants: list[str], copy_bw: float, json_path: str | None = None,
           experts: int = 32, hidden: int = 7168, inter: int = 2048,
           tokens: tuple[int, ...] = (1, 16, 512)) -> list[dict[str, Any]]:
-    """Time `sweep_configs` of the "dot_scaled" and "f16" variants among `variants` at each
-    GEMM and tokens per expert (every call with `max_rows`, as from the expert service),
-    printing a table and writing every timing to `json_path`; returns the best per shape."""
+    """Time `sweep_configs` of the `SWEPT` variants among `variants` at each GEMM and tokens
+    per expert (every call with `max_rows`, as from the expert service), printing a table
+    and writing every timing to `json_path`; returns the best per shape."""
     from moe_kernels.mxfp4 import quantize
     from moe_kernels.triton_mxfp4 import grouped_mxfp4_gemm
 
-    variants = [v for v in variants if v.partition("/")[0] in ("dot_scaled", "f16")]
+    variants = [v for v in variants if v.partition("/")[0] in SWEPT]
     flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
     gemms = {"gate_up": random_mxfp4(experts, 2 * inter, hidden, "cuda", seed=3),
              "down": random_mxfp4(experts, hidden, inter, "cuda", seed=4)}
     results: list[dict[str, Any]] = []
-    best: list[dict[str, Any]] = []
     print(f"## W4A4 kernel sweep (copy bandwidth {copy_bw / 1e12:.2f} TB/s)\n")
     print("| GEMM | tokens/expert | variant | block_n, block_m, block_k, warps, stages, "
           "split_k | us | weight TB/s | of copy BW | TFLOP/s |\n"
@@ -365,15 +391,66 @@ def sweep(variants: list[str], copy_bw: float, json_path: str | None = None,
                           f"{tbs / 1e12:.2f} | {tbs / copy_bw:.0%} | "
                           f"{2 * n * m * k / (ms * 1e-3) / 1e12:.1f} |", flush=True)
             results += shape
-            if shape:
-                per_variant = {v: min(r["us"] for r in shape if r["variant"] == v)
-                               for v in variants if any(r["variant"] == v for r in shape)}
-                best.append({**min(shape, key=lambda r: r["us"]), "tried": len(shape),
-                             "per_variant": per_variant})
             if json_path:
                 with open(json_path, "w") as f:
                     json.dump(results, f, indent=1)
+    return results
+
+
+def best_per_shape(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`sweep`'s fastest timing per (GEMM, tokens per expert), with how many were tried and
+    each variant's best time there."""
+    shapes: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in results:
+        shapes.setdefault((r["gemm"], r["tokens_per_expert"]), []).append(r)
+    best = []
+    for shape in shapes.values():
+        per_variant: dict[str, float] = {}
+        for r in shape:
+            per_variant[r["variant"]] = min(r["us"], per_variant.get(r["variant"], r["us"]))
+        best.append({**min(shape, key=lambda r: r["us"]), "tried": len(shape),
+                     "per_variant": per_variant})
     return best
+
+
+def best_configs(results: list[dict[str, Any]]):  # -> dict[int, KernelConfig]
+    """Per tokens per expert, the variant and tiles whose times summed over the GEMMs are
+    least (one config serves both GEMMs of an expert FFN), among those timed for every
+    GEMM: the table `moe_kernels.kernel_configs` serves. Configs of earlier sweeps without
+    split_k ran with 1."""
+    from moe_kernels.kernel_configs import KernelConfig
+
+    gemms = {r["gemm"] for r in results}
+    totals: dict[tuple[int, str, tuple[int, ...]], dict[str, float]] = {}
+    for r in results:
+        key = (r["tokens_per_expert"], r["variant"], tuple(r["config"]))
+        totals.setdefault(key, {})[r["gemm"]] = r["us"]
+    best: dict[int, tuple[float, str, tuple[int, ...]]] = {}
+    for (tokens, variant, config), us in sorted(totals.items()):
+        total = sum(us.values())
+        if set(us) == gemms and (tokens not in best or total < best[tokens][0]):
+            best[tokens] = (total, variant, config)
+    configs = {}
+    for tokens, (_, variant, config) in best.items():
+        bn, bm, bk, warps, stages, *split = config
+        configs[tokens] = KernelConfig(**variant_options(variant), block_n=bn, block_m=bm,
+                                       block_k=bk, num_warps=warps, num_stages=stages,
+                                       split_k=split[0] if split else 1)
+    return configs
+
+
+def write_tuned(results: list[dict[str, Any]], path: str | None, source: str) -> str:
+    """Write `best_configs(results)` for this GPU to `path` (default: the bundled
+    `moe_kernels/configs/<device>.json`); returns the path written."""
+    from pathlib import Path
+
+    from moe_kernels.kernel_configs import config_path, write_configs
+
+    device = torch.cuda.get_device_name()
+    target = Path(path) if path else config_path(device)
+    write_configs(target, device, source, best_configs(results))
+    return str(target)
+
 
 def main() -> int:
     args = parse_args()
@@ -398,7 +475,13 @@ def main() -> int:
     if variants:
         bench(args, variants, copy_bw)
         if args.sweep is not None:
-            sweep(variants, copy_bw, args.sweep or None, args.experts, args.hidden, args.inter)
+            results = sweep(variants, copy_bw, args.sweep or None, args.experts, args.hidden,
+                            args.inter)
+            if args.write_config is not None and results:
+                path = write_tuned(results, args.write_config or None, (
+                    f"{time.strftime('%Y-%m-%d')}, triton {triton.__version__}: python -m "
+                    f"benchmarks.gpu_mxfp4 {' '.join(sys.argv[1:])}"))
+                print(f"tuned configs written to {path}")
     else:
         print("no Triton variant ran; nothing to time")
     return 0 if ok else 1

@@ -1,1 +1,2 @@
-"""MoE compute kernels: grouped expert GEMMs (torch path for CPU; Triton and MXFP4 W4A4 later)."""
+"""MoE compute kernels: grouped expert GEMMs (torch paths for any device; a Triton W4A4 MXFP4
+kernel for GPUs, with tuned configs per GPU model)."""

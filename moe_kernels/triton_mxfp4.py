@@ -16,7 +16,7 @@ its lhs as `[rows, K/2]` with scales `[rows, K/32]`, and its rhs as `[K/2, cols]
 K, `rhs_k_pack=True`) with scales `[cols, K/32]` (not transposed), so a weight tile loaded as
 `[cols, K/2]` is passed transposed and its scales as loaded.
 
-Four inner products, selected by `inner` (all exact; the H200 runs chose the default,
+Five inner products, selected by `inner` (all exact; the H200 runs chose the default,
 docs/benchmarks.md):
 - "dot_scaled" (default): `tl.dot_scaled`, native block-scaled MMA on Blackwell; on Hopper
   and older triton decomposes it into an upcast to bfloat16 and an ordinary MMA.
@@ -25,8 +25,10 @@ docs/benchmarks.md):
   targets where `tl.dot_scaled` with e2m1 on both sides fails.
 - "bf16": the same decode, then a bfloat16 `tl.dot` (the interpreter gets bf16 dots wrong:
   checked on GPUs only).
-- "f16": codes as float16 by three integer operations, one 32-block per K step, the block's
+- "f16": codes as float16 by three integer operations, one MMA per 32-block, the block's
   product scaled by both scales in float32.
+- "f16x2": the same, the codes decoded a 32-bit word at a time (two float16 codes per
+  word operation), for Hopper, where the decode and not the memory bounds the kernel.
 Either operand can be the MMA's left one (`swap_ab`), and K can be split over programs
 (`split_k`).
 """
@@ -35,11 +37,13 @@ from __future__ import annotations
 
 import itertools
 
+import msgspec
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from moe_kernels.kernel_configs import INNER_PRODUCTS, KernelConfig, tuned_config
 from moe_kernels.mxfp4 import BLOCK, MXFP4Tensor, check_blockable, quantize
 
 
@@ -89,6 +93,74 @@ def _codes_f16(packed, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _words_f16(words, ROWS: tl.constexpr):
+    """One 32-block of E2M1 codes as float16 equal to value * 2**-14, as `_codes_f16`, but
+    decoded a 32-bit word (8 codes) at a time: each result word holds two float16 codes,
+    made by two shifts, two masks and an or (then split in halves), where `_codes_f16`
+    spends about as many operations on each value. What the compiler makes of both is for
+    a GPU run to measure (benchmarks/gpu_mxfp4.py).
+
+    words: [ROWS, 4] uint32, the block's 16 bytes read as little-endian words (code k of a
+    word in bits 4k..4k+3). Returns [ROWS, 32] float16 in a K order permuted within each
+    word: the same for every operand, so a dot product over the block is unchanged.
+    """
+    # Codes j and j + 4 of each word: magnitudes (bits 4j..4j+2, 16+4j..) shifted to bits
+    # 9..11 and 25..27, signs (bits 4j+3, 16+4j+3) to bits 15 and 31.
+    h0 = _word_pair_f16(words << 9, words << 12)  # [ROWS, 4, 2]: codes 0 and 4
+    h1 = _word_pair_f16(words << 5, words << 8)  # codes 1 and 5
+    h2 = _word_pair_f16(words << 1, words << 4)  # codes 2 and 6
+    h3 = _word_pair_f16(words >> 3, words)  # codes 3 and 7
+    codes = tl.join(tl.join(h0, h1), tl.join(h2, h3))  # [ROWS, 4, 2, 2, 2] int16
+    return tl.reshape(codes, [ROWS, 32]).to(tl.float16, bitcast=True)  # [ROWS, 32]
+
+
+@triton.jit
+def _word_pair_f16(mags, signs):
+    """[ROWS, 4] uint32 words with two codes' magnitudes in bits 9..11 and 25..27 and their
+    signs in bits 15 and 31 -> [ROWS, 4, 2] int16: the two float16 codes' bits."""
+    pair = (mags & 0x0E000E00) | (signs & 0x80008000)
+    return tl.join(pair.to(tl.int16), (pair >> 16).to(tl.int16))
+
+
+@triton.jit
+def _block_f16(x_rows, xs_rows, w_rows, ws_rows, row_ok, col_ok, blk, K, acc,
+               BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, WORDS: tl.constexpr,
+               SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr):
+    """acc + the product of 32-block `blk` of x's rows and w's rows through float16 codes:
+    one float16 MMA of the codes, then both blocks' scales applied to its result.
+
+    x_rows, w_rows: [BLOCK_N, 1] and [BLOCK_M, 1] pointers to the rows' packed codes (uint8);
+    xs_rows, ws_rows: the same for their scales. acc: [BLOCK_N, BLOCK_M] float32, or
+    [BLOCK_M, BLOCK_N] with SWAP_AB. WORDS: decode 32-bit words (`_words_f16`), else bytes.
+    """
+    x_ok = row_ok[:, None]  # [BLOCK_N, 1]
+    w_ok = col_ok[:, None]  # [BLOCK_M, 1]
+    if not EVEN_K:  # a block past K: its codes and scales read as 0, the value +0
+        in_k = tl.full([1, 1], blk, tl.int32) < K // 32  # [1, 1]: a tensor, as the
+        x_ok = x_ok & in_k  # interpreter's loop counters are Python ints
+        w_ok = w_ok & in_k
+    xs = tl.load(xs_rows + blk, mask=x_ok, other=0)  # [BLOCK_N, 1] uint8
+    ws = tl.load(ws_rows + blk, mask=w_ok, other=0)  # [BLOCK_M, 1] uint8
+    if WORDS:  # the caller checked that rows and their starts are 4-byte aligned
+        word = (blk * 16 + 4 * tl.arange(0, 4))[None, :]  # [1, 4] byte offsets
+        x = tl.load((x_rows + word).to(tl.pointer_type(tl.uint32)), mask=x_ok, other=0)
+        w = tl.load((w_rows + word).to(tl.pointer_type(tl.uint32)), mask=w_ok, other=0)
+        x_h = _words_f16(x, BLOCK_N)  # [BLOCK_N, 32] float16, value * 2**-14 (permuted K)
+        w_h = _words_f16(w, BLOCK_M)  # [BLOCK_M, 32], the same permutation
+    else:
+        byte = (blk * 16 + tl.arange(0, 16))[None, :]  # [1, 16]
+        x_h = _codes_f16(tl.load(x_rows + byte, mask=x_ok, other=0), BLOCK_N, 32)
+        w_h = _codes_f16(tl.load(w_rows + byte, mask=w_ok, other=0), BLOCK_M, 32)
+    # 32 products of two codes, each a multiple of 2**-30 below 36 * 2**-28, add up exactly
+    # in float32; then undo the 2**-28 and apply both scales (exact).
+    if SWAP_AB:
+        block = tl.dot(w_h, tl.trans(x_h)) * 268435456.0  # [BLOCK_M, BLOCK_N]
+        return acc + block * _e8m0(ws) * tl.reshape(_e8m0(xs), [1, BLOCK_N])
+    block = tl.dot(x_h, tl.trans(w_h)) * 268435456.0  # [BLOCK_N, BLOCK_M]
+    return acc + block * _e8m0(xs) * tl.reshape(_e8m0(ws), [1, BLOCK_M])
+
+
+@triton.jit
 def _grouped_mxfp4_gemm_kernel(
     x_ptr, x_scale_ptr,  # [N, K/2] uint8, [N, K/32] uint8: activations, rows sorted by expert
     w_ptr, w_scale_ptr,  # [E, M, K/2] uint8, [E, M, K/32] uint8: weights
@@ -103,7 +175,8 @@ def _grouped_mxfp4_gemm_kernel(
     BLOCK_M: tl.constexpr,  # output features per tile
     BLOCK_K: tl.constexpr,  # reduction elements per step, a multiple of 32
     INNER: tl.constexpr,  # 0: tl.dot_scaled; 1: decode, tf32 tl.dot; 2: decode, bf16 tl.dot;
-    # 3: float16 codes, one 32-block per step, scales applied to the block's product
+    # 3: float16 codes, one MMA per 32-block, scales applied to its product; 4: the same,
+    # codes decoded a 32-bit word at a time
     SWAP_AB: tl.constexpr,  # weights as the MMA's left operand (tokens as its N)
     DENSE: tl.constexpr,  # tiles_per_expert row tiles per expert instead of the schedule
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K masks, so loads vectorize
@@ -144,47 +217,42 @@ def _grouped_mxfp4_gemm_kernel(
     k_start = tl.program_id(2) * k_per_split if SPLIT_K > 1 else 0
     k_end = tl.minimum(K, k_start + k_per_split) if SPLIT_K > 1 else K
     for k0 in range(k_start, k_end, BLOCK_K):
-        byte = k0 // 2 + kb  # [BLOCK_K / 2]
-        blk = k0 // 32 + ks  # [BLOCK_K / 32]
-        # K is a multiple of 32, so a partial last step masks whole blocks; masked bytes and
-        # scales read as 0, i.e. the value +0 (times 2**-127), adding nothing.
-        byte_ok = (byte < K // 2) | EVEN_K  # EVEN_K, a constexpr True: no K masks at all
-        blk_ok = (blk < K // 32) | EVEN_K
-        x = tl.load(x_rows + byte[None, :], mask=row_ok[:, None] & byte_ok[None, :],
-                    other=0)  # [BLOCK_N, BLOCK_K / 2] uint8
-        xs = tl.load(xs_rows + blk[None, :], mask=row_ok[:, None] & blk_ok[None, :],
-                     other=0)  # [BLOCK_N, BLOCK_K / 32] uint8
-        w = tl.load(w_rows + byte[None, :], mask=col_ok[:, None] & byte_ok[None, :],
-                    other=0)  # [BLOCK_M, BLOCK_K / 2] uint8
-        ws = tl.load(ws_rows + blk[None, :], mask=col_ok[:, None] & blk_ok[None, :],
-                     other=0)  # [BLOCK_M, BLOCK_K / 32] uint8
-        if INNER == 0:
-            # rhs [BLOCK_K / 2, cols] packed along K; rhs scales stay [cols, BLOCK_K / 32].
-            if SWAP_AB:
-                acc = tl.dot_scaled(w, ws, "e2m1", tl.trans(x), xs, "e2m1", acc)
-            else:
-                acc = tl.dot_scaled(x, xs, "e2m1", tl.trans(w), ws, "e2m1", acc)
-        elif INNER == 3:  # BLOCK_K == 32: xs [BLOCK_N, 1], ws [BLOCK_M, 1]
-            x_h = _codes_f16(x, BLOCK_N, BLOCK_K)  # [BLOCK_N, 32] float16, value * 2**-14
-            w_h = _codes_f16(w, BLOCK_M, BLOCK_K)  # [BLOCK_M, 32]
-            # 32 products of two codes, each a multiple of 2**-30 below 36 * 2**-28, add
-            # up exactly in float32; then undo the 2**-28 and apply both scales (exact).
-            if SWAP_AB:
-                block = tl.dot(w_h, tl.trans(x_h)) * 268435456.0  # [BLOCK_M, BLOCK_N]
-                acc += block * _e8m0(ws) * tl.reshape(_e8m0(xs), [1, BLOCK_N])
-            else:
-                block = tl.dot(x_h, tl.trans(w_h)) * 268435456.0  # [BLOCK_N, BLOCK_M]
-                acc += block * _e8m0(xs) * tl.reshape(_e8m0(ws), [1, BLOCK_M])
+        if INNER >= 3:  # float16 codes: one MMA per 32-block, its product scaled
+            for s in tl.static_range(BLOCK_K // 32):
+                acc = _block_f16(x_rows, xs_rows, w_rows, ws_rows, row_ok, col_ok,
+                                 k0 // 32 + s, K, acc, BLOCK_N, BLOCK_M, INNER == 4, SWAP_AB,
+                                 EVEN_K)
         else:
-            x_f = _decode_mxfp4(x, xs, BLOCK_N, BLOCK_K)  # [BLOCK_N, BLOCK_K] float32
-            w_f = _decode_mxfp4(w, ws, BLOCK_M, BLOCK_K)  # [BLOCK_M, BLOCK_K] float32
-            if INNER == 2:  # exact: MXFP4 values have at most 2 mantissa bits
-                x_f = x_f.to(tl.bfloat16)
-                w_f = w_f.to(tl.bfloat16)
-            if SWAP_AB:
-                acc = tl.dot(w_f, tl.trans(x_f), acc, input_precision="tf32")
+            byte = k0 // 2 + kb  # [BLOCK_K / 2]
+            blk = k0 // 32 + ks  # [BLOCK_K / 32]
+            # K is a multiple of 32, so a partial last step masks whole blocks; masked bytes
+            # and scales read as 0, i.e. the value +0 (times 2**-127), adding nothing.
+            byte_ok = (byte < K // 2) | EVEN_K  # EVEN_K, a constexpr True: no K masks at all
+            blk_ok = (blk < K // 32) | EVEN_K
+            x = tl.load(x_rows + byte[None, :], mask=row_ok[:, None] & byte_ok[None, :],
+                        other=0)  # [BLOCK_N, BLOCK_K / 2] uint8
+            xs = tl.load(xs_rows + blk[None, :], mask=row_ok[:, None] & blk_ok[None, :],
+                         other=0)  # [BLOCK_N, BLOCK_K / 32] uint8
+            w = tl.load(w_rows + byte[None, :], mask=col_ok[:, None] & byte_ok[None, :],
+                        other=0)  # [BLOCK_M, BLOCK_K / 2] uint8
+            ws = tl.load(ws_rows + blk[None, :], mask=col_ok[:, None] & blk_ok[None, :],
+                         other=0)  # [BLOCK_M, BLOCK_K / 32] uint8
+            if INNER == 0:
+                # rhs [BLOCK_K / 2, cols] packed along K; rhs scales stay [cols, BLOCK_K / 32].
+                if SWAP_AB:
+                    acc = tl.dot_scaled(w, ws, "e2m1", tl.trans(x), xs, "e2m1", acc)
+                else:
+                    acc = tl.dot_scaled(x, xs, "e2m1", tl.trans(w), ws, "e2m1", acc)
             else:
-                acc = tl.dot(x_f, tl.trans(w_f), acc, input_precision="tf32")
+                x_f = _decode_mxfp4(x, xs, BLOCK_N, BLOCK_K)  # [BLOCK_N, BLOCK_K] float32
+                w_f = _decode_mxfp4(w, ws, BLOCK_M, BLOCK_K)  # [BLOCK_M, BLOCK_K] float32
+                if INNER == 2:  # exact: MXFP4 values have at most 2 mantissa bits
+                    x_f = x_f.to(tl.bfloat16)
+                    w_f = w_f.to(tl.bfloat16)
+                if SWAP_AB:
+                    acc = tl.dot(w_f, tl.trans(x_f), acc, input_precision="tf32")
+                else:
+                    acc = tl.dot(x_f, tl.trans(w_f), acc, input_precision="tf32")
 
     if SWAP_AB:
         acc = tl.trans(acc)  # [BLOCK_N, BLOCK_M]
@@ -282,7 +350,15 @@ def _dense_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-INNER_PRODUCTS = {"dot_scaled": 0, "decode": 1, "bf16": 2, "f16": 3}
+def _word_aligned(t: torch.Tensor) -> torch.Tensor:
+    """t (last dim dense), copied if its start or any row stride is not a multiple of 4
+    bytes (e.g. `MXFP4Tensor.from_rows` views): "f16x2" loads codes as uint32 words."""
+    if t.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in t.stride()[:-1]):
+        return t
+    return torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t)
+
+
+F16_CODES = ("f16", "f16x2")  # one MMA per 32-block: block_k may be 32
 
 
 def grouped_mxfp4_gemm(
@@ -303,13 +379,14 @@ def grouped_mxfp4_gemm(
         w: MXFP4 of `[E, M, K]` weights (packed `[E, M, K / 2]` uint8, scales
             `[E, M, K / 32]` uint8), blocks along K; same device as x.
         block_n, block_m, block_k: tile sizes (powers of two, at least 16; block_k a
-            multiple of 32 and at least 64, or 32 for "f16"). By default block_n follows
-            the mean rows per expert (16 to 64), block_m is 128 (the best on an H200:
-            docs/benchmarks.md) and block_k 128.
+            multiple of 32 and at least 64, or 32 for "f16" and "f16x2"). By default
+            block_n follows the mean rows per expert (16 to 64), block_m is 128 (the best
+            on an H200: docs/benchmarks.md) and block_k 128 (32 for float16 codes).
         inner: the inner product: `tl.dot_scaled` ("dot_scaled"); an in-kernel decode
             to float32 then `tl.dot` in TF32 ("decode") or bfloat16 ("bf16"); or float16
-            codes, one 32-block per step, the block's product scaled ("f16", block_k 32).
-            All exact up to the float32 summation order.
+            codes, one MMA per 32-block, its product scaled, the codes decoded a byte
+            ("f16") or a 32-bit word ("f16x2") at a time. All exact up to the float32
+            summation order.
         swap_ab: compute out.T = w @ x.T, so the weights are the MMA's left operand.
         max_rows: the most rows any expert has, if the caller knows it without a device
             sync: the grid is then E x cdiv(max_rows, block_n) row tiles, and the tile
@@ -340,15 +417,11 @@ def grouped_mxfp4_gemm(
     if inner not in INNER_PRODUCTS:
         raise ValueError(f"unknown inner product {inner!r}; choose "
                          f"{', '.join(INNER_PRODUCTS)}")
-    if inner == "f16":  # one scale block per step
-        if block_k not in (None, BLOCK):
-            raise ValueError(f"the f16 inner product steps {BLOCK} at a time; got block_k "
-                             f"{block_k}")
-        block_k = BLOCK
-    block_k = block_k or 128
-    if inner != "f16" and (block_k % BLOCK or block_k < 2 * BLOCK):
-        raise ValueError(f"block_k must be a multiple of {BLOCK}, at least {2 * BLOCK}; "
-                         f"got {block_k}")
+    least = BLOCK if inner in F16_CODES else 2 * BLOCK
+    block_k = block_k or (BLOCK if inner in F16_CODES else 128)
+    if block_k % BLOCK or block_k < least:
+        raise ValueError(f"block_k must be a multiple of {BLOCK}, at least {least} for the "
+                         f"{inner} inner product; got {block_k}")
     device = x.packed.device
     out = torch.empty(n, m, dtype=torch.float32, device=device)  # [N, M]
     if n == 0 or m == 0:
@@ -360,6 +433,8 @@ def grouped_mxfp4_gemm(
 
     x_packed, x_scales = _dense_last(x.packed), _dense_last(x.scales)
     w_packed, w_scales = _dense_last(w.packed), _dense_last(w.scales)
+    if inner == "f16x2":  # codes read as 32-bit words
+        x_packed, w_packed = _word_aligned(x_packed), _word_aligned(w_packed)
     offsets = expert_offsets.to(device=device, dtype=torch.int32)  # [E + 1]
     if max_rows is None:
         tile_expert, tile_row = _tile_schedule(offsets, n, block_n)  # [T], [T]
@@ -390,7 +465,7 @@ def grouped_mxfp4_gemm(
 
 def grouped_swiglu_w4a4_triton(
     x: MXFP4Tensor, tokens_per_expert: list[int], w_gate_up: MXFP4Tensor,
-    w_down: MXFP4Tensor, inner: str = "dot_scaled",
+    w_down: MXFP4Tensor, config: KernelConfig | None = None,
 ) -> torch.Tensor:
     """`moe_kernels.grouped_gemm.grouped_swiglu_w4a4` with both GEMMs on the Triton kernel.
 
@@ -399,8 +474,9 @@ def grouped_swiglu_w4a4_triton(
         tokens_per_expert: E_local ints summing to N; run e belongs to local expert e.
         w_gate_up: MXFP4 of `[E, 2 * I, H]` (gate first), blocks along H; E >= E_local.
         w_down: MXFP4 of `[E, H, I]`, blocks along I.
-        inner: the inner product (`grouped_mxfp4_gemm`'s; "decode" where this Triton
-            cannot compile `tl.dot_scaled` for this GPU).
+        config: the kernel's variant and tiles for both GEMMs; by default the one tuned
+            for this GPU model and the most tokens any expert has
+            (`moe_kernels.kernel_configs`), else `KernelConfig()`.
 
     Returns:
         `[N, H]` float32 expert outputs on x's device, not yet weighted by the router. The
@@ -416,10 +492,15 @@ def grouped_swiglu_w4a4_triton(
     offsets = torch.tensor([0, *itertools.accumulate(tokens_per_expert)], dtype=torch.int32,
                            device=x.packed.device)  # [E_local + 1]
     most = max(tokens_per_expert, default=0)  # known here: no tile schedule to build
-    gate, up = grouped_mxfp4_gemm(x, offsets, w_gate_up[:e], inner=inner, max_rows=most
+    if config is None:
+        device = x.packed.device
+        config = tuned_config(
+            torch.cuda.get_device_name(device) if device.type == "cuda" else None, most)
+    options = msgspec.structs.asdict(config)
+    gate, up = grouped_mxfp4_gemm(x, offsets, w_gate_up[:e], max_rows=most, **options
                                   ).chunk(2, dim=-1)  # [N, I] each
     act = quantize(F.silu(gate) * up)  # [N, I] -> MXFP4, per row
-    return grouped_mxfp4_gemm(act, offsets, w_down[:e], inner=inner, max_rows=most)
+    return grouped_mxfp4_gemm(act, offsets, w_down[:e], max_rows=most, **options)
 
 
 def grouped_swiglu_w4a4_bf16(x: MXFP4Tensor, tokens_per_expert: list[int],

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from moe_kernels.grouped_gemm import grouped_swiglu, grouped_swiglu_w4a4, mxfp4_linear
+from moe_kernels.kernel_configs import KernelConfig
 from moe_kernels.mxfp4 import MXFP4Tensor, quantize
 
 pytest.importorskip("triton", reason="triton is not installed (pip install -e .[test])")
@@ -33,14 +34,15 @@ if not INTERPRET and not torch.cuda.is_available():
 DEVICE = "cpu" if INTERPRET else "cuda"
 # The interpreter's bfloat16 tl.dot is wrong (triton 3.8: a 16x16 product of bf16-exact
 # values comes out 2.5e10 off), so the "bf16" inner product is checked on a GPU only.
-INNERS = ["dot_scaled", "decode", "f16", pytest.param("bf16", marks=pytest.mark.skipif(
-    INTERPRET, reason="the Triton interpreter's bfloat16 tl.dot is wrong; checked on a GPU"))]
+INNERS = ["dot_scaled", "decode", "f16", "f16x2", pytest.param(
+    "bf16", marks=pytest.mark.skipif(
+        INTERPRET, reason="the Triton interpreter's bfloat16 tl.dot is wrong; checked on a GPU"))]
 # Small tiles so that tiny shapes still span several tiles and hit every mask.
 SMALL = {"block_n": 16, "block_m": 32, "block_k": 64}
 
 
 def small(inner: str) -> dict[str, int]:
-    """SMALL tiles; "f16" steps K by 32 (one scale block) whatever the rest use."""
+    """SMALL tiles; "f16" steps K by 32 (one scale block, its least), "f16x2" by 64."""
     return {**SMALL, "block_k": 32} if inner == "f16" else SMALL
 
 
@@ -149,6 +151,19 @@ def test_swiglu_matches_torch_path(tokens_per_expert: list[int], hidden: int,
     assert_same(out, expected.to(out.device))
 
 
+@pytest.mark.parametrize("config", [
+    KernelConfig(inner="f16x2", swap_ab=True, block_n=16, block_m=32, block_k=64, split_k=2),
+    KernelConfig(inner="f16", block_n=32, block_m=64, block_k=32, num_stages=5),
+], ids=["f16x2", "f16"])
+def test_swiglu_runs_a_given_kernel_config(config: KernelConfig) -> None:
+    """A tuned config (`moe_kernels.kernel_configs`) serves both GEMMs of the FFN."""
+    tokens = [3, 0, 12, 40, 0, 1, 70, 0]
+    x, w_gate_up = make(tokens, 256, 256, seed=5)
+    _, w_down = make(tokens, 128, 256, seed=6)
+    out = grouped_swiglu_w4a4_triton(x, tokens, w_gate_up, w_down, config)
+    assert_same(out, grouped_swiglu_w4a4(x, tokens, w_gate_up, w_down).to(out.device))
+
+
 def test_k_not_a_multiple_of_32_raises() -> None:
     x = MXFP4Tensor(torch.zeros(3, 24, dtype=torch.uint8), torch.zeros(3, 1, dtype=torch.uint8))
     w = MXFP4Tensor(torch.zeros(2, 8, 24, dtype=torch.uint8),
@@ -165,10 +180,37 @@ def test_bad_tokens_per_expert_raises() -> None:
         grouped_swiglu_w4a4_triton(x, [1, 2], w, w)
 
 
-def test_f16_steps_one_scale_block_and_says_so() -> None:
+@pytest.mark.parametrize("inner", ["f16", "f16x2"])
+@pytest.mark.parametrize("block_k", [32, 64, 128])
+def test_float16_codes_step_any_number_of_scale_blocks(inner: str, block_k: int) -> None:
+    """One MMA per 32-block, block_k / 32 of them per K step; K = 224 leaves a partial step
+    (whole blocks masked) for block_k 64 and 128."""
+    tokens = [3, 0, 17, 1]
+    x, w = make(tokens, 224, 40, seed=3)
+    for swap_ab in (False, True):
+        out = grouped_mxfp4_gemm(x, offsets_of(tokens), w, inner=inner, swap_ab=swap_ab,
+                                 block_n=16, block_m=32, block_k=block_k, max_rows=17)
+        assert_same(out, reference_gemm(x, tokens, w))
+
+
+def test_f16x2_reads_unaligned_rows() -> None:
+    """Word loads need 4-byte aligned rows: `from_rows` views (row stride 51) are copied."""
+    tokens = [3, 0, 40, 2]
+    x, w = make(tokens, 96, 72, seed=1)
+    rows = MXFP4Tensor.from_rows(x.to_rows(), 96)
+    assert rows.packed.stride(0) % 4
+    out = grouped_mxfp4_gemm(rows, offsets_of(tokens), w, inner="f16x2")
+    assert_same(out, reference_gemm(x, tokens, w))
+
+
+def test_bad_block_k_and_inner_product_say_so() -> None:
     x, w = make([2], 64, 32)
-    with pytest.raises(ValueError, match="f16 inner product steps 32 at a time; got block_k 64"):
-        grouped_mxfp4_gemm(x, offsets_of([2]), w, inner="f16", block_k=64)
+    with pytest.raises(ValueError, match="multiple of 32, at least 32 for the f16 inner "
+                                         "product; got 48"):
+        grouped_mxfp4_gemm(x, offsets_of([2]), w, inner="f16", block_k=48)
+    with pytest.raises(ValueError, match="at least 64 for the dot_scaled inner product; "
+                                         "got 32"):
+        grouped_mxfp4_gemm(x, offsets_of([2]), w, block_k=32)
     with pytest.raises(ValueError, match="unknown inner product 'fp8'"):
         grouped_mxfp4_gemm(x, offsets_of([2]), w, inner="fp8")
 

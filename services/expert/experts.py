@@ -13,6 +13,7 @@ from moe_kernels.grouped_gemm import (
     grouped_swiglu_w4a4,
     timed_together,
 )
+from moe_kernels.kernel_configs import KernelConfig, tuned_config
 from moe_kernels.mxfp4 import MXFP4Tensor, check_blockable, quantize
 from services.expert.metrics import ExpertMetrics
 from services.model.checkpoint import Checkpoint
@@ -25,6 +26,7 @@ _PROJ_NAMES = {
 }
 QUANTIZATIONS = (None, "w4a4")
 log = logging.getLogger("switchyard.expert")
+FALLBACK_KERNEL = KernelConfig(inner="decode")  # where a tuned W4A4 config does not compile
 
 
 def expert_tensor_names(config: ModelConfig, layer: int, expert: int) -> tuple[str, str, str]:
@@ -75,7 +77,7 @@ class ExpertBank:
         self.metrics = ExpertMetrics(rank)
         self.dtype = dtype
         self.device = torch.device(device)
-        self._inner: str | None = None  # the Triton inner product that runs here, once known
+        self._kernel_runs: dict[KernelConfig, bool] = {}  # Triton configs tried here
         self._grouped_mm: bool | None = None  # torch._grouped_mm works here, once known
         self.hidden_size = config.hidden_size
         self.quantization = check_quantization(config, quantization)
@@ -159,15 +161,20 @@ class ExpertBank:
     def _triton_w4a4(self, q: MXFP4Tensor, tokens_per_expert: list[int],
                      w_gate_up: MXFP4Tensor, w_down: MXFP4Tensor,
                      spans: list[tuple[int, int]]) -> torch.Tensor:
-        """The GPU path: one grouped Triton kernel per GEMM (`tl.dot_scaled`). Its experts
-        run together, so each expert's span is the whole call's."""
+        """The GPU path: one grouped Triton kernel per GEMM, in the variant tuned for this
+        GPU (`moe_kernels.kernel_configs`). Its experts run together, so each expert's span
+        is the whole call's."""
         from moe_kernels.triton_mxfp4 import grouped_swiglu_w4a4_triton
 
-        if self._inner is None:
-            self._inner = _inner_product(q, tokens_per_expert, w_gate_up, w_down)
-        inner = self._inner
+        config = tuned_config(torch.cuda.get_device_name(self.device),
+                              max(tokens_per_expert, default=0))
+        if config not in self._kernel_runs:  # once per config: does it compile here?
+            self._kernel_runs[config] = _kernel_runs(config, q, tokens_per_expert, w_gate_up,
+                                                     w_down)
+        if not self._kernel_runs[config]:
+            config = FALLBACK_KERNEL
         return timed_together(spans, tokens_per_expert, self.device, lambda: (
-            grouped_swiglu_w4a4_triton(q, tokens_per_expert, w_gate_up, w_down, inner)))
+            grouped_swiglu_w4a4_triton(q, tokens_per_expert, w_gate_up, w_down, config)))
 
     def nbytes(self) -> int:
         total = 0
@@ -196,17 +203,19 @@ def _grouped_mm_matches(x: torch.Tensor, tokens_per_expert: list[int],
     return True
 
 
-def _inner_product(q: MXFP4Tensor, tokens_per_expert: list[int], w_gate_up: MXFP4Tensor,
-                   w_down: MXFP4Tensor) -> str:
-    """"dot_scaled" where this Triton compiles `tl.dot_scaled` (e2m1 x e2m1) for this GPU,
-    else "decode": in-kernel decode and `tl.dot` (benchmarks/gpu_mxfp4.py times both)."""
+def _kernel_runs(config: KernelConfig, q: MXFP4Tensor, tokens_per_expert: list[int],
+                 w_gate_up: MXFP4Tensor, w_down: MXFP4Tensor) -> bool:
+    """Whether this Triton compiles `config` (tuned for this GPU, or the defaults:
+    `tl.dot_scaled`, e2m1 x e2m1) here; if not, W4A4 runs `FALLBACK_KERNEL` (in-kernel
+    decode and `tl.dot`, which benchmarks/gpu_mxfp4.py also times)."""
     from moe_kernels.triton_mxfp4 import grouped_swiglu_w4a4_triton
 
     try:
-        grouped_swiglu_w4a4_triton(q, tokens_per_expert, w_gate_up, w_down, "dot_scaled")
+        grouped_swiglu_w4a4_triton(q, tokens_per_expert, w_gate_up, w_down, config)
         torch.cuda.synchronize()
-        return "dot_scaled"
+        return True
     except Exception as exc:  # a compiler error for this arch: fall back, say so
-        log.warning("tl.dot_scaled does not compile here (%s); W4A4 uses in-kernel decode",
-                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-        return "decode"
+        log.warning("the W4A4 kernel config %s does not compile here (%s); it runs %s",
+                    config, str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+                    FALLBACK_KERNEL)
+        return False
