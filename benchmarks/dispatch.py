@@ -27,10 +27,10 @@ from ep_dispatch.torch_dist import (
     TorchExperts,
     World,
     _any_work,
-    _count_width,
     _serve_layer,
     join,
 )
+from ep_dispatch.wire import RowFormat
 
 NUM_EXPERTS, TOP_K = 64, 8
 
@@ -80,7 +80,7 @@ def _routing(tokens: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor, torc
 def _attention_iteration(placement: Placement, world: World, tokens: int, hidden: int,
                          queue: mp.Queue) -> None:
     x, ids, w = _routing(tokens, hidden)
-    client = TorchExperts(world, placement, hidden, torch.float32)
+    client = TorchExperts(world, placement, RowFormat(hidden, torch.float32))
     client.begin_step(1)  # once per step, shared by all layers: not timed per layer
     dist.barrier()
     start = time.perf_counter()
@@ -100,8 +100,9 @@ def _expert_iteration(placement: Placement, world: World, tokens: int, hidden: i
     _any_work(False, torch.device("cpu"))  # the step's work flag (untimed on attention)
     dist.barrier()
     rank = world.rank - world.num_attention
-    _serve_layer(world, 0, _identity, torch.empty(0, hidden), _count_width(placement),
-                 placement.table(0).num_local[rank], TorchCollective())
+    _serve_layer(world, 0, _identity, RowFormat(hidden, torch.float32), torch.device("cpu"),
+                 placement.most_local, placement.table(0).num_local[rank],
+                 TorchCollective())
     counts: list[list[int] | None] = [None]
     dist.broadcast_object_list(counts, src=0)
     dist.barrier()

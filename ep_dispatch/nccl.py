@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from ep_dispatch.torch_dist import World, rendezvous
+from ep_dispatch.torch_dist import World, agree, rendezvous
+from ep_dispatch.wire import RowFormat
 
 _UID_KEY = "switchyard/nccl_unique_id"
 
@@ -57,10 +58,12 @@ def p2p_plan(out_splits: list[int], in_splits: list[int], row_bytes: int
 class CupyNccl:
     """The `Collective` of torch_dist over a CuPy NCCL communicator (CUDA tensors only)."""
 
-    def __init__(self, world: World, timeout: float) -> None:
+    def __init__(self, world: World, timeout: float, rows: RowFormat | None = None) -> None:
         self.nccl = import_nccl()
         self.size = world.size
         self._store = rendezvous(world, timeout)  # rank 0 hosts it: keep it alive
+        if rows is not None:  # every rank must move the same rows
+            agree(self._store, world, rows, timeout)
         if world.rank == 0:
             self._store.set(_UID_KEY, encode_unique_id(self.nccl.get_unique_id()))
         self._store.wait([_UID_KEY], timedelta(seconds=timeout))

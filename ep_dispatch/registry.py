@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ep_dispatch.base import ExpertFn, ExpertsClient
+from ep_dispatch.wire import RowFormat
 from switchyard.device import collective_backend
 
 if TYPE_CHECKING:
@@ -63,36 +64,36 @@ def _rpc(ctx: BackendContext) -> ExpertsClient:
 
 
 def _collective_world(name: str, ctx: BackendContext) -> tuple[World, Placement]:
-    """What the lockstep backends (`torch`, `nccl`, `deepep`) share: float rows, a world,
-    a placement over its expert ranks."""
+    """What the lockstep backends (`torch`, `nccl`, `deepep`) share: a world, a placement
+    over its expert ranks."""
     from ep_dispatch.placement import make_placement
 
-    if ctx.quantization:
-        raise ValueError(f"--quantization {ctx.quantization} works with the local and rpc "
-                         f"dispatch backends; the {name} backend moves float rows only")
     if ctx.world is None:
         raise ValueError(f"the {name} backend needs --dist-init HOST:PORT and the rank layout")
     return ctx.world, make_placement(ctx.moe_layers, ctx.num_experts,
                                      ctx.world.num_experts, ctx.placement_file)
 
 
+def _rows(ctx: BackendContext) -> RowFormat:
+    return RowFormat(ctx.hidden_size, ctx.dtype, ctx.quantization)
+
+
 def _torch(ctx: BackendContext) -> ExpertsClient:
     from ep_dispatch.torch_dist import TorchExperts, join
 
     world, placement = _collective_world("torch", ctx)
-    join(world, ctx.connect_timeout, collective_backend(ctx.device))
-    return TorchExperts(world, placement, ctx.hidden_size, ctx.dtype, ctx.device)
+    join(world, ctx.connect_timeout, collective_backend(ctx.device), _rows(ctx))
+    return TorchExperts(world, placement, _rows(ctx), ctx.device)
 
 
 def _nccl(ctx: BackendContext) -> ExpertsClient:
     from ep_dispatch.nccl import CupyNccl, import_nccl
     from ep_dispatch.torch_dist import TorchExperts
 
-    check_backend("nccl", ctx.device)
     import_nccl()
     world, placement = _collective_world("nccl", ctx)
-    return TorchExperts(world, placement, ctx.hidden_size, ctx.dtype, ctx.device,
-                        CupyNccl(world, ctx.connect_timeout))
+    return TorchExperts(world, placement, _rows(ctx), ctx.device,
+                        CupyNccl(world, ctx.connect_timeout, _rows(ctx)))
 
 
 def _deepep(ctx: BackendContext) -> ExpertsClient:
@@ -104,7 +105,7 @@ def _deepep(ctx: BackendContext) -> ExpertsClient:
     check_deepep(settings, world.size, ctx.hidden_size, ctx.top_k, placement.most_local,
                  ctx.dtype)
     import_deep_ep()
-    join(world, ctx.connect_timeout, "nccl")
+    join(world, ctx.connect_timeout, "nccl", _rows(ctx))
     return DeepEPExperts(world, placement, ctx.hidden_size, ctx.top_k, settings)
 
 
@@ -120,12 +121,17 @@ def available_backends() -> list[str]:
     return sorted(_BACKENDS)
 
 
-def check_backend(name: str, device: str = "cpu") -> None:
-    """A clear error for an unknown backend, or one that cannot move `device`'s tensors."""
+def check_backend(name: str, device: str = "cpu", quantization: str | None = None) -> None:
+    """A clear error for an unknown backend, or one that cannot move `device`'s tensors or
+    `quantization`'s rows."""
     if name not in _BACKENDS:
         raise ValueError(
             f"unknown dispatch backend {name!r}; available: {', '.join(available_backends())}"
         )
+    if quantization and name == "deepep":
+        raise ValueError(f"the deepep dispatch backend moves bfloat16 rows (DeepEP's kernels "
+                         f"take bf16 or FP8, not MXFP4): --quantization {quantization} works "
+                         "with the local, rpc, torch and nccl backends")
     if name in CUDA_ONLY and device != "cuda":
         raise ValueError(f"the {name} dispatch backend moves CUDA tensors: run the services "
                          "with --device cuda")
@@ -133,5 +139,5 @@ def check_backend(name: str, device: str = "cpu") -> None:
 
 def create_experts_client(name: str, ctx: BackendContext) -> ExpertsClient:
     """Build the backend called `name`; unknown names get an error listing the known ones."""
-    check_backend(name, ctx.device)
+    check_backend(name, ctx.device, ctx.quantization)
     return _BACKENDS[name](ctx)

@@ -9,7 +9,8 @@ layer's exchange with zero rows) and every expert rank serves each MoE layer onc
 Per MoE layer, three collectives: the per-expert row counts (`all_to_all_single`, fixed
 size), the rows themselves (`all_to_all_single` with the counts as splits), and the expert
 outputs back along the reverse splits. Combine applies the router weights on the
-attention side.
+attention side. Rows travel as `wire.RowFormat` says: the activations, or with w4a4 their
+MXFP4 bytes; every rank checks at start-up that all of them move the same rows.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from ep_dispatch.base import ExpertFn
 from ep_dispatch.layout import combine, compute_layout
 from ep_dispatch.metrics import phase
 from ep_dispatch.placement import Placement
+from ep_dispatch.wire import RowFormat
 
 log = logging.getLogger(__name__)
 
@@ -74,10 +76,30 @@ def rendezvous(world: World, timeout: float) -> dist.TCPStore:
     return store
 
 
-def join(world: World, timeout: float, backend: str = "gloo") -> None:
-    """Rendezvous, then form the torch.distributed process group: gloo for CPU tensors,
-    NCCL for CUDA ones."""
+def agree(store: dist.Store, world: World, rows: RowFormat, timeout: float) -> None:
+    """Every rank must move the same rows, or the all-to-alls mis-size and hang: compare
+    each rank's `rows.describe()` through the rendezvous store.
+
+    Raises:
+        ValueError: the ranks differ (each named with its rows).
+    """
+    store.set(f"rows/{world.rank}", rows.describe())
+    keys = [f"rows/{r}" for r in range(world.size)]
+    store.wait(keys, timedelta(seconds=timeout))
+    seen = {world.describe(r): store.get(key).decode() for r, key in enumerate(keys)}
+    if len(set(seen.values())) > 1:
+        raise ValueError("the ranks move different rows (" + "; ".join(
+            f"{who}: {what}" for who, what in seen.items()) + "): start every rank with the "
+            "same --quantization and --dtype")
+
+
+def join(world: World, timeout: float, backend: str = "gloo",
+         rows: RowFormat | None = None) -> None:
+    """Rendezvous, check that every rank moves `rows` (if given), then form the
+    torch.distributed process group: gloo for CPU tensors, NCCL for CUDA ones."""
     store = rendezvous(world, timeout)
+    if rows is not None:
+        agree(store, world, rows, timeout)
     dist.init_process_group(backend, store=store, rank=world.rank, world_size=world.size,
                             timeout=timedelta(seconds=timeout))
 
@@ -135,13 +157,13 @@ class TorchExperts:
 
     lockstep = True
 
-    def __init__(self, world: World, placement: Placement, hidden: int, dtype: torch.dtype,
+    def __init__(self, world: World, placement: Placement, rows: RowFormat,
                  device: str = "cpu", collective: Collective | None = None) -> None:
         if placement.num_ranks != world.num_experts:
             raise ValueError(f"placement has {placement.num_ranks} ranks, the world "
                              f"{world.num_experts} expert ranks")
         self.world, self.placement = world, placement
-        self.hidden, self.dtype, self.device = hidden, dtype, torch.device(device)
+        self.format, self.device = rows, torch.device(device)
         self.width = placement.most_local
         self.coll = collective or TorchCollective()
 
@@ -150,9 +172,9 @@ class TorchExperts:
 
     def idle_step(self) -> None:
         empty_ids = torch.zeros(0, 1, dtype=torch.int64, device=self.device)
+        x = self.format.empty_outputs(0, self.device)  # [0, H]
         for layer in sorted(self.placement.replicas):
-            self(layer, torch.zeros(0, self.hidden, dtype=self.dtype, device=self.device),
-                 empty_ids, torch.zeros(0, 1, dtype=self.dtype, device=self.device))
+            self(layer, x, empty_ids, torch.zeros(0, 1, dtype=x.dtype, device=self.device))
 
     def __call__(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> torch.Tensor:
@@ -165,18 +187,18 @@ class TorchExperts:
             counts = counts.to(x.device)
             self.coll.all_to_all(torch.empty_like(counts), counts)  # experts learn layout
             splits = [0] * g + layout.rank_counts
-            rows = x[layout.src_token].contiguous()  # [N, H] in send order
-            nothing, none = x.new_empty(0, self.hidden), [0] * self.world.size
-            self.coll.all_to_all(nothing, rows, none, splits)
-            y = torch.empty_like(rows)
-            self.coll.all_to_all(y, nothing, splits, none)
+            rows = self.format.rows(x)[layout.src_token].contiguous()  # [N, width] to send
+            none = [0] * self.world.size
+            self.coll.all_to_all(self.format.empty_rows(0, x.device), rows, none, splits)
+            y = self.format.empty_outputs(rows.shape[0], x.device)  # [N, H]
+            self.coll.all_to_all(y, self.format.empty_outputs(0, x.device), splits, none)
         with phase("combine", "torch", layer, x.shape[0]):
             return combine(y, layout)
 
     def describe(self) -> list[str]:
         return [f"{self.world.describe(self.world.num_attention + r)} (world rank "
                 f"{self.world.num_attention + r}): {sum(map(len, experts.values()))} experts "
-                f"over {len(experts)} MoE layers"
+                f"over {len(experts)} MoE layers, {self.format.describe()}"
                 for r, experts in enumerate(map(self.placement.local_experts,
                                                 range(self.world.num_experts)))]
 
@@ -188,46 +210,45 @@ class TorchExperts:
         self.coll.close()
 
 
-def serve_round(world: World, placement: Placement, expert_fn: ExpertFn,
-                nothing: torch.Tensor, coll: Collective) -> None:
+def serve_round(world: World, placement: Placement, expert_fn: ExpertFn, rows: RowFormat,
+                device: torch.device, coll: Collective) -> None:
     """One lockstep round on an expert rank: the work flag, then every MoE layer if any
-    attention rank has work. `nothing` is an empty [0, H] tensor of the rows' dtype and
-    device."""
-    if not coll.any_work(False, nothing.device):
+    attention rank has work."""
+    if not coll.any_work(False, device):
         return
     rank, width = world.rank - world.num_attention, placement.most_local
     for layer in sorted(placement.replicas):
-        _serve_layer(world, layer, expert_fn, nothing, width,
+        _serve_layer(world, layer, expert_fn, rows, device, width,
                      placement.table(layer).num_local[rank], coll)
 
 
-def serve_experts(world: World, placement: Placement, expert_fn: ExpertFn, hidden: int,
-                  dtype: torch.dtype, device: str = "cpu",
-                  collective: Collective | None = None) -> None:
+def serve_experts(world: World, placement: Placement, expert_fn: ExpertFn, rows: RowFormat,
+                  device: str = "cpu", collective: Collective | None = None) -> None:
     """Expert side: serve every round until the process is stopped."""
-    nothing = torch.empty(0, hidden, dtype=dtype, device=device)
+    coll = collective or TorchCollective()
     while True:
-        serve_round(world, placement, expert_fn, nothing, collective or TorchCollective())
+        serve_round(world, placement, expert_fn, rows, torch.device(device), coll)
 
 
-def _serve_layer(world: World, layer: int, expert_fn: ExpertFn, nothing: torch.Tensor,
-                 width: int, num_local: int, coll: Collective) -> None:
-    """One MoE layer's exchange on an expert rank."""
-    g, hidden, device = world.num_attention, nothing.shape[1], nothing.device
+def _serve_layer(world: World, layer: int, expert_fn: ExpertFn, rows: RowFormat,
+                 device: torch.device, width: int, num_local: int, coll: Collective) -> None:
+    """One MoE layer's exchange on an expert rank: `width` count columns per rank, the
+    first `num_local` of them this rank's experts'."""
+    g = world.num_attention
     counts = torch.empty(world.size, width, dtype=torch.int64, device=device)
     coll.all_to_all(counts, torch.zeros(world.size, width, dtype=torch.int64, device=device))
     per_source = counts[:g, :num_local].cpu()  # [G, E_local] rows from each attention rank
     splits = per_source.sum(dim=1).tolist() + [0] * world.num_experts
-    received = nothing.new_empty(sum(splits), hidden)
-    coll.all_to_all(received, nothing, splits, [0] * world.size)
+    received = rows.empty_rows(sum(splits), device)  # [M, width]
+    coll.all_to_all(received, rows.empty_rows(0, device), splits, [0] * world.size)
     if g == 1:  # one source: rows already arrive grouped by expert
-        y = expert_fn(layer, received, per_source[0].tolist()).contiguous()
+        y = expert_fn(layer, received, per_source[0].tolist()).contiguous()  # [M, H]
     else:
         # Rows arrive source-major ([a][e]); the grouped GEMM wants expert-major ([e][a]).
         perm = _expert_major(per_source).to(device)  # [M]
-        y = torch.empty_like(received)
+        y = rows.empty_outputs(received.shape[0], device)  # [M, H]
         y[perm] = expert_fn(layer, received[perm], per_source.sum(dim=0).tolist())
-    coll.all_to_all(nothing, y, [0] * world.size, splits)
+    coll.all_to_all(rows.empty_outputs(0, device), y, [0] * world.size, splits)
 
 
 def _expert_major(per_source: torch.Tensor) -> torch.Tensor:

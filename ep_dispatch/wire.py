@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from moe_kernels.mxfp4 import quantize
@@ -30,3 +32,42 @@ def activation_rows(x: torch.Tensor, quantization: str | None) -> torch.Tensor:
     """What dispatch moves for x [T, H]: x itself, or with "w4a4" its MXFP4 per token,
     [T, H/2 + H/32] uint8 (packed E2M1 codes then E8M0 scales: 0.27x the bytes of bf16)."""
     return quantize(x).to_rows() if quantization == "w4a4" else x
+
+
+@dataclass(frozen=True)
+class RowFormat:
+    """What the lockstep backends move per routed token: rows out, expert outputs back.
+
+    hidden: H. dtype: the activations' and the expert outputs' dtype. quantization: "w4a4"
+    sends each row as its MXFP4 bytes, `[H/2 + H/32]` uint8 (`activation_rows`); outputs
+    come back as `[H]` in `dtype` either way.
+    """
+
+    hidden: int
+    dtype: torch.dtype
+    quantization: str | None = None
+
+    @property
+    def width(self) -> int:
+        """Columns of one dispatched row."""
+        return self.hidden // 2 + self.hidden // 32 if self.quantization else self.hidden
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] in `dtype` -> the rows that travel, [T, width]."""
+        return activation_rows(x, self.quantization)
+
+    def empty_rows(self, n: int, device: torch.device) -> torch.Tensor:
+        """[n, width] in the rows' dtype (uint8 for MXFP4)."""
+        dtype = torch.uint8 if self.quantization else self.dtype
+        return torch.empty(n, self.width, dtype=dtype, device=device)
+
+    def empty_outputs(self, n: int, device: torch.device) -> torch.Tensor:
+        """[n, H] in `dtype`."""
+        return torch.empty(n, self.hidden, dtype=self.dtype, device=device)
+
+    def describe(self) -> str:
+        """e.g. "MXFP4 rows of hidden 7168 (4032 bytes), bfloat16 outputs"."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        if self.quantization:
+            return f"MXFP4 rows of hidden {self.hidden} ({self.width} bytes), {dtype} outputs"
+        return f"{dtype} rows of hidden {self.hidden}"

@@ -311,7 +311,7 @@ def serve(args: argparse.Namespace) -> int:
         # Fail fast on the common mistakes, before any process starts.
         cfg = ModelConfig.from_dir(model)
         check_device(args.device, "attention")
-        check_backend(args.dispatch_backend, args.device)
+        check_backend(args.dispatch_backend, args.device, args.quantization or cfg.quantization)
         if args.dispatch_backend == "deepep":
             _check_deepep(args, cfg)
     except (CheckpointError, ValueError, StartupError) as exc:

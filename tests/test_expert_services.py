@@ -275,6 +275,31 @@ def test_expert_rank_that_cannot_reach_the_rendezvous_says_so(qwen3_ckpt: tuple)
         in proc.stderr
 
 
+def test_ranks_that_move_different_rows_name_each_other() -> None:
+    """Rows must match on every rank of a lockstep world, or the all-to-alls mis-size."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ep_dispatch.torch_dist import World, agree, rendezvous
+    from ep_dispatch.wire import RowFormat
+
+    port = free_port()
+    rows = [RowFormat(64, torch.float32, "w4a4"), RowFormat(64, torch.float32)]
+
+    def rank(r: int) -> tuple[str, object]:
+        world = World(("127.0.0.1", port), num_attention=1, num_experts=1, rank=r)
+        store = rendezvous(world, 30)  # returned: rank 0's store must outlive rank 1's reads
+        with pytest.raises(ValueError) as info:
+            agree(store, world, rows[r], 30)
+        return str(info.value), store
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(rank, [0, 1]))
+    for message, _ in results:
+        assert ("the ranks move different rows (attention rank 0: MXFP4 rows of hidden 64 "
+                "(34 bytes), float32 outputs; expert rank 0: float32 rows of hidden 64): "
+                "start every rank with the same --quantization and --dtype") == message
+
+
 def test_rendezvous_timeout_names_the_missing_ranks() -> None:
     from ep_dispatch.torch_dist import RendezvousError, World, join
 

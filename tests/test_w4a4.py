@@ -95,10 +95,11 @@ def test_expert_bytes_and_dispatch_bytes_are_at_most_028_of_bf16(ckpt: Path,
         children.stop()
 
 
-@pytest.fixture(scope="module")
-def served(ckpt: Path) -> Iterator[Served]:
-    with Served(["--model", str(ckpt), "--quantization", "w4a4", "--expert-services",
-                 "2"]) as s:
+@pytest.fixture(scope="module", params=["rpc", "torch"])
+def served(ckpt: Path, request: pytest.FixtureRequest) -> Iterator[Served]:
+    """2 expert services; MXFP4 rows travel over RPC frames, or over gloo all-to-alls."""
+    with Served(["--model", str(ckpt), "--quantization", "w4a4", "--expert-services", "2",
+                 "--dispatch-backend", request.param]) as s:
         yield s
 
 
@@ -122,8 +123,9 @@ def test_bad_quantization_setups_are_clear_errors(ckpt: Path, quantized: Path,
                                                   qwen3_ckpt: tuple) -> None:
     with pytest.raises(ValueError, match="multiple of 32"):
         engine(qwen3_ckpt[0], quantization="w4a4")  # moe_intermediate_size 48
-    with pytest.raises(ValueError, match="local and rpc"):
-        engine(ckpt, quantization="w4a4", dispatch_backend="torch")
+    with pytest.raises(ValueError, match="deepep dispatch backend moves bfloat16 rows .* "
+                                         "works with the local, rpc, torch and nccl"):
+        engine(ckpt, quantization="w4a4", dispatch_backend="deepep")
     raw = json.loads((quantized / "config.json").read_text())
     raw["quantization_config"]["quant_method"] = "gptq"
     with pytest.raises(CheckpointError, match="unsupported quantization_config"):

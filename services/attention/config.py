@@ -119,7 +119,7 @@ def add_engine_flags(p: argparse.ArgumentParser, default_backend: str = "local")
                    choices=["w4a4"],
                    help="w4a4: experts as MXFP4 (quantized at load unless the checkpoint "
                         "already is, see `switchyard quantize`), activations dispatched as "
-                        "MXFP4 (local and rpc backends)")
+                        "MXFP4 (every backend but deepep)")
     p.add_argument("--dcp-size", type=int, default=int(env("DCP_SIZE", "1")),
                    help="decode context parallelism: ranks per attention group, each holding "
                         "1/D of every sequence's KV cache")

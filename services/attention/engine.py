@@ -61,10 +61,10 @@ class Engine:
         self.group = _dcp_group(config)
         self.model = DenseModel(cfg, checkpoint, self.dtype,
                                 self.group.attend if self.group else None, self.device)
-        check_backend(config.dispatch_backend, self.device)
+        self.quantization = check_quantization(cfg, config.quantization)
+        check_backend(config.dispatch_backend, self.device, self.quantization)
         if config.dispatch_backend == "deepep":
             check_step_budget(config.deepep, config.max_num_batched_tokens)
-        self.quantization = check_quantization(cfg, config.quantization)
         bank = None
         if config.dispatch_backend == "local":  # the only backend with experts in-process
             bank = ExpertBank(cfg, checkpoint, all_experts(cfg), self.dtype, self.quantization,

@@ -26,7 +26,7 @@ from ep_dispatch.torch_dist import (
     join,
     serve_experts,
 )
-from ep_dispatch.wire import from_wire, to_wire
+from ep_dispatch.wire import RowFormat, from_wire, to_wire
 from services.attention.config import resolve_dtype
 from services.expert.config import ExpertConfig
 from services.expert.experts import ExpertBank
@@ -60,10 +60,7 @@ class ExpertServer:
                                resolve_dtype(config.dtype, config.device), config.quantization,
                                config.rank, config.device)
         checkpoint.close()
-        check_backend(config.dispatch_backend, config.device)
-        if self.bank.quantization and config.dispatch_backend in COLLECTIVE:
-            raise ValueError("quantized experts work with the rpc dispatch backend; the "
-                             f"{config.dispatch_backend} backend moves float rows only")
+        check_backend(config.dispatch_backend, config.device, self.bank.quantization)
         self._queue: list[tuple[ExpertBatch, FrameStream]] = []
         self._arrived = anyio.Event()
         self.num_coalesced = 0  # batches that shared a GEMM with an earlier one
@@ -204,19 +201,21 @@ def serve_collective(config: ExpertConfig, server: ExpertServer,
     if config.dispatch_backend == "deepep":
         serve_deepep_rank(config, server, world, metrics_port)
         return
+    bank = server.bank
+    rows = RowFormat(bank.hidden_size, bank.dtype, bank.quantization)
     if config.dispatch_backend == "nccl":
         from ep_dispatch.nccl import CupyNccl
 
-        collective: Collective = CupyNccl(world, config.rendezvous_timeout)
+        collective: Collective = CupyNccl(world, config.rendezvous_timeout, rows)
     else:
-        join(world, config.rendezvous_timeout, collective_backend(config.device))
+        join(world, config.rendezvous_timeout, collective_backend(config.device), rows)
         collective = TorchCollective()
-    log.info("expert rank %d/%d joined the %s world, holding %.1f MB", config.rank,
-             config.num_ranks, config.dispatch_backend, server.bank.nbytes() / 1e6)
+    log.info("expert rank %d/%d joined the %s world, holding %.1f MB, moving %s",
+             config.rank, config.num_ranks, config.dispatch_backend, bank.nbytes() / 1e6,
+             rows.describe())
     report_ready(config.ready_fd, 0, metrics_port)
     with torch.inference_mode():
-        serve_experts(world, server.placement, server.bank.forward,
-                      server.bank.hidden_size, server.bank.dtype, config.device, collective)
+        serve_experts(world, server.placement, bank.forward, rows, config.device, collective)
 
 
 def serve_deepep_rank(config: ExpertConfig, server: ExpertServer, world: World,
@@ -228,7 +227,8 @@ def serve_deepep_rank(config: ExpertConfig, server: ExpertServer, world: World,
     check_deepep(config.deepep, world.size, bank.hidden_size, top_k,
                  server.placement.most_local, bank.dtype)
     import_deep_ep()
-    join(world, config.rendezvous_timeout, "nccl")
+    join(world, config.rendezvous_timeout, "nccl",
+         RowFormat(bank.hidden_size, bank.dtype, bank.quantization))
     log.info("expert rank %d/%d joined the deepep world, holding %.1f MB", config.rank,
              config.num_ranks, bank.nbytes() / 1e6)
     report_ready(config.ready_fd, 0, metrics_port)
