@@ -124,12 +124,14 @@ def machine() -> None:
     row("bf16 matmul", "info", f"{2 * 8192**3 / (ms * 1e-3) / 1e12:.0f} TFLOP/s", "8192^3")
 
 
-def engine(device: str, dtype: str, quantization: str | None = None) -> Engine:
+def engine(device: str, dtype: str, quantization: str | None = None,
+           cuda_graph_max_batch: int = 0) -> Engine:
     from services.attention.config import AttentionConfig
     from services.attention.engine import Engine
 
     return Engine(AttentionConfig(model=DEFAULT_MODEL, device=device, dtype=dtype,
-                                  quantization=quantization, kv_cache_memory=256 << 20))
+                                  quantization=quantization, kv_cache_memory=256 << 20,
+                                  cuda_graph_max_batch=cuda_graph_max_batch))
 
 
 def greedy(e: Engine, prompt: list[int], n: int = 8) -> list[int]:
@@ -370,23 +372,37 @@ def nccl_self() -> None:
 
 
 def decode_steps() -> None:
+    """Decode step time at batch 1, 16 and 64 (bfloat16), eager and replayed from CUDA
+    graphs (`--cuda-graph-max-batch 64`, captured in the warm-up steps); then the tokens of
+    both (float32 and W4A4 experts, 3 sequences: a graph of 4 rows with one padding row)."""
     from switchyard.messages import GenerateRequest, SamplingParams
 
-    for batch in (1, 16, 64):
-        e = engine("cuda", "bfloat16")
+    def run(e: Engine, batch: int, warm: int, timed: int) -> tuple[float, dict[str, list[int]]]:
+        out: dict[str, list[int]] = {}
         for i in range(batch):
-            e.add(GenerateRequest(f"r{i}", PROMPTS[0], SamplingParams(
-                max_tokens=40, temperature=0.0, ignore_eos=True)))
-        e.step()  # prefill
-        for _ in range(5):
-            e.step()
+            e.add(GenerateRequest(f"r{i}", PROMPTS[i % len(PROMPTS)], SamplingParams(
+                max_tokens=1 + warm + timed, temperature=0.0, ignore_eos=True)))
+        for step in range(1 + warm + timed):  # the prefill, warm-up, timed steps
+            if step == 1 + warm:
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+            for d in e.step():
+                out.setdefault(d.request_id, []).extend(d.token_ids)
         torch.cuda.synchronize()
-        start, n = time.perf_counter(), 20
-        for _ in range(n):
-            e.step()
-        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / timed * 1e3, out
+
+    for batch in (1, 16, 64):
+        eager, _ = run(engine("cuda", "bfloat16"), batch, 5, 20)
+        graphed, _ = run(engine("cuda", "bfloat16", cuda_graph_max_batch=64), batch, 5, 20)
         row(f"decode step, demo model, batch {batch}", "info",
-            f"{(time.perf_counter() - start) / n * 1e3:.2f} ms", "cuda bfloat16, local")
+            f"{eager:.2f} ms eager, {graphed:.2f} ms CUDA graphs",
+            f"cuda bfloat16, local; eager / graphs {eager / graphed:.2f}x")
+    for quantization in (None, "w4a4"):
+        _, want = run(engine("cuda", "float32", quantization), 3, 0, 12)
+        _, got = run(engine("cuda", "float32", quantization, cuda_graph_max_batch=64), 3, 0, 12)
+        row(f"decode steps from CUDA graphs vs eager ({quantization or 'float'} experts)",
+            "ok" if got == want else "FAIL", f"{sum(map(len, got.values()))} tokens",
+            "float32, 3 sequences: same greedy tokens" if got == want else f"{got} vs {want}")
 
 
 def decode_profile() -> None:
@@ -469,7 +485,7 @@ def main() -> int:
     guarded("logits", lambda: logits_vs_cpu(None), 90)
     guarded("W4A4 logits", lambda: logits_vs_cpu("w4a4"), 120)
     guarded("sampling", sampled_twice, 60)
-    guarded("decode steps", decode_steps, 60)
+    guarded("decode steps", decode_steps, 120)
     guarded("decode profile", decode_profile, 60)
     guarded("dispatch path", dispatch_path, 60)
     guarded("nccl (CuPy)", nccl_self, 60)

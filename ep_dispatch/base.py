@@ -11,6 +11,9 @@ import torch
 
 # (layer, x [N, H] grouped by local expert, tokens per local expert) -> y [N, H], unweighted.
 ExpertFn = Callable[[int, torch.Tensor, list[int]], torch.Tensor]
+# (layer, rows [N, width] grouped by expert, counts [E_local] int64 on the rows' device,
+# an upper bound of any count) -> [N, H]: the experts without a host sync (CUDA graphs)
+DeviceExpertFn = Callable[[int, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ep_dispatch.base import DispatchHandle, ExpertFn, PointToPoint
+from ep_dispatch.base import DeviceExpertFn, DispatchHandle, ExpertFn, PointToPoint
 from ep_dispatch.metrics import phase
 from ep_dispatch.wire import activation_rows
 
@@ -18,6 +18,14 @@ class LocalDispatcher:
     def dispatch(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> tuple[torch.Tensor, list[int], DispatchHandle]:
+        rows, counts, handle = self.sort(x, topk_ids, topk_weights)
+        return rows, counts.tolist(), handle
+
+    def sort(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+        """`dispatch` with the per-expert counts left on the device ([E] int64): no host
+        synchronisation."""
         top_k = topk_ids.shape[1]
         flat_ids = topk_ids.reshape(-1)  # [T*K]
         order = torch.argsort(flat_ids, stable=True)  # [N], N = T*K, rows grouped by expert
@@ -27,7 +35,7 @@ class LocalDispatcher:
             0, flat_ids, torch.ones_like(flat_ids))
         weights = topk_weights.reshape(-1)[order]  # [N]
         handle = DispatchHandle(src_token=src_token, weights=weights, num_tokens=x.shape[0])
-        return x[src_token], counts.tolist(), handle
+        return x[src_token], counts, handle
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         out = torch.zeros(handle.num_tokens, y.shape[1], dtype=y.dtype, device=y.device)
@@ -38,9 +46,10 @@ class LocalExperts(PointToPoint):
     """`ExpertsClient` for experts held in this process, through a `LocalDispatcher`."""
 
     def __init__(self, num_experts: int, expert_fn: ExpertFn,
-                 quantization: str | None = None) -> None:
+                 quantization: str | None = None,
+                 device_fn: DeviceExpertFn | None = None) -> None:
         self.dispatcher = LocalDispatcher(num_experts)
-        self.expert_fn = expert_fn
+        self.expert_fn, self.device_fn = expert_fn, device_fn
         self.quantization = quantization
 
     def __call__(
@@ -53,6 +62,20 @@ class LocalExperts(PointToPoint):
             y = self.expert_fn(layer, recv, tokens_per_expert)  # [N, H]
         with phase("combine", "local", layer, x.shape[0]):
             return self.dispatcher.combine(y, handle).to(x.dtype)
+
+    def on_device(
+        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """`__call__` without a host synchronisation, for a CUDA graph to capture: the
+        counts stay on the device and `device_fn` runs the experts on them (a token's top-k
+        experts differ, so no expert gets more rows than there are tokens). No dispatch
+        metrics: a replayed graph runs no Python."""
+        if self.device_fn is None:
+            raise ValueError("these experts cannot run on device-side counts")
+        rows = activation_rows(x, self.quantization)  # [T, H], or MXFP4 rows
+        recv, counts, handle = self.dispatcher.sort(rows, topk_ids, topk_weights)
+        y = self.device_fn(layer, recv, counts, x.shape[0])  # [N, H]
+        return self.dispatcher.combine(y, handle).to(x.dtype)
 
     def describe(self) -> list[str]:
         return [f"in-process: all {self.dispatcher.num_local_experts} experts of every layer"]

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ep_dispatch.base import ExpertFn, ExpertsClient
+from ep_dispatch.base import DeviceExpertFn, ExpertFn, ExpertsClient
 from ep_dispatch.wire import RowFormat
 from switchyard.device import collective_backend
 
@@ -30,6 +30,7 @@ class BackendContext:
     moe_layers: list[int]
     num_experts: int
     expert_fn: ExpertFn | None = None
+    device_expert_fn: DeviceExpertFn | None = None  # `local`: the experts for CUDA graphs
     expert_addresses: list[tuple[str, int]] = field(default_factory=list)
     placement_file: Path | None = None
     call_timeout: float = 30.0
@@ -48,7 +49,8 @@ def _local(ctx: BackendContext) -> ExpertsClient:
 
     if ctx.expert_fn is None:
         raise ValueError("the local backend needs the experts in this process")
-    return LocalExperts(ctx.num_experts, ctx.expert_fn, ctx.quantization)
+    return LocalExperts(ctx.num_experts, ctx.expert_fn, ctx.quantization,
+                        ctx.device_expert_fn)
 
 
 def _rpc(ctx: BackendContext) -> ExpertsClient:

@@ -96,13 +96,17 @@ def grouped_swiglu(
     return out
 
 
-def grouped_swiglu_mm(x: torch.Tensor, tokens_per_expert: list[int],
+def grouped_swiglu_mm(x: torch.Tensor, tokens_per_expert: list[int] | torch.Tensor,
                       w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
     """`grouped_swiglu` as two grouped GEMMs (`torch._grouped_mm`, torch >= 2.8): a few
     kernels per call instead of three per expert. Same arguments and result (float32: the
-    same bits on the CPU); no per-expert times, the experts run together."""
-    ends = torch.tensor(list(itertools.accumulate(tokens_per_expert)), dtype=torch.int32,
-                        device=x.device)  # [E_local] each expert's last row + 1
+    same bits on the CPU); no per-expert times, the experts run together. The counts may be
+    a tensor on x's device ([E_local] int64), for a call without a host sync."""
+    if isinstance(tokens_per_expert, torch.Tensor):
+        ends = tokens_per_expert.cumsum(0).to(torch.int32)  # [E_local]
+    else:
+        ends = torch.tensor(list(itertools.accumulate(tokens_per_expert)), dtype=torch.int32,
+                            device=x.device)  # [E_local] each expert's last row + 1
     gate, up = torch._grouped_mm(x, w_gate_up.transpose(-2, -1), offs=ends).chunk(2, dim=-1)
     return torch._grouped_mm(F.silu(gate) * up, w_down.transpose(-2, -1), offs=ends)
 

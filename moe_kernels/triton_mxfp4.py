@@ -464,14 +464,16 @@ def grouped_mxfp4_gemm(
 
 
 def grouped_swiglu_w4a4_triton(
-    x: MXFP4Tensor, tokens_per_expert: list[int], w_gate_up: MXFP4Tensor,
-    w_down: MXFP4Tensor, config: KernelConfig | None = None,
+    x: MXFP4Tensor, tokens_per_expert: list[int] | torch.Tensor, w_gate_up: MXFP4Tensor,
+    w_down: MXFP4Tensor, config: KernelConfig | None = None, max_rows: int | None = None,
 ) -> torch.Tensor:
     """`moe_kernels.grouped_gemm.grouped_swiglu_w4a4` with both GEMMs on the Triton kernel.
 
     Arguments:
         x: MXFP4 of `[N, H]` activations, rows grouped by local expert in expert order.
-        tokens_per_expert: E_local ints summing to N; run e belongs to local expert e.
+        tokens_per_expert: E_local ints summing to N; run e belongs to local expert e. Or
+            an `[E_local]` int64 tensor on x's device (not checked: that would need a host
+            sync), with `max_rows` an upper bound of its entries: no host sync at all.
         w_gate_up: MXFP4 of `[E, 2 * I, H]` (gate first), blocks along H; E >= E_local.
         w_down: MXFP4 of `[E, H, I]`, blocks along I.
         config: the kernel's variant and tiles for both GEMMs; by default the one tuned
@@ -484,16 +486,22 @@ def grouped_swiglu_w4a4_triton(
         MXFP4 per row, as in the torch path.
     """
     n, _ = x.shape
-    if sum(tokens_per_expert) != n or any(c < 0 for c in tokens_per_expert):
-        raise ValueError(f"tokens_per_expert {tokens_per_expert} must be >= 0 and sum to {n}")
-    e = len(tokens_per_expert)
+    device = x.packed.device
+    if isinstance(tokens_per_expert, torch.Tensor):
+        if max_rows is None:
+            raise ValueError("counts on the device need max_rows, a bound of every count")
+        e, most = tokens_per_expert.shape[0], max_rows
+        offsets = F.pad(tokens_per_expert.cumsum(0), (1, 0)).to(torch.int32)  # [E_local + 1]
+    else:
+        if sum(tokens_per_expert) != n or any(c < 0 for c in tokens_per_expert):
+            raise ValueError(f"tokens_per_expert {tokens_per_expert} must be >= 0 and sum "
+                             f"to {n}")
+        e, most = len(tokens_per_expert), max(tokens_per_expert, default=0)
+        offsets = torch.tensor([0, *itertools.accumulate(tokens_per_expert)],
+                               dtype=torch.int32, device=device)  # [E_local + 1]
     if e > w_gate_up.packed.shape[0] or e > w_down.packed.shape[0]:
         raise ValueError(f"{e} runs of tokens but only {w_gate_up.packed.shape[0]} experts")
-    offsets = torch.tensor([0, *itertools.accumulate(tokens_per_expert)], dtype=torch.int32,
-                           device=x.packed.device)  # [E_local + 1]
-    most = max(tokens_per_expert, default=0)  # known here: no tile schedule to build
     if config is None:
-        device = x.packed.device
         config = tuned_config(
             torch.cuda.get_device_name(device) if device.type == "cuda" else None, most)
     options = msgspec.structs.asdict(config)

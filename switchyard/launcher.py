@@ -25,6 +25,7 @@ import httpx
 
 from ep_dispatch.deepep import deepep_flags, deepep_settings
 from ep_dispatch.registry import COLLECTIVE, check_backend
+from services.attention.config import check_cuda_graphs
 from services.model.config import CheckpointError, ModelConfig
 from switchyard.demo_model import DEFAULT_MODEL, DEFAULT_MODEL_NAME
 from switchyard.device import check_device
@@ -151,7 +152,9 @@ def _engine_args(args: argparse.Namespace) -> list[str]:
            "--kv-cache-memory", str(args.kv_cache_memory),
            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
            "--max-num-seqs", str(args.max_num_seqs),
-           "--dispatch-backend", args.dispatch_backend]
+           "--dispatch-backend", args.dispatch_backend,
+           "--cuda-graph-max-batch", str(args.cuda_graph_max_batch),
+           "--cuda-graph-max-len", str(args.cuda_graph_max_len)]
     if args.max_model_len:
         out += ["--max-model-len", str(args.max_model_len)]
     if args.num_threads:
@@ -311,6 +314,8 @@ def serve(args: argparse.Namespace) -> int:
         # Fail fast on the common mistakes, before any process starts.
         cfg = ModelConfig.from_dir(model)
         check_device(args.device, "attention")
+        check_cuda_graphs(args.cuda_graph_max_batch, args.cuda_graph_max_len, args.device,
+                          args.dispatch_backend, args.dcp_size)
         check_backend(args.dispatch_backend, args.device, args.quantization or cfg.quantization)
         if args.dispatch_backend == "deepep":
             _check_deepep(args, cfg)

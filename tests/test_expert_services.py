@@ -295,9 +295,10 @@ def test_ranks_that_move_different_rows_name_each_other() -> None:
     with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(rank, [0, 1]))
     for message, _ in results:
-        assert ("the ranks move different rows (attention rank 0: MXFP4 rows of hidden 64 "
-                "(34 bytes), float32 outputs; expert rank 0: float32 rows of hidden 64): "
-                "start every rank with the same --quantization and --dtype") == message
+        assert message == (
+            "the ranks move different rows (attention rank 0: MXFP4 rows of hidden 64 "
+            "(34 bytes), float32 outputs; expert rank 0: float32 rows of hidden 64): "
+            "start every rank with the same --quantization and --dtype")
 
 
 def test_rendezvous_timeout_names_the_missing_ranks() -> None:

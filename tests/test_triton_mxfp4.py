@@ -164,6 +164,19 @@ def test_swiglu_runs_a_given_kernel_config(config: KernelConfig) -> None:
     assert_same(out, grouped_swiglu_w4a4(x, tokens, w_gate_up, w_down).to(out.device))
 
 
+def test_swiglu_on_device_counts_equals_host_counts() -> None:
+    """Counts as a device tensor with a bound instead of a list (no host sync: CUDA graphs)."""
+    tokens = [3, 0, 12, 40, 0, 1, 70, 0]
+    x, w_gate_up = make(tokens, 256, 256, seed=7)
+    _, w_down = make(tokens, 128, 256, seed=8)
+    counts = torch.tensor(tokens, device=DEVICE)
+    want = grouped_swiglu_w4a4_triton(x, tokens, w_gate_up, w_down)
+    assert_same(grouped_swiglu_w4a4_triton(x, counts, w_gate_up, w_down, max_rows=70), want)
+    assert_same(grouped_swiglu_w4a4_triton(x, counts, w_gate_up, w_down, max_rows=134), want)
+    with pytest.raises(ValueError, match="counts on the device need max_rows"):
+        grouped_swiglu_w4a4_triton(x, counts, w_gate_up, w_down)
+
+
 def test_k_not_a_multiple_of_32_raises() -> None:
     x = MXFP4Tensor(torch.zeros(3, 24, dtype=torch.uint8), torch.zeros(3, 1, dtype=torch.uint8))
     w = MXFP4Tensor(torch.zeros(2, 8, 24, dtype=torch.uint8),

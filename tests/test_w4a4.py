@@ -123,8 +123,8 @@ def test_bad_quantization_setups_are_clear_errors(ckpt: Path, quantized: Path,
                                                   qwen3_ckpt: tuple) -> None:
     with pytest.raises(ValueError, match="multiple of 32"):
         engine(qwen3_ckpt[0], quantization="w4a4")  # moe_intermediate_size 48
-    with pytest.raises(ValueError, match="deepep dispatch backend moves bfloat16 rows .* "
-                                         "works with the local, rpc, torch and nccl"):
+    with pytest.raises(ValueError, match=r"deepep dispatch backend moves bfloat16 rows .* "
+                                         r"works with the local, rpc, torch and nccl"):
         engine(ckpt, quantization="w4a4", dispatch_backend="deepep")
     raw = json.loads((quantized / "config.json").read_text())
     raw["quantization_config"]["quant_method"] = "gptq"

@@ -36,6 +36,7 @@ class StepBatch:
     prefills: list[PrefillSlice]
     logits_rows: torch.Tensor  # [S] int64 rows whose logits are sampled (last token of a seq)
     foreign_slots: bool = False  # some slot_mapping entries are -1 (another DCP rank's)
+    real_rows: torch.Tensor | None = None  # [T] int64: 0 for a CUDA graph's padding rows
 
     def to(self, device: str) -> StepBatch:
         """The same batch with every tensor on `device` (built on the CPU, copied once)."""
@@ -50,7 +51,8 @@ class StepBatch:
             move(self.decode_rows), move(self.decode_kv_slots), move(self.decode_mask),
             [PrefillSlice(p.start, p.length, move(p.kv_slots), move(p.mask))
              for p in self.prefills],
-            move(self.logits_rows), self.foreign_slots)
+            move(self.logits_rows), self.foreign_slots,
+            None if self.real_rows is None else move(self.real_rows))
 
 
 def _kv_slots(block_table: list[int], length: int, block_size: int) -> torch.Tensor:

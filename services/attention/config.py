@@ -46,6 +46,8 @@ class AttentionConfig:
     otlp_traces_endpoint: str | None = None
     metrics_port: int | None = None  # Prometheus /metrics; None: not served
     deepep: DeepEPSettings = field(default_factory=DeepEPSettings)
+    cuda_graph_max_batch: int = 0  # decode steps of up to this many sequences replay graphs
+    cuda_graph_max_len: int = 4096  # ... whose longest has up to this many keys
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -59,6 +61,25 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     if name not in _DTYPES:
         raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(_DTYPES)}")
     return _DTYPES[name]
+
+
+def check_cuda_graphs(max_batch: int, max_len: int, device: str, backend: str,
+                      dcp_size: int) -> None:
+    """Decode graphs capture the whole step, experts included: in-process experts only.
+
+    Raises:
+        ValueError: graphs asked for where they cannot run (the flags named).
+    """
+    if max_batch < 0 or max_len < 1:
+        raise ValueError("--cuda-graph-max-batch must be >= 0 and --cuda-graph-max-len >= 1")
+    if not max_batch:
+        return
+    if device != "cuda":
+        raise ValueError("--cuda-graph-max-batch needs --device cuda")
+    if backend != "local" or dcp_size > 1:
+        raise ValueError("--cuda-graph-max-batch captures the experts inside the step: it "
+                         "needs --dispatch-backend local and no DCP (the other backends and "
+                         "DCP cross processes within a step)")
 
 
 def parse_addresses(text: str) -> list[tuple[str, int]]:
@@ -104,6 +125,15 @@ def add_engine_flags(p: argparse.ArgumentParser, default_backend: str = "local")
                    help="most sequences running at once")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context limit (default: the model's, capped by the KV cache)")
+    p.add_argument("--cuda-graph-max-batch", type=int,
+                   default=int(env("CUDA_GRAPH_MAX_BATCH", "0")),
+                   help="replay CUDA graphs for decode steps of up to this many sequences "
+                        "(--device cuda, local backend; rounded up to a power of two, one "
+                        "graph captured per size on first use; 0: off)")
+    p.add_argument("--cuda-graph-max-len", type=int,
+                   default=int(env("CUDA_GRAPH_MAX_LEN", "4096")),
+                   help="... when no sequence has more keys than this (longer steps run "
+                        "eagerly: a graph attends over its whole padded length)")
     p.add_argument("--dispatch-backend", default=env("DISPATCH_BACKEND", default_backend),
                    help="ep_dispatch backend between attention and experts: local (experts "
                         "in the attention process), rpc (expert services over TCP), torch "
@@ -158,4 +188,6 @@ def from_args(args: argparse.Namespace) -> AttentionConfig:
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         metrics_port=getattr(args, "metrics_port", None),
         deepep=deepep_settings(args),
+        cuda_graph_max_batch=args.cuda_graph_max_batch,
+        cuda_graph_max_len=args.cuda_graph_max_len,
     )

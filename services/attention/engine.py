@@ -16,7 +16,8 @@ from ep_dispatch.registry import COLLECTIVE, check_backend
 from ep_dispatch.torch_dist import World
 from services.attention.batch import StepBatch, build_batch
 from services.attention.block_manager import BlockManager
-from services.attention.config import AttentionConfig
+from services.attention.config import AttentionConfig, check_cuda_graphs
+from services.attention.graphs import Capture, DecodeGraphs, cuda_capture
 from services.attention.kv_cache import KVCache, kv_bytes_per_block
 from services.attention.model import DenseModel
 from services.attention.sampler import sample
@@ -46,11 +47,18 @@ class Engine:
     """Continuous-batching generation over a paged KV cache.
 
     Not thread-safe: the service calls `add`, `abort` and `step` from one thread at a time.
+
+    `graph_capture`: how decode steps are captured with `--cuda-graph-max-batch` (default:
+    CUDA graphs, which need `--device cuda`); tests pass `graphs.eager_capture` to run the
+    graph path's static buffers and padding on a CPU.
     """
 
-    def __init__(self, config: AttentionConfig) -> None:
+    def __init__(self, config: AttentionConfig, graph_capture: Capture | None = None) -> None:
         self.config = config
         self.device = check_device(config.device, "attention")
+        check_cuda_graphs(config.cuda_graph_max_batch, config.cuda_graph_max_len,
+                          "cuda" if graph_capture else config.device, config.dispatch_backend,
+                          config.dcp_size)
         self.dtype = config.torch_dtype
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -73,6 +81,7 @@ class Engine:
         self.experts = create_experts_client(config.dispatch_backend, BackendContext(
             moe_layers=[i for i, m in enumerate(cfg.moe_layers) if m],
             num_experts=cfg.num_experts, expert_fn=bank.forward if bank else None,
+            device_expert_fn=bank.forward_on_device if bank else None,
             expert_addresses=list(config.expert_addresses),
             placement_file=config.placement, call_timeout=config.expert_timeout,
             connect_timeout=config.expert_timeout, world=_world(config),
@@ -80,7 +89,10 @@ class Engine:
             device=config.device, top_k=cfg.top_k, deepep=config.deepep))
         num_blocks = config.kv_cache_memory // kv_bytes_per_block(cfg, config.block_size,
                                                                   self.dtype)
-        self.kv = KVCache(cfg, num_blocks, config.block_size, self.dtype, self.device)
+        graphs = config.cuda_graph_max_batch > 0
+        if graphs:  # its last block is the graphs' scratch: never handed out
+            num_blocks -= 1
+        self.kv = KVCache(cfg, num_blocks + graphs, config.block_size, self.dtype, self.device)
         self.sharding = Sharding(config.dcp_size, config.dcp_interleave)
         capacity = self.sharding.max_length(num_blocks * config.block_size)
         if self.group:
@@ -95,6 +107,10 @@ class Engine:
                                  cfg.max_position_embeddings, capacity)
         self._seqs: dict[str, Sequence] = {}
         self.num_aborted = 0
+        self.graphs = DecodeGraphs(
+            self.model, self.kv, self.experts, num_blocks * config.block_size,
+            config.cuda_graph_max_batch, config.cuda_graph_max_len, self.device,
+            graph_capture or cuda_capture(torch.cuda.graph_pool_handle())) if graphs else None
 
     def close(self) -> None:
         self.experts.close()
@@ -216,7 +232,10 @@ class Engine:
                 item.seq.first_scheduled_time = now
         with step_span(scheduled):
             batch = self._batch(scheduled)
-            hidden = self.model.forward(batch, self.kv, self.experts)
+            if self.graphs and self.graphs.fits(batch):
+                hidden = self.graphs.forward(batch)
+            else:
+                hidden = self.model.forward(batch, self.kv, self.experts)
         self.model.publish_load()  # for stats(), which must not wait on the device
         sampling = [s.seq for s in scheduled
                     if s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens]

@@ -19,6 +19,9 @@ from services.model.config import ModelConfig
 from services.model.layers import apply_rope, rms_norm, rope_cos_sin
 
 Attend = Callable[[KVCache, int, torch.Tensor, StepBatch], torch.Tensor]
+# (layer, x [T, H], topk_ids [T, K], topk_weights [T, K]) -> [T, H]: an `ExpertsClient`, or
+# `LocalExperts.on_device` inside a CUDA graph
+MoE = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,8 @@ class DenseModel:
         self.expert_load = self._load.cpu()
 
     @torch.inference_mode()
-    def forward(self, batch: StepBatch, kv: KVCache, experts: ExpertsClient) -> torch.Tensor:
+    def forward(self, batch: StepBatch, kv: KVCache, experts: ExpertsClient | MoE
+                ) -> torch.Tensor:
         """Hidden states [T, H] after the final norm, for the batch's T tokens."""
         cos, sin = rope_cos_sin(batch.positions, self.cfg.head_dim, self.cfg.rope_theta,
                                 self.dtype)
@@ -101,7 +105,9 @@ class DenseModel:
             else:
                 ids, weights = route(x, w.gate, self.cfg.top_k, self.cfg.norm_topk_prob)
                 flat = ids.reshape(-1)  # [T*K]
-                self._load[i].index_add_(0, flat, torch.ones_like(flat))
+                real = torch.ones_like(flat) if batch.real_rows is None else \
+                    batch.real_rows.repeat_interleave(self.cfg.top_k)  # padding counts 0
+                self._load[i].index_add_(0, flat, real)
                 h = h + experts(i, x, ids, weights)
         return rms_norm(h, self.norm, self.cfg.rms_norm_eps)
 

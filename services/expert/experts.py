@@ -145,6 +145,34 @@ class ExpertBank:
         self.metrics.observe(layer, self.experts[layer], tokens_per_expert, spans)
         return y
 
+    def forward_on_device(self, layer: int, x: torch.Tensor, counts: torch.Tensor,
+                          max_rows: int) -> torch.Tensor:
+        """`forward` on counts left on the device, without a host synchronisation, for a
+        CUDA graph: grouped kernels only (`torch._grouped_mm`; the W4A4 Triton kernel on
+        CUDA) and no per-expert metrics, which need the counts on the host.
+
+        x: as `forward`'s. counts: [E_local] int64 on x's device, rows per local expert.
+        max_rows: a bound of every count (the number of tokens will do).
+        """
+        if x.shape[0] == 0:
+            return torch.zeros(0, self.hidden_size, dtype=self.dtype, device=self.device)
+        w_gate_up, w_down = self.w_gate_up[layer], self.w_down[layer]
+        if not self.quantization:
+            if self.device.type == "cuda" and self._grouped_mm is False:  # probed: no
+                raise ValueError("torch._grouped_mm does not run here: the experts need host "
+                                 "counts")
+            return grouped_swiglu_mm(x, counts, w_gate_up, w_down).to(self.dtype)  # [N, H]
+        if self.device.type != "cuda":
+            raise ValueError("W4A4 experts on device-side counts run the Triton kernel: "
+                             "--device cuda")
+        from moe_kernels.triton_mxfp4 import grouped_swiglu_w4a4_triton
+
+        q = MXFP4Tensor.from_rows(x, self.hidden_size) if x.dtype == torch.uint8 \
+            else quantize(x)
+        config = self._kernel_config(q, counts, max_rows, w_gate_up, w_down)
+        return grouped_swiglu_w4a4_triton(q, counts, w_gate_up, w_down, config,
+                                          max_rows).to(self.dtype)  # [N, H]
+
     def _float_ffn(self, x: torch.Tensor, tokens_per_expert: list[int],
                    w_gate_up: torch.Tensor, w_down: torch.Tensor,
                    spans: list[tuple[int, int]]) -> torch.Tensor:
@@ -166,15 +194,22 @@ class ExpertBank:
         is the whole call's."""
         from moe_kernels.triton_mxfp4 import grouped_swiglu_w4a4_triton
 
-        config = tuned_config(torch.cuda.get_device_name(self.device),
-                              max(tokens_per_expert, default=0))
-        if config not in self._kernel_runs:  # once per config: does it compile here?
-            self._kernel_runs[config] = _kernel_runs(config, q, tokens_per_expert, w_gate_up,
-                                                     w_down)
-        if not self._kernel_runs[config]:
-            config = FALLBACK_KERNEL
+        config = self._kernel_config(q, tokens_per_expert, max(tokens_per_expert, default=0),
+                                     w_gate_up, w_down)
         return timed_together(spans, tokens_per_expert, self.device, lambda: (
             grouped_swiglu_w4a4_triton(q, tokens_per_expert, w_gate_up, w_down, config)))
+
+    def _kernel_config(self, q: MXFP4Tensor, counts: list[int] | torch.Tensor,
+                       max_rows: int, w_gate_up: MXFP4Tensor,
+                       w_down: MXFP4Tensor) -> KernelConfig:
+        """The W4A4 kernel config tuned for this GPU and `max_rows`, or `FALLBACK_KERNEL`
+        where this Triton cannot compile it. The first call with a config tries it (and
+        synchronises): a CUDA graph's warm-up run makes that call, never its capture."""
+        config = tuned_config(torch.cuda.get_device_name(self.device), max_rows)
+        if config not in self._kernel_runs:
+            self._kernel_runs[config] = _kernel_runs(config, q, counts, max_rows, w_gate_up,
+                                                     w_down)
+        return config if self._kernel_runs[config] else FALLBACK_KERNEL
 
     def nbytes(self) -> int:
         total = 0
@@ -203,15 +238,15 @@ def _grouped_mm_matches(x: torch.Tensor, tokens_per_expert: list[int],
     return True
 
 
-def _kernel_runs(config: KernelConfig, q: MXFP4Tensor, tokens_per_expert: list[int],
-                 w_gate_up: MXFP4Tensor, w_down: MXFP4Tensor) -> bool:
+def _kernel_runs(config: KernelConfig, q: MXFP4Tensor, counts: list[int] | torch.Tensor,
+                 max_rows: int, w_gate_up: MXFP4Tensor, w_down: MXFP4Tensor) -> bool:
     """Whether this Triton compiles `config` (tuned for this GPU, or the defaults:
     `tl.dot_scaled`, e2m1 x e2m1) here; if not, W4A4 runs `FALLBACK_KERNEL` (in-kernel
     decode and `tl.dot`, which benchmarks/gpu_mxfp4.py also times)."""
     from moe_kernels.triton_mxfp4 import grouped_swiglu_w4a4_triton
 
     try:
-        grouped_swiglu_w4a4_triton(q, tokens_per_expert, w_gate_up, w_down, config)
+        grouped_swiglu_w4a4_triton(q, counts, w_gate_up, w_down, config, max_rows)
         torch.cuda.synchronize()
         return True
     except Exception as exc:  # a compiler error for this arch: fall back, say so

@@ -1,0 +1,136 @@
+"""CUDA graphs of decode steps: a step's many small kernels launched as one graph replay,
+where launches and not the GPU bound a decode step (an H200 spent 7.8-12.4 ms on the
+4-layer demo model's ~350 kernels per step, docs/benchmarks.md).
+
+A graph fixes its shapes and buffers, so a decode step of B sequences whose longest has L
+keys runs the graph captured for (b, k) = (B, L) rounded up to powers of two, on static
+input buffers: rows B..b are padding (token 0 at position 0, writing their KV to a scratch
+slot no sequence owns and attending to it alone), keys L..k are masked. Graphs are captured
+on first use of a size and then replayed; steps with prefills, more rows or more keys than
+the largest size run eagerly. Only the `local` backend's experts can be captured: every
+other backend crosses a process boundary inside the step.
+
+Inside a graph nothing may wait for the device, so the experts run on device-side counts
+(`LocalExperts.on_device`), padded rows are left out of the routing counts, and the expert
+metrics (per-expert spans, which need host counts) skip graph-replayed steps.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from ep_dispatch.local import LocalExperts
+from services.attention.batch import StepBatch
+from services.attention.kv_cache import KVCache
+from services.attention.model import DenseModel
+
+log = logging.getLogger(__name__)
+
+# capture(fn) -> replay: run `fn` once as a graph would be built, return what re-runs it
+Capture = Callable[[Callable[[], torch.Tensor]], tuple[torch.Tensor, Callable[[], None]]]
+
+
+def cuda_capture(pool: object) -> Capture:
+    """Capture into CUDA graphs sharing one memory pool (replays never overlap)."""
+
+    def capture(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, Callable[[], None]]:
+        side = torch.cuda.Stream()  # warm-up off the capture stream, as torch asks
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = fn()
+        return out, graph.replay
+
+    return capture
+
+
+def eager_capture(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, Callable[[], None]]:
+    """What a graph replay does, without CUDA: the same ops on the same static buffers,
+    writing the same output tensor (so a CPU checks the padding and buffers' numerics)."""
+    out = fn()
+    return out, lambda: out.copy_(fn())
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+class DecodeGraphs:
+    """Decode steps of up to `max_batch` sequences with up to `max_len` keys each, replayed
+    from graphs over static buffers.
+
+    Arguments:
+        model, kv, experts: the engine's; `experts` must be in-process (`LocalExperts`).
+        scratch_slot: a KV-cache slot outside every block the block manager hands out.
+        capture: `cuda_capture(pool)` on a GPU; `eager_capture` elsewhere.
+    """
+
+    def __init__(self, model: DenseModel, kv: KVCache, experts: LocalExperts, scratch_slot: int,
+                 max_batch: int, max_len: int, device: torch.device, capture: Capture) -> None:
+        self.model, self.kv, self.experts = model, kv, experts
+        self.scratch, self.capture = scratch_slot, capture
+        self.max_batch, self.max_len = next_power_of_2(max_batch), next_power_of_2(max_len)
+        b, n = self.max_batch, self.max_len
+
+        def zeros(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        self.input_ids, self.positions, self.slot_mapping = zeros(b), zeros(b), zeros(b)
+        self.kv_slots, self.mask = zeros(b, n), zeros(b, n, dtype=torch.bool)  # [b, k]
+        self.real = zeros(b)  # [b] 1 for a sequence's row, 0 for padding
+        self.rows = torch.arange(b, device=device)
+        self.graphs: dict[tuple[int, int], tuple[torch.Tensor, Callable[[], None]]] = {}
+
+    def fits(self, batch: StepBatch) -> bool:
+        """Whether a graph can run this step: decodes only, within the sizes."""
+        rows, keys = batch.decode_kv_slots.shape
+        return (not batch.prefills and not batch.foreign_slots and 0 < rows <= self.max_batch
+                and keys <= self.max_len and batch.input_ids.shape[0] == rows)
+
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        """`DenseModel.forward` of a step that `fits`: hidden states [B, H]."""
+        rows, keys = batch.decode_kv_slots.shape
+        size = (next_power_of_2(rows), next_power_of_2(keys))
+        self._load(batch, *size)
+        if size not in self.graphs:
+            log.info("capturing a decode graph for %d sequences of up to %d keys", *size)
+            real = self.real.clone()  # the capture's own runs count no routed tokens (their
+            self.real.zero_()  # KV writes are the replay's, so they may run)
+            self.graphs[size] = self.capture(lambda: self._step(*size))
+            self.real.copy_(real)
+        out, replay = self.graphs[size]
+        replay()
+        return out[:rows]
+
+    def _step(self, b: int, k: int) -> torch.Tensor:
+        """The captured step: the model over the static buffers' first b rows, k keys."""
+        batch = StepBatch(
+            input_ids=self.input_ids[:b], positions=self.positions[:b],
+            slot_mapping=self.slot_mapping[:b], decode_rows=self.rows[:b],
+            decode_kv_slots=self.kv_slots[:b, :k], decode_mask=self.mask[:b, :k],
+            prefills=[], logits_rows=self.rows[:b], real_rows=self.real[:b])
+        return self.model.forward(batch, self.kv, self.experts.on_device)
+
+    def _load(self, batch: StepBatch, b: int, k: int) -> None:
+        """Copy the step into the static buffers; pad rows and keys up to (b, k)."""
+        n, keys = batch.decode_kv_slots.shape
+        self.input_ids[:b].zero_()
+        self.input_ids[:n].copy_(batch.input_ids)
+        self.positions[:b].zero_()
+        self.positions[:n].copy_(batch.positions)
+        self.slot_mapping[:b].fill_(self.scratch)
+        self.slot_mapping[:n].copy_(batch.slot_mapping)
+        self.kv_slots[:b, :k].fill_(self.scratch)
+        self.kv_slots[:n, :keys].copy_(batch.decode_kv_slots)
+        self.mask[:b, :k].zero_()
+        self.mask[:n, :keys].copy_(batch.decode_mask)
+        self.mask[n:b, 0] = True  # a padding row attends to the scratch slot alone
+        self.real[:b].zero_()
+        self.real[:n].fill_(1)
