@@ -142,9 +142,13 @@ def _block_f16(x_rows, xs_rows, w_rows, ws_rows, row_ok, col_ok, blk, K, acc,
     xs = tl.load(xs_rows + blk, mask=x_ok, other=0)  # [BLOCK_N, 1] uint8
     ws = tl.load(ws_rows + blk, mask=w_ok, other=0)  # [BLOCK_M, 1] uint8
     if WORDS:  # the caller checked that rows and their starts are 4-byte aligned
-        word = (blk * 16 + 4 * tl.arange(0, 4))[None, :]  # [1, 4] byte offsets
-        x = tl.load((x_rows + word).to(tl.pointer_type(tl.uint32)), mask=x_ok, other=0)
-        w = tl.load((w_rows + word).to(tl.pointer_type(tl.uint32)), mask=w_ok, other=0)
+        # Cast the block's start, then step in words: contiguous words, so one 16-byte
+        # load per row (byte offsets 4 apart, cast after, read as 4 separate words).
+        word = tl.arange(0, 4)[None, :]  # [1, 4]
+        x = tl.load((x_rows + blk * 16).to(tl.pointer_type(tl.uint32)) + word, mask=x_ok,
+                    other=0)  # [BLOCK_N, 4] uint32
+        w = tl.load((w_rows + blk * 16).to(tl.pointer_type(tl.uint32)) + word, mask=w_ok,
+                    other=0)  # [BLOCK_M, 4] uint32
         x_h = _words_f16(x, BLOCK_N)  # [BLOCK_N, 32] float16, value * 2**-14 (permuted K)
         w_h = _words_f16(w, BLOCK_M)  # [BLOCK_M, 32], the same permutation
     else:
@@ -153,11 +157,15 @@ def _block_f16(x_rows, xs_rows, w_rows, ws_rows, row_ok, col_ok, blk, K, acc,
         w_h = _codes_f16(tl.load(w_rows + byte, mask=w_ok, other=0), BLOCK_M, 32)
     # 32 products of two codes, each a multiple of 2**-30 below 36 * 2**-28, add up exactly
     # in float32; then undo the 2**-28 and apply both scales (exact).
+    # One return, after the if/else: Triton traces code after a constexpr branch that
+    # returns (triton-lang/triton#9719), so an early return would add mismatched shapes.
     if SWAP_AB:
         block = tl.dot(w_h, tl.trans(x_h)) * 268435456.0  # [BLOCK_M, BLOCK_N]
-        return acc + block * _e8m0(ws) * tl.reshape(_e8m0(xs), [1, BLOCK_N])
-    block = tl.dot(x_h, tl.trans(w_h)) * 268435456.0  # [BLOCK_N, BLOCK_M]
-    return acc + block * _e8m0(xs) * tl.reshape(_e8m0(ws), [1, BLOCK_M])
+        acc += block * _e8m0(ws) * tl.reshape(_e8m0(xs), [1, BLOCK_N])
+    else:
+        block = tl.dot(x_h, tl.trans(w_h)) * 268435456.0  # [BLOCK_N, BLOCK_M]
+        acc += block * _e8m0(xs) * tl.reshape(_e8m0(ws), [1, BLOCK_M])
+    return acc
 
 
 @triton.jit
@@ -419,9 +427,9 @@ def grouped_mxfp4_gemm(
                          f"{', '.join(INNER_PRODUCTS)}")
     least = BLOCK if inner in F16_CODES else 2 * BLOCK
     block_k = block_k or (BLOCK if inner in F16_CODES else 128)
-    if block_k % BLOCK or block_k < least:
-        raise ValueError(f"block_k must be a multiple of {BLOCK}, at least {least} for the "
-                         f"{inner} inner product; got {block_k}")
+    if block_k & (block_k - 1) or block_k < least:  # 32 divides it, then
+        raise ValueError(f"block_k must be a power of two, at least {least} for the {inner} "
+                         f"inner product; got {block_k}")
     device = x.packed.device
     out = torch.empty(n, m, dtype=torch.float32, device=device)  # [N, M]
     if n == 0 or m == 0:

@@ -14,7 +14,7 @@ import torch
 from ep_dispatch.local import LocalExperts
 from services.attention.config import AttentionConfig
 from services.attention.engine import Engine
-from services.attention.graphs import eager_capture, next_power_of_2
+from services.attention.graphs import DecodeGraphs, eager_capture, next_power_of_2
 from services.expert.experts import ExpertBank, all_experts
 from services.model.checkpoint import Checkpoint
 from tests.test_engine_parity import greedy, prompts, run_to_completion
@@ -37,10 +37,8 @@ def test_graph_steps_generate_what_eager_steps_generate(ckpt: tuple) -> None:
     want = run_to_completion(eager, arrivals)
     assert run_to_completion(graphed, arrivals) == want
     assert graphed.graphs is not None
-    sizes = set(graphed.graphs.graphs)
-    assert {b for b, _ in sizes} == {1, 2, 4}
-    assert all(k <= 64 and k & (k - 1) == 0 for _, k in sizes)
-    assert (4, 64) in sizes
+    assert sorted(graphed.graphs.graphs) == [(1, 64), (2, 64), (4, 64)]  # at start-up
+    assert set(graphed.graphs.replays) == {(1, 64), (2, 64), (4, 64)}  # each one used
     # padding rows are not routed tokens: the routing counts are the same
     assert torch.equal(graphed.model.expert_load, eager.model.expert_load)
 
@@ -59,7 +57,7 @@ def test_graph_forward_matches_the_model_row_for_row(qwen3_ckpt: tuple) -> None:
     got = engine.graphs.forward(batch)
     assert got.shape == want.shape == (3, engine.model_config.hidden_size)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert set(engine.graphs.graphs) == {(4, 32)}
+    assert engine.graphs.replays == {(4, 32): 1}
     # the scratch slot lies past every block the block manager hands out
     bm = engine.block_manager
     assert engine.kv.k[0].shape[0] == (bm.num_blocks + 1) * bm.block_size
@@ -126,3 +124,21 @@ def test_serve_refuses_graphs_on_a_cpu_before_starting_anything() -> None:
 def test_sizes_round_up_to_powers_of_two() -> None:
     assert [next_power_of_2(n) for n in (1, 2, 3, 4, 5, 63, 64, 65)] == \
         [1, 2, 4, 4, 8, 64, 64, 128]
+
+
+def test_graph_sizes_start_at_128_keys_largest_first(qwen3_ckpt: tuple) -> None:
+    engine = Engine(config(qwen3_ckpt[0]))
+    graphs = DecodeGraphs(engine.model, engine.kv, engine.experts, 0, max_batch=5,
+                          max_len=1000, device=torch.device("cpu"), capture=eager_capture)
+    assert graphs.sizes() == [(b, k) for b in (8, 4, 2, 1) for k in (1024, 512, 256, 128)]
+
+
+def test_a_step_that_cannot_be_captured_is_a_clear_start_up_error(qwen3_ckpt: tuple) -> None:
+    def refuse(fn: object) -> None:
+        raise RuntimeError("called a synchronizing CUDA operation\nmore detail")
+
+    with pytest.raises(ValueError, match=r"a decode step of 2 sequences and 16 keys cannot be "
+                                         r"captured here \(called a synchronizing CUDA "
+                                         r"operation\); run without it"):
+        Engine(config(qwen3_ckpt[0], cuda_graph_max_batch=2, cuda_graph_max_len=16),
+               graph_capture=refuse)  # type: ignore[arg-type]

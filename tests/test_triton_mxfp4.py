@@ -218,9 +218,9 @@ def test_f16x2_reads_unaligned_rows() -> None:
 
 def test_bad_block_k_and_inner_product_say_so() -> None:
     x, w = make([2], 64, 32)
-    with pytest.raises(ValueError, match="multiple of 32, at least 32 for the f16 inner "
-                                         "product; got 48"):
-        grouped_mxfp4_gemm(x, offsets_of([2]), w, inner="f16", block_k=48)
+    with pytest.raises(ValueError, match="a power of two, at least 32 for the f16 inner "
+                                         "product; got 96"):
+        grouped_mxfp4_gemm(x, offsets_of([2]), w, inner="f16", block_k=96)
     with pytest.raises(ValueError, match="at least 64 for the dot_scaled inner product; "
                                          "got 32"):
         grouped_mxfp4_gemm(x, offsets_of([2]), w, block_k=32)

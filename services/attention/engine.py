@@ -92,7 +92,11 @@ class Engine:
         graphs = config.cuda_graph_max_batch > 0
         if graphs:  # its last block is the graphs' scratch: never handed out
             num_blocks -= 1
-        self.kv = KVCache(cfg, num_blocks + graphs, config.block_size, self.dtype, self.device)
+        if num_blocks < 1:
+            raise ValueError(f"--kv-cache-memory {config.kv_cache_memory} holds no KV block of "
+                             f"{config.block_size} tokens (with CUDA graphs: beside theirs)")
+        self.kv = KVCache(cfg, num_blocks + int(graphs), config.block_size, self.dtype,
+                          self.device)
         self.sharding = Sharding(config.dcp_size, config.dcp_interleave)
         capacity = self.sharding.max_length(num_blocks * config.block_size)
         if self.group:
@@ -109,8 +113,11 @@ class Engine:
         self.num_aborted = 0
         self.graphs = DecodeGraphs(
             self.model, self.kv, self.experts, num_blocks * config.block_size,
-            config.cuda_graph_max_batch, config.cuda_graph_max_len, self.device,
+            config.cuda_graph_max_batch, min(config.cuda_graph_max_len, self.max_model_len),
+            self.device,
             graph_capture or cuda_capture(torch.cuda.graph_pool_handle())) if graphs else None
+        if self.graphs:
+            self.graphs.capture_all()
 
     def close(self) -> None:
         self.experts.close()

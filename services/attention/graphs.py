@@ -3,21 +3,26 @@ where launches and not the GPU bound a decode step (an H200 spent 7.8-12.4 ms on
 4-layer demo model's ~350 kernels per step, docs/benchmarks.md).
 
 A graph fixes its shapes and buffers, so a decode step of B sequences whose longest has L
-keys runs the graph captured for (b, k) = (B, L) rounded up to powers of two, on static
-input buffers: rows B..b are padding (token 0 at position 0, writing their KV to a scratch
-slot no sequence owns and attending to it alone), keys L..k are masked. Graphs are captured
-on first use of a size and then replayed; steps with prefills, more rows or more keys than
-the largest size run eagerly. Only the `local` backend's experts can be captured: every
-other backend crosses a process boundary inside the step.
+keys runs the graph captured for (b, k) = (B, L) rounded up to powers of two (k at least
+`MIN_KEYS`), on static input buffers: rows B..b are padding (token 0 at position 0, writing
+their KV to a scratch slot no sequence owns and attending to it alone), keys L..k are masked.
+Every size is captured at start-up, largest first, as vLLM does (no step waits for a
+capture; later graphs reuse the first one's pool memory, which stays allocated outside
+`--kv-cache-memory`). Steps with prefills, more rows or more keys than the largest size run
+eagerly. Only the `local` backend's experts can be captured: every other backend crosses a
+process boundary inside the step.
 
 Inside a graph nothing may wait for the device, so the experts run on device-side counts
 (`LocalExperts.on_device`), padded rows are left out of the routing counts, and the expert
-metrics (per-expert spans, which need host counts) skip graph-replayed steps.
+metrics (per-expert spans, which need host counts) skip graph-replayed steps. Before each
+capture the step runs twice: once to let first-use probes synchronise, then under torch's
+sync debug mode "error", so an op that would synchronise fails there with its name.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -29,18 +34,26 @@ from services.attention.model import DenseModel
 
 log = logging.getLogger(__name__)
 
-# capture(fn) -> replay: run `fn` once as a graph would be built, return what re-runs it
+MIN_KEYS = 128  # the fewest keys a graph attends over: fewer graphs, little padded work
+# capture(fn) -> (fn's output, replay): replay re-runs fn's work into that output
 Capture = Callable[[Callable[[], torch.Tensor]], tuple[torch.Tensor, Callable[[], None]]]
 
 
 def cuda_capture(pool: object) -> Capture:
-    """Capture into CUDA graphs sharing one memory pool (replays never overlap)."""
+    """Capture into CUDA graphs sharing one memory pool (replays never overlap, and each
+    graph's output is read before the next replay)."""
 
     def capture(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, Callable[[], None]]:
         side = torch.cuda.Stream()  # warm-up off the capture stream, as torch asks
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            fn()
+            fn()  # first uses: probes and kernel compiles may synchronise here
+            mode = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("error")  # a sync now raises, naming its op
+            try:
+                fn()
+            finally:
+                torch.cuda.set_sync_debug_mode(mode)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
@@ -76,6 +89,7 @@ class DecodeGraphs:
         self.model, self.kv, self.experts = model, kv, experts
         self.scratch, self.capture = scratch_slot, capture
         self.max_batch, self.max_len = next_power_of_2(max_batch), next_power_of_2(max_len)
+        self.min_keys = min(MIN_KEYS, self.max_len)
         b, n = self.max_batch, self.max_len
 
         def zeros(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
@@ -86,6 +100,33 @@ class DecodeGraphs:
         self.real = zeros(b)  # [b] 1 for a sequence's row, 0 for padding
         self.rows = torch.arange(b, device=device)
         self.graphs: dict[tuple[int, int], tuple[torch.Tensor, Callable[[], None]]] = {}
+        self.replays: Counter[tuple[int, int]] = Counter()  # steps per size, for tests
+
+    def sizes(self) -> list[tuple[int, int]]:
+        """(rows, keys) of every graph, largest first."""
+        rows = [1 << i for i in range(self.max_batch.bit_length())]
+        keys = [1 << i for i in range(self.min_keys.bit_length() - 1,
+                                      self.max_len.bit_length())]
+        return sorted(((b, k) for b in rows for k in keys), reverse=True)
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        """Capture every size over all-padding buffers (nothing real is written or counted).
+
+        Raises:
+            ValueError: a step cannot be captured here; the reason is named.
+        """
+        self._load(None, self.max_batch, self.max_len)
+        for size in self.sizes():
+            try:
+                self.graphs[size] = self.capture(lambda size=size: self._step(*size))
+            except Exception as exc:  # a sync or an op capture cannot take: say which
+                reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                raise ValueError(f"--cuda-graph-max-batch: a decode step of {size[0]} "
+                                 f"sequences and {size[1]} keys cannot be captured here "
+                                 f"({reason}); run without it") from exc
+        log.info("captured %d decode graphs: up to %d sequences of up to %d keys",
+                 len(self.graphs), self.max_batch, self.max_len)
 
     def fits(self, batch: StepBatch) -> bool:
         """Whether a graph can run this step: decodes only, within the sizes."""
@@ -95,18 +136,14 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor:
-        """`DenseModel.forward` of a step that `fits`: hidden states [B, H]."""
+        """`DenseModel.forward` of a step that `fits`: hidden states [B, H], valid until the
+        next replay."""
         rows, keys = batch.decode_kv_slots.shape
-        size = (next_power_of_2(rows), next_power_of_2(keys))
+        size = (next_power_of_2(rows), max(self.min_keys, next_power_of_2(keys)))
         self._load(batch, *size)
-        if size not in self.graphs:
-            log.info("capturing a decode graph for %d sequences of up to %d keys", *size)
-            real = self.real.clone()  # the capture's own runs count no routed tokens (their
-            self.real.zero_()  # KV writes are the replay's, so they may run)
-            self.graphs[size] = self.capture(lambda: self._step(*size))
-            self.real.copy_(real)
         out, replay = self.graphs[size]
         replay()
+        self.replays[size] += 1
         return out[:rows]
 
     def _step(self, b: int, k: int) -> torch.Tensor:
@@ -118,19 +155,22 @@ class DecodeGraphs:
             prefills=[], logits_rows=self.rows[:b], real_rows=self.real[:b])
         return self.model.forward(batch, self.kv, self.experts.on_device)
 
-    def _load(self, batch: StepBatch, b: int, k: int) -> None:
-        """Copy the step into the static buffers; pad rows and keys up to (b, k)."""
-        n, keys = batch.decode_kv_slots.shape
+    def _load(self, batch: StepBatch | None, b: int, k: int) -> None:
+        """Copy the step (None: no rows) into the static buffers; pad rows and keys up to
+        (b, k)."""
         self.input_ids[:b].zero_()
-        self.input_ids[:n].copy_(batch.input_ids)
         self.positions[:b].zero_()
-        self.positions[:n].copy_(batch.positions)
         self.slot_mapping[:b].fill_(self.scratch)
-        self.slot_mapping[:n].copy_(batch.slot_mapping)
         self.kv_slots[:b, :k].fill_(self.scratch)
-        self.kv_slots[:n, :keys].copy_(batch.decode_kv_slots)
         self.mask[:b, :k].zero_()
-        self.mask[:n, :keys].copy_(batch.decode_mask)
-        self.mask[n:b, 0] = True  # a padding row attends to the scratch slot alone
         self.real[:b].zero_()
-        self.real[:n].fill_(1)
+        n = 0
+        if batch is not None:
+            n, keys = batch.decode_kv_slots.shape
+            self.input_ids[:n].copy_(batch.input_ids)
+            self.positions[:n].copy_(batch.positions)
+            self.slot_mapping[:n].copy_(batch.slot_mapping)
+            self.kv_slots[:n, :keys].copy_(batch.decode_kv_slots)
+            self.mask[:n, :keys].copy_(batch.decode_mask)
+            self.real[:n].fill_(1)
+        self.mask[n:b, 0] = True  # a padding row attends to the scratch slot alone

@@ -158,7 +158,10 @@ class ExpertBank:
             return torch.zeros(0, self.hidden_size, dtype=self.dtype, device=self.device)
         w_gate_up, w_down = self.w_gate_up[layer], self.w_down[layer]
         if not self.quantization:
-            if self.device.type == "cuda" and self._grouped_mm is False:  # probed: no
+            if self.device.type == "cuda" and self._grouped_mm is None:  # a graph's first
+                self._grouped_mm = _grouped_mm_matches(  # warm-up, where a sync is allowed
+                    x, counts.tolist(), w_gate_up, w_down)
+            if self.device.type == "cuda" and not self._grouped_mm:
                 raise ValueError("torch._grouped_mm does not run here: the experts need host "
                                  "counts")
             return grouped_swiglu_mm(x, counts, w_gate_up, w_down).to(self.dtype)  # [N, H]

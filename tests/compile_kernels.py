@@ -1,0 +1,83 @@
+"""Compile the Triton kernels for NVIDIA GPUs without one: `python -m tests.compile_kernels`.
+
+The interpreter runs the kernels' Python, which is not what the compiler sees (a constexpr
+branch that returns is still traced after it, for one), so CPU CI also compiles each variant
+to PTX and a cubin for Hopper (sm_90), and the default for Blackwell (sm_100). Run without
+TRITON_INTERPRET. Prints one line per variant; exits 1 if any fails to compile.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    sys.exit("compile_kernels: unset TRITON_INTERPRET (the interpreter compiles nothing)")
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from moe_kernels import triton_mxfp4
+from moe_kernels.kernel_configs import INNER_PRODUCTS
+
+POINTERS = {"x_ptr": "*u8", "x_scale_ptr": "*u8", "w_ptr": "*u8", "w_scale_ptr": "*u8",
+            "out_ptr": "*fp32", "offsets_ptr": "*i32", "tile_expert_ptr": "*i32",
+            "tile_row_ptr": "*i32"}
+# What the launcher specialises when K is a multiple of 32 (dense rows, 16-byte aligned).
+DIVISIBLE = ("x_ptr", "x_scale_ptr", "w_ptr", "w_scale_ptr", "out_ptr", "offsets_ptr",
+             "tile_expert_ptr", "tile_row_ptr", "M", "K", "stride_xn", "stride_we",
+             "stride_wm", "stride_on")
+
+
+def compile_gemm(arch: int, inner: str, swap_ab: bool, block_n: int, block_m: int,
+                 block_k: int, even_k: bool = True, split_k: int = 1, num_stages: int = 3,
+                 ) -> None:
+    """`_grouped_mxfp4_gemm_kernel` on the dense grid, to a cubin for sm_{arch}."""
+    fn = triton_mxfp4._grouped_mxfp4_gemm_kernel
+    constants = {"BLOCK_N": block_n, "BLOCK_M": block_m, "BLOCK_K": block_k,
+                 "INNER": INNER_PRODUCTS[inner], "SWAP_AB": swap_ab, "DENSE": True,
+                 "EVEN_K": even_k, "SPLIT_K": split_k}
+    signature = {name: "constexpr" if name in constants else POINTERS.get(name, "i32")
+                 for name in fn.arg_names}
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in DIVISIBLE}
+    triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", arch, 32),
+                   options={"num_warps": 4, "num_stages": num_stages})
+
+
+def variants() -> list[tuple[int, str, bool, int, int, int, bool, int, int]]:
+    """(arch, inner, swap_ab, block_n, block_m, block_k, even_k, split_k, num_stages): every
+    inner product and operand order at decode tiles (the tuned H200 ones among them), a
+    partial last K step, K split, and the prefill tiles."""
+    out = []
+    for inner in INNER_PRODUCTS:
+        f16 = inner.startswith("f16")
+        for swap in (False, True):
+            out.append((90, inner, swap, 16, 256 if f16 else 128, 32 if f16 else 128, True, 1,
+                        5 if f16 else 3))
+        out.append((90, inner, False, 16, 128, 64 if f16 else 128, False, 2, 3))
+    out.append((90, "dot_scaled", False, 64, 128, 128, True, 1, 3))
+    out.append((100, "dot_scaled", False, 16, 128, 128, True, 1, 3))
+    out.append((100, "dot_scaled", True, 64, 128, 128, True, 1, 3))
+    return out
+
+
+def main() -> int:
+    failed = 0
+    for variant in variants():
+        start = time.perf_counter()
+        try:
+            compile_gemm(*variant)
+            result = "ok"
+        except Exception:  # a compile error: report it whole, go on with the others
+            failed += 1
+            result = "FAILED\n" + traceback.format_exc(limit=3)
+        print(f"sm_{variant[0]} {variant[1:]}: {result} ({time.perf_counter() - start:.1f} s)",
+              flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
