@@ -47,6 +47,17 @@ def compile_gemm(arch: int, inner: str, swap_ab: bool, block_n: int, block_m: in
                    options={"num_warps": 4, "num_stages": num_stages})
 
 
+def compile_dequantize(arch: int) -> None:
+    """`_dequantize_kernel` to bfloat16 (the bf16-GEMM route's decode), for sm_{arch}."""
+    fn = triton_mxfp4._dequantize_kernel
+    constants = {"BLOCK_R": 16, "BLOCK_K": 128}
+    types = {"packed_ptr": "*u8", "scales_ptr": "*u8", "out_ptr": "*bf16"}
+    signature = {name: "constexpr" if name in constants else types.get(name, "i32")
+                 for name in fn.arg_names}
+    triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", arch, 32),
+                   options={"num_warps": 4})
+
+
 def variants() -> list[tuple[int, str, bool, int, int, int, bool, int, int]]:
     """(arch, inner, swap_ab, block_n, block_m, block_k, even_k, split_k, num_stages): every
     inner product and operand order at decode tiles (the tuned H200 ones among them), a
@@ -66,10 +77,12 @@ def variants() -> list[tuple[int, str, bool, int, int, int, bool, int, int]]:
 
 def main() -> int:
     failed = 0
-    for variant in variants():
+    jobs = [(variant, lambda v=variant: compile_gemm(*v)) for variant in variants()]
+    jobs.append(((90, "dequantize"), lambda: compile_dequantize(90)))
+    for variant, job in jobs:
         start = time.perf_counter()
         try:
-            compile_gemm(*variant)
+            job()
             result = "ok"
         except Exception:  # a compile error: report it whole, go on with the others
             failed += 1
