@@ -27,8 +27,8 @@ docs/benchmarks.md):
   checked on GPUs only).
 - "f16": codes as float16 by three integer operations, one MMA per 32-block, the block's
   product scaled by both scales in float32.
-- "f16x2": the same, the codes decoded a 32-bit word at a time (two float16 codes per
-  word operation), for Hopper, where the decode and not the memory bounds the kernel.
+- "f16x2": the same, the weight codes decoded a 32-bit word at a time (two float16 codes
+  per word operation), for Hopper, where the decode and not the memory bounds the kernel.
 Either operand can be the MMA's left one (`swap_ab`), and K can be split over programs
 (`split_k`).
 """
@@ -101,8 +101,7 @@ def _words_f16(words, ROWS: tl.constexpr):
     a GPU run to measure (benchmarks/gpu_mxfp4.py).
 
     words: [ROWS, 4] uint32, the block's 16 bytes read as little-endian words (code k of a
-    word in bits 4k..4k+3). Returns [ROWS, 32] float16 in a K order permuted within each
-    word: the same for every operand, so a dot product over the block is unchanged.
+    word in bits 4k..4k+3). Returns [ROWS, 32] float16 in K order, as `_codes_f16`.
     """
     # Codes j and j + 4 of each word: magnitudes (bits 4j..4j+2, 16+4j..) shifted to bits
     # 9..11 and 25..27, signs (bits 4j+3, 16+4j+3) to bits 15 and 31.
@@ -110,7 +109,9 @@ def _words_f16(words, ROWS: tl.constexpr):
     h1 = _word_pair_f16(words << 5, words << 8)  # codes 1 and 5
     h2 = _word_pair_f16(words << 1, words << 4)  # codes 2 and 6
     h3 = _word_pair_f16(words >> 3, words)  # codes 3 and 7
-    codes = tl.join(tl.join(h0, h1), tl.join(h2, h3))  # [ROWS, 4, 2, 2, 2] int16
+    codes = tl.join(tl.join(h0, h1), tl.join(h2, h3))  # [ROWS, word, half, j & 1, j >> 1]
+    # code j + 4 * half of word q is element 8q + 4 * half + j: natural K order
+    codes = tl.permute(codes, (0, 1, 2, 4, 3))  # [ROWS, word, half, j >> 1, j & 1] int16
     return tl.reshape(codes, [ROWS, 32]).to(tl.float16, bitcast=True)  # [ROWS, 32]
 
 
@@ -141,19 +142,18 @@ def _block_f16(x_rows, xs_rows, w_rows, ws_rows, row_ok, col_ok, blk, K, acc,
         w_ok = w_ok & in_k
     xs = tl.load(xs_rows + blk, mask=x_ok, other=0)  # [BLOCK_N, 1] uint8
     ws = tl.load(ws_rows + blk, mask=w_ok, other=0)  # [BLOCK_M, 1] uint8
+    byte = (blk * 16 + tl.arange(0, 16))[None, :]  # [1, 16]
+    # [BLOCK_N, 32] float16, value * 2**-14: the tokens' few rows by bytes (word decoding
+    # them costs more layout shuffles than it saves, per the compiled code)
+    x_h = _codes_f16(tl.load(x_rows + byte, mask=x_ok, other=0), BLOCK_N, 32)
     if WORDS:  # the caller checked that rows and their starts are 4-byte aligned
-        # Cast the block's start, then step in words: contiguous words, so one 16-byte
-        # load per row (byte offsets 4 apart, cast after, read as 4 separate words).
+        # Cast the block's start, then step in words: contiguous, so one 16-byte load per
+        # row (byte offsets cast after would read 4 separate words).
         word = tl.arange(0, 4)[None, :]  # [1, 4]
-        x = tl.load((x_rows + blk * 16).to(tl.pointer_type(tl.uint32)) + word, mask=x_ok,
-                    other=0)  # [BLOCK_N, 4] uint32
         w = tl.load((w_rows + blk * 16).to(tl.pointer_type(tl.uint32)) + word, mask=w_ok,
                     other=0)  # [BLOCK_M, 4] uint32
-        x_h = _words_f16(x, BLOCK_N)  # [BLOCK_N, 32] float16, value * 2**-14 (permuted K)
-        w_h = _words_f16(w, BLOCK_M)  # [BLOCK_M, 32], the same permutation
+        w_h = _words_f16(w, BLOCK_M)  # [BLOCK_M, 32] float16, value * 2**-14
     else:
-        byte = (blk * 16 + tl.arange(0, 16))[None, :]  # [1, 16]
-        x_h = _codes_f16(tl.load(x_rows + byte, mask=x_ok, other=0), BLOCK_N, 32)
         w_h = _codes_f16(tl.load(w_rows + byte, mask=w_ok, other=0), BLOCK_M, 32)
     # 32 products of two codes, each a multiple of 2**-30 below 36 * 2**-28, add up exactly
     # in float32; then undo the 2**-28 and apply both scales (exact).
@@ -441,8 +441,8 @@ def grouped_mxfp4_gemm(
 
     x_packed, x_scales = _dense_last(x.packed), _dense_last(x.scales)
     w_packed, w_scales = _dense_last(w.packed), _dense_last(w.scales)
-    if inner == "f16x2":  # codes read as 32-bit words
-        x_packed, w_packed = _word_aligned(x_packed), _word_aligned(w_packed)
+    if inner == "f16x2":  # weight codes read as 32-bit words
+        w_packed = _word_aligned(w_packed)
     offsets = expert_offsets.to(device=device, dtype=torch.int32)  # [E + 1]
     if max_rows is None:
         tile_expert, tile_row = _tile_schedule(offsets, n, block_n)  # [T], [T]

@@ -20,31 +20,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from benchmarks.kernel_sass import compile_gemm
 from moe_kernels import triton_mxfp4
 from moe_kernels.kernel_configs import INNER_PRODUCTS
-
-POINTERS = {"x_ptr": "*u8", "x_scale_ptr": "*u8", "w_ptr": "*u8", "w_scale_ptr": "*u8",
-            "out_ptr": "*fp32", "offsets_ptr": "*i32", "tile_expert_ptr": "*i32",
-            "tile_row_ptr": "*i32"}
-# What the launcher specialises when K is a multiple of 32 (dense rows, 16-byte aligned).
-DIVISIBLE = ("x_ptr", "x_scale_ptr", "w_ptr", "w_scale_ptr", "out_ptr", "offsets_ptr",
-             "tile_expert_ptr", "tile_row_ptr", "M", "K", "stride_xn", "stride_we",
-             "stride_wm", "stride_on")
-
-
-def compile_gemm(arch: int, inner: str, swap_ab: bool, block_n: int, block_m: int,
-                 block_k: int, even_k: bool = True, split_k: int = 1, num_stages: int = 3,
-                 ) -> None:
-    """`_grouped_mxfp4_gemm_kernel` on the dense grid, to a cubin for sm_{arch}."""
-    fn = triton_mxfp4._grouped_mxfp4_gemm_kernel
-    constants = {"BLOCK_N": block_n, "BLOCK_M": block_m, "BLOCK_K": block_k,
-                 "INNER": INNER_PRODUCTS[inner], "SWAP_AB": swap_ab, "DENSE": True,
-                 "EVEN_K": even_k, "SPLIT_K": split_k}
-    signature = {name: "constexpr" if name in constants else POINTERS.get(name, "i32")
-                 for name in fn.arg_names}
-    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in DIVISIBLE}
-    triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", arch, 32),
-                   options={"num_warps": 4, "num_stages": num_stages})
 
 
 def compile_dequantize(arch: int) -> None:

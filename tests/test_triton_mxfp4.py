@@ -207,13 +207,19 @@ def test_float16_codes_step_any_number_of_scale_blocks(inner: str, block_k: int)
 
 
 def test_f16x2_reads_unaligned_rows() -> None:
-    """Word loads need 4-byte aligned rows: `from_rows` views (row stride 51) are copied."""
+    """Weight codes are read as 32-bit words, which needs 4-byte aligned rows: others are
+    copied first. Token rows (read by bytes) may be any view."""
     tokens = [3, 0, 40, 2]
     x, w = make(tokens, 96, 72, seed=1)
-    rows = MXFP4Tensor.from_rows(x.to_rows(), 96)
-    assert rows.packed.stride(0) % 4
-    out = grouped_mxfp4_gemm(rows, offsets_of(tokens), w, inner="f16x2")
-    assert_same(out, reference_gemm(x, tokens, w))
+    rows = MXFP4Tensor.from_rows(x.to_rows(), 96)  # token rows 51 bytes apart
+    wide = torch.zeros(*w.packed.shape[:-1], 49, dtype=torch.uint8, device=DEVICE)
+    wide[..., :48] = w.packed
+    odd = MXFP4Tensor(wide[..., :48], w.scales)  # weight rows 49 bytes apart
+    assert rows.packed.stride(0) % 4 and odd.packed.stride(1) % 4
+    for swap_ab in (False, True):
+        out = grouped_mxfp4_gemm(rows, offsets_of(tokens), odd, inner="f16x2",
+                                 swap_ab=swap_ab)
+        assert_same(out, reference_gemm(x, tokens, w))
 
 
 def test_bad_block_k_and_inner_product_say_so() -> None:

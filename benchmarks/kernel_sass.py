@@ -1,0 +1,119 @@
+"""What the W4A4 kernel's main loop compiles to, per variant, without a GPU.
+
+    env -u TRITON_INTERPRET .venv/bin/python -m benchmarks.kernel_sass [--arch 90]
+
+Compiles `moe_kernels.triton_mxfp4._grouped_mxfp4_gemm_kernel` for sm_{arch} at decode tiles
+(Triton's own ptxas; nvdisasm from the Triton wheel), finds the K loop (the longest
+backward branch in the SASS), and counts its instructions: per thread per iteration, and as
+issue slots per weight element (instructions x threads / weight elements per iteration).
+At decode the kernel is bound by turning codes into MMA operands, not by memory
+(docs/benchmarks.md), so this count is the budget a variant spends per weight: a static
+figure, not a speed (latency, stalls and occupancy are for a GPU run to show).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    sys.exit("kernel_sass: unset TRITON_INTERPRET (the interpreter compiles nothing)")
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from moe_kernels import triton_mxfp4
+from moe_kernels.kernel_configs import INNER_PRODUCTS
+
+POINTERS = {"x_ptr": "*u8", "x_scale_ptr": "*u8", "w_ptr": "*u8", "w_scale_ptr": "*u8",
+            "out_ptr": "*fp32", "offsets_ptr": "*i32", "tile_expert_ptr": "*i32",
+            "tile_row_ptr": "*i32"}
+# What the launcher specialises when K is a multiple of 32 (dense rows, 16-byte aligned).
+DIVISIBLE = ("x_ptr", "x_scale_ptr", "w_ptr", "w_scale_ptr", "out_ptr", "offsets_ptr",
+             "tile_expert_ptr", "tile_row_ptr", "M", "K", "stride_xn", "stride_we",
+             "stride_wm", "stride_on")
+WARPS = 4
+# (inner, swap_ab, block_n, block_m, block_k, num_stages): the defaults, the H200's tuned
+# decode config (f16/swap), and the f16x2 candidates
+DECODE = [("dot_scaled", False, 16, 128, 128, 3), ("dot_scaled", True, 16, 128, 128, 3),
+          ("decode", True, 16, 128, 128, 3), ("bf16", True, 16, 128, 128, 3),
+          ("f16", True, 16, 256, 32, 5), ("f16", True, 16, 256, 128, 3),
+          ("f16x2", True, 16, 256, 32, 5), ("f16x2", True, 16, 256, 128, 3)]
+
+
+def compile_gemm(arch: int, inner: str, swap_ab: bool, block_n: int, block_m: int,
+                 block_k: int, even_k: bool = True, split_k: int = 1, num_stages: int = 3,
+                 ) -> triton.compiler.CompiledKernel:
+    """`_grouped_mxfp4_gemm_kernel` on the dense grid, compiled to a cubin for sm_{arch}."""
+    fn = triton_mxfp4._grouped_mxfp4_gemm_kernel
+    constants = {"BLOCK_N": block_n, "BLOCK_M": block_m, "BLOCK_K": block_k,
+                 "INNER": INNER_PRODUCTS[inner], "SWAP_AB": swap_ab, "DENSE": True,
+                 "EVEN_K": even_k, "SPLIT_K": split_k}
+    signature = {name: "constexpr" if name in constants else POINTERS.get(name, "i32")
+                 for name in fn.arg_names}
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in DIVISIBLE}
+    return triton.compile(ASTSource(fn, signature, constants, attrs),
+                          target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": WARPS, "num_stages": num_stages})
+
+
+def sass(kernel: triton.compiler.CompiledKernel) -> str:
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                        "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        return subprocess.run([tool, "-c", f.name], capture_output=True, text=True,
+                              check=True).stdout
+
+
+def main_loop(text: str) -> list[str]:
+    """The instructions of the longest loop: from a label to a branch back to it."""
+    instructions: list[str] = []
+    labels: dict[str, int] = {}
+    for line in text.splitlines():
+        label = re.match(r"\s*\.(L_x_\d+):", line)
+        if label:
+            labels[label.group(1)] = len(instructions)
+        elif found := re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", line):
+            instructions.append(found.group(1).strip())
+    best: list[str] = []
+    for i, ins in enumerate(instructions):
+        back = re.search(r"BRA\s+`?\(?\.?(L_x_\d+)", ins)
+        if back and labels.get(back.group(1), i + 1) <= i:
+            body = instructions[labels[back.group(1)]:i + 1]
+            best = body if len(body) > len(best) else best
+    return best
+
+
+def opcode(instruction: str) -> str:
+    return re.sub(r"^@!?U?P\w+\s+", "", instruction).split()[0].split(".")[0]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90, 100")
+    args = ap.parse_args()
+    print(f"W4A4 kernel main loop, sm_{args.arch}, triton {triton.__version__}, {WARPS} warps\n")
+    print("| variant | block_n, block_m, block_k, stages | instructions per iteration | "
+          "issue slots per weight | most frequent |\n|---|---|---:|---:|---|")
+    for inner, swap, bn, bm, bk, stages in DECODE:
+        body = main_loop(sass(compile_gemm(args.arch, inner, swap, bn, bm, bk,
+                                           num_stages=stages)))
+        ops = collections.Counter(map(opcode, body))
+        slots = len(body) * WARPS * 32 / (bm * bk)
+        print(f"| {inner}{'/swap' if swap else ''} | {bn}, {bm}, {bk}, {stages} | {len(body)} | "
+              f"{slots:.2f} | {', '.join(f'{k} {v}' for k, v in ops.most_common(6))} |",
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
