@@ -128,8 +128,8 @@ def add_engine_flags(p: argparse.ArgumentParser, default_backend: str = "local")
     p.add_argument("--cuda-graph-max-batch", type=int,
                    default=int(env("CUDA_GRAPH_MAX_BATCH", "0")),
                    help="replay CUDA graphs for decode steps of up to this many sequences "
-                        "(--device cuda, local backend; rounded up to a power of two, one "
-                        "graph captured per size on first use; 0: off)")
+                        "(--device cuda, local backend; one graph per power-of-two count of "
+                        "sequences and of keys, all captured at start-up; 0: off)")
     p.add_argument("--cuda-graph-max-len", type=int,
                    default=int(env("CUDA_GRAPH_MAX_LEN", "4096")),
                    help="... when no sequence has more keys than this (longer steps run "
