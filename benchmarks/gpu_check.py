@@ -24,7 +24,9 @@ still run. In order:
    step's time, cProfile's top functions;
 5. the dispatch path of the `torch` (torch.distributed NCCL) and `nccl` (CuPy) backends
    at world size 1 (128 tokens x 7168, top-8 of 256 experts over 8 ranks, checked), and
-   the CuPy collective alone;
+   the CuPy collective alone; with two GPUs or more, the `torch`, `nccl` and (installed)
+   `deepep` backends across them (`benchmarks/ep_latency.py`: one attention rank, an expert
+   rank per other GPU, bf16 and MXFP4 rows) beside DeepEP's published low-latency figures;
 6. `switchyard serve --device cuda` (gateway, attention, 2 expert services over `rpc`, all
    on this GPU) answering the demo questions as the CPU does (`--skip-serve`).
 
@@ -354,7 +356,51 @@ def deepep() -> None:
         return
     row("deepep backend", "not run", getattr(deep_ep, "__version__", "installed"),
         "deep_ep imports; its Buffer needs 2+ GPUs" if torch.cuda.device_count() < 2
-        else "deep_ep imports; run serve --dispatch-backend deepep --device cuda")
+        else "deep_ep imports; timed across GPUs below")
+
+def across_gpus() -> None:
+    """The lockstep backends across GPUs (`benchmarks/ep_latency.py`: 1 attention rank and
+    one expert rank per other GPU, 128 tokens x 7168, top-8 of 256, bf16 and MXFP4 rows),
+    beside DeepEP's published low-latency figures at the same number of expert ranks."""
+    import tempfile
+
+    gpus = torch.cuda.device_count()
+    if gpus < 2:
+        row("torch, nccl and deepep backends across GPUs", "not run", "",
+            "one GPU: NCCL and DeepEP give each rank its own")
+        return
+    backends = ["torch", "nccl"]
+    try:
+        import deep_ep  # noqa: F401
+
+        backends.append("deepep")
+    except ImportError:
+        pass
+    for quantization in ([], ["--quantization", "w4a4"]):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = f"{tmp}/ep.json"
+            out = subprocess.run(
+                [sys.executable, "-m", "benchmarks.ep_latency", "--device", "cuda",
+                 "--expert-ranks", str(gpus - 1), "--timeout", "100", "--json", path,
+                 "--backends", *[b for b in backends if not (quantization and b == "deepep")],
+                 *quantization], capture_output=True, text=True, timeout=220)
+            print(out.stdout, out.stderr[-2000:], flush=True)
+            done = Path(path).exists()  # ep_latency writes it after its last backend
+            results = json.loads(Path(path).read_text())["results"] if done else []
+        for r in results:
+            name = (f"dispatch+combine across {gpus} GPUs, {r['backend']}"
+                    f"{', MXFP4 rows' if quantization else ''}")
+            if "error" in r:
+                row(name, "FAIL", "", r["error"].strip().splitlines()[-1][:200])
+            else:
+                row(name, "ok" if r["max_rel_err"] <= 2e-2 else "FAIL",
+                    f"{r['median_us']:.0f} us", f"1 attention + {gpus - 1} expert ranks, 128 "
+                    f"tokens x 7168, top-8 of 256; max rel err {r['max_rel_err']:.1e}; table "
+                    "above")
+        if not results:
+            row(f"dispatch across {gpus} GPUs{' (MXFP4)' if quantization else ''}", "FAIL",
+                "", f"ep_latency exited {out.returncode}")
+
 
 def nccl_self() -> None:
     """The CuPy NCCL collective at world size 1: rows sent to oneself come back whole."""
@@ -508,9 +554,7 @@ def main() -> int:
     guarded("dispatch path", dispatch_path, 60)
     guarded("nccl (CuPy)", nccl_self, 60)
     guarded("deepep", deepep, 20)
-    row("torch and nccl backends across ranks", "not run", "",
-        "needs 2 GPUs (NCCL: one rank each)" if torch.cuda.device_count() < 2
-        else "not in this check yet: run serve --dispatch-backend nccl --device cuda")
+    guarded("dispatch across GPUs", across_gpus, 240)
     if not args.skip_serve:
         guarded("serve", serve_vs_cpu, 200)
     return 1 if any(r["result"] == "FAIL" for r in ROWS) else 0
