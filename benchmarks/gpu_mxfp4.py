@@ -56,9 +56,12 @@ import torch
 VARIANTS = [f"{inner}{swap}" for inner in ("dot_scaled", "decode", "bf16", "f16", "f16x2")
             for swap in ("", "/swap")]
 SWEPT = ("dot_scaled", "f16", "f16x2")  # the inner products the sweep tries (the others lost)
+ROUTE = "bf16_grouped_mm"  # the sweep's name for KernelConfig(route="bf16_grouped_mm")
 
 
 def config_label(config) -> str:  # KernelConfig -> "f16/swap (16, 256, 32, 4, 5, 1)"
+    if config.route != "triton":
+        return config.route
     return (f"{config.inner}{'/swap' if config.swap_ab else ''} ({config.block_n}, "
             f"{config.block_m}, {config.block_k}, {config.num_warps}, {config.num_stages}, "
             f"{config.split_k})")
@@ -274,12 +277,19 @@ def bf16_grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int], offsets
     return [("per-expert torch.mm", loop)]
 
 
-def bench(args: argparse.Namespace, variants: list[str], copy_bw: float) -> None:
-    import msgspec
+def _dequant_grouped_mm(xq, w, ends: torch.Tensor) -> torch.Tensor:
+    """One GEMM by the "bf16_grouped_mm" route: both MXFP4 operands decoded to bf16 in one
+    pass each, then `torch._grouped_mm` (ends: [E] int32 cumulative rows)."""
+    from moe_kernels.triton_mxfp4 import dequantize_mxfp4
 
+    return torch._grouped_mm(dequantize_mxfp4(xq), dequantize_mxfp4(w).transpose(-2, -1),
+                             offs=ends)
+
+
+def bench(args: argparse.Namespace, variants: list[str], copy_bw: float) -> None:
     from moe_kernels.kernel_configs import load_configs, pick
     from moe_kernels.mxfp4 import quantize
-    from moe_kernels.triton_mxfp4 import dequantize_mxfp4, grouped_mxfp4_gemm
+    from moe_kernels.triton_mxfp4 import grouped_mxfp4_gemm
 
     e, h, i = args.experts, args.hidden, args.inter
     tuned = load_configs(torch.cuda.get_device_name())  # {}: this GPU has no tuned file
@@ -302,20 +312,22 @@ def bench(args: argparse.Namespace, variants: list[str], copy_bw: float) -> None
             flops = 2 * n * m * k
             bf16_runs = bf16_grouped_mm(x_bf16, w_bf16, counts, offsets)
             runs = [(f"bf16 {name}", fn, bytes_bf16) for name, fn in bf16_runs]
-            if bf16_runs[0][0] == "torch._grouped_mm":  # W4A4 decoded, then that GEMM
+            route = None  # W4A4 decoded to bf16, then that GEMM (route "bf16_grouped_mm")
+            if bf16_runs[0][0] == "torch._grouped_mm":
                 ends = offsets[1:].to(torch.int32)
-                runs.append(("w4a4: bf16 dequant + torch._grouped_mm", lambda xq=xq, w=w,
-                             ends=ends: torch._grouped_mm(dequantize_mxfp4(xq), dequantize_mxfp4(
-                                 w).transpose(-2, -1), offs=ends), bytes_mxfp4))
+                route = partial(_dequant_grouped_mm, xq, w, ends)
+                runs.append(("w4a4: bf16 dequant + torch._grouped_mm", route, bytes_mxfp4))
             for variant in variants:  # max_rows: the expert service knows its counts
                 runs.append((f"triton {variant}", partial(
                     grouped_mxfp4_gemm, xq, offsets, w, max_rows=t, **variant_options(variant)),
                     bytes_mxfp4))
-            if tuned:  # what the expert service runs here
-                config = pick(tuned, t)
-                runs.append((f"triton tuned: {config_label(config)}", partial(
-                    grouped_mxfp4_gemm, xq, offsets, w, max_rows=t,
-                    **msgspec.structs.asdict(config)), bytes_mxfp4))
+            config = pick(tuned, t) if tuned else None  # what the expert service runs here
+            if config is not None and config.route == "triton":
+                runs.append((f"tuned: {config_label(config)}", partial(
+                    grouped_mxfp4_gemm, xq, offsets, w, max_rows=t, **config.gemm_options()),
+                    bytes_mxfp4))
+            elif config is not None and route is not None:
+                runs.append((f"tuned: {config.route}", route, bytes_mxfp4))
             base_ms = None
             for label, fn, nbytes in runs:
                 ms = time_ms(fn, args.warmup, args.iters, flush)
@@ -346,12 +358,20 @@ def sweep_configs(variant: str, tokens: int) -> list[tuple[int, int, int, int, i
     return [(16, 128, bk, 4, 3, sk) for bk in (128, 256) for sk in (1, 4)]
 
 
+def tiles(config: tuple[int, ...]) -> dict[str, int]:
+    """`grouped_mxfp4_gemm` keywords of a sweep config (block_n, block_m, block_k, warps,
+    stages, split_k)."""
+    return dict(zip(("block_n", "block_m", "block_k", "num_warps", "num_stages", "split_k"),
+                    config, strict=True))
+
+
 def sweep(variants: list[str], copy_bw: float, json_path: str | None = None,
           experts: int = 32, hidden: int = 7168, inter: int = 2048,
           tokens: tuple[int, ...] = (1, 16, 512)) -> list[dict[str, Any]]:
-    """Time `sweep_configs` of the `SWEPT` variants among `variants` at each GEMM and tokens
-    per expert (every call with `max_rows`, as from the expert service), printing a table
-    and writing every timing to `json_path`; returns the best per shape."""
+    """Time `sweep_configs` of the `SWEPT` variants among `variants`, and the bf16 route
+    (`ROUTE`), at each GEMM and tokens per expert (every call with `max_rows`, as from the
+    expert service), printing a table and writing every timing to `json_path`; returns
+    every timing."""
     from moe_kernels.mxfp4 import quantize
     from moe_kernels.triton_mxfp4 import grouped_mxfp4_gemm
 
@@ -371,25 +391,27 @@ def sweep(variants: list[str], copy_bw: float, json_path: str | None = None,
             offsets = offsets_of([t] * experts, "cuda")
             xq = quantize(torch.randn(n, k, dtype=torch.bfloat16, device="cuda"))
             shape: list[dict[str, Any]] = []
-            for variant in variants:
-                for config in sweep_configs(variant, t):
-                    bn, bm, bk, nw, ns, sk = config
-                    try:
-                        ms = time_ms(partial(grouped_mxfp4_gemm, xq, offsets, w, block_n=bn,
-                                             block_m=bm, block_k=bk, num_warps=nw,
-                                             num_stages=ns, max_rows=t, split_k=sk,
-                                             **variant_options(variant)), 2, 7, flush)
-                    except Exception as exc:  # e.g. out of shared memory for this tile
-                        print(f"| {name} | {t} | {variant} | {config} | "
-                              f"{type(exc).__name__} | | | |")
-                        continue
-                    tbs = w.nbytes() / (ms * 1e-3)
-                    shape.append({"gemm": name, "tokens_per_expert": t, "variant": variant,
-                                  "config": list(config), "us": ms * 1e3,
-                                  "weight_tb_s": tbs / 1e12, "of_copy_bw": tbs / copy_bw})
-                    print(f"| {name} | {t} | {variant} | {config} | {ms * 1e3:.1f} | "
-                          f"{tbs / 1e12:.2f} | {tbs / copy_bw:.0%} | "
-                          f"{2 * n * m * k / (ms * 1e-3) / 1e12:.1f} |", flush=True)
+            candidates = [(variant, config, partial(
+                grouped_mxfp4_gemm, xq, offsets, w, max_rows=t, **tiles(config),
+                **variant_options(variant))) for variant in variants
+                for config in sweep_configs(variant, t)]
+            # the other route: decode both operands to bf16, then torch._grouped_mm
+            candidates.append((ROUTE, (), partial(_dequant_grouped_mm, xq, w,
+                                                  offsets[1:].to(torch.int32))))
+            for variant, config, fn in candidates:
+                try:
+                    ms = time_ms(fn, 2, 7, flush)
+                except Exception as exc:  # e.g. out of shared memory for this tile
+                    print(f"| {name} | {t} | {variant} | {config} | "
+                          f"{type(exc).__name__} | | | |")
+                    continue
+                tbs = w.nbytes() / (ms * 1e-3)
+                shape.append({"gemm": name, "tokens_per_expert": t, "variant": variant,
+                              "config": list(config), "us": ms * 1e3,
+                              "weight_tb_s": tbs / 1e12, "of_copy_bw": tbs / copy_bw})
+                print(f"| {name} | {t} | {variant} | {config} | {ms * 1e3:.1f} | "
+                      f"{tbs / 1e12:.2f} | {tbs / copy_bw:.0%} | "
+                      f"{2 * n * m * k / (ms * 1e-3) / 1e12:.1f} |", flush=True)
             results += shape
             if json_path:
                 with open(json_path, "w") as f:
@@ -432,6 +454,9 @@ def best_configs(results: list[dict[str, Any]]):  # -> dict[int, KernelConfig]
             best[tokens] = (total, variant, config)
     configs = {}
     for tokens, (_, variant, config) in best.items():
+        if variant == ROUTE:
+            configs[tokens] = KernelConfig(route=ROUTE)
+            continue
         bn, bm, bk, warps, stages, *split = config
         configs[tokens] = KernelConfig(**variant_options(variant), block_n=bn, block_m=bm,
                                        block_k=bk, num_warps=warps, num_stages=stages,

@@ -16,12 +16,17 @@ import msgspec
 
 # The inner products of `moe_kernels.triton_mxfp4.grouped_mxfp4_gemm`, as its kernel numbers them.
 INNER_PRODUCTS = {"dot_scaled": 0, "decode": 1, "bf16": 2, "f16": 3, "f16x2": 4}
+# How the W4A4 FFN runs: the Triton kernel, or both operands decoded to bfloat16 in one pass
+# each and `torch._grouped_mm` (`triton_mxfp4.grouped_swiglu_w4a4_bf16`; for many tokens)
+ROUTES = ("triton", "bf16_grouped_mm")
 CONFIG_DIR = Path(__file__).parent / "configs"
 
 
 class KernelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """`grouped_mxfp4_gemm` keywords; None tiles take that function's defaults."""
+    """`grouped_mxfp4_gemm` keywords; None tiles take that function's defaults. With route
+    "bf16_grouped_mm" the rest is unused."""
 
+    route: str = "triton"
     inner: str = "dot_scaled"
     swap_ab: bool = False
     block_n: int | None = None
@@ -32,6 +37,8 @@ class KernelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     split_k: int = 1
 
     def __post_init__(self) -> None:
+        if self.route not in ROUTES:
+            raise ValueError(f"unknown route {self.route!r}; choose {', '.join(ROUTES)}")
         if self.inner not in INNER_PRODUCTS:
             raise ValueError(f"unknown inner product {self.inner!r}; choose "
                              f"{', '.join(INNER_PRODUCTS)}")
@@ -42,6 +49,13 @@ class KernelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.num_stages < 1 or self.split_k < 1:
             raise ValueError(f"num_stages and split_k must be >= 1; got {self.num_stages}, "
                              f"{self.split_k}")
+
+
+    def gemm_options(self) -> dict[str, object]:
+        """The `grouped_mxfp4_gemm` keywords (for route "triton")."""
+        options = msgspec.structs.asdict(self)
+        del options["route"]
+        return options
 
 
 class KernelConfigFile(msgspec.Struct, forbid_unknown_fields=True):

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import itertools
 
-import msgspec
 import torch
 import torch.nn.functional as F
 import triton
@@ -512,28 +511,35 @@ def grouped_swiglu_w4a4_triton(
     if config is None:
         config = tuned_config(
             torch.cuda.get_device_name(device) if device.type == "cuda" else None, most)
-    options = msgspec.structs.asdict(config)
+    if config.route == "bf16_grouped_mm":
+        return grouped_swiglu_w4a4_bf16(x, tokens_per_expert, w_gate_up, w_down)
+    options = config.gemm_options()
     gate, up = grouped_mxfp4_gemm(x, offsets, w_gate_up[:e], max_rows=most, **options
                                   ).chunk(2, dim=-1)  # [N, I] each
     act = quantize(F.silu(gate) * up)  # [N, I] -> MXFP4, per row
     return grouped_mxfp4_gemm(act, offsets, w_down[:e], max_rows=most, **options)
 
 
-def grouped_swiglu_w4a4_bf16(x: MXFP4Tensor, tokens_per_expert: list[int],
+def grouped_swiglu_w4a4_bf16(x: MXFP4Tensor, tokens_per_expert: list[int] | torch.Tensor,
                              w_gate_up: MXFP4Tensor, w_down: MXFP4Tensor) -> torch.Tensor:
     """`grouped_swiglu_w4a4_triton`'s result by another route: both operands of each GEMM
     decoded exactly to bfloat16 (`dequantize_mxfp4`), then bf16 grouped GEMMs
-    (`torch._grouped_mm`). A candidate for many tokens per expert, where the Triton
-    kernel's decode-sized tiles lose to bf16 (docs/benchmarks.md); not yet timed on a GPU.
+    (`torch._grouped_mm`), the route `KernelConfig(route="bf16_grouped_mm")` selects. A
+    candidate for many tokens per expert, where the Triton kernel's decode-sized tiles lose
+    to bf16 (docs/benchmarks.md); not yet timed on a GPU. Counts as for
+    `grouped_swiglu_w4a4_triton` (a device tensor needs no bound here).
     torch._grouped_mm returns its inputs' dtype, so the GEMMs' outputs are rounded to
     bfloat16 (the torch path keeps float32).
 
     Returns:
         `[N, H]` float32 expert outputs, as `grouped_swiglu_w4a4_triton`.
     """
-    e = len(tokens_per_expert)
-    ends = torch.tensor(list(itertools.accumulate(tokens_per_expert)), dtype=torch.int32,
-                        device=x.packed.device)  # [E_local] each expert's last row + 1
+    if isinstance(tokens_per_expert, torch.Tensor):
+        e, ends = tokens_per_expert.shape[0], tokens_per_expert.cumsum(0).to(torch.int32)
+    else:
+        e = len(tokens_per_expert)
+        ends = torch.tensor(list(itertools.accumulate(tokens_per_expert)), dtype=torch.int32,
+                            device=x.packed.device)  # [E_local] each expert's last row + 1
     w1 = dequantize_mxfp4(w_gate_up[:e])  # [E, 2I, H] bf16
     gate, up = torch._grouped_mm(dequantize_mxfp4(x), w1.transpose(-2, -1), offs=ends
                                  ).float().chunk(2, dim=-1)  # [N, I] each

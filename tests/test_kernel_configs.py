@@ -72,6 +72,8 @@ def test_round_trip(tmp_path: Path) -> None:
     ("{not json", "not a W4A4 kernel config file"),
     ('{"device": "Test GPU", "source": "", "configs": {"1": {"inner": "fp8"}}}',
      "unknown inner product 'fp8'"),
+    ('{"device": "Test GPU", "source": "", "configs": {"1": {"route": "cutlass"}}}',
+     "unknown route 'cutlass'"),
     ('{"device": "Test GPU", "source": "", "configs": {"1": {"block_m": 96}}}',
      "block_m must be a power of two; got 96"),
     ('{"device": "Test GPU", "source": "", "configs": {"1": {"tiles": 3}}}',
@@ -107,12 +109,18 @@ def test_the_sweep_picks_the_least_total_over_both_gemms() -> None:
         # an earlier sweep's config, without split_k
         timing("gate_up", 512, "dot_scaled", [64, 128, 128, 4, 3], 5000.0),
         timing("down", 512, "dot_scaled", [64, 128, 128, 4, 3], 2500.0),
+        # the bf16 route wins at 4096
+        timing("gate_up", 4096, "dot_scaled", [64, 128, 128, 4, 3, 1], 9000.0),
+        timing("down", 4096, "dot_scaled", [64, 128, 128, 4, 3, 1], 5000.0),
+        timing("gate_up", 4096, "bf16_grouped_mm", [], 3000.0),
+        timing("down", 4096, "bf16_grouped_mm", [], 2000.0),
     ]
     assert best_configs(results) == {
         1: KernelConfig(inner="f16x2", swap_ab=True, block_n=16, block_m=256, block_k=64,
                         num_warps=4, num_stages=5, split_k=4),
         512: KernelConfig(inner="dot_scaled", block_n=64, block_m=128, block_k=128,
-                          num_warps=4, num_stages=3, split_k=1)}
+                          num_warps=4, num_stages=3, split_k=1),
+        4096: KernelConfig(route="bf16_grouped_mm")}
     best = {(b["gemm"], b["tokens_per_expert"]): b for b in best_per_shape(results)}
     assert best["down", 1]["variant"] == "f16" and best["down", 1]["tried"] == 3
     assert best["gate_up", 1]["per_variant"] == {"dot_scaled": 500.0, "f16x2/swap": 520.0}

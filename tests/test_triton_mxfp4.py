@@ -164,6 +164,21 @@ def test_swiglu_runs_a_given_kernel_config(config: KernelConfig) -> None:
     assert_same(out, grouped_swiglu_w4a4(x, tokens, w_gate_up, w_down).to(out.device))
 
 
+def test_the_bf16_route_is_a_config_too() -> None:
+    """route "bf16_grouped_mm": operands decoded to bf16, `torch._grouped_mm`, host or
+    device counts."""
+    from moe_kernels.triton_mxfp4 import grouped_swiglu_w4a4_bf16
+
+    tokens = [3, 0, 12, 1]
+    x, w_gate_up = make(tokens, 64, 64, seed=9)
+    _, w_down = make(tokens, 32, 64, seed=10)
+    want = grouped_swiglu_w4a4_bf16(x, tokens, w_gate_up, w_down)
+    route = KernelConfig(route="bf16_grouped_mm")
+    for counts in (tokens, torch.tensor(tokens, device=DEVICE)):
+        got = grouped_swiglu_w4a4_triton(x, counts, w_gate_up, w_down, route, max_rows=12)
+        assert torch.equal(got, want)
+
+
 def test_swiglu_on_device_counts_equals_host_counts() -> None:
     """Counts as a device tensor with a bound instead of a list (no host sync: CUDA graphs)."""
     tokens = [3, 0, 12, 40, 0, 1, 70, 0]
