@@ -5,8 +5,9 @@
         [--backends torch nccl deepep] [--quantization w4a4] [--json FILE]
 
 Defaults are DeepEP's low-latency test shape: 128 tokens per attention rank, hidden 7168,
-top-8 of 256 experts, bfloat16. Experts are the identity (MXFP4 rows decoded), so a layer
-returns x * sum(router weights), which is checked. Times one layer's dispatch + combine on
+top-8 of 256 experts, bfloat16. Expert e returns its rows times 1 + (e % 7) / 8 (exact in
+bf16; MXFP4 rows decoded first), so a layer returns sum_k w_k * scale(e_k) * x, which is
+checked: a row sent to the wrong expert shows. Times one layer's dispatch + combine on
 each attention rank (after `begin_step`, synchronised before and after), median and spread
 over --iters calls after a warm-up, beside DeepEP's published low-latency figures at the
 same number of expert ranks (H800, FP8 dispatch, bf16 combine: docs/legacy.md of
@@ -48,29 +49,49 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--quantization", choices=["w4a4"], default=None)
     ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--iters", type=int, default=50, help="timed calls (at least 1)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds for each backend")
     ap.add_argument("--json", help="write the results here")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.iters < 1 or args.warmup < 0:
+        ap.error("--iters must be >= 1 and --warmup >= 0")
+    return args
 
 
 def _dtype(args: argparse.Namespace) -> torch.dtype:
     return torch.bfloat16 if args.device == "cuda" else torch.float32
 
 
-def _expert_fn(hidden: int, dtype: torch.dtype):  # -> ExpertFn: the identity, rows decoded
+def scale(expert: torch.Tensor | int) -> torch.Tensor | float:
+    """What expert e multiplies by: 1 + (e % 7) / 8, exact in bfloat16."""
+    return 1 + (expert % 7) / 8
+
+
+def _expert_fn(hidden: int, dtype: torch.dtype, local: list[int]):  # -> ExpertFn
+    """Scale each local expert's rows (global ids `local`) by `scale`; MXFP4 rows decoded."""
     from moe_kernels.mxfp4 import MXFP4Tensor, dequantize
 
-    def identity(layer: int, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        if rows.dtype == torch.uint8:  # MXFP4 rows
-            return dequantize(MXFP4Tensor.from_rows(rows, hidden)).to(dtype)
-        return rows
+    factors = torch.tensor([scale(e) for e in local])  # [E_local]
 
-    return identity
+    def run(layer: int, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        if rows.dtype == torch.uint8:  # MXFP4 rows
+            rows = dequantize(MXFP4Tensor.from_rows(rows, hidden)).to(dtype)
+        per_row = factors[:len(counts)].repeat_interleave(torch.tensor(counts))  # [M]
+        return rows * per_row.to(rows.device, rows.dtype)[:, None]
+
+    return run
 
 
 def _attention(backend: str, world, placement, args: argparse.Namespace,
-               device: torch.device) -> dict:
+               device: torch.device, results: mp.Queue, done: object) -> None:
+    """An attention rank: time the calls, report, then stay in the world until the parent
+    has every result (leaving earlier breaks the experts' next round, a false failure)."""
+    results.put(_time(backend, world, placement, args, device))
+    done.wait(args.timeout)  # type: ignore[attr-defined]
+
+
+def _time(backend: str, world, placement, args: argparse.Namespace,
+          device: torch.device) -> dict:
     from ep_dispatch.deepep import DeepEPSettings
     from ep_dispatch.registry import BackendContext, create_experts_client
     from moe_kernels.mxfp4 import dequantize, quantize
@@ -86,7 +107,7 @@ def _attention(backend: str, world, placement, args: argparse.Namespace,
     weights, ids = probs.topk(args.top_k)  # [T, K] each
     weights = (weights / weights.sum(-1, keepdim=True)).to(dtype)
     values = dequantize(quantize(x)) if args.quantization else x.float()  # what travels
-    expected = values * weights.float().sum(-1, keepdim=True)  # [T, H]
+    expected = values * (weights.float() * scale(ids)).sum(-1, keepdim=True)  # [T, H]
 
     def sync() -> None:
         if device.type == "cuda":
@@ -117,7 +138,8 @@ def _serve(backend: str, world, placement, args: argparse.Namespace,
 
     dtype = _dtype(args)
     rows = RowFormat(args.hidden, dtype, args.quantization)
-    expert_fn = _expert_fn(args.hidden, dtype)
+    local = placement.local_experts(world.rank - world.num_attention)[0]  # layer 0
+    expert_fn = _expert_fn(args.hidden, dtype, local)
     if backend == "deepep":
         from ep_dispatch.deepep import DeepEPSettings, serve_deepep
 
@@ -135,7 +157,7 @@ def _serve(backend: str, world, placement, args: argparse.Namespace,
 
 
 def _rank(rank: int, backend: str, args: argparse.Namespace, port: int,
-          results: mp.Queue) -> None:
+          results: mp.Queue, done: object) -> None:
     from ep_dispatch.placement import Placement
     from ep_dispatch.torch_dist import World
 
@@ -149,7 +171,7 @@ def _rank(rank: int, backend: str, args: argparse.Namespace, port: int,
         placement = Placement.balanced([0], args.experts, args.expert_ranks)
         with torch.inference_mode():
             if rank < args.attention_ranks:
-                results.put(_attention(backend, world, placement, args, device))
+                _attention(backend, world, placement, args, device, results, done)
             else:
                 _serve(backend, world, placement, args, device)
     except BaseException:  # reported to the parent, which stops the others
@@ -162,8 +184,9 @@ def run(backend: str, args: argparse.Namespace) -> dict:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, backend, args, port, results), daemon=True)
+    results, done = ctx.Queue(), ctx.Event()
+    procs = [ctx.Process(target=_rank, args=(r, backend, args, port, results, done),
+                         daemon=True)
              for r in range(args.attention_ranks + args.expert_ranks)]
     for p in procs:
         p.start()
@@ -177,10 +200,14 @@ def run(backend: str, args: argparse.Namespace) -> dict:
     except queue_module.Empty:
         got.append({"error": f"no result within {args.timeout:g} s"})
     finally:
+        done.set()
         for p in procs:
             p.terminate()
         for p in procs:
             p.join(10)
+            if p.is_alive():  # stuck in a collective: SIGKILL
+                p.kill()
+                p.join(10)
     errors = [r["error"] for r in got if "error" in r]
     if errors:
         return {"backend": backend, "error": errors[0]}

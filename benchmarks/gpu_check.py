@@ -25,8 +25,8 @@ still run. In order:
 5. the dispatch path of the `torch` (torch.distributed NCCL) and `nccl` (CuPy) backends
    at world size 1 (128 tokens x 7168, top-8 of 256 experts over 8 ranks, checked), and
    the CuPy collective alone; with two GPUs or more, the `torch`, `nccl` and (installed)
-   `deepep` backends across them (`benchmarks/ep_latency.py`: one attention rank, an expert
-   rank per other GPU, bf16 and MXFP4 rows) beside DeepEP's published low-latency figures;
+   `deepep` backends across them (`benchmarks/ep_latency.py`, bf16 and MXFP4 rows; with 9
+   GPUs or more 8 expert ranks, beside DeepEP's published low-latency figures for EP 8);
 6. `switchyard serve --device cuda` (gateway, attention, 2 expert services over `rpc`, all
    on this GPU) answering the demo questions as the CPU does (`--skip-serve`).
 
@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -67,7 +68,8 @@ if TYPE_CHECKING:
 
 ROWS: list[dict[str, object]] = []
 JSON_PATH: str | None = None
-KERNEL_VARIANTS: list[str] = []  # the inner products that compiled and matched
+KERNEL_VARIANTS: list[str] = []  # the inner products (and route) that ran and matched
+KERNEL_CHECKED: list[bool] = []  # [every kernel check passed], once the check ran
 DEADLINE = float("inf")  # time.monotonic() by which every section must end
 PROMPTS = [[1, 5, 9, 17, 33, 65, 129, 200], [7] * 24, list(range(3, 60, 2))]
 
@@ -241,7 +243,7 @@ def kernel() -> None:
     try:
         args = parse_args()
         ok, variants = check(args, args.variants)
-        KERNEL_VARIANTS[:] = variants
+        KERNEL_VARIANTS[:], KERNEL_CHECKED[:] = variants, [ok]
         row("W4A4 Triton kernel vs torch path", "ok" if ok else "FAIL", ", ".join(variants),
             "tables above")
         timed = [v for v in variants if v.partition("/")[0] in SWEPT]
@@ -261,11 +263,14 @@ def kernel_sweep(json_path: str | None) -> None:
         return
     sweep_json = json_path.removesuffix(".json") + "_sweep.json" if json_path else None
     results = sweep(KERNEL_VARIANTS, copy_bandwidth(4.0), sweep_json)
-    if json_path and results:  # this GPU's tuned table, to commit as moe_kernels/configs/
+    if json_path and results and KERNEL_CHECKED == [True]:  # to commit to moe_kernels/configs/
         path = write_tuned(results, str(config_path(torch.cuda.get_device_name(),
                                                     Path(json_path).parent)),
-                           "benchmarks.gpu_check sweep")
+                           f"{time.strftime('%Y-%m-%d')}, benchmarks.gpu_check sweep, 32 "
+                           "experts, H 7168, I 2048")
         row("W4A4 tuned configs", "info", path, "the fastest config per tokens per expert")
+    elif results:
+        row("W4A4 tuned configs", "not run", "", "not written: the kernel check failed")
     for best in best_per_shape(results):
         row(f"W4A4 sweep: {best['gemm']}, {best['tokens_per_expert']} tokens/expert", "info",
             f"{best['us']:.1f} us, {best['weight_tb_s']:.2f} TB/s "
@@ -359,9 +364,10 @@ def deepep() -> None:
         else "deep_ep imports; timed across GPUs below")
 
 def across_gpus() -> None:
-    """The lockstep backends across GPUs (`benchmarks/ep_latency.py`: 1 attention rank and
-    one expert rank per other GPU, 128 tokens x 7168, top-8 of 256, bf16 and MXFP4 rows),
-    beside DeepEP's published low-latency figures at the same number of expert ranks."""
+    """The lockstep backends across GPUs (`benchmarks/ep_latency.py`, 128 tokens x 7168 per
+    attention rank, top-8 of 256, bf16 and MXFP4 rows): 8 expert ranks where 9 GPUs or more
+    allow (DeepEP publishes its low-latency figures for EP 8, 16, ...: printed beside), else
+    one attention rank and an expert rank on every other GPU."""
     import tempfile
 
     gpus = torch.cuda.device_count()
@@ -369,6 +375,8 @@ def across_gpus() -> None:
         row("torch, nccl and deepep backends across GPUs", "not run", "",
             "one GPU: NCCL and DeepEP give each rank its own")
         return
+    experts = 8 if gpus >= 9 else gpus - 1
+    attention = min(gpus - experts, 8)
     backends = ["torch", "nccl"]
     try:
         import deep_ep  # noqa: F401
@@ -377,29 +385,43 @@ def across_gpus() -> None:
     except ImportError:
         pass
     for quantization in ([], ["--quantization", "w4a4"]):
+        chosen = [b for b in backends if not (quantization and b == "deepep")]
         with tempfile.TemporaryDirectory() as tmp:
-            path = f"{tmp}/ep.json"
-            out = subprocess.run(
-                [sys.executable, "-m", "benchmarks.ep_latency", "--device", "cuda",
-                 "--expert-ranks", str(gpus - 1), "--timeout", "100", "--json", path,
-                 "--backends", *[b for b in backends if not (quantization and b == "deepep")],
-                 *quantization], capture_output=True, text=True, timeout=220)
-            print(out.stdout, out.stderr[-2000:], flush=True)
-            done = Path(path).exists()  # ep_latency writes it after its last backend
-            results = json.loads(Path(path).read_text())["results"] if done else []
+            path = Path(tmp) / "ep.json"
+            code = _run_group([sys.executable, "-m", "benchmarks.ep_latency", "--device",
+                               "cuda", "--attention-ranks", str(attention), "--expert-ranks",
+                               str(experts), "--timeout", "60", "--json", str(path),
+                               "--backends", *chosen, *quantization], 60 * len(chosen) + 30)
+            results = json.loads(path.read_text())["results"] if path.exists() else []
         for r in results:
-            name = (f"dispatch+combine across {gpus} GPUs, {r['backend']}"
-                    f"{', MXFP4 rows' if quantization else ''}")
+            name = (f"dispatch+combine, {attention} attention + {experts} expert GPUs, "
+                    f"{r['backend']}{', MXFP4 rows' if quantization else ''}")
             if "error" in r:
                 row(name, "FAIL", "", r["error"].strip().splitlines()[-1][:200])
             else:
                 row(name, "ok" if r["max_rel_err"] <= 2e-2 else "FAIL",
-                    f"{r['median_us']:.0f} us", f"1 attention + {gpus - 1} expert ranks, 128 "
-                    f"tokens x 7168, top-8 of 256; max rel err {r['max_rel_err']:.1e}; table "
-                    "above")
+                    f"{r['median_us']:.0f} us", f"128 tokens x 7168 per attention rank, "
+                    f"top-8 of 256; max rel err {r['max_rel_err']:.1e}; table above")
         if not results:
-            row(f"dispatch across {gpus} GPUs{' (MXFP4)' if quantization else ''}", "FAIL",
-                "", f"ep_latency exited {out.returncode}")
+            row(f"dispatch across GPUs{' (MXFP4)' if quantization else ''}", "FAIL", "",
+                f"ep_latency ended with {code}")
+
+
+def _run_group(cmd: list[str], timeout: float) -> int | str:
+    """Run cmd in its own process group, printing its output; on timeout (or this section
+    being stopped) kill the whole group, so no rank is left holding a GPU."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        print(out[-6000:], flush=True)
+        return proc.returncode
+    except subprocess.TimeoutExpired:
+        return f"a timeout after {timeout:g} s"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def nccl_self() -> None:
@@ -554,7 +576,7 @@ def main() -> int:
     guarded("dispatch path", dispatch_path, 60)
     guarded("nccl (CuPy)", nccl_self, 60)
     guarded("deepep", deepep, 20)
-    guarded("dispatch across GPUs", across_gpus, 240)
+    guarded("dispatch across GPUs", across_gpus, 300)
     if not args.skip_serve:
         guarded("serve", serve_vs_cpu, 200)
     return 1 if any(r["result"] == "FAIL" for r in ROWS) else 0

@@ -73,7 +73,7 @@ def variant_options(variant: str) -> dict[str, object]:
     return {"inner": inner, "swap_ab": swap == "swap"}
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--experts", type=int, default=64)
@@ -95,7 +95,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--write-config", metavar="PATH", nargs="?", const="", default=None,
                     help="with --sweep: write the fastest config per tokens per expert for "
                          "this GPU (default: moe_kernels/configs/<device>.json)")
-    return ap.parse_args()
+    return ap.parse_args(argv)
 
 
 def random_mxfp4(e: int, m: int, k: int, device: str, seed: int):  # -> MXFP4Tensor
@@ -129,9 +129,12 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
             / expected.float().abs().max().clamp_min(1e-30)).item()
 
 
-def check(args: argparse.Namespace, variants: list[str]) -> tuple[bool, list[str]]:
-    """Triton vs. the torch path; returns (all passed, variants that ran)."""
+def check(args: argparse.Namespace, variants: list[str], device: str = "cuda"
+          ) -> tuple[bool, list[str]]:
+    """Triton vs. the torch path; returns (all passed, the variants that ran and passed
+    everywhere, with `ROUTE` among them if the bf16 route did): only those are swept."""
     from moe_kernels.grouped_gemm import grouped_swiglu, grouped_swiglu_w4a4, mxfp4_linear
+    from moe_kernels.kernel_configs import KernelConfig
     from moe_kernels.mxfp4 import dequantize, quantize
     from moe_kernels.triton_mxfp4 import (
         grouped_mxfp4_gemm,
@@ -140,20 +143,20 @@ def check(args: argparse.Namespace, variants: list[str]) -> tuple[bool, list[str
     )
 
     torch.backends.cuda.matmul.allow_tf32 = False  # the torch path in IEEE float32
-    ok, working = True, list(variants)
+    ok, working, route_ok = True, list(variants), True
     shapes = [(512, 256, [0, 5, 33, 1, 0, 70]), (args.hidden, args.inter, [1, 0, 64, 200])]
     print("## Correctness (Triton vs. torch path)\n")
     print("| H | I | tokens per expert | GEMM | variant | max rel err | bit-exact | result |")
     print("|---:|---:|---|---|---|---:|---:|---|")
     for h, i, counts in shapes:
         e, n = len(counts), sum(counts)
-        offsets = offsets_of(counts, "cuda")
-        x = quantize(torch.randn(n, h, device="cuda"))
-        w_gate_up = random_mxfp4(e, 2 * i, h, "cuda", seed=1)
-        w_down = random_mxfp4(e, h, i, "cuda", seed=2)
-        act = quantize(torch.randn(n, i, device="cuda"))
+        offsets = offsets_of(counts, device)
+        x = quantize(torch.randn(n, h, device=device))
+        w_gate_up = random_mxfp4(e, 2 * i, h, device, seed=1)
+        w_down = random_mxfp4(e, h, i, device, seed=2)
+        act = quantize(torch.randn(n, i, device=device))
         for name, xq, w in (("gate_up", x, w_gate_up), ("down", act, w_down)):
-            ref = torch.empty(n, w.shape[1], device="cuda")
+            ref = torch.empty(n, w.shape[1], device=device)
             start = 0
             for expert, count in enumerate(counts):
                 ref[start:start + count] = mxfp4_linear(xq[start:start + count], w[expert])
@@ -161,7 +164,8 @@ def check(args: argparse.Namespace, variants: list[str]) -> tuple[bool, list[str
             for variant in list(working):
                 try:
                     out = grouped_mxfp4_gemm(xq, offsets, w, **variant_options(variant))
-                    torch.cuda.synchronize()
+                    if device == "cuda":
+                        torch.cuda.synchronize()
                 except Exception as exc:  # e.g. dot_scaled e2m1 x e2m1 unsupported here
                     print(f"| {h} | {i} | {counts} | {name} | {variant} | - | - | "
                           f"FAILED TO RUN: {type(exc).__name__}: "
@@ -175,7 +179,9 @@ def check(args: argparse.Namespace, variants: list[str]) -> tuple[bool, list[str
                 ok &= passed
                 print(f"| {h} | {i} | {counts} | {name} | {variant} | {err:.2e} | "
                       f"{'yes' if exact else 'no'} | {'ok' if passed else 'FAIL'} |")
-            for variant in working:  # K split over 3 programs, on the dense grid
+                if not passed:  # wrong here: never swept, never tuned in
+                    working.remove(variant)
+            for variant in list(working):  # K split over 3 programs, on the dense grid
                 out = grouped_mxfp4_gemm(xq, offsets, w, max_rows=max(counts), split_k=3,
                                          **variant_options(variant))
                 err = rel_err(out, ref)
@@ -183,8 +189,10 @@ def check(args: argparse.Namespace, variants: list[str]) -> tuple[bool, list[str
                 print(f"| {h} | {i} | {counts} | {name} | {variant}, split_k 3, dense | "
                       f"{err:.2e} | {'yes' if torch.equal(out, ref) else 'no'} | "
                       f"{'ok' if err <= 1e-5 else 'FAIL'} |")
+                if err > 1e-5:
+                    working.remove(variant)
         if "dot_scaled" in working:  # the whole FFN, default variant
-            out = grouped_swiglu_w4a4_triton(x, counts, w_gate_up, w_down, "dot_scaled")
+            out = grouped_swiglu_w4a4_triton(x, counts, w_gate_up, w_down, KernelConfig())
             ref = grouped_swiglu_w4a4(x, counts, w_gate_up, w_down).to(out.device)
             err = rel_err(out, ref)
             # Re-quantizing between the GEMMs turns float32 rounding differences in the
@@ -203,14 +211,16 @@ def check(args: argparse.Namespace, variants: list[str]) -> tuple[bool, list[str
                                  dequantize(w_down)).to(out.device)
             err, bound = norm_err(out, ffn), 1.05 * norm_err(ref, ffn)
             ok &= err <= bound
+            route_ok &= err <= bound
             print(f"| {h} | {i} | {counts} | swiglu | bf16 dequant + torch._grouped_mm | "
                   f"{err:.3f} vs float (torch path {bound / 1.05:.3f}) | no | "
                   f"{'ok' if err <= bound else 'FAIL'} |")
         except RuntimeError as exc:  # torch._grouped_mm unsupported here
+            route_ok = False
             print(f"| {h} | {i} | {counts} | swiglu | bf16 dequant + torch._grouped_mm | - | "
                   f"- | did not run: {str(exc).splitlines()[0][:120]} |")
     print()
-    return ok, working
+    return ok, working + [ROUTE] * route_ok
 
 
 def norm_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -291,6 +301,7 @@ def bench(args: argparse.Namespace, variants: list[str], copy_bw: float) -> None
     from moe_kernels.mxfp4 import quantize
     from moe_kernels.triton_mxfp4 import grouped_mxfp4_gemm
 
+    variants = [v for v in variants if v != ROUTE]  # timed below as its own row
     e, h, i = args.experts, args.hidden, args.inter
     tuned = load_configs(torch.cuda.get_device_name())  # {}: this GPU has no tuned file
     flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")  # > any L2
@@ -375,6 +386,7 @@ def sweep(variants: list[str], copy_bw: float, json_path: str | None = None,
     from moe_kernels.mxfp4 import quantize
     from moe_kernels.triton_mxfp4 import grouped_mxfp4_gemm
 
+    route = ROUTE in variants  # checked (`check`): swept beside the Triton variants
     variants = [v for v in variants if v.partition("/")[0] in SWEPT]
     flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
     gemms = {"gate_up": random_mxfp4(experts, 2 * inter, hidden, "cuda", seed=3),
@@ -395,9 +407,9 @@ def sweep(variants: list[str], copy_bw: float, json_path: str | None = None,
                 grouped_mxfp4_gemm, xq, offsets, w, max_rows=t, **tiles(config),
                 **variant_options(variant))) for variant in variants
                 for config in sweep_configs(variant, t)]
-            # the other route: decode both operands to bf16, then torch._grouped_mm
-            candidates.append((ROUTE, (), partial(_dequant_grouped_mm, xq, w,
-                                                  offsets[1:].to(torch.int32))))
+            if route:  # the other route: both operands to bf16, then torch._grouped_mm
+                candidates.append((ROUTE, (), partial(_dequant_grouped_mm, xq, w,
+                                                      offsets[1:].to(torch.int32))))
             for variant, config, fn in candidates:
                 try:
                     ms = time_ms(fn, 2, 7, flush)
@@ -479,6 +491,9 @@ def write_tuned(results: list[dict[str, Any]], path: str | None, source: str) ->
 
 def main() -> int:
     args = parse_args()
+    if args.write_config is not None and args.sweep is None:
+        print("gpu_mxfp4: --write-config needs --sweep", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("gpu_mxfp4: no CUDA device found; this benchmark needs an NVIDIA GPU "
               "(H100/H200). Nothing to do.")
@@ -502,9 +517,13 @@ def main() -> int:
         if args.sweep is not None:
             results = sweep(variants, copy_bw, args.sweep or None, args.experts, args.hidden,
                             args.inter)
-            if args.write_config is not None and results:
+            if args.write_config is not None and (not ok or args.skip_check):
+                print("not writing tuned configs: the check failed or was skipped",
+                      file=sys.stderr)
+            elif args.write_config is not None and results:
                 path = write_tuned(results, args.write_config or None, (
-                    f"{time.strftime('%Y-%m-%d')}, triton {triton.__version__}: python -m "
+                    f"{time.strftime('%Y-%m-%d')}, triton {triton.__version__}, "
+                    f"{args.experts} experts, H {args.hidden}, I {args.inter}: python -m "
                     f"benchmarks.gpu_mxfp4 {' '.join(sys.argv[1:])}"))
                 print(f"tuned configs written to {path}")
     else:

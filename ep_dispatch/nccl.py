@@ -3,7 +3,7 @@
 The ranks meet at the same TCP store as the `torch` backend; rank 0 publishes an NCCL
 unique id there and every rank builds a `cupy.cuda.nccl.NcclCommunicator` from it. Each
 all-to-all is one NCCL group of point-to-point sends and receives of raw bytes (so
-MXFP4 rows would travel as they are), on torch's current CUDA stream, so it is ordered
+w4a4's MXFP4 rows travel as they are), on torch's current CUDA stream, so it is ordered
 with the kernels around it without host synchronisation.
 """
 

@@ -66,14 +66,22 @@ def rendezvous(world: World, timeout: float) -> dist.TCPStore:
         raise RendezvousError(f"{world.describe(world.rank)} cannot reach the rendezvous at "
                               f"{host}:{port} (hosted by attention rank 0): {exc}") from exc
     store.set(f"joined/{world.rank}", "1")
-    keys = [f"joined/{r}" for r in range(world.size)]
+    _wait_all(store, world, "joined", timeout, f"at {host}:{port}")
+    return store
+
+
+def _wait_all(store: dist.Store, world: World, prefix: str, timeout: float,
+              where: str) -> list[str]:
+    """Wait until every rank has set `prefix/<rank>`; their values, or a
+    `RendezvousError` naming the ranks still missing after `timeout` seconds."""
+    keys = [f"{prefix}/{r}" for r in range(world.size)]
     try:
         store.wait(keys, timedelta(seconds=timeout))
     except Exception:
         missing = [world.describe(r) for r, k in enumerate(keys) if not store.check([k])]
-        raise RendezvousError(f"waited {timeout:g}s at {host}:{port} for "
+        raise RendezvousError(f"waited {timeout:g}s {where} for "
                               f"{', '.join(missing)}") from None
-    return store
+    return [store.get(key).decode() for key in keys]
 
 
 def agree(store: dist.Store, world: World, rows: RowFormat, timeout: float) -> None:
@@ -84,9 +92,12 @@ def agree(store: dist.Store, world: World, rows: RowFormat, timeout: float) -> N
         ValueError: the ranks differ (each named with its rows).
     """
     store.set(f"rows/{world.rank}", rows.describe())
-    keys = [f"rows/{r}" for r in range(world.size)]
-    store.wait(keys, timedelta(seconds=timeout))
-    seen = {world.describe(r): store.get(key).decode() for r, key in enumerate(keys)}
+    described = _wait_all(store, world, "rows", timeout, "for the row formats of")
+    seen = {world.describe(r): what for r, what in enumerate(described)}
+    # All have read before any raises: rank 0 hosts the store, and leaving early would
+    # turn the others' clear error into a lost connection.
+    store.set(f"rows_read/{world.rank}", "1")
+    _wait_all(store, world, "rows_read", timeout, "for")
     if len(set(seen.values())) > 1:
         raise ValueError("the ranks move different rows (" + "; ".join(
             f"{who}: {what}" for who, what in seen.items()) + "): start every rank with the "

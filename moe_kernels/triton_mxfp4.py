@@ -526,8 +526,10 @@ def grouped_swiglu_w4a4_bf16(x: MXFP4Tensor, tokens_per_expert: list[int] | torc
     decoded exactly to bfloat16 (`dequantize_mxfp4`), then bf16 grouped GEMMs
     (`torch._grouped_mm`), the route `KernelConfig(route="bf16_grouped_mm")` selects. A
     candidate for many tokens per expert, where the Triton kernel's decode-sized tiles lose
-    to bf16 (docs/benchmarks.md); not yet timed on a GPU. Counts as for
-    `grouped_swiglu_w4a4_triton` (a device tensor needs no bound here).
+    to bf16 (docs/benchmarks.md); not yet timed on a GPU. It decodes the experts' weights
+    on every call: a transient bf16 copy of each GEMM's weights (2 bytes per weight, 3.8x
+    what they hold in MXFP4). Counts as for `grouped_swiglu_w4a4_triton` (a device tensor
+    needs no bound here).
     torch._grouped_mm returns its inputs' dtype, so the GEMMs' outputs are rounded to
     bfloat16 (the torch path keeps float32).
 

@@ -312,3 +312,23 @@ def test_every_variant_compiles_for_hopper_and_blackwell() -> None:
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.count(": ok (") == 19, out.stdout
+
+
+def test_the_gpu_benchmarks_check_runs_on_this_device(monkeypatch: pytest.MonkeyPatch
+                                                      ) -> None:
+    """benchmarks/gpu_mxfp4.py's `check` (what gpu_check runs first; only the variants it
+    passes are swept and tuned in), here: a right variant and the bf16 route pass, and a
+    variant made 0.1% wrong is dropped."""
+    from benchmarks.gpu_mxfp4 import ROUTE, check, parse_args
+    from moe_kernels import triton_mxfp4
+
+    real = triton_mxfp4.grouped_mxfp4_gemm
+
+    def f16x2_off(*args: object, **kw: object) -> torch.Tensor:
+        out = real(*args, **kw)  # type: ignore[arg-type]
+        return out * 1.001 if kw.get("inner") == "f16x2" else out
+
+    monkeypatch.setattr(triton_mxfp4, "grouped_mxfp4_gemm", f16x2_off)
+    args = parse_args(["--hidden", "64", "--inter", "32"])
+    ok, working = check(args, ["dot_scaled", "f16x2/swap"], device=DEVICE)
+    assert not ok and working == ["dot_scaled", ROUTE]

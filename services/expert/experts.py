@@ -172,7 +172,8 @@ class ExpertBank:
 
         q = MXFP4Tensor.from_rows(x, self.hidden_size) if x.dtype == torch.uint8 \
             else quantize(x)
-        config = self._kernel_config(q, counts, max_rows, w_gate_up, w_down)
+        mean = -(-x.shape[0] // counts.shape[0])  # the tuned table's key: rows per expert
+        config = self._kernel_config(q, counts, max_rows, w_gate_up, w_down, mean)
         return grouped_swiglu_w4a4_triton(q, counts, w_gate_up, w_down, config,
                                           max_rows).to(self.dtype)  # [N, H]
 
@@ -203,12 +204,13 @@ class ExpertBank:
             grouped_swiglu_w4a4_triton(q, tokens_per_expert, w_gate_up, w_down, config)))
 
     def _kernel_config(self, q: MXFP4Tensor, counts: list[int] | torch.Tensor,
-                       max_rows: int, w_gate_up: MXFP4Tensor,
-                       w_down: MXFP4Tensor) -> KernelConfig:
-        """The W4A4 kernel config tuned for this GPU and `max_rows`, or `FALLBACK_KERNEL`
-        where this Triton cannot compile it. The first call with a config tries it (and
-        synchronises): a CUDA graph's warm-up run makes that call, never its capture."""
-        config = tuned_config(torch.cuda.get_device_name(self.device), max_rows)
+                       max_rows: int, w_gate_up: MXFP4Tensor, w_down: MXFP4Tensor,
+                       rows: int | None = None) -> KernelConfig:
+        """The W4A4 kernel config tuned for this GPU and `rows` per expert (default:
+        `max_rows`, the most any has), or `FALLBACK_KERNEL` where this Triton cannot compile
+        it. The first call with a config tries it (and synchronises): a CUDA graph's
+        warm-up run makes that call, never its capture."""
+        config = tuned_config(torch.cuda.get_device_name(self.device), rows or max_rows)
         if config not in self._kernel_runs:
             self._kernel_runs[config] = _kernel_runs(config, q, counts, max_rows, w_gate_up,
                                                      w_down)
