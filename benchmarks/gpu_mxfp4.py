@@ -363,8 +363,9 @@ def sweep_configs(variant: str, tokens: int) -> list[tuple[int, int, int, int, i
         return [(bn, 128, 32 if inner.startswith("f16") else 128, 4, 3, 1) for bn in (64, 128)]
     if inner == "f16":  # swept in run 3: block_m 256 won
         return [(16, 256, 32, 4, ns, sk) for ns in (3, 5) for sk in (1, 4)]
-    if inner == "f16x2":
-        return [*((16, bm, bk, 4, 3, 1) for bm in (128, 256) for bk in (32, 64, 128)),
+    if inner == "f16x2":  # block_m 512 with 8 warps: the fewest slots without spills
+        return [*((16, bm, bk, 4, 3, 1) for bm in (128, 256) for bk in (32, 64)),
+                (16, 256, 128, 4, 3, 1), (16, 512, 32, 8, 3, 1),
                 *((16, 256, 32, 4, 5, sk) for sk in (1, 4))]
     return [(16, 128, bk, 4, 3, sk) for bk in (128, 256) for sk in (1, 4)]
 

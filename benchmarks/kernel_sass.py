@@ -38,18 +38,18 @@ POINTERS = {"x_ptr": "*u8", "x_scale_ptr": "*u8", "w_ptr": "*u8", "w_scale_ptr":
 DIVISIBLE = ("x_ptr", "x_scale_ptr", "w_ptr", "w_scale_ptr", "out_ptr", "offsets_ptr",
              "tile_expert_ptr", "tile_row_ptr", "M", "K", "stride_xn", "stride_we",
              "stride_wm", "stride_on")
-WARPS = 4
-# (inner, swap_ab, block_n, block_m, block_k, num_stages): the defaults, the H200's tuned
-# decode config (f16/swap), and the f16x2 candidates
-DECODE = [("dot_scaled", False, 16, 128, 128, 3), ("dot_scaled", True, 16, 128, 128, 3),
-          ("decode", True, 16, 128, 128, 3), ("bf16", True, 16, 128, 128, 3),
-          ("f16", True, 16, 256, 32, 5), ("f16", True, 16, 256, 128, 3),
-          ("f16x2", True, 16, 256, 32, 5), ("f16x2", True, 16, 256, 128, 3)]
+# (inner, swap_ab, block_n, block_m, block_k, num_stages, warps): the defaults, the H200's
+# tuned decode config (f16/swap), and the f16x2 candidates
+DECODE = [("dot_scaled", False, 16, 128, 128, 3, 4), ("dot_scaled", True, 16, 128, 128, 3, 4),
+          ("decode", True, 16, 128, 128, 3, 4), ("bf16", True, 16, 128, 128, 3, 4),
+          ("f16", True, 16, 256, 32, 5, 4), ("f16", True, 16, 256, 128, 3, 4),
+          ("f16x2", True, 16, 256, 32, 5, 4), ("f16x2", True, 16, 256, 128, 3, 4),
+          ("f16x2", True, 16, 512, 32, 3, 4), ("f16x2", True, 16, 512, 32, 3, 8)]
 
 
 def compile_gemm(arch: int, inner: str, swap_ab: bool, block_n: int, block_m: int,
                  block_k: int, even_k: bool = True, split_k: int = 1, num_stages: int = 3,
-                 ) -> triton.compiler.CompiledKernel:
+                 num_warps: int = 4) -> triton.compiler.CompiledKernel:
     """`_grouped_mxfp4_gemm_kernel` on the dense grid, compiled to a cubin for sm_{arch}."""
     fn = triton_mxfp4._grouped_mxfp4_gemm_kernel
     constants = {"BLOCK_N": block_n, "BLOCK_M": block_m, "BLOCK_K": block_k,
@@ -60,17 +60,28 @@ def compile_gemm(arch: int, inner: str, swap_ab: bool, block_n: int, block_m: in
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in DIVISIBLE}
     return triton.compile(ASTSource(fn, signature, constants, attrs),
                           target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": WARPS, "num_stages": num_stages})
+                          options={"num_warps": num_warps, "num_stages": num_stages})
 
 
-def sass(kernel: triton.compiler.CompiledKernel) -> str:
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                        "nvdisasm")
+def _cubin_tool(kernel: triton.compiler.CompiledKernel, tool: str, *flags: str) -> str:
+    """Run one of the Triton wheel's CUDA binary tools on the kernel's cubin."""
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", tool)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
-        return subprocess.run([tool, "-c", f.name], capture_output=True, text=True,
+        return subprocess.run([path, *flags, f.name], capture_output=True, text=True,
                               check=True).stdout
+
+
+def sass(kernel: triton.compiler.CompiledKernel) -> str:
+    return _cubin_tool(kernel, "nvdisasm", "-c")
+
+
+def registers(kernel: triton.compiler.CompiledKernel) -> tuple[int, int]:
+    """(registers per thread, stack bytes: spills when > 0)."""
+    usage = _cubin_tool(kernel, "cuobjdump", "-res-usage")
+    found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    return (int(found.group(1)), int(found.group(2))) if found else (0, 0)
 
 
 def main_loop(text: str) -> list[str]:
@@ -101,17 +112,20 @@ def main() -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90, 100")
     args = ap.parse_args()
-    print(f"W4A4 kernel main loop, sm_{args.arch}, triton {triton.__version__}, {WARPS} warps\n")
-    print("| variant | block_n, block_m, block_k, stages | instructions per iteration | "
-          "issue slots per weight | most frequent |\n|---|---|---:|---:|---|")
-    for inner, swap, bn, bm, bk, stages in DECODE:
-        body = main_loop(sass(compile_gemm(args.arch, inner, swap, bn, bm, bk,
-                                           num_stages=stages)))
+    print(f"W4A4 kernel main loop, sm_{args.arch}, triton {triton.__version__}\n")
+    print("| variant | block_n, block_m, block_k, stages, warps | instructions per iteration "
+          "| issue slots per weight | registers, spill bytes | most frequent |\n"
+          "|---|---|---:|---:|---|---|")
+    for inner, swap, bn, bm, bk, stages, warps in DECODE:
+        kernel = compile_gemm(args.arch, inner, swap, bn, bm, bk, num_stages=stages,
+                              num_warps=warps)
+        body = main_loop(sass(kernel))
         ops = collections.Counter(map(opcode, body))
-        slots = len(body) * WARPS * 32 / (bm * bk)
-        print(f"| {inner}{'/swap' if swap else ''} | {bn}, {bm}, {bk}, {stages} | {len(body)} | "
-              f"{slots:.2f} | {', '.join(f'{k} {v}' for k, v in ops.most_common(6))} |",
-              flush=True)
+        slots = len(body) * warps * 32 / (bm * bk)
+        regs, stack = registers(kernel)
+        print(f"| {inner}{'/swap' if swap else ''} | {bn}, {bm}, {bk}, {stages}, {warps} | "
+              f"{len(body)} | {slots:.2f} | {regs}, {stack} | "
+              f"{', '.join(f'{k} {v}' for k, v in ops.most_common(6))} |", flush=True)
     return 0
 
 
