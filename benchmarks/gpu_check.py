@@ -47,6 +47,7 @@ On this workplace's lent H200 (torch, Triton and CuPy installed; no network), af
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -83,7 +84,7 @@ def row(check: str, result: str, value: str = "", note: str = "") -> None:
 
 
 class SectionTimeout(Exception):
-    pass
+    """A section ran past its time limit (raised from SIGALRM)."""
 
 
 def _alarm(signum: int, frame: object) -> None:
@@ -378,12 +379,10 @@ def across_gpus() -> None:
     experts = 8 if gpus >= 9 else gpus - 1
     attention = min(gpus - experts, 8)
     backends = ["torch", "nccl"]
-    try:
+    with contextlib.suppress(ImportError):  # deepep only where it is installed
         import deep_ep  # noqa: F401
 
         backends.append("deepep")
-    except ImportError:
-        pass
     for quantization in ([], ["--quantization", "w4a4"]):
         chosen = [b for b in backends if not (quantization and b == "deepep")]
         with tempfile.TemporaryDirectory() as tmp:

@@ -96,17 +96,23 @@ def grouped_swiglu(
     return out
 
 
+def row_ends(tokens_per_expert: list[int] | torch.Tensor, device: torch.device
+             ) -> torch.Tensor:
+    """[E] int32: one past each expert's last row, from host counts, or from an [E] int64
+    tensor of counts on `device` without a host sync."""
+    if isinstance(tokens_per_expert, torch.Tensor):
+        return tokens_per_expert.cumsum(0).to(torch.int32)
+    return torch.tensor(list(itertools.accumulate(tokens_per_expert)), dtype=torch.int32,
+                        device=device)
+
+
 def grouped_swiglu_mm(x: torch.Tensor, tokens_per_expert: list[int] | torch.Tensor,
                       w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
     """`grouped_swiglu` as two grouped GEMMs (`torch._grouped_mm`, torch >= 2.8): a few
     kernels per call instead of three per expert. Same arguments and result (float32: the
     same bits on the CPU); no per-expert times, the experts run together. The counts may be
     a tensor on x's device ([E_local] int64), for a call without a host sync."""
-    if isinstance(tokens_per_expert, torch.Tensor):
-        ends = tokens_per_expert.cumsum(0).to(torch.int32)  # [E_local]
-    else:
-        ends = torch.tensor(list(itertools.accumulate(tokens_per_expert)), dtype=torch.int32,
-                            device=x.device)  # [E_local] each expert's last row + 1
+    ends = row_ends(tokens_per_expert, x.device)  # [E_local]
     gate, up = torch._grouped_mm(x, w_gate_up.transpose(-2, -1), offs=ends).chunk(2, dim=-1)
     return torch._grouped_mm(F.silu(gate) * up, w_down.transpose(-2, -1), offs=ends)
 

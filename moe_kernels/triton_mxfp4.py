@@ -35,13 +35,12 @@ Either operand can be the MMA's left one (`swap_ab`), and K can be split over pr
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from moe_kernels.grouped_gemm import row_ends
 from moe_kernels.kernel_configs import INNER_PRODUCTS, KernelConfig, tuned_config
 from moe_kernels.mxfp4 import BLOCK, MXFP4Tensor, check_blockable, quantize
 
@@ -498,14 +497,12 @@ def grouped_swiglu_w4a4_triton(
         if max_rows is None:
             raise ValueError("counts on the device need max_rows, a bound of every count")
         e, most = tokens_per_expert.shape[0], max_rows
-        offsets = F.pad(tokens_per_expert.cumsum(0), (1, 0)).to(torch.int32)  # [E_local + 1]
     else:
         if sum(tokens_per_expert) != n or any(c < 0 for c in tokens_per_expert):
             raise ValueError(f"tokens_per_expert {tokens_per_expert} must be >= 0 and sum "
                              f"to {n}")
         e, most = len(tokens_per_expert), max(tokens_per_expert, default=0)
-        offsets = torch.tensor([0, *itertools.accumulate(tokens_per_expert)],
-                               dtype=torch.int32, device=device)  # [E_local + 1]
+    offsets = F.pad(row_ends(tokens_per_expert, device), (1, 0))  # [E_local + 1] int32
     if e > w_gate_up.packed.shape[0] or e > w_down.packed.shape[0]:
         raise ValueError(f"{e} runs of tokens but only {w_gate_up.packed.shape[0]} experts")
     if config is None:
@@ -536,12 +533,8 @@ def grouped_swiglu_w4a4_bf16(x: MXFP4Tensor, tokens_per_expert: list[int] | torc
     Returns:
         `[N, H]` float32 expert outputs, as `grouped_swiglu_w4a4_triton`.
     """
-    if isinstance(tokens_per_expert, torch.Tensor):
-        e, ends = tokens_per_expert.shape[0], tokens_per_expert.cumsum(0).to(torch.int32)
-    else:
-        e = len(tokens_per_expert)
-        ends = torch.tensor(list(itertools.accumulate(tokens_per_expert)), dtype=torch.int32,
-                            device=x.packed.device)  # [E_local] each expert's last row + 1
+    ends = row_ends(tokens_per_expert, x.packed.device)  # [E_local] int32
+    e = ends.shape[0]
     w1 = dequantize_mxfp4(w_gate_up[:e])  # [E, 2I, H] bf16
     gate, up = torch._grouped_mm(dequantize_mxfp4(x), w1.transpose(-2, -1), offs=ends
                                  ).float().chunk(2, dim=-1)  # [N, I] each

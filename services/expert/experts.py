@@ -77,6 +77,9 @@ class ExpertBank:
         self.metrics = ExpertMetrics(rank)
         self.dtype = dtype
         self.device = torch.device(device)
+        # the tuned W4A4 table's key, looked up per layer call: asked of CUDA once
+        self._gpu = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" \
+            else None
         self._kernel_runs: dict[KernelConfig, bool] = {}  # Triton configs tried here
         self._grouped_mm: bool | None = None  # torch._grouped_mm works here, once known
         self.hidden_size = config.hidden_size
@@ -210,7 +213,7 @@ class ExpertBank:
         `max_rows`, the most any has), or `FALLBACK_KERNEL` where this Triton cannot compile
         it. The first call with a config tries it (and synchronises): a CUDA graph's
         warm-up run makes that call, never its capture."""
-        config = tuned_config(torch.cuda.get_device_name(self.device), rows or max_rows)
+        config = tuned_config(self._gpu, rows or max_rows)
         if config not in self._kernel_runs:
             self._kernel_runs[config] = _kernel_runs(config, q, counts, max_rows, w_gate_up,
                                                      w_down)
