@@ -6,7 +6,8 @@
 Exits 0 with a message when no CUDA device is present (so it is safe anywhere).
 
 1. Checks `moe_kernels.triton_mxfp4.grouped_mxfp4_gemm` (each variant: the inner products
-   `tl.dot_scaled`, in-kernel decode + TF32 or bf16 `tl.dot`, float16 codes per 32-block;
+   `tl.dot_scaled`, in-kernel decode + TF32 or bf16 `tl.dot`, float16 codes per 32-block,
+   bfloat16 operands decoded by inline PTX from the bf16x2 weight layout;
    each with activations or weights as the MMA's left operand, and split over K on the
    dense grid) against the torch path
    (`mxfp4_linear` per expert, in IEEE float32: TF32 is switched off) on a small shape and
@@ -25,8 +26,8 @@ Exits 0 with a message when no CUDA device is present (so it is safe anywhere).
    service knows its counts), so no tile schedule is built; the activations are quantized
    outside the timing.
 
-4. With `--sweep`: tile sizes, launch options and split_k of the "dot_scaled", "f16" and
-   "f16x2" variants at 1, 16 and 512 tokens per expert (`sweep`); with `--write-config`
+4. With `--sweep`: tile sizes, launch options and split_k of the "dot_scaled", "f16",
+   "f16x2" and "bf16x2" variants at 1, 16 and 512 tokens per expert (`sweep`); with `--write-config`
    the fastest per tokens per expert becomes this GPU's tuned table
    (`moe_kernels/configs/<device>.json`, which the expert service runs; step 3 times it as
    "triton tuned").
@@ -53,9 +54,10 @@ from typing import Any
 
 import torch
 
-VARIANTS = [f"{inner}{swap}" for inner in ("dot_scaled", "decode", "bf16", "f16", "f16x2")
-            for swap in ("", "/swap")]
-SWEPT = ("dot_scaled", "f16", "f16x2")  # the inner products the sweep tries (the others lost)
+VARIANTS = [f"{inner}{swap}" for inner in ("dot_scaled", "decode", "bf16", "f16", "f16x2",
+                                           "bf16x2") for swap in ("", "/swap")]
+# the inner products the sweep tries (the others lost in runs 2 and 3)
+SWEPT = ("dot_scaled", "f16", "f16x2", "bf16x2")
 ROUTE = "bf16_grouped_mm"  # the sweep's name for KernelConfig(route="bf16_grouped_mm")
 
 
@@ -65,6 +67,19 @@ def config_label(config) -> str:  # KernelConfig -> "f16/swap (16, 256, 32, 4, 5
     return (f"{config.inner}{'/swap' if config.swap_ab else ''} ({config.block_n}, "
             f"{config.block_m}, {config.block_k}, {config.num_warps}, {config.num_stages}, "
             f"{config.split_k})")
+
+
+def weights_for(w, variant: str, layouts: dict[int, tuple]):  # -> MXFP4 | Bf16x2Weights
+    """w in the layout `variant` reads: "bf16x2" variants read their own
+    (`moe_kernels.bf16x2_layout`), made once per weight tensor into `layouts`, a cache
+    the caller keeps (which also keeps w alive, so its id stays its own)."""
+    from moe_kernels.bf16x2_layout import to_bf16x2
+
+    if variant.partition("/")[0] != "bf16x2":
+        return w
+    if id(w) not in layouts:
+        layouts[id(w)] = (w, to_bf16x2(w))
+    return layouts[id(w)][1]
 
 
 def variant_options(variant: str) -> dict[str, object]:
@@ -144,6 +159,7 @@ def check(args: argparse.Namespace, variants: list[str], device: str = "cuda"
 
     torch.backends.cuda.matmul.allow_tf32 = False  # the torch path in IEEE float32
     ok, working, route_ok = True, list(variants), True
+    layouts: dict[int, tuple] = {}
     shapes = [(512, 256, [0, 5, 33, 1, 0, 70]), (args.hidden, args.inter, [1, 0, 64, 200])]
     print("## Correctness (Triton vs. torch path)\n")
     print("| H | I | tokens per expert | GEMM | variant | max rel err | bit-exact | result |")
@@ -163,7 +179,8 @@ def check(args: argparse.Namespace, variants: list[str], device: str = "cuda"
                 start += count
             for variant in list(working):
                 try:
-                    out = grouped_mxfp4_gemm(xq, offsets, w, **variant_options(variant))
+                    out = grouped_mxfp4_gemm(xq, offsets, weights_for(w, variant, layouts),
+                                             **variant_options(variant))
                     if device == "cuda":
                         torch.cuda.synchronize()
                 except Exception as exc:  # e.g. dot_scaled e2m1 x e2m1 unsupported here
@@ -182,7 +199,8 @@ def check(args: argparse.Namespace, variants: list[str], device: str = "cuda"
                 if not passed:  # wrong here: never swept, never tuned in
                     working.remove(variant)
             for variant in list(working):  # K split over 3 programs, on the dense grid
-                out = grouped_mxfp4_gemm(xq, offsets, w, max_rows=max(counts), split_k=3,
+                out = grouped_mxfp4_gemm(xq, offsets, weights_for(w, variant, layouts),
+                                         max_rows=max(counts), split_k=3,
                                          **variant_options(variant))
                 err = rel_err(out, ref)
                 ok &= err <= 1e-5
@@ -191,17 +209,22 @@ def check(args: argparse.Namespace, variants: list[str], device: str = "cuda"
                       f"{'ok' if err <= 1e-5 else 'FAIL'} |")
                 if err > 1e-5:
                     working.remove(variant)
-        if "dot_scaled" in working:  # the whole FFN, default variant
-            out = grouped_swiglu_w4a4_triton(x, counts, w_gate_up, w_down, KernelConfig())
+        for variant in ("dot_scaled", "bf16x2/swap"):  # the whole FFN: the default, and
+            if variant not in working:  # the variant with weights in their own layout
+                continue
+            config = KernelConfig(**variant_options(variant))  # type: ignore[arg-type]
+            out = grouped_swiglu_w4a4_triton(x, counts, w_gate_up, w_down, config)
             ref = grouped_swiglu_w4a4(x, counts, w_gate_up, w_down).to(out.device)
             err = rel_err(out, ref)
             # Re-quantizing between the GEMMs turns float32 rounding differences in the
             # first GEMM into occasional one-code flips, so this bound is looser.
             passed = err <= 1e-2
             ok &= passed
-            print(f"| {h} | {i} | {counts} | swiglu | dot_scaled | {err:.2e} | "
+            print(f"| {h} | {i} | {counts} | swiglu | {variant} | {err:.2e} | "
                   f"{'yes' if torch.equal(out, ref) else 'no'} | "
                   f"{'ok' if passed else 'FAIL'} |")
+            if not passed:
+                working.remove(variant)
         try:  # the route through bf16 grouped GEMMs: bf16-rounded GEMM outputs, so a
             # re-quantized code flips now and then: as close to the float FFN of the same
             # operands as the torch path is (tests/test_triton_mxfp4.py)
@@ -304,6 +327,7 @@ def bench(args: argparse.Namespace, variants: list[str], copy_bw: float) -> None
     variants = [v for v in variants if v != ROUTE]  # timed below as its own row
     e, h, i = args.experts, args.hidden, args.inter
     tuned = load_configs(torch.cuda.get_device_name())  # {}: this GPU has no tuned file
+    layouts: dict[int, tuple] = {}
     flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")  # > any L2
     gemms = {"gate_up": random_mxfp4(e, 2 * i, h, "cuda", seed=3),
              "down": random_mxfp4(e, h, i, "cuda", seed=4)}
@@ -330,13 +354,13 @@ def bench(args: argparse.Namespace, variants: list[str], copy_bw: float) -> None
                 runs.append(("w4a4: bf16 dequant + torch._grouped_mm", route, bytes_mxfp4))
             for variant in variants:  # max_rows: the expert service knows its counts
                 runs.append((f"triton {variant}", partial(
-                    grouped_mxfp4_gemm, xq, offsets, w, max_rows=t, **variant_options(variant)),
-                    bytes_mxfp4))
+                    grouped_mxfp4_gemm, xq, offsets, weights_for(w, variant, layouts),
+                    max_rows=t, **variant_options(variant)), bytes_mxfp4))
             config = pick(tuned, t) if tuned else None  # what the expert service runs here
             if config is not None and config.route == "triton":
                 runs.append((f"tuned: {config_label(config)}", partial(
-                    grouped_mxfp4_gemm, xq, offsets, w, max_rows=t, **config.gemm_options()),
-                    bytes_mxfp4))
+                    grouped_mxfp4_gemm, xq, offsets, weights_for(w, config.inner, layouts),
+                    max_rows=t, **config.gemm_options()), bytes_mxfp4))
             elif config is not None and route is not None:
                 runs.append((f"tuned: {config.route}", route, bytes_mxfp4))
             base_ms = None
@@ -349,6 +373,7 @@ def bench(args: argparse.Namespace, variants: list[str], copy_bw: float) -> None
                       f"{base_ms / ms:.2f}x |", flush=True)
             del x_bf16, xq
         del w_bf16
+        layouts.clear()
         torch.cuda.empty_cache()
     print()
 
@@ -356,17 +381,24 @@ def bench(args: argparse.Namespace, variants: list[str], copy_bw: float) -> None
 def sweep_configs(variant: str, tokens: int) -> list[tuple[int, int, int, int, int, int]]:
     """(block_n, block_m, block_k, warps, stages, split_k) to try: around the best of the
     H200 runs of 2026-11-30 (docs/benchmarks.md), with K split over 4 programs at decode,
-    and for "f16x2" (not yet run on a GPU) 1-4 scale blocks per K step. 32 configs per
-    decode shape for the 6 swept variants, fewer than run 3's 36, to fit gpu_check's time."""
+    and for "f16x2" and "bf16x2" (not yet run on a GPU) the tiles with the fewest issue
+    slots per weight (benchmarks/kernel_sass.py). 36 configs per decode shape for the 8
+    swept variants, as many as run 3 timed, to fit gpu_check's time."""
     inner = variant.partition("/")[0]
     if tokens >= 256:
         return [(bn, 128, 32 if inner.startswith("f16") else 128, 4, 3, 1) for bn in (64, 128)]
     if inner == "f16":  # swept in run 3: block_m 256 won
         return [(16, 256, 32, 4, ns, sk) for ns in (3, 5) for sk in (1, 4)]
     if inner == "f16x2":  # block_m 512 with 8 warps: the fewest slots without spills
-        return [*((16, bm, bk, 4, 3, 1) for bm in (128, 256) for bk in (32, 64)),
-                (16, 256, 128, 4, 3, 1), (16, 512, 32, 8, 3, 1),
-                *((16, 256, 32, 4, 5, sk) for sk in (1, 4))]
+        return [(16, 128, 32, 4, 3, 1), (16, 256, 32, 4, 3, 1), (16, 256, 64, 4, 3, 1),
+                (16, 512, 32, 8, 3, 1), (16, 256, 32, 4, 5, 4)]
+    if inner == "bf16x2" and variant.endswith("/swap"):  # the fewest issue slots per weight
+        # (benchmarks/kernel_sass.py): block_m 256, then 128; weights as the left operand
+        return [(16, 256, 64, 4, 4, 1), (16, 256, 64, 4, 4, 4), (16, 256, 128, 4, 3, 1),
+                (16, 256, 64, 4, 3, 1), (16, 128, 128, 4, 3, 1), (16, 128, 128, 4, 4, 4),
+                (16, 128, 256, 4, 3, 1), (16, 512, 128, 8, 3, 1)]
+    if inner == "bf16x2":  # weights as the right operand go through shared memory
+        return [(16, 128, 128, 4, 3, 1), (16, 128, 64, 4, 4, 4)]
     return [(16, 128, bk, 4, 3, sk) for bk in (128, 256) for sk in (1, 4)]
 
 
@@ -393,6 +425,7 @@ def sweep(variants: list[str], copy_bw: float, json_path: str | None = None,
     gemms = {"gate_up": random_mxfp4(experts, 2 * inter, hidden, "cuda", seed=3),
              "down": random_mxfp4(experts, hidden, inter, "cuda", seed=4)}
     results: list[dict[str, Any]] = []
+    layouts: dict[int, tuple] = {}
     print(f"## W4A4 kernel sweep (copy bandwidth {copy_bw / 1e12:.2f} TB/s)\n")
     print("| GEMM | tokens/expert | variant | block_n, block_m, block_k, warps, stages, "
           "split_k | us | weight TB/s | of copy BW | TFLOP/s |\n"
@@ -405,8 +438,8 @@ def sweep(variants: list[str], copy_bw: float, json_path: str | None = None,
             xq = quantize(torch.randn(n, k, dtype=torch.bfloat16, device="cuda"))
             shape: list[dict[str, Any]] = []
             candidates = [(variant, config, partial(
-                grouped_mxfp4_gemm, xq, offsets, w, max_rows=t, **tiles(config),
-                **variant_options(variant))) for variant in variants
+                grouped_mxfp4_gemm, xq, offsets, weights_for(w, variant, layouts), max_rows=t,
+                **tiles(config), **variant_options(variant))) for variant in variants
                 for config in sweep_configs(variant, t)]
             if route:  # the other route: both operands to bf16, then torch._grouped_mm
                 candidates.append((ROUTE, (), partial(_dequant_grouped_mm, xq, w,

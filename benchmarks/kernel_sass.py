@@ -39,12 +39,14 @@ DIVISIBLE = ("x_ptr", "x_scale_ptr", "w_ptr", "w_scale_ptr", "out_ptr", "offsets
              "tile_expert_ptr", "tile_row_ptr", "M", "K", "stride_xn", "stride_we",
              "stride_wm", "stride_on")
 # (inner, swap_ab, block_n, block_m, block_k, num_stages, warps): the defaults, the H200's
-# tuned decode config (f16/swap), and the f16x2 candidates
+# tuned decode config (f16/swap), and the f16x2 and bf16x2 candidates
 DECODE = [("dot_scaled", False, 16, 128, 128, 3, 4), ("dot_scaled", True, 16, 128, 128, 3, 4),
           ("decode", True, 16, 128, 128, 3, 4), ("bf16", True, 16, 128, 128, 3, 4),
           ("f16", True, 16, 256, 32, 5, 4), ("f16", True, 16, 256, 128, 3, 4),
           ("f16x2", True, 16, 256, 32, 5, 4), ("f16x2", True, 16, 256, 128, 3, 4),
-          ("f16x2", True, 16, 512, 32, 3, 4), ("f16x2", True, 16, 512, 32, 3, 8)]
+          ("f16x2", True, 16, 512, 32, 3, 4), ("f16x2", True, 16, 512, 32, 3, 8),
+          ("bf16x2", False, 16, 128, 128, 3, 4), ("bf16x2", True, 16, 128, 128, 3, 4),
+          ("bf16x2", True, 16, 256, 64, 4, 4), ("bf16x2", True, 16, 256, 128, 3, 4)]
 
 
 def compile_gemm(arch: int, inner: str, swap_ab: bool, block_n: int, block_m: int,
@@ -55,7 +57,9 @@ def compile_gemm(arch: int, inner: str, swap_ab: bool, block_n: int, block_m: in
     constants = {"BLOCK_N": block_n, "BLOCK_M": block_m, "BLOCK_K": block_k,
                  "INNER": INNER_PRODUCTS[inner], "SWAP_AB": swap_ab, "DENSE": True,
                  "EVEN_K": even_k, "SPLIT_K": split_k}
-    signature = {name: "constexpr" if name in constants else POINTERS.get(name, "i32")
+    pointers = {**POINTERS, "x_ptr": "*bf16", "x_scale_ptr": "*bf16"} if inner == "bf16x2" \
+        else POINTERS  # "bf16x2" reads the activations' values, decoded ahead
+    signature = {name: "constexpr" if name in constants else pointers.get(name, "i32")
                  for name in fn.arg_names}
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in DIVISIBLE}
     return triton.compile(ASTSource(fn, signature, constants, attrs),

@@ -15,7 +15,7 @@ from pathlib import Path
 import msgspec
 
 # The inner products of `moe_kernels.triton_mxfp4.grouped_mxfp4_gemm`, as its kernel numbers them.
-INNER_PRODUCTS = {"dot_scaled": 0, "decode": 1, "bf16": 2, "f16": 3, "f16x2": 4}
+INNER_PRODUCTS = {"dot_scaled": 0, "decode": 1, "bf16": 2, "f16": 3, "f16x2": 4, "bf16x2": 5}
 # How the W4A4 FFN runs: the Triton kernel, or both operands decoded to bfloat16 in one pass
 # each and `torch._grouped_mm` (`triton_mxfp4.grouped_swiglu_w4a4_bf16`; for many tokens)
 ROUTES = ("triton", "bf16_grouped_mm")

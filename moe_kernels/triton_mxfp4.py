@@ -16,7 +16,7 @@ its lhs as `[rows, K/2]` with scales `[rows, K/32]`, and its rhs as `[K/2, cols]
 K, `rhs_k_pack=True`) with scales `[cols, K/32]` (not transposed), so a weight tile loaded as
 `[cols, K/2]` is passed transposed and its scales as loaded.
 
-Five inner products, selected by `inner` (all exact; the H200 runs chose the default,
+Six inner products, selected by `inner` (all exact; the H200 runs chose the default,
 docs/benchmarks.md):
 - "dot_scaled" (default): `tl.dot_scaled`, native block-scaled MMA on Blackwell; on Hopper
   and older triton decomposes it into an upcast to bfloat16 and an ordinary MMA.
@@ -29,17 +29,27 @@ docs/benchmarks.md):
   product scaled by both scales in float32.
 - "f16x2": the same, the weight codes decoded a 32-bit word at a time (two float16 codes
   per word operation), for Hopper, where the decode and not the memory bounds the kernel.
+- "bf16x2": the activations decoded to bfloat16 values once, ahead of the kernel (not once
+  per weight tile); the weights, kept in their own layout (`moe_kernels.bf16x2_layout`),
+  decoded by inline PTX (sm_90 and later) into bfloat16 MMA operands with their scales
+  applied, two values per instruction; then one bfloat16 MMA per K step, no per-block
+  scaling of partial sums. The interpreter cannot run inline PTX: it runs the same bit
+  operations in Triton (`_bf16x2_emulated`), so CPU tests check the layout and the
+  arithmetic, and a GPU run checks the PTX.
 Either operand can be the MMA's left one (`swap_ab`), and K can be split over programs
 (`split_k`).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from moe_kernels.bf16x2_layout import MASK, Bf16x2Weights, to_bf16x2
 from moe_kernels.grouped_gemm import row_ends
 from moe_kernels.kernel_configs import INNER_PRODUCTS, KernelConfig, tuned_config
 from moe_kernels.mxfp4 import BLOCK, MXFP4Tensor, check_blockable, quantize
@@ -73,6 +83,90 @@ def _decode_mxfp4(packed, scales, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
     scale = _e8m0(scales)  # [ROWS, BLOCK_K / 32]
     values = tl.reshape(values, [ROWS, BLOCK_K // 32, 32]) * scale[:, :, None]
     return tl.reshape(values, [ROWS, BLOCK_K])
+
+
+# Inline PTX cannot run in the interpreter, which runs `_bf16x2_emulated` instead.
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_INTERPRETING = tl.constexpr(INTERPRETING)
+_MASK = tl.constexpr(MASK)
+
+
+@triton.jit
+def _decode_bf16x2(words, scales, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Weights in the bf16x2 layout (`moe_kernels.bf16x2_layout`) to their exact values.
+
+    words: [ROWS, BLOCK_K / 8] uint32, the packed codes read as little-endian words;
+    scales: [ROWS, BLOCK_K / 32] uint8 E8M0 bytes, at most 2**1. Returns [ROWS, BLOCK_K]
+    bfloat16 in K order (float32 in the interpreter), each thread holding the MMA operand
+    registers it decoded.
+    """
+    # one 32-bit word per asm call (pack 1): which elements a packed call gets is the
+    # layout's choice, and the layout Triton picks for the MMA interleaves rows
+    scales = tl.reshape(tl.broadcast_to(scales[:, :, None], [ROWS, BLOCK_K // 32, 4]),
+                        [ROWS, BLOCK_K // 8]).to(tl.uint32)  # [ROWS, word]
+    if _INTERPRETING:
+        h = _bf16x2_emulated(words, scales)  # 8 x [ROWS, word] float32
+    else:
+        h = _bf16x2_asm(words, scales * 0x00800080 + 0x3F003F00)  # scale * 2**126, twice
+    # h[2j + t]: register j's half t, code 2c + 8j + t of the block for word c
+    regs = tl.join(tl.join(tl.join(h[0], h[1]), tl.join(h[2], h[3])),
+                   tl.join(tl.join(h[4], h[5]), tl.join(h[6], h[7])))  # [ROWS, word, t, j0, j1]
+    regs = tl.reshape(regs, [ROWS, BLOCK_K // 32, 4, 2, 2, 2])  # [ROWS, block, c, t, j0, j1]
+    return tl.reshape(tl.permute(regs, (0, 1, 5, 4, 2, 3)), [ROWS, BLOCK_K])  # k = 8j + 2c + t
+
+
+@triton.jit
+def _bf16x2_asm(words, pair):
+    """Per 32-bit word: registers 0-3, each (word rotated right & MASK) times `pair` (the
+    block's scale times 2**126 as two bfloat16), returned as 8 bfloat16 tensors, register j's
+    low and high halves at 2j and 2j + 1. 13 instructions per word."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 r, s;
+        and.b32 r, $8, 0x81C081C0;
+        mul.rn.bf16x2 r, r, $9;
+        mov.b32 {$0, $1}, r;
+        shf.r.wrap.b32 r, $8, $8, 4;
+        and.b32 r, r, 0x81C081C0;
+        mul.rn.bf16x2 r, r, $9;
+        mov.b32 {$2, $3}, r;
+        shf.r.wrap.b32 r, $8, $8, 10;
+        and.b32 r, r, 0x81C081C0;
+        mul.rn.bf16x2 r, r, $9;
+        mov.b32 {$4, $5}, r;
+        shf.r.wrap.b32 r, $8, $8, 14;
+        and.b32 r, r, 0x00400040;
+        shf.r.wrap.b32 s, $8, $8, 6;
+        and.b32 s, s, 0x81808180;
+        or.b32 r, r, s;
+        mul.rn.bf16x2 r, r, $9;
+        mov.b32 {$6, $7}, r;
+        }""",
+        constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r", args=[words, pair],
+        dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+
+
+@triton.jit
+def _bf16x2_emulated(words, scales):
+    """`_bf16x2_asm`'s 8 outputs by Triton operations, in float32 (scales: E8M0 bytes)."""
+    regs = (words & _MASK, _rotr(words, 4) & _MASK, _rotr(words, 10) & _MASK,
+            (_rotr(words, 14) & 0x00400040) | (_rotr(words, 6) & 0x81808180))
+    scale = ((scales + 126) << 23).to(tl.float32, bitcast=True)  # 2**(s - 1)
+    return (_half(regs[0], 0) * scale, _half(regs[0], 16) * scale,
+            _half(regs[1], 0) * scale, _half(regs[1], 16) * scale,
+            _half(regs[2], 0) * scale, _half(regs[2], 16) * scale,
+            _half(regs[3], 0) * scale, _half(regs[3], 16) * scale)
+
+
+@triton.jit
+def _half(regs, shift: tl.constexpr):
+    """The bfloat16 in bits shift..shift + 15 of uint32 regs, as float32 (code * 2**-126)."""
+    return (((regs >> shift) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _rotr(words, n: tl.constexpr):
+    return (words >> n) | (words << (32 - n))
 
 
 @triton.jit
@@ -167,6 +261,17 @@ def _block_f16(x_rows, xs_rows, w_rows, ws_rows, row_ok, col_ok, blk, K, acc,
 
 
 @triton.jit
+def _mma(x, w, acc, SWAP_AB: tl.constexpr):
+    """acc + x @ w.T ([N, K] and [M, K] operands), or its transpose with the weights as the
+    MMA's left operand; float32 operands in TF32 (exact for MXFP4 values)."""
+    if SWAP_AB:
+        acc = tl.dot(w, tl.trans(x), acc, input_precision="tf32")
+    else:
+        acc = tl.dot(x, tl.trans(w), acc, input_precision="tf32")
+    return acc
+
+
+@triton.jit
 def _grouped_mxfp4_gemm_kernel(
     x_ptr, x_scale_ptr,  # [N, K/2] uint8, [N, K/32] uint8: activations, rows sorted by expert
     w_ptr, w_scale_ptr,  # [E, M, K/2] uint8, [E, M, K/32] uint8: weights
@@ -223,7 +328,7 @@ def _grouped_mxfp4_gemm_kernel(
     k_start = tl.program_id(2) * k_per_split if SPLIT_K > 1 else 0
     k_end = tl.minimum(K, k_start + k_per_split) if SPLIT_K > 1 else K
     for k0 in range(k_start, k_end, BLOCK_K):
-        if INNER >= 3:  # float16 codes: one MMA per 32-block, its product scaled
+        if INNER == 3 or INNER == 4:  # float16 codes: one MMA per 32-block, its product scaled
             for s in tl.static_range(BLOCK_K // 32):
                 acc = _block_f16(x_rows, xs_rows, w_rows, ws_rows, row_ok, col_ok,
                                  k0 // 32 + s, K, acc, BLOCK_N, BLOCK_M, INNER == 4, SWAP_AB,
@@ -235,30 +340,39 @@ def _grouped_mxfp4_gemm_kernel(
             # and scales read as 0, i.e. the value +0 (times 2**-127), adding nothing.
             byte_ok = (byte < K // 2) | EVEN_K  # EVEN_K, a constexpr True: no K masks at all
             blk_ok = (blk < K // 32) | EVEN_K
-            x = tl.load(x_rows + byte[None, :], mask=row_ok[:, None] & byte_ok[None, :],
-                        other=0)  # [BLOCK_N, BLOCK_K / 2] uint8
-            xs = tl.load(xs_rows + blk[None, :], mask=row_ok[:, None] & blk_ok[None, :],
-                         other=0)  # [BLOCK_N, BLOCK_K / 32] uint8
-            w = tl.load(w_rows + byte[None, :], mask=col_ok[:, None] & byte_ok[None, :],
-                        other=0)  # [BLOCK_M, BLOCK_K / 2] uint8
-            ws = tl.load(ws_rows + blk[None, :], mask=col_ok[:, None] & blk_ok[None, :],
-                         other=0)  # [BLOCK_M, BLOCK_K / 32] uint8
-            if INNER == 0:
-                # rhs [BLOCK_K / 2, cols] packed along K; rhs scales stay [cols, BLOCK_K / 32].
-                if SWAP_AB:
-                    acc = tl.dot_scaled(w, ws, "e2m1", tl.trans(x), xs, "e2m1", acc)
-                else:
-                    acc = tl.dot_scaled(x, xs, "e2m1", tl.trans(w), ws, "e2m1", acc)
+            if INNER == 5:  # x holds values (bfloat16), w the bf16x2 layout
+                ws = tl.load(ws_rows + blk[None, :], mask=col_ok[:, None] & blk_ok[None, :],
+                             other=0)  # [BLOCK_M, BLOCK_K / 32] uint8
+                k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+                x_v = tl.load(x_rows + k[None, :], other=0.0,
+                              mask=row_ok[:, None] & ((k < K) | EVEN_K)[None, :])
+                word_k = k0 + 8 * tl.arange(0, BLOCK_K // 8)  # [BLOCK_K / 8]: 8 codes each
+                words = tl.load((w_rows + k0 // 2).to(tl.pointer_type(tl.uint32))
+                                + tl.arange(0, BLOCK_K // 8)[None, :], other=0,
+                                mask=col_ok[:, None] & ((word_k < K) | EVEN_K)[None, :])
+                acc = _mma(x_v, _decode_bf16x2(words, ws, BLOCK_M, BLOCK_K), acc, SWAP_AB)
             else:
-                x_f = _decode_mxfp4(x, xs, BLOCK_N, BLOCK_K)  # [BLOCK_N, BLOCK_K] float32
-                w_f = _decode_mxfp4(w, ws, BLOCK_M, BLOCK_K)  # [BLOCK_M, BLOCK_K] float32
-                if INNER == 2:  # exact: MXFP4 values have at most 2 mantissa bits
-                    x_f = x_f.to(tl.bfloat16)
-                    w_f = w_f.to(tl.bfloat16)
-                if SWAP_AB:
-                    acc = tl.dot(w_f, tl.trans(x_f), acc, input_precision="tf32")
+                x = tl.load(x_rows + byte[None, :], mask=row_ok[:, None] & byte_ok[None, :],
+                            other=0)  # [BLOCK_N, BLOCK_K / 2] uint8
+                xs = tl.load(xs_rows + blk[None, :], mask=row_ok[:, None] & blk_ok[None, :],
+                             other=0)  # [BLOCK_N, BLOCK_K / 32] uint8
+                w = tl.load(w_rows + byte[None, :], mask=col_ok[:, None] & byte_ok[None, :],
+                            other=0)  # [BLOCK_M, BLOCK_K / 2] uint8
+                ws = tl.load(ws_rows + blk[None, :], mask=col_ok[:, None] & blk_ok[None, :],
+                             other=0)  # [BLOCK_M, BLOCK_K / 32] uint8
+                if INNER == 0:
+                    # rhs [BLOCK_K / 2, cols] packed along K; its scales stay [cols, K / 32].
+                    if SWAP_AB:
+                        acc = tl.dot_scaled(w, ws, "e2m1", tl.trans(x), xs, "e2m1", acc)
+                    else:
+                        acc = tl.dot_scaled(x, xs, "e2m1", tl.trans(w), ws, "e2m1", acc)
                 else:
-                    acc = tl.dot(x_f, tl.trans(w_f), acc, input_precision="tf32")
+                    x_f = _decode_mxfp4(x, xs, BLOCK_N, BLOCK_K)  # [BLOCK_N, BLOCK_K] float32
+                    w_f = _decode_mxfp4(w, ws, BLOCK_M, BLOCK_K)  # [BLOCK_M, BLOCK_K] float32
+                    if INNER == 2:  # exact: MXFP4 values have at most 2 mantissa bits
+                        x_f = x_f.to(tl.bfloat16)
+                        w_f = w_f.to(tl.bfloat16)
+                    acc = _mma(x_f, w_f, acc, SWAP_AB)
 
     if SWAP_AB:
         acc = tl.trans(acc)  # [BLOCK_N, BLOCK_M]
@@ -338,7 +452,7 @@ def _tile_schedule(offsets: torch.Tensor, n: int, block_n: int) -> tuple[torch.T
     return tile_expert.to(torch.int32), tile_row.to(torch.int32)
 
 
-def _check_mxfp4(q: MXFP4Tensor, name: str, ndim: int) -> None:
+def _check_mxfp4(q: MXFP4Tensor | Bf16x2Weights, name: str, ndim: int) -> None:
     if q.packed.dtype != torch.uint8 or q.scales.dtype != torch.uint8:
         raise ValueError(f"{name}: packed and scales must be uint8; got {q.packed.dtype}, "
                          f"{q.scales.dtype}")
@@ -368,7 +482,7 @@ F16_CODES = ("f16", "f16x2")  # one MMA per 32-block: block_k may be 32
 
 
 def grouped_mxfp4_gemm(
-    x: MXFP4Tensor, expert_offsets: torch.Tensor, w: MXFP4Tensor, *,
+    x: MXFP4Tensor, expert_offsets: torch.Tensor, w: MXFP4Tensor | Bf16x2Weights, *,
     block_n: int | None = None, block_m: int | None = None, block_k: int | None = None,
     inner: str = "dot_scaled", swap_ab: bool = False, max_rows: int | None = None,
     split_k: int = 1, num_warps: int = 4, num_stages: int = 3,
@@ -383,16 +497,19 @@ def grouped_mxfp4_gemm(
             expert e owns rows `offsets[e]:offsets[e + 1]` (possibly empty); `offsets[0]` must
             be 0 and `offsets[E]` must be N (not checked: that would need a host sync).
         w: MXFP4 of `[E, M, K]` weights (packed `[E, M, K / 2]` uint8, scales
-            `[E, M, K / 32]` uint8), blocks along K; same device as x.
+            `[E, M, K / 32]` uint8), blocks along K; same device as x. For "bf16x2", the
+            same in that layout (`moe_kernels.bf16x2_layout.to_bf16x2`).
         block_n, block_m, block_k: tile sizes (powers of two, at least 16; block_k a
-            multiple of 32 and at least 64, or 32 for "f16" and "f16x2"). By default
+            multiple of 32 and at least 64, or 32 for "f16", "f16x2" and "bf16x2"). By default
             block_n follows the mean rows per expert (16 to 64), block_m is 128 (the best
             on an H200: docs/benchmarks.md) and block_k 128 (32 for float16 codes).
         inner: the inner product: `tl.dot_scaled` ("dot_scaled"); an in-kernel decode
             to float32 then `tl.dot` in TF32 ("decode") or bfloat16 ("bf16"); or float16
             codes, one MMA per 32-block, its product scaled, the codes decoded a byte
-            ("f16") or a 32-bit word ("f16x2") at a time. All exact up to the float32
-            summation order.
+            ("f16") or a 32-bit word ("f16x2") at a time; or ("bf16x2") the activations
+            decoded to bfloat16 values first, the weights (in the bf16x2 layout) by inline
+            PTX for sm_90 and later, two scaled values per instruction, one bfloat16 MMA per
+            K step. All exact up to the float32 summation order.
         swap_ab: compute out.T = w @ x.T, so the weights are the MMA's left operand.
         max_rows: the most rows any expert has, if the caller knows it without a device
             sync: the grid is then E x cdiv(max_rows, block_n) row tiles, and the tile
@@ -407,10 +524,15 @@ def grouped_mxfp4_gemm(
         dequantize(w[e]).T`, exact up to the float32 summation order.
 
     Raises:
-        ValueError: K is not a multiple of 32, or the shapes disagree.
+        ValueError: K is not a multiple of 32, the shapes disagree, or the weights' layout
+            is not the inner product's.
     """
     _check_mxfp4(x, "x", 2)
     _check_mxfp4(w, "w", 3)
+    if isinstance(w, Bf16x2Weights) != (inner == "bf16x2"):
+        raise ValueError(f"the {inner} inner product takes weights "
+                         f"{'in the bf16x2 layout' if inner == 'bf16x2' else 'as MXFP4Tensor'}"
+                         f"; got {type(w).__name__}")
     n, k = x.shape
     e, m, k_w = w.shape
     if k_w != k:
@@ -423,7 +545,7 @@ def grouped_mxfp4_gemm(
     if inner not in INNER_PRODUCTS:
         raise ValueError(f"unknown inner product {inner!r}; choose "
                          f"{', '.join(INNER_PRODUCTS)}")
-    least = BLOCK if inner in F16_CODES else 2 * BLOCK
+    least = BLOCK if inner in (*F16_CODES, "bf16x2") else 2 * BLOCK
     block_k = block_k or (BLOCK if inner in F16_CODES else 128)
     if block_k & (block_k - 1) or block_k < least:  # 32 divides it, then
         raise ValueError(f"block_k must be a power of two, at least {least} for the {inner} "
@@ -438,8 +560,11 @@ def grouped_mxfp4_gemm(
         block_m = 128
 
     x_packed, x_scales = _dense_last(x.packed), _dense_last(x.scales)
+    if inner == "bf16x2":  # the kernel reads values: decoded once, not per weight tile
+        x_packed = x_scales = dequantize_mxfp4(  # [N, K]
+            x, torch.float32 if INTERPRETING else torch.bfloat16)
     w_packed, w_scales = _dense_last(w.packed), _dense_last(w.scales)
-    if inner == "f16x2":  # weight codes read as 32-bit words
+    if inner in ("f16x2", "bf16x2"):  # weight codes read as 32-bit words
         w_packed = _word_aligned(w_packed)
     offsets = expert_offsets.to(device=device, dtype=torch.int32)  # [E + 1]
     if max_rows is None:
@@ -470,8 +595,9 @@ def grouped_mxfp4_gemm(
 
 
 def grouped_swiglu_w4a4_triton(
-    x: MXFP4Tensor, tokens_per_expert: list[int] | torch.Tensor, w_gate_up: MXFP4Tensor,
-    w_down: MXFP4Tensor, config: KernelConfig | None = None, max_rows: int | None = None,
+    x: MXFP4Tensor, tokens_per_expert: list[int] | torch.Tensor,
+    w_gate_up: MXFP4Tensor | Bf16x2Weights, w_down: MXFP4Tensor | Bf16x2Weights,
+    config: KernelConfig | None = None, max_rows: int | None = None,
 ) -> torch.Tensor:
     """`moe_kernels.grouped_gemm.grouped_swiglu_w4a4` with both GEMMs on the Triton kernel.
 
@@ -484,7 +610,9 @@ def grouped_swiglu_w4a4_triton(
         w_down: MXFP4 of `[E, H, I]`, blocks along I.
         config: the kernel's variant and tiles for both GEMMs; by default the one tuned
             for this GPU model and the most tokens any expert has
-            (`moe_kernels.kernel_configs`), else `KernelConfig()`.
+            (`moe_kernels.kernel_configs`), else `KernelConfig()`. Weights not in its
+            layout are converted on each call (`to_bf16x2`): callers that call again
+            convert once (`services.expert.experts.ExpertBank` does).
 
     Returns:
         `[N, H]` float32 expert outputs on x's device, not yet weighted by the router. The
@@ -508,6 +636,7 @@ def grouped_swiglu_w4a4_triton(
     if config is None:
         config = tuned_config(
             torch.cuda.get_device_name(device) if device.type == "cuda" else None, most)
+    w_gate_up, w_down = in_layout(w_gate_up, config), in_layout(w_down, config)
     if config.route == "bf16_grouped_mm":
         return grouped_swiglu_w4a4_bf16(x, tokens_per_expert, w_gate_up, w_down)
     options = config.gemm_options()
@@ -515,6 +644,17 @@ def grouped_swiglu_w4a4_triton(
                                   ).chunk(2, dim=-1)  # [N, I] each
     act = quantize(F.silu(gate) * up)  # [N, I] -> MXFP4, per row
     return grouped_mxfp4_gemm(act, offsets, w_down[:e], max_rows=most, **options)
+
+
+def in_layout(w: MXFP4Tensor | Bf16x2Weights, config: KernelConfig
+              ) -> MXFP4Tensor | Bf16x2Weights:
+    """w in the layout `config`'s inner product reads (a conversion only where it differs)."""
+    if config.inner == "bf16x2" and config.route == "triton":
+        return w if isinstance(w, Bf16x2Weights) else to_bf16x2(w)
+    if isinstance(w, Bf16x2Weights):
+        raise ValueError(f"the {config.inner} inner product reads MXFP4Tensor weights, not the "
+                         f"bf16x2 layout")
+    return w
 
 
 def grouped_swiglu_w4a4_bf16(x: MXFP4Tensor, tokens_per_expert: list[int] | torch.Tensor,

@@ -39,7 +39,8 @@ def compile_dequantize(arch: int) -> None:
 def variants() -> list[tuple[int, str, bool, int, int, int, bool, int, int]]:
     """(arch, inner, swap_ab, block_n, block_m, block_k, even_k, split_k, num_stages): every
     inner product and operand order at decode tiles (the tuned H200 ones among them), a
-    partial last K step, K split, and the prefill tiles."""
+    partial last K step, K split, the prefill tiles, and "bf16x2" (inline PTX) for both
+    architectures."""
     out = []
     for inner in INNER_PRODUCTS:
         f16 = inner.startswith("f16")
@@ -50,6 +51,8 @@ def variants() -> list[tuple[int, str, bool, int, int, int, bool, int, int]]:
     out.append((90, "dot_scaled", False, 64, 128, 128, True, 1, 3))
     out.append((100, "dot_scaled", False, 16, 128, 128, True, 1, 3))
     out.append((100, "dot_scaled", True, 64, 128, 128, True, 1, 3))
+    out.append((90, "bf16x2", True, 16, 256, 64, True, 1, 4))  # the fewest slots, no spills
+    out.append((100, "bf16x2", True, 16, 128, 128, True, 1, 3))  # its inline PTX on Blackwell
     return out
 
 

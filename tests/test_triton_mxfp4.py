@@ -11,12 +11,14 @@ tests run on the GPU, with a 1e-6 relative tolerance instead.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first `import triton`
 
 import pytest
 import torch
 
+from moe_kernels.bf16x2_layout import Bf16x2Weights, to_bf16x2
 from moe_kernels.grouped_gemm import grouped_swiglu, grouped_swiglu_w4a4, mxfp4_linear
 from moe_kernels.kernel_configs import KernelConfig
 from moe_kernels.mxfp4 import MXFP4Tensor, quantize
@@ -34,7 +36,7 @@ if not INTERPRET and not torch.cuda.is_available():
 DEVICE = "cpu" if INTERPRET else "cuda"
 # The interpreter's bfloat16 tl.dot is wrong (triton 3.8: a 16x16 product of bf16-exact
 # values comes out 2.5e10 off), so the "bf16" inner product is checked on a GPU only.
-INNERS = ["dot_scaled", "decode", "f16", "f16x2", pytest.param(
+INNERS = ["dot_scaled", "decode", "f16", "f16x2", "bf16x2", pytest.param(
     "bf16", marks=pytest.mark.skipif(
         INTERPRET, reason="the Triton interpreter's bfloat16 tl.dot is wrong; checked on a GPU"))]
 # Small tiles so that tiny shapes still span several tiles and hit every mask.
@@ -42,8 +44,13 @@ SMALL = {"block_n": 16, "block_m": 32, "block_k": 64}
 
 
 def small(inner: str) -> dict[str, int]:
-    """SMALL tiles; "f16" steps K by 32 (one scale block, its least), "f16x2" by 64."""
+    """SMALL tiles; "f16" steps K by 32 (one scale block, its least), the others by 64."""
     return {**SMALL, "block_k": 32} if inner == "f16" else SMALL
+
+
+def weights(w: MXFP4Tensor, inner: str) -> MXFP4Tensor | Bf16x2Weights:
+    """w in the layout `inner` reads."""
+    return to_bf16x2(w) if inner == "bf16x2" else w
 
 
 def assert_same(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -104,7 +111,7 @@ def test_gemm_matches_mxfp4_linear_per_expert(tokens_per_expert: list[int], k: i
     schedule, and E x cdiv(max rows, block_n) tiles when the caller knows the max), and K
     split over programs (as many as there are K steps, at most)."""
     x, w = make(tokens_per_expert, k, m)
-    out = grouped_mxfp4_gemm(x, offsets_of(tokens_per_expert), w, inner=inner,
+    out = grouped_mxfp4_gemm(x, offsets_of(tokens_per_expert), weights(w, inner), inner=inner,
                              swap_ab=swap_ab, max_rows=max(tokens_per_expert) if dense else None,
                              split_k=split_k, **small(inner))
     assert_same(out, reference_gemm(x, tokens_per_expert, w))
@@ -128,7 +135,8 @@ def test_gemm_nan_block_poisons_its_row_only(inner: str) -> None:
     qx, (_, w) = quantize(x), make(tokens, 64, 16)
     qx = MXFP4Tensor(qx.packed.to(DEVICE), qx.scales.to(DEVICE))
     assert qx.scales[3, 1].item() == 0xFF
-    out = grouped_mxfp4_gemm(qx, offsets_of(tokens), w, inner=inner, **small(inner))
+    out = grouped_mxfp4_gemm(qx, offsets_of(tokens), weights(w, inner), inner=inner,
+                             **small(inner))
     assert out[3].isnan().all() and not out[[0, 1, 2, 4]].isnan().any()
     assert_same(out, reference_gemm(qx, tokens, w))
 
@@ -154,14 +162,30 @@ def test_swiglu_matches_torch_path(tokens_per_expert: list[int], hidden: int,
 @pytest.mark.parametrize("config", [
     KernelConfig(inner="f16x2", swap_ab=True, block_n=16, block_m=32, block_k=64, split_k=2),
     KernelConfig(inner="f16", block_n=32, block_m=64, block_k=32, num_stages=5),
-], ids=["f16x2", "f16"])
+    KernelConfig(inner="bf16x2", swap_ab=True, block_n=16, block_m=64, block_k=128),
+], ids=["f16x2", "f16", "bf16x2"])
 def test_swiglu_runs_a_given_kernel_config(config: KernelConfig) -> None:
-    """A tuned config (`moe_kernels.kernel_configs`) serves both GEMMs of the FFN."""
+    """A tuned config (`moe_kernels.kernel_configs`) serves both GEMMs of the FFN, the
+    weights converted to its layout if they are not in it."""
     tokens = [3, 0, 12, 40, 0, 1, 70, 0]
     x, w_gate_up = make(tokens, 256, 256, seed=5)
     _, w_down = make(tokens, 128, 256, seed=6)
-    out = grouped_swiglu_w4a4_triton(x, tokens, w_gate_up, w_down, config)
-    assert_same(out, grouped_swiglu_w4a4(x, tokens, w_gate_up, w_down).to(out.device))
+    want = grouped_swiglu_w4a4(x, tokens, w_gate_up, w_down).to(DEVICE)
+    assert_same(grouped_swiglu_w4a4_triton(x, tokens, w_gate_up, w_down, config), want)
+    layout = (weights(w_gate_up, config.inner), weights(w_down, config.inner))
+    assert_same(grouped_swiglu_w4a4_triton(x, tokens, *layout, config), want)
+
+
+def test_weights_in_another_kernels_layout_are_an_error() -> None:
+    x, w = make([2], 64, 32)
+    with pytest.raises(ValueError, match="the bf16x2 inner product takes weights in the "
+                                         "bf16x2 layout; got MXFP4Tensor"):
+        grouped_mxfp4_gemm(x, offsets_of([2]), w, inner="bf16x2")
+    with pytest.raises(ValueError, match="the dot_scaled inner product takes weights as "
+                                         "MXFP4Tensor; got Bf16x2Weights"):
+        grouped_mxfp4_gemm(x, offsets_of([2]), to_bf16x2(w))
+    with pytest.raises(ValueError, match="reads MXFP4Tensor weights, not the bf16x2 layout"):
+        grouped_swiglu_w4a4_triton(x, [2], to_bf16x2(w), w, KernelConfig(inner="f16"))
 
 
 def test_the_bf16_route_is_a_config_too() -> None:
@@ -311,14 +335,14 @@ def test_every_variant_compiles_for_hopper_and_blackwell() -> None:
     out = subprocess.run([sys.executable, "-m", "tests.compile_kernels"], env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert out.stdout.count(": ok (") == 19, out.stdout
+    assert out.stdout.count(": ok (") == 24, out.stdout
 
 
 def test_the_gpu_benchmarks_check_runs_on_this_device(monkeypatch: pytest.MonkeyPatch
                                                       ) -> None:
     """benchmarks/gpu_mxfp4.py's `check` (what gpu_check runs first; only the variants it
-    passes are swept and tuned in), here: a right variant and the bf16 route pass, and a
-    variant made 0.1% wrong is dropped."""
+    passes are swept and tuned in), here: right variants (one reading its own weight
+    layout) and the bf16 route pass, and a variant made 0.1% wrong is dropped."""
     from benchmarks.gpu_mxfp4 import ROUTE, check, parse_args
     from moe_kernels import triton_mxfp4
 
@@ -330,5 +354,45 @@ def test_the_gpu_benchmarks_check_runs_on_this_device(monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(triton_mxfp4, "grouped_mxfp4_gemm", f16x2_off)
     args = parse_args(["--hidden", "64", "--inter", "32"])
-    ok, working = check(args, ["dot_scaled", "f16x2/swap"], device=DEVICE)
-    assert not ok and working == ["dot_scaled", ROUTE]
+    ok, working = check(args, ["dot_scaled", "f16x2/swap", "bf16x2/swap"], device=DEVICE)
+    assert not ok and working == ["dot_scaled", "bf16x2/swap", ROUTE]
+
+
+@pytest.mark.skipif(not INTERPRET, reason="on a GPU the expert service tests cover the bank")
+def test_expert_bank_serves_a_bf16x2_config_from_weights_converted_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bank's Triton path (its CUDA path, run here in the interpreter) with a tuned
+    bf16x2 config: every layer's weights converted on first use, kept, the results the
+    torch path's; weights the layout cannot scale make the config fall back for all."""
+    from services.expert import experts
+    from services.model.checkpoint import Checkpoint
+    from services.model.config import ModelConfig
+    from tests import checkpoints
+
+    checkpoints.build(checkpoints.qwen3_moe_config(moe_intermediate_size=96), tmp_path, seed=3)
+    cfg = ModelConfig.from_dir(tmp_path)
+    tuned = KernelConfig(inner="bf16x2", swap_ab=True, block_n=16, block_m=32, block_k=64)
+    monkeypatch.setattr(experts, "tuned_config", lambda gpu, rows: tuned)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    tokens = [3, 0, 5, 1, 0, 0, 2, 1]
+    x = quantize(torch.randn(sum(tokens), cfg.hidden_size, generator=torch.Generator()
+                             .manual_seed(0)))
+
+    def run(bank: experts.ExpertBank) -> None:
+        for layer in bank.w_gate_up:
+            want = grouped_swiglu_w4a4(x, tokens, bank.w_gate_up[layer], bank.w_down[layer])
+            assert_same(bank._triton_w4a4(layer, x, tokens, []), want)
+
+    bank = experts.ExpertBank(cfg, Checkpoint(tmp_path), experts.all_experts(cfg),
+                              torch.float32, "w4a4")
+    before = bank.nbytes()
+    run(bank)
+    assert set(bank._bf16x2) == set(bank.w_gate_up) and bank._kernel_runs == {tuned: True}
+    assert bank.nbytes() == 2 * before  # the layout is a second copy
+
+    big = experts.ExpertBank(cfg, Checkpoint(tmp_path), experts.all_experts(cfg),
+                             torch.float32, "w4a4")
+    last = max(big.w_down)
+    big.w_down[last].scales[0, 0, 0] = 200  # a block scaled by 2**73 (valid MXFP4)
+    run(big)
+    assert big._bf16x2 == {} and big._kernel_runs == {tuned: False}  # ran FALLBACK_KERNEL

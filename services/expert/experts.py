@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from moe_kernels.bf16x2_layout import Bf16x2Weights, to_bf16x2
 from moe_kernels.grouped_gemm import (
     grouped_swiglu,
     grouped_swiglu_mm,
@@ -26,7 +27,8 @@ _PROJ_NAMES = {
 }
 QUANTIZATIONS = (None, "w4a4")
 log = logging.getLogger("switchyard.expert")
-FALLBACK_KERNEL = KernelConfig(inner="decode")  # where a tuned W4A4 config does not compile
+FALLBACK_KERNEL = KernelConfig(inner="decode")  # where a tuned W4A4 config does not run
+W4A4Weights = MXFP4Tensor | Bf16x2Weights  # one GEMM's weights, in a kernel's layout
 
 
 def expert_tensor_names(config: ModelConfig, layer: int, expert: int) -> tuple[str, str, str]:
@@ -81,6 +83,8 @@ class ExpertBank:
         self._gpu = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" \
             else None
         self._kernel_runs: dict[KernelConfig, bool] = {}  # Triton configs tried here
+        # per layer: (w_gate_up, w_down) in the bf16x2 layout, once a config reads it
+        self._bf16x2: dict[int, tuple[Bf16x2Weights, Bf16x2Weights]] = {}
         self._grouped_mm: bool | None = None  # torch._grouped_mm works here, once known
         self.hidden_size = config.hidden_size
         self.quantization = check_quantization(config, quantization)
@@ -142,9 +146,12 @@ class ExpertBank:
         else:
             q = MXFP4Tensor.from_rows(x, self.hidden_size) if x.dtype == torch.uint8 \
                 else quantize(x)
-            w4a4 = self._triton_w4a4 if self.device.type == "cuda" else grouped_swiglu_w4a4
-            y = w4a4(q, tokens_per_expert, self.w_gate_up[layer], self.w_down[layer],
-                     spans).to(self.dtype)
+            if self.device.type == "cuda":
+                y = self._triton_w4a4(layer, q, tokens_per_expert, spans)
+            else:
+                y = grouped_swiglu_w4a4(q, tokens_per_expert, self.w_gate_up[layer],
+                                        self.w_down[layer], spans)
+            y = y.to(self.dtype)
         self.metrics.observe(layer, self.experts[layer], tokens_per_expert, spans)
         return y
 
@@ -176,8 +183,8 @@ class ExpertBank:
         q = MXFP4Tensor.from_rows(x, self.hidden_size) if x.dtype == torch.uint8 \
             else quantize(x)
         mean = -(-x.shape[0] // counts.shape[0])  # the tuned table's key: rows per expert
-        config = self._kernel_config(q, counts, max_rows, w_gate_up, w_down, mean)
-        return grouped_swiglu_w4a4_triton(q, counts, w_gate_up, w_down, config,
+        config = self._kernel_config(layer, q, counts, max_rows, mean)
+        return grouped_swiglu_w4a4_triton(q, counts, *self._layout(layer, config), config,
                                           max_rows).to(self.dtype)  # [N, H]
 
     def _float_ffn(self, x: torch.Tensor, tokens_per_expert: list[int],
@@ -193,36 +200,53 @@ class ExpertBank:
                 grouped_swiglu_mm(x, tokens_per_expert, w_gate_up, w_down)))
         return grouped_swiglu(x, tokens_per_expert, w_gate_up, w_down, spans)
 
-    def _triton_w4a4(self, q: MXFP4Tensor, tokens_per_expert: list[int],
-                     w_gate_up: MXFP4Tensor, w_down: MXFP4Tensor,
+    def _triton_w4a4(self, layer: int, q: MXFP4Tensor, tokens_per_expert: list[int],
                      spans: list[tuple[int, int]]) -> torch.Tensor:
         """The GPU path: one grouped Triton kernel per GEMM, in the variant tuned for this
         GPU (`moe_kernels.kernel_configs`). Its experts run together, so each expert's span
         is the whole call's."""
         from moe_kernels.triton_mxfp4 import grouped_swiglu_w4a4_triton
 
-        config = self._kernel_config(q, tokens_per_expert, max(tokens_per_expert, default=0),
-                                     w_gate_up, w_down)
+        config = self._kernel_config(layer, q, tokens_per_expert,
+                                     max(tokens_per_expert, default=0))
+        w_gate_up, w_down = self._layout(layer, config)
         return timed_together(spans, tokens_per_expert, self.device, lambda: (
             grouped_swiglu_w4a4_triton(q, tokens_per_expert, w_gate_up, w_down, config)))
 
-    def _kernel_config(self, q: MXFP4Tensor, counts: list[int] | torch.Tensor,
-                       max_rows: int, w_gate_up: MXFP4Tensor, w_down: MXFP4Tensor,
-                       rows: int | None = None) -> KernelConfig:
+    def _layout(self, layer: int, config: KernelConfig) -> tuple[W4A4Weights, W4A4Weights]:
+        """This layer's W4A4 weights in the layout `config` reads. The bf16x2 layout is
+        made for every layer on first use, or for none (`to_bf16x2` refuses weights it
+        cannot scale: the config then does not run here), and kept beside the MXFP4
+        weights, which other entries of the tuned table read: a second copy."""
+        if config.route != "triton" or config.inner != "bf16x2":
+            return self.w_gate_up[layer], self.w_down[layer]
+        if not self._bf16x2:
+            self._bf16x2 = {i: (to_bf16x2(self.w_gate_up[i]), to_bf16x2(self.w_down[i]))
+                            for i in self.w_gate_up}
+            log.info("W4A4 weights in the bf16x2 layout too: %.1f MiB more",
+                     sum(w.packed.numel() + w.scales.numel()
+                         for pair in self._bf16x2.values() for w in pair) / 2**20)
+        return self._bf16x2[layer]
+
+    def _kernel_config(self, layer: int, q: MXFP4Tensor, counts: list[int] | torch.Tensor,
+                       max_rows: int, rows: int | None = None) -> KernelConfig:
         """The W4A4 kernel config tuned for this GPU and `rows` per expert (default:
-        `max_rows`, the most any has), or `FALLBACK_KERNEL` where this Triton cannot compile
-        it. The first call with a config tries it (and synchronises): a CUDA graph's
-        warm-up run makes that call, never its capture."""
+        `max_rows`, the most any has), or `FALLBACK_KERNEL` where it does not run here (this
+        Triton cannot compile it, or the weights do not fit its layout). The first call with
+        a config tries it (and synchronises): a CUDA graph's warm-up run makes that call,
+        never its capture."""
         config = tuned_config(self._gpu, rows or max_rows)
         if config not in self._kernel_runs:
-            self._kernel_runs[config] = _kernel_runs(config, q, counts, max_rows, w_gate_up,
-                                                     w_down)
+            self._kernel_runs[config] = _kernel_runs(
+                config, q, counts, max_rows, lambda: self._layout(layer, config))
         return config if self._kernel_runs[config] else FALLBACK_KERNEL
 
     def nbytes(self) -> int:
         total = 0
-        for w in [*self.w_gate_up.values(), *self.w_down.values()]:
-            total += w.nbytes() if isinstance(w, MXFP4Tensor) else w.numel() * w.element_size()
+        layouts = [w for pair in self._bf16x2.values() for w in pair]
+        for w in [*self.w_gate_up.values(), *self.w_down.values(), *layouts]:
+            total += w.packed.numel() + w.scales.numel() \
+                if isinstance(w, W4A4Weights) else w.numel() * w.element_size()
         return total
 
 
@@ -247,18 +271,19 @@ def _grouped_mm_matches(x: torch.Tensor, tokens_per_expert: list[int],
 
 
 def _kernel_runs(config: KernelConfig, q: MXFP4Tensor, counts: list[int] | torch.Tensor,
-                 max_rows: int, w_gate_up: MXFP4Tensor, w_down: MXFP4Tensor) -> bool:
-    """Whether this Triton compiles `config` (tuned for this GPU, or the defaults:
-    `tl.dot_scaled`, e2m1 x e2m1) here; if not, W4A4 runs `FALLBACK_KERNEL` (in-kernel
+                 max_rows: int, weights: Callable[[], tuple[W4A4Weights, W4A4Weights]]) -> bool:
+    """Whether `config` (tuned for this GPU, or the defaults: `tl.dot_scaled`, e2m1 x e2m1)
+    runs here on the `weights()` it reads; if not, W4A4 runs `FALLBACK_KERNEL` (in-kernel
     decode and `tl.dot`, which benchmarks/gpu_mxfp4.py also times)."""
     from moe_kernels.triton_mxfp4 import grouped_swiglu_w4a4_triton
 
     try:
-        grouped_swiglu_w4a4_triton(q, counts, w_gate_up, w_down, config, max_rows)
+        grouped_swiglu_w4a4_triton(q, counts, *weights(), config, max_rows)
         torch.cuda.synchronize()
         return True
-    except Exception as exc:  # a compiler error for this arch: fall back, say so
-        log.warning("the W4A4 kernel config %s does not compile here (%s); it runs %s",
+    except Exception as exc:  # a compiler error for this arch, or weights its layout
+        # cannot hold: fall back, say so
+        log.warning("the W4A4 kernel config %s does not run here (%s); it runs %s",
                     config, str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
                     FALLBACK_KERNEL)
         return False
