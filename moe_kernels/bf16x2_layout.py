@@ -75,8 +75,9 @@ class Bf16x2Weights:
         return Bf16x2Weights(self.packed[index], self.scales[index])  # type: ignore[index]
 
 
-def to_bf16x2(w: MXFP4Tensor) -> Bf16x2Weights:
-    """w in the bf16x2 layout (a copy, on w's device; one host synchronisation).
+def to_bf16x2(w: MXFP4Tensor, chunk_bytes: int = 1 << 24) -> Bf16x2Weights:
+    """w in the bf16x2 layout (a copy, on w's device; one host synchronisation), converted
+    `chunk_bytes` of codes at a time (the bit shuffling holds 8 bytes per code).
 
     Raises:
         ValueError: a scale above 2**1 or a NaN block, which the layout cannot scale.
@@ -85,14 +86,23 @@ def to_bf16x2(w: MXFP4Tensor) -> Bf16x2Weights:
         raise ValueError(f"the bf16x2 layout needs every block scale <= 2**1 (weights below "
                          f"16 in magnitude, no NaN); this tensor has scale byte "
                          f"{int(w.scales.max())}")
-    *lead, half = w.packed.shape
-    codes = torch.stack([w.packed & 0xF, w.packed >> 4], dim=-1).reshape(
-        *lead, half // 16, BLOCK).int()  # [..., K/32, 32] codes in K order
-    words = torch.zeros(*lead, half // 16, 4, dtype=torch.int64, device=w.packed.device)
-    for k, i, c, bit in POSITIONS:
+    half = w.packed.shape[-1]
+    rows = w.packed.reshape(-1, half)  # [R, K/2]
+    step = max(1, chunk_bytes // max(half, 1))
+    packed = torch.cat([_rearrange(rows[i:i + step]) for i in range(0, rows.shape[0], step)]
+                       ) if rows.shape[0] else rows.clone()
+    return Bf16x2Weights(packed.reshape(w.packed.shape), w.scales.clone())
+
+
+def _rearrange(rows: torch.Tensor) -> torch.Tensor:
+    """[R, K/2] packed MXFP4 codes -> the same in the bf16x2 layout."""
+    r, half = rows.shape
+    codes = torch.stack([rows & 0xF, rows >> 4], dim=-1).reshape(r, half // 16, BLOCK).int()
+    words = torch.zeros(r, half // 16, 4, dtype=torch.int64, device=rows.device)
+    for k, i, c, bit in POSITIONS:  # [R, K/32, word]
         words[..., c] |= ((codes[..., k] >> i) & 1).long() << bit
     packed = torch.stack([(words >> (8 * b)) & 0xFF for b in range(4)], dim=-1)  # little end
-    return Bf16x2Weights(packed.to(torch.uint8).reshape(*lead, half), w.scales.clone())
+    return packed.to(torch.uint8).reshape(r, half)
 
 
 def from_bf16x2(w: Bf16x2Weights) -> MXFP4Tensor:

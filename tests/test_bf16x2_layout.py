@@ -76,6 +76,15 @@ def test_round_trip_and_decode_any_shape(lead: list[int], blocks: int, seed: int
     assert torch.equal(decode_as_ptx(layout).view(torch.int32), dequantize(w).view(torch.int32))
 
 
+def test_conversion_in_chunks_of_rows_is_the_same() -> None:
+    w = random_weights((3, 5, 96), seed=4)
+    whole = to_bf16x2(w)
+    for chunk in (48, 100, 1):  # one row, two rows, a row at a time (at least one)
+        assert torch.equal(to_bf16x2(w, chunk_bytes=chunk).packed, whole.packed)
+    empty = random_weights((0, 5, 96), seed=4)
+    assert to_bf16x2(empty).packed.shape == (0, 5, 48)
+
+
 def test_slicing_experts_slices_the_layout() -> None:
     w = random_weights((4, 6, 64), seed=1)
     layout = to_bf16x2(w)
