@@ -243,7 +243,43 @@ def check(args: argparse.Namespace, variants: list[str], device: str = "cuda"
             print(f"| {h} | {i} | {counts} | swiglu | bf16 dequant + torch._grouped_mm | - | "
                   f"- | did not run: {str(exc).splitlines()[0][:120]} |")
     print()
+    ok &= check_quantize(device)
     return ok, working + [ROUTE] * route_ok
+
+
+def check_quantize(device: str) -> bool:
+    """The activations' quantize kernel (`quantize_mxfp4`, what `quantize_fused` runs on
+    CUDA) against the torch quantizer, byte for byte, on float32 and bfloat16 rows of
+    magnitudes from float32 denormals up; then both timed at decode and prefill rows of
+    hidden 7168 (CUDA only)."""
+    from moe_kernels.mxfp4 import quantize
+    from moe_kernels.triton_mxfp4 import quantize_mxfp4
+
+    g = torch.Generator(device=device).manual_seed(5)
+    n = 256 if device == "cuda" else 8  # the interpreter (tests) takes 5 s per 64 rows
+    x = torch.randn(n, 7168, device=device, generator=g) * torch.exp2(torch.randint(
+        -150, 120, (n, 1), device=device, generator=g).float())
+    ok = True
+    print("| activations | dtype | quantize kernel vs torch | result |\n|---|---|---|---|")
+    for t in (x, x.bfloat16()):
+        want, got = quantize(t), quantize_mxfp4(t)
+        same = torch.equal(got.packed, want.packed) and torch.equal(got.scales, want.scales)
+        normal = x.abs().amax(dim=1) >= 2**-126  # rows without a denormal maximum
+        same_normal = torch.equal(got.packed[normal], want.packed[normal])
+        ok &= same
+        verdict = "bit-exact" if same else \
+            f"differs (rows of normal magnitude: {'equal' if same_normal else 'differ'})"
+        print(f"| [{n}, 7168], 2**-150..2**120 | {t.dtype} | {verdict} | "
+              f"{'ok' if same else 'FAIL'} |")
+    print()
+    if device == "cuda":
+        print("| rows x 7168 bf16 | torch quantize us | quantize kernel us |\n|---:|---:|---:|")
+        for n in (32, 256, 4096):
+            rows = torch.randn(n, 7168, dtype=torch.bfloat16, device=device)
+            print(f"| {n} | {time_ms(partial(quantize, rows), 3, 10, None) * 1e3:.1f} | "
+                  f"{time_ms(partial(quantize_mxfp4, rows), 3, 10, None) * 1e3:.1f} |")
+        print()
+    return ok
 
 
 def norm_err(actual: torch.Tensor, expected: torch.Tensor) -> float:

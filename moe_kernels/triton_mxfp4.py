@@ -52,7 +52,7 @@ import triton.language as tl
 from moe_kernels.bf16x2_layout import MASK, Bf16x2Weights, to_bf16x2
 from moe_kernels.grouped_gemm import row_ends
 from moe_kernels.kernel_configs import INNER_PRODUCTS, KernelConfig, tuned_config
-from moe_kernels.mxfp4 import BLOCK, MXFP4Tensor, check_blockable, quantize
+from moe_kernels.mxfp4 import BLOCK, MXFP4Tensor, check_blockable
 
 
 @triton.jit
@@ -405,6 +405,68 @@ def _dequantize_kernel(
              mask=row_ok & (k[None, :] < K))
 
 
+@triton.jit
+def _quantize_kernel(
+    x_ptr,  # [R, K] float (any float dtype), last dim dense
+    packed_ptr, scales_ptr,  # [R, K/2] uint8, [R, K/32] uint8, dense
+    R, K, stride_x,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Program (row block, K block): `moe_kernels.mxfp4.quantize`, bit for bit."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
+    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    ok = (rows[:, None] < R) & (k[None, :] < K)  # [BLOCK_R, BLOCK_K]: K % 32 == 0
+    rows64 = rows.to(tl.int64)[:, None]
+    x = tl.load(x_ptr + rows64 * stride_x + k[None, :], mask=ok, other=0.0)
+    if x_ptr.dtype.element_ty == tl.bfloat16:  # by its bits: exact for subnormals too, where
+        # the interpreter's conversion is not
+        x = (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        x = x.to(tl.float32)
+    v = tl.reshape(x, [BLOCK_R, BLOCK_K // 32, 32])  # [BLOCK_R, blocks, 32]
+    special = tl.max(((v != v) | (tl.abs(v) == float("inf"))).to(tl.int32), axis=2) > 0
+    amax = tl.max(tl.where(v == v, tl.abs(v), 0.0), axis=2)  # [BLOCK_R, blocks]
+    # floor(log2(amax)) - 2 from the exponent field, clamped to E8M0's [-127, 127]: a
+    # denormal or zero amax (field 0) lies below 2**-126, so it clamps to -127 too
+    field = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    exp = tl.maximum(field - 129, -127)  # [BLOCK_R, blocks]
+    inverse = ((127 - exp) << 23).to(tl.float32, bitcast=True)  # 2**-exp, exact
+    scaled = v * inverse[:, :, None]  # exact: a power-of-two scaling
+    mag = tl.abs(scaled)
+    # E2M1 rounding, ties to the even code: `moe_kernels.mxfp4._UP_AT_TIE`
+    code = ((mag > 0.25).to(tl.int32) + (mag >= 0.75).to(tl.int32) + (mag > 1.25).to(tl.int32)
+            + (mag >= 1.75).to(tl.int32) + (mag > 2.5).to(tl.int32)
+            + (mag >= 3.5).to(tl.int32) + (mag > 5.0).to(tl.int32))
+    code |= ((scaled.to(tl.int32, bitcast=True) >> 31) & 1) << 3  # the sign, -0.0 included
+    code = tl.where(special[:, :, None], 0, code)  # [BLOCK_R, blocks, 32]
+    lo, hi = tl.split(tl.reshape(code, [BLOCK_R, BLOCK_K // 2, 2]))  # first value low
+    kb = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+    tl.store(packed_ptr + rows64 * (K // 2) + kb[None, :], (lo | (hi << 4)).to(tl.uint8),
+             mask=(rows[:, None] < R) & (kb[None, :] < K // 2))
+    ks = tl.program_id(1) * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
+    tl.store(scales_ptr + rows64 * (K // 32) + ks[None, :],
+             tl.where(special, 0xFF, exp + 127).to(tl.uint8),
+             mask=(rows[:, None] < R) & (ks[None, :] < K // 32))
+
+
+def quantize_mxfp4(x: torch.Tensor) -> MXFP4Tensor:
+    """`moe_kernels.mxfp4.quantize` in one kernel (the torch version launches about 30):
+    x [..., K] in any float dtype, K a multiple of 32, last dimension dense or not ->
+    MXFP4 (packed [..., K/2], scales [..., K/32]). Bit for bit the same, on a device that
+    keeps float32 denormals (the interpreter does; a GPU run compares)."""
+    *lead, k = x.shape
+    check_blockable(k)
+    rows = _dense_last(x.reshape(-1, k))  # [R, K]
+    packed = torch.empty(rows.shape[0], k // 2, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(rows.shape[0], k // BLOCK, dtype=torch.uint8, device=x.device)
+    if rows.shape[0] and k:
+        block_r, block_k = 16, 128
+        grid = (triton.cdiv(rows.shape[0], block_r), triton.cdiv(k, block_k))
+        _quantize_kernel[grid](rows, packed, scales, rows.shape[0], k, rows.stride(0),
+                               BLOCK_R=block_r, BLOCK_K=block_k)
+    return MXFP4Tensor(packed.view(*lead, k // 2), scales.view(*lead, k // BLOCK))
+
+
 def dequantize_mxfp4(q: MXFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """`moe_kernels.mxfp4.dequantize` in one kernel pass: q [..., K] -> values [..., K] in
     `dtype` (exact in float32 and bfloat16: MXFP4 values have at most 2 mantissa bits, and
@@ -642,7 +704,7 @@ def grouped_swiglu_w4a4_triton(
     options = config.gemm_options()
     gate, up = grouped_mxfp4_gemm(x, offsets, w_gate_up[:e], max_rows=most, **options
                                   ).chunk(2, dim=-1)  # [N, I] each
-    act = quantize(F.silu(gate) * up)  # [N, I] -> MXFP4, per row
+    act = quantize_mxfp4(F.silu(gate) * up)  # [N, I] -> MXFP4, per row
     return grouped_mxfp4_gemm(act, offsets, w_down[:e], max_rows=most, **options)
 
 
@@ -678,6 +740,6 @@ def grouped_swiglu_w4a4_bf16(x: MXFP4Tensor, tokens_per_expert: list[int] | torc
     w1 = dequantize_mxfp4(w_gate_up[:e])  # [E, 2I, H] bf16
     gate, up = torch._grouped_mm(dequantize_mxfp4(x), w1.transpose(-2, -1), offs=ends
                                  ).float().chunk(2, dim=-1)  # [N, I] each
-    act = quantize(F.silu(gate) * up)  # [N, I] -> MXFP4, per row
+    act = quantize_mxfp4(F.silu(gate) * up)  # [N, I] -> MXFP4, per row
     w2 = dequantize_mxfp4(w_down[:e])  # [E, H, I] bf16
     return torch._grouped_mm(dequantize_mxfp4(act), w2.transpose(-2, -1), offs=ends).float()

@@ -396,3 +396,30 @@ def test_expert_bank_serves_a_bf16x2_config_from_weights_converted_once(
     big.w_down[last].scales[0, 0, 0] = 200  # a block scaled by 2**73 (valid MXFP4)
     run(big)
     assert big._bf16x2 == {} and big._kernel_runs == {tuned: False}  # ran FALLBACK_KERNEL
+
+
+def test_quantize_kernel_equals_the_torch_quantizer() -> None:
+    """`quantize_mxfp4` (one kernel; what CUDA runs via `quantize_fused`) against
+    `moe_kernels.mxfp4.quantize` (checked against the OCP MX spec, test_mxfp4.py), byte
+    for byte: magnitudes from float32 denormals to 2**120, zero, -0.0, NaN and inf blocks,
+    every rounding tie, saturation; float32, bfloat16 (its denormals too) and float16
+    inputs; rows as strided views; leading dimensions; no rows."""
+    from moe_kernels.triton_mxfp4 import quantize_mxfp4
+
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(41, 224, generator=g) * torch.exp2(
+        torch.randint(-150, 120, (41, 1), generator=g).float())  # [41, 224], 7 blocks a row
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 7.0, 0.1, 2.75, 4.5,
+                         0.5, 1.0, 3.0, 5.5] * 2)
+    x[0, :32], x[1, :32], x[1, 32:64] = 0.0, -0.0, -ties * 2.0**-130  # zeros; denormal ties
+    x[2, 5], x[3, 40], x[4, 100] = float("nan"), float("inf"), -float("inf")
+    x[5, :32], x[6, :32] = ties * 4, -ties * 2.0**100
+    cases = {"float32": x, "bfloat16": x.bfloat16(), "float16": x.clamp(-6e4, 6e4).half(),
+             "strided rows": x[:, :96], "leading dims": x[:40].reshape(4, 10, 224),
+             "no rows": x[:0]}
+    for name, t in cases.items():
+        want, got = quantize(t), quantize_mxfp4(t.to(DEVICE))
+        assert got.shape == want.shape, name
+        assert torch.equal(got.packed.cpu(), want.packed), name
+        assert torch.equal(got.scales.cpu(), want.scales), name
+    assert quantize(x).scales[2:5].eq(0xFF).sum() == 3  # the special blocks are there

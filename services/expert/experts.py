@@ -15,7 +15,7 @@ from moe_kernels.grouped_gemm import (
     timed_together,
 )
 from moe_kernels.kernel_configs import KernelConfig, tuned_config
-from moe_kernels.mxfp4 import MXFP4Tensor, check_blockable, quantize
+from moe_kernels.mxfp4 import MXFP4Tensor, check_blockable, quantize, quantize_fused
 from services.expert.metrics import ExpertMetrics
 from services.model.checkpoint import Checkpoint
 from services.model.config import ModelConfig
@@ -145,7 +145,7 @@ class ExpertBank:
                                 self.w_down[layer], spans)  # [N, H]
         else:
             q = MXFP4Tensor.from_rows(x, self.hidden_size) if x.dtype == torch.uint8 \
-                else quantize(x)
+                else quantize_fused(x)
             if self.device.type == "cuda":
                 y = self._triton_w4a4(layer, q, tokens_per_expert, spans)
             else:
@@ -181,7 +181,7 @@ class ExpertBank:
         from moe_kernels.triton_mxfp4 import grouped_swiglu_w4a4_triton
 
         q = MXFP4Tensor.from_rows(x, self.hidden_size) if x.dtype == torch.uint8 \
-            else quantize(x)
+            else quantize_fused(x)
         mean = -(-x.shape[0] // counts.shape[0])  # the tuned table's key: rows per expert
         config = self._kernel_config(layer, q, counts, max_rows, mean)
         return grouped_swiglu_w4a4_triton(q, counts, *self._layout(layer, config), config,
