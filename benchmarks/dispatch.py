@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import time
 
@@ -31,6 +30,7 @@ from ep_dispatch.torch_dist import (
     join,
 )
 from ep_dispatch.wire import RowFormat
+from switchyard.launcher import free_port
 
 NUM_EXPERTS, TOP_K = 64, 8
 
@@ -117,9 +117,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--iters", type=int, default=20)
     args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, args, port, queue))

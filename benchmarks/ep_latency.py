@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import queue as queue_module
-import socket
 import statistics
 import sys
 import time
@@ -29,6 +28,8 @@ import traceback
 
 import torch
 import torch.multiprocessing as mp
+
+from switchyard.launcher import free_port
 
 # DeepEP V1 low-latency kernels, 128 tokens x 7168, top-8: EP size -> (dispatch, combine) us
 DEEPEP_LL_US = {8: (77, 114), 16: (118, 195), 32: (155, 273), 64: (173, 314),
@@ -180,9 +181,7 @@ def _rank(rank: int, backend: str, args: argparse.Namespace, port: int,
 
 def run(backend: str, args: argparse.Namespace) -> dict:
     """One backend: every rank a process; the attention ranks' results, then all stopped."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     results, done = ctx.Queue(), ctx.Event()
     procs = [ctx.Process(target=_rank, args=(r, backend, args, port, results, done),

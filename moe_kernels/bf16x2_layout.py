@@ -13,10 +13,12 @@ values each, already scaled, in the order the MMA wants them:
 - Code (j, t)'s bit i (0: mantissa, 1-2: exponent, 3: sign) sits where rotating the word
   right by `ROTATIONS[j][i]` and masking with `MASK` leaves it in register j's half t as
   bfloat16's bit 6, 7, 8 or 15: that is the code's value times 2**-126, subnormals included.
-  Multiplying by the block's scale times 2**126 (one `mul.bf16x2` per register) makes it
-  the exact value. The decode is then 13 operations per 8 values; the rotations were
-  chosen as the only way 8 codes fit 32 bits with three registers a rotation and a mask
-  each (the fourth takes two of each).
+  Multiplying by the block's scale times 2**126 (one bfloat16x2 multiply per register:
+  `fma.rn.bf16x2` with -0 added, which sm_80 has and sm_90 compiles to HMUL2) makes it
+  the exact value. The decode is then 13 operations per 8 values. No arrangement gives
+  all four registers one rotation and one mask (an exhaustive search: the bits a register
+  needs, 4 per code, cannot tile 32 bits by rotations alone); here three get one of each
+  and the fourth two.
 
 The scale times 2**126 is a bfloat16 only for scales up to 2**1, i.e. weights below 16 in
 magnitude (and no NaN blocks): `to_bf16x2` refuses others, and their experts run another
@@ -88,10 +90,11 @@ def to_bf16x2(w: MXFP4Tensor, chunk_bytes: int = 1 << 24) -> Bf16x2Weights:
                          f"{int(w.scales.max())}")
     half = w.packed.shape[-1]
     rows = w.packed.reshape(-1, half)  # [R, K/2]
+    out = torch.empty_like(rows, memory_format=torch.contiguous_format)  # [R, K/2]
     step = max(1, chunk_bytes // max(half, 1))
-    packed = torch.cat([_rearrange(rows[i:i + step]) for i in range(0, rows.shape[0], step)]
-                       ) if rows.shape[0] else rows.clone()
-    return Bf16x2Weights(packed.reshape(w.packed.shape), w.scales.clone())
+    for i in range(0, rows.shape[0], step):
+        out[i:i + step] = _rearrange(rows[i:i + step])
+    return Bf16x2Weights(out.reshape(w.packed.shape), w.scales.clone())
 
 
 def _rearrange(rows: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ docs/benchmarks.md):
   per word operation), for Hopper, where the decode and not the memory bounds the kernel.
 - "bf16x2": the activations decoded to bfloat16 values once, ahead of the kernel (not once
   per weight tile); the weights, kept in their own layout (`moe_kernels.bf16x2_layout`),
-  decoded by inline PTX (sm_90 and later) into bfloat16 MMA operands with their scales
+  decoded by inline PTX (sm_80 and later) into bfloat16 MMA operands with their scales
   applied, two values per instruction; then one bfloat16 MMA per K step, no per-block
   scaling of partial sums. The interpreter cannot run inline PTX: it runs the same bit
   operations in Triton (`_bf16x2_emulated`), so CPU tests check the layout and the
@@ -42,6 +42,7 @@ Either operand can be the MMA's left one (`swap_ab`), and K can be split over pr
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -86,7 +87,8 @@ def _decode_mxfp4(packed, scales, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 # Inline PTX cannot run in the interpreter, which runs `_bf16x2_emulated` instead.
-INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+INTERPRETING = bool(triton.knobs.runtime.interpret) if hasattr(triton, "knobs") else \
+    os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 _INTERPRETING = tl.constexpr(INTERPRETING)
 _MASK = tl.constexpr(MASK)
 
@@ -122,24 +124,25 @@ def _bf16x2_asm(words, pair):
     low and high halves at 2j and 2j + 1. 13 instructions per word."""
     return tl.inline_asm_elementwise(
         asm="""{
-        .reg .b32 r, s;
+        .reg .b32 r, s, z;
+        mov.b32 z, 0x80008000;
         and.b32 r, $8, 0x81C081C0;
-        mul.rn.bf16x2 r, r, $9;
+        fma.rn.bf16x2 r, r, $9, z;
         mov.b32 {$0, $1}, r;
         shf.r.wrap.b32 r, $8, $8, 4;
         and.b32 r, r, 0x81C081C0;
-        mul.rn.bf16x2 r, r, $9;
+        fma.rn.bf16x2 r, r, $9, z;
         mov.b32 {$2, $3}, r;
         shf.r.wrap.b32 r, $8, $8, 10;
         and.b32 r, r, 0x81C081C0;
-        mul.rn.bf16x2 r, r, $9;
+        fma.rn.bf16x2 r, r, $9, z;
         mov.b32 {$4, $5}, r;
         shf.r.wrap.b32 r, $8, $8, 14;
         and.b32 r, r, 0x00400040;
         shf.r.wrap.b32 s, $8, $8, 6;
         and.b32 s, s, 0x81808180;
         or.b32 r, r, s;
-        mul.rn.bf16x2 r, r, $9;
+        fma.rn.bf16x2 r, r, $9, z;
         mov.b32 {$6, $7}, r;
         }""",
         constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r", args=[words, pair],
@@ -462,8 +465,9 @@ def quantize_mxfp4(x: torch.Tensor) -> MXFP4Tensor:
     if rows.shape[0] and k:
         block_r, block_k = 16, 128
         grid = (triton.cdiv(rows.shape[0], block_r), triton.cdiv(k, block_k))
-        _quantize_kernel[grid](rows, packed, scales, rows.shape[0], k, rows.stride(0),
-                               BLOCK_R=block_r, BLOCK_K=block_k)
+        with _on(x.device):
+            _quantize_kernel[grid](rows, packed, scales, rows.shape[0], k, rows.stride(0),
+                                   BLOCK_R=block_r, BLOCK_K=block_k)
     return MXFP4Tensor(packed.view(*lead, k // 2), scales.view(*lead, k // BLOCK))
 
 
@@ -481,8 +485,9 @@ def dequantize_mxfp4(q: MXFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> tor
     if rows and k:
         block_r, block_k = 16, 128
         grid = (triton.cdiv(rows, block_r), triton.cdiv(k, block_k))
-        _dequantize_kernel[grid](packed, scales, out, rows, k, packed.stride(0),
-                                 scales.stride(0), BLOCK_R=block_r, BLOCK_K=block_k)
+        with _on(packed.device):
+            _dequantize_kernel[grid](packed, scales, out, rows, k, packed.stride(0),
+                                     scales.stride(0), BLOCK_R=block_r, BLOCK_K=block_k)
     return out.view(*lead, k)
 
 
@@ -528,6 +533,11 @@ def _check_mxfp4(q: MXFP4Tensor | Bf16x2Weights, name: str, ndim: int) -> None:
                          f"packed shape {tuple(q.packed.shape)} (K = {k})")
 
 
+def _on(device: torch.device) -> contextlib.AbstractContextManager:
+    """Triton launches on the current CUDA device: make it the tensors' one."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def _dense_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -570,7 +580,7 @@ def grouped_mxfp4_gemm(
             codes, one MMA per 32-block, its product scaled, the codes decoded a byte
             ("f16") or a 32-bit word ("f16x2") at a time; or ("bf16x2") the activations
             decoded to bfloat16 values first, the weights (in the bf16x2 layout) by inline
-            PTX for sm_90 and later, two scaled values per instruction, one bfloat16 MMA per
+            PTX for sm_80 and later, two scaled values per instruction, one bfloat16 MMA per
             K step. All exact up to the float32 summation order.
         swap_ab: compute out.T = w @ x.T, so the weights are the MMA's left operand.
         max_rows: the most rows any expert has, if the caller knows it without a device
@@ -643,16 +653,17 @@ def grouped_mxfp4_gemm(
     partial = out if split_k == 1 else torch.empty(split_k, n, m, dtype=torch.float32,
                                                    device=device)  # [S, N, M]
     grid = (tiles, triton.cdiv(m, block_m), split_k)
-    _grouped_mxfp4_gemm_kernel[grid](
-        x_packed, x_scales, w_packed, w_scales, partial, offsets, tile_expert, tile_row,
-        m, k, e, per_expert, k_per_split,
-        x_packed.stride(0), x_scales.stride(0),
-        w_packed.stride(0), w_packed.stride(1), w_scales.stride(0), w_scales.stride(1),
-        partial.stride(-2), partial.stride(0) if split_k > 1 else 0,
-        BLOCK_N=block_n, BLOCK_M=block_m, BLOCK_K=block_k, INNER=INNER_PRODUCTS[inner],
-        SWAP_AB=swap_ab, DENSE=max_rows is not None, EVEN_K=k % block_k == 0,
-        SPLIT_K=split_k, num_warps=num_warps, num_stages=num_stages,
-    )
+    with _on(device):
+        _grouped_mxfp4_gemm_kernel[grid](
+            x_packed, x_scales, w_packed, w_scales, partial, offsets, tile_expert, tile_row,
+            m, k, e, per_expert, k_per_split,
+            x_packed.stride(0), x_scales.stride(0),
+            w_packed.stride(0), w_packed.stride(1), w_scales.stride(0), w_scales.stride(1),
+            partial.stride(-2), partial.stride(0) if split_k > 1 else 0,
+            BLOCK_N=block_n, BLOCK_M=block_m, BLOCK_K=block_k, INNER=INNER_PRODUCTS[inner],
+            SWAP_AB=swap_ab, DENSE=max_rows is not None, EVEN_K=k % block_k == 0,
+            SPLIT_K=split_k, num_warps=num_warps, num_stages=num_stages,
+        )
     return out if split_k == 1 else torch.sum(partial, dim=0, out=out)
 
 
@@ -698,21 +709,29 @@ def grouped_swiglu_w4a4_triton(
     if config is None:
         config = tuned_config(
             torch.cuda.get_device_name(device) if device.type == "cuda" else None, most)
-    w_gate_up, w_down = in_layout(w_gate_up, config), in_layout(w_down, config)
+    on_device = isinstance(tokens_per_expert, torch.Tensor)
+    w_gate_up, w_down = in_layout(w_gate_up[:e], config, on_device), \
+        in_layout(w_down[:e], config, on_device)
     if config.route == "bf16_grouped_mm":
         return grouped_swiglu_w4a4_bf16(x, tokens_per_expert, w_gate_up, w_down)
     options = config.gemm_options()
-    gate, up = grouped_mxfp4_gemm(x, offsets, w_gate_up[:e], max_rows=most, **options
+    gate, up = grouped_mxfp4_gemm(x, offsets, w_gate_up, max_rows=most, **options
                                   ).chunk(2, dim=-1)  # [N, I] each
     act = quantize_mxfp4(F.silu(gate) * up)  # [N, I] -> MXFP4, per row
-    return grouped_mxfp4_gemm(act, offsets, w_down[:e], max_rows=most, **options)
+    return grouped_mxfp4_gemm(act, offsets, w_down, max_rows=most, **options)
 
 
-def in_layout(w: MXFP4Tensor | Bf16x2Weights, config: KernelConfig
+def in_layout(w: MXFP4Tensor | Bf16x2Weights, config: KernelConfig, no_sync: bool = False
               ) -> MXFP4Tensor | Bf16x2Weights:
-    """w in the layout `config`'s inner product reads (a conversion only where it differs)."""
+    """w in the layout `config`'s inner product reads (a conversion only where it differs;
+    it synchronises with the host, so `no_sync` callers must convert first)."""
     if config.inner == "bf16x2" and config.route == "triton":
-        return w if isinstance(w, Bf16x2Weights) else to_bf16x2(w)
+        if isinstance(w, Bf16x2Weights):
+            return w
+        if no_sync:
+            raise ValueError("the bf16x2 inner product reads weights in its layout, and "
+                             "converting them synchronises: convert first (to_bf16x2)")
+        return to_bf16x2(w)
     if isinstance(w, Bf16x2Weights):
         raise ValueError(f"the {config.inner} inner product reads MXFP4Tensor weights, not the "
                          f"bf16x2 layout")

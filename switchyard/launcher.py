@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import ctypes
 import os
+import random
 import select
 import signal
 import socket
@@ -111,10 +112,31 @@ class Children:
 
 
 def free_port() -> int:
-    """A port free now; the rendezvous host binds it a moment later (a small race)."""
-    with socket.socket() as sock:
+    """A port free now, for a process that binds it a moment later. It is drawn from below
+    the kernel's ephemeral range, which every bind to port 0 draws from: the services that
+    start meanwhile (they listen on port 0) cannot take it first. Another caller of this
+    function could, a smaller race (random draws among thousands of ports)."""
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 16384), low)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:  # in use, or in TIME_WAIT
+                continue
+            return port
+    with socket.socket() as sock:  # nothing free down there: any port, with the old race
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out for port 0: Linux's ip_local_port_range, else
+    the IANA dynamic range's 49152 (macOS, Windows)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152
 
 
 def _wait_healthy(url: str, children: Children, timeout: float) -> None:

@@ -53,6 +53,7 @@ def variants() -> list[tuple[int, str, bool, int, int, int, bool, int, int]]:
     out.append((100, "dot_scaled", True, 64, 128, 128, True, 1, 3))
     out.append((90, "bf16x2", True, 16, 256, 64, True, 1, 4))  # the fewest slots, no spills
     out.append((100, "bf16x2", True, 16, 128, 128, True, 1, 3))  # its inline PTX on Blackwell
+    out.append((80, "bf16x2", True, 16, 128, 64, True, 1, 3))  # and on Ampere
     return out
 
 

@@ -147,3 +147,19 @@ def test_probe_reports_what_is_wrong() -> None:
     assert probe([f"127.0.0.1:{port}", "--timeout", "2"]) == 1
     assert probe([f"http://127.0.0.1:{port}/health", "--timeout", "2"]) == 1
     assert probe(["not-an-address", "--timeout", "2"]) == 1
+
+
+def test_free_ports_come_from_below_the_ephemeral_range() -> None:
+    """What `free_port` hands out (rendezvous addresses, the compose runner's ports) is
+    never what a service binding port 0 meanwhile gets: that draws from the ephemeral range
+    (a collision there made the compose test's gateway find its port taken)."""
+    import socket
+
+    from switchyard.launcher import _ephemeral_low, free_port
+
+    low = _ephemeral_low()
+    for _ in range(20):
+        port = free_port()
+        assert 1024 <= port < low
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))  # still free

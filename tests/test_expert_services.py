@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ from services.attention.engine import Engine
 from services.expert.experts import ExpertBank, all_experts
 from services.model.checkpoint import Checkpoint
 from services.model.config import ModelConfig
-from switchyard.launcher import Children
+from switchyard.launcher import Children, free_port
 from switchyard.serve_process import Served
 from tests.test_engine_parity import greedy, prompts, reference_greedy, run_to_completion
 from tests.test_http_api import concurrent_greedy
@@ -136,12 +135,6 @@ def test_replicated_placement_from_a_file(mixtral_ckpt: tuple, tmp_path: Path) -
         engine.close()
     finally:
         children.stop()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_unreachable_expert_rank_is_named(qwen3_ckpt: tuple, qwen3_experts: list) -> None:

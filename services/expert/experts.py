@@ -83,8 +83,9 @@ class ExpertBank:
         self._gpu = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" \
             else None
         self._kernel_runs: dict[KernelConfig, bool] = {}  # Triton configs tried here
-        # per layer: (w_gate_up, w_down) in the bf16x2 layout, once a config reads it
-        self._bf16x2: dict[int, tuple[Bf16x2Weights, Bf16x2Weights]] = {}
+        # per layer: (w_gate_up, w_down) in the bf16x2 layout once a config reads it; None
+        # once the weights proved unable to take it
+        self._bf16x2: dict[int, tuple[Bf16x2Weights, Bf16x2Weights]] | None = {}
         self._grouped_mm: bool | None = None  # torch._grouped_mm works here, once known
         self.hidden_size = config.hidden_size
         self.quantization = check_quantization(config, quantization)
@@ -220,9 +221,15 @@ class ExpertBank:
         weights, which other entries of the tuned table read: a second copy."""
         if config.route != "triton" or config.inner != "bf16x2":
             return self.w_gate_up[layer], self.w_down[layer]
+        if self._bf16x2 is None:
+            raise ValueError("these weights do not fit the bf16x2 layout (logged before)")
         if not self._bf16x2:
-            self._bf16x2 = {i: (to_bf16x2(self.w_gate_up[i]), to_bf16x2(self.w_down[i]))
-                            for i in self.w_gate_up}
+            try:
+                self._bf16x2 = {i: (to_bf16x2(self.w_gate_up[i]), to_bf16x2(self.w_down[i]))
+                                for i in self.w_gate_up}
+            except ValueError:
+                self._bf16x2 = None  # not again for the table's other bf16x2 configs
+                raise
             log.info("W4A4 weights in the bf16x2 layout too: %.1f MiB more",
                      sum(w.packed.numel() + w.scales.numel()
                          for pair in self._bf16x2.values() for w in pair) / 2**20)
@@ -239,11 +246,14 @@ class ExpertBank:
         if config not in self._kernel_runs:
             self._kernel_runs[config] = _kernel_runs(
                 config, q, counts, max_rows, lambda: self._layout(layer, config))
+            if self._bf16x2 and not any(c.inner == "bf16x2" and ok
+                                        for c, ok in self._kernel_runs.items()):
+                self._bf16x2 = {}  # converted for a config that does not run: free it
         return config if self._kernel_runs[config] else FALLBACK_KERNEL
 
     def nbytes(self) -> int:
         total = 0
-        layouts = [w for pair in self._bf16x2.values() for w in pair]
+        layouts = [w for pair in (self._bf16x2 or {}).values() for w in pair]
         for w in [*self.w_gate_up.values(), *self.w_down.values(), *layouts]:
             total += w.packed.numel() + w.scales.numel() \
                 if isinstance(w, W4A4Weights) else w.numel() * w.element_size()
