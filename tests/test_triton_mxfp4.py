@@ -393,6 +393,15 @@ def test_expert_bank_serves_a_bf16x2_config_from_weights_converted_once(
     assert set(bank._bf16x2) == set(bank.w_gate_up) and bank._kernel_runs == {tuned: True}
     assert bank.nbytes() == 2 * before  # the layout is a second copy
 
+    # a GPU whose tuned table has a bf16x2 entry: converted at load, before any step
+    monkeypatch.setattr(experts, "gpu_name", lambda device: "Test GPU")
+    monkeypatch.setattr(experts, "load_configs", lambda gpu: {1: tuned})
+    eager = experts.ExpertBank(cfg, Checkpoint(tmp_path), experts.all_experts(cfg),
+                               torch.float32, "w4a4")
+    assert set(eager._bf16x2) == set(eager.w_gate_up)
+    run(eager)
+
+    monkeypatch.setattr(experts, "gpu_name", lambda device: None)
     big = experts.ExpertBank(cfg, Checkpoint(tmp_path), experts.all_experts(cfg),
                              torch.float32, "w4a4")
     last = max(big.w_down)

@@ -14,7 +14,7 @@ from moe_kernels.grouped_gemm import (
     grouped_swiglu_w4a4,
     timed_together,
 )
-from moe_kernels.kernel_configs import KernelConfig, tuned_config
+from moe_kernels.kernel_configs import KernelConfig, load_configs, tuned_config
 from moe_kernels.mxfp4 import MXFP4Tensor, check_blockable, quantize, quantize_fused
 from services.expert.metrics import ExpertMetrics
 from services.model.checkpoint import Checkpoint
@@ -29,6 +29,11 @@ QUANTIZATIONS = (None, "w4a4")
 log = logging.getLogger("switchyard.expert")
 FALLBACK_KERNEL = KernelConfig(inner="decode")  # where a tuned W4A4 config does not run
 W4A4Weights = MXFP4Tensor | Bf16x2Weights  # one GEMM's weights, in a kernel's layout
+
+
+def gpu_name(device: torch.device) -> str | None:
+    """The GPU model whose tuned W4A4 table applies (`moe_kernels.kernel_configs`), if any."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
 
 
 def expert_tensor_names(config: ModelConfig, layer: int, expert: int) -> tuple[str, str, str]:
@@ -80,8 +85,7 @@ class ExpertBank:
         self.dtype = dtype
         self.device = torch.device(device)
         # the tuned W4A4 table's key, looked up per layer call: asked of CUDA once
-        self._gpu = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" \
-            else None
+        self._gpu = gpu_name(self.device)
         self._kernel_runs: dict[KernelConfig, bool] = {}  # Triton configs tried here
         # per layer: (w_gate_up, w_down) in the bf16x2 layout once a config reads it; None
         # once the weights proved unable to take it
@@ -103,6 +107,10 @@ class ExpertBank:
                 down.append(self._load(checkpoint, config, d, (hidden, inter)))
             self.w_gate_up[layer] = self._stack(gate_up)
             self.w_down[layer] = self._stack(down)
+        if self.quantization and self._gpu and any(
+                c.route == "triton" and c.inner == "bf16x2"
+                for c in load_configs(self._gpu).values()):
+            self._convert_bf16x2()  # now, not in the first step that reads it
 
     def _load(self, ckpt: Checkpoint, config: ModelConfig, name: str,
               shape: tuple[int, int]) -> torch.Tensor | MXFP4Tensor:
@@ -216,24 +224,32 @@ class ExpertBank:
 
     def _layout(self, layer: int, config: KernelConfig) -> tuple[W4A4Weights, W4A4Weights]:
         """This layer's W4A4 weights in the layout `config` reads. The bf16x2 layout is
-        made for every layer on first use, or for none (`to_bf16x2` refuses weights it
-        cannot scale: the config then does not run here), and kept beside the MXFP4
-        weights, which other entries of the tuned table read: a second copy."""
+        made for every layer at load when this GPU's tuned table has a bf16x2 entry (else on
+        first use), or for none (`to_bf16x2` refuses weights it cannot scale: the config
+        then does not run here), and kept beside the MXFP4 weights, which other entries of
+        the tuned table read: a second copy."""
         if config.route != "triton" or config.inner != "bf16x2":
             return self.w_gate_up[layer], self.w_down[layer]
+        if self._bf16x2 == {}:
+            self._convert_bf16x2()
         if self._bf16x2 is None:
             raise ValueError("these weights do not fit the bf16x2 layout (logged before)")
-        if not self._bf16x2:
-            try:
-                self._bf16x2 = {i: (to_bf16x2(self.w_gate_up[i]), to_bf16x2(self.w_down[i]))
-                                for i in self.w_gate_up}
-            except ValueError:
-                self._bf16x2 = None  # not again for the table's other bf16x2 configs
-                raise
-            log.info("W4A4 weights in the bf16x2 layout too: %.1f MiB more",
-                     sum(w.packed.numel() + w.scales.numel()
-                         for pair in self._bf16x2.values() for w in pair) / 2**20)
         return self._bf16x2[layer]
+
+    def _convert_bf16x2(self) -> None:
+        """Every layer's weights in the bf16x2 layout too, or (logged) none: once that fails,
+        `_layout` refuses the layout without trying again."""
+        try:
+            self._bf16x2 = {i: (to_bf16x2(self.w_gate_up[i]), to_bf16x2(self.w_down[i]))
+                            for i in self.w_gate_up}
+        except ValueError as exc:
+            self._bf16x2 = None
+            log.warning("W4A4 weights stay out of the bf16x2 layout (%s): its tuned configs "
+                        "run %s", exc, FALLBACK_KERNEL)
+            return
+        log.info("W4A4 weights in the bf16x2 layout too: %.1f MiB more",
+                 sum(w.packed.numel() + w.scales.numel()
+                     for pair in self._bf16x2.values() for w in pair) / 2**20)
 
     def _kernel_config(self, layer: int, q: MXFP4Tensor, counts: list[int] | torch.Tensor,
                        max_rows: int, rows: int | None = None) -> KernelConfig:
