@@ -107,6 +107,14 @@ def main_loop(text: str) -> list[str]:
     return best
 
 
+# Integer logic, shift, permute, compare and add: the ALU pipe, which NVIDIA's throughput
+# table gives half the issue rate on sm_80/sm_90 (64 results per clock per SM, where FP32
+# and IMAD-class work has 128): a loop of these could be bound by that pipe before the
+# issue slots. The set is approximate (one reading of the table), so it is reported apart.
+ALU = {"LOP3", "SHF", "PRMT", "ISETP", "IADD3", "SEL", "FSEL", "LEA", "VIADD", "IMNMX",
+       "PLOP3", "SGXT", "BMSK"}
+
+
 def opcode(instruction: str) -> str:
     return re.sub(r"^@!?U?P\w+\s+", "", instruction).split()[0].split(".")[0]
 
@@ -118,17 +126,18 @@ def main() -> int:
     args = ap.parse_args()
     print(f"W4A4 kernel main loop, sm_{args.arch}, triton {triton.__version__}\n")
     print("| variant | block_n, block_m, block_k, stages, warps | instructions per iteration "
-          "| issue slots per weight | registers, spill bytes | most frequent |\n"
-          "|---|---|---:|---:|---|---|")
+          "| issue slots per weight | of them integer ALU | registers, spill bytes | most "
+          "frequent |\n|---|---|---:|---:|---:|---|---|")
     for inner, swap, bn, bm, bk, stages, warps in DECODE:
         kernel = compile_gemm(args.arch, inner, swap, bn, bm, bk, num_stages=stages,
                               num_warps=warps)
         body = main_loop(sass(kernel))
         ops = collections.Counter(map(opcode, body))
         slots = len(body) * warps * 32 / (bm * bk)
+        alu = sum(n for op, n in ops.items() if op in ALU) * warps * 32 / (bm * bk)
         regs, stack = registers(kernel)
         print(f"| {inner}{'/swap' if swap else ''} | {bn}, {bm}, {bk}, {stages}, {warps} | "
-              f"{len(body)} | {slots:.2f} | {regs}, {stack} | "
+              f"{len(body)} | {slots:.2f} | {alu:.2f} | {regs}, {stack} | "
               f"{', '.join(f'{k} {v}' for k, v in ops.most_common(6))} |", flush=True)
     return 0
 
