@@ -47,6 +47,10 @@ DECODE = [("dot_scaled", False, 16, 128, 128, 3, 4), ("dot_scaled", True, 16, 12
           ("f16x2", True, 16, 512, 32, 3, 4), ("f16x2", True, 16, 512, 32, 3, 8),
           ("bf16x2", False, 16, 128, 128, 3, 4), ("bf16x2", True, 16, 128, 128, 3, 4),
           ("bf16x2", True, 16, 256, 64, 4, 4), ("bf16x2", True, 16, 256, 128, 3, 4)]
+# prefill tiles (64 and 128 tokens per tile): where the MMA, not the decode, should bound
+PREFILL = [("dot_scaled", False, 64, 128, 128, 3, 4), ("dot_scaled", False, 128, 128, 128, 3, 4),
+           ("bf16x2", False, 64, 128, 128, 3, 4), ("bf16x2", True, 64, 128, 128, 3, 4),
+           ("bf16x2", False, 128, 128, 128, 3, 4), ("bf16x2", True, 128, 128, 128, 3, 4)]
 
 
 def compile_gemm(arch: int, inner: str, swap_ab: bool, block_n: int, block_m: int,
@@ -128,7 +132,7 @@ def main() -> int:
     print("| variant | block_n, block_m, block_k, stages, warps | instructions per iteration "
           "| issue slots per weight | of them integer ALU | registers, spill bytes | most "
           "frequent |\n|---|---|---:|---:|---:|---|---|")
-    for inner, swap, bn, bm, bk, stages, warps in DECODE:
+    for inner, swap, bn, bm, bk, stages, warps in DECODE + PREFILL:
         kernel = compile_gemm(args.arch, inner, swap, bn, bm, bk, num_stages=stages,
                               num_warps=warps)
         body = main_loop(sass(kernel))

@@ -24,8 +24,10 @@ The handle of each dispatch is used by its combine; layouts are computed once pe
 call. DeepEP's receive hook (`return_recv_hook`) is not used: it frees a rank to do other
 work while a low-latency exchange is in flight, and an attention rank here has none to do
 then. The models served have no shared experts (DeepSeek-style ones would be that work),
-and two-micro-batch overlap of the attention step is not built. Tested across processes over a CPU double of DeepEP's API (tests/deepep_fake.py);
-not yet run with DeepEP itself, which the lent GPU machine lacks (docs/benchmarks.md).
+and two-micro-batch overlap of the attention step is not built.
+
+Tested across processes over a CPU double of DeepEP's API (tests/deepep_fake.py); not yet
+run with DeepEP itself, which the lent GPU machine lacks (docs/benchmarks.md).
 """
 
 from __future__ import annotations

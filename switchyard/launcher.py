@@ -115,19 +115,27 @@ def free_port() -> int:
     """A port free now, for a process that binds it a moment later. It is drawn from below
     the kernel's ephemeral range, which every bind to port 0 draws from: the services that
     start meanwhile (they listen on port 0) cannot take it first. Another caller of this
-    function could, a smaller race (random draws among thousands of ports)."""
+    function in another process could, a smaller race (random draws among thousands of
+    ports); in this one, no port is handed out twice."""
     low = _ephemeral_low()
-    for _ in range(200):
-        port = random.randrange(max(1024, low - 16384), low)
+    start = max(1024, low - 16384)
+    for _ in range(200 if low - start >= 256 else 0):  # (a range from 1024 leaves no room)
+        port = random.randrange(start, low)
+        if port in _HANDED_OUT:  # not bound yet by whoever got it
+            continue
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError:  # in use, or in TIME_WAIT
                 continue
-            return port
+        _HANDED_OUT.add(port)
+        return port
     with socket.socket() as sock:  # nothing free down there: any port, with the old race
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+_HANDED_OUT: set[int] = set()  # this process's free_port() results
 
 
 def _ephemeral_low() -> int:

@@ -2,7 +2,8 @@
 
 The interpreter runs the kernels' Python, which is not what the compiler sees (a constexpr
 branch that returns is still traced after it, for one), so CPU CI also compiles each variant
-to PTX and a cubin for Hopper (sm_90), and the default for Blackwell (sm_100). Run without
+to PTX and a cubin for Hopper (sm_90), the default and bf16x2 for Blackwell (sm_100),
+bf16x2 for Ampere (sm_80), and the MXFP4 decode and quantize kernels. Run without
 TRITON_INTERPRET. Prints one line per variant; exits 1 if any fails to compile.
 """
 
@@ -36,6 +37,17 @@ def compile_dequantize(arch: int) -> None:
                    options={"num_warps": 4})
 
 
+def compile_quantize(arch: int, dtype: str) -> None:
+    """`_quantize_kernel` from `dtype` rows (what CUDA services quantize), for sm_{arch}."""
+    fn = triton_mxfp4._quantize_kernel
+    constants = {"BLOCK_R": 16, "BLOCK_K": 128}
+    types = {"x_ptr": f"*{dtype}", "packed_ptr": "*u8", "scales_ptr": "*u8"}
+    signature = {name: "constexpr" if name in constants else types.get(name, "i32")
+                 for name in fn.arg_names}
+    triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", arch, 32),
+                   options={"num_warps": 4})
+
+
 def variants() -> list[tuple[int, str, bool, int, int, int, bool, int, int]]:
     """(arch, inner, swap_ab, block_n, block_m, block_k, even_k, split_k, num_stages): every
     inner product and operand order at decode tiles (the tuned H200 ones among them), a
@@ -61,6 +73,8 @@ def main() -> int:
     failed = 0
     jobs = [(variant, lambda v=variant: compile_gemm(*v)) for variant in variants()]
     jobs.append(((90, "dequantize"), lambda: compile_dequantize(90)))
+    jobs += [((90, "quantize", t), lambda t=t: compile_quantize(90, t))
+             for t in ("fp32", "bf16", "fp16")]
     for variant, job in jobs:
         start = time.perf_counter()
         try:

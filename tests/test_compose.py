@@ -158,8 +158,18 @@ def test_free_ports_come_from_below_the_ephemeral_range() -> None:
     from switchyard.launcher import _ephemeral_low, free_port
 
     low = _ephemeral_low()
-    for _ in range(20):
-        port = free_port()
+    ports = [free_port() for _ in range(20)]
+    assert len(set(ports)) == 20  # none handed out twice before anyone binds it
+    for port in ports:
         assert 1024 <= port < low
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", port))  # still free
+
+
+def test_free_port_without_room_below_the_ephemeral_range(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """A kernel whose ephemeral range starts at 1024 leaves nothing below: any free port."""
+    from switchyard import launcher
+
+    monkeypatch.setattr(launcher, "_ephemeral_low", lambda: 1024)
+    assert launcher.free_port() >= 1024

@@ -330,7 +330,8 @@ def test_w4a4_through_bf16_grouped_gemms_is_as_close_to_float_as_the_torch_path(
 
 def test_every_variant_compiles_for_hopper_and_blackwell() -> None:
     """The compiler, not the interpreter: each inner product and operand order to a cubin
-    for sm_90 (and the default for sm_100), in a process without TRITON_INTERPRET."""
+    for sm_90 (the default and bf16x2 for sm_100 too, bf16x2 for sm_80), and the decode
+    and quantize kernels, in a process without TRITON_INTERPRET."""
     import subprocess
     import sys
 
@@ -338,7 +339,7 @@ def test_every_variant_compiles_for_hopper_and_blackwell() -> None:
     out = subprocess.run([sys.executable, "-m", "tests.compile_kernels"], env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert out.stdout.count(": ok (") == 25, out.stdout
+    assert out.stdout.count(": ok (") == 28, out.stdout
 
 
 def test_the_gpu_benchmarks_check_runs_on_this_device(monkeypatch: pytest.MonkeyPatch
@@ -346,7 +347,7 @@ def test_the_gpu_benchmarks_check_runs_on_this_device(monkeypatch: pytest.Monkey
     """benchmarks/gpu_mxfp4.py's `check` (what gpu_check runs first; only the variants it
     passes are swept and tuned in), here: right variants (one reading its own weight
     layout) and the bf16 route pass, and a variant made 0.1% wrong is dropped."""
-    from benchmarks.gpu_mxfp4 import ROUTE, check, parse_args
+    from benchmarks.gpu_mxfp4 import ROUTE, check, check_quantize, parse_args
     from moe_kernels import triton_mxfp4
 
     real = triton_mxfp4.grouped_mxfp4_gemm
@@ -359,55 +360,138 @@ def test_the_gpu_benchmarks_check_runs_on_this_device(monkeypatch: pytest.Monkey
     args = parse_args(["--hidden", "64", "--inter", "32"])
     ok, working = check(args, ["dot_scaled", "f16x2/swap", "bf16x2/swap"], device=DEVICE)
     assert not ok and working == ["dot_scaled", "bf16x2/swap", ROUTE]
+    assert check_quantize(DEVICE)  # its part of `ok`, which the wrong variant made False
 
 
-@pytest.mark.skipif(not INTERPRET, reason="on a GPU the expert service tests cover the bank")
-def test_expert_bank_serves_a_bf16x2_config_from_weights_converted_once(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The bank's Triton path (its CUDA path, run here in the interpreter) with a tuned
-    bf16x2 config: every layer's weights converted on first use, kept, the results the
-    torch path's; weights the layout cannot scale make the config fall back for all."""
-    from services.expert import experts
-    from services.model.checkpoint import Checkpoint
-    from services.model.config import ModelConfig
+@pytest.fixture(scope="module")
+def w4a4_bank_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests import checkpoints
 
-    checkpoints.build(checkpoints.qwen3_moe_config(moe_intermediate_size=96), tmp_path, seed=3)
-    cfg = ModelConfig.from_dir(tmp_path)
-    tuned = KernelConfig(inner="bf16x2", swap_ab=True, block_n=16, block_m=32, block_k=64)
-    monkeypatch.setattr(experts, "tuned_config", lambda gpu, rows: tuned)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    tokens = [3, 0, 5, 1, 0, 0, 2, 1]
-    x = quantize(torch.randn(sum(tokens), cfg.hidden_size, generator=torch.Generator()
-                             .manual_seed(0)))
+    path = tmp_path_factory.mktemp("bank")
+    checkpoints.build(checkpoints.qwen3_moe_config(moe_intermediate_size=96), path, seed=3)
+    return path
 
-    def run(bank: experts.ExpertBank) -> None:
+
+class BankRig:
+    """An `ExpertBank` whose Triton path (its CUDA path) runs here, in the interpreter:
+    `tuned` is what its tuned table says, and `conversions` counts `to_bf16x2` calls."""
+
+    def __init__(self, path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        from services.expert import experts
+
+        self.experts, self.path, self.conversions = experts, path, 0
+        self.monkeypatch = monkeypatch
+        self.table: dict[int, KernelConfig] = {}
+        real = experts.to_bf16x2
+
+        def counted(w: MXFP4Tensor) -> Bf16x2Weights:
+            self.conversions += 1
+            return real(w)
+
+        monkeypatch.setattr(experts, "to_bf16x2", counted)
+        monkeypatch.setattr(experts, "load_configs", lambda gpu: self.table)
+        monkeypatch.setattr(experts, "tuned_config", lambda gpu, rows: self.pick(rows))
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+
+    def pick(self, rows: int) -> KernelConfig:
+        return min(self.table.items(), key=lambda item: abs(item[0] - rows))[1]
+
+    def bank(self, gpu: str | None = "Test GPU"):  # -> ExpertBank
+        from services.model.checkpoint import Checkpoint
+        from services.model.config import ModelConfig
+
+        cfg = ModelConfig.from_dir(self.path)
+        self.monkeypatch.setattr(self.experts, "gpu_name", lambda device: gpu)
+        return self.experts.ExpertBank(cfg, Checkpoint(self.path),
+                                       self.experts.all_experts(cfg), torch.float32, "w4a4")
+
+    def run(self, bank, tokens: list[int]) -> None:
+        """Every layer on the Triton path, against the torch path."""
+        x = quantize(torch.randn(sum(tokens), bank.hidden_size,
+                                 generator=torch.Generator().manual_seed(len(tokens))))
         for layer in bank.w_gate_up:
             want = grouped_swiglu_w4a4(x, tokens, bank.w_gate_up[layer], bank.w_down[layer])
             assert_same(bank._triton_w4a4(layer, x, tokens, []), want)
 
-    bank = experts.ExpertBank(cfg, Checkpoint(tmp_path), experts.all_experts(cfg),
-                              torch.float32, "w4a4")
-    before = bank.nbytes()
-    run(bank)
-    assert set(bank._bf16x2) == set(bank.w_gate_up) and bank._kernel_runs == {tuned: True}
+
+BF16X2 = KernelConfig(inner="bf16x2", swap_ab=True, block_n=16, block_m=32, block_k=64)
+DECODE_TILES = KernelConfig(inner="decode", block_n=16, block_m=32, block_k=64)
+DECODE = [1, 0, 2, 1, 0, 0, 1, 1]  # tokens per expert: 1 or 2, the table's key 2
+PREFILL = [40, 3, 0, 33, 25, 0, 7, 12]  # the most 40, the key 40
+
+
+@pytest.mark.skipif(not INTERPRET, reason="on a GPU the expert service tests cover the bank")
+def test_bank_converts_at_load_when_its_table_has_bf16x2_and_never_again(
+        w4a4_bank_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A table with bf16x2 for decode and another variant for prefill, prefill first (as
+    serving goes): the weights are converted once, at load, and both configs run."""
+    rig = BankRig(w4a4_bank_ckpt, monkeypatch)
+    rig.table = {2: BF16X2, 40: DECODE_TILES}
+    bank = rig.bank()
+    layers = len(bank.w_gate_up)
+    assert rig.conversions == 2 * layers and set(bank._bf16x2) == set(bank.w_gate_up)
+    before = sum(w.packed.numel() + w.scales.numel() for w in
+                 [*bank.w_gate_up.values(), *bank.w_down.values()])
     assert bank.nbytes() == 2 * before  # the layout is a second copy
+    rig.run(bank, PREFILL)
+    rig.run(bank, DECODE)
+    assert bank._kernel_runs == {DECODE_TILES: True, BF16X2: True}
+    assert rig.conversions == 2 * layers and bank._bf16x2
 
-    # a GPU whose tuned table has a bf16x2 entry: converted at load, before any step
-    monkeypatch.setattr(experts, "gpu_name", lambda device: "Test GPU")
-    monkeypatch.setattr(experts, "load_configs", lambda gpu: {1: tuned})
-    eager = experts.ExpertBank(cfg, Checkpoint(tmp_path), experts.all_experts(cfg),
-                               torch.float32, "w4a4")
-    assert set(eager._bf16x2) == set(eager.w_gate_up)
-    run(eager)
 
-    monkeypatch.setattr(experts, "gpu_name", lambda device: None)
-    big = experts.ExpertBank(cfg, Checkpoint(tmp_path), experts.all_experts(cfg),
-                             torch.float32, "w4a4")
-    last = max(big.w_down)
-    big.w_down[last].scales[0, 0, 0] = 200  # a block scaled by 2**73 (valid MXFP4)
-    run(big)
-    assert big._bf16x2 is None and big._kernel_runs == {tuned: False}  # ran FALLBACK_KERNEL
+@pytest.mark.skipif(not INTERPRET, reason="on a GPU the expert service tests cover the bank")
+def test_bank_without_a_table_entry_converts_on_first_use(
+        w4a4_bank_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = BankRig(w4a4_bank_ckpt, monkeypatch)
+    bank = rig.bank()  # the table is empty at load
+    assert rig.conversions == 0
+    rig.table = {2: BF16X2}
+    rig.run(bank, DECODE)
+    rig.run(bank, DECODE)
+    assert rig.conversions == 2 * len(bank.w_gate_up) and bank._kernel_runs == {BF16X2: True}
+
+
+@pytest.mark.skipif(not INTERPRET, reason="on a GPU the expert service tests cover the bank")
+def test_weights_the_layout_cannot_scale_fall_back_for_good(
+        w4a4_bank_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One block scaled by 2**73 (valid MXFP4): no copy, the fallback kernel, same results,
+    and no second try for the table's other bf16x2 config."""
+    rig = BankRig(w4a4_bank_ckpt, monkeypatch)
+    bank = rig.bank()
+    bank.w_down[max(bank.w_down)].scales[0, 0, 0] = 200
+    other = KernelConfig(inner="bf16x2", swap_ab=True, block_n=16, block_m=64, block_k=32)
+    rig.table = {2: BF16X2, 40: other}
+    rig.run(bank, DECODE)
+    rig.run(bank, PREFILL)
+    assert bank._bf16x2 is None and bank._kernel_runs == {BF16X2: False, other: False}
+    assert rig.conversions <= 2 * len(bank.w_gate_up)  # the one attempt, stopped at the raise
+
+
+@pytest.mark.skipif(not INTERPRET, reason="on a GPU the expert service tests cover the bank")
+def test_a_copy_no_runnable_config_reads_is_freed(w4a4_bank_ckpt: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Converted at load for a bf16x2 config that then fails to run (a compiler error):
+    once the table's every bf16x2 config has failed, the copy goes."""
+    from moe_kernels import triton_mxfp4
+
+    real = triton_mxfp4.grouped_swiglu_w4a4_triton
+
+    def no_bf16x2(*args: object, **kw: object) -> torch.Tensor:
+        config = args[4] if len(args) > 4 else kw.get("config")
+        if isinstance(config, KernelConfig) and config.inner == "bf16x2":
+            raise RuntimeError("PassManager::run failed")  # as a Triton compile error
+        return real(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(triton_mxfp4, "grouped_swiglu_w4a4_triton", no_bf16x2)
+    rig = BankRig(w4a4_bank_ckpt, monkeypatch)
+    rig.table = {2: BF16X2, 40: DECODE_TILES}
+    bank = rig.bank()
+    rig.run(bank, PREFILL)
+    assert bank._bf16x2  # the bf16x2 config is untried: kept
+    rig.run(bank, DECODE)
+    assert bank._kernel_runs == {DECODE_TILES: True, BF16X2: False} and bank._bf16x2 == {}
+    assert bank.nbytes() == sum(w.packed.numel() + w.scales.numel() for w in
+                                [*bank.w_gate_up.values(), *bank.w_down.values()])
 
 
 def test_quantize_kernel_equals_the_torch_quantizer() -> None:

@@ -108,8 +108,7 @@ class ExpertBank:
             self.w_gate_up[layer] = self._stack(gate_up)
             self.w_down[layer] = self._stack(down)
         if self.quantization and self._gpu and any(
-                c.route == "triton" and c.inner == "bf16x2"
-                for c in load_configs(self._gpu).values()):
+                map(_reads_bf16x2, load_configs(self._gpu).values())):
             self._convert_bf16x2()  # now, not in the first step that reads it
 
     def _load(self, ckpt: Checkpoint, config: ModelConfig, name: str,
@@ -228,7 +227,7 @@ class ExpertBank:
         first use), or for none (`to_bf16x2` refuses weights it cannot scale: the config
         then does not run here), and kept beside the MXFP4 weights, which other entries of
         the tuned table read: a second copy."""
-        if config.route != "triton" or config.inner != "bf16x2":
+        if not _reads_bf16x2(config):
             return self.w_gate_up[layer], self.w_down[layer]
         if self._bf16x2 == {}:
             self._convert_bf16x2()
@@ -242,7 +241,7 @@ class ExpertBank:
         try:
             self._bf16x2 = {i: (to_bf16x2(self.w_gate_up[i]), to_bf16x2(self.w_down[i]))
                             for i in self.w_gate_up}
-        except ValueError as exc:
+        except (ValueError, torch.OutOfMemoryError) as exc:  # unscalable, or no room
             self._bf16x2 = None
             log.warning("W4A4 weights stay out of the bf16x2 layout (%s): its tuned configs "
                         "run %s", exc, FALLBACK_KERNEL)
@@ -262,10 +261,17 @@ class ExpertBank:
         if config not in self._kernel_runs:
             self._kernel_runs[config] = _kernel_runs(
                 config, q, counts, max_rows, lambda: self._layout(layer, config))
-            if self._bf16x2 and not any(c.inner == "bf16x2" and ok
-                                        for c, ok in self._kernel_runs.items()):
-                self._bf16x2 = {}  # converted for a config that does not run: free it
+            self._free_unread_layout()
         return config if self._kernel_runs[config] else FALLBACK_KERNEL
+
+    def _free_unread_layout(self) -> None:
+        """Drop the bf16x2 copy once every bf16x2 config of the tuned table (and any other
+        tried) has been tried here and none runs: nothing will read it."""
+        tried = {c: ok for c, ok in self._kernel_runs.items() if _reads_bf16x2(c)}
+        table = load_configs(self._gpu).values() if self._gpu else ()
+        if self._bf16x2 and not any(tried.values()) and \
+                all(c in tried for c in table if _reads_bf16x2(c)):
+            self._bf16x2 = {}
 
     def nbytes(self) -> int:
         total = 0
@@ -274,6 +280,10 @@ class ExpertBank:
             total += w.packed.numel() + w.scales.numel() \
                 if isinstance(w, W4A4Weights) else w.numel() * w.element_size()
         return total
+
+
+def _reads_bf16x2(config: KernelConfig) -> bool:
+    return config.route == "triton" and config.inner == "bf16x2"
 
 
 def _grouped_mm_matches(x: torch.Tensor, tokens_per_expert: list[int],
