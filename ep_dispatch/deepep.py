@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -53,12 +54,16 @@ log = logging.getLogger(__name__)
 # DeepEP's constraints (deepseek-ai/DeepEP: csrc/kernels/launch.cuh SWITCH_HIDDEN and
 # SWITCH_RANKS, intranode.cu notify_dispatch, internode_ll.cu, deep_ep.cpp), checked before
 # any process group exists. 3072 needs DeepEP from October 2025 on (its PR #458).
-LOW_LATENCY_HIDDEN = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
+LOW_LATENCY_HIDDEN = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)  # 6144: its PR #329
 MAX_TOP_K = 9  # kNumMaxTopK of the low-latency kernels (11 in newer DeepEP)
-MAX_LOW_LATENCY_TOKENS = 511  # (tokens + 1) * 2 <= NVSHMEM_QP_DEPTH, 1024 by default
+QP_DEPTH = 1024  # NVSHMEM_QP_DEPTH's default: low latency needs (tokens + 1) * 2 <= it
 INTRANODE_RANKS = (2, 4, 8)
 INTERNODE_NODES = (2, 4, 8, 16)  # of 8 ranks each (SWITCH_RDMA_RANKS)
 MAX_SLOTS_INTRANODE = 128  # experts per rank, normal kernels on one node (notify_dispatch)
+# normal kernels across nodes: notify_dispatch gives each of its 512 threads one of a node's
+# experts (8 ranks x L <= 512), and indexes the RDMA buffer with an int
+MAX_SLOTS_INTERNODE = 64
+MAX_INTERNODE_RDMA_BYTES = 2**31 - 2  # `num_rdma_bytes < INT_MAX` (internode.cu)
 MAX_SLOTS = 1024  # NUM_MAX_LOCAL_EXPERTS
 MAX_WARP_GROUPS = 14  # low latency: cdiv(slots of all ranks, SMs) < 15
 BUFFER_ALIGNMENT = 128  # bytes
@@ -135,6 +140,7 @@ def check_deepep(s: DeepEPSettings, world_size: int, hidden: int, top_k: int,
                          f"has {world_size} (attention and expert ranks together)")
     if s.mode != "low_latency":
         _check_normal(world_size, slots_per_rank)
+        check_rdma_bytes(s, world_size, s.rdma_bytes)
     if s.low_latency:
         _check_low_latency(s, world_size, hidden, top_k)
 
@@ -152,6 +158,20 @@ def _check_normal(world_size: int, slots_per_rank: int) -> None:
         raise ValueError(f"an expert rank holds {slots_per_rank} experts of one layer; "
                          f"DeepEP's normal kernels on one node allow {MAX_SLOTS_INTRANODE}: "
                          f"use more expert ranks")
+    if world_size > 8 and slots_per_rank > MAX_SLOTS_INTERNODE:
+        raise ValueError(f"an expert rank holds {slots_per_rank} experts of one layer; "
+                         f"DeepEP's normal kernels across nodes allow {MAX_SLOTS_INTERNODE}: "
+                         f"use more expert ranks{fix}")
+
+
+def check_rdma_bytes(s: DeepEPSettings, world_size: int, rdma_bytes: int) -> None:
+    """Across nodes the normal kernels index the RDMA buffer with an int: it must stay
+    below 2 GiB, the low-latency part that `auto` mode adds to it included."""
+    if world_size > 8 and s.mode != "low_latency" and rdma_bytes > MAX_INTERNODE_RDMA_BYTES:
+        raise ValueError(f"DeepEP's normal kernels across nodes take an RDMA buffer below "
+                         f"2 GiB; this one is {rdma_bytes} bytes (--deepep-rdma-bytes, or "
+                         f"the low-latency buffers of --deepep-max-tokens {s.max_tokens}): "
+                         f"lower --deepep-max-tokens, or run one --deepep-mode")
 
 
 def _check_low_latency(s: DeepEPSettings, world_size: int, hidden: int, top_k: int) -> None:
@@ -163,9 +183,11 @@ def _check_low_latency(s: DeepEPSettings, world_size: int, hidden: int, top_k: i
     if top_k > MAX_TOP_K:
         raise ValueError(f"DeepEP's low-latency kernels route each token to at most "
                          f"{MAX_TOP_K} experts; this model's top-k is {top_k}{fix}")
-    if not 1 <= s.max_tokens <= MAX_LOW_LATENCY_TOKENS:
-        raise ValueError(f"--deepep-max-tokens must be 1..{MAX_LOW_LATENCY_TOKENS} (DeepEP "
-                         f"with NVSHMEM's default queue depth); got {s.max_tokens}")
+    depth = int(os.environ.get("NVSHMEM_QP_DEPTH", QP_DEPTH))  # as DeepEP reads it
+    most = depth // 2 - 1
+    if not 1 <= s.max_tokens <= most:
+        raise ValueError(f"--deepep-max-tokens must be 1..{most} (DeepEP with NVSHMEM's queue "
+                         f"depth {depth}, NVSHMEM_QP_DEPTH); got {s.max_tokens}")
     if s.max_tokens * world_size % 4:
         raise ValueError(f"DeepEP needs --deepep-max-tokens x ranks to be a multiple of 4; "
                          f"{s.max_tokens} x {world_size} is not")
@@ -195,6 +217,9 @@ def import_deep_ep() -> Any:
     except ImportError as exc:
         raise ValueError(f"the deepep dispatch backend needs DeepEP (import deep_ep failed: "
                          f"{exc}); {BUILD_HINT}") from exc
+    if getattr(deep_ep, "Buffer", None) is None:  # built with DISABLE_LEGACY
+        raise ValueError(f"the deepep dispatch backend needs DeepEP's Buffer (V1 API), which "
+                         f"this build of deep_ep lacks; {BUILD_HINT}")
     return deep_ep
 
 
@@ -306,6 +331,7 @@ class DeepEPRank:
         if w > 8:
             hints += [c.get_rdma_buffer_size_hint(hidden_bytes, w) for c in configs]
         rdma = s.rdma_bytes or max(hints, default=0)
+        check_rdma_bytes(s, w, rdma)
         log.info("DeepEP buffer: %d ranks, %d slots each, NVLink %.0f MB, RDMA %.0f MB, "
                  "mode %s", w, self.slots.per_rank, nvl / 1e6, rdma / 1e6, s.mode)
         # queue pairs: the low-latency kernels need one per local expert, the normal

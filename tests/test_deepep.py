@@ -40,7 +40,7 @@ def check(settings: DeepEPSettings = DEFAULT, world: int = 8, hidden: int = 7168
 
 def test_a_layout_deepep_runs_passes() -> None:
     check()
-    check(DeepEPSettings(mode="normal"), world=16, hidden=128, top_k=16, slots=512)
+    check(DeepEPSettings(mode="normal"), world=16, hidden=128, top_k=16, slots=64)
     check(world=2, hidden=2048)
     check(DeepEPSettings(mode="low_latency"), world=3, slots=512)  # no SWITCH_RANKS there
 
@@ -67,11 +67,50 @@ def test_a_layout_deepep_runs_passes() -> None:
     ({"settings": DeepEPSettings(max_tokens=3), "world": 2},
      r"max-tokens x ranks to be a multiple of 4; 3 x 2"),
     ({"slots": 1025}, r"holds 1025 experts of one layer; DeepEP allows 1024"),
+    ({"settings": DeepEPSettings(mode="normal"), "world": 16, "slots": 65},
+     r"holds 65 experts of one layer; DeepEP's normal kernels across nodes allow 64"),
+    ({"settings": DeepEPSettings(rdma_bytes=2**31), "world": 16},
+     r"across nodes take an RDMA buffer below 2 GiB; this one is 2147483648 bytes"),
     ({"settings": DeepEPSettings(mode="fast")}, r"unknown --deepep-mode 'fast'"),
 ])
 def test_what_deepep_cannot_run_is_refused_with_the_reason(kwargs: dict, error: str) -> None:
     with pytest.raises(ValueError, match=error):
         check(**kwargs)
+
+
+def test_low_latency_tokens_follow_nvshmem_queue_depth(monkeypatch: pytest.MonkeyPatch
+                                                       ) -> None:
+    check(DeepEPSettings(max_tokens=511))  # (511 + 1) * 2 = 1024, NVSHMEM's default depth
+    monkeypatch.setenv("NVSHMEM_QP_DEPTH", "512")
+    check(DeepEPSettings(max_tokens=252))
+    with pytest.raises(ValueError, match=r"must be 1..255 \(DeepEP with NVSHMEM's queue depth "
+                                         r"512, NVSHMEM_QP_DEPTH\); got 256"):
+        check(DeepEPSettings(max_tokens=256))
+
+
+def test_the_auto_buffer_across_nodes_stays_below_2_gib() -> None:
+    """`auto` sizes the RDMA buffer for both kernels; the normal ones index it with an int
+    (what `_buffer` checks once DeepEP gives its size hints)."""
+    from ep_dispatch.deepep import check_rdma_bytes
+
+    check_rdma_bytes(DeepEPSettings(), 16, 2**31 - 2)
+    check_rdma_bytes(DeepEPSettings(mode="low_latency"), 16, 2**32)  # no normal kernels
+    check_rdma_bytes(DeepEPSettings(), 8, 2**32)  # one node: NVLink, no RDMA indexing
+    with pytest.raises(ValueError, match=r"lower --deepep-max-tokens, or run one "
+                                         r"--deepep-mode"):
+        check_rdma_bytes(DeepEPSettings(), 16, 2**31 - 1)
+
+
+def test_a_deep_ep_without_its_v1_buffer_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+    import types
+
+    from ep_dispatch.deepep import import_deep_ep
+
+    monkeypatch.setitem(sys.modules, "deep_ep", types.SimpleNamespace(Buffer=None))
+    with pytest.raises(ValueError, match=r"needs DeepEP's Buffer \(V1 API\), which this build "
+                                         r"of deep_ep lacks"):
+        import_deep_ep()
 
 
 def test_low_latency_slots_must_fit_the_sms() -> None:
