@@ -383,18 +383,30 @@ def _dequant_grouped_mm(xq, w, ends: torch.Tensor) -> torch.Tensor:
                              offs=ends)
 
 
-def bench(args: argparse.Namespace, variants: list[str], copy_bw: float) -> None:
+def device_name(device: str) -> str:
+    """The tuned-config key: the GPU model (`moe_kernels.kernel_configs`)."""
+    return torch.cuda.get_device_name() if device == "cuda" else device
+
+
+def l2_flush(device: str) -> torch.Tensor | None:
+    """A buffer larger than any L2, overwritten before each timed call (CUDA only)."""
+    return torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda") if device == "cuda" \
+        else None
+
+
+def bench(args: argparse.Namespace, variants: list[str], copy_bw: float,
+          device: str = "cuda") -> None:
     from moe_kernels.kernel_configs import load_configs, pick
     from moe_kernels.mxfp4 import quantize
     from moe_kernels.triton_mxfp4 import grouped_mxfp4_gemm
 
     variants = [v for v in variants if v != ROUTE]  # timed below as its own row
     e, h, i = args.experts, args.hidden, args.inter
-    tuned = load_configs(torch.cuda.get_device_name())  # {}: this GPU has no tuned file
+    tuned = load_configs(device_name(device))  # {}: this GPU has no tuned file
     layouts: dict[int, tuple] = {}
-    flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")  # > any L2
-    gemms = {"gate_up": random_mxfp4(e, 2 * i, h, "cuda", seed=3),
-             "down": random_mxfp4(e, h, i, "cuda", seed=4)}
+    flush = l2_flush(device)
+    gemms = {"gate_up": random_mxfp4(e, 2 * i, h, device, seed=3),
+             "down": random_mxfp4(e, h, i, device, seed=4)}
     print(f"## Timing: {e} experts, H {h}, I {i}; copy bandwidth {copy_bw / 1e12:.2f} TB/s\n")
     print("| GEMM | tokens/expert | N | kernel | median us | weight TB/s | of copy BW "
           "| TFLOP/s | speedup vs bf16 |")
@@ -405,8 +417,8 @@ def bench(args: argparse.Namespace, variants: list[str], copy_bw: float) -> None
         bytes_mxfp4, bytes_bf16 = w.nbytes(), w_bf16.numel() * 2
         for t in [*args.decode, *args.prefill]:
             counts, n = [t] * e, t * e
-            offsets = offsets_of(counts, "cuda")
-            x_bf16 = torch.randn(n, k, dtype=torch.bfloat16, device="cuda")
+            offsets = offsets_of(counts, device)
+            x_bf16 = torch.randn(n, k, dtype=torch.bfloat16, device=device)
             xq = quantize(x_bf16)
             flops = 2 * n * m * k
             bf16_runs = bf16_grouped_mm(x_bf16, w_bf16, counts, offsets)
@@ -438,7 +450,8 @@ def bench(args: argparse.Namespace, variants: list[str], copy_bw: float) -> None
             del x_bf16, xq
         del w_bf16
         layouts.clear()
-        torch.cuda.empty_cache()
+        if device == "cuda":
+            torch.cuda.empty_cache()
     print()
 
 
@@ -476,7 +489,8 @@ def tiles(config: tuple[int, ...]) -> dict[str, int]:
 
 def sweep(variants: list[str], copy_bw: float, json_path: str | None = None,
           experts: int = 32, hidden: int = 7168, inter: int = 2048,
-          tokens: tuple[int, ...] = (1, 16, 512)) -> list[dict[str, Any]]:
+          tokens: tuple[int, ...] = (1, 16, 512), device: str = "cuda"
+          ) -> list[dict[str, Any]]:
     """Time `sweep_configs` of the `SWEPT` variants among `variants`, and the bf16 route
     (`ROUTE`), at each GEMM and tokens per expert (every call with `max_rows`, as from the
     expert service), printing a table and writing every timing to `json_path`; returns
@@ -486,9 +500,9 @@ def sweep(variants: list[str], copy_bw: float, json_path: str | None = None,
 
     route = ROUTE in variants  # checked (`check`): swept beside the Triton variants
     variants = [v for v in variants if v.partition("/")[0] in SWEPT]
-    flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
-    gemms = {"gate_up": random_mxfp4(experts, 2 * inter, hidden, "cuda", seed=3),
-             "down": random_mxfp4(experts, hidden, inter, "cuda", seed=4)}
+    flush = l2_flush(device)
+    gemms = {"gate_up": random_mxfp4(experts, 2 * inter, hidden, device, seed=3),
+             "down": random_mxfp4(experts, hidden, inter, device, seed=4)}
     results: list[dict[str, Any]] = []
     layouts: dict[int, tuple] = {}
     print(f"## W4A4 kernel sweep (copy bandwidth {copy_bw / 1e12:.2f} TB/s)\n")
@@ -499,8 +513,8 @@ def sweep(variants: list[str], copy_bw: float, json_path: str | None = None,
         for name, w in gemms.items():
             _, m, k = w.shape
             n = t * experts
-            offsets = offsets_of([t] * experts, "cuda")
-            xq = quantize(torch.randn(n, k, dtype=torch.bfloat16, device="cuda"))
+            offsets = offsets_of([t] * experts, device)
+            xq = quantize(torch.randn(n, k, dtype=torch.bfloat16, device=device))
             shape: list[dict[str, Any]] = []
             candidates = [(variant, config, partial(
                 grouped_mxfp4_gemm, xq, offsets, weights_for(w, variant, layouts), max_rows=t,

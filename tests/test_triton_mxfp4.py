@@ -519,3 +519,36 @@ def test_quantize_kernel_equals_the_torch_quantizer() -> None:
         assert torch.equal(got.packed.cpu(), want.packed), name
         assert torch.equal(got.scales.cpu(), want.scales), name
     assert quantize(x).scales[2:5].eq(0xFF).sum() == 3  # the special blocks are there
+
+
+def test_the_gpu_benchmarks_bench_and_sweep_run_their_plumbing_here(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """gpu_check's timing sections (`bench`, `sweep`) on tiny shapes here, with a stand-in
+    clock: every swept config of a bf16x2 and a tl.dot_scaled variant runs (the sweep
+    turns exceptions into rows, so each must be a timing), the best per shape becomes a
+    table, and `bench` runs a tuned bf16x2 entry from such a table. What a GPU run times
+    is its own; this is what it would trip over first."""
+    from benchmarks import gpu_mxfp4
+    from moe_kernels import kernel_configs
+
+    clock = iter(range(1, 10**6))
+    monkeypatch.setattr(gpu_mxfp4, "time_ms", lambda fn, warmup, iters, flush: (
+        fn(), next(clock) * 1e-3)[1])
+    variants = ["dot_scaled", "bf16x2/swap"]
+    results = gpu_mxfp4.sweep(variants, 1e12, None, experts=2, hidden=64, inter=32,
+                              tokens=(1,), device=DEVICE)
+    tried = sum(len(gpu_mxfp4.sweep_configs(v, 1)) for v in variants)
+    assert len(results) == 2 * tried, capsys.readouterr().out  # both GEMMs, no failures
+    best = gpu_mxfp4.best_configs(results)
+    assert best[1] == KernelConfig(inner="dot_scaled", block_n=16, block_m=128, block_k=128,
+                                   split_k=1)  # the first timed: least by the clock
+    table = {1: KernelConfig(inner="bf16x2", swap_ab=True, block_n=16, block_m=32,
+                             block_k=32)}
+    monkeypatch.setattr(kernel_configs, "load_configs", lambda name: table)
+    args = gpu_mxfp4.parse_args(["--experts", "2", "--hidden", "64", "--inter", "32",
+                                 "--decode", "1", "--prefill", "4"])
+    gpu_mxfp4.bench(args, ["bf16x2/swap"], 1e12, device=DEVICE)
+    out = capsys.readouterr().out
+    # 2 GEMMs x 2 token counts (the table's one entry is the nearest for both)
+    assert out.count("| tuned: bf16x2/swap (16, 32, 32, 4, 3, 1) |") == 4
+    assert out.count("| triton bf16x2/swap |") == 4
