@@ -373,8 +373,9 @@ def w4a4_bank_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 class BankRig:
-    """An `ExpertBank` whose Triton path (its CUDA path) runs here, in the interpreter:
-    `tuned` is what its tuned table says, and `conversions` counts `to_bf16x2` calls."""
+    """An `ExpertBank` whose Triton path, its CUDA path, runs here (in the interpreter on
+    a CPU): `table` stands for its GPU's tuned table, and `conversions` counts
+    `to_bf16x2` calls."""
 
     def __init__(self, path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         from services.expert import experts
@@ -403,12 +404,14 @@ class BankRig:
         cfg = ModelConfig.from_dir(self.path)
         self.monkeypatch.setattr(self.experts, "gpu_name", lambda device: gpu)
         return self.experts.ExpertBank(cfg, Checkpoint(self.path),
-                                       self.experts.all_experts(cfg), torch.float32, "w4a4")
+                                       self.experts.all_experts(cfg), torch.float32, "w4a4",
+                                       device=DEVICE)
 
     def run(self, bank, tokens: list[int]) -> None:
         """Every layer on the Triton path, against the torch path."""
         x = quantize(torch.randn(sum(tokens), bank.hidden_size,
-                                 generator=torch.Generator().manual_seed(len(tokens))))
+                                 generator=torch.Generator().manual_seed(len(tokens)))
+                     .to(DEVICE))
         for layer in bank.w_gate_up:
             want = grouped_swiglu_w4a4(x, tokens, bank.w_gate_up[layer], bank.w_down[layer])
             assert_same(bank._triton_w4a4(layer, x, tokens, []), want)
@@ -420,7 +423,6 @@ DECODE = [1, 0, 2, 1, 0, 0, 1, 1]  # tokens per expert: 1 or 2, the table's key 
 PREFILL = [40, 3, 0, 33, 25, 0, 7, 12]  # the most 40, the key 40
 
 
-@pytest.mark.skipif(not INTERPRET, reason="on a GPU the expert service tests cover the bank")
 def test_bank_converts_at_load_when_its_table_has_bf16x2_and_never_again(
         w4a4_bank_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A table with bf16x2 for decode and another variant for prefill, prefill first (as
@@ -439,7 +441,6 @@ def test_bank_converts_at_load_when_its_table_has_bf16x2_and_never_again(
     assert rig.conversions == 2 * layers and bank._bf16x2
 
 
-@pytest.mark.skipif(not INTERPRET, reason="on a GPU the expert service tests cover the bank")
 def test_bank_without_a_table_entry_converts_on_first_use(
         w4a4_bank_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     rig = BankRig(w4a4_bank_ckpt, monkeypatch)
@@ -451,7 +452,6 @@ def test_bank_without_a_table_entry_converts_on_first_use(
     assert rig.conversions == 2 * len(bank.w_gate_up) and bank._kernel_runs == {BF16X2: True}
 
 
-@pytest.mark.skipif(not INTERPRET, reason="on a GPU the expert service tests cover the bank")
 def test_weights_the_layout_cannot_scale_fall_back_for_good(
         w4a4_bank_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """One block scaled by 2**73 (valid MXFP4): no copy, the fallback kernel, same results,
@@ -467,7 +467,6 @@ def test_weights_the_layout_cannot_scale_fall_back_for_good(
     assert rig.conversions <= 2 * len(bank.w_gate_up)  # the one attempt, stopped at the raise
 
 
-@pytest.mark.skipif(not INTERPRET, reason="on a GPU the expert service tests cover the bank")
 def test_a_copy_no_runnable_config_reads_is_freed(w4a4_bank_ckpt: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Converted at load for a bf16x2 config that then fails to run (a compiler error):
