@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_kernels.mxfp4 import BLOCK, SCALE_BIAS, MXFP4Tensor
+from moe_kernels.mxfp4 import SCALE_BIAS, MXFP4Tensor
 
 # bfloat16 bits of a code's mantissa, exponent and sign bits in a register's low half
 BF16_BITS = (6, 7, 8, 15)
@@ -55,6 +55,12 @@ def _bit_positions() -> list[tuple[int, int, int, int]]:
 
 
 POSITIONS = _bit_positions()
+# the layout as a permutation of a block's 128 bits: block bit 32c + p (word c, its bit p,
+# little endian) is code bit 4k + i (code k of the block in K order, its bit i)
+FROM_CODE_BIT = torch.empty(128, dtype=torch.long)
+for _k, _i, _c, _bit in POSITIONS:
+    FROM_CODE_BIT[32 * _c + _bit] = 4 * _k + _i
+TO_CODE_BIT = torch.argsort(FROM_CODE_BIT)  # the inverse permutation
 
 
 @dataclass(frozen=True)
@@ -77,9 +83,9 @@ class Bf16x2Weights:
         return Bf16x2Weights(self.packed[index], self.scales[index])  # type: ignore[index]
 
 
-def to_bf16x2(w: MXFP4Tensor, chunk_bytes: int = 1 << 24) -> Bf16x2Weights:
+def to_bf16x2(w: MXFP4Tensor, chunk_bytes: int = 1 << 22) -> Bf16x2Weights:
     """w in the bf16x2 layout (a copy, on w's device; one host synchronisation), converted
-    `chunk_bytes` of codes at a time (the bit shuffling holds 8 bytes per code).
+    `chunk_bytes` of codes at a time (the bit permutation holds 32 bytes per code byte).
 
     Raises:
         ValueError: a scale above 2**1 or a NaN block, which the layout cannot scale.
@@ -93,29 +99,25 @@ def to_bf16x2(w: MXFP4Tensor, chunk_bytes: int = 1 << 24) -> Bf16x2Weights:
     out = torch.empty_like(rows, memory_format=torch.contiguous_format)  # [R, K/2]
     step = max(1, chunk_bytes // max(half, 1))
     for i in range(0, rows.shape[0], step):
-        out[i:i + step] = _rearrange(rows[i:i + step])
+        out[i:i + step] = _permute_bits(rows[i:i + step], FROM_CODE_BIT)
     return Bf16x2Weights(out.reshape(w.packed.shape), w.scales.clone())
 
 
-def _rearrange(rows: torch.Tensor) -> torch.Tensor:
-    """[R, K/2] packed MXFP4 codes -> the same in the bf16x2 layout."""
+def _permute_bits(rows: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """[R, K/2] uint8 -> the same with each 16-byte block's 128 bits permuted: bit j of a
+    block (byte j // 8, its bit j % 8) becomes the input's bit `source[j]`."""
     r, half = rows.shape
-    codes = torch.stack([rows & 0xF, rows >> 4], dim=-1).reshape(r, half // 16, BLOCK).int()
-    words = torch.zeros(r, half // 16, 4, dtype=torch.int64, device=rows.device)
-    for k, i, c, bit in POSITIONS:  # [R, K/32, word]
-        words[..., c] |= ((codes[..., k] >> i) & 1).long() << bit
-    packed = torch.stack([(words >> (8 * b)) & 0xFF for b in range(4)], dim=-1)  # little end
-    return packed.to(torch.uint8).reshape(r, half)
+    shifts = torch.arange(8, dtype=torch.uint8, device=rows.device)  # [8]
+    bits = (rows.reshape(r, half // 16, 16, 1) >> shifts) & 1  # [R, K/32, 16, 8]
+    bits = bits.reshape(r, half // 16, 128)[..., source.to(rows.device)]  # [R, K/32, 128]
+    weights = (1 << shifts.int()).to(torch.uint8)  # [8]: a byte's bit values
+    return (bits.reshape(r, half // 16, 16, 8) * weights).sum(-1, dtype=torch.uint8
+                                                              ).reshape(r, half)
 
 
 def from_bf16x2(w: Bf16x2Weights) -> MXFP4Tensor:
     """The inverse of `to_bf16x2`."""
-    *lead, half = w.packed.shape
-    b = w.packed.reshape(*lead, half // 16, 4, 4).long()  # [..., K/32, word, byte]
-    words = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
-    codes = torch.zeros(*lead, half // 16, BLOCK, dtype=torch.int64, device=w.packed.device)
-    for k, i, c, bit in POSITIONS:
-        codes[..., k] |= ((words[..., c] >> bit) & 1) << i
-    pairs = codes.reshape(*lead, half, 2)
-    return MXFP4Tensor((pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8),
-                       w.scales.clone())
+    half = w.packed.shape[-1]
+    rows = w.packed.reshape(-1, half)  # [R, K/2]
+    packed = _permute_bits(rows, TO_CODE_BIT) if rows.shape[0] else rows.clone()
+    return MXFP4Tensor(packed.reshape(w.packed.shape), w.scales.clone())
