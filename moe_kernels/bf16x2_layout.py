@@ -54,12 +54,17 @@ def _bit_positions() -> list[tuple[int, int, int, int]]:
     return out
 
 
-POSITIONS = _bit_positions()
-# the layout as a permutation of a block's 128 bits: block bit 32c + p (word c, its bit p,
-# little endian) is code bit 4k + i (code k of the block in K order, its bit i)
-FROM_CODE_BIT = torch.empty(128, dtype=torch.long)
-for _k, _i, _c, _bit in POSITIONS:
-    FROM_CODE_BIT[32 * _c + _bit] = 4 * _k + _i
+def _block_permutation() -> torch.Tensor:
+    """The layout as a permutation of a block's 128 bits: [128] int64, block bit 32c + p
+    (word c, its bit p, little endian) is code bit 4k + i (code k of the block in K order,
+    its bit i)."""
+    source = torch.empty(128, dtype=torch.long)
+    for k, i, c, bit in _bit_positions():
+        source[32 * c + bit] = 4 * k + i
+    return source
+
+
+FROM_CODE_BIT = _block_permutation()
 TO_CODE_BIT = torch.argsort(FROM_CODE_BIT)  # the inverse permutation
 
 
