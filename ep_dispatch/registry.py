@@ -84,8 +84,9 @@ def _torch(ctx: BackendContext) -> ExpertsClient:
     from ep_dispatch.torch_dist import TorchExperts, join
 
     world, placement = _collective_world("torch", ctx)
-    join(world, ctx.connect_timeout, collective_backend(ctx.device), _rows(ctx))
-    return TorchExperts(world, placement, _rows(ctx), ctx.device)
+    rows = _rows(ctx)
+    join(world, ctx.connect_timeout, collective_backend(ctx.device), rows)
+    return TorchExperts(world, placement, rows, ctx.device)
 
 
 def _nccl(ctx: BackendContext) -> ExpertsClient:
@@ -94,8 +95,9 @@ def _nccl(ctx: BackendContext) -> ExpertsClient:
 
     import_nccl()
     world, placement = _collective_world("nccl", ctx)
-    return TorchExperts(world, placement, _rows(ctx), ctx.device,
-                        CupyNccl(world, ctx.connect_timeout, _rows(ctx)))
+    rows = _rows(ctx)
+    return TorchExperts(world, placement, rows, ctx.device,
+                        CupyNccl(world, ctx.connect_timeout, rows))
 
 
 def _deepep(ctx: BackendContext) -> ExpertsClient:

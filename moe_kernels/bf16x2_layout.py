@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_kernels.mxfp4 import SCALE_BIAS, MXFP4Tensor
+from moe_kernels.mxfp4 import SCALE_BIAS, MXFP4Tensor, ScaledBlocks
 
 # bfloat16 bits of a code's mantissa, exponent and sign bits in a register's low half
 BF16_BITS = (6, 7, 8, 15)
@@ -69,23 +69,13 @@ TO_CODE_BIT = torch.argsort(FROM_CODE_BIT)  # the inverse permutation
 
 
 @dataclass(frozen=True)
-class Bf16x2Weights:
-    """MXFP4 weights `[..., M, K]` in the bf16x2 layout (module docstring).
+class Bf16x2Weights(ScaledBlocks):
+    """MXFP4 weights `[..., M, K]` in the bf16x2 layout (module docstring): not an
+    `MXFP4Tensor`, so that nothing decodes it as one.
 
     packed: [..., M, K / 2] uint8, each 32-block's codes rearranged; scales: [..., M, K / 32]
     uint8 E8M0 bytes, as `MXFP4Tensor`'s, every one at most `MAX_SCALE`.
     """
-
-    packed: torch.Tensor
-    scales: torch.Tensor
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return (*self.packed.shape[:-1], 2 * self.packed.shape[-1])
-
-    def __getitem__(self, index: object) -> Bf16x2Weights:
-        """Experts or rows (any indexing of the leading dimensions)."""
-        return Bf16x2Weights(self.packed[index], self.scales[index])  # type: ignore[index]
 
 
 def to_bf16x2(w: MXFP4Tensor, chunk_bytes: int = 1 << 22) -> Bf16x2Weights:

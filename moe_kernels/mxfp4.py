@@ -23,6 +23,7 @@ Defined edge cases (the spec leaves some to the implementation):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Self
 
 import torch
 
@@ -38,11 +39,11 @@ _UP_AT_TIE = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, Fa
 
 
 @dataclass(frozen=True)
-class MXFP4Tensor:
-    """Packed MXFP4 values of a [..., K] tensor.
+class ScaledBlocks:
+    """4-bit codes of a [..., K] tensor in blocks of 32 along K, one E8M0 scale each: what
+    `MXFP4Tensor` and its kernel layouts (`bf16x2_layout.Bf16x2Weights`) have in common.
 
-    packed: [..., K / 2] uint8, two E2M1 codes per byte (first value in the low nibble).
-    scales: [..., K / 32] uint8, E8M0 biased exponents (0xFF = NaN).
+    packed: [..., K / 2] uint8, two codes per byte. scales: [..., K / 32] uint8.
     """
 
     packed: torch.Tensor
@@ -52,17 +53,26 @@ class MXFP4Tensor:
     def shape(self) -> tuple[int, ...]:
         return (*self.packed.shape[:-1], 2 * self.packed.shape[-1])
 
-    def __getitem__(self, index: object) -> MXFP4Tensor:
-        """Rows (any indexing of the leading dimensions)."""
-        return MXFP4Tensor(self.packed[index], self.scales[index])  # type: ignore[index]
+    def __getitem__(self, index: object) -> Self:
+        """Rows (any indexing of the leading dimensions), in the same layout."""
+        return type(self)(self.packed[index], self.scales[index])  # type: ignore[index]
+
+    def nbytes(self) -> int:
+        return self.packed.numel() + self.scales.numel()
+
+
+@dataclass(frozen=True)
+class MXFP4Tensor(ScaledBlocks):
+    """Packed MXFP4 values of a [..., K] tensor.
+
+    packed: [..., K / 2] uint8, two E2M1 codes per byte (first value in the low nibble).
+    scales: [..., K / 32] uint8, E8M0 biased exponents (0xFF = NaN).
+    """
 
     def split(self, sizes: list[int]) -> list[MXFP4Tensor]:
         """Split along the first dimension, like `torch.Tensor.split`."""
         return [MXFP4Tensor(p, s) for p, s in zip(self.packed.split(sizes),
                                                    self.scales.split(sizes), strict=True)]
-
-    def nbytes(self) -> int:
-        return self.packed.numel() + self.scales.numel()
 
     def to_rows(self) -> torch.Tensor:
         """One uint8 row per leading index: [N, K / 2 + K / 32], packed then scales (how

@@ -53,7 +53,7 @@ import triton.language as tl
 from moe_kernels.bf16x2_layout import MASK, Bf16x2Weights, to_bf16x2
 from moe_kernels.grouped_gemm import row_ends
 from moe_kernels.kernel_configs import INNER_PRODUCTS, KernelConfig, tuned_config
-from moe_kernels.mxfp4 import BLOCK, MXFP4Tensor, check_blockable
+from moe_kernels.mxfp4 import BLOCK, MXFP4Tensor, ScaledBlocks, check_blockable
 
 
 @triton.jit
@@ -519,7 +519,7 @@ def _tile_schedule(offsets: torch.Tensor, n: int, block_n: int) -> tuple[torch.T
     return tile_expert.to(torch.int32), tile_row.to(torch.int32)
 
 
-def _check_mxfp4(q: MXFP4Tensor | Bf16x2Weights, name: str, ndim: int) -> None:
+def _check_mxfp4(q: ScaledBlocks, name: str, ndim: int) -> None:
     if q.packed.dtype != torch.uint8 or q.scales.dtype != torch.uint8:
         raise ValueError(f"{name}: packed and scales must be uint8; got {q.packed.dtype}, "
                          f"{q.scales.dtype}")

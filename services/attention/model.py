@@ -96,6 +96,9 @@ class DenseModel:
         cos, sin = rope_cos_sin(batch.positions, self.cfg.head_dim, self.cfg.rope_theta,
                                 self.dtype)
         h = self.embed[batch.input_ids]  # [T, H]
+        # what each routed copy adds to the load counts: 1, or 0 for a graph's padding rows
+        rows = torch.ones_like(batch.input_ids) if batch.real_rows is None else batch.real_rows
+        counted = rows.repeat_interleave(self.cfg.top_k)  # [T*K] int64
         for i, w in enumerate(self.layers):
             h = h + self._attention(i, w, rms_norm(h, w.input_norm, self.cfg.rms_norm_eps),
                                     cos, sin, batch, kv)
@@ -105,9 +108,7 @@ class DenseModel:
             else:
                 ids, weights = route(x, w.gate, self.cfg.top_k, self.cfg.norm_topk_prob)
                 flat = ids.reshape(-1)  # [T*K]
-                real = torch.ones_like(flat) if batch.real_rows is None else \
-                    batch.real_rows.repeat_interleave(self.cfg.top_k)  # padding counts 0
-                self._load[i].index_add_(0, flat, real)
+                self._load[i].index_add_(0, flat, counted)
                 h = h + experts(i, x, ids, weights)
         return rms_norm(h, self.norm, self.cfg.rms_norm_eps)
 

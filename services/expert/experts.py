@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from ep_dispatch.wire import RowFormat
 from moe_kernels.bf16x2_layout import Bf16x2Weights, to_bf16x2
 from moe_kernels.grouped_gemm import (
     grouped_swiglu,
@@ -15,7 +16,13 @@ from moe_kernels.grouped_gemm import (
     timed_together,
 )
 from moe_kernels.kernel_configs import KernelConfig, load_configs, tuned_config
-from moe_kernels.mxfp4 import MXFP4Tensor, check_blockable, quantize, quantize_fused
+from moe_kernels.mxfp4 import (
+    MXFP4Tensor,
+    ScaledBlocks,
+    check_blockable,
+    quantize,
+    quantize_fused,
+)
 from services.expert.metrics import ExpertMetrics
 from services.model.checkpoint import Checkpoint
 from services.model.config import ModelConfig
@@ -132,10 +139,10 @@ class ExpertBank:
         return torch.stack(parts).to(self.device)
 
     @property
-    def row_width(self) -> int:
-        """Columns of one dispatched row: H values, or H/2 + H/32 bytes for w4a4."""
-        h = self.hidden_size
-        return h // 2 + h // 32 if self.quantization else h
+    def rows(self) -> RowFormat:
+        """What a dispatched row to these experts is: H values, or with w4a4 its
+        H/2 + H/32 MXFP4 bytes."""
+        return RowFormat(self.hidden_size, self.dtype, self.quantization)
 
     def forward(self, layer: int, x: torch.Tensor, tokens_per_expert: list[int],
                 spans: list[tuple[int, int]] | None = None) -> torch.Tensor:
@@ -247,8 +254,7 @@ class ExpertBank:
                         "run %s", exc, FALLBACK_KERNEL)
             return
         log.info("W4A4 weights in the bf16x2 layout too: %.1f MiB more",
-                 sum(w.packed.numel() + w.scales.numel()
-                     for pair in self._bf16x2.values() for w in pair) / 2**20)
+                 sum(w.nbytes() for pair in self._bf16x2.values() for w in pair) / 2**20)
 
     def _kernel_config(self, layer: int, q: MXFP4Tensor, counts: list[int] | torch.Tensor,
                        max_rows: int, rows: int | None = None) -> KernelConfig:
@@ -277,8 +283,7 @@ class ExpertBank:
         total = 0
         layouts = [w for pair in (self._bf16x2 or {}).values() for w in pair]
         for w in [*self.w_gate_up.values(), *self.w_down.values(), *layouts]:
-            total += w.packed.numel() + w.scales.numel() \
-                if isinstance(w, W4A4Weights) else w.numel() * w.element_size()
+            total += w.nbytes() if isinstance(w, ScaledBlocks) else w.numel() * w.element_size()
         return total
 
 

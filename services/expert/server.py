@@ -26,7 +26,7 @@ from ep_dispatch.torch_dist import (
     join,
     serve_experts,
 )
-from ep_dispatch.wire import RowFormat, from_wire, to_wire
+from ep_dispatch.wire import from_wire, to_wire
 from services.attention.config import resolve_dtype
 from services.expert.config import ExpertConfig
 from services.expert.experts import ExpertBank
@@ -75,7 +75,7 @@ class ExpertServer:
             raise ValueError(f"layer {batch.layer} is not an MoE layer")
         if len(batch.tokens_per_expert) != len(self.bank.experts[batch.layer]) or \
                 sum(batch.tokens_per_expert) != x.shape[0] or x.ndim != 2 or \
-                x.shape[1] != self.bank.row_width or \
+                x.shape[1] != self.bank.rows.width or \
                 (x.dtype == torch.uint8) != (self.bank.quantization == "w4a4"):
             raise ValueError("the batch does not match this rank's experts or hidden size")
         return x
@@ -202,7 +202,7 @@ def serve_collective(config: ExpertConfig, server: ExpertServer,
         serve_deepep_rank(config, server, world, metrics_port)
         return
     bank = server.bank
-    rows = RowFormat(bank.hidden_size, bank.dtype, bank.quantization)
+    rows = bank.rows
     if config.dispatch_backend == "nccl":
         from ep_dispatch.nccl import CupyNccl
 
@@ -227,8 +227,7 @@ def serve_deepep_rank(config: ExpertConfig, server: ExpertServer, world: World,
     check_deepep(config.deepep, world.size, bank.hidden_size, top_k,
                  server.placement.most_local, bank.dtype)
     import_deep_ep()
-    join(world, config.rendezvous_timeout, "nccl",
-         RowFormat(bank.hidden_size, bank.dtype, bank.quantization))
+    join(world, config.rendezvous_timeout, "nccl", bank.rows)
     log.info("expert rank %d/%d joined the deepep world, holding %.1f MB", config.rank,
              config.num_ranks, bank.nbytes() / 1e6)
     report_ready(config.ready_fd, 0, metrics_port)
