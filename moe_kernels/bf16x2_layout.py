@@ -39,6 +39,38 @@ MASK = 0x81C081C0  # those bits in both halves
 # Right rotation per register j and code bit i that brings the bit to its place.
 ROTATIONS = ((0, 0, 0, 0), (4, 4, 4, 4), (10, 10, 10, 10), (14, 6, 6, 6))
 MAX_SCALE = SCALE_BIAS + 1  # E8M0 byte of 2**1: 2**126 times it is bfloat16's largest power
+# A block's scale byte s as the multiplier pair the decode takes: bfloat16 2**(s - 1), i.e.
+# the scale times 2**126, in both halves (exponent field s + 126).
+PAIR_STEP, PAIR_BASE = 0x00800080, 0x3F003F00  # pair = s * PAIR_STEP + PAIR_BASE
+
+# The decode of one word ($8) with its block's pair ($9), for `tl.inline_asm_elementwise`
+# with pack 1: register j = (word rotated right by ROTATIONS[j]) & MASK (register 3: two
+# rotations, masked apart), times the pair with -0 added (so zeros keep their sign), as
+# bfloat16 halves $2j (low) and $2j + 1 (high). 13 instructions per word, sm_80 and later.
+# tests/ptx.py runs this text on the CPU.
+PTX = """{
+        .reg .b32 r, s, z;
+        mov.b32 z, 0x80008000;
+        and.b32 r, $8, 0x81C081C0;
+        fma.rn.bf16x2 r, r, $9, z;
+        mov.b32 {$0, $1}, r;
+        shf.r.wrap.b32 r, $8, $8, 4;
+        and.b32 r, r, 0x81C081C0;
+        fma.rn.bf16x2 r, r, $9, z;
+        mov.b32 {$2, $3}, r;
+        shf.r.wrap.b32 r, $8, $8, 10;
+        and.b32 r, r, 0x81C081C0;
+        fma.rn.bf16x2 r, r, $9, z;
+        mov.b32 {$4, $5}, r;
+        shf.r.wrap.b32 r, $8, $8, 14;
+        and.b32 r, r, 0x00400040;
+        shf.r.wrap.b32 s, $8, $8, 6;
+        and.b32 s, s, 0x81808180;
+        or.b32 r, r, s;
+        fma.rn.bf16x2 r, r, $9, z;
+        mov.b32 {$6, $7}, r;
+        }"""
+PTX_CONSTRAINTS = "=h,=h,=h,=h,=h,=h,=h,=h,r,r"  # 8 bfloat16 out; the word and the pair in
 
 
 def _bit_positions() -> list[tuple[int, int, int, int]]:

@@ -1,48 +1,46 @@
 """The bf16x2 weight layout (moe_kernels.bf16x2_layout): a lossless rearrangement whose
-decode, as the kernel's inline PTX does it (rotate, mask, one bfloat16 multiply per pair),
-gives every value `moe_kernels.mxfp4.dequantize` gives (the OCP MX decode, test_mxfp4.py),
-bit for bit, in K order. The PTX itself runs on a GPU only (benchmarks/gpu_check.py
-compares the kernel with the torch path); test_triton_mxfp4.py runs the kernel with the
-same operations in Triton's interpreter."""
+decode, the kernel's inline PTX (`PTX`: rotate, mask, one bfloat16 multiply per pair) run
+by tests/ptx.py after the PTX ISA's semantics, gives every value
+`moe_kernels.mxfp4.dequantize` gives (the OCP MX decode, test_mxfp4.py), bit for bit, in K
+order. test_triton_mxfp4.py runs the whole kernel, the same asm text included, in Triton's
+interpreter; benchmarks/gpu_check.py checks a GPU agrees."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moe_kernels.bf16x2_layout import (
-    MASK,
     MAX_SCALE,
-    ROTATIONS,
+    PAIR_BASE,
+    PAIR_STEP,
+    PTX,
+    PTX_CONSTRAINTS,
     Bf16x2Weights,
     from_bf16x2,
     to_bf16x2,
 )
 from moe_kernels.mxfp4 import MXFP4Tensor, dequantize
-
-
-def rotr(words: torch.Tensor, n: int) -> torch.Tensor:
-    return ((words >> n) | (words << (32 - n))) & 0xFFFFFFFF if n else words
+from tests import ptx
 
 
 def decode_as_ptx(w: Bf16x2Weights) -> torch.Tensor:
-    """[..., K] float32: `_bf16x2_asm`'s arithmetic, word by word, from the bytes."""
+    """[..., K] float32: the kernel's asm text (`PTX`) run word by word on the bytes."""
     *lead, half = w.packed.shape
-    b = w.packed.reshape(*lead, half // 4, 4).long()
-    words = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)  # [..., W]
-    scale = torch.exp2(w.scales.double() - 127 + 126).repeat_interleave(4, dim=-1)  # per word
-    regs = [rotr(words, ROTATIONS[j][0]) & MASK for j in range(3)]
-    regs.append((rotr(words, 14) & 0x00400040) | (rotr(words, 6) & 0x81808180))
-    out = torch.empty(*lead, half // 16, 32, dtype=torch.float64)  # [..., block, k]
-    for j, reg in enumerate(regs):
+    # [..., W]: bytes 4c..4c+3 as a little-endian word, as a GPU reads them (and x86)
+    words = w.packed.reshape(*lead, half // 4, 4).numpy().view("<u4")[..., 0]
+    scales = w.scales.repeat_interleave(4, dim=-1).numpy().astype(np.uint32)  # per word
+    h = ptx.run(PTX, PTX_CONSTRAINTS, [words, scales * PAIR_STEP + PAIR_BASE])
+    out = torch.empty(*lead, half // 16, 32, dtype=torch.float32)  # [..., block, k]
+    for j in range(4):
         for t in (0, 1):
-            bits = ((reg >> (16 * t)) & 0xFFFF).int() << 16  # bfloat16 -> float32 bits
-            value = bits.view(torch.float32).double() * scale  # code * 2**-126 * 2**(s - 1)
+            value = torch.from_numpy(h[2 * j + t].astype(np.int16)).view(torch.bfloat16)
             for c in range(4):  # word c of each block: code 2c + 8j + t
                 out[..., 2 * c + 8 * j + t] = value.reshape(*lead, half // 16, 4)[..., c]
-    return out.reshape(*lead, 2 * half).float()
+    return out.reshape(*lead, 2 * half)
 
 
 def random_weights(shape: tuple[int, ...], seed: int, max_scale: int = MAX_SCALE) -> MXFP4Tensor:

@@ -10,7 +10,9 @@ tests run on the GPU, with a 1e-6 relative tolerance instead.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first `import triton`
@@ -22,6 +24,7 @@ from moe_kernels.bf16x2_layout import Bf16x2Weights, to_bf16x2
 from moe_kernels.grouped_gemm import grouped_swiglu, grouped_swiglu_w4a4, mxfp4_linear
 from moe_kernels.kernel_configs import KernelConfig
 from moe_kernels.mxfp4 import MXFP4Tensor, quantize
+from tests import ptx
 
 pytest.importorskip("triton", reason="triton is not installed (pip install -e .[test])")
 
@@ -39,6 +42,16 @@ DEVICE = "cpu" if INTERPRET else "cuda"
 INNERS = ["dot_scaled", "decode", "f16", "f16x2", "bf16x2", pytest.param(
     "bf16", marks=pytest.mark.skipif(
         INTERPRET, reason="the Triton interpreter's bfloat16 tl.dot is wrong; checked on a GPU"))]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _ptx_in_the_interpreter() -> Iterator[None]:
+    """The interpreter runs the bf16x2 kernel's inline PTX, its text as written, by
+    tests/ptx.py."""
+    with ptx.in_triton_interpreter() if INTERPRET else contextlib.nullcontext():
+        yield
+
+
 # Small tiles so that tiny shapes still span several tiles and hit every mask.
 SMALL = {"block_n": 16, "block_m": 32, "block_k": 64}
 
