@@ -23,8 +23,7 @@ docs/benchmarks.md):
 - "decode": an explicit in-kernel decode of codes and scales to float32, then `tl.dot` in
   TF32 (exact here: MXFP4 values have at most 2 mantissa bits), for triton builds or
   targets where `tl.dot_scaled` with e2m1 on both sides fails.
-- "bf16": the same decode, then a bfloat16 `tl.dot` (the interpreter gets bf16 dots wrong:
-  checked on GPUs only).
+- "bf16": the same decode, then a bfloat16 `tl.dot`.
 - "f16": codes as float16 by three integer operations, one MMA per 32-block, the block's
   product scaled by both scales in float32.
 - "f16x2": the same, the weight codes decoded a 32-bit word at a time (two float16 codes
@@ -33,9 +32,10 @@ docs/benchmarks.md):
   per weight tile); the weights, kept in their own layout (`moe_kernels.bf16x2_layout`),
   decoded by inline PTX (sm_80 and later) into bfloat16 MMA operands with their scales
   applied, two values per instruction; then one bfloat16 MMA per K step, no per-block
-  scaling of partial sums. Triton's interpreter cannot run inline PTX; CPU tests give it
-  a PTX interpreter (tests/ptx.py), so they run this kernel with its asm text as written
-  (its values cast to float32 there), and a GPU run checks the hardware agrees.
+  scaling of partial sums.
+Triton's interpreter runs neither inline PTX nor bfloat16 dots (triton-lang/triton#11584):
+CPU tests teach it both (tests/triton_interpreter.py), so they run every variant as written,
+the asm text included; a GPU run checks the hardware agrees.
 Either operand can be the MMA's left one (`swap_ab`), and K can be split over programs
 (`split_k`).
 """
@@ -43,7 +43,6 @@ Either operand can be the MMA's left one (`swap_ab`), and K can be split over pr
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 import torch.nn.functional as F
@@ -93,10 +92,6 @@ def _decode_mxfp4(packed, scales, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
     return tl.reshape(values, [ROWS, BLOCK_K])
 
 
-# The interpreter runs inline PTX only as tests teach it (tests/ptx.py), and bf16 dots wrongly.
-INTERPRETING = bool(triton.knobs.runtime.interpret) if hasattr(triton, "knobs") else \
-    os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-_INTERPRETING = tl.constexpr(INTERPRETING)
 _PTX, _PTX_CONSTRAINTS = tl.constexpr(PTX), tl.constexpr(PTX_CONSTRAINTS)
 _PAIR_STEP, _PAIR_BASE = tl.constexpr(PAIR_STEP), tl.constexpr(PAIR_BASE)
 
@@ -107,8 +102,7 @@ def _decode_bf16x2(words, scales, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
 
     words: [ROWS, BLOCK_K / 8] uint32, the packed codes read as little-endian words;
     scales: [ROWS, BLOCK_K / 32] uint8 E8M0 bytes, at most 2**1. Returns [ROWS, BLOCK_K]
-    bfloat16 in K order (float32 in the interpreter), each thread holding the MMA operand
-    registers it decoded.
+    bfloat16 in K order, each thread holding the MMA operand registers it decoded.
     """
     # one 32-bit word per asm call (pack 1): which elements a packed call gets is the
     # layout's choice, and the layout Triton picks for the MMA interleaves rows
@@ -118,8 +112,6 @@ def _decode_bf16x2(words, scales, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
     # h[2j + t]: register j's half t, code 2c + 8j + t of the block for word c
     regs = tl.join(tl.join(tl.join(h[0], h[1]), tl.join(h[2], h[3])),
                    tl.join(tl.join(h[4], h[5]), tl.join(h[6], h[7])))  # [ROWS, word, t, j0, j1]
-    if _INTERPRETING:  # whose bfloat16 tl.dot is wrong (test_triton_mxfp4.py)
-        regs = regs.to(tl.float32)
     regs = tl.reshape(regs, [ROWS, BLOCK_K // 32, 4, 2, 2, 2])  # [ROWS, block, c, t, j0, j1]
     return tl.reshape(tl.permute(regs, (0, 1, 5, 4, 2, 3)), [ROWS, BLOCK_K])  # k = 8j + 2c + t
 
@@ -381,12 +373,7 @@ def _quantize_kernel(
     k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)  # [BLOCK_K]
     ok = (rows[:, None] < R) & (k[None, :] < K)  # [BLOCK_R, BLOCK_K]: K % 32 == 0
     rows64 = rows.to(tl.int64)[:, None]
-    x = tl.load(x_ptr + rows64 * stride_x + k[None, :], mask=ok, other=0.0)
-    if x_ptr.dtype.element_ty == tl.bfloat16:  # by its bits: exact for subnormals too, where
-        # the interpreter's conversion is not
-        x = (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-    else:
-        x = x.to(tl.float32)
+    x = tl.load(x_ptr + rows64 * stride_x + k[None, :], mask=ok, other=0.0).to(tl.float32)
     v = tl.reshape(x, [BLOCK_R, BLOCK_K // 32, 32])  # [BLOCK_R, blocks, 32]
     special = tl.max(((v != v) | (tl.abs(v) == float("inf"))).to(tl.int32), axis=2) > 0
     amax = tl.max(tl.where(v == v, tl.abs(v), 0.0), axis=2)  # [BLOCK_R, blocks]
@@ -594,8 +581,7 @@ def grouped_mxfp4_gemm(
 
     x_packed, x_scales = _dense_last(x.packed), _dense_last(x.scales)
     if inner == "bf16x2":  # the kernel reads values: decoded once, not per weight tile
-        x_packed = x_scales = dequantize_mxfp4(  # [N, K]
-            x, torch.float32 if INTERPRETING else torch.bfloat16)
+        x_packed = x_scales = dequantize_mxfp4(x, torch.bfloat16)  # [N, K]
     w_packed, w_scales = _dense_last(w.packed), _dense_last(w.scales)
     if inner in ("f16x2", "bf16x2"):  # weight codes read as 32-bit words
         w_packed = _word_aligned(w_packed)

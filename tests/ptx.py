@@ -16,9 +16,7 @@ rather than guessed. Values are uint32 (or uint16 for `h` operands) numpy arrays
 
 from __future__ import annotations
 
-import contextlib
 import re
-from collections.abc import Iterator
 
 import numpy as np
 
@@ -123,37 +121,3 @@ def _fma_bf16(a: np.ndarray, b: np.ndarray, c: np.ndarray, statement: str) -> np
     # round float32 to bfloat16, to nearest, ties to even (infinities pass through)
     rounded = (bits + np.uint64(0x7FFF) + ((bits >> np.uint64(16)) & np.uint64(1))) >> np.uint64(16)
     return rounded & np.uint64(0xFFFF)
-
-
-@contextlib.contextmanager
-def in_triton_interpreter() -> Iterator[None]:
-    """Triton's interpreter (TRITON_INTERPRET=1) runs `tl.inline_asm_elementwise` by `run`
-    while inside (pack 1 only; it raises NotImplementedError otherwise)."""
-    from triton.runtime import interpreter
-
-    def create_inline_asm(self: object, asm: str, constraints: str, values: list,
-                          types: list, is_pure: bool, pack: int) -> _Results:
-        if pack != 1:
-            raise NotImplementedError(f"tests/ptx.py runs pack=1 asm only, not pack={pack}")
-        outs = run(asm, constraints, [v.data for v in values])
-        # each result's numpy type is its Triton type's (bfloat16 as uint16 bits)
-        return _Results([interpreter.TensorHandle(o.view(interpreter._get_np_dtype(t)),
-                                                  getattr(t, "element_ty", t))
-                         for o, t in zip(outs, types, strict=True)])
-
-    real = interpreter.InterpreterBuilder.create_inline_asm
-    interpreter.InterpreterBuilder.create_inline_asm = create_inline_asm
-    try:
-        yield
-    finally:
-        interpreter.InterpreterBuilder.create_inline_asm = real
-
-
-class _Results:
-    """What the interpreter's asm call returns: results by index."""
-
-    def __init__(self, handles: list) -> None:
-        self.handles = handles
-
-    def get_result(self, i: int) -> object:
-        return self.handles[i]

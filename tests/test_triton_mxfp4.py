@@ -4,8 +4,10 @@
 On a CPU this runs the kernels in Triton's interpreter (TRITON_INTERPRET=1, set below before
 anything imports triton) and expects bit-identical results: every MXFP4 value and product is
 exact in float32, and at these shapes every partial sum is too, so the summation order of the
-kernel and of torch's matmul cannot matter. With TRITON_INTERPRET=0 on a CUDA machine the same
-tests run on the GPU, with a 1e-6 relative tolerance instead.
+kernel and of torch's matmul cannot matter. The interpreter is taught inline PTX and
+bfloat16 dots first (tests/triton_interpreter.py), so every inner product runs as written.
+With TRITON_INTERPRET=0 on a CUDA machine the same tests run on the GPU, with a 1e-6
+relative tolerance instead.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from moe_kernels.bf16x2_layout import Bf16x2Weights, to_bf16x2
 from moe_kernels.grouped_gemm import grouped_swiglu, grouped_swiglu_w4a4, mxfp4_linear
 from moe_kernels.kernel_configs import KernelConfig
 from moe_kernels.mxfp4 import MXFP4Tensor, quantize
-from tests import ptx
+from tests import triton_interpreter
 
 pytest.importorskip("triton", reason="triton is not installed (pip install -e .[test])")
 
@@ -37,18 +39,13 @@ INTERPRET = os.environ["TRITON_INTERPRET"] == "1"
 if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("TRITON_INTERPRET=0 needs a CUDA device", allow_module_level=True)
 DEVICE = "cpu" if INTERPRET else "cuda"
-# The interpreter's bfloat16 tl.dot is wrong (triton 3.8: a 16x16 product of bf16-exact
-# values comes out 2.5e10 off), so the "bf16" inner product is checked on a GPU only.
-INNERS = ["dot_scaled", "decode", "f16", "f16x2", "bf16x2", pytest.param(
-    "bf16", marks=pytest.mark.skipif(
-        INTERPRET, reason="the Triton interpreter's bfloat16 tl.dot is wrong; checked on a GPU"))]
+INNERS = ["dot_scaled", "decode", "f16", "f16x2", "bf16x2", "bf16"]
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _ptx_in_the_interpreter() -> Iterator[None]:
-    """The interpreter runs the bf16x2 kernel's inline PTX, its text as written, by
-    tests/ptx.py."""
-    with ptx.in_triton_interpreter() if INTERPRET else contextlib.nullcontext():
+def _interpreter_taught() -> Iterator[None]:
+    """The interpreter runs inline PTX (bf16x2's, as written) and bfloat16 dots."""
+    with triton_interpreter.taught() if INTERPRET else contextlib.nullcontext():
         yield
 
 
@@ -307,12 +304,6 @@ def test_dequantize_kernel_equals_the_torch_decode(dtype: torch.dtype) -> None:
         assert got.shape == want.shape and got.dtype == dtype
         assert torch.equal(got.isnan(), want.isnan())
         got, want = got.nan_to_num(), want.nan_to_num()
-        if INTERPRET and dtype == torch.bfloat16:
-            # The interpreter's float32 -> bfloat16 truncates subnormals (scale byte 0 times
-            # a small code) instead of rounding them; everything else must match. On a GPU
-            # every value is compared.
-            normal = want.float().abs() >= 2**-126
-            got, want = got[normal], want[normal]
         assert torch.equal(got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
                            want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
 

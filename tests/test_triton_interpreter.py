@@ -1,5 +1,7 @@
-"""tests/ptx.py, the PTX interpreter the bf16x2 tests run the kernel's asm with, against the
-PTX ISA's stated semantics and torch's own bfloat16 rounding; and its refusals."""
+"""The tools that teach Triton's interpreter what the kernels need (tests/triton_interpreter.py):
+tests/ptx.py, the PTX interpreter the bf16x2 kernel's asm runs by, against the PTX ISA's
+stated semantics and torch's own bfloat16 rounding, and its refusals; and the float32 to
+bfloat16 rounding, against torch's. test_triton_mxfp4.py runs the kernels with them."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests import ptx
+from tests import ptx, triton_interpreter
 
 RNG = np.random.default_rng(0)
 WORDS = RNG.integers(0, 2**32, 1000, dtype=np.uint64).astype(np.uint32)
@@ -74,3 +76,19 @@ def test_bf16x2_fma_rounds_once_to_nearest_even_as_torch_does() -> None:
 def test_what_it_does_not_model_is_refused(asm: str, error: str) -> None:
     with pytest.raises((NotImplementedError, ValueError), match=error):
         one(asm, np.array([0x7F7F7F7F], np.uint32))
+
+
+def test_float32_to_bfloat16_rounds_as_torch_does() -> None:
+    """Ties both ways, subnormals, the largest finites (to inf), infinities and NaN."""
+    g = torch.Generator().manual_seed(2)
+    bits = torch.randint(-2**31, 2**31, (20000,), generator=g, dtype=torch.int64)
+    ties = (bits & ~0xFFFF) | 0x8000  # exactly halfway: to even
+    x = torch.cat([bits, ties, torch.tensor([0x7F7FFFFF, 0x00000001, 0x807F8000])]).to(
+        torch.int32).view(torch.float32)
+    x = torch.cat([x, torch.tensor([float("inf"), -float("inf"), float("nan"), -0.0])])
+    got = triton_interpreter._to_bf16_bits(x.numpy())
+    want = x.to(torch.bfloat16)
+    assert x.isnan().sum() > 10 and (x.abs() < 2**-126).sum() > 10
+    nan = want.isnan().numpy()
+    assert np.array_equal(got[~nan], want.view(torch.int16).numpy().view(np.uint16)[~nan])
+    assert torch.from_numpy(got[nan].astype(np.int16)).view(torch.bfloat16).isnan().all()
