@@ -1,9 +1,11 @@
 """Triton grouped GEMM over experts for W4A4 MXFP4: MXFP4 activations x MXFP4 weights with
 float32 accumulation, through `tl.dot_scaled(..., "e2m1", ..., "e2m1")`.
 
-This module is the only one in the project that imports triton; import it lazily. On a CPU it
-runs under `TRITON_INTERPRET=1` (set before this module is imported), which implements
-`tl.dot_scaled` from triton 3.8 on (3.7.0 and older lack it).
+This module is the only one in the project that imports triton; import it lazily. On a CPU
+the tests run it under `TRITON_INTERPRET=1` (set before this module is imported), which
+implements `tl.dot_scaled` from triton 3.8 on (3.7.0 and older lack it), once they have
+taught the interpreter what it lacks (tests/triton_interpreter.py: without that, bf16x2
+stops at its inline PTX, and bfloat16 dots and casts come out wrong).
 
 Numerics match `moe_kernels.grouped_gemm.mxfp4_linear`: every MXFP4 value, and every product
 of two, is exact in bfloat16/float32, so only the order of the float32 summation can differ from

@@ -71,11 +71,20 @@ def test_bf16x2_fma_rounds_once_to_nearest_even_as_torch_does() -> None:
     ("mov.b32 u, $1; mov.b32 $0, u;", "writes undeclared register u"),
     ("mov.b32 $0, t;", "reads t before it is written"),
     ("mov.b32 t, $1;", r"never writes outputs \['\$0'\]"),
-    ("fma.rn.bf16x2 $0, $1, $1, 0;", "fma result float32 rounds"),  # big squares
+    ("fma.rn.bf16x2 $0, $1, $1, $1;", "not exact in float32"),  # squares overflow
+    # 1.0625**2 is a bfloat16 tie; 2**-100 added decides it, and float64 would drop it
+    ("mov.b32 t, 0x0D800D80; fma.rn.bf16x2 $0, $2, $2, t;", "not exact in float32"),
 ])
 def test_what_it_does_not_model_is_refused(asm: str, error: str) -> None:
     with pytest.raises((NotImplementedError, ValueError), match=error):
-        one(asm, np.array([0x7F7F7F7F], np.uint32))
+        one(asm, np.array([0x7F7F7F7F], np.uint32), np.array([0x3F883F88], np.uint32))
+
+
+def test_inputs_are_taken_by_their_bits() -> None:
+    ones = np.ones(3, np.float32)
+    assert (one("mov.b32 $0, $1;", ones)[0] == 0x3F800000).all()
+    with pytest.raises(ValueError, match="input 0 is float64"):
+        one("mov.b32 $0, $1;", ones.astype(np.float64))
 
 
 def test_float32_to_bfloat16_rounds_as_torch_does() -> None:

@@ -38,10 +38,14 @@ def taught() -> Iterator[None]:
         if pack != 1:
             raise NotImplementedError(f"tests/ptx.py runs pack=1 asm only, not pack={pack}")
         outs = ptx.run(asm, constraints, [v.data for v in values])
-        # each result's numpy type is its Triton type's (bfloat16 as uint16 bits)
-        return _Results([interpreter.TensorHandle(o.view(interpreter._get_np_dtype(t)),
-                                                  getattr(t, "element_ty", t))
-                         for o, t in zip(outs, types, strict=True)])
+        handles = []
+        for o, t in zip(outs, types, strict=True):
+            numpy_type = interpreter._get_np_dtype(t)  # bfloat16: uint16 bits
+            if o.itemsize != numpy_type.itemsize:
+                raise ValueError(f"asm output constraint {o.dtype} for a {t} result")
+            handles.append(interpreter.TensorHandle(o.view(numpy_type),
+                                                    getattr(t, "element_ty", t)))
+        return _Results(handles)
 
     def create_dot(self: object, a: TensorHandle, b: TensorHandle, *rest: object
                    ) -> TensorHandle:
