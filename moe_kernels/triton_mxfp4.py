@@ -4,8 +4,7 @@ float32 accumulation, through `tl.dot_scaled(..., "e2m1", ..., "e2m1")`.
 This module is the only one in the project that imports triton; import it lazily. On a CPU
 the tests run it under `TRITON_INTERPRET=1` (set before this module is imported), which
 implements `tl.dot_scaled` from triton 3.8 on (3.7.0 and older lack it), once they have
-taught the interpreter what it lacks (tests/triton_interpreter.py: without that, bf16x2
-stops at its inline PTX, and bfloat16 dots and casts come out wrong).
+taught the interpreter what it lacks (below).
 
 Numerics match `moe_kernels.grouped_gemm.mxfp4_linear`: every MXFP4 value, and every product
 of two, is exact in bfloat16/float32, so only the order of the float32 summation can differ from
@@ -35,9 +34,9 @@ docs/benchmarks.md):
   decoded by inline PTX (sm_80 and later) into bfloat16 MMA operands with their scales
   applied, two values per instruction; then one bfloat16 MMA per K step, no per-block
   scaling of partial sums.
-Triton's interpreter runs neither inline PTX nor bfloat16 dots (triton-lang/triton#11584):
-CPU tests teach it both (tests/triton_interpreter.py), so they run every variant as written,
-the asm text included; a GPU run checks the hardware agrees.
+Triton's interpreter runs neither inline PTX nor bfloat16 dots (triton-lang/triton#11584),
+and truncates casts to bfloat16: the tests teach it all three (tests/triton_interpreter.py),
+so they run every variant as written, the asm text included; a GPU run checks the hardware.
 Either operand can be the MMA's left one (`swap_ab`), and K can be split over programs
 (`split_k`).
 """
