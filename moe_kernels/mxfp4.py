@@ -124,8 +124,8 @@ def quantize(x: torch.Tensor) -> MXFP4Tensor:
 
 def quantize_fused(x: torch.Tensor) -> MXFP4Tensor:
     """`quantize(x)`, on CUDA in one Triton kernel (`triton_mxfp4.quantize_mxfp4`, bit for
-    bit the same under the tests' interpreter; this module's torch version runs 58 tensor operations
-    per call, counted with a TorchDispatchMode on [32, 7168] bfloat16 rows)."""
+    bit the same under the tests' interpreter; this module's torch version runs 58 tensor
+    operations per call, counted with a TorchDispatchMode on [32, 7168] bfloat16 rows)."""
     if x.device.type != "cuda":
         return quantize(x)
     from moe_kernels.triton_mxfp4 import quantize_mxfp4
