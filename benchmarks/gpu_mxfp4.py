@@ -185,8 +185,7 @@ def check(args: argparse.Namespace, variants: list[str], device: str = "cuda"
                         torch.cuda.synchronize()
                 except Exception as exc:  # e.g. dot_scaled e2m1 x e2m1 unsupported here
                     print(f"| {h} | {i} | {counts} | {name} | {variant} | - | - | "
-                          f"FAILED TO RUN: {type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0][:200] if str(exc) else ''} |")
+                          f"{failure(exc)} |")
                     working.remove(variant)
                     ok = False
                     continue
@@ -199,22 +198,34 @@ def check(args: argparse.Namespace, variants: list[str], device: str = "cuda"
                 if not passed:  # wrong here: never swept, never tuned in
                     working.remove(variant)
             for variant in list(working):  # K split over 3 programs, on the dense grid
-                out = grouped_mxfp4_gemm(xq, offsets, weights_for(w, variant, layouts),
-                                         max_rows=max(counts), split_k=3,
-                                         **variant_options(variant))
-                err = rel_err(out, ref)
+                label = f"{h} | {i} | {counts} | {name} | {variant}, split_k 3, dense"
+                try:  # another compile: any failure drops this variant only
+                    out = grouped_mxfp4_gemm(xq, offsets, weights_for(w, variant, layouts),
+                                             max_rows=max(counts), split_k=3,
+                                             **variant_options(variant))
+                    err = rel_err(out, ref)
+                except Exception as exc:
+                    print(f"| {label} | - | - | {failure(exc)} |")
+                    err = float("inf")
+                else:
+                    print(f"| {label} | {err:.2e} | {'yes' if torch.equal(out, ref) else 'no'}"
+                          f" | {'ok' if err <= 1e-5 else 'FAIL'} |")
                 ok &= err <= 1e-5
-                print(f"| {h} | {i} | {counts} | {name} | {variant}, split_k 3, dense | "
-                      f"{err:.2e} | {'yes' if torch.equal(out, ref) else 'no'} | "
-                      f"{'ok' if err <= 1e-5 else 'FAIL'} |")
                 if err > 1e-5:
                     working.remove(variant)
         for variant in ("dot_scaled", "bf16x2/swap"):  # the whole FFN: the default, and
             if variant not in working:  # the variant with weights in their own layout
                 continue
             config = KernelConfig(**variant_options(variant))  # type: ignore[arg-type]
-            out = grouped_swiglu_w4a4_triton(x, counts, w_gate_up, w_down, config)
-            ref = grouped_swiglu_w4a4(x, counts, w_gate_up, w_down).to(out.device)
+            try:  # the first run of the quantize kernel between the GEMMs, too
+                out = grouped_swiglu_w4a4_triton(x, counts, w_gate_up, w_down, config)
+                ref = grouped_swiglu_w4a4(x, counts, w_gate_up, w_down).to(out.device)
+            except Exception as exc:
+                print(f"| {h} | {i} | {counts} | swiglu | {variant} | - | - | "
+                      f"{failure(exc)} |")
+                ok = False
+                working.remove(variant)
+                continue
             err = rel_err(out, ref)
             # Re-quantizing between the GEMMs turns float32 rounding differences in the
             # first GEMM into occasional one-code flips, so this bound is looser.
@@ -238,14 +249,27 @@ def check(args: argparse.Namespace, variants: list[str], device: str = "cuda"
             print(f"| {h} | {i} | {counts} | swiglu | bf16 dequant + torch._grouped_mm | "
                   f"{err:.3f} vs float (torch path {bound / 1.05:.3f}) | no | "
                   f"{'ok' if err <= bound else 'FAIL'} |")
-        except RuntimeError as exc:  # torch._grouped_mm unsupported here
+        except Exception as exc:  # torch._grouped_mm unsupported here, or a compile error
             route_ok = False
             print(f"| {h} | {i} | {counts} | swiglu | bf16 dequant + torch._grouped_mm | - | "
-                  f"- | did not run: {str(exc).splitlines()[0][:120]} |")
+                  f"- | {failure(exc)} |")
     print()
-    ok &= check_quantize(device)
-    tiny_scales(device, [v for v in working if v.startswith("bf16x2")])
+    try:  # a failure here is reported; the GEMM variants that passed are kept
+        ok &= check_quantize(device)
+    except Exception as exc:
+        print(f"quantize kernel: {failure(exc)}\n")
+        ok = False
+    try:
+        tiny_scales(device, [v for v in working if v.startswith("bf16x2")])
+    except Exception as exc:  # information only
+        print(f"bf16x2 on the smallest scales: {failure(exc)}\n")
     return ok, working + [ROUTE] * route_ok
+
+
+def failure(exc: Exception) -> str:
+    """A table cell for a step that raised."""
+    first = str(exc).splitlines()[0][:200] if str(exc) else ""
+    return f"FAILED TO RUN: {type(exc).__name__}: {first}"
 
 
 def tiny_scales(device: str, variants: list[str]) -> None:
@@ -489,12 +513,16 @@ def tiles(config: tuple[int, ...]) -> dict[str, int]:
 
 def sweep(variants: list[str], copy_bw: float, json_path: str | None = None,
           experts: int = 32, hidden: int = 7168, inter: int = 2048,
-          tokens: tuple[int, ...] = (1, 16, 512), device: str = "cuda"
-          ) -> list[dict[str, Any]]:
+          tokens: tuple[int, ...] = (1, 16, 512), device: str = "cuda",
+          results: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Time `sweep_configs` of the `SWEPT` variants among `variants`, and the bf16 route
     (`ROUTE`), at each GEMM and tokens per expert (every call with `max_rows`, as from the
     expert service), printing a table and writing every timing to `json_path`; returns
-    every timing."""
+    every timing, also appended to `results` as they come (the caller keeps them if the
+    sweep is stopped). A config is timed only once its output matches the torch path's
+    (relative error 1e-5, as `check`): the check ran each variant at its default tiles
+    only, and a tuned table must never pick a fast wrong config."""
+    from moe_kernels.grouped_gemm import mxfp4_linear
     from moe_kernels.mxfp4 import quantize
     from moe_kernels.triton_mxfp4 import grouped_mxfp4_gemm
 
@@ -503,7 +531,7 @@ def sweep(variants: list[str], copy_bw: float, json_path: str | None = None,
     flush = l2_flush(device)
     gemms = {"gate_up": random_mxfp4(experts, 2 * inter, hidden, device, seed=3),
              "down": random_mxfp4(experts, hidden, inter, device, seed=4)}
-    results: list[dict[str, Any]] = []
+    results = [] if results is None else results
     layouts: dict[int, tuple] = {}
     print(f"## W4A4 kernel sweep (copy bandwidth {copy_bw / 1e12:.2f} TB/s)\n")
     print("| GEMM | tokens/expert | variant | block_n, block_m, block_k, warps, stages, "
@@ -515,6 +543,8 @@ def sweep(variants: list[str], copy_bw: float, json_path: str | None = None,
             n = t * experts
             offsets = offsets_of([t] * experts, device)
             xq = quantize(torch.randn(n, k, dtype=torch.bfloat16, device=device))
+            ref = torch.cat([mxfp4_linear(xq[e * t:(e + 1) * t], w[e])  # [N, M]
+                             for e in range(experts)])
             shape: list[dict[str, Any]] = []
             candidates = [(variant, config, partial(
                 grouped_mxfp4_gemm, xq, offsets, weights_for(w, variant, layouts), max_rows=t,
@@ -524,11 +554,16 @@ def sweep(variants: list[str], copy_bw: float, json_path: str | None = None,
                 candidates.append((ROUTE, (), partial(_dequant_grouped_mm, xq, w,
                                                       offsets[1:].to(torch.int32))))
             for variant, config, fn in candidates:
-                try:
-                    ms = time_ms(fn, 2, 7, flush)
+                try:  # (the route's bf16-rounded outputs: checked by `check`, to its bound)
+                    err = 0.0 if variant == ROUTE else rel_err(fn(), ref)
+                    ms = time_ms(fn, 2, 7, flush) if err <= 1e-5 else None
                 except Exception as exc:  # e.g. out of shared memory for this tile
                     print(f"| {name} | {t} | {variant} | {config} | "
                           f"{type(exc).__name__} | | | |")
+                    continue
+                if ms is None:
+                    print(f"| {name} | {t} | {variant} | {config} | WRONG: max rel err "
+                          f"{err:.2e} vs the torch path | | | |", flush=True)
                     continue
                 tbs = w.nbytes() / (ms * 1e-3)
                 shape.append({"gemm": name, "tokens_per_expert": t, "variant": variant,
@@ -537,7 +572,8 @@ def sweep(variants: list[str], copy_bw: float, json_path: str | None = None,
                 print(f"| {name} | {t} | {variant} | {config} | {ms * 1e3:.1f} | "
                       f"{tbs / 1e12:.2f} | {tbs / copy_bw:.0%} | "
                       f"{2 * n * m * k / (ms * 1e-3) / 1e12:.1f} |", flush=True)
-            results += shape
+            results.extend(shape)
+            del ref
             if json_path:
                 with open(json_path, "w") as f:
                     json.dump(results, f, indent=1)

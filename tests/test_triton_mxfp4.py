@@ -346,11 +346,12 @@ def test_every_variant_compiles_for_hopper_and_blackwell() -> None:
     assert out.stdout.count(": ok (") == 28, out.stdout
 
 
-def test_the_gpu_benchmarks_check_runs_on_this_device(monkeypatch: pytest.MonkeyPatch
-                                                      ) -> None:
+@pytest.mark.parametrize("fault", ["wrong by 0.1%", "fails to compile split over K"])
+def test_the_gpu_benchmarks_check_runs_on_this_device(monkeypatch: pytest.MonkeyPatch,
+                                                      fault: str) -> None:
     """benchmarks/gpu_mxfp4.py's `check` (what gpu_check runs first; only the variants it
     passes are swept and tuned in), here: right variants (one reading its own weight
-    layout) and the bf16 route pass, and a variant made 0.1% wrong is dropped."""
+    layout) and the bf16 route pass, and a faulty variant is dropped, alone."""
     from benchmarks.gpu_mxfp4 import ROUTE, check, check_quantize, parse_args
     from moe_kernels import triton_mxfp4
 
@@ -358,7 +359,13 @@ def test_the_gpu_benchmarks_check_runs_on_this_device(monkeypatch: pytest.Monkey
 
     def f16x2_off(*args: object, **kw: object) -> torch.Tensor:
         out = real(*args, **kw)  # type: ignore[arg-type]
-        return out * 1.001 if kw.get("inner") == "f16x2" else out
+        if kw.get("inner") != "f16x2":
+            return out
+        if fault == "wrong by 0.1%":
+            return out * 1.001
+        if kw.get("split_k", 1) > 1:  # after its first run passed
+            raise RuntimeError("PassManager::run failed")
+        return out
 
     monkeypatch.setattr(triton_mxfp4, "grouped_mxfp4_gemm", f16x2_off)
     args = parse_args(["--hidden", "64", "--inter", "32"])
@@ -542,6 +549,7 @@ def test_the_gpu_benchmarks_bench_and_sweep_run_their_plumbing_here(
                               tokens=(1,), device=DEVICE)
     tried = sum(len(gpu_mxfp4.sweep_configs(v, 1)) for v in variants)
     assert len(results) == 2 * tried, capsys.readouterr().out  # both GEMMs, no failures
+    assert "WRONG" not in capsys.readouterr().out
     best = gpu_mxfp4.best_configs(results)
     assert best[1] == KernelConfig(inner="dot_scaled", block_n=16, block_m=128, block_k=128,
                                    split_k=1)  # the first timed: least by the clock
@@ -555,3 +563,29 @@ def test_the_gpu_benchmarks_bench_and_sweep_run_their_plumbing_here(
     # 2 GEMMs x 2 token counts (the table's one entry is the nearest for both)
     assert out.count("| tuned: bf16x2/swap (16, 32, 32, 4, 3, 1) |") == 4
     assert out.count("| triton bf16x2/swap |") == 4
+
+
+def test_the_gpu_sweep_never_times_a_config_whose_output_is_wrong(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`check` ran each variant at its default tiles only; the sweep compares every config
+    it tries with the torch path first, so a fast wrong tile never enters a tuned table."""
+    from benchmarks import gpu_mxfp4
+    from moe_kernels import triton_mxfp4
+
+    real = triton_mxfp4.grouped_mxfp4_gemm
+
+    def wide_tiles_off(*args: object, **kw: object) -> torch.Tensor:
+        out = real(*args, **kw)  # type: ignore[arg-type]
+        return out * 1.001 if kw.get("block_m") == 256 else out
+
+    monkeypatch.setattr(triton_mxfp4, "grouped_mxfp4_gemm", wide_tiles_off)
+    monkeypatch.setattr(gpu_mxfp4, "time_ms", lambda fn, warmup, iters, flush: 1e-3)
+    results = gpu_mxfp4.sweep(["bf16x2/swap"], 1e12, None, experts=2, hidden=64, inter=32,
+                              tokens=(1,), device=DEVICE)
+    configs = gpu_mxfp4.sweep_configs("bf16x2/swap", 1)
+    wide = sum(c[1] == 256 for c in configs)
+    assert 0 < wide < len(configs)
+    assert len(results) == 2 * (len(configs) - wide)  # both GEMMs
+    assert all(r["config"][1] != 256 for r in results)
+    assert capsys.readouterr().out.count("| WRONG: max rel err 1.00e-03 vs the torch path") \
+        == 2 * wide
