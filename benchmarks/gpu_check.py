@@ -8,7 +8,9 @@ section has a time limit, and one that fails or runs over is a FAIL row while th
 still run. In order:
 
 1. machine: GPU, driver, torch/CUDA/Triton versions; device-to-device copy bandwidth
-   (bytes read + written) and bf16 matmul TFLOP/s (8192^3);
+   (bytes read + written) and bf16 matmul TFLOP/s (8192^3); then a preflight: every W4A4
+   kernel once in a child process (`benchmarks/gpu_preflight.py`), so that one which
+   faults the GPU is kept out of this process instead of failing every later section;
 2. the W4A4 grouped GEMM (`benchmarks/gpu_mxfp4.py`): every variant checked against the
    torch path, then timed at decode and prefill shapes against the copy bandwidth; and a
    sweep of variants, tiles and launch options (`--skip-sweep`), whose fastest config per
@@ -71,6 +73,7 @@ ROWS: list[dict[str, object]] = []
 JSON_PATH: str | None = None
 KERNEL_VARIANTS: list[str] = []  # the inner products (and route) that ran and matched
 KERNEL_CHECKED: list[bool] = []  # [every kernel check passed], once the check ran
+PREFLIGHT_FAILED: set[str] = set()  # kernels that failed in the preflight's child process
 DEADLINE = float("inf")  # time.monotonic() by which every section must end
 PROMPTS = [[1, 5, 9, 17, 33, 65, 129, 200], [7] * 24, list(range(3, 60, 2))]
 
@@ -239,6 +242,47 @@ def serve_vs_cpu() -> None:
         " / ".join(gpu), f"cpu: {' / '.join(cpu)}")
 
 
+def preflight() -> None:
+    """Every W4A4 kernel once, small, in a child process (`benchmarks.gpu_preflight`): one
+    that fails there is kept out of this process (a GEMM variant out of the kernel check,
+    the quantize or dequantize kernel replaced by the torch code it equals), so a kernel
+    that faults the GPU costs a row, not every section after it. After a failure the
+    kernels after it run in a fresh child."""
+    from benchmarks.gpu_preflight import KERNELS, outcome
+
+    left = list(KERNELS)
+    while left:
+        child = subprocess.run([sys.executable, "-m", "benchmarks.gpu_preflight", *left],
+                               capture_output=True, text=True)
+        done, failed = outcome(child.stdout, child.returncode)
+        if failed is None:
+            if child.returncode or len(done) < len(left):  # it never got to a kernel
+                tail = (child.stderr.strip().splitlines() or [""])[-1]
+                row("preflight", "FAIL", "", f"did not run: {tail[:300]}")
+                return
+            break
+        PREFLIGHT_FAILED.add(failed[0])
+        row(f"preflight: {failed[0]}", "FAIL", "", failed[1][:300])
+        left = left[left.index(failed[0]) + 1:]
+    avoid_failed_kernels()
+    row("preflight", "ok" if not PREFLIGHT_FAILED else "FAIL",
+        f"{len(KERNELS) - len(PREFLIGHT_FAILED)} of {len(KERNELS)} kernels ran",
+        "each once, small, in a child process")
+
+
+def avoid_failed_kernels() -> None:
+    """The torch code for the activations' kernels that failed the preflight (what the
+    services and the checks in this process call looks them up in `triton_mxfp4`)."""
+    from benchmarks.gpu_preflight import DEQUANTIZE, QUANTIZE
+    from moe_kernels import mxfp4, triton_mxfp4
+
+    if QUANTIZE in PREFLIGHT_FAILED:
+        triton_mxfp4.quantize_mxfp4 = mxfp4.quantize
+    if DEQUANTIZE in PREFLIGHT_FAILED:
+        triton_mxfp4.dequantize_mxfp4 = lambda q, dtype=torch.bfloat16: mxfp4.dequantize(
+            q, dtype)
+
+
 def kernel() -> None:
     from benchmarks.gpu_mxfp4 import SWEPT, bench, check, parse_args
 
@@ -246,7 +290,7 @@ def kernel() -> None:
                                 "--experts", "32", "--iters", "10"]
     try:
         args = parse_args()
-        ok, variants = check(args, args.variants)
+        ok, variants = check(args, [v for v in args.variants if v not in PREFLIGHT_FAILED])
         KERNEL_VARIANTS[:], KERNEL_CHECKED[:] = variants, [ok]
         row("W4A4 Triton kernel vs torch path", "ok" if ok else "FAIL", ", ".join(variants),
             "tables above")
@@ -581,6 +625,7 @@ def main() -> int:
     JSON_PATH, DEADLINE = args.json, time.monotonic() + args.budget
     print("| check | result | value | note |\n|---|---|---|---|")
     guarded("machine", machine, 60)
+    guarded("preflight", preflight, 150)
     if not args.skip_kernel:
         guarded("W4A4 kernel", kernel, 150)
         if not args.skip_sweep:

@@ -307,6 +307,9 @@ def check_quantize(device: str) -> bool:
     from moe_kernels.mxfp4 import quantize
     from moe_kernels.triton_mxfp4 import quantize_mxfp4
 
+    if quantize_mxfp4 is quantize:  # gpu_check's preflight replaced the failed kernel
+        print("quantize kernel: not run here, it failed the preflight\n")
+        return False
     g = torch.Generator(device=device).manual_seed(5)
     n = 256 if device == "cuda" else 8  # the interpreter (tests) takes 5 s per 64 rows
     x = torch.randn(n, 7168, device=device, generator=g) * torch.exp2(torch.randint(

@@ -5,6 +5,9 @@ stopped sweep timed must still become the tuned table."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -19,6 +22,8 @@ def fresh_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gpu_check, "ROWS", [])
     monkeypatch.setattr(gpu_check, "JSON_PATH", None)
     monkeypatch.setattr(gpu_check, "DEADLINE", float("inf"))
+    monkeypatch.setattr(gpu_check, "KERNEL_VARIANTS", [])
+    monkeypatch.setattr(gpu_check, "KERNEL_CHECKED", [])
 
 
 def test_a_section_that_catches_every_exception_still_stops_at_its_limit() -> None:
@@ -67,3 +72,68 @@ def test_a_sweep_stopped_at_its_limit_keeps_its_timings_as_the_tuned_table(
     assert results == [("W4A4 tuned configs", "info"),
                        ("W4A4 sweep: gate_up, 1 tokens/expert", "info"),
                        ("W4A4 kernel sweep", "FAIL")]
+
+
+def test_the_preflight_child_names_the_kernel_that_failed() -> None:
+    """A real child on this machine: its first kernel cannot run without a GPU."""
+    from benchmarks.gpu_preflight import KERNELS, QUANTIZE, outcome
+
+    child = subprocess.run([sys.executable, "-m", "benchmarks.gpu_preflight", QUANTIZE,
+                            KERNELS[0]], capture_output=True, text=True, timeout=120,
+                           env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    assert child.returncode == 1, child.stderr
+    done, failed = outcome(child.stdout, child.returncode)
+    assert done == [] and failed is not None and failed[0] == QUANTIZE
+    assert failed[1].startswith("FAILED TO RUN: ")
+
+
+def test_reading_the_preflight_child_back() -> None:
+    from benchmarks.gpu_preflight import outcome
+
+    assert outcome("start a\nok a\nstart b\nok b\n", 0) == (["a", "b"], None)
+    assert outcome("start a\nok a\nstart b\n", -11) == (
+        ["a"], ("b", "the process ended with code -11"))  # a segfault, say
+    assert outcome("start a\nerror a: FAILED TO RUN: X: y\n", 1) == (
+        [], ("a", "FAILED TO RUN: X: y"))
+    assert outcome("", 1) == ([], None)  # it never got to a kernel
+
+
+def test_a_kernel_that_kills_the_preflight_child_is_kept_out_of_the_check(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Children scripted to die at the quantize kernel and at bf16x2/swap: each failure is
+    a row, the kernels after it run in a new child, and this process then calls the torch
+    quantizer in the kernel's place and checks the GEMM variants without bf16x2/swap."""
+    from benchmarks import gpu_mxfp4
+    from benchmarks.gpu_preflight import KERNELS, QUANTIZE
+    from moe_kernels import mxfp4, triton_mxfp4
+
+    dies_at, children = {QUANTIZE, "bf16x2/swap"}, []
+
+    def child(cmd: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
+        names, lines = cmd[3:], []
+        children.append(names)
+        for name in names:
+            lines.append(f"start {name}")
+            if name in dies_at:
+                return subprocess.CompletedProcess(cmd, -11, "\n".join(lines) + "\n", "")
+            lines.append(f"ok {name}")
+        return subprocess.CompletedProcess(cmd, 0, "\n".join(lines) + "\n", "")
+
+    monkeypatch.setattr(gpu_check.subprocess, "run", child)
+    monkeypatch.setattr(gpu_check, "PREFLIGHT_FAILED", set())
+    monkeypatch.setattr(triton_mxfp4, "quantize_mxfp4", triton_mxfp4.quantize_mxfp4)
+    gpu_check.guarded("preflight", gpu_check.preflight, 60)
+    assert [(r["check"], r["result"]) for r in gpu_check.ROWS] == [
+        ("preflight: bf16x2/swap", "FAIL"), (f"preflight: {QUANTIZE}", "FAIL"),
+        ("preflight", "FAIL")]
+    assert gpu_check.ROWS[-1]["value"] == f"{len(KERNELS) - 2} of {len(KERNELS)} kernels ran"
+    assert len(children) == 3 and children[0] == KERNELS
+    assert children[2] == KERNELS[KERNELS.index(QUANTIZE) + 1:]
+    assert triton_mxfp4.quantize_mxfp4 is mxfp4.quantize  # what quantize_fused runs
+    assert gpu_mxfp4.check_quantize("cpu") is False  # says so, not "bit-exact"
+
+    checked = []
+    monkeypatch.setattr(gpu_mxfp4, "check", lambda args, variants: (
+        checked.extend(variants), (True, []))[1])
+    gpu_check.kernel()
+    assert "bf16x2/swap" not in checked and "bf16x2" in checked

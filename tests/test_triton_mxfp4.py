@@ -589,3 +589,12 @@ def test_the_gpu_sweep_never_times_a_config_whose_output_is_wrong(
     assert all(r["config"][1] != 256 for r in results)
     assert capsys.readouterr().out.count("| WRONG: max rel err 1.00e-03 vs the torch path") \
         == 2 * wide
+
+
+def test_the_gpu_preflight_runs_every_kernel_here() -> None:
+    """What gpu_check's preflight child runs, kernel by kernel (here in the interpreter):
+    each must run, or the child would report a working kernel as failed."""
+    from benchmarks.gpu_preflight import KERNELS, run
+
+    for name in KERNELS:
+        run(name, DEVICE)
