@@ -252,12 +252,17 @@ def preflight() -> None:
 
     left = list(KERNELS)
     while left:
-        child = subprocess.run([sys.executable, "-m", "benchmarks.gpu_preflight", *left],
-                               capture_output=True, text=True)
-        done, failed = outcome(child.stdout, child.returncode)
+        cmd = [sys.executable, "-m", "benchmarks.gpu_preflight", *left]
+        try:  # a hung kernel is a failed one: in this process nothing could stop it
+            child = subprocess.run(cmd, capture_output=True, text=True, timeout=90)
+            stdout, code, stderr = child.stdout, child.returncode, child.stderr
+        except subprocess.TimeoutExpired as exc:  # killed; its output so far (bytes)
+            stdout = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout
+            stdout, code, stderr = stdout or "", "killed after 90 s", ""
+        done, failed = outcome(stdout, code)
         if failed is None:
-            if child.returncode or len(done) < len(left):  # it never got to a kernel
-                tail = (child.stderr.strip().splitlines() or [""])[-1]
+            if code or len(done) < len(left):  # it never got to a kernel
+                tail = (stderr.strip().splitlines() or [f"exit {code}"])[-1]
                 row("preflight", "FAIL", "", f"did not run: {tail[:300]}")
                 return
             break

@@ -62,10 +62,12 @@ def main(names: list[str]) -> int:
     return 0
 
 
-def outcome(stdout: str, returncode: int) -> tuple[list[str], tuple[str, str] | None]:
-    """A child's output read back: the kernels that ran, and (kernel, why) for the one that
-    failed, if one did."""
-    done, started, why = [], None, f"the process ended with code {returncode}"
+def outcome(stdout: str, returncode: int | str) -> tuple[list[str], tuple[str, str] | None]:
+    """A child's output read back (returncode: its exit code, or why it ended): the kernels
+    that ran, and (kernel, why) for the one that failed, if one did."""
+    done, started = [], None
+    why = f"the process ended with code {returncode}" if isinstance(returncode, int) \
+        else f"the process was {returncode}"
     for line in stdout.splitlines():
         word, _, rest = line.partition(" ")
         if word == "start":

@@ -100,9 +100,10 @@ def test_reading_the_preflight_child_back() -> None:
 
 def test_a_kernel_that_kills_the_preflight_child_is_kept_out_of_the_check(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Children scripted to die at the quantize kernel and at bf16x2/swap: each failure is
-    a row, the kernels after it run in a new child, and this process then calls the torch
-    quantizer in the kernel's place and checks the GEMM variants without bf16x2/swap."""
+    """Children scripted to hang at f16 and to die at bf16x2/swap and the quantize kernel:
+    each failure is a row, the kernels after it run in a new child, and this process then
+    calls the torch quantizer in the kernel's place and checks the GEMM variants without
+    f16 and bf16x2/swap."""
     from benchmarks import gpu_mxfp4
     from benchmarks.gpu_preflight import KERNELS, QUANTIZE
     from moe_kernels import mxfp4, triton_mxfp4
@@ -114,8 +115,11 @@ def test_a_kernel_that_kills_the_preflight_child_is_kept_out_of_the_check(
         children.append(names)
         for name in names:
             lines.append(f"start {name}")
+            out = "\n".join(lines) + "\n"
+            if name == "f16":  # killed at the timeout; its output comes back as bytes
+                raise subprocess.TimeoutExpired(cmd, kw["timeout"], output=out.encode())
             if name in dies_at:
-                return subprocess.CompletedProcess(cmd, -11, "\n".join(lines) + "\n", "")
+                return subprocess.CompletedProcess(cmd, -11, out, "")
             lines.append(f"ok {name}")
         return subprocess.CompletedProcess(cmd, 0, "\n".join(lines) + "\n", "")
 
@@ -123,12 +127,14 @@ def test_a_kernel_that_kills_the_preflight_child_is_kept_out_of_the_check(
     monkeypatch.setattr(gpu_check, "PREFLIGHT_FAILED", set())
     monkeypatch.setattr(triton_mxfp4, "quantize_mxfp4", triton_mxfp4.quantize_mxfp4)
     gpu_check.guarded("preflight", gpu_check.preflight, 60)
-    assert [(r["check"], r["result"]) for r in gpu_check.ROWS] == [
-        ("preflight: bf16x2/swap", "FAIL"), (f"preflight: {QUANTIZE}", "FAIL"),
-        ("preflight", "FAIL")]
-    assert gpu_check.ROWS[-1]["value"] == f"{len(KERNELS) - 2} of {len(KERNELS)} kernels ran"
-    assert len(children) == 3 and children[0] == KERNELS
-    assert children[2] == KERNELS[KERNELS.index(QUANTIZE) + 1:]
+    assert [(r["check"], r["result"], r["note"]) for r in gpu_check.ROWS] == [
+        ("preflight: f16", "FAIL", "the process was killed after 90 s"),
+        ("preflight: bf16x2/swap", "FAIL", "the process ended with code -11"),
+        (f"preflight: {QUANTIZE}", "FAIL", "the process ended with code -11"),
+        ("preflight", "FAIL", "each once, small, in a child process")]
+    assert gpu_check.ROWS[-1]["value"] == f"{len(KERNELS) - 3} of {len(KERNELS)} kernels ran"
+    assert len(children) == 4 and children[0] == KERNELS
+    assert children[3] == KERNELS[KERNELS.index(QUANTIZE) + 1:]
     assert triton_mxfp4.quantize_mxfp4 is mxfp4.quantize  # what quantize_fused runs
     assert gpu_mxfp4.check_quantize("cpu") is False  # says so, not "bit-exact"
 
@@ -136,4 +142,5 @@ def test_a_kernel_that_kills_the_preflight_child_is_kept_out_of_the_check(
     monkeypatch.setattr(gpu_mxfp4, "check", lambda args, variants: (
         checked.extend(variants), (True, []))[1])
     gpu_check.kernel()
-    assert "bf16x2/swap" not in checked and "bf16x2" in checked
+    assert "bf16x2/swap" not in checked and "f16" not in checked
+    assert {"bf16x2", "f16/swap", "dot_scaled"} <= set(checked)
