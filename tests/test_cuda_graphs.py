@@ -65,6 +65,8 @@ def test_graph_forward_matches_the_model_row_for_row(qwen3_ckpt: tuple) -> None:
 
 
 def test_what_a_graph_cannot_run_runs_eagerly(qwen3_ckpt: tuple) -> None:
+    """Prefills, and decodes of more rows or keys than any graph: not one replay, and the
+    tokens of an engine without graphs."""
     path, _ = qwen3_ckpt
     engine = Engine(config(path, cuda_graph_max_batch=2, cuda_graph_max_len=16),
                     graph_capture=eager_capture)
@@ -76,6 +78,13 @@ def test_what_a_graph_cannot_run_runs_eagerly(qwen3_ckpt: tuple) -> None:
     engine.step()
     decode = engine._batch(engine.scheduler.schedule())  # 3 sequences > 2, and 21 keys > 16
     assert not decode.prefills and not engine.graphs.fits(decode)
+
+    arrivals = {0: [greedy(f"r{i}", p, 6) for i, p in enumerate(ps)]}
+    graphed = Engine(config(path, cuda_graph_max_batch=2, cuda_graph_max_len=16),
+                     graph_capture=eager_capture)
+    assert run_to_completion(graphed, arrivals) == run_to_completion(Engine(config(path)),
+                                                                     arrivals)
+    assert graphed.graphs is not None and graphed.graphs.replays == {}
 
 
 def test_local_experts_on_device_counts_equal_the_host_path(qwen3_ckpt: tuple) -> None:

@@ -128,11 +128,13 @@ def test_replicated_placement_from_a_file(mixtral_ckpt: tuple, tmp_path: Path) -
     children, addresses = start_experts(path, 2, placement)
     try:
         engine = rpc_engine(path, addresses, placement=placement)
-        prompt = prompts(seed=4, lengths=(33,))[0]
-        with torch.no_grad():
-            ref = model(torch.tensor([prompt])).logits[0]
-        assert (engine.score(prompt) - ref).abs().max().item() < 1e-4
-        engine.close()
+        try:
+            prompt = prompts(seed=4, lengths=(33,))[0]
+            with torch.no_grad():
+                ref = model(torch.tensor([prompt])).logits[0]
+            assert (engine.score(prompt) - ref).abs().max().item() < 1e-4
+        finally:
+            engine.close()
     finally:
         children.stop()
 

@@ -13,6 +13,7 @@ import httpx
 import jsonschema
 import pytest
 import tokenizers
+from transformers import AutoTokenizer
 
 from gateway.app import build_app
 from gateway.config import GatewayConfig
@@ -89,16 +90,18 @@ async def test_tokenize_text_and_special_tokens(offline: httpx.AsyncClient,
 @pytest.mark.anyio
 async def test_tokenize_chat_uses_the_chat_template(offline: httpx.AsyncClient,
                                                     bos_model: Path) -> None:
-    tokenizer = Tokenizer.load(bos_model)
-    assert tokenizer is not None
+    hf = AutoTokenizer.from_pretrained(str(bos_model))  # the reference
     parts = [{"type": "text", "text": "Hello,"}, {"type": "text", "text": "world!"}]
     r = await offline.post("/tokenize", json={"messages": [{"role": "user", "content": parts}]})
     assert r.status_code == 200, r.text
     # Text parts are joined by newlines and no BOS is added, exactly as chat completions do.
-    expected = tokenizer.encode_chat([{"role": "user", "content": "Hello,\nworld!"}])
+    expected = hf.apply_chat_template([{"role": "user", "content": "Hello,\nworld!"}],
+                                      add_generation_prompt=True, tokenize=True,
+                                      return_dict=False)
     assert r.json()["tokens"] == expected and r.json()["count"] == len(expected)
     r = await offline.post("/tokenize", json={"messages": CHAT, "add_special_tokens": True})
-    assert r.json()["tokens"] == tokenizer.encode(tokenizer.render_chat(CHAT))
+    rendered = hf.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+    assert r.json()["tokens"] == hf.encode(rendered, add_special_tokens=True)
 
 
 @pytest.mark.anyio
@@ -181,12 +184,12 @@ def test_tokenize_detokenize_round_trip(demo: Served, openapi: dict[str, Any]) -
 
 def test_tokenize_chat_counts_what_chat_completions_send(demo: Served,
                                                          openapi: dict[str, Any]) -> None:
-    tokenizer = Tokenizer.load(DEFAULT_MODEL)
-    assert tokenizer is not None
+    hf = AutoTokenizer.from_pretrained(str(DEFAULT_MODEL))  # the reference
     r = httpx.post(f"{demo.url}/tokenize", json={"messages": CHAT})
     assert r.status_code == 200, r.text
     tokens = r.json()["tokens"]
-    assert tokens == tokenizer.encode_chat(CHAT)
+    assert tokens == hf.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True,
+                                            return_dict=False)
     request = {"messages": CHAT, "max_tokens": 8, "temperature": 0}
     check(openapi, "ChatCompletionRequest", request)
     chat = httpx.post(f"{demo.url}/v1/chat/completions", json=request, timeout=60)
@@ -196,7 +199,8 @@ def test_tokenize_chat_counts_what_chat_completions_send(demo: Served,
     assert chat.json()["choices"][0]["message"]["content"] == "579"
     # Special tokens come back as text, so the rendered prompt round-trips.
     r = httpx.post(f"{demo.url}/detokenize", json={"tokens": tokens})
-    assert r.json()["prompt"] == tokenizer.render_chat(CHAT)
+    assert r.json()["prompt"] == hf.apply_chat_template(CHAT, add_generation_prompt=True,
+                                                        tokenize=False)
 
 
 def test_version(demo: Served, openapi: dict[str, Any]) -> None:
@@ -255,7 +259,7 @@ def test_openapi_schemas_match_real_responses(demo: Served, openapi: dict[str, A
     with httpx.stream("POST", f"{demo.url}/v1/chat/completions", json=stream,
                       timeout=60) as r:
         events = [line.removeprefix("data: ") for line in r.iter_lines() if line]
-    assert events[-1] == "[DONE]"
+    assert events[-1] == "[DONE]" and len(events) >= 3  # chunks, then the usage chunk
     for e in events[:-1]:
         check(openapi, "ChatCompletionChunk", json.loads(e))
     error = httpx.post(f"{demo.url}/v1/completions", json={"model": "nope", "prompt": "a"})

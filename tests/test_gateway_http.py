@@ -18,6 +18,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from transformers import AutoTokenizer
 
 from gateway.app import build_app
 from gateway.config import GatewayConfig
@@ -95,7 +96,7 @@ def error_of(response: httpx.Response, status: int, kind: str) -> dict[str, Any]
     return body["error"]
 
 
-async def test_chat_completion(stack: Stack, tokenizer: Tokenizer) -> None:
+async def test_chat_completion(stack: Stack, tokenizer: Tokenizer, model_dir: Path) -> None:
     parts = [{"type": "text", "text": "What is"}, {"type": "text", "text": "the capital?"}]
     r = await stack.http.post("/v1/chat/completions", json={
         "model": MODEL, "messages": [{"role": "user", "content": parts}], "temperature": 0,
@@ -108,7 +109,9 @@ async def test_chat_completion(stack: Stack, tokenizer: Tokenizer) -> None:
     assert choice["message"] == {"role": "assistant", "content": REPLY}
     assert choice["finish_reason"] == "stop"
     sent = stack.engine.requests[0]
-    expected = tokenizer.encode_chat([{"role": "user", "content": "What is\nthe capital?"}])
+    expected = AutoTokenizer.from_pretrained(str(model_dir)).apply_chat_template(
+        [{"role": "user", "content": "What is\nthe capital?"}], add_generation_prompt=True,
+        tokenize=True, return_dict=False)  # the reference: transformers' template
     assert sent.prompt_token_ids == expected and sent.request_id == body["id"]
     assert (sent.sampling.temperature, sent.sampling.top_k, sent.sampling.seed) == (0.0, 5, 3)
     assert sent.sampling.max_tokens == 256 - len(expected)
@@ -324,6 +327,11 @@ async def test_python_m_gateway_reports_port_and_serves(model_dir: Path,
         finally:
             os.close(read_end)
             process.terminate()
-            with anyio.fail_after(10):
-                # uvicorn shuts down gracefully, then re-raises the signal it caught.
-                assert await process.wait() in (0, -signal.SIGTERM)
+            with anyio.move_on_after(10) as waited:
+                code = await process.wait()
+            if waited.cancelled_caught:
+                process.kill()
+                await process.wait()
+                pytest.fail("the gateway did not stop within 10 s of SIGTERM")
+            # uvicorn shuts down gracefully, then re-raises the signal it caught.
+            assert code in (0, -signal.SIGTERM)

@@ -138,9 +138,11 @@ def test_a_hung_expert_service_is_a_503_not_a_client_error(qwen3_ckpt: tuple) ->
                       if b"expert" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"))
         # Stopped, not killed: `switchyard serve` takes the whole tree down when a child exits.
         os.kill(expert, signal.SIGSTOP)
-        r = httpx.post(f"{served.url}/v1/completions", json=body, timeout=60)
-        assert r.status_code == 503, r.text
-        assert "expert rank" in r.json()["error"]["message"]
-        health = httpx.get(f"{served.url}/health", timeout=30)
-        assert health.status_code == 503 and "expert" in health.json()["error"]["message"]
-        os.kill(expert, signal.SIGCONT)  # so that it can stop cleanly
+        try:
+            r = httpx.post(f"{served.url}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 503, r.text
+            assert "expert rank" in r.json()["error"]["message"]
+            health = httpx.get(f"{served.url}/health", timeout=30)
+            assert health.status_code == 503 and "expert" in health.json()["error"]["message"]
+        finally:
+            os.kill(expert, signal.SIGCONT)  # so that it can stop cleanly, pass or fail

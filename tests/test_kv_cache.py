@@ -65,10 +65,16 @@ def test_blocks_are_never_shared_or_lost(ops: list[tuple[int, int]]) -> None:
 
 
 def test_kv_budget_sets_block_count(qwen3_ckpt: tuple) -> None:
-    path, _ = qwen3_ckpt
+    """Blocks from the budget, sized from transformers' config (not our own translation of
+    it): K and V, per layer, KV head, head dim and token; and the cache holds that much."""
+    path, model = qwen3_ckpt
     engine = engine_for(path, kv_cache_memory=1 << 20, block_size=8)
-    per_block = kv_bytes_per_block(engine.model_config, 8, engine.dtype)
+    c = model.config
+    per_block = (2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 8
+                 * engine.dtype.itemsize)
     assert engine.block_manager.num_blocks == (1 << 20) // per_block
+    held = sum(t.nbytes for t in engine.kv.k + engine.kv.v)
+    assert held == engine.block_manager.num_blocks * per_block
 
 
 def test_preempted_requests_finish_with_the_same_greedy_output(ckpt: tuple) -> None:

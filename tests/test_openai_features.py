@@ -165,6 +165,7 @@ def test_completion_logprobs_equal_transformers(tiny: tuple) -> None:
         lps = [choice.logprobs for ch in chunks for choice in ch.choices if choice.logprobs]
         token_logprobs = [x for lp in lps for x in lp.token_logprobs]
         top = [x for lp in lps for x in lp.top_logprobs]
+        assert len(tokens) == len(token_logprobs) == len(top) == 6  # ignore_eos: all six
         assert [s for lp in lps for s in lp.tokens] == [f"token_id:{t}" for t in tokens]
         with torch.no_grad():
             ref = model(torch.tensor([prompt + tokens])).logits[0].log_softmax(-1)

@@ -27,8 +27,12 @@ from moe_kernels.grouped_gemm import grouped_swiglu, grouped_swiglu_w4a4, mxfp4_
 from moe_kernels.kernel_configs import KernelConfig
 from moe_kernels.mxfp4 import MXFP4Tensor, quantize
 from tests import triton_interpreter
+from tests.tools import missing
 
-pytest.importorskip("triton", reason="triton is not installed (pip install -e .[test])")
+try:
+    import triton  # noqa: F401
+except ImportError:
+    missing("triton", "pip install -e .[test]")
 
 from moe_kernels.triton_mxfp4 import (
     grouped_mxfp4_gemm,

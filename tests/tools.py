@@ -1,6 +1,7 @@
-"""Third-party programs some tests drive (Chromium, a trace receiver). Where one is missing
-the test is skipped with the reason, unless SWITCHYARD_REQUIRE_TEST_TOOLS=1 (set by CI,
-which installs them with scripts/install-test-tools) makes that a failure."""
+"""Third-party programs and references some tests need (Chromium, a trace receiver,
+torchao's MX quantizer, Triton). Where one is missing the test is skipped with the reason,
+unless SWITCHYARD_REQUIRE_TEST_TOOLS=1 (set by CI, which installs them) makes that a
+failure."""
 
 from __future__ import annotations
 
@@ -24,12 +25,13 @@ CHROMIUM = os.environ.get("SWITCHYARD_CHROMIUM", "/usr/bin/chromium")
 CHROMEDRIVER = os.environ.get("SWITCHYARD_CHROMEDRIVER", "/usr/bin/chromedriver")
 
 
-def missing(what: str) -> None:
-    """Skip (or, where the tools are required, fail) for want of `what`."""
-    message = f"{what} is not installed (scripts/install-test-tools installs it)"
+def missing(what: str, how: str = "scripts/install-test-tools installs it") -> None:
+    """Skip (or, where the tools are required, fail) for want of `what`; in a test or at
+    a test module's top."""
+    message = f"{what} is not installed ({how})"
     if os.environ.get("SWITCHYARD_REQUIRE_TEST_TOOLS") == "1":
         pytest.fail(message)
-    pytest.skip(message)
+    pytest.skip(message, allow_module_level=True)
 
 
 @contextmanager
