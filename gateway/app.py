@@ -54,7 +54,7 @@ async def list_models(serving: Serving, _: Request) -> Response:
 async def health(serving: Serving, _: Request) -> Response:
     """GET /health: 200 once every attention group is connected and described itself;
     the body lists each backing service."""
-    if serving.engine.info is None:
+    if not serving.engine.all_connected:
         return engine_unavailable("not connected to every attention service").response()
     try:
         stats = await serving.engine.stats(timeout=HEALTH_TIMEOUT_S)  # alive, not connected
@@ -69,7 +69,7 @@ async def metrics(serving: Serving, _: Request) -> Response:
     """GET /metrics: Prometheus text format; engine gauges are read now (skipped if down),
     and the services' series (per-expert, dispatch) are scraped now and merged."""
     try:
-        stats = await serving.engine.stats() if serving.engine.info is not None else None
+        stats = await serving.engine.stats() if serving.engine.all_connected else None
     except GatewayError:
         stats = None
     scrapes = await serving.services.scrape(fresh=True)

@@ -18,9 +18,14 @@ class EnginePool:
 
     @property
     def info(self) -> EngineInfo | None:
-        """The engines' self-description once every group is connected, else None."""
-        infos = [c.info for c in self.clients]
-        return infos[0] if all(i is not None for i in infos) else None
+        """The served model's description from a connected group (every group serves the
+        same model), else None: requests go to the groups that are up."""
+        return next((c.info for c in self.clients if c.info is not None), None)
+
+    @property
+    def all_connected(self) -> bool:
+        """Whether every group is connected and described itself (what /health asks)."""
+        return all(c.info is not None for c in self.clients)
 
     def status(self) -> list[dict[str, object]]:
         return [{"address": f"{h}:{p}", "ready": c.info is not None,
@@ -38,11 +43,9 @@ class EnginePool:
                 tg.start_soon(client.run)
 
     async def wait_ready(self) -> EngineInfo:
-        for client in self.clients:
-            await client.wait_ready()
-        info = self.info
-        assert info is not None
-        return info
+        """Wait until every group is connected (callers bound this); the model's info."""
+        infos = [await client.wait_ready() for client in self.clients]
+        return infos[0]
 
     async def start(self, request: GenerateRequest) -> Generation:
         """Send to the connected group with the fewest requests in flight."""

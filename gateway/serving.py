@@ -57,6 +57,7 @@ class Run:
     choices: list[Choice] = field(default_factory=list)
     span: Span = INVALID_SPAN  # the request's trace span (a no-op one when tracing is off)
     _serving: Serving | None = None
+    _places: int = 0  # queue places taken at admission: all `n`, whether or not each started
 
     def usage(self, completion_tokens: int) -> Usage:
         """Token counts for this request once `completion_tokens` were generated."""
@@ -73,7 +74,7 @@ class Run:
             choice.timer.finish("abort")  # no-op for choices that already finished
             await choice.generation.aclose()
         if self._serving is not None:
-            self._serving.release(len(self.choices))
+            self._serving.release(self._places)
             self._serving = None
             self._end_span()
 
@@ -203,7 +204,8 @@ class Serving:
         sampling = sampling_params(body, prompt_token_ids, limits)
         self._admit(body.n)
         run = Run(f"{kind}-{uuid.uuid4().hex}", int(time.time()),
-                  self.config.served_model_name, prompt_token_ids, _serving=self)
+                  self.config.served_model_name, prompt_token_ids, _serving=self,
+                  _places=body.n)
         try:
             self.metrics.prompt_tokens.labels(run.model).inc(len(prompt_token_ids))
             run.span = self._request_span(request, kind, run, sampling)

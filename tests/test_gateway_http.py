@@ -59,9 +59,12 @@ class Stack:
 
 
 @asynccontextmanager
-async def serve_gateway(model_dir: Path, engine: FakeEngine) -> AsyncIterator[Stack]:
+async def serve_gateway(model_dir: Path, engine: FakeEngine, *more: FakeEngine
+                        ) -> AsyncIterator[Stack]:
+    """The gateway in front of `engine` (and `more` attention groups)."""
     config = GatewayConfig(model_dir=model_dir, served_model_name=model_dir.name,
-                           engines=(("127.0.0.1", engine.port),), port=0)
+                           engines=tuple(("127.0.0.1", e.port) for e in (engine, *more)),
+                           port=0)
     client = EnginePool(list(config.engines), retry_interval_s=0.01)
     app = build_app(config, client, Tokenizer.load(model_dir))
     sock = bind(config.host, config.port)
@@ -335,3 +338,64 @@ async def test_python_m_gateway_reports_port_and_serves(model_dir: Path,
                 pytest.fail("the gateway did not stop within 10 s of SIGTERM")
             # uvicorn shuts down gracefully, then re-raises the signal it caught.
             assert code in (0, -signal.SIGTERM)
+
+
+async def test_one_attention_group_down_leaves_the_others_serving(model_dir: Path,
+                                                                  tokenizer: Tokenizer) -> None:
+    """Two groups, one lost: requests go to the other; /health says not every group is up."""
+    eos = tokenizer.backend.token_to_id("<|im_end|>")
+    async with FakeEngine(tokenizer.encode(REPLY), eos).running() as first, \
+            FakeEngine(tokenizer.encode(REPLY), eos).running() as second, \
+            serve_gateway(model_dir, first, second) as stack:
+        assert (await stack.http.get("/health")).status_code == 200
+        second.accepting = False
+        await second.drop_connections()
+        with anyio.fail_after(5):
+            while stack.client.all_connected:  # the gateway notices the loss
+                await anyio.sleep(0.01)
+        error_of(await stack.http.get("/health"), 503, "ServiceUnavailableError")
+        for _ in range(3):
+            r = await stack.http.post("/v1/completions", json={"model": MODEL, "prompt": [5]})
+            assert r.status_code == 200, r.text
+        assert len(first.requests) == 3 and not second.requests
+        models = (await stack.http.get("/v1/models")).json()["data"][0]
+        assert models["max_model_len"] == first.info.max_model_len
+
+
+async def test_a_request_whose_choice_fails_to_start_gives_back_every_place(
+        model_dir: Path, tokenizer: Tokenizer) -> None:
+    """n = 2, the second choice's start fails (a connection lost between them): both
+    places come back, so failures cannot fill the queue and turn everything into 429."""
+    from starlette.requests import Request
+
+    from gateway.errors import GatewayError, engine_unavailable
+    from gateway.openai_protocol import CompletionRequest
+    from gateway.serving import Serving
+    from switchyard.messages import EngineInfo
+
+    class Generation:
+        async def aclose(self) -> None:
+            """Nothing runs in the engine to abort."""
+
+    class HalfUp:  # an engine pool that loses its connection on every second start
+        info = EngineInfo("FakeMoE", 256, 400, (2,), "bf16", 16, 16, max_num_seqs=4)
+        starts = 0
+
+        def max_num_seqs(self) -> int:
+            return 4
+
+        async def start(self, request: object) -> Generation:
+            self.starts += 1
+            if self.starts % 2 == 0:
+                raise engine_unavailable("lost the connection to the engine")
+            return Generation()
+
+    config = GatewayConfig(model_dir=model_dir, served_model_name=MODEL,
+                           engines=(("127.0.0.1", 9),), max_queued_requests=0)
+    serving = Serving(config, HalfUp(), tokenizer)  # type: ignore[arg-type]
+    request = Request({"type": "http", "method": "POST", "path": "/", "headers": []})
+    for n in (2, 2, 2, 4):  # 4 places in all; the last asks for every one of them
+        body = CompletionRequest(model=MODEL, prompt=[5], n=n, max_tokens=4)
+        with pytest.raises(GatewayError) as failed:
+            await serving.start(request, "cmpl", [5], body)
+        assert failed.value.status == 503  # not 429: no place was lost

@@ -55,16 +55,12 @@ class AttentionServer:
         self._wakeup.set()
 
     async def handle(self, conn: FrameStream) -> None:
-        mine: set[str] = set()
-
         async def on_message(msg: Message) -> None:
             if isinstance(msg, InfoRequest):
                 await conn.send(self.engine.info())
             elif isinstance(msg, StatsRequest):
                 await conn.send(self.engine.stats())
             elif isinstance(msg, GenerateRequest | AbortRequest):
-                if isinstance(msg, GenerateRequest):
-                    mine.add(msg.request_id)
                 self._post(_Work(msg, conn))
             else:
                 log.warning("ignoring unexpected %s", type(msg).__name__)
@@ -72,10 +68,13 @@ class AttentionServer:
         try:
             await serve_messages(conn, on_message, log)
         finally:
-            # A gateway that went away takes its requests with it.
-            for request_id in mine:
-                if self._owners.get(request_id) is conn:
-                    self._post(_Work(AbortRequest(request_id), conn))
+            # A gateway that went away takes its requests with it: those running for it,
+            # and those it sent that wait in the inbox (the aborts queue behind them).
+            running = [rid for rid, owner in self._owners.items() if owner is conn]
+            queued = [w.message.request_id for w in self._inbox
+                      if w.conn is conn and isinstance(w.message, GenerateRequest)]
+            for request_id in running + queued:
+                self._post(_Work(AbortRequest(request_id), conn))
 
     async def run_engine(self) -> None:
         lockstep = self.engine.experts.lockstep
@@ -88,7 +87,7 @@ class AttentionServer:
                 await self._wakeup.wait()
             self._wakeup = anyio.Event()
             inbox, self._inbox = self._inbox, []
-            deltas = [d for work in inbox if (d := self._apply(work))]
+            deltas = [d for work in inbox if (d := await self._apply(work))]
             if lockstep or self.engine.has_work():
                 try:
                     deltas += await anyio.to_thread.run_sync(self.engine.step,
@@ -99,22 +98,32 @@ class AttentionServer:
             for delta in deltas:
                 await self._deliver(delta)
 
-    def _apply(self, work: _Work) -> TokenDelta | None:
+    async def _apply(self, work: _Work) -> TokenDelta | None:
+        """Add or abort; the abort's delta is returned for its owner. A refused request
+        is answered on its own connection and never owned: its id may be a running
+        request's, whose owner must keep it."""
         msg = work.message
-        if isinstance(msg, GenerateRequest):
+        if isinstance(msg, AbortRequest):
+            return self.engine.abort(msg.request_id)
+        refused = self.engine.add(msg)
+        if refused is None:
             self._owners[msg.request_id] = work.conn
-            return self.engine.add(msg)
-        return self.engine.abort(msg.request_id)
+        else:
+            await _send(work.conn, refused)
+        return None
 
     async def _deliver(self, delta: TokenDelta) -> None:
         conn = self._owners.get(delta.request_id)
         if delta.finish_reason is not None:
             self._owners.pop(delta.request_id, None)
-        if conn is None:
-            return
-        # A dead connection's handler aborts its requests; nothing to do here.
-        with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
-            await conn.send(delta)
+        if conn is not None:
+            await _send(conn, delta)
+
+
+async def _send(conn: FrameStream, delta: TokenDelta) -> None:
+    # A dead connection's handler aborts its requests; nothing to do here.
+    with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+        await conn.send(delta)
 
 
 async def serve(config: AttentionConfig, engine: Engine, metrics_port: int | None) -> None:
