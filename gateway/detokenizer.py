@@ -19,10 +19,13 @@ _REPLACEMENT = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    """Text deltas for one sequence's generated tokens; special tokens are skipped."""
+    """Text deltas for one sequence's generated tokens; special tokens are skipped unless
+    asked for."""
 
-    def __init__(self, tokenizer: Tokenizer | None, prompt_token_ids: Sequence[int] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, prompt_token_ids: Sequence[int] = (),
+                 skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
         self._ids: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -30,8 +33,9 @@ class IncrementalDetokenizer:
     def _pending(self) -> tuple[str, str]:
         """(text already emitted for the window, text of the whole window)."""
         assert self._tokenizer is not None
-        prefix = self._tokenizer.decode(self._ids[self._prefix_offset:self._read_offset])
-        full = self._tokenizer.decode(self._ids[self._prefix_offset:])
+        decode, skip = self._tokenizer.decode, self._skip_special
+        prefix = decode(self._ids[self._prefix_offset:self._read_offset], skip)
+        full = decode(self._ids[self._prefix_offset:], skip)
         return prefix, full
 
     def add(self, token_ids: Iterable[int]) -> str:

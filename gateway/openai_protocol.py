@@ -47,6 +47,11 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    # vLLM's: no EOS, stop token or stop string before min_tokens generated tokens; the
+    # stop string kept at the end of the text; special tokens in the text.
+    min_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     @property
     def stop_strings(self) -> list[str]:

@@ -26,20 +26,23 @@ class Output:
 
 class StopStrings:
     """Finds stop strings in streamed text. Text that might be the start of one is held
-    back until the next step decides; the stop string itself is never emitted."""
+    back until the next step decides; the text ends before the earliest stop string found,
+    or after it with `include` (vLLM's include_stop_str_in_output)."""
 
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], include: bool = False) -> None:
         self._stops = list(stops)
         self._longest = max(map(len, stops))
+        self._include = include
         self._held = ""
 
     def feed(self, text: str) -> tuple[str, bool]:
         """(text safe to emit, whether a stop string was found: then nothing follows)."""
         text = self._held + text
-        hits = [i for stop in self._stops if (i := text.find(stop)) >= 0]
+        hits = [(i, stop) for stop in self._stops if (i := text.find(stop)) >= 0]
         if hits:
             self._held = ""
-            return text[:min(hits)], True
+            start, stop = min(hits, key=lambda hit: hit[0])  # the first listed on a tie
+            return text[:start + len(stop) if self._include else start], True
         keep = self._partial_suffix(text)
         self._held = text[len(text) - keep:]
         return text[:len(text) - keep], False
@@ -59,10 +62,13 @@ class StopStrings:
 
 async def outputs(generation: Generation, detokenizer: IncrementalDetokenizer,
                   stop_token_ids: Collection[int], stops: StopStrings | None,
-                  timer: RequestTimer) -> AsyncIterator[Output]:
+                  timer: RequestTimer, min_tokens: int = 0) -> AsyncIterator[Output]:
     """One `Output` per engine delta; the last carries the finish reason. A stop string
-    ends the output early (the caller's `aclose` then aborts the engine request)."""
+    ends the output early (the caller's `aclose` then aborts the engine request); it is
+    looked for once `min_tokens` tokens were generated (vLLM)."""
+    generated = 0
     async for delta in generation:
+        generated += len(delta.token_ids)
         timer.on_delta(delta)
         if delta.finish_reason == "error":
             if delta.retryable:
@@ -76,7 +82,7 @@ async def outputs(generation: Generation, detokenizer: IncrementalDetokenizer,
         if delta.finish_reason is not None:
             text += detokenizer.flush()
         reason = delta.finish_reason
-        if stops is not None:
+        if stops is not None and generated >= min_tokens:
             text, hit = stops.feed(text)
             if hit:
                 timer.finish("stop")

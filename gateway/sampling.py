@@ -59,8 +59,12 @@ def sampling_params(request: SamplingFields, prompt_token_ids: Sequence[int],
     if stop_ids and max(stop_ids) >= limits.vocab_size:
         raise bad_request("stop_token_ids contains an id outside the vocabulary.",
                           "stop_token_ids")
+    max_tokens = _max_tokens(request, len(prompt_token_ids), limits)
+    if request.min_tokens > max_tokens:
+        raise bad_request(f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
+                          f"got {request.min_tokens}.", "min_tokens")
     return SamplingParams(
-        max_tokens=_max_tokens(request, len(prompt_token_ids), limits),
+        max_tokens=max_tokens,
         temperature=1.0 if request.temperature is None else request.temperature,
         top_p=1.0 if request.top_p is None else request.top_p,
         top_k=max(request.top_k or 0, 0),
@@ -72,4 +76,5 @@ def sampling_params(request: SamplingFields, prompt_token_ids: Sequence[int],
         frequency_penalty=request.frequency_penalty or 0.0,
         repetition_penalty=request.repetition_penalty or 1.0,
         logprobs=request.num_logprobs,
+        min_tokens=request.min_tokens,
     )

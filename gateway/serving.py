@@ -243,10 +243,12 @@ class Serving:
         request_id = run.id if body.n == 1 else f"{run.id}-{index}"
         generation = await self.engine.start(
             GenerateRequest(request_id, run.prompt_token_ids, sampling, trace))
-        detokenizer = IncrementalDetokenizer(self._tokenizer, run.prompt_token_ids)
-        stops = StopStrings(body.stop_strings) if body.stop_strings else None
+        detokenizer = IncrementalDetokenizer(self._tokenizer, run.prompt_token_ids,
+                                             body.skip_special_tokens)
+        stops = StopStrings(body.stop_strings, body.include_stop_str_in_output) \
+            if body.stop_strings else None
         return Choice(index, generation, outputs(generation, detokenizer, stop_ids, stops,
-                                                 timer), timer)
+                                                 timer, body.min_tokens), timer)
 
     async def complete(self, request: Request, run: Run) -> list[Output] | None:
         """Every choice's whole output; None if the client left (and we aborted)."""

@@ -19,7 +19,9 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     temperature 0 means greedy. top_k <= 0, top_p >= 1 and min_p <= 0 disable those
     filters. Penalties follow OpenAI (presence, frequency: over the generated tokens) and
-    HF/vLLM (repetition: over prompt and generated tokens; 1 disables it). A seed makes the
+    HF/vLLM (repetition: over prompt and generated tokens; 1 disables it). Before
+    `min_tokens` generated tokens, EOS (unless ignored) and `stop_token_ids` cannot be
+    sampled (vLLM). A seed makes the
     request's sampled tokens reproducible whatever else is in the batch. `logprobs` asks
     for the sampled token's log-probability and the `logprobs` most likely alternatives at
     every generated position (None: no log-probabilities).
@@ -37,6 +39,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    min_tokens: int = 0
 
     @property
     def penalized(self) -> bool:

@@ -399,3 +399,24 @@ async def test_a_request_whose_choice_fails_to_start_gives_back_every_place(
         with pytest.raises(GatewayError) as failed:
             await serving.start(request, "cmpl", [5], body)
         assert failed.value.status == 503  # not 429: no place was lost
+
+
+async def test_min_tokens_and_stop_strings_as_vllm(stack: Stack, tokenizer: Tokenizer) -> None:
+    """min_tokens reaches the engine (which keeps EOS and stop ids out until then) and
+    holds stop strings back until that many tokens; include_stop_str_in_output keeps the
+    stop string; min_tokens above max_tokens is a 400."""
+    ids = tokenizer.encode(REPLY)
+    body = {"model": MODEL, "prompt": [5, 6], "stop": [","], "max_tokens": 40}
+    cut = (await stack.http.post("/v1/completions", json=body)).json()["choices"][0]
+    assert (cut["text"], cut["finish_reason"]) == (REPLY.split(",")[0], "stop")
+    kept = (await stack.http.post("/v1/completions", json={
+        **body, "include_stop_str_in_output": True})).json()["choices"][0]
+    assert kept["text"] == REPLY.split(",")[0] + ","
+    late = (await stack.http.post("/v1/completions", json={
+        **body, "min_tokens": len(ids)})).json()["choices"][0]  # looked for at the end only
+    assert (late["text"], late["finish_reason"]) == (REPLY, "stop")  # EOS ended it
+    assert stack.engine.requests[-1].sampling.min_tokens == len(ids)
+    error = error_of(await stack.http.post("/v1/completions", json={
+        **body, "min_tokens": 41}), 400, "BadRequestError")
+    assert error["message"] == "min_tokens must be less than or equal to max_tokens=40, got 41."
+    assert error["param"] == "min_tokens"

@@ -180,6 +180,19 @@ def test_detokenizer_skips_special_tokens_and_flushes_leftovers(tokenizer: Token
     assert detokenizer.flush() == "\ufffd"  # the end of the sequence releases what is left
 
 
+def test_detokenizer_keeps_special_tokens_when_asked_as_transformers_decodes(
+        tokenizer: Tokenizer, checkpoints: dict[str, Path]) -> None:
+    """skip_special_tokens=False (vLLM's field): the text transformers decodes."""
+    hf = AutoTokenizer.from_pretrained(str(checkpoints["chatml"]))
+    ids = [*tokenizer.encode("ok"), tokenizer.backend.token_to_id("<|im_end|>"),
+           *tokenizer.encode(" then")]
+    for skip in (True, False):
+        detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip)
+        text = "".join(detokenizer.add([i]) for i in ids) + detokenizer.flush()
+        assert text == hf.decode(ids, skip_special_tokens=skip)
+        assert ("<|im_end|>" in text) == (not skip)
+
+
 def test_detokenizer_keeps_leading_space_with_prompt_context() -> None:
     # SentencePiece-style decoders drop a sequence's leading space; prompt context keeps it.
     backend = BackendTokenizer(models.BPE(unk_token="<unk>"))
@@ -233,19 +246,21 @@ def test_sampling_rejections(request_fields: dict[str, object], prompt: list[int
 
 @given(pieces=st.lists(st.text(alphabet="abc\n", max_size=5), max_size=12),
        stops=st.lists(st.text(alphabet="abc\n", min_size=1, max_size=3), min_size=1,
-                      max_size=3))
-def test_stop_strings_cut_the_stream_just_before_a_stop(pieces: list[str],
-                                                        stops: list[str]) -> None:
+                      max_size=3), include=st.booleans())
+def test_stop_strings_cut_the_stream_just_before_a_stop(pieces: list[str], stops: list[str],
+                                                        include: bool) -> None:
+    """Just before the earliest stop string, or just after it with `include`
+    (include_stop_str_in_output)."""
     whole = "".join(pieces)
-    checker = StopStrings(stops)
+    checker = StopStrings(stops, include)
     emitted, found = [], False
     for piece in pieces:
         text, found = checker.feed(piece)
         emitted.append(text)
-        # Nothing emitted so far may contain a stop string.
-        assert not any(stop in "".join(emitted) for stop in stops)
         if found:
             break
+        # Nothing emitted so far may contain a stop string.
+        assert not any(stop in "".join(emitted) for stop in stops)
     if not found:
         emitted.append(checker.flush())
     out = "".join(emitted)
@@ -253,7 +268,9 @@ def test_stop_strings_cut_the_stream_just_before_a_stop(pieces: list[str],
     if found:  # in the first pieces that hold a stop: the text before the earliest one
         ends = itertools.accumulate(len(piece) for piece in pieces)
         seen = next(whole[:e] for e in ends if any(stop in whole[:e] for stop in stops))
-        assert out == seen[:min(seen.find(stop) for stop in stops if stop in seen)]
+        start = min(seen.find(stop) for stop in stops if stop in seen)
+        first = next(stop for stop in stops if seen.find(stop) == start)  # listed first
+        assert out == seen[:start + len(first) if include else start]
     else:
         assert out == whole
 

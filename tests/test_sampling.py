@@ -7,7 +7,13 @@ import torch
 from services.attention.sampler import apply_penalties, filtered_probs, sample
 from services.attention.sequence import Sequence
 from switchyard.messages import GenerateRequest, SamplingParams
-from tests.test_engine_parity import engine_for, greedy, prompts, run_to_completion
+from tests.test_engine_parity import (
+    engine_for,
+    greedy,
+    prompts,
+    reference_greedy,
+    run_to_completion,
+)
 
 
 def sampled(rid: str, prompt: list[int], **kw: object) -> GenerateRequest:
@@ -85,6 +91,53 @@ def test_repetition_penalty_equals_transformers() -> None:
                      SamplingParams(repetition_penalty=1.7)) for i in range(4)]
     theirs = RepetitionPenaltyLogitsProcessor(1.7)(history, logits.clone())
     assert torch.allclose(apply_penalties(logits, seqs), theirs)
+
+
+def test_min_tokens_masks_what_transformers_masks() -> None:
+    """min_tokens against transformers' MinNewTokensLengthLogitsProcessor, given EOS and
+    the stop ids as its "eos" ids: rows with 0 to 4 generated tokens, min_tokens 3. With
+    ignore_eos, only the stop ids are masked (vLLM)."""
+    from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor
+
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(5, 64, generator=g) * 3
+    logits[:, 7], logits[:, 9] = 20.0, 21.0  # EOS and a stop id: what greedy would pick
+    prompt, eos = [4, 5, 6], (7,)
+    for ignore_eos, stops in ((False, [7, 9]), (True, [9])):
+        params = SamplingParams(min_tokens=3, stop_token_ids=(9,), ignore_eos=ignore_eos,
+                                temperature=0)
+        for generated in range(5):
+            ids = prompt + [11] * generated
+            seq = Sequence("m", ids, len(prompt), params)
+            theirs = MinNewTokensLengthLogitsProcessor(len(prompt), 3, stops)(
+                torch.tensor([ids]), logits[generated:generated + 1].clone())
+            ours = sample(logits[generated:generated + 1], [seq], eos).tokens
+            assert ours == theirs.argmax(dim=-1).tolist()
+            assert (ours[0] in stops) == (generated >= 3)
+
+
+def test_min_tokens_generates_what_transformers_generate_does(qwen3_ckpt: tuple) -> None:
+    """Greedy with a stop token id that greedy picks early: the engine with min_tokens
+    against transformers' `generate(min_new_tokens=..., eos_token_id=...)`."""
+    path, model = qwen3_ckpt
+    prompt = prompts(seed=12, lengths=(10,))[0]
+    stop = reference_greedy(model, prompt, 1)[0]  # the first token greedy would pick
+    for min_tokens in (0, 1, 4):
+        request = GenerateRequest("m", prompt, SamplingParams(
+            max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=(stop,),
+            min_tokens=min_tokens))
+        got = run_to_completion(engine_for(path), {0: [request]})["m"]
+        with torch.no_grad():
+            want = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12,
+                                  min_new_tokens=min_tokens, eos_token_id=[stop],
+                                  pad_token_id=stop)[0, len(prompt):].tolist()
+        assert got == want and stop not in got[:min_tokens]
+        assert got[-1] == stop or len(got) == 12  # stopped by it, or ran to max_tokens
+        if min_tokens == 0:
+            assert got == [stop]  # what min_tokens changes: without it, it stops at once
+    refused = engine_for(path).add(GenerateRequest("x", prompt, SamplingParams(
+        max_tokens=2, min_tokens=3)))
+    assert refused is not None and refused.error == "min_tokens must be between 0 and max_tokens"
 
 
 def test_presence_and_frequency_penalties_follow_openai_formula() -> None:

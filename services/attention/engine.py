@@ -197,6 +197,8 @@ class Engine:
             return f"prompt token ids must be in [0, {vocab})"
         if request.sampling.max_tokens < 1:
             return "max_tokens must be at least 1"
+        if not 0 <= request.sampling.min_tokens <= request.sampling.max_tokens:
+            return "min_tokens must be between 0 and max_tokens"
         if n + request.sampling.max_tokens > self.max_model_len:
             return (f"this model's maximum context length is {self.max_model_len} tokens; "
                     f"the request has {n} prompt tokens and asks for "
@@ -250,7 +252,8 @@ class Engine:
             for item in scheduled:
                 item.seq.num_computed_tokens += item.num_new_tokens
             return []
-        sampled = sample(self.model.logits(hidden[batch.logits_rows]), sampling)
+        sampled = sample(self.model.logits(hidden[batch.logits_rows]), sampling,
+                         self.model_config.eos_token_ids)
         for item in scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
         return [self._append(seq, token, logprobs) for seq, token, logprobs

@@ -25,12 +25,16 @@ class Sampled:
     logprobs: list[TokenLogprobs | None]
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
-    """One token per row of logits [S, V] (float32), row i sampled for seqs[i]."""
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: tuple[int, ...] = ()
+           ) -> Sampled:
+    """One token per row of logits [S, V] (float32), row i sampled for seqs[i]; the model's
+    `eos_token_ids` for `min_tokens`."""
     params = [s.sampling for s in seqs]
     raw = logits
     if any(p.penalized for p in params):
         logits = _finite(apply_penalties(logits, seqs))
+    if any(len(s.output_token_ids) < s.sampling.min_tokens for s in seqs):
+        logits = suppress_stops(logits, seqs, eos_token_ids)
     tokens = logits.argmax(dim=-1)  # [S]
     greedy = [p.temperature < GREEDY_BELOW for p in params]
     if not all(greedy):
@@ -70,6 +74,19 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
                                                  device=row.device),
                                     minlength=vocab).to(row.dtype)  # [V]
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    return logits
+
+
+def suppress_stops(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: tuple[int, ...]
+                   ) -> torch.Tensor:
+    """min_tokens (vLLM): a sequence with fewer generated tokens cannot sample its stop
+    token ids, nor EOS unless it ignores EOS."""
+    logits = logits.clone()
+    for i, seq in enumerate(seqs):
+        p = seq.sampling
+        if len(seq.output_token_ids) < p.min_tokens:
+            stops = [*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)]
+            logits[i, stops] = float("-inf")
     return logits
 
 
