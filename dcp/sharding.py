@@ -87,6 +87,9 @@ class ShardedBlockManager:
             table.extend(free.pop() for _ in range(n))
 
     def free(self, seq: Sequence) -> None:
-        for table, free in zip(seq.shard_tables, self._free, strict=True):
+        """Give back seq's blocks; one never allocated (still queued, or preempted) holds
+        none."""
+        for table, free in zip(seq.shard_tables or [[]] * len(self._free), self._free,
+                               strict=True):
             free.extend(reversed(table))
         seq.shard_tables = []

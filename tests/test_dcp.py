@@ -107,3 +107,23 @@ def test_preemption_by_recompute_across_the_group(qwen3_ckpt: tuple) -> None:
         assert run_to_completion(engine, arrivals) == want
         assert engine.scheduler.num_preemptions > 0
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_aborting_queued_and_running_requests_frees_every_block(qwen3_ckpt: tuple) -> None:
+    """Aborts of requests still waiting (never given blocks), running, and preempted, then
+    an engine failure with requests waiting: nothing raises, every block comes back."""
+    path, _ = qwen3_ckpt
+    with dcp_engine(path, 2, kv_cache_memory=6 * 12288) as engine:
+        for i, p in enumerate(prompts(seed=55, lengths=(40, 36, 44, 38, 30))):
+            assert engine.add(greedy(f"r{i}", p, 30)) is None
+        assert engine.abort("r4") is not None  # waiting: never probed for blocks
+        for _ in range(6):
+            engine.step()
+        assert {s.status.name for s in engine._seqs.values()} >= {"RUNNING"}
+        for rid in ("r0", "r3"):
+            assert engine.abort(rid) is not None
+        assert engine.add(greedy("late", prompts(seed=56, lengths=(20,))[0], 8)) is None
+        deltas = engine.fail_all("a test failure")  # running and waiting ones alike
+        assert {d.request_id for d in deltas} == {"r1", "r2", "late"}
+        bm = engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks and not engine.has_work()
