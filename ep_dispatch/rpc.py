@@ -60,29 +60,9 @@ class RpcExperts(PointToPoint):
 
         async def one(rank: int) -> None:
             try:
-                await handshake(rank)
+                infos[rank] = await self._handshake(rank, timeout)
             except ExpertRankError as exc:
                 errors.append(exc)
-
-        async def handshake(rank: int) -> None:
-            try:
-                conn = await connect(*self.addresses[rank], timeout=timeout)
-            except TimeoutError:
-                raise ExpertRankError(f"cannot reach {self._name(rank)} within "
-                                      f"{timeout:g}s") from None
-            self._conns[rank] = conn
-            await conn.send(InfoRequest())
-            info = await conn.receive()
-            want = self.placement.local_experts(rank)
-            if not isinstance(info, ExpertInfo) or info.rank != rank or info.experts != want:
-                raise ExpertRankError(f"{self._name(rank)} holds a different share than the "
-                                      f"placement expects: {info}")
-            if info.quantization != self.quantization:
-                raise ExpertRankError(f"{self._name(rank)} serves quantization "
-                                      f"{info.quantization}, this attention service "
-                                      f"{self.quantization}: start both with the same "
-                                      "--quantization")
-            infos[rank] = info
 
         async with anyio.create_task_group() as tg:
             for rank in range(len(self.addresses)):
@@ -90,6 +70,34 @@ class RpcExperts(PointToPoint):
         if errors:
             raise min(errors, key=str)  # deterministic: the lowest rank's message
         return [i for i in infos if i is not None]
+
+    async def _handshake(self, rank: int, timeout: float) -> ExpertInfo:
+        """Connect to `rank` and check that it holds the placement's share; the
+        connection is kept only if it does."""
+        try:
+            conn = await connect(*self.addresses[rank], timeout=timeout)
+        except TimeoutError:
+            raise ExpertRankError(f"cannot reach {self._name(rank)} within "
+                                  f"{timeout:g}s") from None
+        try:
+            with anyio.fail_after(timeout):
+                await conn.send(InfoRequest())
+                info = await conn.receive()
+        except BaseException:
+            await _close(conn)
+            raise
+        want = self.placement.local_experts(rank)
+        problem = None
+        if not isinstance(info, ExpertInfo) or info.rank != rank or info.experts != want:
+            problem = f"holds a different share than the placement expects: {info}"
+        elif info.quantization != self.quantization:
+            problem = (f"serves quantization {info.quantization}, this attention service "
+                       f"{self.quantization}: start both with the same --quantization")
+        if problem:
+            await _close(conn)
+            raise ExpertRankError(f"{self._name(rank)} {problem}")
+        self._conns[rank] = conn
+        return info
 
     def __call__(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> torch.Tensor:
@@ -122,13 +130,20 @@ class RpcExperts(PointToPoint):
         return ys
 
     def ready(self) -> bool:
+        """Whether every rank is connected (one lost is tried again at its next call)."""
         return all(conn is not None for conn in self._conns)
 
     async def _call(self, rank: int, layer: int, x: torch.Tensor, counts: list[int],
                     trace: dict[str, str]) -> torch.Tensor:
         conn = self._conns[rank]
-        if conn is None:
-            raise ExpertRankError(f"{self._name(rank)} is not connected")
+        if conn is None:  # lost on an earlier call: a rank that is back is used again
+            try:
+                await self._handshake(rank, self.call_timeout)
+            except (ExpertRankError, OSError, anyio.EndOfStream,
+                    anyio.BrokenResourceError) as exc:
+                raise ExpertRankError(f"{self._name(rank)} is not connected: {exc}") from exc
+            conn = self._conns[rank]
+            assert conn is not None
         call_id = next(self._ids)
         try:
             with anyio.fail_after(self.call_timeout):
@@ -136,14 +151,18 @@ class RpcExperts(PointToPoint):
                 self.dispatch_bytes += len(payload.data)
                 await conn.send(ExpertBatch(call_id, layer, counts, payload, trace))
                 result = await conn.receive()
-        except (TimeoutError, OSError, anyio.EndOfStream, anyio.BrokenResourceError) as exc:
-            # The stream may hold a late answer now; never reuse it.
+            if not isinstance(result, ExpertResult) or result.call_id != call_id:
+                raise ExpertRankError(f"{self._name(rank)} answered out of turn")
+        except BaseException as exc:
+            # Timed out, dropped, out of turn, or cancelled because another rank failed:
+            # the stream may hold a late answer now, so it is never used again.
             self._conns[rank] = None
-            await conn.aclose()
-            raise ExpertRankError(f"{self._name(rank)} failed on layer {layer}: "
-                                  f"{exc!r}") from exc
-        if not isinstance(result, ExpertResult) or result.call_id != call_id:
-            raise ExpertRankError(f"{self._name(rank)} answered out of turn")
+            await _close(conn)
+            if isinstance(exc, TimeoutError | OSError | anyio.EndOfStream
+                          | anyio.BrokenResourceError):
+                raise ExpertRankError(f"{self._name(rank)} failed on layer {layer}: "
+                                      f"{exc!r}") from exc
+            raise
         if result.error is not None or result.y is None:
             raise ExpertRankError(f"{self._name(rank)} rejected layer {layer}: {result.error}")
         return from_wire(result.y)
@@ -165,3 +184,9 @@ class RpcExperts(PointToPoint):
             self._portal.call(close_all)
             self._portal_cm.__exit__(None, None, None)
             self._portal_cm = None
+
+
+async def _close(conn: FrameStream) -> None:
+    """Close `conn`, also from a task being cancelled."""
+    with anyio.CancelScope(shield=True):
+        await conn.aclose()

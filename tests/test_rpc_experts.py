@@ -1,0 +1,104 @@
+"""The `rpc` backend's client (`ep_dispatch/rpc.py`) against scripted expert servers on
+loopback: a rank that fails or goes away costs that step, never the connections to the
+others, and a rank that comes back is used again."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import anyio
+import pytest
+import torch
+from anyio.abc import SocketAttribute
+from anyio.from_thread import start_blocking_portal
+
+from ep_dispatch.placement import Placement
+from ep_dispatch.rpc import ExpertRankError, RpcExperts
+from ep_dispatch.wire import from_wire, to_wire
+from switchyard.messages import ExpertBatch, ExpertInfo, ExpertResult, InfoRequest
+from switchyard.rpc import FrameStream
+
+pytestmark = pytest.mark.timeout(60)
+PLACEMENT = Placement.balanced([0], 4, 2)  # experts 0, 2 on rank 0; 1, 3 on rank 1
+# (rank, number of the batch on that rank, counting from 0) -> what the rank does:
+# "ok" answers x * 2, "reject" answers an error, "slow" answers late, "drop" hangs up.
+Script = Callable[[int, int], str]
+
+
+@contextmanager
+def expert_servers(script: Script) -> Iterator[list[tuple[str, int]]]:
+    """Two scripted expert ranks in a thread of their own; their addresses."""
+    batches = [0, 0]
+
+    async def handle(rank: int, conn: FrameStream) -> None:
+        try:
+            while True:
+                msg = await conn.receive()
+                if isinstance(msg, InfoRequest):
+                    await conn.send(ExpertInfo(rank, 2, PLACEMENT.local_experts(rank), 0))
+                    continue
+                assert isinstance(msg, ExpertBatch)
+                action, batches[rank] = script(rank, batches[rank]), batches[rank] + 1
+                if action == "drop":
+                    return
+                if action == "slow":
+                    await anyio.sleep(0.3)
+                if action == "reject":
+                    await conn.send(ExpertResult(msg.call_id, error="scripted rejection"))
+                else:
+                    await conn.send(ExpertResult(msg.call_id, to_wire(from_wire(msg.x) * 2)))
+        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
+            pass  # the client went away
+        finally:
+            await conn.aclose()
+
+    async def start(rank: int, task_status: anyio.abc.TaskStatus) -> None:
+        listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+        task_status.started(listener.extra(SocketAttribute.local_port))
+        await listener.serve(lambda stream: handle(rank, FrameStream(stream)))
+
+    with start_blocking_portal() as portal:
+        ports = [portal.start_task(start, rank)[1] for rank in range(2)]
+        yield [("127.0.0.1", port) for port in ports]
+        portal.call(portal.stop, True)  # cancel_remaining: the listeners
+
+
+def step(experts: RpcExperts) -> torch.Tensor:
+    """One MoE layer: 4 tokens, each to one expert of each rank (weights 1)."""
+    x = torch.arange(4 * 8, dtype=torch.float32).view(4, 8)
+    ids = torch.tensor([[0, 1], [2, 3], [0, 3], [2, 1]])
+    return experts(0, x, ids, torch.ones(4, 2))
+
+
+def test_a_rejected_batch_costs_its_step_and_never_the_other_rank() -> None:
+    """Rank 0 rejects its first batch while rank 1 is still answering (slowly): that step
+    fails naming rank 0; the next steps are whole (before, rank 1's late answer stayed
+    unread and every later step was "answered out of turn")."""
+    script = {(0, 0): "reject", (1, 0): "slow"}
+    with expert_servers(lambda rank, n: script.get((rank, n), "ok")) as addresses:
+        experts = RpcExperts(PLACEMENT, addresses, call_timeout=5)
+        try:
+            with pytest.raises(ExpertRankError, match=r"expert rank 0 .* rejected layer 0"):
+                step(experts)
+            x = torch.arange(4 * 8, dtype=torch.float32).view(4, 8)
+            for _ in range(3):
+                assert torch.equal(step(experts), x * 4)  # two experts, each 2x, weight 1
+            assert experts.ready()
+        finally:
+            experts.close()
+
+
+def test_a_rank_that_drops_its_connection_is_reconnected_at_the_next_step() -> None:
+    script = {(1, 0): "drop"}
+    with expert_servers(lambda rank, n: script.get((rank, n), "ok")) as addresses:
+        experts = RpcExperts(PLACEMENT, addresses, call_timeout=5)
+        try:
+            with pytest.raises(ExpertRankError, match=r"expert rank 1 .* failed on layer 0"):
+                step(experts)
+            assert not experts.ready()
+            x = torch.arange(4 * 8, dtype=torch.float32).view(4, 8)
+            assert torch.equal(step(experts), x * 4)
+            assert experts.ready()
+        finally:
+            experts.close()
