@@ -6,6 +6,7 @@ import itertools
 from pathlib import Path
 
 import jinja2
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -20,6 +21,7 @@ from gateway.openai_protocol import ChatCompletionRequest, CompletionRequest
 from gateway.output import StopStrings
 from gateway.sampling import ModelLimits, sampling_params
 from gateway.tokenizer import Tokenizer
+from switchyard.messages import SamplingParams
 from tests.test_gateway_support import write_checkpoint
 
 LLAMA_STYLE = (
@@ -217,6 +219,12 @@ def test_default_max_tokens_fills_the_context() -> None:
     params = sampling_params(request, [1, 2, 3], LIMITS)
     assert (params.max_tokens, params.temperature, params.top_p) == (97, 0.0, 1.0)
     assert (params.top_k, params.stop_token_ids) == (0, (7,))  # -1 and 0 both disable top-k
+    for k, want in ((49, 49), (50, 0), (2**70, 0)):  # k >= the vocabulary filters nothing
+        request = CompletionRequest(prompt=[1], top_k=k)
+        params = sampling_params(request, [1], LIMITS)
+        assert params.top_k == want
+        assert msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams) \
+            == params  # fits the wire to the engine (a huge k was a 500)
 
 
 def test_max_completion_tokens_wins_for_chat() -> None:
