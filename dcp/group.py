@@ -68,9 +68,16 @@ class DcpGroup:
             dist.destroy_process_group()
 
 
+class StepAborted(RuntimeError):
+    """The leader's expert call failed mid-step (an expert rank lost): the peers drop the
+    step, as the leader fails its sequences, and wait for the next plan."""
+
+
 class GroupExperts(PointToPoint):
     """The MoE seam of a DCP rank: the leader calls the real experts client and broadcasts
-    the outputs; peers receive them."""
+    the outputs; peers receive them. The broadcast carries one more row, the call's status,
+    so a failed call reaches the peers as `StepAborted` instead of leaving them waiting for
+    outputs while the leader moves on (its next broadcast would then be misread)."""
 
     def __init__(self, group: DcpGroup, inner: ExpertsClient | None) -> None:
         self.group, self.inner = group, inner
@@ -80,9 +87,21 @@ class GroupExperts(PointToPoint):
 
     def __call__(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> torch.Tensor:
-        y = self.inner(layer, x, topk_ids, topk_weights) if self.inner else torch.empty_like(x)
-        dist.broadcast(y, src=0)  # [T, H]
-        return y
+        out = torch.empty(x.shape[0] + 1, x.shape[1], dtype=x.dtype, device=x.device)
+        if self.inner is None:  # a peer
+            dist.broadcast(out, src=0)  # [T + 1, H]
+            if out[-1, 0].item() != 1:
+                raise StepAborted(f"the leader's expert call failed on layer {layer}")
+            return out[:-1]
+        try:
+            out[:-1] = self.inner(layer, x, topk_ids, topk_weights)  # [T, H]
+        except BaseException:
+            out[-1] = 0
+            dist.broadcast(out, src=0)
+            raise
+        out[-1] = 1
+        dist.broadcast(out, src=0)
+        return out[:-1]
 
     def describe(self) -> list[str]:
         return self.inner.describe() if self.inner else []

@@ -8,7 +8,7 @@ import logging
 import torch
 
 from dcp.batch import build_rank_batch
-from dcp.group import DcpGroup, GroupExperts
+from dcp.group import DcpGroup, GroupExperts, StepAborted
 from dcp.sharding import Sharding
 from services.attention.config import AttentionConfig
 from services.attention.kv_cache import KVCache, kv_bytes_per_block
@@ -46,6 +46,9 @@ def run_peer(config: AttentionConfig) -> None:
         while not (plan := group.receive_plan()).stop:
             batch = build_rank_batch(plan.seqs, config.dcp_rank, sharding, config.block_size,
                                      cfg.sliding_window, []).to(device)
-            model.forward(batch, kv, experts)
+            try:
+                model.forward(batch, kv, experts)
+            except StepAborted as exc:  # the leader fails the step's sequences
+                log.warning("step dropped: %s", exc)
     finally:
         group.close()

@@ -127,3 +127,66 @@ def test_aborting_queued_and_running_requests_frees_every_block(qwen3_ckpt: tupl
         assert {d.request_id for d in deltas} == {"r1", "r2", "late"}
         bm = engine.block_manager
         assert bm.num_free_blocks == bm.num_blocks and not engine.has_work()
+
+
+def _peer_steps(port: int, results: object) -> None:
+    """Rank 1 of a two-rank group: two MoE calls, each after a plan; what it got."""
+    from dcp.group import DcpGroup, GroupExperts, StepAborted
+
+    group = DcpGroup(("127.0.0.1", port), 1, 2)
+    experts, got = GroupExperts(group, None), []
+    try:
+        while not group.receive_plan().stop:
+            try:
+                got.append(experts(0, torch.zeros(3, 4), torch.zeros(3, 1), torch.ones(3, 1))
+                           .tolist())
+            except StepAborted as exc:
+                got.append(str(exc))
+    finally:
+        group.close()
+        results.put(got)  # type: ignore[attr-defined]
+
+
+def test_a_failed_expert_call_on_the_leader_aborts_the_step_on_every_rank() -> None:
+    """The leader's experts fail on the first step: the peer drops that step (before, it
+    kept waiting for the outputs and then read the next plan's size as them) and gets the
+    second step's outputs."""
+    import multiprocessing
+
+    from dcp.group import DcpGroup, GroupExperts
+    from ep_dispatch.rpc import ExpertRankError
+    from switchyard.launcher import free_port
+    from switchyard.messages import DcpPlan
+
+    calls = []
+
+    def inner(layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        calls.append(layer)
+        if len(calls) == 1:
+            raise ExpertRankError("expert rank 1 failed on layer 0")
+        return torch.arange(12, dtype=x.dtype).view(3, 4)
+
+    ctx = multiprocessing.get_context("spawn")
+    port, results = free_port(), ctx.Queue()
+    peer = ctx.Process(target=_peer_steps, args=(port, results))
+    peer.start()
+    try:
+        group = DcpGroup(("127.0.0.1", port), 0, 2)
+        experts = GroupExperts(group, inner)  # type: ignore[arg-type]
+        x = torch.zeros(3, 4)
+        try:
+            group.send_plan(DcpPlan([]))
+            with pytest.raises(ExpertRankError):
+                experts(0, x, torch.zeros(3, 1), torch.ones(3, 1))
+            group.send_plan(DcpPlan([]))
+            y = experts(0, x, torch.zeros(3, 1), torch.ones(3, 1))
+            group.send_plan(DcpPlan([], stop=True))
+        finally:
+            group.close()
+        got = results.get(timeout=60)
+    finally:
+        peer.join(timeout=30)
+        if peer.is_alive():
+            peer.kill()
+    assert got == ["the leader's expert call failed on layer 0", y.tolist()]
+    assert y.tolist() == torch.arange(12.0).view(3, 4).tolist()
