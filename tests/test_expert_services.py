@@ -258,6 +258,18 @@ def test_expert_server_coalesces_batches_of_one_layer(qwen3_ckpt: tuple) -> None
         assert merged.call_id == single.call_id
         assert torch.allclose(from_wire(merged.y), from_wire(single.y), atol=1e-6)
 
+    def out_of_memory(*args: object) -> torch.Tensor:
+        raise torch.OutOfMemoryError("CUDA out of memory (a stand-in)")
+
+    real, server.bank.forward = server.bank.forward, out_of_memory  # type: ignore[method-assign]
+    failed = server.compute([a, bad, b])  # answers every batch, raises nothing
+    assert [r.call_id for r in failed] == [1, 3, 2] and all(r.y is None for r in failed)
+    oom = "expert computation failed: CUDA out of memory (a stand-in)"
+    assert (failed[0].error, failed[2].error) == (oom, oom)
+    assert "does not match" in (failed[1].error or "")
+    server.bank.forward = real  # type: ignore[method-assign]
+    assert server.compute([a])[0].y is not None  # and it serves the next batch
+
 
 def test_expert_rank_that_cannot_reach_the_rendezvous_says_so(qwen3_ckpt: tuple) -> None:
     port = free_port()

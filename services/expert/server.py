@@ -92,8 +92,16 @@ class ExpertServer:
                 results[i] = ExpertResult(batch.call_id, error=str(exc))
         if valid:
             start, spans = time.time_ns(), []
-            outputs = self._grouped([b.tokens_per_expert for _, b, _ in valid],
-                                    [x for _, _, x in valid], valid[0][1].layer, spans)
+            try:
+                outputs = self._grouped([b.tokens_per_expert for _, b, _ in valid],
+                                        [x for _, _, x in valid], valid[0][1].layer, spans)
+            except Exception as exc:  # e.g. out of device memory: these calls fail, the
+                # service stays (its callers see an expert rank error, a retryable 503)
+                log.exception("expert computation failed for layer %d", valid[0][1].layer)
+                for i, batch, _ in valid:
+                    results[i] = ExpertResult(batch.call_id, error=f"expert computation "
+                                                                   f"failed: {exc}")
+                return [results[i] for i in range(len(batches))]
             for _, batch, _ in valid:
                 if batch.trace_context:  # sent only by a recording dispatch span
                     self._trace(batch, start, spans)
