@@ -49,7 +49,7 @@ def expert_servers(script: Script) -> Iterator[list[tuple[str, int]]]:
                 else:
                     await conn.send(ExpertResult(msg.call_id, to_wire(from_wire(msg.x) * 2)))
         except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
-            pass  # the client went away
+            return  # the client went away
         finally:
             await conn.aclose()
 
