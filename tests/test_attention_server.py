@@ -38,8 +38,18 @@ async def attention(path: object) -> AsyncIterator[int]:
         tg.cancel_scope.cancel()
 
 
-async def connect(port: int) -> FrameStream:
-    return FrameStream(await anyio.connect_tcp("127.0.0.1", port))
+@asynccontextmanager
+async def two_clients(path: object) -> AsyncIterator[tuple[FrameStream, FrameStream]]:
+    """Two connections to an attention server over `path`, within 50 s."""
+    with anyio.fail_after(50):
+        async with attention(path) as port:
+            a = FrameStream(await anyio.connect_tcp("127.0.0.1", port))
+            b = FrameStream(await anyio.connect_tcp("127.0.0.1", port))
+            try:
+                yield a, b
+            finally:
+                await a.aclose()
+                await b.aclose()
 
 
 def greedy(request_id: str, max_tokens: int) -> GenerateRequest:
@@ -58,40 +68,33 @@ async def until_finished(conn: FrameStream, first: TokenDelta) -> list[TokenDelt
 
 async def test_a_reused_request_id_is_refused_to_its_sender_and_the_first_goes_on(
         qwen3_ckpt: tuple) -> None:
-    with anyio.fail_after(50):
-        async with attention(qwen3_ckpt[0]) as port:
-            a, b = await connect(port), await connect(port)
-            await a.send(greedy("r", 12))
-            first = await a.receive()
-            assert isinstance(first, TokenDelta) and first.finish_reason is None
-            await b.send(greedy("r", 3))  # the same id from elsewhere, while "r" runs
-            refused = await b.receive()
-            assert isinstance(refused, TokenDelta) and refused.finish_reason == "error"
-            assert "already running" in (refused.error or "")
-            deltas = await until_finished(a, first)
-            assert deltas[-1].finish_reason == "length"
-            assert sum(len(d.token_ids) for d in deltas) == 12  # every token, to its owner
-            await a.aclose()
-            await b.aclose()
+    async with two_clients(qwen3_ckpt[0]) as (a, b):
+        await a.send(greedy("r", 12))
+        first = await a.receive()
+        assert isinstance(first, TokenDelta) and first.finish_reason is None
+        await b.send(greedy("r", 3))  # the same id from elsewhere, while "r" runs
+        refused = await b.receive()
+        assert isinstance(refused, TokenDelta) and refused.finish_reason == "error"
+        assert "already running" in (refused.error or "")
+        deltas = await until_finished(a, first)
+        assert deltas[-1].finish_reason == "length"
+        assert sum(len(d.token_ids) for d in deltas) == 12  # every token, to its owner
 
 
 async def test_a_connection_that_goes_away_aborts_its_requests_and_only_its_own(
         qwen3_ckpt: tuple) -> None:
-    with anyio.fail_after(50):
-        async with attention(qwen3_ckpt[0]) as port:
-            leaving, staying = await connect(port), await connect(port)
-            await leaving.send(greedy("gone-running", 400))
-            assert isinstance(await leaving.receive(), TokenDelta)  # it runs
-            await staying.send(greedy("kept", 30))
-            first = await staying.receive()
-            await leaving.send(greedy("gone-queued", 400))  # sent, then straight away:
-            await leaving.aclose()
-            deltas = await until_finished(staying, first)
-            assert deltas[-1].finish_reason == "length"
-            while True:  # both of the leaving connection's requests end, aborted
-                await staying.send(StatsRequest())
-                stats = await staying.receive()
-                if stats.num_aborted == 2 and stats.num_running + stats.num_waiting == 0:
-                    break
-                await anyio.sleep(0.01)  # polling the engine's counters, bounded above
-            await staying.aclose()
+    async with two_clients(qwen3_ckpt[0]) as (leaving, staying):
+        await leaving.send(greedy("gone-running", 400))
+        assert isinstance(await leaving.receive(), TokenDelta)  # it runs
+        await staying.send(greedy("kept", 30))
+        first = await staying.receive()
+        await leaving.send(greedy("gone-queued", 400))  # sent, then straight away:
+        await leaving.aclose()
+        deltas = await until_finished(staying, first)
+        assert deltas[-1].finish_reason == "length"
+        while True:  # both of the leaving connection's requests end, aborted
+            await staying.send(StatsRequest())
+            stats = await staying.receive()
+            if stats.num_aborted == 2 and stats.num_running + stats.num_waiting == 0:
+                break
+            await anyio.sleep(0.01)  # polling the engine's counters, bounded above
