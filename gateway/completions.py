@@ -39,10 +39,10 @@ class _ChoiceText:
 
 
 def _echo_text(serving: Serving, body: CompletionRequest, prompt_token_ids: list[int]) -> str:
+    """The prompt as text for `echo`; its ids already checked (an id past the vocabulary
+    would make the tokenizer raise)."""
     if not body.echo:
         return ""
-    if body.logprobs is not None:
-        raise bad_request("echo with logprobs (prompt logprobs) is not supported.", "echo")
     if isinstance(body.prompt, str):
         return body.prompt
     return serving.tokenizer.decode(prompt_token_ids)
@@ -73,8 +73,10 @@ async def create_completion(serving: Serving, request: Request) -> Response:
     body = await serving.parse(request, CompletionRequest)
     prompt = body.prompt
     prompt_token_ids = prompt if isinstance(prompt, list) else serving.tokenizer.encode(prompt)
+    if body.echo and body.logprobs is not None:
+        raise bad_request("echo with logprobs (prompt logprobs) is not supported.", "echo")
+    run = await serving.start(request, "cmpl", prompt_token_ids, body)  # checks the prompt
     echo = _echo_text(serving, body, prompt_token_ids)
-    run = await serving.start(request, "cmpl", prompt_token_ids, body)
     shapers = [_ChoiceText(serving, body, run, echo) for _ in run.choices]
     if body.stream:
         return EventStreamResponse(_events(run, body, shapers), run.aclose)

@@ -36,6 +36,29 @@ class StartupError(RuntimeError):
     pass
 
 
+# What `serve` decides for each child (its role, rank, ports, peers, backend): a
+# SWITCHYARD_* variable for one of these would be read by the child as its own default
+# and override the topology serve chose, so children never see them.
+_TOPOLOGY_ENV = frozenset(f"SWITCHYARD_{name}" for name in (
+    "ATTENTION_GROUPS", "ATTENTION_HOST", "ATTENTION_PORT", "ATTENTION_RANK",
+    "ATTENTION_RANKS", "DCP_INIT", "DCP_INTERLEAVE", "DCP_RANK", "DCP_SIZE",
+    "DISPATCH_BACKEND", "DIST_INIT", "ENGINE", "EXPERT_ADDRESSES", "EXPERT_HOST",
+    "EXPERT_PORT", "EXPERT_RANK", "EXPERT_RANKS", "HOST", "METRICS_PORT", "PORT",
+    "READY_FD", "SERVICE_METRICS"))
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a child service, without `_TOPOLOGY_ENV`."""
+    return {**{k: v for k, v in os.environ.items() if k not in _TOPOLOGY_ENV}, **extra}
+
+
+def http_url(host: str, port: int) -> str:
+    """The URL of a service bound to `host`: IPv6 in brackets, and a wildcard address
+    reached on loopback."""
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def _die_with_parent() -> None:
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
@@ -54,9 +77,9 @@ class Children:
         """Start `python -m switchyard ARGS --ready-fd W` (pinned to the next GPU by
         CUDA_VISIBLE_DEVICES if `gpu`); returns what `wait_ports` needs."""
         read_fd, write_fd = os.pipe()
-        env = None
+        env = child_env()
         if gpu and self.gpus:
-            env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(self._next_gpu % self.gpus)}
+            env = child_env(CUDA_VISIBLE_DEVICES=str(self._next_gpu % self.gpus))
             self._next_gpu += 1
         proc = subprocess.Popen(
             [sys.executable, "-m", "switchyard", *args, "--ready-fd", str(write_fd)],
@@ -290,7 +313,7 @@ def _start_services(args: argparse.Namespace, model: Path, name: str,
         "--max-queued-requests", args.max_queued_requests,
         "--max-request-body-size", args.max_request_body_size, *_tracing_args(args)])],
         timeout)
-    url = f"http://{args.host}:{http_port}"
+    url = http_url(args.host, http_port)
     _wait_healthy(f"{url}/health", children, timeout)
     return url
 

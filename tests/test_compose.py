@@ -173,3 +173,31 @@ def test_free_port_without_room_below_the_ephemeral_range(monkeypatch: pytest.Mo
 
     monkeypatch.setattr(launcher, "_ephemeral_low", lambda: 1024)
     assert launcher.free_port() >= 1024
+
+
+def test_serve_decides_its_childrens_topology_whatever_the_environment() -> None:
+    """SWITCHYARD_* variables for what `serve` decides per child (backend, DCP size, ranks,
+    ports) do not reach the children: `serve --dispatch-backend rpc --dcp-size 1` with
+    the environment saying torch and 2 still starts and answers (before, the experts read
+    torch, the attention service DCP size 2, and start-up failed)."""
+    from switchyard.demo_model import DEFAULT_MODEL
+    from switchyard.serve_process import Served
+
+    env = {"SWITCHYARD_DISPATCH_BACKEND": "torch", "SWITCHYARD_DCP_SIZE": "2",
+           "SWITCHYARD_EXPERT_RANKS": "7", "SWITCHYARD_ATTENTION_RANK": "3"}
+    with Served(["--model", str(DEFAULT_MODEL), "--dispatch-backend", "rpc", "--dcp-size",
+                 "1"], env=env, timeout=120) as served:
+        r = httpx.post(f"{served.url}/v1/completions", timeout=60, json={
+            "prompt": "1+1=", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+
+
+def test_service_urls_for_any_bound_host() -> None:
+    from switchyard.launcher import http_url
+
+    assert http_url("127.0.0.1", 80) == "http://127.0.0.1:80"
+    assert http_url("0.0.0.0", 80) == "http://127.0.0.1:80"  # a wildcard, reached on loopback
+    assert http_url("::", 80) == "http://[::1]:80"
+    assert http_url("::1", 80) == "http://[::1]:80"
+    assert http_url("fe80::1", 81) == "http://[fe80::1]:81"
+    assert httpx.URL(http_url("::", 8000)).port == 8000  # one httpx takes (was InvalidURL)

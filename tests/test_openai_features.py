@@ -208,6 +208,11 @@ def test_echo_prepends_the_prompt(demo: Served) -> None:
     chunks = c.completions.create(model=m, prompt=ARITH, echo=True, temperature=0,
                                   max_tokens=8, stream=True)
     assert streamed_texts(chunks, chat=False) == {0: whole.choices[0].text}
+    for ids in ([2**32], [2**64]):  # past the vocabulary: a 400, as without echo (was a 500)
+        with pytest.raises(openai.BadRequestError, match="out of vocabulary"):
+            c.completions.create(model=m, prompt=ids, echo=True, max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="echo with logprobs"):
+        c.completions.create(model=m, prompt=ARITH, echo=True, logprobs=1, max_tokens=2)
 
 
 def test_unknown_fields_are_ignored(demo: Served) -> None:
