@@ -20,7 +20,7 @@ from ep_dispatch.placement import Placement
 from ep_dispatch.wire import activation_rows, from_wire, to_wire
 from switchyard import tracing
 from switchyard.messages import ExpertBatch, ExpertInfo, ExpertResult, InfoRequest
-from switchyard.rpc import FrameStream, connect
+from switchyard.rpc import MAX_FRAME_BYTES, FrameStream, connect
 
 
 class ExpertRankError(RuntimeError):
@@ -144,10 +144,13 @@ class RpcExperts(PointToPoint):
                 raise ExpertRankError(f"{self._name(rank)} is not connected: {exc}") from exc
             conn = self._conns[rank]
             assert conn is not None
-        call_id = next(self._ids)
+        call_id, payload = next(self._ids), to_wire(x)
+        if len(payload.data) > MAX_FRAME_BYTES - 4096:  # the expert would drop the frame
+            raise ExpertRankError(f"layer {layer} sends {self._name(rank)} {len(payload.data)} "
+                                  f"bytes, over the {MAX_FRAME_BYTES}-byte frame limit: lower "
+                                  "--max-num-batched-tokens")
         try:
             with anyio.fail_after(self.call_timeout):
-                payload = to_wire(x)
                 self.dispatch_bytes += len(payload.data)
                 await conn.send(ExpertBatch(call_id, layer, counts, payload, trace))
                 result = await conn.receive()

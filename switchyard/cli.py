@@ -36,7 +36,8 @@ def _attention_parser(sub: argparse._SubParsersAction) -> None:
     from services.attention.config import add_engine_flags, add_metrics_flag, env
 
     p = sub.add_parser("attention", help="run one attention service (the engine core)")
-    p.add_argument("--model", required=True, help="HF checkpoint directory")
+    p.add_argument("--model", default=env("MODEL"), required=env("MODEL") is None,
+                   help="HF checkpoint directory")
     p.add_argument("--host", default=env("ATTENTION_HOST", "127.0.0.1"))
     p.add_argument("--port", type=int, default=int(env("ATTENTION_PORT", "0")),
                    help="RPC port (0 picks a free one)")

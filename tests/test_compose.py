@@ -201,3 +201,26 @@ def test_service_urls_for_any_bound_host() -> None:
     assert http_url("::1", 80) == "http://[::1]:80"
     assert http_url("fe80::1", 81) == "http://[fe80::1]:81"
     assert httpx.URL(http_url("::", 8000)).port == 8000  # one httpx takes (was InvalidURL)
+
+
+def test_attention_and_expert_services_take_their_model_from_the_environment(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """SWITCHYARD_MODEL, as the gateway and `serve` take it (they required --model)."""
+    import argparse
+
+    from services.expert.config import add_expert_parser
+    from switchyard.cli import _attention_parser
+
+    def parse(argv: list[str]) -> argparse.Namespace:
+        parser = argparse.ArgumentParser()
+        sub = parser.add_subparsers(dest="command", required=True)
+        _attention_parser(sub)
+        add_expert_parser(sub)
+        return parser.parse_args(argv)
+
+    monkeypatch.setenv("SWITCHYARD_MODEL", "/models/from-env")
+    assert parse(["attention"]).model == parse(["expert"]).model == "/models/from-env"
+    assert parse(["expert", "--model", "/flag"]).model == "/flag"  # the flag wins
+    monkeypatch.delenv("SWITCHYARD_MODEL")
+    with pytest.raises(SystemExit):
+        parse(["attention"])  # neither: --model is required

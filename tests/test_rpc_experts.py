@@ -102,3 +102,24 @@ def test_a_rank_that_drops_its_connection_is_reconnected_at_the_next_step() -> N
             assert experts.ready()
         finally:
             experts.close()
+
+
+def test_a_batch_over_the_frame_limit_is_refused_before_sending(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The expert would drop the connection on such a frame; the client names the limit
+    and the flag to lower, and the connection stays usable."""
+    from ep_dispatch import rpc
+
+    with expert_servers(lambda rank, n: "ok") as addresses:
+        experts = RpcExperts(PLACEMENT, addresses, call_timeout=5)
+        try:
+            monkeypatch.setattr(rpc, "MAX_FRAME_BYTES", 4096 + 32)  # 2 rows of 8 floats: 64 B
+            with pytest.raises(ExpertRankError, match="over the 4128-byte frame limit: lower "
+                                                      "--max-num-batched-tokens"):
+                step(experts)
+            monkeypatch.undo()
+            assert experts.ready()
+            x = torch.arange(4 * 8, dtype=torch.float32).view(4, 8)
+            assert torch.equal(step(experts), x * 4)
+        finally:
+            experts.close()

@@ -35,7 +35,8 @@ class ExpertConfig:
 
 def add_expert_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("expert", help="run one expert service (a share of the experts)")
-    p.add_argument("--model", required=True, help="HF checkpoint directory")
+    p.add_argument("--model", default=env("MODEL"), required=env("MODEL") is None,
+                   help="HF checkpoint directory")
     p.add_argument("--rank", type=int, default=int(env("EXPERT_RANK", "0")),
                    help="this service's expert rank, 0..num-ranks-1")
     p.add_argument("--num-ranks", type=int, default=int(env("EXPERT_RANKS", "1")),
