@@ -97,18 +97,41 @@ class Children:
         with os.fdopen(read_fd) as ready:
             if not select.select([ready], [], [], max(0.0, deadline - time.monotonic()))[0]:
                 raise StartupError(f"{name} did not start listening in time")
-            words = ready.readline().split()  # EOF (empty) if the child died before listening
+            return Children._reported(name, proc, ready.readline())
+
+    def start_all(self, specs: list[tuple[str, list[str]]], timeout: float,
+                  gpu: bool = False) -> list[tuple[int, ...]]:
+        """Start every (name, ARGS) at once; return their reported ports, in order. The
+        pipes are watched together, so a child that dies is named at once, whichever it
+        is (ranks that wait in a rendezvous for it would otherwise time out first)."""
+        pending = [self.spawn(name, args, gpu) for name, args in specs]
+        deadline = time.monotonic() + timeout
+        pipes = {os.fdopen(fd): (i, name, proc) for i, (name, proc, fd) in enumerate(pending)}
+        ports: dict[int, tuple[int, ...]] = {}
+        try:
+            while pipes:
+                ready = select.select(list(pipes), [], [],
+                                      max(0.0, deadline - time.monotonic()))[0]
+                if not ready:
+                    late = ", ".join(name for _, name, _ in pipes.values())
+                    raise StartupError(f"{late} did not start listening in time")
+                for pipe in ready:
+                    i, name, proc = pipes.pop(pipe)
+                    with pipe:
+                        ports[i] = self._reported(name, proc, pipe.readline())
+        finally:
+            for pipe in pipes:
+                pipe.close()
+        return [ports[i] for i in range(len(pending))]
+
+    @staticmethod
+    def _reported(name: str, proc: subprocess.Popen, line: str) -> tuple[int, ...]:
+        """The ports in a child's ready line; EOF (empty) if it died before listening."""
+        words = line.split()
         if not words or not all(w.isdigit() for w in words):
             proc.wait()
             raise StartupError(f"{name} exited with status {proc.returncode} before listening")
         return tuple(map(int, words))
-
-    def start_all(self, specs: list[tuple[str, list[str]]], timeout: float,
-                  gpu: bool = False) -> list[tuple[int, ...]]:
-        """Start every (name, ARGS) at once; return their reported ports, in order."""
-        pending = [self.spawn(name, args, gpu) for name, args in specs]
-        deadline = time.monotonic() + timeout
-        return [self.wait_ports(p, deadline) for p in pending]
 
     def check_alive(self) -> None:
         for name, proc in self.procs:

@@ -224,3 +224,27 @@ def test_attention_and_expert_services_take_their_model_from_the_environment(
     monkeypatch.delenv("SWITCHYARD_MODEL")
     with pytest.raises(SystemExit):
         parse(["attention"])  # neither: --model is required
+
+
+def test_a_child_that_dies_is_named_at_once_whichever_it_is() -> None:
+    """An attention rank waiting in its rendezvous for an expert rank that exits at once:
+    start-up names the expert within seconds (before, it waited on the attention rank
+    first, until the rendezvous gave up after 120 s)."""
+    import time
+
+    from switchyard.demo_model import DEFAULT_MODEL
+    from switchyard.launcher import Children, StartupError, free_port
+
+    children = Children()
+    waiting = ["attention", "--model", str(DEFAULT_MODEL), "--port", "0", "--dispatch-backend",
+               "torch", "--dist-init", f"127.0.0.1:{free_port()}", "--attention-ranks", "1",
+               "--expert-ranks", "1"]
+    start = time.monotonic()
+    try:
+        with pytest.raises(StartupError, match=r"expert rank 0 exited with status 2 before "
+                                               r"listening"):
+            children.start_all([("attention rank 0", waiting), (
+                "expert rank 0", ["expert", "--model", "/no/such/checkpoint"])], timeout=100)
+        assert time.monotonic() - start < 60
+    finally:
+        children.stop()
