@@ -90,6 +90,7 @@ class GroupExperts(PointToPoint):
         out = torch.empty(x.shape[0] + 1, x.shape[1], dtype=x.dtype, device=x.device)
         if self.inner is None:  # a peer
             dist.broadcast(out, src=0)  # [T + 1, H]
+            # a host read per layer: the peer waits for the leader's experts here anyway
             if out[-1, 0].item() != 1:
                 raise StepAborted(f"the leader's expert call failed on layer {layer}")
             return out[:-1]

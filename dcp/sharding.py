@@ -89,7 +89,8 @@ class ShardedBlockManager:
     def free(self, seq: Sequence) -> None:
         """Give back seq's blocks; one never allocated (still queued, or preempted) holds
         none."""
-        for table, free in zip(seq.shard_tables or [[]] * len(self._free), self._free,
-                               strict=True):
+        if not seq.shard_tables:
+            return
+        for table, free in zip(seq.shard_tables, self._free, strict=True):
             free.extend(reversed(table))
         seq.shard_tables = []

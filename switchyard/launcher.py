@@ -77,10 +77,11 @@ class Children:
         """Start `python -m switchyard ARGS --ready-fd W` (pinned to the next GPU by
         CUDA_VISIBLE_DEVICES if `gpu`); returns what `wait_ports` needs."""
         read_fd, write_fd = os.pipe()
-        env = child_env()
+        gpu_env = {}
         if gpu and self.gpus:
-            env = child_env(CUDA_VISIBLE_DEVICES=str(self._next_gpu % self.gpus))
+            gpu_env = {"CUDA_VISIBLE_DEVICES": str(self._next_gpu % self.gpus)}
             self._next_gpu += 1
+        env = child_env(**gpu_env)
         proc = subprocess.Popen(
             [sys.executable, "-m", "switchyard", *args, "--ready-fd", str(write_fd)],
             pass_fds=(write_fd,), preexec_fn=_die_with_parent, env=env)
