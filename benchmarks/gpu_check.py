@@ -143,7 +143,7 @@ def engine(device: str, dtype: str, quantization: str | None = None,
     from services.attention.engine import Engine
 
     return Engine(AttentionConfig(model=DEFAULT_MODEL, device=device, dtype=dtype,
-                                  quantization=quantization, kv_cache_memory=256 << 20,
+                                  quantization=quantization or "auto", kv_cache_memory=256 << 20,
                                   cuda_graph_max_batch=cuda_graph_max_batch))
 
 

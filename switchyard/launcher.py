@@ -27,6 +27,7 @@ import httpx
 from ep_dispatch.deepep import deepep_flags, deepep_settings
 from ep_dispatch.registry import COLLECTIVE, check_backend
 from services.attention.config import check_cuda_graphs
+from services.expert.experts import check_quantization
 from services.model.config import CheckpointError, ModelConfig
 from switchyard.demo_model import DEFAULT_MODEL, DEFAULT_MODEL_NAME
 from switchyard.device import check_device
@@ -238,8 +239,7 @@ def _engine_args(args: argparse.Namespace) -> list[str]:
         out += ["--num-threads", str(args.num_threads)]
     if args.placement:
         out += ["--placement", args.placement]
-    if args.quantization:
-        out += ["--quantization", args.quantization]
+    out += ["--quantization", args.quantization]
     if args.dcp_size > 1:
         out += ["--dcp-size", str(args.dcp_size), "--dcp-interleave", str(args.dcp_interleave)]
     if args.dispatch_backend == "deepep":
@@ -295,8 +295,8 @@ def _start_services(args: argparse.Namespace, model: Path, name: str,
     shared = ["--model", str(model), "--port", "0"]
     common = [*(["--placement", args.placement] if args.placement else []),
               *(["--num-threads", str(args.num_threads)] if args.num_threads else [])]
-    expert_flags = [*(["--quantization", args.quantization] if args.quantization else []),
-                    *_tracing_args(args), "--metrics-port", "0"]
+    expert_flags = ["--quantization", args.quantization, *_tracing_args(args),
+                    "--metrics-port", "0"]
     experts = [(f"expert rank {r}", ["expert", *shared, "--rank", str(r), "--num-ranks",
                                      str(num_experts), "--dtype", args.dtype,
                                      "--device", args.device, *common,
@@ -393,7 +393,8 @@ def serve(args: argparse.Namespace) -> int:
         check_device(args.device, "attention")
         check_cuda_graphs(args.cuda_graph_max_batch, args.cuda_graph_max_len, args.device,
                           args.dispatch_backend, args.dcp_size)
-        check_backend(args.dispatch_backend, args.device, args.quantization or cfg.quantization)
+        quantization = check_quantization(cfg, args.quantization)
+        check_backend(args.dispatch_backend, args.device, quantization)
         if args.dispatch_backend == "deepep":
             _check_deepep(args, cfg)
     except (CheckpointError, ValueError, StartupError) as exc:

@@ -132,3 +132,17 @@ def test_bad_quantization_setups_are_clear_errors(ckpt: Path, quantized: Path,
     raw["quantization_config"]["quant_method"] = "gptq"
     with pytest.raises(CheckpointError, match="unsupported quantization_config"):
         ModelConfig.from_hf(raw)
+
+
+def test_quantization_flag_overrides_the_environment(ckpt: Path, quantized: Path) -> None:
+    """A deployment's SWITCHYARD_QUANTIZATION=w4a4 reaches every child; `--quantization none`
+    on serve must still win in each of them (the children used to read the variable)."""
+    with Served(["--model", str(ckpt), "--quantization", "none", "--expert-services", "2"],
+                env={"SWITCHYARD_QUANTIZATION": "w4a4"}) as s:
+        assert httpx.get(f"{s.url}/v1/models").json()["data"][0]["quantization"] is None
+        experts = httpx.get(f"{s.url}/health").json()["attention"][0]["experts"]
+        assert len(experts) == 2 and not any("MXFP4" in line for line in experts)
+    assert engine(quantized).quantization == "w4a4"  # auto: the checkpoint's
+    with pytest.raises(ValueError, match="quantized as w4a4: serve it with --quantization "
+                                         "w4a4 or auto"):
+        engine(quantized, quantization="none")

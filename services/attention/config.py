@@ -38,7 +38,7 @@ class AttentionConfig:
     host: str = "127.0.0.1"
     port: int = 0
     ready_fd: int | None = None
-    quantization: str | None = None  # "w4a4", or from the checkpoint
+    quantization: str = "auto"  # auto (the checkpoint's), none or w4a4
     dcp_size: int = 1  # ranks of this attention group sharing each sequence's KV
     dcp_rank: int = 0  # 0: the leader (scheduler, gateway connection, experts)
     dcp_interleave: int = 1  # consecutive tokens per rank
@@ -145,11 +145,9 @@ def add_engine_flags(p: argparse.ArgumentParser, default_backend: str = "local")
     p.add_argument("--expert-timeout", type=float, default=float(env("EXPERT_TIMEOUT", "30")),
                    help="seconds an expert rank may take to answer one layer call, "
                         "or to accept the connection at start-up")
-    p.add_argument("--quantization", default=env("QUANTIZATION") or None,
-                   choices=["w4a4"],
-                   help="w4a4: experts as MXFP4 (quantized at load unless the checkpoint "
-                        "already is, see `switchyard quantize`), activations dispatched as "
-                        "MXFP4 (every backend but deepep)")
+    add_quantization_flag(p, "w4a4: experts as MXFP4 (quantized at load unless the checkpoint "
+                             "already is, see `switchyard quantize`), activations dispatched "
+                             "as MXFP4 (every backend but deepep)")
     p.add_argument("--dcp-size", type=int, default=int(env("DCP_SIZE", "1")),
                    help="decode context parallelism: ranks per attention group, each holding "
                         "1/D of every sequence's KV cache")
@@ -163,6 +161,13 @@ def add_engine_flags(p: argparse.ArgumentParser, default_backend: str = "local")
                    help="torch backend: HOST:PORT of the rendezvous, hosted by attention "
                         "rank 0")
     add_deepep_flags(p, env)
+
+
+def add_quantization_flag(p: argparse.ArgumentParser, w4a4: str) -> None:
+    p.add_argument("--quantization", default=env("QUANTIZATION", "auto"),
+                   choices=["auto", "none", "w4a4"],
+                   help=f"auto (default): the checkpoint's; none: float experts (overrides "
+                        f"{ENV_PREFIX}QUANTIZATION); {w4a4}")
 
 
 def from_args(args: argparse.Namespace) -> AttentionConfig:

@@ -75,8 +75,8 @@ class Engine:
             check_step_budget(config.deepep, config.max_num_batched_tokens)
         bank = None
         if config.dispatch_backend == "local":  # the only backend with experts in-process
-            bank = ExpertBank(cfg, checkpoint, all_experts(cfg), self.dtype, self.quantization,
-                              device=self.device)
+            bank = ExpertBank(cfg, checkpoint, all_experts(cfg), self.dtype,
+                              self.quantization or "none", device=self.device)
         checkpoint.close()
         self.experts = create_experts_client(config.dispatch_backend, BackendContext(
             moe_layers=[i for i, m in enumerate(cfg.moe_layers) if m],

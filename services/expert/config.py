@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ep_dispatch.deepep import DeepEPSettings, add_deepep_flags, deepep_settings
-from services.attention.config import add_device_flag, add_metrics_flag, env
+from services.attention.config import add_device_flag, add_metrics_flag, add_quantization_flag, env
 from switchyard.rpc import parse_address
 
 
@@ -26,7 +26,7 @@ class ExpertConfig:
     dist_init: tuple[str, int] | None = None
     attention_ranks: int = 1
     rendezvous_timeout: float = 120.0
-    quantization: str | None = None
+    quantization: str = "auto"  # auto (the checkpoint's), none or w4a4
     otlp_traces_endpoint: str | None = None
     metrics_port: int | None = None  # Prometheus /metrics; None: not served
     device: str = "cpu"
@@ -60,8 +60,7 @@ def add_expert_parser(sub: argparse._SubParsersAction) -> None:
                    help="torch backend: number of attention groups in the world")
     p.add_argument("--rendezvous-timeout", type=float, default=120.0,
                    help="seconds to wait for every peer to join")
-    p.add_argument("--quantization", default=env("QUANTIZATION") or None, choices=["w4a4"],
-                   help="w4a4: hold the experts as MXFP4 and take MXFP4 activations")
+    add_quantization_flag(p, "w4a4: hold the experts as MXFP4 and take MXFP4 activations")
     p.add_argument("--otlp-traces-endpoint", default=env("OTLP_TRACES_ENDPOINT"),
                    help="OTLP traces URL (or set the OTEL_EXPORTER_OTLP_* variables)")
     add_metrics_flag(p)

@@ -32,7 +32,7 @@ _PROJ_NAMES = {
     "Qwen3MoeForCausalLM": ("gate_proj", "up_proj", "down_proj"),
     "MixtralForCausalLM": ("w1", "w3", "w2"),
 }
-QUANTIZATIONS = (None, "w4a4")
+QUANTIZATIONS = ("auto", "none", "w4a4")  # what --quantization accepts
 log = logging.getLogger("switchyard.expert")
 FALLBACK_KERNEL = KernelConfig(inner="decode")  # where a tuned W4A4 config does not run
 W4A4Weights = MXFP4Tensor | Bf16x2Weights  # one GEMM's weights, in a kernel's layout
@@ -59,13 +59,17 @@ def all_experts(config: ModelConfig) -> dict[int, list[int]]:
             for layer, is_moe in enumerate(config.moe_layers) if is_moe}
 
 
-def check_quantization(config: ModelConfig, quantization: str | None) -> str | None:
-    """The quantization to serve with: the flag's, or the checkpoint's when it is quantized."""
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"unknown quantization {quantization!r}; choose w4a4 or none")
-    if config.quantization and quantization not in (None, config.quantization):
-        raise ValueError(f"the checkpoint is quantized as {config.quantization}")
-    quantization = quantization or config.quantization
+def check_quantization(config: ModelConfig, requested: str) -> str | None:
+    """The quantization to serve with (None: the checkpoint's dtype). `requested` is
+    --quantization: "auto" takes the checkpoint's, "none" insists on float experts."""
+    if requested not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {requested!r}; choose one of "
+                         f"{', '.join(QUANTIZATIONS)}")
+    if config.quantization and requested not in ("auto", config.quantization):
+        raise ValueError(f"the checkpoint is quantized as {config.quantization}: serve it with "
+                         f"--quantization {config.quantization} or auto")
+    quantization = config.quantization if requested == "auto" else requested
+    quantization = None if quantization == "none" else quantization
     if quantization == "w4a4":
         check_blockable(config.hidden_size)
         check_blockable(config.moe_intermediate_size)
@@ -84,7 +88,7 @@ class ExpertBank:
 
     def __init__(
         self, config: ModelConfig, checkpoint: Checkpoint, experts: Mapping[int, Sequence[int]],
-        dtype: torch.dtype, quantization: str | None = None, rank: int = 0,
+        dtype: torch.dtype, quantization: str = "auto", rank: int = 0,
         device: str = "cpu",
     ) -> None:
         self.experts = {layer: list(ids) for layer, ids in experts.items()}
