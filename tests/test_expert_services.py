@@ -271,6 +271,42 @@ def test_expert_server_coalesces_batches_of_one_layer(qwen3_ckpt: tuple) -> None
     assert server.compute([a])[0].y is not None  # and it serves the next batch
 
 
+def test_expert_server_answers_odd_batches_alone(qwen3_ckpt: tuple) -> None:
+    """Negative counts that sum right are refused for their caller only; an empty batch
+    under a trace context is answered (its tracing used to raise out of the service)."""
+    from ep_dispatch.wire import from_wire, to_wire
+    from services.expert.config import ExpertConfig
+    from services.expert.server import ExpertServer
+    from switchyard.messages import ExpertBatch
+
+    server = ExpertServer(ExpertConfig(model=qwen3_ckpt[0], rank=0, num_ranks=1))
+    x = torch.randn(2, server.bank.hidden_size)
+    good = ExpertBatch(1, 0, [1, 0, 0, 0, 0, 0, 0, 1], to_wire(x))
+    negative = ExpertBatch(2, 0, [-1, 0, 0, 0, 0, 0, 0, 3], to_wire(x))
+    results = server.compute([good, negative])
+    assert results[0].error is None and results[0].y is not None
+    assert torch.allclose(from_wire(results[0].y), from_wire(server.compute([good])[0].y))
+    assert "does not match" in (results[1].error or "")
+    traceparent = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+    empty = ExpertBatch(3, 0, [0] * 8, to_wire(x[:0]), traceparent)
+    [answer] = server.compute([empty])
+    assert answer.error is None and answer.y is not None and from_wire(answer.y).shape == (0, 64)
+
+
+def test_expert_and_attention_services_on_a_taken_port_say_so(qwen3_ckpt: tuple) -> None:
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        for role in (["expert"], ["attention", "--dispatch-backend", "local"]):
+            proc = subprocess.run([sys.executable, "-m", "switchyard", *role, "--model",
+                                   str(qwen3_ckpt[0]), "--port", str(port)],
+                                  capture_output=True, text=True, timeout=120)
+            assert proc.returncode == 2, proc.stderr
+            assert f"switchyard {role[0]}: cannot listen on 127.0.0.1:{port}: Address already " \
+                "in use" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
 def test_expert_rank_that_cannot_reach_the_rendezvous_says_so(qwen3_ckpt: tuple) -> None:
     port = free_port()
     proc = subprocess.run([sys.executable, "-m", "switchyard", "expert", "--model",

@@ -146,3 +146,21 @@ def test_quantization_flag_overrides_the_environment(ckpt: Path, quantized: Path
     with pytest.raises(ValueError, match="quantized as w4a4: serve it with --quantization "
                                          "w4a4 or auto"):
         engine(quantized, quantization="none")
+
+
+def test_quantizing_at_load_rounds_once_whatever_the_serving_dtype(ckpt: Path,
+                                                                   quantized: Path) -> None:
+    """`--quantization w4a4 --dtype bfloat16` on a float32 checkpoint holds the bytes that
+    `switchyard quantize` writes: the weights go to MXFP4 from float32, not via bf16."""
+    from services.expert.experts import ExpertBank, all_experts
+    from services.model.checkpoint import Checkpoint
+
+    cfg = ModelConfig.from_dir(ckpt)
+    at_load = ExpertBank(cfg, Checkpoint(ckpt), all_experts(cfg), torch.bfloat16, "w4a4")
+    offline = ExpertBank(ModelConfig.from_dir(quantized), Checkpoint(quantized),
+                         all_experts(cfg), torch.bfloat16)
+    assert at_load.w_gate_up and at_load.w_gate_up.keys() == offline.w_gate_up.keys()
+    for layer in at_load.w_gate_up:
+        for got, want in ((at_load.w_gate_up[layer], offline.w_gate_up[layer]),
+                          (at_load.w_down[layer], offline.w_down[layer])):
+            assert torch.equal(got.packed, want.packed) and torch.equal(got.scales, want.scales)

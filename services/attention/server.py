@@ -170,6 +170,10 @@ def main(config: AttentionConfig) -> int:
         return 2
     try:
         anyio.run(serve, config, engine, metrics_port)
+    except OSError as exc:  # the listener's bind: a connection's errors stay in its task
+        print(f"switchyard attention: cannot listen on {config.host}:{config.port}: "
+              f"{exc.strerror or exc}", file=sys.stderr)
+        return 2
     finally:
         engine.close()  # joins the rpc client's event-loop thread, leaves the torch group
     return 0

@@ -129,8 +129,11 @@ class ExpertBank:
             rows, k = shape
             return MXFP4Tensor(ckpt.get(packed, (rows, k // 2), torch.uint8),
                                ckpt.get(scale, (rows, k // 32), torch.uint8))
-        w = ckpt.get(name, shape, self.dtype).to(self.device)  # quantized where it runs
-        return quantize(w) if self.quantization else w
+        if not self.quantization:
+            return ckpt.get(name, shape, self.dtype).to(self.device)
+        # From float32 (exact for any stored float dtype), as `switchyard quantize` does: a
+        # bf16 serving dtype first would round twice (a value just past a tie lands on it).
+        return quantize(ckpt.get(name, shape, torch.float32).to(self.device))
 
     def _cat(self, parts: list) -> torch.Tensor | MXFP4Tensor:
         return MXFP4Tensor.cat(parts) if self.quantization else torch.cat(parts)
@@ -156,9 +159,10 @@ class ExpertBank:
         (`MXFP4Tensor.to_rows`), as the attention side dispatches them. `spans`, if given,
         gets each local expert's (start, end) wall-clock ns.
         """
-        if x.shape[0] == 0:
-            return torch.zeros(0, self.hidden_size, dtype=self.dtype, device=self.device)
         spans = [] if spans is None else spans
+        if x.shape[0] == 0:
+            spans.extend((0, 0) for _ in tokens_per_expert)  # one per expert, as promised
+            return torch.zeros(0, self.hidden_size, dtype=self.dtype, device=self.device)
         if not self.quantization:
             y = self._float_ffn(x, tokens_per_expert, self.w_gate_up[layer],
                                 self.w_down[layer], spans)  # [N, H]

@@ -74,6 +74,7 @@ class ExpertServer:
         if batch.layer not in self.bank.experts:
             raise ValueError(f"layer {batch.layer} is not an MoE layer")
         if len(batch.tokens_per_expert) != len(self.bank.experts[batch.layer]) or \
+                min(batch.tokens_per_expert, default=0) < 0 or \
                 sum(batch.tokens_per_expert) != x.shape[0] or x.ndim != 2 or \
                 x.shape[1] != self.bank.rows.width or \
                 (x.dtype == torch.uint8) != (self.bank.quantization == "w4a4"):
@@ -95,19 +96,18 @@ class ExpertServer:
             try:
                 outputs = self._grouped([b.tokens_per_expert for _, b, _ in valid],
                                         [x for _, _, x in valid], valid[0][1].layer, spans)
+                for _, batch, _ in valid:
+                    if batch.trace_context:  # sent only by a recording dispatch span
+                        self._trace(batch, start, spans)
+                for (i, batch, x), y in zip(valid, outputs, strict=True):
+                    out = y.to(x.dtype) if x.is_floating_point() else y  # MXFP4 in, float out
+                    results[i] = ExpertResult(batch.call_id, to_wire(out))
             except Exception as exc:  # e.g. out of device memory: these calls fail, the
                 # service stays (its callers see an expert rank error, a retryable 503)
                 log.exception("expert computation failed for layer %d", valid[0][1].layer)
                 for i, batch, _ in valid:
                     results[i] = ExpertResult(batch.call_id, error=f"expert computation "
                                                                    f"failed: {exc}")
-                return [results[i] for i in range(len(batches))]
-            for _, batch, _ in valid:
-                if batch.trace_context:  # sent only by a recording dispatch span
-                    self._trace(batch, start, spans)
-            for (i, batch, x), y in zip(valid, outputs, strict=True):
-                out = y.to(x.dtype) if x.is_floating_point() else y  # MXFP4 in, float out
-                results[i] = ExpertResult(batch.call_id, to_wire(out))
         return [results[i] for i in range(len(batches))]
 
     def _trace(self, batch: ExpertBatch, start: int, spans: list[tuple[int, int]]) -> None:
@@ -256,5 +256,10 @@ def main(config: ExpertConfig) -> int:
     except (CheckpointError, ValueError, OSError, RendezvousError) as exc:
         print(f"switchyard expert: {exc}", file=sys.stderr)
         return 2
-    anyio.run(serve, config, server, metrics_port)
+    try:
+        anyio.run(serve, config, server, metrics_port)
+    except OSError as exc:  # the listener's bind: a connection's errors stay in its task
+        print(f"switchyard expert: cannot listen on {config.host}:{config.port}: "
+              f"{exc.strerror or exc}", file=sys.stderr)
+        return 2
     return 0
