@@ -33,6 +33,7 @@ class FrameStream:
         self._stream = stream
         self._reader = BufferedByteReceiveStream(stream)
         self._send_lock = anyio.Lock()
+        self.closed = False  # set by aclose: work it sent and that waits is abandoned
 
     async def send(self, message: Message) -> None:
         payload = _encoder.encode(message)
@@ -50,6 +51,7 @@ class FrameStream:
         return _decoder.decode(await self._reader.receive_exactly(length))
 
     async def aclose(self) -> None:
+        self.closed = True
         await self._stream.aclose()
 
 

@@ -3,17 +3,25 @@ TCP on loopback: who gets which deltas, and what a connection that goes away tak
 
 from __future__ import annotations
 
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import anyio
 import pytest
+from anyio import wait_all_tasks_blocked
 from anyio.abc import SocketAttribute
 
 from services.attention.config import AttentionConfig
 from services.attention.engine import Engine
 from services.attention.server import AttentionServer
-from switchyard.messages import GenerateRequest, SamplingParams, StatsRequest, TokenDelta
+from switchyard.messages import (
+    AbortRequest,
+    GenerateRequest,
+    SamplingParams,
+    StatsRequest,
+    TokenDelta,
+)
 from switchyard.rpc import FrameStream
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
@@ -92,9 +100,130 @@ async def test_a_connection_that_goes_away_aborts_its_requests_and_only_its_own(
         await leaving.aclose()
         deltas = await until_finished(staying, first)
         assert deltas[-1].finish_reason == "length"
-        while True:  # both of the leaving connection's requests end, aborted
+        while True:  # both of the leaving connection's requests end: the running one
+            # aborted, the queued one aborted or (if not yet applied) never started
             await staying.send(StatsRequest())
             stats = await staying.receive()
-            if stats.num_aborted == 2 and stats.num_running + stats.num_waiting == 0:
+            if stats.num_aborted >= 1 and stats.num_running + stats.num_waiting == 0:
+                assert stats.num_aborted <= 2
                 break
             await anyio.sleep(0.01)  # polling the engine's counters, bounded above
+
+
+class _FakeEngine:
+    """What AttentionServer uses of an Engine; its first step holds until `step_gate`."""
+
+    class experts:  # stands in for the engine's attribute
+        lockstep = False
+
+    def __init__(self) -> None:
+        self.live: set[str] = set()
+        self.added: dict[str, anyio.Event] = {}
+        self.step_gate = threading.Event()
+        self.stepped = False
+
+    def add(self, request: GenerateRequest) -> TokenDelta | None:
+        if request.request_id in self.live or request.request_id.startswith("bad"):
+            return TokenDelta(request.request_id, [], "error", 1, "refused")
+        self.live.add(request.request_id)
+        self._added(request.request_id).set()
+        return None
+
+    def _added(self, request_id: str) -> anyio.Event:
+        return self.added.setdefault(request_id, anyio.Event())
+
+    async def wait_added(self, request_id: str) -> None:
+        await self._added(request_id).wait()
+
+    def abort(self, request_id: str) -> TokenDelta | None:
+        if request_id not in self.live:
+            return None
+        self.live.discard(request_id)
+        return TokenDelta(request_id, [], "abort", 1)
+
+    def has_work(self) -> bool:
+        return bool(self.live) and not self.stepped
+
+    def step(self) -> list[TokenDelta]:
+        self.step_gate.wait(30)
+        self.stepped = True
+        return []
+
+
+class _FakeConn:
+    """A connection whose incoming frames the test feeds and whose sends it can hold."""
+
+    def __init__(self, hold_sends: bool = False) -> None:
+        self.feed, self._incoming = anyio.create_memory_object_stream[object](10)
+        self.sent: list[object] = []
+        self.sending, self.release, self.gone = anyio.Event(), anyio.Event(), anyio.Event()
+        self.hold_sends, self.closed = hold_sends, False
+
+    async def receive(self) -> object:
+        return await self._incoming.receive()
+
+    async def send(self, message: object) -> None:
+        self.sent.append(message)
+        self.sending.set()
+        if self.hold_sends:
+            await self.release.wait()
+
+    async def aclose(self) -> None:
+        self.closed = True
+        self.gone.set()
+
+
+async def test_a_connection_that_closes_while_its_request_waits_behind_another_loses_it(
+        ) -> None:
+    """b's request sits in the batch the engine applies while a's refusal is being sent;
+    b goes away then. Its request must not start for nobody (it used to run to the end)."""
+    engine, a, b = _FakeEngine(), _FakeConn(hold_sends=True), _FakeConn()
+    server = AttentionServer(engine)  # type: ignore[arg-type]
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(server.run_engine)
+            tg.start_soon(server.handle, a)
+            tg.start_soon(server.handle, b)
+            await a.feed.send(greedy("first", 4))  # runs a step that holds...
+            await engine.wait_added("first")
+            await a.feed.send(greedy("bad", 4))  # ...while these two queue together
+            await b.feed.send(greedy("b's", 4))
+            await wait_all_tasks_blocked()
+            engine.step_gate.set()
+            await a.sending.wait()  # the refusal of "bad" is held mid-send
+            await b.feed.aclose()
+            await b.gone.wait()
+            a.release.set()
+            await a.feed.send(greedy("probe", 4))  # applied after everything before it
+            await engine.wait_added("probe")
+            assert "b's" not in engine.live
+            tg.cancel_scope.cancel()
+
+
+async def test_only_a_requests_owner_can_abort_it() -> None:
+    """An abort for a running request from another connection, explicit or sent for a
+    refused duplicate id when that connection goes away, leaves the request running."""
+    engine, a, b = _FakeEngine(), _FakeConn(), _FakeConn()
+    server = AttentionServer(engine)  # type: ignore[arg-type]
+    engine.step_gate.set()
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(server.run_engine)
+            tg.start_soon(server.handle, a)
+            tg.start_soon(server.handle, b)
+            await a.feed.send(greedy("r", 4))
+            await engine.wait_added("r")
+            await b.feed.send(greedy("r", 4))  # refused: a's id
+            await b.sending.wait()
+            await b.feed.send(AbortRequest("r"))
+            await b.feed.aclose()
+            await b.gone.wait()
+            await a.feed.send(greedy("probe", 4))
+            await engine.wait_added("probe")
+            assert "r" in engine.live
+            assert [d.finish_reason for d in b.sent] == ["error"]  # type: ignore[attr-defined]
+            await a.feed.send(AbortRequest("r"))  # its owner can
+            await a.feed.send(greedy("probe 2", 4))
+            await engine.wait_added("probe 2")
+            assert "r" not in engine.live
+            tg.cancel_scope.cancel()

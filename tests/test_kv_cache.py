@@ -122,3 +122,26 @@ def test_the_gpu_attention_kernel_matches_the_cpu_one() -> None:
         ours, _ = kv._attend(0, q, batch, partial_attention)
         sdpa, _ = kv._attend(0, q, batch, _sdpa)
         torch.testing.assert_close(sdpa, ours, rtol=1e-5, atol=1e-5)
+
+
+def test_every_running_sequence_decodes_every_step_even_with_a_small_budget() -> None:
+    """A budget of 2 tokens and 4 requests: at most 2 run, each decoding every step, and
+    the others start as they finish (the newest used to wait out every step unscheduled)."""
+    from services.attention.scheduler import Scheduler
+
+    bm = BlockManager(num_blocks=64, block_size=4)
+    scheduler = Scheduler(bm, max_num_batched_tokens=2, max_num_seqs=8)
+    seqs = [seq(1, f"s{i}") for i in range(4)]
+    for s in seqs:
+        scheduler.add(s)
+    for _ in range(5):
+        step = scheduler.schedule()
+        assert {x.seq.request_id for x in step} == {s.request_id for s in scheduler.running}
+        for x in step:  # each computes its tokens and samples one more
+            x.seq.num_computed_tokens += x.num_new_tokens
+            x.seq.token_ids.append(1)
+    assert len(scheduler.running) == 2 and len(scheduler.waiting) == 2
+    with pytest.raises(ValueError, match="must be at least 1"):
+        Scheduler(bm, max_num_batched_tokens=0, max_num_seqs=8)
+    with pytest.raises(ValueError, match="must be at least 1"):
+        Scheduler(bm, max_num_batched_tokens=8, max_num_seqs=0)

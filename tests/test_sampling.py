@@ -192,3 +192,40 @@ def test_extreme_parameters_never_break_the_batch() -> None:
     assert all(0 <= t < 32 for t in tokens)
     # A tiny temperature or top_p means: the most likely token.
     assert tokens[:3] == logits[:3].argmax(dim=-1).tolist()
+
+
+def test_top_p_one_keeps_the_whole_vocabulary() -> None:
+    """top_p 1 disables the filter (vLLM): float32's cumulative sum reaches 1 before a
+    large vocabulary's tail, which used to be dropped."""
+    logits = torch.randn(4, 151_936, generator=torch.Generator().manual_seed(0)) * 8
+    params = [SamplingParams(top_p=1.0)] * 4
+    assert filtered_probs(logits, params).gt(0).all()
+    assert torch.allclose(filtered_probs(logits, params), logits.softmax(-1))
+
+
+def test_sampling_params_out_of_range_are_refused_alone(qwen3_ckpt: tuple) -> None:
+    """The attention service is reachable without the gateway: a request whose parameters
+    would make sampling raise is refused, and the batch beside it runs on."""
+    import math
+
+    path, _ = qwen3_ckpt
+    engine = engine_for(path)
+    vocab = engine.model_config.vocab_size
+    bad = {"stop_token_ids": dict(stop_token_ids=(vocab,), min_tokens=1),
+           "logprobs": dict(logprobs=vocab + 1), "logprobs ": dict(logprobs=-1),
+           "temperature": dict(temperature=math.nan), "temperature ": dict(temperature=-1.0),
+           "top_p": dict(top_p=0.0), "top_p ": dict(top_p=math.nan),
+           "min_p": dict(min_p=1.5), "repetition_penalty": dict(repetition_penalty=0.0),
+           "presence_penalty": dict(presence_penalty=math.inf),
+           "frequency_penalty": dict(frequency_penalty=math.nan)}
+    good = greedy("good", prompts(seed=3, lengths=(6,))[0], 5)
+    assert engine.add(good) is None
+    for name, kw in bad.items():
+        refused = engine.add(sampled(f"bad {name}", [1, 2, 3], **kw))
+        assert refused is not None and refused.finish_reason == "error", name
+        assert name.strip() in (refused.error or ""), (name, refused.error)
+    deltas = [d for _ in range(6) for d in engine.step()]
+    assert [d.finish_reason for d in deltas if d.finish_reason] == ["length"]
+    assert sum(len(d.token_ids) for d in deltas) == 5
+    assert engine.add(sampled("edges", [1, 2], stop_token_ids=(vocab - 1,), logprobs=vocab,
+                              top_p=1.0, min_p=1.0, presence_penalty=-2.0)) is None

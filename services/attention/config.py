@@ -122,7 +122,7 @@ def add_engine_flags(p: argparse.ArgumentParser, default_backend: str = "local")
                    default=int(env("MAX_NUM_BATCHED_TOKENS", "512")),
                    help="token budget of one scheduler step; longer prompts are chunked")
     p.add_argument("--max-num-seqs", type=int, default=int(env("MAX_NUM_SEQS", "128")),
-                   help="most sequences running at once")
+                   help="most sequences running at once (at most the token budget)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context limit (default: the model's, capped by the KV cache)")
     p.add_argument("--cuda-graph-max-batch", type=int,

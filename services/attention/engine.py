@@ -20,7 +20,7 @@ from services.attention.config import AttentionConfig, check_cuda_graphs
 from services.attention.graphs import Capture, DecodeGraphs, cuda_capture
 from services.attention.kv_cache import KVCache, kv_bytes_per_block
 from services.attention.model import DenseModel
-from services.attention.sampler import sample
+from services.attention.sampler import sample, sampling_error
 from services.attention.scheduler import ScheduledSeq, Scheduler
 from services.attention.sequence import Sequence
 from services.attention.tracing import step_span, trace_request
@@ -199,6 +199,8 @@ class Engine:
             return "max_tokens must be at least 1"
         if not 0 <= request.sampling.min_tokens <= request.sampling.max_tokens:
             return "min_tokens must be between 0 and max_tokens"
+        if error := sampling_error(request.sampling, vocab):
+            return error
         if n + request.sampling.max_tokens > self.max_model_len:
             return (f"this model's maximum context length is {self.max_model_len} tokens; "
                     f"the request has {n} prompt tokens and asks for "

@@ -6,6 +6,7 @@ shares the batch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,26 @@ from switchyard.messages import SamplingParams, TokenLogprobs
 
 # Temperatures below this are greedy (as in vLLM): dividing by them overflows float32.
 GREEDY_BELOW = 1e-5
+
+
+def sampling_error(p: SamplingParams, vocab: int) -> str | None:
+    """What is wrong with `p` for a vocabulary of `vocab` tokens (vLLM's ranges), or None.
+    The engine refuses such a request alone: sampling it would fail the whole batch."""
+    if any(not 0 <= t < vocab for t in p.stop_token_ids):
+        return f"stop_token_ids must be in [0, {vocab})"
+    if p.logprobs is not None and not 0 <= p.logprobs <= vocab:
+        return f"logprobs must be between 0 and {vocab}"
+    if not (0 <= p.temperature < math.inf):
+        return "temperature must be a finite number, at least 0"
+    if not 0 < p.top_p <= 1:
+        return "top_p must be in (0, 1]"
+    if not 0 <= p.min_p <= 1:
+        return "min_p must be in [0, 1]"
+    if not (0 < p.repetition_penalty < math.inf):
+        return "repetition_penalty must be a finite number above 0"
+    if not (-2 <= p.presence_penalty <= 2 and -2 <= p.frequency_penalty <= 2):
+        return "presence_penalty and frequency_penalty must be in [-2, 2]"
+    return None
 
 
 @dataclass(frozen=True)
@@ -102,8 +123,10 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     ranks = torch.arange(vocab, device=device)[None, :]
     drop = ranks >= top_k[:, None]
     sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-    # Keep the smallest prefix whose mass reaches top_p (always the first token).
-    drop |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]
+    # Keep the smallest prefix whose mass reaches top_p (always the first token); top_p 1
+    # keeps all (float32's cumsum reaches 1 before the tail, which would be dropped).
+    drop |= ((sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]) & \
+        (top_p[:, None] < 1)
     # min-p: drop tokens less likely than min_p times the most likely one.
     drop |= sorted_probs < min_p[:, None] * sorted_probs[:, :1]
     drop[:, 0] = False  # the most likely token always survives (tiny top_p rounds to 0)

@@ -27,9 +27,13 @@ class Scheduler:
     def __init__(
         self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int
     ) -> None:
+        if max_num_batched_tokens < 1 or max_num_seqs < 1:
+            raise ValueError("--max-num-batched-tokens and --max-num-seqs must be at least 1")
         self.block_manager = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_num_seqs = max_num_seqs
+        # No more running than the budget has tokens: each then decodes every step (beyond
+        # it, the newest would wait for older ones to finish).
+        self.max_num_seqs = min(max_num_seqs, max_num_batched_tokens)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0

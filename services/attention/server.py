@@ -68,12 +68,9 @@ class AttentionServer:
         try:
             await serve_messages(conn, on_message, log)
         finally:
-            # A gateway that went away takes its requests with it: those running for it,
-            # and those it sent that wait in the inbox (the aborts queue behind them).
-            running = [rid for rid, owner in self._owners.items() if owner is conn]
-            queued = [w.message.request_id for w in self._inbox
-                      if w.conn is conn and isinstance(w.message, GenerateRequest)]
-            for request_id in running + queued:
+            # A gateway that went away takes its requests with it: those running for it
+            # here, and (`_apply` skips them) those it sent that wait to be applied.
+            for request_id in [rid for rid, owner in self._owners.items() if owner is conn]:
                 self._post(_Work(AbortRequest(request_id), conn))
 
     async def run_engine(self) -> None:
@@ -101,10 +98,14 @@ class AttentionServer:
     async def _apply(self, work: _Work) -> TokenDelta | None:
         """Add or abort; the abort's delta is returned for its owner. A refused request
         is answered on its own connection and never owned: its id may be a running
-        request's, whose owner must keep it."""
+        request's, whose owner must keep it (and alone may abort it)."""
         msg = work.message
         if isinstance(msg, AbortRequest):
+            if self._owners.get(msg.request_id) is not work.conn:
+                return None
             return self.engine.abort(msg.request_id)
+        if work.conn.closed:  # its sender went away while it waited: nobody would read it
+            return None
         refused = self.engine.add(msg)
         if refused is None:
             self._owners[msg.request_id] = work.conn
