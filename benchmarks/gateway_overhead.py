@@ -43,6 +43,7 @@ import anyio
 import httpx
 from anyio.abc import SocketAttribute, SocketStream
 
+from switchyard.bench import percentile
 from switchyard.demo_model import DEFAULT_MODEL
 from switchyard.messages import (
     AbortRequest,
@@ -315,8 +316,7 @@ def in_client_process(kind: str, *args: object) -> Sample:
 def _ms(values: list[float], q: float) -> str:
     if not values:
         return "-"
-    ordered = sorted(values)
-    return f"{1e3 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]:.2f}"
+    return f"{1e3 * percentile(values, 100 * q):.2f}"
 
 
 def request_row(name: str, mode: str, offered: str, s: Sample) -> str:

@@ -20,6 +20,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import httpx
@@ -93,11 +94,14 @@ async def _one(client: httpx.AsyncClient, load: Load, prompt: list[int]) -> Requ
     return record
 
 
-async def _run(load: Load) -> list[RequestRecord]:
+async def _run(load: Load, start: Callable[[], None] = lambda: None) -> list[RequestRecord]:
+    """The load's requests; `start` is called once the client is built (it may block)."""
     sem = asyncio.Semaphore(load.concurrency)
     rng = random.Random(load.seed)
     limits = httpx.Limits(max_connections=load.concurrency + 4)
     async with httpx.AsyncClient(base_url=load.url, timeout=3600, limits=limits) as client:
+        start()
+
         async def gated(prompt: list[int]) -> RequestRecord:
             async with sem:
                 return await _one(client, load, prompt)
@@ -110,40 +114,76 @@ async def _run(load: Load) -> list[RequestRecord]:
         return list(await asyncio.gather(*tasks))
 
 
-def _client_process(load: Load, out: mp.Queue) -> None:
-    out.put([asdict(r) for r in asyncio.run(_run(load))])
+def _client_process(load: Load, ready: mp.Queue, go: mp.Event, out: mp.Queue) -> None:
+    started = []
+
+    def start() -> None:  # imported, client built: what follows is the load itself
+        ready.put(None)
+        go.wait()
+        started.append(time.monotonic())  # system-wide on Linux: comparable across processes
+
+    records = asyncio.run(_run(load, start))
+    out.put((started[0], time.monotonic(), [asdict(r) for r in records]))
+
+
+def split_load(prompts: list[list[int]], concurrency: int, request_rate: float | None,
+               processes: int) -> list[tuple[list[list[int]], int, float | None]]:
+    """(prompts, concurrency, rate) per client process: prompts and rate in proportion to
+    the process's share of the concurrency, so every process keeps its share busy until
+    the end (an even split of prompts over uneven shares let the run end half-loaded)."""
+    processes = max(1, min(processes, concurrency, len(prompts)))
+    shares = [concurrency // processes + (i < concurrency % processes)
+              for i in range(processes)]
+    slots = [i for i, share in enumerate(shares) for _ in range(share)]  # one per request slot
+    return [([p for j, p in enumerate(prompts) if slots[j % concurrency] == i], share,
+             request_rate * share / concurrency if request_rate else None)
+            for i, share in enumerate(shares)]
 
 
 def run_load(url: str, model: str, prompts: list[list[int]], output_len: int,
              concurrency: int, request_rate: float | None, processes: int, seed: int
              ) -> tuple[list[RequestRecord], float]:
-    """Split prompts and concurrency over client processes; return records and duration."""
-    processes = max(1, min(processes, concurrency, len(prompts)))
+    """Split prompts and concurrency over client processes; return records and duration.
+    The clock runs from when every process, started and ready, is let go, to the last
+    one's end: starting Python processes is not the server's time."""
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = []
-    for i in range(processes):
-        share = concurrency // processes + (i < concurrency % processes)
-        rate = request_rate / processes if request_rate else None
-        load = Load(url, model, prompts[i::processes], output_len, share, rate, seed + i)
-        procs.append(ctx.Process(target=_client_process, args=(load, queue), daemon=True))
-    start = time.perf_counter()
+    ready, out, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+    procs = [ctx.Process(target=_client_process, daemon=True, args=(
+        Load(url, model, share_prompts, output_len, share, rate, seed + i), ready, go, out))
+        for i, (share_prompts, share, rate) in enumerate(
+            split_load(prompts, concurrency, request_rate, processes))]
     for p in procs:
         p.start()
-    records = [RequestRecord(**r) for _ in procs for r in queue.get(timeout=7200)]
-    duration = time.perf_counter() - start
-    for p in procs:
-        p.join()
-    return records, duration
+    try:
+        for _ in procs:
+            ready.get(timeout=300)
+        go.set()
+        results = [out.get(timeout=7200) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    duration = max(end for _, end, _ in results) - min(start for start, _, _ in results)
+    return [RequestRecord(**r) for _, _, records in results for r in records], duration
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile, linear between closest ranks (numpy's default, which
+    `vllm bench serve` reports); not the max for q = 99 of 100 values."""
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def _stats(values: list[float]) -> dict[str, float]:
     if not values:
         return {"mean_ms": 0.0, "median_ms": 0.0, "p99_ms": 0.0}
-    ordered = sorted(values)
-    p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
     return {"mean_ms": 1e3 * statistics.fmean(values),
-            "median_ms": 1e3 * statistics.median(values), "p99_ms": 1e3 * p99}
+            "median_ms": 1e3 * statistics.median(values),
+            "p99_ms": 1e3 * percentile(values, 99)}
 
 
 def summarize(records: list[RequestRecord], duration: float, concurrency: int,
@@ -181,8 +221,24 @@ def format_table(reports: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def warm_up(url: str, model: str, prompt: list[int], output_len: int) -> None:
+    """One untimed request, as `vllm bench serve`'s initial test run: first-call costs
+    (kernel compilation, allocator growth) stay out of the first level, and a server that
+    cannot answer stops the run here."""
+    async def once() -> RequestRecord:
+        async with httpx.AsyncClient(base_url=url, timeout=3600) as client:
+            return await _one(client, Load(url, model, [prompt], output_len, 1, None, 0),
+                              prompt)
+
+    record = asyncio.run(once())
+    if not record.ok:
+        raise RuntimeError(f"the warm-up request failed: {record.error}")
+
+
 def bench(url: str, args: argparse.Namespace) -> list[dict]:
     model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    warm_up(url, model, make_prompts(1, args.input_len, 0.0, args.token_id_range,
+                                     args.seed + 1)[0], args.output_len)
     reports = []
     for concurrency in args.concurrency:
         n = args.num_prompts or max(4 * concurrency, 8)
@@ -217,7 +273,13 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     if not 0.0 <= args.shared_prefix_fraction <= 1.0:
         ap.error("--shared-prefix-fraction must be within [0, 1]")
-    reports = against_gateway(args.url, serve_flags, lambda url: bench(url, args))
+    if args.url and serve_flags:
+        ap.error("the flags after -- start a server; with --url there is none to start")
+    try:
+        reports = against_gateway(args.url, serve_flags, lambda url: bench(url, args))
+    except RuntimeError as exc:
+        print(f"switchyard bench: {exc}", file=sys.stderr)
+        return 1
     print(format_table(reports))
     if args.json:
         with open(args.json, "w") as f:

@@ -97,6 +97,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--json", help="also write the report as JSON to this file")
     args = ap.parse_args(argv)
+    if args.url and serve_flags:
+        ap.error("the flags after -- start a server; with --url there is none to start")
     report = against_gateway(args.url, serve_flags, lambda url: asyncio.run(
         evaluate(url, args.num_problems, args.seed, args.concurrency)))
     print(format_report(report))

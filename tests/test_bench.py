@@ -4,13 +4,18 @@ and sane (no speed is asserted)."""
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from switchyard.bench import make_prompts
+from switchyard.bench import make_prompts, percentile, run_load, split_load
 from switchyard.serve_process import Served
 
 pytestmark = pytest.mark.timeout(300)
@@ -44,3 +49,40 @@ def test_bench_reports_every_field(tmp_path: Path) -> None:
             s = r[metric]
             assert 0 < s["median_ms"] <= s["p99_ms"] and s["mean_ms"] > 0
         assert r["e2e"]["mean_ms"] > r["ttft"]["mean_ms"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(0, 1e6, allow_nan=False), min_size=1, max_size=300),
+       st.sampled_from([50, 90, 99, 99.9]))
+def test_percentiles_are_numpys(values: list[float], q: float) -> None:
+    """vllm bench serve reports numpy's percentiles; p99 of 100 values is not their max."""
+    assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)),
+                                                  rel=1e-12, abs=1e-9)
+    assert percentile([float(i) for i in range(1, 101)], 99) == pytest.approx(99.01)
+
+
+@given(st.integers(1, 40), st.integers(1, 8), st.integers(1, 200))
+def test_load_is_split_in_proportion_to_each_process_share(concurrency: int, processes: int,
+                                                           n: int) -> None:
+    prompts = [[i] for i in range(n)]
+    parts = split_load(prompts, concurrency, 10.0, processes)
+    assert sorted(p for part, _, _ in parts for p in part) == prompts  # each prompt once
+    assert sum(share for _, share, _ in parts) == concurrency
+    assert sum(rate or 0 for _, _, rate in parts) == pytest.approx(10.0)
+    for part, share, rate in parts:
+        # the prompts per slot of concurrency differ by at most one between processes
+        assert abs(len(part) - n * share / concurrency) <= share
+        assert rate == pytest.approx(10.0 * share / concurrency)
+
+
+def test_the_clock_starts_once_every_client_process_is_ready() -> None:
+    """Against a closed port every request fails at once: the level's duration is then
+    the requests' time, not the seconds spent starting four Python processes."""
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        port = s.getsockname()[1]
+    start = time.monotonic()
+    records, duration = run_load(f"http://127.0.0.1:{port}", "m", [[1]] * 8, 4, 4, None, 4,
+                                 0)
+    wall = time.monotonic() - start
+    assert len(records) == 8 and not any(r.ok for r in records)
+    assert 0 < duration < wall / 2, (duration, wall)
