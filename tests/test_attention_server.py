@@ -23,6 +23,7 @@ from switchyard.messages import (
     TokenDelta,
 )
 from switchyard.rpc import FrameStream
+from tests.test_engine_parity import engine_for
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 PROMPT = [3, 14, 15, 92, 65]
@@ -227,3 +228,40 @@ async def test_only_a_requests_owner_can_abort_it() -> None:
             await engine.wait_added("probe 2")
             assert "r" not in engine.live
             tg.cancel_scope.cancel()
+
+
+def test_closing_the_engine_waits_for_the_step_another_thread_runs(qwen3_ckpt: tuple
+                                                                   ) -> None:
+    """On a signal the service abandons its step's thread and closes the engine: the
+    experts (and a DCP group) must not be closed under that step's exchanges."""
+    engine = engine_for(qwen3_ckpt[0])
+    engine.add(greedy("r", 4))
+    entered, release, order = threading.Event(), threading.Event(), []
+    schedule, close_experts = engine.scheduler.schedule, engine.experts.close
+
+    def held_schedule() -> list:
+        entered.set()
+        release.wait(30)
+        return schedule()
+
+    engine.scheduler.schedule = held_schedule  # type: ignore[method-assign]
+    engine.experts.close = lambda: (  # type: ignore[method-assign]
+        order.append("experts closed"), close_experts())
+    stepper = threading.Thread(target=lambda: (engine.step(), order.append("step ended")))
+    stepper.start()
+    assert entered.wait(30)
+    closer = threading.Thread(target=engine.close)
+    closer.start()
+    closer.join(0.5)  # (without waiting, the experts would be closed by now)
+    release.set()
+    stepper.join(30)
+    closer.join(30)
+    assert order == ["step ended", "experts closed"]
+
+
+def test_closing_under_a_step_that_never_ends_gives_up_after_its_timeout(
+        qwen3_ckpt: tuple, caplog: pytest.LogCaptureFixture) -> None:
+    engine = engine_for(qwen3_ckpt[0])
+    assert engine._stepping.acquire()  # a step that hangs (a peer that died, say)
+    engine.close(timeout=0.1)
+    assert "did not end within" in caplog.text

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import torch
@@ -55,6 +56,7 @@ class Engine:
 
     def __init__(self, config: AttentionConfig, graph_capture: Capture | None = None) -> None:
         self.config = config
+        self._stepping = threading.Lock()  # held by a step; close() waits for it
         self.device = check_device(config.device, "attention")
         check_cuda_graphs(config.cuda_graph_max_batch, config.cuda_graph_max_len,
                           "cuda" if graph_capture else config.device, config.dispatch_backend,
@@ -119,11 +121,21 @@ class Engine:
         if self.graphs:
             self.graphs.capture_all()
 
-    def close(self) -> None:
-        self.experts.close()
-        if self.group:
-            self.group.send_plan(DcpPlan([], stop=True))
-            self.group.close()
+    def close(self, timeout: float = 30.0) -> None:
+        """Leave the experts and the DCP group, once a step that another thread still runs
+        has ended (a service cancelled on a signal abandons its step's thread): closing
+        them under it would pair its exchanges with the stop message."""
+        idle = self._stepping.acquire(timeout=timeout)
+        if not idle:
+            log.warning("closing under a step that did not end within %.0f s", timeout)
+        try:
+            self.experts.close()
+            if self.group:
+                self.group.send_plan(DcpPlan([], stop=True))
+                self.group.close()
+        finally:
+            if idle:
+                self._stepping.release()
 
     def _batch(self, scheduled: list[ScheduledSeq], all_logits: bool = False) -> StepBatch:
         """The step's inputs, on the engine's device."""
@@ -231,6 +243,10 @@ class Engine:
 
     def step(self) -> list[TokenDelta]:
         """Run one scheduler step; returns the new tokens of every sequence that got one."""
+        with self._stepping:
+            return self._step()
+
+    def _step(self) -> list[TokenDelta]:
         scheduled = self.scheduler.schedule()
         if not self.experts.begin_step(sum(item.num_new_tokens for item in scheduled)):
             return []
