@@ -309,7 +309,7 @@ def _start_services(args: argparse.Namespace, model: Path, name: str,
     if args.dispatch_backend in COLLECTIVE:
         # One process group: attention ranks 0..G-1, expert ranks G..G+N-1; all start
         # together because the rendezvous needs every rank.
-        dist = ["--dist-init", f"127.0.0.1:{free_port()}"]
+        dist = ["--dist-init", args.dist_init or f"127.0.0.1:{free_port()}"]
         for g, (_, cmd) in enumerate(groups):
             cmd += [*dist, "--attention-rank", str(g), "--attention-ranks",
                     str(args.attention_groups), "--expert-ranks", str(num_experts)]

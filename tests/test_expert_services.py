@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -179,10 +180,15 @@ def test_serve_rejects_an_unknown_backend(qwen3_ckpt: tuple) -> None:
 def test_serve_topologies_match_transformers(ckpt: tuple, flags: list[str]) -> None:
     path, model = ckpt
     ps = prompts(seed=31, lengths=(2, 37, 15, 8, 26, 11))
-    with Served(["--model", str(path), "--max-num-batched-tokens", "16", *flags]) as served:
+    rendezvous = free_port()  # serve's --dist-init, where the torch backend meets
+    dist = ["--dist-init", f"127.0.0.1:{rendezvous}"] if "torch" in flags else []
+    with Served(["--model", str(path), "--max-num-batched-tokens", "16", *flags, *dist]
+                ) as served:
         name = httpx.get(f"{served.url}/v1/models").json()["data"][0]["id"]
         got = concurrent_greedy(served.url, name, ps, max_tokens=16)
         health = httpx.get(f"{served.url}/health").json()
+        if dist:  # attention rank 0 hosts the store there (it used to pick its own port)
+            socket.create_connection(("127.0.0.1", rendezvous), timeout=5).close()
     assert got == [reference_greedy(model, p, 16) for p in ps]
     groups = 2 if "--attention-groups" in flags else 1
     assert len(health["attention"]) == groups and all(a["ready"] for a in health["attention"])
@@ -294,8 +300,6 @@ def test_expert_server_answers_odd_batches_alone(qwen3_ckpt: tuple) -> None:
 
 
 def test_expert_and_attention_services_on_a_taken_port_say_so(qwen3_ckpt: tuple) -> None:
-    import socket
-
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
         for role in (["expert"], ["attention", "--dispatch-backend", "local"]):
