@@ -25,6 +25,7 @@ EXPERT_PORT = 7100
 METRICS_PORT = 9400
 DCP_INIT_PORT = 29500
 OTLP = "http://jaeger:4318"
+SERVED_MODEL_NAME = "${SWITCHYARD_SERVED_MODEL_NAME:-switchyard}"  # clients send it (both profiles)
 # Third-party images, pinned; `switchyard` services use the image built from ./Dockerfile.
 JAEGER_IMAGE = "jaegertracing/jaeger:2.21.0"
 PROMETHEUS_IMAGE = "prom/prometheus:v3.5.0"
@@ -163,7 +164,7 @@ def _gateway(leaders: list[str], scraped: list[str]) -> dict:
         "image": "${SWITCHYARD_IMAGE:-switchyard:latest}",
         "profiles": ["gpu"],
         "command": ["switchyard", "gateway", "--model", "/model",
-                    "--served-model-name", "${SWITCHYARD_SERVED_MODEL_NAME:-switchyard}",
+                    "--served-model-name", SERVED_MODEL_NAME,
                     "--host", "0.0.0.0", "--port", str(GATEWAY_PORT),
                     "--engine", ",".join(f"{g}:{ATTENTION_PORT}" for g in leaders),
                     "--service-metrics",
@@ -183,7 +184,8 @@ def _companions() -> dict[str, dict]:
             "image": "${SWITCHYARD_IMAGE:-switchyard:latest}",
             "profiles": ["cpu"],
             "command": ["switchyard", "serve", "--host", "0.0.0.0", "--port",
-                        str(GATEWAY_PORT), "--otlp-traces-endpoint", f"{OTLP}/v1/traces"],
+                        str(GATEWAY_PORT), "--otlp-traces-endpoint", f"{OTLP}/v1/traces",
+                        "--served-model-name", SERVED_MODEL_NAME],
             "environment": {
                 "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
                 "OTEL_TRACES_SAMPLER_ARG": "${SWITCHYARD_TRACE_SAMPLE_RATIO:-0.01}"},

@@ -16,7 +16,7 @@ import yaml
 from ep_dispatch.placement import make_placement
 from services.model.config import ModelConfig
 from switchyard.compose import Layout, main, render
-from switchyard.demo_model import DEFAULT_MODEL, DEFAULT_MODEL_NAME
+from switchyard.demo_model import DEFAULT_MODEL
 from tests.compose_runner import LocalCompose, interpolate
 from tests.tools import missing
 
@@ -119,7 +119,7 @@ def test_the_dockerfile_installs_as_the_readme_does() -> None:
 @pytest.mark.parametrize("profile", ["gpu", "cpu"])
 def test_the_compose_services_run_as_local_processes(profile: str) -> None:
     env = {**dotenv(), "SWITCHYARD_MODEL_DIR": str(DEFAULT_MODEL),
-           "SWITCHYARD_SERVED_MODEL_NAME": DEFAULT_MODEL_NAME,
+           "SWITCHYARD_SERVED_MODEL_NAME": "our-moe",  # what clients send, in both profiles
            "SWITCHYARD_KV_CACHE_MEMORY": "64MiB", "SWITCHYARD_MAX_NUM_SEQS": "16",
            "SWITCHYARD_DEVICE": "cpu"}  # no GPU here: the same commands on the CPU
     doc = interpolate(yaml.safe_load(COMPOSE.read_text()), env)
@@ -129,7 +129,7 @@ def test_the_compose_services_run_as_local_processes(profile: str) -> None:
         front = "gateway" if profile == "gpu" else "cpu"
         url = f"http://127.0.0.1:{compose.local_port(front, 8000)}"
         r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
-            "model": DEFAULT_MODEL_NAME, "max_tokens": 8, "temperature": 0,
+            "model": "our-moe", "max_tokens": 8, "temperature": 0,
             "messages": [{"role": "user", "content": "What is 123 + 456?"}]})
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"] == "579"
