@@ -19,9 +19,11 @@ COPY ep_dispatch ep_dispatch
 COPY dcp dcp
 COPY moe_kernels moe_kernels
 # torch built for this image's CUDA (12.8, as cupy-cuda12x), then the project with its GPU
-# extras; compiled ahead, as the non-root user cannot write __pycache__ here.
+# extras; compiled ahead, as the non-root user cannot write __pycache__ here. torch 2.11
+# brings Triton 3.6: the compiler the kernels were checked and tuned with on the H200
+# (docs/benchmarks.md; moe_kernels/configs).
 ENV SWITCHYARD_VENV=/opt/switchyard/venv \
-    SWITCHYARD_TORCH="torch==2.9.1 --index-url https://download.pytorch.org/whl/cu128"
+    SWITCHYARD_TORCH="torch==2.11.0 --index-url https://download.pytorch.org/whl/cu128"
 RUN scripts/bootstrap.sh gpu && "$SWITCHYARD_VENV/bin/python" -m compileall -q .
 ARG WITH_DEEPEP=0
 ARG DEEPEP_REF=main

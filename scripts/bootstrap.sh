@@ -25,9 +25,11 @@ if [ ! -f "$stamp" ]; then
     elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
       "${pip[@]}" install "torch>=2.5" >&2
     else
-      # CPU machine: this exact version resolves to the CPU wheel on this machine's disk;
-      # an unpinned torch would pull a multi-GB CUDA build.
-      "${pip[@]}" install "torch==2.13.0" >&2
+      # CPU machine: PyPI's Linux torch is the CUDA build (multi-GB of nvidia-* wheels);
+      # PyTorch's CPU index offers 2.13.0+cpu, which sorts above 2.13.0 and so is chosen
+      # (as it is from a local wheel directory where the index is out of reach).
+      "${pip[@]}" install "torch==2.13.0" \
+        --extra-index-url https://download.pytorch.org/whl/cpu >&2
     fi
   fi
   # Pin whatever torch is installed so no dependency can swap it for another build.
