@@ -1,8 +1,8 @@
 """`switchyard eval`: exact-match accuracy of the demo task through the gateway's chat API.
 
-Draws fresh problems from a seed (`switchyard.demo_task`), asks each as a chat user message
-with greedy decoding, and reports exact match with a 95% Wilson interval, plus how the
-router spread the evaluation's tokens over the experts (from the gateway's `/stats`).
+Draws held-out problems from a seed (`switchyard.demo_task`), asks each as a chat user
+message with greedy decoding, and reports exact match with a 95% Wilson interval, plus how
+the router spread the evaluation's tokens over the experts (from the gateway's `/stats`).
 Without `--url` it starts `switchyard serve --port 0 SERVE_FLAGS...` itself, so any
 topology can be evaluated: `switchyard eval -- --max-num-seqs 8`.
 """
@@ -32,6 +32,7 @@ class EvalReport:
     max_load_over_fair: float  # over MoE layers: the busiest expert's load / fair share
     min_load_over_fair: float
     failures: list[tuple[str, str, str]]  # (question, expected, got), at most 20
+    correct: list[bool]  # per problem, in the order `problems(seed, n)` draws them
 
 
 def wilson_interval(correct: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -72,6 +73,7 @@ async def evaluate(url: str, num_problems: int, seed: int, concurrency: int) -> 
         min_load_over_fair=min(ratios, default=0.0),
         failures=[(p.question, p.answer, r) for p, r, ok in zip(probs, replies, correct,
                                                                 strict=True) if not ok][:20],
+        correct=correct,
     )
 
 

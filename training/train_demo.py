@@ -7,10 +7,10 @@
 CPU only, deterministic seeds. The model is transformers' own `Qwen3MoeForCausalLM`
 (transformers is a test/dev dependency), with its load-balancing auxiliary loss, trained on
 chat-formatted problems from `switchyard.demo_task` with the loss on the answer tokens only.
-Every `--eval-every` steps it measures greedy exact match on fresh problems and keeps the
-best checkpoint. The output is a normal HF directory: config.json, model.safetensors,
-tokenizer.json (byte-level, built with `tokenizers`) and tokenizer_config.json with the
-chat template.
+Every `--eval-every` steps it measures greedy exact match on held-out problems (never
+trained on) and keeps the best checkpoint. The output is a normal HF directory:
+config.json, model.safetensors, tokenizer.json (byte-level, built with `tokenizers`) and
+tokenizer_config.json with the chat template.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from switchyard.demo_model import build_tokenizer
-from switchyard.demo_task import draw, problems
+from switchyard.demo_task import draw_training, problems
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 # Compact on purpose: fewer tokens per example is faster training on a 2-core CPU.
@@ -63,7 +63,7 @@ def make_batch(enc: Encoder, rng: random.Random, size: int) -> tuple[torch.Tenso
     """Right-padded input ids [B, L] and labels [B, L] (-100 outside the answers)."""
     rows = []
     for _ in range(size):
-        p = draw(rng)
+        p = draw_training(rng)  # never a held-out problem
         prompt, answer = enc.prompt(p.question), enc.answer(p.answer)
         rows.append((prompt + answer, len(prompt)))
     width = max(len(ids) for ids, _ in rows)
@@ -78,7 +78,7 @@ def make_batch(enc: Encoder, rng: random.Random, size: int) -> tuple[torch.Tenso
 
 @torch.no_grad()
 def greedy_accuracy(model: torch.nn.Module, enc: Encoder, seed: int, n: int) -> float:
-    """Exact match of greedy answers on n fresh problems (batched, left-padded prompts)."""
+    """Exact match of greedy answers on n held-out problems (batched, left-padded)."""
     model.eval()
     model.config.output_router_logits = False  # generate() cannot batch the aux loss
     probs = problems(seed, n)
@@ -171,7 +171,8 @@ def main() -> None:
     from transformers import Qwen3MoeForCausalLM
 
     torch.manual_seed(args.seed)
-    rng = random.Random(args.seed)
+    # A fine-tune gets its own data stream (the same seed would replay the first run's).
+    rng = random.Random(args.seed if args.init is None else f"{args.seed} after {args.init}")
     enc = Encoder()
     if args.init is not None:
         model = Qwen3MoeForCausalLM.from_pretrained(args.init, dtype=torch.float32)
@@ -199,9 +200,9 @@ def main() -> None:
                   f"lr {opt.param_groups[0]['lr']:.2e}  {minutes:.1f} min", flush=True)
         last = step == args.steps - 1 or minutes >= args.minutes
         if (step + 1) % args.eval_every == 0 or last:
-            # Evaluation problems come from seeds the training stream never uses.
+            # Held-out problems, which the training stream never draws.
             acc = greedy_accuracy(model, enc, seed=10_000 + step, n=500)
-            print(f"step {step + 1:5d}  eval exact match {acc:.3f} (500 fresh problems)",
+            print(f"step {step + 1:5d}  eval exact match {acc:.3f} (500 held-out problems)",
                   flush=True)
             if acc >= best:
                 best = acc
