@@ -34,17 +34,23 @@ class StopStrings:
         self._longest = max(map(len, stops))
         self._include = include
         self._held = ""
+        self._dead = 0  # leading characters of `_held` that no stop string may end in
 
-    def feed(self, text: str) -> tuple[str, bool]:
-        """(text safe to emit, whether a stop string was found: then nothing follows)."""
+    def feed(self, text: str, armed: bool = True) -> tuple[str, bool]:
+        """(text safe to emit, whether a stop string was found: then nothing follows).
+        Unarmed text (the first min_tokens tokens', vLLM) ends no stop string, though one
+        that ends in later text may start in it."""
         text = self._held + text
-        hits = [(i, stop) for stop in self._stops if (i := text.find(stop)) >= 0]
+        dead = self._dead if armed else len(text)
+        hits = [(i, stop) for stop in self._stops
+                if (i := text.find(stop, max(0, dead - len(stop) + 1))) >= 0] if armed else []
         if hits:
-            self._held = ""
+            self._held, self._dead = "", 0
             start, stop = min(hits, key=lambda hit: hit[0])  # the first listed on a tie
             return text[:start + len(stop) if self._include else start], True
         keep = self._partial_suffix(text)
         self._held = text[len(text) - keep:]
+        self._dead = max(0, dead - (len(text) - keep))
         return text[:len(text) - keep], False
 
     def flush(self) -> str:
@@ -64,11 +70,11 @@ async def outputs(generation: Generation, detokenizer: IncrementalDetokenizer,
                   stop_token_ids: Collection[int], stops: StopStrings | None,
                   timer: RequestTimer, min_tokens: int = 0) -> AsyncIterator[Output]:
     """One `Output` per engine delta; the last carries the finish reason. A stop string
-    ends the output early (the caller's `aclose` then aborts the engine request); it is
-    looked for once `min_tokens` tokens were generated (vLLM)."""
+    ends the output early (the caller's `aclose` then aborts the engine request); as in
+    vLLM, it must end in the text of a token after the first `min_tokens`."""
     generated = 0
     async for delta in generation:
-        generated += len(delta.token_ids)
+        before, generated = generated, generated + len(delta.token_ids)
         timer.on_delta(delta)
         if delta.finish_reason == "error":
             if delta.retryable:
@@ -78,12 +84,19 @@ async def outputs(generation: Generation, detokenizer: IncrementalDetokenizer,
         if delta.finish_reason == "stop" and text_ids and text_ids[-1] in stop_token_ids:
             # Like vLLM, the stop token is reported in token ids but not in the text.
             text_ids = text_ids[:-1]
-        text = detokenizer.add(text_ids)
+        protected = max(0, min(len(text_ids), min_tokens - before))  # within min_tokens
+        text = detokenizer.add(text_ids[:protected])
+        if stops is not None:
+            text = stops.feed(text, armed=False)[0]
+        tail = detokenizer.add(text_ids[protected:])
         if delta.finish_reason is not None:
-            text += detokenizer.flush()
+            tail += detokenizer.flush()
         reason = delta.finish_reason
-        if stops is not None and generated >= min_tokens:
-            text, hit = stops.feed(text)
+        if stops is None:
+            text += tail
+        else:
+            tail, hit = stops.feed(tail, armed=generated > min_tokens)
+            text += tail
             if hit:
                 timer.finish("stop")
                 yield Output(text, list(delta.token_ids), "stop", list(delta.logprobs or ()))

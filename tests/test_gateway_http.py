@@ -416,6 +416,19 @@ async def test_min_tokens_and_stop_strings_as_vllm(stack: Stack, tokenizer: Toke
         **body, "min_tokens": len(ids)})).json()["choices"][0]  # looked for at the end only
     assert (late["text"], late["finish_reason"]) == (REPLY, "stop")  # EOS ended it
     assert stack.engine.requests[-1].sampling.min_tokens == len(ids)
+    # vLLM's rule: a stop string must end in a token after the first min_tokens; it may
+    # start in them. The comma's own token is within min_tokens = its position: no stop.
+    texts = [tokenizer.decode(ids[:k]) for k in range(len(ids) + 1)]
+    comma = next(k for k, t in enumerate(texts) if "," in t)  # tokens up to the comma
+    at_comma = (await stack.http.post("/v1/completions", json={
+        **body, "min_tokens": comma})).json()["choices"][0]
+    assert (at_comma["text"], at_comma["finish_reason"]) == (REPLY, "stop")  # EOS ended it
+    span = "lo, w"  # from the protected tokens into the first one after them
+    ends = next(k for k, t in enumerate(texts) if span in t)
+    assert span not in texts[ends - 1] and len(texts[ends - 1]) > REPLY.index(span)
+    straddling = (await stack.http.post("/v1/completions", json={
+        **body, "stop": [span], "min_tokens": ends - 1})).json()["choices"][0]
+    assert (straddling["text"], straddling["finish_reason"]) == ("Hel", "stop")
     error = error_of(await stack.http.post("/v1/completions", json={
         **body, "min_tokens": 41}), 400, "BadRequestError")
     assert error["message"] == "min_tokens must be less than or equal to max_tokens=40, got 41."

@@ -254,30 +254,38 @@ def test_sampling_rejections(request_fields: dict[str, object], prompt: list[int
 
 @given(pieces=st.lists(st.text(alphabet="abc\n", max_size=5), max_size=12),
        stops=st.lists(st.text(alphabet="abc\n", min_size=1, max_size=3), min_size=1,
-                      max_size=3), include=st.booleans())
+                      max_size=3), include=st.booleans(), protected=st.integers(0, 12))
 def test_stop_strings_cut_the_stream_just_before_a_stop(pieces: list[str], stops: list[str],
-                                                        include: bool) -> None:
+                                                        include: bool, protected: int) -> None:
     """Just before the earliest stop string, or just after it with `include`
-    (include_stop_str_in_output)."""
+    (include_stop_str_in_output). The first `protected` pieces are min_tokens' (vLLM): a
+    stop string must end after them, though it may start in them."""
     whole = "".join(pieces)
+    dead = len("".join(pieces[:protected]))
     checker = StopStrings(stops, include)
+
+    def valid(text: str) -> list[tuple[int, str]]:
+        """(start, stop) of every occurrence in text that ends after the protected text."""
+        return [(i, stop) for stop in stops for i in range(len(text))
+                if text.startswith(stop, i) and i + len(stop) > dead]
+
     emitted, found = [], False
-    for piece in pieces:
-        text, found = checker.feed(piece)
+    for k, piece in enumerate(pieces):
+        text, found = checker.feed(piece, armed=k >= protected)
         emitted.append(text)
         if found:
             break
-        # Nothing emitted so far may contain a stop string.
-        assert not any(stop in "".join(emitted) for stop in stops)
+        # No stop string lies in what was emitted so far.
+        assert not valid("".join(emitted))
     if not found:
         emitted.append(checker.flush())
     out = "".join(emitted)
-    assert found == any(stop in whole for stop in stops)
+    assert found == bool(valid(whole))
     if found:  # in the first pieces that hold a stop: the text before the earliest one
         ends = itertools.accumulate(len(piece) for piece in pieces)
-        seen = next(whole[:e] for e in ends if any(stop in whole[:e] for stop in stops))
-        start = min(seen.find(stop) for stop in stops if stop in seen)
-        first = next(stop for stop in stops if seen.find(stop) == start)  # listed first
+        seen = next(whole[:e] for e in ends if valid(whole[:e]))
+        start = min(i for i, _ in valid(seen))
+        first = next(stop for stop in stops if (start, stop) in valid(seen))  # listed first
         assert out == seen[:start + len(first) if include else start]
     else:
         assert out == whole
