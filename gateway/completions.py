@@ -13,6 +13,7 @@ from gateway.openai_protocol import Completion, CompletionChoice, CompletionRequ
 from gateway.output import Output
 from gateway.serving import Run, Serving, client_gone, json_response
 from gateway.sse import DONE, EventStreamResponse, error_event, event
+from gateway.tokenizer import Tokenizer
 
 
 class _ChoiceText:
@@ -38,14 +39,16 @@ class _ChoiceText:
                                 step.token_ids if with_ids else None)
 
 
-def _echo_text(serving: Serving, body: CompletionRequest, prompt_token_ids: list[int]) -> str:
+def _echo_text(body: CompletionRequest, tokenizer: Tokenizer | None,
+               prompt_token_ids: list[int]) -> str:
     """The prompt as text for `echo`; its ids already checked (an id past the vocabulary
     would make the tokenizer raise)."""
     if not body.echo:
         return ""
     if isinstance(body.prompt, str):
         return body.prompt
-    return serving.tokenizer.decode(prompt_token_ids)
+    assert tokenizer is not None  # taken before the request started
+    return tokenizer.decode(prompt_token_ids)
 
 
 async def _events(run: Run, body: CompletionRequest, shapers: list[_ChoiceText]
@@ -75,8 +78,10 @@ async def create_completion(serving: Serving, request: Request) -> Response:
     prompt_token_ids = prompt if isinstance(prompt, list) else serving.tokenizer.encode(prompt)
     if body.echo and body.logprobs is not None:
         raise bad_request("echo with logprobs (prompt logprobs) is not supported.", "echo")
+    # Before any place is taken: echoing token ids needs the tokenizer (a 400 without one).
+    tokenizer = serving.tokenizer if body.echo and isinstance(prompt, list) else None
     run = await serving.start(request, "cmpl", prompt_token_ids, body)  # checks the prompt
-    echo = _echo_text(serving, body, prompt_token_ids)
+    echo = _echo_text(body, tokenizer, prompt_token_ids)
     shapers = [_ChoiceText(serving, body, run, echo) for _ in run.choices]
     if body.stream:
         return EventStreamResponse(_events(run, body, shapers), run.aclose)

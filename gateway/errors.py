@@ -76,7 +76,7 @@ async def handle_gateway_error(_: Request, exc: Exception) -> Response:
 async def handle_http_exception(_: Request, exc: Exception) -> Response:
     """Render Starlette's own errors (unknown route, wrong method) in the OpenAI shape."""
     assert isinstance(exc, HTTPException)
-    return GatewayError(exc.status_code, exc.detail).response()
+    return GatewayError(exc.status_code, exc.detail, headers=exc.headers).response()
 
 
 async def handle_unexpected(_: Request, exc: Exception) -> Response:

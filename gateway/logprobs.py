@@ -46,7 +46,9 @@ def completion_logprobs(tokenizer: Tokenizer | None, token_ids: Sequence[int],
         out.text_offset.append(offset)
         out.tokens.append(text)
         out.token_logprobs.append(entry.logprob)
-        out.top_logprobs.append({token_text(tokenizer, i): lp for i, lp
-                                 in zip(entry.top_ids, entry.top_logprobs, strict=True)})
+        # The sampled token's always, then up to `logprobs` alternatives (OpenAI, vLLM).
+        out.top_logprobs.append({text: entry.logprob, **{
+            token_text(tokenizer, i): lp
+            for i, lp in zip(entry.top_ids, entry.top_logprobs, strict=True)}})
         offset += len(text)
     return out

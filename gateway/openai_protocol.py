@@ -53,6 +53,10 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
+    def __post_init__(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("Stream options can only be defined when `stream=True`.")
+
     @property
     def stop_strings(self) -> list[str]:
         """`stop` as a list without empty strings (which could never be found)."""
@@ -99,6 +103,11 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("when using `top_logprobs`, `logprobs` must be set to true.")
 
     @property
     def num_logprobs(self) -> int | None:

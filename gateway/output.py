@@ -68,10 +68,12 @@ class StopStrings:
 
 async def outputs(generation: Generation, detokenizer: IncrementalDetokenizer,
                   stop_token_ids: Collection[int], stops: StopStrings | None,
-                  timer: RequestTimer, min_tokens: int = 0) -> AsyncIterator[Output]:
+                  timer: RequestTimer, min_tokens: int = 0, keep_stop_token: bool = False
+                  ) -> AsyncIterator[Output]:
     """One `Output` per engine delta; the last carries the finish reason. A stop string
-    ends the output early (the caller's `aclose` then aborts the engine request); as in
-    vLLM, it must end in the text of a token after the first `min_tokens`."""
+    ends the output early and aborts the engine request; as in vLLM, it must end in the
+    text of a token after the first `min_tokens`. `keep_stop_token`
+    (include_stop_str_in_output): a stop token's text stays in the text."""
     generated = 0
     async for delta in generation:
         before, generated = generated, generated + len(delta.token_ids)
@@ -81,7 +83,8 @@ async def outputs(generation: Generation, detokenizer: IncrementalDetokenizer,
                 raise engine_unavailable(delta.error or "the engine failed the request")
             raise bad_request(delta.error or "The engine rejected the request.")
         text_ids = delta.token_ids
-        if delta.finish_reason == "stop" and text_ids and text_ids[-1] in stop_token_ids:
+        if delta.finish_reason == "stop" and text_ids and text_ids[-1] in stop_token_ids \
+                and not keep_stop_token:
             # Like vLLM, the stop token is reported in token ids but not in the text.
             text_ids = text_ids[:-1]
         protected = max(0, min(len(text_ids), min_tokens - before))  # within min_tokens
@@ -99,6 +102,7 @@ async def outputs(generation: Generation, detokenizer: IncrementalDetokenizer,
             text += tail
             if hit:
                 timer.finish("stop")
+                await generation.aclose()  # now: the request's other choices may run on
                 yield Output(text, list(delta.token_ids), "stop", list(delta.logprobs or ()))
                 return
             if reason is not None:

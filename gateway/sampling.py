@@ -33,14 +33,19 @@ def check_prompt(prompt_token_ids: Sequence[int], limits: ModelLimits) -> None:
         )
 
 
+COMPLETION_MAX_TOKENS = 16  # /v1/completions without max_tokens (OpenAI, vLLM)
+
+
 def _max_tokens(request: SamplingFields, prompt_len: int, limits: ModelLimits) -> int:
-    """The completion budget: as asked, or whatever context the prompt leaves (like vLLM)."""
+    """The completion budget: as asked, or (like vLLM) whatever context the prompt leaves
+    for chat and at most 16 tokens for text completions, OpenAI's legacy default."""
     asked = request.max_tokens
-    if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
+    chat = isinstance(request, ChatCompletionRequest)
+    if chat and request.max_completion_tokens is not None:
         asked = request.max_completion_tokens
     room = limits.max_model_len - prompt_len
     if asked is None:
-        return room
+        return room if chat else min(COMPLETION_MAX_TOKENS, room)
     if asked > room:
         raise bad_request(
             f"'max_tokens' or 'max_completion_tokens' is too large: {asked}. This model's "

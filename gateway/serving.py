@@ -143,6 +143,8 @@ class Serving:
             raise bad_request("The request body is nested too deeply.") from None
         if not isinstance(raw, dict):
             raise bad_request("The request body must be a JSON object.")
+        # null is "not given", as the OpenAI client sends a None and vLLM reads it.
+        raw = {name: value for name, value in raw.items() if value is not None}
         self._note_unknown_fields(raw, kind)
         try:
             body = msgspec.convert(raw, kind)
@@ -186,6 +188,9 @@ class Serving:
     def _admit(self, n: int) -> None:
         """Take `n` places, or refuse with 429 when running plus queued would overflow."""
         capacity = self.engine.max_num_seqs() + self.config.max_queued_requests
+        if n > capacity:  # would be refused forever: not a reason to retry
+            raise bad_request(f"n={n} is more than this server runs or queues at once "
+                              f"({capacity}).", "n")
         if self._admitted + n > capacity:
             self.metrics.rejected.labels(self.config.served_model_name).inc()
             raise GatewayError(429, f"The server is overloaded: {self._admitted} requests are "
@@ -247,8 +252,9 @@ class Serving:
                                              body.skip_special_tokens)
         stops = StopStrings(body.stop_strings, body.include_stop_str_in_output) \
             if body.stop_strings else None
-        return Choice(index, generation, outputs(generation, detokenizer, stop_ids, stops,
-                                                 timer, body.min_tokens), timer)
+        return Choice(index, generation, outputs(
+            generation, detokenizer, stop_ids, stops, timer, body.min_tokens,
+            keep_stop_token=body.include_stop_str_in_output), timer)
 
     async def complete(self, request: Request, run: Run) -> list[Output] | None:
         """Every choice's whole output; None if the client left (and we aborted)."""

@@ -156,7 +156,7 @@ async def test_completion_from_text_stops_at_max_tokens(stack: Stack, tokenizer:
 
 async def test_completion_token_ids_round_trip(stack: Stack, tokenizer: Tokenizer) -> None:
     expected_ids = [*tokenizer.encode(REPLY), tokenizer.backend.token_to_id("<|im_end|>")]
-    request = {"model": MODEL, "prompt": [5, 6, 7], "return_token_ids": True}
+    request = {"model": MODEL, "prompt": [5, 6, 7], "return_token_ids": True, "max_tokens": 40}
     choice = (await stack.http.post("/v1/completions", json=request)).json()["choices"][0]
     assert (choice["prompt_token_ids"], choice["token_ids"]) == ([5, 6, 7], expected_ids)
     assert choice["text"] == REPLY  # the EOS token is reported in ids, not in text
@@ -215,8 +215,11 @@ async def test_bad_requests_get_openai_errors_then_service_continues(stack: Stac
     missing = await stack.http.post("/v1/completions", json={"model": "nope", "prompt": [5]})
     assert error_of(missing, 404, "NotFoundError")["message"] == "The model `nope` does not exist."
     error_of(await stack.http.get("/v1/nothing"), 404, "NotFoundError")
-    error_of(await stack.http.get("/v1/completions"), 405, "MethodNotAllowedError")
-    r = await stack.http.post("/v1/completions", json={"model": MODEL, "prompt": [5]})
+    not_allowed = await stack.http.get("/v1/completions")
+    error_of(not_allowed, 405, "MethodNotAllowedError")
+    assert not_allowed.headers["allow"] == "POST"  # RFC 9110
+    r = await stack.http.post("/v1/completions", json={"model": MODEL, "prompt": [5],
+                                                        "max_tokens": 40})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == REPLY
 
 
@@ -433,3 +436,118 @@ async def test_min_tokens_and_stop_strings_as_vllm(stack: Stack, tokenizer: Toke
         **body, "min_tokens": 41}), 400, "BadRequestError")
     assert error["message"] == "min_tokens must be less than or equal to max_tokens=40, got 41."
     assert error["param"] == "min_tokens"
+
+
+async def test_openai_and_vllm_request_conventions(stack: Stack, tokenizer: Tokenizer) -> None:
+    """null is "not given" (the openai client sends None); vLLM's refusals of
+    stream_options without stream and of top_logprobs without logprobs; a text
+    completion without max_tokens gets 16 tokens."""
+    ids = tokenizer.encode(REPLY)
+    nulls = await stack.http.post("/v1/completions", json={
+        "model": MODEL, "prompt": [5], "n": None, "stream": None, "echo": None,
+        "logprobs": None, "max_tokens": None, "stop": None})
+    assert nulls.status_code == 200, nulls.text
+    choice = nulls.json()["choices"][0]
+    assert choice["text"] == tokenizer.decode(ids[:16]) and choice["finish_reason"] == "length"
+    assert nulls.json()["usage"]["completion_tokens"] == 16
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+    for path, body, message in [
+            ("/v1/completions", {"model": MODEL, "prompt": [5],
+                                 "stream_options": {"include_usage": True}},
+             "Stream options can only be defined when `stream=True`."),
+            ("/v1/chat/completions", {**chat, "top_logprobs": 2},
+             "when using `top_logprobs`, `logprobs` must be set to true.")]:
+        error = error_of(await stack.http.post(path, json=body), 400, "BadRequestError")
+        assert message in error["message"]
+    r = await stack.http.post("/v1/chat/completions", json={**chat, "top_logprobs": 0})
+    assert r.status_code == 200  # 0 alternatives without logprobs is allowed, as in vLLM
+
+
+async def test_include_stop_str_in_output_keeps_a_stop_tokens_text(stack: Stack,
+                                                                    tokenizer: Tokenizer
+                                                                    ) -> None:
+    """vLLM drops a stop token's text unless include_stop_str_in_output."""
+    ids = tokenizer.encode(REPLY)
+    stop = ids[2]  # the engine ends at it: a stop token id
+    assert stop not in ids[:2]
+    body = {"model": MODEL, "prompt": [5], "max_tokens": 40, "stop_token_ids": [stop]}
+    dropped = (await stack.http.post("/v1/completions", json=body)).json()["choices"][0]
+    kept = (await stack.http.post("/v1/completions", json={
+        **body, "include_stop_str_in_output": True})).json()["choices"][0]
+    assert dropped["text"] == tokenizer.decode(ids[:2])
+    assert kept["text"] == tokenizer.decode(ids[:3])
+
+
+async def test_a_choice_cut_by_a_stop_string_is_aborted_at_once(tokenizer: Tokenizer) -> None:
+    """With n > 1 the run closes only after its slowest choice: a choice that hit a stop
+    string must release its engine request itself, then and there."""
+    from gateway.detokenizer import IncrementalDetokenizer
+    from gateway.metrics import Metrics, RequestTimer
+    from gateway.output import StopStrings, outputs
+    from switchyard.messages import TokenDelta
+
+    class Generation:
+        closed = False
+
+        def __init__(self, ids: list[int]) -> None:
+            self._deltas = iter([TokenDelta("r", [i]) for i in ids])
+
+        def __aiter__(self) -> Generation:
+            return self
+
+        async def __anext__(self) -> TokenDelta:
+            try:
+                return next(self._deltas)
+            except StopIteration:
+                raise StopAsyncIteration from None
+
+        async def aclose(self) -> None:
+            self.closed = True
+
+    generation = Generation(tokenizer.encode(REPLY))
+    steps = outputs(generation, IncrementalDetokenizer(tokenizer), (), StopStrings([","]),
+                    RequestTimer(Metrics(MODEL)))
+    texts = [step async for step in steps]
+    assert texts[-1].finish_reason == "stop" and "".join(t.text for t in texts) == "Hello"
+    assert generation.closed
+
+
+async def test_n_beyond_the_servers_capacity_is_a_400(model_dir: Path,
+                                                                     tokenizer: Tokenizer
+                                                                     ) -> None:
+    """n above what the server runs or queues at once is a 400, not a 429 to retry for
+    ever."""
+    from starlette.requests import Request
+
+    from gateway.errors import GatewayError
+    from gateway.openai_protocol import CompletionRequest
+    from gateway.serving import Serving
+    from switchyard.messages import EngineInfo
+
+    class Pool:
+        info = EngineInfo("FakeMoE", 256, 400, (2,), "bf16", 16, 16, max_num_seqs=4)
+
+        def max_num_seqs(self) -> int:
+            return 4
+
+    config = GatewayConfig(model_dir=model_dir, served_model_name=MODEL,
+                           engines=(("127.0.0.1", 9),), max_queued_requests=2)
+    serving = Serving(config, Pool(), tokenizer)  # type: ignore[arg-type]
+    request = Request({"type": "http", "method": "POST", "path": "/", "headers": []})
+    with pytest.raises(GatewayError) as refused:
+        await serving.start(request, "cmpl", [5], CompletionRequest(prompt=[5], n=7))
+    assert (refused.value.status, refused.value.param) == (400, "n")
+    assert "more than this server runs or queues at once (6)" in refused.value.message
+    assert serving._admitted == 0
+
+
+async def test_echo_of_token_ids_without_a_tokenizer_takes_no_place(tmp_path: Path) -> None:
+    model_dir = tmp_path / "no-tokenizer"
+    model_dir.mkdir()
+    async with FakeEngine([40, 41], eos_id=2).running() as engine, \
+            serve_gateway(model_dir, engine) as stack:
+        for _ in range(3):
+            r = await stack.http.post("/v1/completions", json={
+                "model": "no-tokenizer", "prompt": [5, 6], "echo": True})
+            assert "no tokenizer" in error_of(r, 400, "BadRequestError")["message"]
+        assert engine.requests == []  # nothing started, nothing left running

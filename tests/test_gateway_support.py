@@ -88,8 +88,9 @@ class FakeEngine:
     """Speaks the engine protocol over TCP with a scripted reply.
 
     Every request gets `reply_ids` one token per delta, then EOS (finish "stop") unless
-    max_tokens runs out first. A prompt starting with HANG sends one token and then waits
-    for the abort; one starting with REJECT is refused with an error.
+    max_tokens runs out first or a stop token id comes first (finish "stop"). A prompt
+    starting with HANG sends one token and then waits for the abort; one starting with
+    REJECT is refused with an error.
     """
 
     def __init__(self, reply_ids: list[int], eos_id: int, max_model_len: int = 256) -> None:
@@ -120,10 +121,13 @@ class FakeEngine:
         if request.prompt_token_ids[0] == HANG:
             await frames.send(TokenDelta(rid, [self.reply_ids[0]]))
             return  # the gateway must abort it
-        tokens = [*self.reply_ids, self.info.eos_token_ids[0]][: sampling.max_tokens]
+        stops = {*self.info.eos_token_ids, *sampling.stop_token_ids}
+        tokens = [*self.reply_ids, self.info.eos_token_ids[0]]
+        tokens = tokens[:next(i + 1 for i, t in enumerate(tokens) if t in stops)]
+        tokens = tokens[: sampling.max_tokens]
         for i, token in enumerate(tokens):
             last = i == len(tokens) - 1
-            finish = ("stop" if token in self.info.eos_token_ids else "length") if last else None
+            finish = ("stop" if token in stops else "length") if last else None
             await frames.send(TokenDelta(rid, [token], finish, len(request.prompt_token_ids)))
 
     async def _handle(self, stream: SocketStream) -> None:

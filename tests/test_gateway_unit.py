@@ -214,10 +214,15 @@ def test_detokenizer_keeps_leading_space_with_prompt_context() -> None:
 LIMITS = ModelLimits(max_model_len=100, vocab_size=50)
 
 
-def test_default_max_tokens_fills_the_context() -> None:
+def test_default_max_tokens_is_16_for_text_and_the_context_for_chat() -> None:
+    """vLLM's defaults: a text completion without max_tokens gets 16 tokens (OpenAI's
+    legacy default), a chat completion whatever the context leaves."""
     request = CompletionRequest(prompt=[1, 2, 3], temperature=0.0, top_k=-1, stop_token_ids=[7])
     params = sampling_params(request, [1, 2, 3], LIMITS)
-    assert (params.max_tokens, params.temperature, params.top_p) == (97, 0.0, 1.0)
+    assert (params.max_tokens, params.temperature, params.top_p) == (16, 0.0, 1.0)
+    assert sampling_params(request, [1] * 90, LIMITS).max_tokens == 10  # what is left
+    chat = ChatCompletionRequest(messages=[])
+    assert sampling_params(chat, [1, 2, 3], LIMITS).max_tokens == 97
     assert (params.top_k, params.stop_token_ids) == (0, (7,))  # -1 and 0 both disable top-k
     for k, want in ((49, 49), (50, 0), (2**70, 0)):  # k >= the vocabulary filters nothing
         request = CompletionRequest(prompt=[1], top_k=k)

@@ -176,6 +176,14 @@ def test_completion_logprobs_equal_transformers(tiny: tuple) -> None:
             assert list(top[i]) == [f"token_id:{t}" for t in best.indices.tolist()]
             assert max(abs(a - b) for a, b in zip(top[i].values(), best.values.tolist(),
                                                   strict=True)) < 1e-4
+    # "The API will always return the logprob of the sampled token" (openai): with
+    # logprobs=0, each position's top_logprobs holds that one entry (sampled, not greedy).
+    r = c.completions.create(model=m, prompt=prompt, temperature=1.5, seed=5, max_tokens=6,
+                             logprobs=0, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert lp is not None and lp.top_logprobs is not None and len(lp.tokens or []) == 6
+    assert lp.top_logprobs == [{t: x} for t, x in zip(lp.tokens or [], lp.token_logprobs or [],
+                                                       strict=True)]
 
 
 def test_chat_logprobs_and_max_completion_tokens(demo: Served) -> None:

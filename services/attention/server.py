@@ -98,11 +98,10 @@ class AttentionServer:
     async def _apply(self, work: _Work) -> TokenDelta | None:
         """Add or abort; the abort's delta is returned for its owner. A refused request
         is answered on its own connection and never owned: its id may be a running
-        request's, whose owner must keep it (and alone may abort it)."""
+        request's, whose owner must keep it (a connection that goes away aborts only the
+        requests it owns)."""
         msg = work.message
-        if isinstance(msg, AbortRequest):
-            if self._owners.get(msg.request_id) is not work.conn:
-                return None
+        if isinstance(msg, AbortRequest):  # by id, from any connection (an operator's too)
             return self.engine.abort(msg.request_id)
         if work.conn.closed:  # its sender went away while it waited: nobody would read it
             return None
