@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import itertools
 import logging
 import os
 from collections.abc import Callable
@@ -239,11 +240,12 @@ class Slots:
             self._slot[layer] = ((num_attention + ranks) * self.per_rank + local).to(device)
             self._replicas[layer] = t.num_replicas.to(device)
 
-    def route(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
+    def route(self, layer: int, topk_ids: torch.Tensor, first_replica: int = 0
+              ) -> torch.Tensor:
         """Slots [T, K] int64 of global expert ids [T, K]; token t takes replica
-        t % num_replicas, as the other backends do."""
+        (first_replica + t) % num_replicas, as the other backends do."""
         token = torch.arange(topk_ids.shape[0], device=topk_ids.device)[:, None]  # [T, 1]
-        replica = token % self._replicas[layer][topk_ids]  # [T, K]
+        replica = (token + first_replica) % self._replicas[layer][topk_ids]  # [T, K]
         return self._slot[layer][topk_ids, replica]
 
 
@@ -313,6 +315,7 @@ class DeepEPRank:
         _agree(settings, hidden, top_k, self.slots.per_rank)
         self.buffer = self._buffer()
         self.mode, self._ll_clean = "normal", False
+        self._calls = itertools.count(world.rank)  # rotates the first replica
 
     def _buffer(self) -> Any:
         Buffer, s, w = self.deep_ep.Buffer, self.settings, self.world.size
@@ -357,7 +360,8 @@ class DeepEPRank:
         """One MoE layer's exchange: x [T, H] bf16 routed to topk_ids [T, K] -> [T, H]."""
         if x.shape[0] == 0:
             return self.idle_layer(layer)
-        slots = self.slots.route(layer, topk_ids).to(self.idx_dtype).contiguous()  # [T, K]
+        slots = self.slots.route(layer, topk_ids, next(self._calls))  # [T, K]
+        slots = slots.to(self.idx_dtype).contiguous()
         weights = topk_weights.to(torch.float32).contiguous()  # [T, K]
         return self._exchange(layer, x.contiguous(), slots, weights)
 

@@ -34,16 +34,21 @@ class Layout:
 
 
 def compute_layout(
-    topk_ids: torch.Tensor, topk_weights: torch.Tensor, placement: Placement, layer: int
+    topk_ids: torch.Tensor, topk_weights: torch.Tensor, placement: Placement, layer: int,
+    first_replica: int = 0,
 ) -> Layout:
     """Plan the rows of topk_ids [T, K] (global expert ids) and topk_weights [T, K] on
-    their device, with one copy to the host: the row counts, which the transfers need."""
+    their device, with one copy to the host: the row counts, which the transfers need.
+    Token t takes replica (first_replica + t) % R of its expert: callers rotate
+    `first_replica` from call to call, or a decode step of one token would always take
+    the first replica."""
     num_tokens, top_k = topk_ids.shape
     device = topk_ids.device
     table = placement.table(layer, device)
     flat = topk_ids.reshape(-1)  # [T*K]
     token = torch.arange(flat.numel(), device=device) // top_k  # [T*K]
-    rank = table.replica_ranks[flat, token % table.num_replicas[flat]]  # [T*K]
+    replica = (token + first_replica) % table.num_replicas[flat]  # [T*K]
+    rank = table.replica_ranks[flat, replica]  # [T*K]
     local = table.local_index[rank, flat]  # [T*K]
     key = rank * placement.num_experts + local  # [T*K]
     order = torch.argsort(key, stable=True)  # [T*K]

@@ -1,8 +1,9 @@
 """Which expert ranks hold which experts, per MoE layer.
 
 A placement maps each (layer, expert) to one or more expert ranks. Replicas share an
-expert's tokens: a routed row goes to replica `token_index % num_replicas`, so load splits
-evenly and deterministically. The default is balanced round-robin; an operator can load a
+expert's tokens: a routed row goes to replica `(first + token_index) % num_replicas`, where
+each client moves `first` on from call to call, so load splits evenly, also for decode
+steps of one token. The default is balanced round-robin; an operator can load a
 JSON file instead to pin hot experts or add replicas:
 
     {"num_ranks": 2, "layers": {"0": [[0], [1], [0, 1], ...], "1": [...]}}

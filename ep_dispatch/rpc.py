@@ -40,6 +40,7 @@ class RpcExperts(PointToPoint):
         self.quantization = quantization
         self.dispatch_bytes = 0  # activation bytes sent to expert ranks, for accounting
         self._ids = itertools.count()
+        self._calls = itertools.count()  # rotates the first replica (compute_layout)
         self._portal_cm = start_blocking_portal()
         self._portal = self._portal_cm.__enter__()
         self._conns: list[FrameStream | None] = [None] * len(addresses)
@@ -102,7 +103,8 @@ class RpcExperts(PointToPoint):
     def __call__(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> torch.Tensor:
         with phase("dispatch", "rpc", layer, x.shape[0]):
-            layout = compute_layout(topk_ids, topk_weights, self.placement, layer)
+            layout = compute_layout(topk_ids, topk_weights, self.placement, layer,
+                                    next(self._calls))
             rows = activation_rows(x, self.quantization)  # [T, H], or MXFP4 rows
             # per rank [n_r, width], copied to the host once for the wire
             parts = rows[layout.src_token].cpu().split(layout.rank_counts)

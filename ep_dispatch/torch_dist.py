@@ -15,6 +15,7 @@ MXFP4 bytes; every rank checks at start-up that all of them move the same rows.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from datetime import timedelta
@@ -177,6 +178,8 @@ class TorchExperts:
         self.format, self.device = rows, torch.device(device)
         self.width = placement.most_local
         self.coll = collective or TorchCollective()
+        # rotates the first replica (compute_layout); attention ranks start apart
+        self._calls = itertools.count(world.rank)
 
     def begin_step(self, num_tokens: int) -> bool:
         return self.coll.any_work(num_tokens > 0, self.device)
@@ -190,7 +193,8 @@ class TorchExperts:
     def __call__(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> torch.Tensor:
         with phase("dispatch", "torch", layer, x.shape[0]):
-            layout = compute_layout(topk_ids, topk_weights, self.placement, layer)
+            layout = compute_layout(topk_ids, topk_weights, self.placement, layer,
+                                    next(self._calls))
             g = self.world.num_attention
             counts = torch.zeros(self.world.size, self.width, dtype=torch.int64)
             for r, c in enumerate(layout.expert_counts):

@@ -181,6 +181,8 @@ def test_slots_spread_replicas_over_tokens_as_the_other_backends_do() -> None:
     assert got.tolist() == [[1 * 2 + 0, 2 * 2 + 1],  # token 0: expert 0 on its 1st replica
                             [2 * 2 + 0, 1 * 2 + 1],  # token 1: its 2nd (rank 1)
                             [1 * 2 + 0, 2 * 2 + 1]]
+    moved = slots.route(0, torch.tensor([[0, 1]]), first_replica=1)  # the next call's
+    assert moved.tolist() == [[2 * 2 + 0, 2 * 2 + 1]]  # expert 0 on its 2nd replica
 
 
 def test_normal_mode_rows_are_weighted_and_summed_per_row() -> None:

@@ -173,3 +173,15 @@ def test_routing_tables_are_copied_to_a_device_once() -> None:
     assert placement.table(2, meta) is table and placement.table(0, meta) is not table
     assert placement.table(2, torch.device("cpu")) is placement.table(2)
     assert table.num_local == placement.table(2).num_local == [3, 3, 2]
+
+
+def test_the_first_replica_rotates_so_single_token_steps_spread() -> None:
+    """A decode step of one token, call after call: with `first_replica` moved on each
+    call, both replicas of expert 0 serve (always replica 0 before)."""
+    placement = Placement(2, 2, {0: ((0, 1), (0,))})
+    one = torch.zeros(1, 1, dtype=torch.int64)
+    ranks = [compute_layout(one, torch.ones(1, 1), placement, 0, call).rank_counts
+             for call in range(4)]
+    assert ranks == [[1, 0], [0, 1], [1, 0], [0, 1]]
+    ids = torch.zeros(10, 1, dtype=torch.int64)  # and within a call, tokens alternate
+    assert compute_layout(ids, torch.ones(10, 1), placement, 0, 3).rank_counts == [5, 5]
