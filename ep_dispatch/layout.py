@@ -66,9 +66,15 @@ def compute_layout(
 
 
 def combine(y: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """out [T, H] = sum over each token's rows of weight * y, for y [N, H] in send order.
+    """out [T, H] = sum over each token's rows of weight * y, for y [N, H] in send order,
+    in y's dtype: summed in float32 and rounded once (as DeepEP's combine), not K times."""
+    return weighted_sum(y, layout.src_token, layout.weights, layout.num_tokens)
 
-    Scales y in place: it is the receive buffer, used once.
-    """
-    out = torch.zeros(layout.num_tokens, y.shape[1], dtype=y.dtype, device=y.device)
-    return out.index_add_(0, layout.src_token, y.mul_(layout.weights.to(y.dtype)[:, None]))
+
+def weighted_sum(y: torch.Tensor, src_token: torch.Tensor, weights: torch.Tensor,
+                 num_tokens: int) -> torch.Tensor:
+    """out [T, H] with out[src_token[i]] += weights[i] * y[i] for y [N, H], accumulated in
+    float32 (in bf16, each of a token's K additions would round) and cast to y's dtype."""
+    out = torch.zeros(num_tokens, y.shape[1], dtype=torch.float32, device=y.device)
+    out.index_add_(0, src_token, y.float() * weights.float()[:, None])
+    return out.to(y.dtype)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ep_dispatch.base import DeviceExpertFn, DispatchHandle, ExpertFn, PointToPoint
+from ep_dispatch.layout import weighted_sum
 from ep_dispatch.metrics import phase
 from ep_dispatch.wire import activation_rows
 
@@ -38,8 +39,7 @@ class LocalDispatcher:
         return x[src_token], counts, handle
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        out = torch.zeros(handle.num_tokens, y.shape[1], dtype=y.dtype, device=y.device)
-        return out.index_add_(0, handle.src_token, y * handle.weights[:, None])
+        return weighted_sum(y, handle.src_token, handle.weights, handle.num_tokens)
 
 
 class LocalExperts(PointToPoint):

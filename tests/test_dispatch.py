@@ -185,3 +185,26 @@ def test_the_first_replica_rotates_so_single_token_steps_spread() -> None:
     assert ranks == [[1, 0], [0, 1], [1, 0], [0, 1]]
     ids = torch.zeros(10, 1, dtype=torch.int64)  # and within a call, tokens alternate
     assert compute_layout(ids, torch.ones(10, 1), placement, 0, 3).rank_counts == [5, 5]
+
+
+def test_combine_rounds_a_tokens_sum_once() -> None:
+    """bf16 expert outputs, top-8: each token's weighted sum is rounded to bf16 once, from
+    float32 (DeepEP's combine), not after each of its 8 additions."""
+    from ep_dispatch.base import DispatchHandle
+    from ep_dispatch.layout import Layout
+    from ep_dispatch.local import LocalDispatcher
+
+    g = torch.Generator().manual_seed(0)
+    tokens, top_k, hidden = 64, 8, 64
+    y = torch.randn(tokens * top_k, hidden, generator=g).bfloat16()  # [N, H]
+    weights = torch.rand(tokens * top_k, generator=g)  # [N]
+    src = torch.randperm(tokens * top_k, generator=g) // top_k  # [N]
+    exact = torch.zeros(tokens, hidden, dtype=torch.float64).index_add_(
+        0, src, y.double() * weights.double()[:, None])  # [T, H]
+    want = exact.to(torch.bfloat16)  # one rounding (float64 -> bf16 directly)
+    layout = Layout(src, weights, [tokens * top_k], [[tokens * top_k]], tokens)
+    handle = DispatchHandle(src_token=src, weights=weights, num_tokens=tokens)
+    for got in (combine(y.clone(), layout), LocalDispatcher(1).combine(y, handle)):
+        assert got.dtype == torch.bfloat16
+        mismatched = (got != want).float().mean().item()
+        assert mismatched < 1e-3, mismatched  # float32's own error decides a rare tie
