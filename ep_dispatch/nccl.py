@@ -63,7 +63,7 @@ class CupyNccl:
         self.size = world.size
         self._store = rendezvous(world, timeout)  # rank 0 hosts it: keep it alive
         if rows is not None:  # every rank must move the same rows
-            agree(self._store, world, rows, timeout)
+            agree(self._store, world, rows, timeout, "NCCL (CuPy)")
         if world.rank == 0:
             self._store.set(_UID_KEY, encode_unique_id(self.nccl.get_unique_id()))
         self._store.wait([_UID_KEY], timedelta(seconds=timeout))

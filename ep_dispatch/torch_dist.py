@@ -85,14 +85,16 @@ def _wait_all(store: dist.Store, world: World, prefix: str, timeout: float,
     return [store.get(key).decode() for key in keys]
 
 
-def agree(store: dist.Store, world: World, rows: RowFormat, timeout: float) -> None:
-    """Every rank must move the same rows, or the all-to-alls mis-size and hang: compare
-    each rank's `rows.describe()` through the rendezvous store.
+def agree(store: dist.Store, world: World, rows: RowFormat, timeout: float,
+          transport: str) -> None:
+    """Every rank must move the same rows over the same transport (gloo, NCCL), or the
+    all-to-alls mis-size or never meet: compare each rank's `rows.describe()` and
+    `transport` through the rendezvous store.
 
     Raises:
         ValueError: the ranks differ (each named with its rows).
     """
-    store.set(f"rows/{world.rank}", rows.describe())
+    store.set(f"rows/{world.rank}", f"{rows.describe()}, over {transport}")
     described = _wait_all(store, world, "rows", timeout, "for the row formats of")
     seen = {world.describe(r): what for r, what in enumerate(described)}
     # All have read before any raises: rank 0 hosts the store, and leaving early would
@@ -102,7 +104,7 @@ def agree(store: dist.Store, world: World, rows: RowFormat, timeout: float) -> N
     if len(set(seen.values())) > 1:
         raise ValueError("the ranks move different rows (" + "; ".join(
             f"{who}: {what}" for who, what in seen.items()) + "): start every rank with the "
-            "same --quantization and --dtype")
+            "same --quantization, --dtype and --device")
 
 
 def join(world: World, timeout: float, backend: str = "gloo",
@@ -111,7 +113,7 @@ def join(world: World, timeout: float, backend: str = "gloo",
     torch.distributed process group: gloo for CPU tensors, NCCL for CUDA ones."""
     store = rendezvous(world, timeout)
     if rows is not None:
-        agree(store, world, rows, timeout)
+        agree(store, world, rows, timeout, backend)
     dist.init_process_group(backend, store=store, rank=world.rank, world_size=world.size,
                             timeout=timedelta(seconds=timeout))
 

@@ -329,24 +329,32 @@ def test_ranks_that_move_different_rows_name_each_other() -> None:
     from ep_dispatch.torch_dist import World, agree, rendezvous
     from ep_dispatch.wire import RowFormat
 
-    port = free_port()
     rows = [RowFormat(64, torch.float32, "w4a4"), RowFormat(64, torch.float32)]
 
-    def rank(r: int) -> str:
-        world = World(("127.0.0.1", port), num_attention=1, num_experts=1, rank=r)
-        store = rendezvous(world, 30)
-        with pytest.raises(ValueError) as info:
-            agree(store, world, rows[r], 30)
-        del store  # rank 0 hosts it: every rank must have read before any raises
-        return str(info.value)
+    def messages(rows: list[RowFormat], transports: list[str]) -> list[str]:
+        port = free_port()
 
-    with ThreadPoolExecutor(2) as pool:
-        messages = list(pool.map(rank, [0, 1]))
-    for message in messages:
+        def rank(r: int) -> str:
+            world = World(("127.0.0.1", port), num_attention=1, num_experts=1, rank=r)
+            store = rendezvous(world, 30)
+            with pytest.raises(ValueError) as info:
+                agree(store, world, rows[r], 30, transports[r])
+            del store  # rank 0 hosts it: every rank must have read before any raises
+            return str(info.value)
+
+        with ThreadPoolExecutor(2) as pool:
+            return list(pool.map(rank, [0, 1]))
+
+    for message in messages(rows, ["gloo", "gloo"]):
         assert message == (
             "the ranks move different rows (attention rank 0: MXFP4 rows of hidden 64 "
-            "(34 bytes), float32 outputs; expert rank 0: float32 rows of hidden 64): "
-            "start every rank with the same --quantization and --dtype")
+            "(34 bytes), float32 outputs, over gloo; expert rank 0: float32 rows of hidden "
+            "64, over gloo): start every rank with the same --quantization, --dtype and "
+            "--device")
+    # The same rows, but one rank on CUDA (NCCL) and one on the CPU (gloo): never meet.
+    for message in messages([rows[1], rows[1]], ["nccl", "gloo"]):
+        assert "attention rank 0: float32 rows of hidden 64, over nccl; expert rank 0: " \
+            "float32 rows of hidden 64, over gloo" in message
 
 
 def test_rendezvous_timeout_names_the_missing_ranks() -> None:
