@@ -95,6 +95,9 @@ def _gpu_service(name: str, gpu: int, command: list[str], health: str,
         "deploy": {"resources": {"reservations": {"devices": [{
             "driver": "nvidia", "device_ids": [str(gpu)], "capabilities": ["gpu"]}]}}},
         "healthcheck": _health(health),
+        # A crash, or a rank that left a lockstep world out of step (status 3): back up,
+        # its peers too, and the world forms again.
+        "restart": "on-failure",
     }
     if depends:
         service["depends_on"] = {d: {"condition": "service_healthy"} for d in depends}
@@ -174,6 +177,7 @@ def _gateway(leaders: list[str], scraped: list[str]) -> dict:
         "ports": [f"${{SWITCHYARD_PORT:-{GATEWAY_PORT}}}:{GATEWAY_PORT}"],
         "depends_on": {g: {"condition": "service_healthy"} for g in leaders},
         "healthcheck": _health(f"http://127.0.0.1:{GATEWAY_PORT}/health"),
+        "restart": "on-failure",
     }
 
 
@@ -191,6 +195,7 @@ def _companions() -> dict[str, dict]:
                 "OTEL_TRACES_SAMPLER_ARG": "${SWITCHYARD_TRACE_SAMPLE_RATIO:-0.01}"},
             "ports": [f"${{SWITCHYARD_PORT:-{GATEWAY_PORT}}}:{GATEWAY_PORT}"],
             "healthcheck": _health(f"http://127.0.0.1:{GATEWAY_PORT}/health"),
+            "restart": "on-failure",
         },
         "jaeger": {
             "image": JAEGER_IMAGE,

@@ -117,6 +117,8 @@ class _FakeEngine:
     class experts:  # stands in for the engine's attribute
         lockstep = False
 
+    group = None  # no DCP group
+
     def __init__(self) -> None:
         self.live: set[str] = set()
         self.added: dict[str, anyio.Event] = {}
@@ -264,3 +266,35 @@ def test_closing_under_a_step_that_never_ends_gives_up_after_its_timeout(
     assert engine._stepping.acquire()  # a step that hangs (a peer that died, say)
     engine.close(timeout=0.1)
     assert "did not end within" in caplog.text
+
+
+async def test_a_failed_step_of_a_lockstep_rank_answers_then_leaves_the_world() -> None:
+    """Its peers wait in collectives this rank will never join: after answering its
+    requests with the error, it exits (the launcher or compose restarts the world)."""
+    class Lockstep(_FakeEngine):
+        class experts:
+            lockstep = True
+
+        def has_work(self) -> bool:
+            return bool(self.live)
+
+        def step(self) -> list[TokenDelta]:
+            raise RuntimeError("a collective failed")
+
+        def fail_all(self, error: str) -> list[TokenDelta]:
+            failed = [TokenDelta(r, [], "error", 1, error) for r in sorted(self.live)]
+            self.live.clear()
+            return failed
+
+    engine, a, left = Lockstep(), _FakeConn(), anyio.Event()
+    server = AttentionServer(engine, out_of_step=left.set)  # type: ignore[arg-type]
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(server.run_engine)
+            tg.start_soon(server.handle, a)
+            await a.feed.send(greedy("r", 4))
+            await left.wait()
+            sent: list[TokenDelta] = a.sent  # type: ignore[assignment]
+            assert [(d.request_id, d.finish_reason) for d in sent] == [("r", "error")]
+            assert "a collective failed" in (sent[0].error or "")
+            tg.cancel_scope.cancel()

@@ -60,6 +60,9 @@ def test_layouts_pin_each_gpu_once_and_place_every_expert(layout: Layout) -> Non
     assert len(flat) == len(set(flat)) == layout.attention_groups * layout.dcp_size + \
         layout.expert_services
     assert all(0 <= g < layout.gpus for g in flat)
+    # a rank that exits (a crash, or a lockstep world out of step) is started again
+    ours = [s for s in services.values() if "SWITCHYARD_IMAGE" in s.get("image", "")]
+    assert ours and all(s["restart"] == "on-failure" for s in ours)
 
     experts = _commands(services, "expert")
     ranks = sorted(int(_flag(c, "--rank")) for c in experts)

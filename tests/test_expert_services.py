@@ -364,3 +364,30 @@ def test_rendezvous_timeout_names_the_missing_ranks() -> None:
     with pytest.raises(RendezvousError, match=rf"waited 1s at 127\.0\.0\.1:{port} for "
                                               r"expert rank 0, expert rank 1"):
         join(World(("127.0.0.1", port), num_attention=1, num_experts=2, rank=0), timeout=1)
+
+
+def test_a_lockstep_attention_rank_whose_expert_rank_dies_exits_for_a_restart(
+        qwen3_ckpt: tuple) -> None:
+    """Services started one by one (as compose does), torch backend: when an expert rank
+    dies, the attention rank's collectives fail, and it must exit (status 3) rather than
+    run on with a world whose rounds can no longer pair up."""
+    from services.attention.server import OUT_OF_STEP_EXIT
+
+    path, _ = qwen3_ckpt
+    port = free_port()
+    children = Children()
+    try:
+        world = ["--dispatch-backend", "torch", "--dist-init", f"127.0.0.1:{port}"]
+        pending = [children.spawn("expert 0", ["expert", "--model", str(path), "--rank", "0",
+                                               "--num-ranks", "1", *world]),
+                   children.spawn("attention 0", ["attention", "--model", str(path),
+                                                  "--port", "0", "--expert-ranks", "1",
+                                                  *world])]
+        deadline = time.monotonic() + 120
+        for p in pending:
+            children.wait_ports(p, deadline)
+        (_, expert), (_, attention) = children.procs
+        expert.kill()
+        assert attention.wait(timeout=60) == OUT_OF_STEP_EXIT
+    finally:
+        children.stop()

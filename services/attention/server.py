@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import anyio
@@ -35,6 +37,7 @@ from switchyard.tracing import setup_tracing
 
 log = logging.getLogger("switchyard.attention")
 LOCKSTEP_POLL_S = 0.002  # idle round cadence of collective backends
+OUT_OF_STEP_EXIT = 3  # the status of a rank whose collectives no longer pair with its peers'
 
 
 @dataclass(frozen=True)
@@ -44,11 +47,12 @@ class _Work:
 
 
 class AttentionServer:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, out_of_step: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self._inbox: list[_Work] = []
         self._wakeup = anyio.Event()
         self._owners: dict[str, FrameStream] = {}
+        self._out_of_step = out_of_step or _exit_out_of_step
 
     def _post(self, work: _Work) -> None:
         self._inbox.append(work)
@@ -75,6 +79,9 @@ class AttentionServer:
 
     async def run_engine(self) -> None:
         lockstep = self.engine.experts.lockstep
+        # A step that failed part-way left its peers (lockstep expert ranks, DCP ranks)
+        # in collectives this rank will never join: no later round could pair up.
+        in_step_with_peers = lockstep or self.engine.group is not None
         while True:
             if lockstep:
                 # Every rank must join every round: wait for work only briefly.
@@ -92,6 +99,10 @@ class AttentionServer:
                 except Exception as exc:  # a bug must cost its batch, not the service
                     log.exception("engine step failed; failing its sequences")
                     deltas += self.engine.fail_all(f"internal engine error: {exc}")
+                    if in_step_with_peers:
+                        for delta in deltas:
+                            await self._deliver(delta)
+                        self._out_of_step()
             for delta in deltas:
                 await self._deliver(delta)
 
@@ -118,6 +129,15 @@ class AttentionServer:
             self._owners.pop(delta.request_id, None)
         if conn is not None:
             await _send(conn, delta)
+
+
+def _exit_out_of_step() -> None:
+    """Exit at once: cleaning up would wait on collectives the peers never join. The
+    launcher (or the container's restart policy) brings the whole world up again."""
+    log.critical("a failed step left this rank out of step with its peers; exiting "
+                 "(status %d) so that every rank restarts", OUT_OF_STEP_EXIT)
+    logging.shutdown()
+    os._exit(OUT_OF_STEP_EXIT)
 
 
 async def _send(conn: FrameStream, delta: TokenDelta) -> None:
