@@ -9,8 +9,8 @@ from starlette.responses import Response
 
 from gateway.errors import GatewayError, bad_request
 from gateway.logprobs import completion_logprobs
-from gateway.openai_protocol import Completion, CompletionChoice, CompletionRequest
-from gateway.output import Output
+from gateway.openai_protocol import Completion, CompletionChoice, CompletionRequest, Usage
+from gateway.output import Output, interleave
 from gateway.serving import Run, Serving, client_gone, json_response
 from gateway.sse import DONE, EventStreamResponse, error_event, event
 from gateway.tokenizer import Tokenizer
@@ -39,55 +39,79 @@ class _ChoiceText:
                                 step.token_ids if with_ids else None)
 
 
-def _echo_text(body: CompletionRequest, tokenizer: Tokenizer | None,
+def _echo_text(prompt: str | list[int], tokenizer: Tokenizer | None,
                prompt_token_ids: list[int]) -> str:
-    """The prompt as text for `echo`; its ids already checked (an id past the vocabulary
+    """A prompt as text for `echo`; its ids already checked (an id past the vocabulary
     would make the tokenizer raise)."""
-    if not body.echo:
-        return ""
-    if isinstance(body.prompt, str):
-        return body.prompt
+    if isinstance(prompt, str):
+        return prompt
     assert tokenizer is not None  # taken before the request started
     return tokenizer.decode(prompt_token_ids)
 
 
-async def _events(run: Run, body: CompletionRequest, shapers: list[_ChoiceText]
+def _usage(runs: list[Run], completion_tokens: int) -> Usage:
+    prompt_tokens = sum(len(run.prompt_token_ids) for run in runs)
+    return Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
+
+
+async def _events(runs: list[Run], body: CompletionRequest, shapers: list[_ChoiceText]
                   ) -> AsyncIterator[bytes]:
     """The SSE stream; a choice's first chunk carries its echo and (with
     `return_token_ids`) the prompt's ids."""
-    completion_tokens = 0
+    first, completion_tokens = runs[0], 0
     try:
-        async for index, step in run.stream():
+        async for index, step in interleave([c.steps for run in runs for c in run.choices]):
             completion_tokens += len(step.token_ids)
             choice = shapers[index].choice(index, step)
             if choice.text or step.finish_reason or choice.token_ids or choice.logprobs:
-                yield event(Completion(run.id, run.created, run.model, [choice], None))
+                yield event(Completion(first.id, first.created, first.model, [choice], None))
     except GatewayError as exc:
         yield error_event(exc)
     else:
         if body.include_usage:
-            usage = run.usage(completion_tokens)
-            yield event(Completion(run.id, run.created, run.model, [], usage))
+            usage = _usage(runs, completion_tokens)
+            yield event(Completion(first.id, first.created, first.model, [], usage))
     yield DONE
 
 
+async def _start(serving: Serving, request: Request, body: CompletionRequest,
+                 prompts: list[list[int]]) -> list[Run]:
+    """One run per prompt, each with the request's n choices; all or none."""
+    runs: list[Run] = []
+    try:
+        for prompt_token_ids in prompts:
+            runs.append(await serving.start(request, "cmpl", prompt_token_ids, body))
+    except BaseException:
+        for run in runs:
+            await run.aclose()
+        raise
+    return runs
+
+
 async def create_completion(serving: Serving, request: Request) -> Response:
-    """Continue a prompt given as text or as token ids."""
+    """Continue a prompt (or each of a batch) given as text or as token ids."""
     body = await serving.parse(request, CompletionRequest)
-    prompt = body.prompt
-    prompt_token_ids = prompt if isinstance(prompt, list) else serving.tokenizer.encode(prompt)
+    prompts = body.prompts
+    ids = [p if isinstance(p, list) else serving.tokenizer.encode(p) for p in prompts]
     if body.echo and body.logprobs is not None:
         raise bad_request("echo with logprobs (prompt logprobs) is not supported.", "echo")
     # Before any place is taken: echoing token ids needs the tokenizer (a 400 without one).
-    tokenizer = serving.tokenizer if body.echo and isinstance(prompt, list) else None
-    run = await serving.start(request, "cmpl", prompt_token_ids, body)  # checks the prompt
-    echo = _echo_text(body, tokenizer, prompt_token_ids)
-    shapers = [_ChoiceText(serving, body, run, echo) for _ in run.choices]
+    needs_tokenizer = body.echo and any(isinstance(p, list) for p in prompts)
+    tokenizer = serving.tokenizer if needs_tokenizer else None
+    runs = await _start(serving, request, body, ids)  # checks each prompt
+
+    async def close() -> None:
+        for run in runs:
+            await run.aclose()
+
+    shapers = [_ChoiceText(serving, body, run, _echo_text(p, tokenizer, i) if body.echo else "")
+               for p, i, run in zip(prompts, ids, runs, strict=True) for _ in run.choices]
     if body.stream:
-        return EventStreamResponse(_events(run, body, shapers), run.aclose)
-    outs = await serving.complete(request, run)
+        return EventStreamResponse(_events(runs, body, shapers), close)
+    outs = await serving.complete(request, *runs)
     if outs is None:
         return client_gone()
     choices = [shapers[i].choice(i, out) for i, out in enumerate(outs)]
-    usage = run.usage(sum(len(out.token_ids) for out in outs))
-    return json_response(Completion(run.id, run.created, run.model, choices, usage))
+    usage = _usage(runs, sum(len(out.token_ids) for out in outs))
+    first = runs[0]
+    return json_response(Completion(first.id, first.created, first.model, choices, usage))

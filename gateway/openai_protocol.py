@@ -114,13 +114,34 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class CompletionRequest(SamplingFields, kw_only=True):
-    """POST /v1/completions; `prompt` is text or token ids."""
+TokenId = Annotated[int, msgspec.Meta(ge=0)]
+# msgspec takes one array type per union, so `prompt` decodes a superset (`prompts` refuses
+# the rest); /openapi.json states what is accepted.
+_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+PROMPT_SCHEMA = {"anyOf": [{"type": "string"}, _IDS,
+                           {"type": "array", "items": {"type": "string"}},
+                           {"type": "array", "items": _IDS}]}
 
-    prompt: str | list[Annotated[int, msgspec.Meta(ge=0)]]
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    """POST /v1/completions; `prompt` is text or token ids, or a batch of either (as in
+    OpenAI and vLLM: choice `i * n + j` is prompt i's choice j)."""
+
+    prompt: str | list[TokenId | str | list[TokenId]]
     return_token_ids: bool = False
     echo: bool = False
     logprobs: NumLogprobs | None = None
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each text or token ids."""
+        p = self.prompt
+        if isinstance(p, str) or all(isinstance(x, int) for x in p):
+            return [p]  # type: ignore[list-item]
+        if all(isinstance(x, str) for x in p) or all(isinstance(x, list) for x in p):
+            return p  # type: ignore[return-value]
+        raise bad_request("A prompt is a string or a list of token ids, and a batch is a "
+                          "list of strings or a list of token-id lists, not a mix.", "prompt")
 
     @property
     def num_logprobs(self) -> int | None:

@@ -13,6 +13,7 @@ from starlette.responses import Response
 
 from gateway.errors import ErrorBody
 from gateway.openai_protocol import (
+    PROMPT_SCHEMA,
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -107,6 +108,7 @@ def openapi_document() -> dict[str, Any]:
     kinds.add(ErrorBody)
     _, components = msgspec.json.schema_components(
         sorted(kinds, key=lambda k: k.__name__), ref_template=REF_TEMPLATE)
+    components["CompletionRequest"]["properties"]["prompt"] = PROMPT_SCHEMA
     paths: dict[str, dict[str, Any]] = {}
     for op in OPERATIONS:
         paths.setdefault(op.path, {})[op.method] = _operation(op)

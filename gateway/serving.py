@@ -256,15 +256,18 @@ class Serving:
             generation, detokenizer, stop_ids, stops, timer, body.min_tokens,
             keep_stop_token=body.include_stop_str_in_output), timer)
 
-    async def complete(self, request: Request, run: Run) -> list[Output] | None:
-        """Every choice's whole output; None if the client left (and we aborted)."""
+    async def complete(self, request: Request, *runs: Run) -> list[Output] | None:
+        """Every choice's whole output, run after run; None if the client left (and we
+        aborted)."""
         async def gather() -> list[Output]:
-            return list(await asyncio.gather(*(collect(c.steps) for c in run.choices)))
+            return list(await asyncio.gather(*(collect(c.steps) for run in runs
+                                               for c in run.choices)))
 
         try:
             return await unless_disconnected(request, gather)
         finally:
-            await run.aclose()
+            for run in runs:
+                await run.aclose()
 
 
 def _choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:

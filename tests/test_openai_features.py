@@ -283,3 +283,38 @@ def test_metrics_expose_the_operator_series(demo: Served) -> None:
                  if ln.startswith("switchyard:e2e_request_latency_seconds_count"))
     assert float(count.split()[-1]) >= 1
     assert json.loads(httpx.get(f"{demo.url}/stats").text)["num_running"] == 0
+
+
+def test_a_batch_of_prompts_as_openai_and_vllm_number_it(tiny: tuple, demo: Served) -> None:
+    """prompt as a list of token-id lists (or of strings): choice i * n + j is prompt i's
+    choice j, each what transformers generates for its prompt; usage sums the batch."""
+    served, model = tiny
+    c, m = client(served), model_id(served)
+    batch = prompts(seed=23, lengths=(5, 9, 3))
+    want = [reference_greedy(model, p, 6) for p in batch]
+    for stream in (False, True):
+        r = c.completions.create(model=m, prompt=batch, n=2, temperature=0, max_tokens=6,
+                                 stream=stream, stream_options={"include_usage": True}
+                                 if stream else None,
+                                 extra_body={"ignore_eos": True, "return_token_ids": True})
+        chunks = list(r) if stream else [r]
+        got: dict[int, list[int]] = {}
+        prompt_ids: dict[int, list[int]] = {}
+        for ch in chunks:
+            for choice in ch.choices:
+                got.setdefault(choice.index, []).extend(getattr(choice, "token_ids", None) or [])
+                if ids := getattr(choice, "prompt_token_ids", None):  # first chunk, or whole
+                    prompt_ids[choice.index] = ids
+        assert got == {i * 2 + j: want[i] for i in range(3) for j in range(2)}
+        assert prompt_ids == {i * 2 + j: batch[i] for i in range(3) for j in range(2)}
+        usage = chunks[-1].usage
+        assert usage is not None and usage.prompt_tokens == 5 + 9 + 3
+        assert usage.completion_tokens == 6 * 6
+    d, dm = client(demo), model_id(demo)
+    texts = d.completions.create(model=dm, prompt=[ARITH, "1+1="], temperature=0,
+                                 max_tokens=4, echo=True)
+    alone = [d.completions.create(model=dm, prompt=p, temperature=0, max_tokens=4,
+                                  echo=True).choices[0].text for p in (ARITH, "1+1=")]
+    assert [ch.text for ch in texts.choices] == alone
+    with pytest.raises(openai.BadRequestError, match="not a mix"):
+        c.completions.create(model=m, prompt=[[1, 2], "x"], max_tokens=2)  # type: ignore[arg-type]
