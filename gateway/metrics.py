@@ -2,7 +2,7 @@
 
 Latencies are observed per choice as its tokens stream through the gateway; engine-side
 timings (queue, prefill) arrive on the first token's delta. Gauges of the engine's state
-are read from the engine when scraped, so they are never stale.
+are read from the engine when scraped, and absent while it does not answer: never stale.
 """
 
 from __future__ import annotations
@@ -14,8 +14,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from gateway.service_metrics import Families, Scrape, merge
 from switchyard.messages import EngineStats, TokenDelta
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+# vLLM's buckets, so dashboards built for it read ours the same way.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                 1.0, 2.5, 5.0, 10.0, 20.0, 80.0)
 
@@ -45,26 +48,26 @@ class Metrics:
                                 "1 if a service's /metrics answered the last scrape.",
                                 [*m, "service"], registry=r)
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...] = _LATENCY_BUCKETS
+        def histogram(name: str, doc: str, buckets: tuple[float, ...] = _REQUEST_BUCKETS
                       ) -> Histogram:
             return Histogram(f"switchyard:{name}_seconds", doc, m, buckets=buckets,
                              registry=r)
 
-        self.ttft = histogram("time_to_first_token", "Arrival to first token.")
+        self.ttft = histogram("time_to_first_token", "Arrival to first token.", _TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency", "Time between tokens.", _ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency", "Arrival to last token.")
         self.queue = histogram("request_queue_time", "Time waiting to be scheduled.")
         self.prefill = histogram("request_prefill_time", "First scheduled to first token.")
         self.decode = histogram("request_decode_time", "First token to last token.")
 
-    def request_started(self, prompt_tokens: int) -> RequestTimer:
-        self.prompt_tokens.labels(self._model).inc(prompt_tokens)
-        return RequestTimer(self)
-
     def render(self, stats: EngineStats | None, scrapes: list[Scrape]) -> bytes:
         """The text exposition: the gateway's series (engine gauges from `stats` when the
         engine answered), then the services' series merged from `scrapes`."""
-        if stats is not None:
+        engine_gauges = (self.running, self.waiting, self.kv_usage)
+        if stats is None:  # the engine did not answer: no reading, rather than an old one
+            for gauge in engine_gauges:
+                gauge.clear()
+        else:
             self.running.labels(self._model).set(stats.num_running)
             self.waiting.labels(self._model).set(stats.num_waiting)
             self.kv_usage.labels(self._model).set(stats.kv_blocks_used

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 import msgspec
-from opentelemetry.trace import INVALID_SPAN, Span, SpanKind, set_span_in_context
+from opentelemetry.trace import INVALID_SPAN, Span, SpanKind, StatusCode, set_span_in_context
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -81,11 +81,14 @@ class Run:
     def _end_span(self) -> None:
         timers = [c.timer for c in self.choices]
         firsts = [t.ttft_s for t in timers if t.ttft_s is not None]
+        reasons = [t.finish_reason or "abort" for t in timers]
         self.span.set_attributes({
             "gen_ai.usage.output_tokens": sum(t.num_tokens for t in timers),
-            "gen_ai.response.finish_reasons": [t.finish_reason or "abort" for t in timers],
+            "gen_ai.response.finish_reasons": reasons,
             **({"switchyard.time_to_first_token_s": min(firsts)} if firsts else {}),
         })
+        if "error" in reasons:  # the engine failed a choice (trace UIs flag such spans)
+            self.span.set_status(StatusCode.ERROR, "the engine failed a choice")
         self.span.end()
 
 

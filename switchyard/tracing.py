@@ -33,6 +33,9 @@ TRACER_NAME = "switchyard"
 _enabled = False
 
 
+MAX_STEP_LINKS = 4096  # span links kept, unless OTEL_SPAN_LINK_COUNT_LIMIT says otherwise
+
+
 def enabled() -> bool:
     """Whether this process records spans (skip building span inputs when not)."""
     return _enabled
@@ -55,12 +58,14 @@ def setup_tracing(service: str, endpoint: str | None = None) -> bool:
     if not tracing_endpoint(endpoint) and not dump_dir:
         return False
     from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace import SpanLimits, TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 
     name = os.environ.get("OTEL_SERVICE_NAME", service)
+    # A step links to every sampled request it serves: more than the SDK's default 128.
+    links = int(os.environ.get("OTEL_SPAN_LINK_COUNT_LIMIT", MAX_STEP_LINKS))
     provider = TracerProvider(resource=Resource.create({"service.name": name}),
-                              sampler=_follow_links())
+                              sampler=_follow_links(), span_limits=SpanLimits(max_links=links))
     if dump_dir:
         from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
             InMemorySpanExporter,

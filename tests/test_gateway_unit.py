@@ -308,3 +308,46 @@ def test_bundled_byte_level_tokenizer_streams_multibyte_characters_whole() -> No
     pieces = [detokenizer.add([i]) for i in ids]
     assert not any("\ufffd" in p for p in pieces)
     assert "".join(pieces) + detokenizer.flush() == text
+
+
+def test_engine_gauges_are_absent_while_the_engine_does_not_answer() -> None:
+    """They are read at scrape time; a scrape the engine did not answer must not repeat
+    the last reading as if it were current."""
+    from gateway.metrics import Metrics
+    from switchyard.messages import EngineStats
+
+    metrics = Metrics("m")
+    up = metrics.render(EngineStats(3, 2, 5, 10, 0, []), []).decode()
+    assert 'switchyard:num_requests_running{model_name="m"} 3.0' in up
+    assert 'switchyard:kv_cache_usage_perc{model_name="m"} 0.5' in up
+    metrics.ttft.labels("m").observe(1000.0)  # vLLM's buckets: long CPU runs fit them
+    metrics.e2e.labels("m").observe(5000.0)
+    down = metrics.render(None, []).decode()
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        assert f"switchyard:{name}{{" not in down
+    assert 'time_to_first_token_seconds_bucket{le="2560.0",model_name="m"} 1.0' in down
+    assert 'e2e_request_latency_seconds_bucket{le="1920.0",model_name="m"} 0.0' in down
+    assert 'e2e_request_latency_seconds_bucket{le="7680.0",model_name="m"} 1.0' in down
+
+
+def test_a_request_span_with_a_failed_choice_has_error_status() -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import StatusCode
+
+    from gateway.metrics import Metrics, RequestTimer
+    from gateway.serving import Choice, Run
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    for reasons, status in ((["stop", "error"], StatusCode.ERROR), (["stop"], StatusCode.UNSET)):
+        timers = [RequestTimer(Metrics("m")) for _ in reasons]
+        for timer, reason in zip(timers, reasons, strict=True):
+            timer.finish(reason)
+        run = Run("cmpl-1", 0, "m", [1], [Choice(i, None, None, t)  # type: ignore[arg-type]
+                                          for i, t in enumerate(timers)],
+                  span=provider.get_tracer("t").start_span("text_completion m"))
+        run._end_span()
+        assert exporter.get_finished_spans()[-1].status.status_code == status

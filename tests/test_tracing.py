@@ -6,6 +6,9 @@ out when it exits (SWITCHYARD_TRACES_DUMP_DIR)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -122,3 +125,34 @@ def test_only_sampled_requests_are_traced(qwen3_ckpt: tuple, tmp_path: Path) -> 
                                           "decode", "step"}
     step_traces = {s["context"]["trace_id"] for s in steps}
     assert {s["context"]["trace_id"] for s in spans} == step_traces | {f"0x{TRACE_ID}"}
+
+
+STEP_OF_300 = """
+import random
+from opentelemetry.trace import SpanContext, TraceFlags
+from services.attention.scheduler import ScheduledSeq
+from services.attention.sequence import Sequence
+from services.attention.tracing import step_span
+from switchyard import tracing
+from switchyard.messages import SamplingParams
+
+tracing.setup_tracing("attention")
+rng = random.Random(0)
+parents = [SpanContext(rng.getrandbits(128), rng.getrandbits(64), True,
+                       TraceFlags(TraceFlags.SAMPLED)) for _ in range(300)]
+seqs = [Sequence(f"r{i}", [1], 1, SamplingParams(), trace_parent=p)
+        for i, p in enumerate(parents + parents[:5])]  # 5 requests with a 2nd choice
+with step_span([ScheduledSeq(s, 1) for s in seqs]):
+    pass
+tracing.shutdown()
+"""
+
+
+def test_a_step_links_every_request_it_serves_once(tmp_path: Path) -> None:
+    """300 sampled requests in one step (the OpenTelemetry SDK keeps 128 links by
+    default), 5 of them with a second choice: 300 links, one per request span."""
+    env = {**os.environ, "SWITCHYARD_TRACES_DUMP_DIR": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", STEP_OF_300], env=env, check=True, timeout=120)
+    [step] = [s for s in read_spans(tmp_path) if s["name"] == "step"]
+    links = [link["context"]["span_id"] for link in step["links"]]
+    assert len(links) == len(set(links)) == 300

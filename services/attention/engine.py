@@ -234,6 +234,7 @@ class Engine:
         for request_id in list(self._seqs):
             seq = self._seqs.pop(request_id)
             self.scheduler.finish(seq)
+            trace_request(seq, "error")
             deltas.append(TokenDelta(request_id, [], "error", seq.num_prompt_tokens, error,
                                      retryable=True))
         return deltas

@@ -46,7 +46,10 @@ def step_span(scheduled: list[ScheduledSeq]) -> Iterator[None]:
     if not tracing.enabled():
         yield
         return
-    links = [Link(item.seq.trace_parent) for item in scheduled if item.seq.trace_parent]
+    # One link per request span: a request's n choices share it.
+    parents = {item.seq.trace_parent.span_id: item.seq.trace_parent for item in scheduled
+               if item.seq.trace_parent}
+    links = [Link(parent) for parent in parents.values()]
     attributes = {"switchyard.sequences": len(scheduled),
                   "switchyard.tokens": sum(item.num_new_tokens for item in scheduled)}
     with tracing.tracer().start_as_current_span("step", context=Context(), links=links,
