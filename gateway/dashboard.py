@@ -59,7 +59,7 @@ class Dashboard:
             self._absorbed = scrapes
         recent, age = self.window.recent(now, window)
         experts = [{"layer": int(k[1]), "expert": int(k[2]),
-                    "ranks": sorted(self.window.ranks[k]), **h.summary()}
+                    "ranks": sorted(self.window.ranks[k], key=int), **h.summary()}
                    for k, h in recent.items() if k[0] == "expert"]
         experts.sort(key=lambda e: (e["layer"], e["expert"]))
         slowest = sorted((e for e in experts if e["calls"]),

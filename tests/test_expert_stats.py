@@ -36,10 +36,11 @@ def test_quantile_zero_over_an_empty_first_bucket() -> None:
     assert Hist((0.1, 1.0, INF), (0, 4, 4)).quantile(0.0) is None
 
 
-def scrape(url: str, counts: tuple[int, int], tokens: int, total_s: float = 0.01) -> Scrape:
-    """A service reporting expert (layer 0, expert 1) of rank 0 (two local-backend
+def scrape(url: str, counts: tuple[int, int], tokens: int, total_s: float = 0.01,
+           rank: str = "0") -> Scrape:
+    """A service reporting expert (layer 0, expert 1) of `rank` (two local-backend
     attention groups both report rank 0)."""
-    labels = 'layer="0",expert="1",rank="0"'
+    labels = f'layer="0",expert="1",rank="{rank}"'
     text = f"""# TYPE switchyard:expert_compute_seconds histogram
 switchyard:expert_compute_seconds_bucket{{{labels},le="0.001"}} {counts[0]}
 switchyard:expert_compute_seconds_bucket{{{labels},le="+Inf"}} {counts[1]}
@@ -83,3 +84,12 @@ def test_bad_gateway_settings_fail_at_start(capsys: pytest.CaptureFixture) -> No
     with pytest.raises(SystemExit):
         parse_args([*base, "--dashboard-window", "7200"])
     assert "--dashboard-window must be in (0, 900]" in capsys.readouterr().err
+
+
+def test_the_dashboard_lists_an_experts_ranks_in_number_order() -> None:
+    from gateway.dashboard import Dashboard
+
+    dashboard = Dashboard(None)  # type: ignore[arg-type]  (the summary needs no gateway)
+    scrapes = [scrape(f"r{rank}", (1, 1), 1, rank=rank) for rank in ("10", "2", "9")]
+    [entry] = dashboard._stats(scrapes, 60)["experts"]  # type: ignore[misc]
+    assert entry["ranks"] == ["2", "9", "10"]

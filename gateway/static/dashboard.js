@@ -3,8 +3,10 @@
 
 const params = new URLSearchParams(location.search);
 const windowParam = params.get("window");
-// At least half a second between polls, whatever the URL asks (NaN too).
-const refreshMs = Math.max(500, 1000 * Number(params.get("refresh") || 2) || 2000);
+// At least half a second between polls, whatever the URL asks (0 too); 2 s by default
+// and for what is not a number.
+const asked = 1000 * Number(params.get("refresh") ?? 2);
+const refreshMs = Math.max(500, Number.isFinite(asked) ? asked : 2000);
 const $ = (id) => document.getElementById(id);
 let shape = "";
 let renders = 0;
