@@ -69,8 +69,9 @@ class DcpGroup:
 
 
 class StepAborted(RuntimeError):
-    """The leader's expert call failed mid-step (an expert rank lost): the peers drop the
-    step, as the leader fails its sequences, and wait for the next plan."""
+    """The leader's expert call failed mid-step (an expert rank lost), and every rank of
+    the group knows: the peers drop the step and wait for the next plan; the leader (which
+    raises it from the failure) fails the step's sequences. The group stays in step."""
 
 
 class GroupExperts(PointToPoint):
@@ -96,9 +97,11 @@ class GroupExperts(PointToPoint):
             return out[:-1]
         try:
             out[:-1] = self.inner(layer, x, topk_ids, topk_weights)  # [T, H]
-        except BaseException:
+        except BaseException as exc:
             out[-1] = 0
             dist.broadcast(out, src=0)
+            if isinstance(exc, Exception):  # (DCP's experts are never lockstep ones)
+                raise StepAborted(str(exc)) from exc  # told the peers: still in step
             raise
         out[-1] = 1
         dist.broadcast(out, src=0)

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import itertools
 import logging
 import os
 from collections.abc import Callable
@@ -45,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from ep_dispatch.base import ExpertFn
+from ep_dispatch.layout import ReplicaTurns
 from ep_dispatch.metrics import phase
 from ep_dispatch.placement import Placement
 from ep_dispatch.torch_dist import World
@@ -315,7 +315,7 @@ class DeepEPRank:
         _agree(settings, hidden, top_k, self.slots.per_rank)
         self.buffer = self._buffer()
         self.mode, self._ll_clean = "normal", False
-        self._calls = itertools.count(world.rank)  # rotates the first replica
+        self._turns = ReplicaTurns(world.rank)  # each layer's first replica; ranks apart
 
     def _buffer(self) -> Any:
         Buffer, s, w = self.deep_ep.Buffer, self.settings, self.world.size
@@ -360,7 +360,7 @@ class DeepEPRank:
         """One MoE layer's exchange: x [T, H] bf16 routed to topk_ids [T, K] -> [T, H]."""
         if x.shape[0] == 0:
             return self.idle_layer(layer)
-        slots = self.slots.route(layer, topk_ids, next(self._calls))  # [T, K]
+        slots = self.slots.route(layer, topk_ids, self._turns(layer))  # [T, K]
         slots = slots.to(self.idx_dtype).contiguous()
         weights = topk_weights.to(torch.float32).contiguous()  # [T, K]
         return self._exchange(layer, x.contiguous(), slots, weights)

@@ -33,6 +33,20 @@ class Layout:
     num_tokens: int
 
 
+class ReplicaTurns:
+    """A client's `first_replica` for its next call to each layer: one turn per layer,
+    moved on by each call (one shared counter would give a layer the same turn every step
+    whenever the number of MoE layers is a multiple of the replica count)."""
+
+    def __init__(self, start: int = 0) -> None:
+        self._start, self._next = start, {}
+
+    def __call__(self, layer: int) -> int:
+        turn = self._next.get(layer, self._start)
+        self._next[layer] = turn + 1
+        return turn
+
+
 def compute_layout(
     topk_ids: torch.Tensor, topk_weights: torch.Tensor, placement: Placement, layer: int,
     first_replica: int = 0,

@@ -14,7 +14,7 @@ import torch
 from anyio.from_thread import start_blocking_portal
 
 from ep_dispatch.base import PointToPoint
-from ep_dispatch.layout import combine, compute_layout
+from ep_dispatch.layout import ReplicaTurns, combine, compute_layout
 from ep_dispatch.metrics import phase
 from ep_dispatch.placement import Placement
 from ep_dispatch.wire import activation_rows, from_wire, to_wire
@@ -40,7 +40,7 @@ class RpcExperts(PointToPoint):
         self.quantization = quantization
         self.dispatch_bytes = 0  # activation bytes sent to expert ranks, for accounting
         self._ids = itertools.count()
-        self._calls = itertools.count()  # rotates the first replica (compute_layout)
+        self._turns = ReplicaTurns()  # rotates each layer's first replica
         self._portal_cm = start_blocking_portal()
         self._portal = self._portal_cm.__enter__()
         self._conns: list[FrameStream | None] = [None] * len(addresses)
@@ -104,7 +104,7 @@ class RpcExperts(PointToPoint):
                  topk_weights: torch.Tensor) -> torch.Tensor:
         with phase("dispatch", "rpc", layer, x.shape[0]):
             layout = compute_layout(topk_ids, topk_weights, self.placement, layer,
-                                    next(self._calls))
+                                    self._turns(layer))
             rows = activation_rows(x, self.quantization)  # [T, H], or MXFP4 rows
             # per rank [n_r, width], copied to the host once for the wire
             parts = rows[layout.src_token].cpu().split(layout.rank_counts)

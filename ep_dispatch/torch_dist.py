@@ -15,7 +15,6 @@ MXFP4 bytes; every rank checks at start-up that all of them move the same rows.
 
 from __future__ import annotations
 
-import itertools
 import logging
 from dataclasses import dataclass
 from datetime import timedelta
@@ -25,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ep_dispatch.base import ExpertFn
-from ep_dispatch.layout import combine, compute_layout
+from ep_dispatch.layout import ReplicaTurns, combine, compute_layout
 from ep_dispatch.metrics import phase
 from ep_dispatch.placement import Placement
 from ep_dispatch.wire import RowFormat
@@ -180,8 +179,7 @@ class TorchExperts:
         self.format, self.device = rows, torch.device(device)
         self.width = placement.most_local
         self.coll = collective or TorchCollective()
-        # rotates the first replica (compute_layout); attention ranks start apart
-        self._calls = itertools.count(world.rank)
+        self._turns = ReplicaTurns(world.rank)  # each layer's first replica; ranks apart
 
     def begin_step(self, num_tokens: int) -> bool:
         return self.coll.any_work(num_tokens > 0, self.device)
@@ -196,7 +194,7 @@ class TorchExperts:
                  topk_weights: torch.Tensor) -> torch.Tensor:
         with phase("dispatch", "torch", layer, x.shape[0]):
             layout = compute_layout(topk_ids, topk_weights, self.placement, layer,
-                                    next(self._calls))
+                                    self._turns(layer))
             g = self.world.num_attention
             counts = torch.zeros(self.world.size, self.width, dtype=torch.int64)
             for r, c in enumerate(layout.expert_counts):

@@ -77,6 +77,8 @@ async def _events(runs: list[Run], body: CompletionRequest, shapers: list[_Choic
 async def _start(serving: Serving, request: Request, body: CompletionRequest,
                  prompts: list[list[int]]) -> list[Run]:
     """One run per prompt, each with the request's n choices; all or none."""
+    if len(prompts) > 1:  # before any request starts: a batch that cannot fit is refused
+        serving.check_room(len(prompts) * body.n, f"{len(prompts)} prompts x n={body.n}")
     runs: list[Run] = []
     try:
         for prompt_token_ids in prompts:

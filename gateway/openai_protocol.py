@@ -54,7 +54,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        if self.stream_options is not None and not self.stream:
+        if self.include_usage and not self.stream:  # ({} alone is accepted, as by vLLM)
             raise ValueError("Stream options can only be defined when `stream=True`.")
 
     @property

@@ -188,17 +188,22 @@ class Serving:
             raise engine_unavailable("not connected to the engine yet")
         return info
 
-    def _admit(self, n: int) -> None:
-        """Take `n` places, or refuse with 429 when running plus queued would overflow."""
+    def check_room(self, n: int, asked: str | None = None) -> None:
+        """Refuse `n` places now: a 400 if they could never fit, a 429 while running plus
+        queued would overflow. `asked` names them in the 400 (default: n=N)."""
         capacity = self.engine.max_num_seqs() + self.config.max_queued_requests
         if n > capacity:  # would be refused forever: not a reason to retry
-            raise bad_request(f"n={n} is more than this server runs or queues at once "
-                              f"({capacity}).", "n")
+            raise bad_request(f"{asked or f'n={n}'} is more than this server runs or queues "
+                              f"at once ({capacity}).", "n")
         if self._admitted + n > capacity:
             self.metrics.rejected.labels(self.config.served_model_name).inc()
             raise GatewayError(429, f"The server is overloaded: {self._admitted} requests are "
                                "running or queued. Retry later.",
                                headers={"Retry-After": str(self.config.retry_after_s)})
+
+    def _admit(self, n: int) -> None:
+        """Take `n` places, or refuse (`check_room`)."""
+        self.check_room(n)
         self._admitted += n
 
     def release(self, n: int) -> None:

@@ -16,12 +16,14 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import queue
 import random
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import httpx
 
@@ -156,9 +158,9 @@ def run_load(url: str, model: str, prompts: list[list[int]], output_len: int,
         p.start()
     try:
         for _ in procs:
-            ready.get(timeout=300)
+            _get(ready, procs, 300)
         go.set()
-        results = [out.get(timeout=7200) for _ in procs]
+        results = [_get(out, procs, 7200) for _ in procs]
     finally:
         for p in procs:
             p.join(timeout=10)
@@ -166,6 +168,18 @@ def run_load(url: str, model: str, prompts: list[list[int]], output_len: int,
                 p.kill()
     duration = max(end for _, end, _ in results) - min(start for start, _, _ in results)
     return [RequestRecord(**r) for _, _, records in results for r in records], duration
+
+
+def _get(q: mp.Queue, procs: list, timeout: float) -> Any:
+    """The next item of `q`; a RuntimeError if a client process died or time ran out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return q.get(timeout=1)
+        except queue.Empty:
+            if dead := [p.exitcode for p in procs if p.exitcode not in (None, 0)]:
+                raise RuntimeError(f"a client process exited with status {dead[0]}") from None
+    raise RuntimeError(f"the client processes gave no answer within {timeout:.0f} s")
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -63,7 +63,7 @@ def setup_tracing(service: str, endpoint: str | None = None) -> bool:
 
     name = os.environ.get("OTEL_SERVICE_NAME", service)
     # A step links to every sampled request it serves: more than the SDK's default 128.
-    links = int(os.environ.get("OTEL_SPAN_LINK_COUNT_LIMIT", MAX_STEP_LINKS))
+    links = int(os.environ.get("OTEL_SPAN_LINK_COUNT_LIMIT") or MAX_STEP_LINKS)
     provider = TracerProvider(resource=Resource.create({"service.name": name}),
                               sampler=_follow_links(), span_limits=SpanLimits(max_links=links))
     if dump_dir:

@@ -12,6 +12,7 @@ import pytest
 from anyio import wait_all_tasks_blocked
 from anyio.abc import SocketAttribute
 
+from dcp.group import StepAborted
 from services.attention.config import AttentionConfig
 from services.attention.engine import Engine
 from services.attention.server import AttentionServer
@@ -204,9 +205,10 @@ async def test_a_connection_that_closes_while_its_request_waits_behind_another_l
 
 
 async def test_a_connection_going_away_aborts_only_what_it_owns() -> None:
-    """A connection whose request was refused as a duplicate of a running one's id, and
-    which then goes away, leaves that running request alone (an explicit abort by id,
-    from any connection, still ends it: an operator's tool)."""
+    """A connection that sent a running request's id and goes away leaves that request
+    alone: whether it left before its duplicate was applied (it used to abort the
+    original) or after the duplicate was refused. An explicit abort by id, from any
+    connection, still ends it: an operator's tool."""
     engine, a, b = _FakeEngine(), _FakeConn(), _FakeConn()
     server = AttentionServer(engine)  # type: ignore[arg-type]
     with anyio.fail_after(20):
@@ -224,6 +226,16 @@ async def test_a_connection_going_away_aborts_only_what_it_owns() -> None:
             await a.feed.send(greedy("probe", 4))
             await engine.wait_added("probe")
             assert "r" in engine.live  # b's going away aborted a's "r" before
+            c = _FakeConn()
+            tg.start_soon(server.handle, c)
+            await c.feed.send(greedy("r", 4))  # refused while c is still there...
+            await c.sending.wait()
+            await c.feed.aclose()  # ...then c goes away
+            await c.gone.wait()
+            await a.feed.send(greedy("probe 1", 4))
+            await engine.wait_added("probe 1")
+            assert "r" in engine.live
+            assert [d.finish_reason for d in c.sent] == ["error"]  # type: ignore[attr-defined]
             await a.feed.send(AbortRequest("r"))
             await a.feed.send(greedy("probe 2", 4))
             await engine.wait_added("probe 2")
@@ -258,6 +270,7 @@ def test_closing_the_engine_waits_for_the_step_another_thread_runs(qwen3_ckpt: t
     stepper.join(30)
     closer.join(30)
     assert order == ["step ended", "experts closed"]
+    assert engine.step() == []  # a worker thread that starts a step after close: nothing
 
 
 def test_closing_under_a_step_that_never_ends_gives_up_after_its_timeout(
@@ -268,33 +281,44 @@ def test_closing_under_a_step_that_never_ends_gives_up_after_its_timeout(
     assert "did not end within" in caplog.text
 
 
-async def test_a_failed_step_of_a_lockstep_rank_answers_then_leaves_the_world() -> None:
-    """Its peers wait in collectives this rank will never join: after answering its
-    requests with the error, it exits (the launcher or compose restarts the world)."""
-    class Lockstep(_FakeEngine):
-        class experts:
-            lockstep = True
-
+@pytest.mark.parametrize(("lockstep", "group", "failure", "leaves"), [
+    (True, None, RuntimeError("a collective failed"), True),
+    (False, "dcp", RuntimeError("attention's all_gather failed"), True),
+    (False, "dcp", StepAborted("expert rank 1 failed"), False),  # the group knows: in step
+    (False, None, RuntimeError("a bug"), False),  # alone: nobody waits on it
+])
+async def test_a_failed_step_answers_then_leaves_the_world_only_if_out_of_step(
+        lockstep: bool, group: object, failure: Exception, leaves: bool) -> None:
+    """A rank whose peers wait in collectives it will never join (lockstep expert ranks;
+    a DCP group told nothing) answers its requests with the error, then exits (the launcher
+    or compose restarts the world). A DCP group that aborted the step together, or a rank
+    without peers, serves on."""
+    class Failing(_FakeEngine):
         def has_work(self) -> bool:
             return bool(self.live)
 
         def step(self) -> list[TokenDelta]:
-            raise RuntimeError("a collective failed")
+            raise failure
 
         def fail_all(self, error: str) -> list[TokenDelta]:
             failed = [TokenDelta(r, [], "error", 1, error) for r in sorted(self.live)]
             self.live.clear()
             return failed
 
-    engine, a, left = Lockstep(), _FakeConn(), anyio.Event()
+    engine, a, left = Failing(), _FakeConn(), anyio.Event()
+    engine.experts = type("Experts", (), {"lockstep": lockstep})  # type: ignore[misc]
+    engine.group = group  # type: ignore[misc]
     server = AttentionServer(engine, out_of_step=left.set)  # type: ignore[arg-type]
     with anyio.fail_after(20):
         async with anyio.create_task_group() as tg:
             tg.start_soon(server.run_engine)
             tg.start_soon(server.handle, a)
             await a.feed.send(greedy("r", 4))
-            await left.wait()
+            await a.sending.wait()
             sent: list[TokenDelta] = a.sent  # type: ignore[assignment]
             assert [(d.request_id, d.finish_reason) for d in sent] == [("r", "error")]
-            assert "a collective failed" in (sent[0].error or "")
+            assert str(failure) in (sent[0].error or "")
+            await a.feed.send(greedy("next", 4))  # applied after the failed step's end
+            await engine.wait_added("next")
+            assert left.is_set() == leaves
             tg.cancel_scope.cancel()

@@ -86,3 +86,19 @@ def test_the_clock_starts_once_every_client_process_is_ready() -> None:
     wall = time.monotonic() - start
     assert len(records) == 8 and not any(r.ok for r in records)
     assert 0 < duration < wall / 2, (duration, wall)
+
+
+def test_a_client_process_that_dies_is_a_clear_error() -> None:
+    """A client process that exits early (here with status 3) is named at once, not
+    after a five-minute wait for its ready signal."""
+    import multiprocessing as mp
+
+    from switchyard.bench import _get
+
+    proc = mp.get_context("spawn").Process(target=exit, args=(3,))
+    proc.start()
+    proc.join(30)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="a client process exited with status 3"):
+        _get(mp.get_context("spawn").Queue(), [proc], 300)
+    assert time.monotonic() - start < 30

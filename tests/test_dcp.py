@@ -153,7 +153,7 @@ def test_a_failed_expert_call_on_the_leader_aborts_the_step_on_every_rank() -> N
     second step's outputs."""
     import multiprocessing
 
-    from dcp.group import DcpGroup, GroupExperts
+    from dcp.group import DcpGroup, GroupExperts, StepAborted
     from ep_dispatch.rpc import ExpertRankError
     from switchyard.launcher import free_port
     from switchyard.messages import DcpPlan
@@ -176,8 +176,9 @@ def test_a_failed_expert_call_on_the_leader_aborts_the_step_on_every_rank() -> N
         x = torch.zeros(3, 4)
         try:
             group.send_plan(DcpPlan([]))
-            with pytest.raises(ExpertRankError):
+            with pytest.raises(StepAborted, match="expert rank 1 failed on layer 0") as failed:
                 experts(0, x, torch.zeros(3, 1), torch.ones(3, 1))
+            assert isinstance(failed.value.__cause__, ExpertRankError)
             group.send_plan(DcpPlan([]))
             y = experts(0, x, torch.zeros(3, 1), torch.ones(3, 1))
             group.send_plan(DcpPlan([], stop=True))

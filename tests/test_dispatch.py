@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ep_dispatch.layout import combine, compute_layout
+from ep_dispatch.layout import ReplicaTurns, combine, compute_layout
 from ep_dispatch.local import LocalDispatcher, LocalExperts
 from ep_dispatch.placement import Placement, PlacementError, make_placement
 from ep_dispatch.registry import BackendContext, create_experts_client
@@ -176,14 +176,22 @@ def test_routing_tables_are_copied_to_a_device_once() -> None:
 
 
 def test_the_first_replica_rotates_so_single_token_steps_spread() -> None:
-    """A decode step of one token, call after call: with `first_replica` moved on each
-    call, both replicas of expert 0 serve (always replica 0 before)."""
-    placement = Placement(2, 2, {0: ((0, 1), (0,))})
+    """Decode steps of one token through 2 MoE layers, each with expert 0 on both ranks:
+    every layer's calls alternate between the replicas (one counter shared by the layers
+    gave each layer the same replica every step), and within a call tokens alternate."""
+    placement = Placement(2, 2, {0: ((0, 1), (0,)), 1: ((0, 1), (1,))})
+    turns = ReplicaTurns()
     one = torch.zeros(1, 1, dtype=torch.int64)
-    ranks = [compute_layout(one, torch.ones(1, 1), placement, 0, call).rank_counts
-             for call in range(4)]
-    assert ranks == [[1, 0], [0, 1], [1, 0], [0, 1]]
-    ids = torch.zeros(10, 1, dtype=torch.int64)  # and within a call, tokens alternate
+    served: dict[int, list[int]] = {0: [], 1: []}
+    for _ in range(4):  # steps
+        for layer in (0, 1):
+            counts = compute_layout(one, torch.ones(1, 1), placement, layer,
+                                    turns(layer)).rank_counts
+            served[layer].append(counts.index(1))
+    assert served == {0: [0, 1, 0, 1], 1: [0, 1, 0, 1]}
+    rank_1 = ReplicaTurns(start=1)  # attention rank 1 starts a turn apart from rank 0
+    assert [rank_1(0), rank_1(0), rank_1(1)] == [1, 2, 1]
+    ids = torch.zeros(10, 1, dtype=torch.int64)
     assert compute_layout(ids, torch.ones(10, 1), placement, 0, 3).rank_counts == [5, 5]
 
 

@@ -539,6 +539,18 @@ async def test_n_beyond_the_servers_capacity_is_a_400(model_dir: Path,
     assert (refused.value.status, refused.value.param) == (400, "n")
     assert "more than this server runs or queues at once (6)" in refused.value.message
     assert serving._admitted == 0
+    # a batch of prompts is counted whole, before any of its requests starts
+    from gateway.completions import _start
+
+    body = CompletionRequest(prompt=[[5]] * 4, n=2)
+    with pytest.raises(GatewayError) as refused:
+        await _start(serving, request, body, [[5]] * 4)
+    assert (refused.value.status, refused.value.param) == (400, "n")
+    assert refused.value.message.startswith("4 prompts x n=2 is more than")
+    serving._admitted = 3  # room for 3 now: a batch of 4 gets a 429 without starting any
+    with pytest.raises(GatewayError) as busy:
+        await _start(serving, request, CompletionRequest(prompt=[[5]] * 4), [[5]] * 4)
+    assert busy.value.status == 429 and serving._admitted == 3
 
 
 async def test_echo_of_token_ids_without_a_tokenizer_takes_no_place(tmp_path: Path) -> None:

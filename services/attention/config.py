@@ -164,7 +164,7 @@ def add_engine_flags(p: argparse.ArgumentParser, default_backend: str = "local")
 
 
 def add_quantization_flag(p: argparse.ArgumentParser, w4a4: str) -> None:
-    p.add_argument("--quantization", default=env("QUANTIZATION", "auto"),
+    p.add_argument("--quantization", default=env("QUANTIZATION") or "auto",
                    choices=["auto", "none", "w4a4"],
                    help=f"auto (default): the checkpoint's; none: float experts (overrides "
                         f"{ENV_PREFIX}QUANTIZATION); {w4a4}")

@@ -57,6 +57,7 @@ class Engine:
     def __init__(self, config: AttentionConfig, graph_capture: Capture | None = None) -> None:
         self.config = config
         self._stepping = threading.Lock()  # held by a step; close() waits for it
+        self._closed = False  # then a step (a worker thread that started late) does nothing
         self.device = check_device(config.device, "attention")
         check_cuda_graphs(config.cuda_graph_max_batch, config.cuda_graph_max_len,
                           "cuda" if graph_capture else config.device, config.dispatch_backend,
@@ -129,6 +130,7 @@ class Engine:
         if not idle:
             log.warning("closing under a step that did not end within %.0f s", timeout)
         try:
+            self._closed = True
             self.experts.close()
             if self.group:
                 self.group.send_plan(DcpPlan([], stop=True))
@@ -245,7 +247,7 @@ class Engine:
     def step(self) -> list[TokenDelta]:
         """Run one scheduler step; returns the new tokens of every sequence that got one."""
         with self._stepping:
-            return self._step()
+            return [] if self._closed else self._step()
 
     def _step(self) -> list[TokenDelta]:
         scheduled = self.scheduler.schedule()

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import anyio
 from anyio.abc import SocketAttribute, SocketStream
 
+from dcp.group import StepAborted
 from ep_dispatch.rpc import ExpertRankError
 from ep_dispatch.torch_dist import RendezvousError
 from services.attention.config import AttentionConfig
@@ -79,9 +80,6 @@ class AttentionServer:
 
     async def run_engine(self) -> None:
         lockstep = self.engine.experts.lockstep
-        # A step that failed part-way left its peers (lockstep expert ranks, DCP ranks)
-        # in collectives this rank will never join: no later round could pair up.
-        in_step_with_peers = lockstep or self.engine.group is not None
         while True:
             if lockstep:
                 # Every rank must join every round: wait for work only briefly.
@@ -99,12 +97,21 @@ class AttentionServer:
                 except Exception as exc:  # a bug must cost its batch, not the service
                     log.exception("engine step failed; failing its sequences")
                     deltas += self.engine.fail_all(f"internal engine error: {exc}")
-                    if in_step_with_peers:
-                        for delta in deltas:
-                            await self._deliver(delta)
+                    if self._left_peers_behind(exc):
+                        with anyio.move_on_after(5):  # a gateway that stopped reading
+                            for delta in deltas:  # must not keep the peers waiting
+                                await self._deliver(delta)
                         self._out_of_step()
             for delta in deltas:
                 await self._deliver(delta)
+
+    def _left_peers_behind(self, failure: Exception) -> bool:
+        """Whether a failed step left peers (lockstep expert ranks, DCP ranks) in
+        collectives this rank will never join: then no later round could pair up. A DCP
+        group that aborted the step together (`StepAborted`) is still in step."""
+        if self.engine.experts.lockstep:
+            return True
+        return self.engine.group is not None and not isinstance(failure, StepAborted)
 
     async def _apply(self, work: _Work) -> TokenDelta | None:
         """Add or abort; the abort's delta is returned for its owner. A refused request
