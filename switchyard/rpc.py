@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import struct
+import sys
 from collections.abc import Awaitable, Callable
 
 import anyio
@@ -68,6 +69,19 @@ async def serve_messages(conn: FrameStream, handle: Callable[[Message], Awaitabl
         log.exception("dropping a connection that sent a bad frame")
     finally:
         await conn.aclose()
+
+
+def run_service(name: str, host: str, port: int, serve: Callable[..., Awaitable[None]],
+                *args: object) -> int:
+    """`anyio.run(serve, *args)` for a service process: 0 when it ends, 2 with a one-line
+    error when its listener cannot bind (a connection's errors stay in its own task)."""
+    try:
+        anyio.run(serve, *args)
+    except OSError as exc:
+        print(f"switchyard {name}: cannot listen on {host}:{port}: {exc.strerror or exc}",
+              file=sys.stderr)
+        return 2
+    return 0
 
 
 async def connect(host: str, port: int, timeout: float = 30.0) -> FrameStream:

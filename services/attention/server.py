@@ -33,7 +33,7 @@ from switchyard.messages import (
     TokenDelta,
 )
 from switchyard.metrics import report_ready, start_metrics_server
-from switchyard.rpc import FrameStream, serve_messages
+from switchyard.rpc import FrameStream, run_service, serve_messages
 from switchyard.tracing import setup_tracing
 
 log = logging.getLogger("switchyard.attention")
@@ -196,11 +196,7 @@ def main(config: AttentionConfig) -> int:
         print(f"switchyard attention: {exc}", file=sys.stderr)
         return 2
     try:
-        anyio.run(serve, config, engine, metrics_port)
-    except OSError as exc:  # the listener's bind: a connection's errors stay in its task
-        print(f"switchyard attention: cannot listen on {config.host}:{config.port}: "
-              f"{exc.strerror or exc}", file=sys.stderr)
-        return 2
+        return run_service("attention", config.host, config.port, serve, config, engine,
+                           metrics_port)
     finally:
         engine.close()  # joins the rpc client's event-loop thread, leaves the torch group
-    return 0

@@ -36,7 +36,7 @@ from switchyard import tracing
 from switchyard.device import check_device, collective_backend
 from switchyard.messages import ExpertBatch, ExpertInfo, ExpertResult, InfoRequest, Message
 from switchyard.metrics import report_ready, start_metrics_server
-from switchyard.rpc import FrameStream, serve_messages
+from switchyard.rpc import FrameStream, run_service, serve_messages
 from switchyard.tracing import setup_tracing
 
 log = logging.getLogger("switchyard.expert")
@@ -256,10 +256,5 @@ def main(config: ExpertConfig) -> int:
     except (CheckpointError, ValueError, OSError, RendezvousError) as exc:
         print(f"switchyard expert: {exc}", file=sys.stderr)
         return 2
-    try:
-        anyio.run(serve, config, server, metrics_port)
-    except OSError as exc:  # the listener's bind: a connection's errors stay in its task
-        print(f"switchyard expert: cannot listen on {config.host}:{config.port}: "
-              f"{exc.strerror or exc}", file=sys.stderr)
-        return 2
-    return 0
+    return run_service("expert", config.host, config.port, serve, config, server,
+                       metrics_port)
