@@ -179,8 +179,9 @@ class _FakeConn:
 
 async def test_a_connection_that_closes_while_its_request_waits_behind_another_loses_it(
         ) -> None:
-    """b's request sits in the batch the engine applies while a's refusal is being sent;
-    b goes away then. Its request must not start for nobody (it used to run to the end)."""
+    """b's request sits in the batch the engine applies with a's refused one; b goes away
+    while a's refusal is still being sent. b's request must end with b (it used to run to
+    the end for nobody when the engine itself waited on that send)."""
     engine, a, b = _FakeEngine(), _FakeConn(hold_sends=True), _FakeConn()
     server = AttentionServer(engine)  # type: ignore[arg-type]
     with anyio.fail_after(20):
@@ -321,4 +322,35 @@ async def test_a_failed_step_answers_then_leaves_the_world_only_if_out_of_step(
             await a.feed.send(greedy("next", 4))  # applied after the failed step's end
             await engine.wait_added("next")
             assert left.is_set() == leaves
+            tg.cancel_scope.cancel()
+
+
+async def test_a_connection_that_does_not_read_delays_only_itself() -> None:
+    """Each connection has its own sender: one whose sends never complete (a gateway
+    that stopped reading) must not hold the engine, nor another connection's deltas."""
+    class Answering(_FakeEngine):
+        def has_work(self) -> bool:
+            return bool(self.live)
+
+        def step(self) -> list[TokenDelta]:  # every live request: one token, then done
+            done = [TokenDelta(r, [7], "length", 1) for r in sorted(self.live)]
+            self.live.clear()
+            return done
+
+    engine, stuck, fine = Answering(), _FakeConn(hold_sends=True), _FakeConn()
+    server = AttentionServer(engine)  # type: ignore[arg-type]
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(server.run_engine)
+            tg.start_soon(server.handle, stuck)
+            tg.start_soon(server.handle, fine)
+            await stuck.feed.send(greedy("s", 4))
+            await stuck.sending.wait()  # its answer will never finish sending
+            for i in range(3):
+                await fine.feed.send(greedy(f"f{i}", 4))
+                await fine.sending.wait()
+                fine.sending = anyio.Event()
+            sent: list[TokenDelta] = fine.sent  # type: ignore[assignment]
+            assert [(d.request_id, d.finish_reason) for d in sent] == [
+                ("f0", "length"), ("f1", "length"), ("f2", "length")]
             tg.cancel_scope.cancel()

@@ -2,13 +2,15 @@
 
 Connection tasks only queue work; one engine task applies it between steps and runs each
 step in a worker thread, so the engine is never touched concurrently and the event loop
-keeps answering while the model computes.
+keeps answering while the model computes. Deltas go out through each connection's own
+outbox and sender task: a connection that reads slowly delays only itself.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import signal
 import sys
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 
 import anyio
 from anyio.abc import SocketAttribute, SocketStream
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from dcp.group import StepAborted
 from ep_dispatch.rpc import ExpertRankError
@@ -53,6 +56,7 @@ class AttentionServer:
         self._inbox: list[_Work] = []
         self._wakeup = anyio.Event()
         self._owners: dict[str, FrameStream] = {}
+        self._outboxes: dict[FrameStream, MemoryObjectSendStream[TokenDelta]] = {}
         self._out_of_step = out_of_step or _exit_out_of_step
 
     def _post(self, work: _Work) -> None:
@@ -70,8 +74,16 @@ class AttentionServer:
             else:
                 log.warning("ignoring unexpected %s", type(msg).__name__)
 
+        outbox, pending = anyio.create_memory_object_stream[TokenDelta](math.inf)
+        self._outboxes[conn] = outbox
         try:
-            await serve_messages(conn, on_message, log)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_send_all, conn, pending)
+                try:
+                    await serve_messages(conn, on_message, log)
+                finally:
+                    del self._outboxes[conn]
+                    outbox.close()  # the sender ends once what is queued has been tried
         finally:
             # A gateway that went away takes its requests with it: those running for it
             # here, and (`_apply` skips them) those it sent that wait to be applied.
@@ -89,7 +101,7 @@ class AttentionServer:
                 await self._wakeup.wait()
             self._wakeup = anyio.Event()
             inbox, self._inbox = self._inbox, []
-            deltas = [d for work in inbox if (d := await self._apply(work))]
+            deltas = [d for work in inbox if (d := self._apply(work))]
             if lockstep or self.engine.has_work():
                 try:
                     deltas += await anyio.to_thread.run_sync(self.engine.step,
@@ -98,12 +110,13 @@ class AttentionServer:
                     log.exception("engine step failed; failing its sequences")
                     deltas += self.engine.fail_all(f"internal engine error: {exc}")
                     if self._left_peers_behind(exc):
+                        for delta in deltas:
+                            self._deliver(delta)
                         with anyio.move_on_after(5):  # a gateway that stopped reading
-                            for delta in deltas:  # must not keep the peers waiting
-                                await self._deliver(delta)
+                            await self._flushed()  # must not keep the peers waiting
                         self._out_of_step()
             for delta in deltas:
-                await self._deliver(delta)
+                self._deliver(delta)
 
     def _left_peers_behind(self, failure: Exception) -> bool:
         """Whether a failed step left peers (lockstep expert ranks, DCP ranks) in
@@ -113,7 +126,7 @@ class AttentionServer:
             return True
         return self.engine.group is not None and not isinstance(failure, StepAborted)
 
-    async def _apply(self, work: _Work) -> TokenDelta | None:
+    def _apply(self, work: _Work) -> TokenDelta | None:
         """Add or abort; the abort's delta is returned for its owner. A refused request
         is answered on its own connection and never owned: its id may be a running
         request's, whose owner must keep it (a connection that goes away aborts only the
@@ -127,15 +140,26 @@ class AttentionServer:
         if refused is None:
             self._owners[msg.request_id] = work.conn
         else:
-            await _send(work.conn, refused)
+            self._queue(work.conn, refused)
         return None
 
-    async def _deliver(self, delta: TokenDelta) -> None:
+    def _deliver(self, delta: TokenDelta) -> None:
         conn = self._owners.get(delta.request_id)
         if delta.finish_reason is not None:
             self._owners.pop(delta.request_id, None)
         if conn is not None:
-            await _send(conn, delta)
+            self._queue(conn, delta)
+
+    def _queue(self, conn: FrameStream, delta: TokenDelta) -> None:
+        """Into `conn`'s outbox (unbounded: the engine never waits on a connection); a
+        connection that is gone has none, and its handler aborts its requests."""
+        if (outbox := self._outboxes.get(conn)) is not None:
+            outbox.send_nowait(delta)
+
+    async def _flushed(self) -> None:
+        """Until every outbox is empty (bounded by the caller)."""
+        while any(o.statistics().current_buffer_used for o in self._outboxes.values()):
+            await anyio.sleep(0.01)
 
 
 def _exit_out_of_step() -> None:
@@ -147,10 +171,14 @@ def _exit_out_of_step() -> None:
     os._exit(OUT_OF_STEP_EXIT)
 
 
-async def _send(conn: FrameStream, delta: TokenDelta) -> None:
-    # A dead connection's handler aborts its requests; nothing to do here.
-    with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
-        await conn.send(delta)
+async def _send_all(conn: FrameStream, pending: MemoryObjectReceiveStream[TokenDelta]
+                    ) -> None:
+    """A connection's sender: its deltas in order. One that fails is dropped; a dead
+    connection's handler aborts its requests."""
+    async with pending:
+        async for delta in pending:
+            with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                await conn.send(delta)
 
 
 async def serve(config: AttentionConfig, engine: Engine, metrics_port: int | None) -> None:
