@@ -106,8 +106,13 @@ async def create_completion(serving: Serving, request: Request) -> Response:
         for run in runs:
             await run.aclose()
 
-    shapers = [_ChoiceText(serving, body, run, _echo_text(p, tokenizer, i) if body.echo else "")
-               for p, i, run in zip(prompts, ids, runs, strict=True) for _ in run.choices]
+    try:
+        shapers = [_ChoiceText(serving, body, run,
+                               _echo_text(p, tokenizer, i) if body.echo else "")
+                   for p, i, run in zip(prompts, ids, runs, strict=True) for _ in run.choices]
+    except BaseException:  # the runs hold places and engine requests
+        await close()
+        raise
     if body.stream:
         return EventStreamResponse(_events(runs, body, shapers), close)
     outs = await serving.complete(request, *runs)
