@@ -137,6 +137,19 @@ class RpcExperts(PointToPoint):
 
     async def _call(self, rank: int, layer: int, x: torch.Tensor, counts: list[int],
                     trace: dict[str, str]) -> torch.Tensor:
+        """Rank `rank`'s rows x [n, width] grouped by its local experts (`counts`) ->
+        outputs [n, H]; in several calls when one frame either way would be over the
+        frame limit (the expert would drop it)."""
+        rows = max(1, (MAX_FRAME_BYTES - FRAME_MARGIN) // _row_bytes(x))
+        if x.shape[0] <= rows:
+            return await self._call_once(rank, layer, x, counts, trace)
+        chunks = chunk_counts(counts, rows)
+        parts = x.split([sum(c) for c in chunks])
+        return torch.cat([await self._call_once(rank, layer, part, c, trace)
+                          for part, c in zip(parts, chunks, strict=True)])
+
+    async def _call_once(self, rank: int, layer: int, x: torch.Tensor, counts: list[int],
+                         trace: dict[str, str]) -> torch.Tensor:
         conn = self._conns[rank]
         if conn is None:  # lost on an earlier call: a rank that is back is used again
             try:
@@ -147,10 +160,6 @@ class RpcExperts(PointToPoint):
             conn = self._conns[rank]
             assert conn is not None
         call_id, payload = next(self._ids), to_wire(x)
-        if len(payload.data) > MAX_FRAME_BYTES - 4096:  # the expert would drop the frame
-            raise ExpertRankError(f"layer {layer} sends {self._name(rank)} {len(payload.data)} "
-                                  f"bytes, over the {MAX_FRAME_BYTES}-byte frame limit: lower "
-                                  "--max-num-batched-tokens")
         try:
             with anyio.fail_after(self.call_timeout):
                 self.dispatch_bytes += len(payload.data)
@@ -189,6 +198,34 @@ class RpcExperts(PointToPoint):
             self._portal.call(close_all)
             self._portal_cm.__exit__(None, None, None)
             self._portal_cm = None
+
+
+FRAME_MARGIN = 4096  # a frame's bytes besides its rows (message fields, msgpack)
+
+
+def _row_bytes(x: torch.Tensor) -> int:
+    """The larger of a row's bytes going out (x [n, width]) and coming back: an output
+    row is H values of at most 4 bytes; MXFP4 rows are 17/32 bytes per value."""
+    hidden = x.shape[1] if x.is_floating_point() else x.shape[1] * 32 // 17
+    return max(x.shape[1] * x.element_size(), hidden * 4, 1)
+
+
+def chunk_counts(counts: list[int], rows: int) -> list[list[int]]:
+    """Rows grouped by expert (`counts` per expert, in order) cut into consecutive chunks
+    of at most `rows` rows: each chunk's count per expert."""
+    chunks: list[list[int]] = []
+    current, room = [0] * len(counts), rows
+    for expert, count in enumerate(counts):
+        while count:
+            take = min(count, room)
+            current[expert] += take
+            count, room = count - take, room - take
+            if room == 0:
+                chunks.append(current)
+                current, room = [0] * len(counts), rows
+    if room < rows:
+        chunks.append(current)
+    return chunks
 
 
 async def _close(conn: FrameStream) -> None:

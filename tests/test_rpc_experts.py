@@ -12,6 +12,8 @@ import pytest
 import torch
 from anyio.abc import SocketAttribute
 from anyio.from_thread import start_blocking_portal
+from hypothesis import given
+from hypothesis import strategies as st
 
 from ep_dispatch.placement import Placement
 from ep_dispatch.rpc import ExpertRankError, RpcExperts
@@ -104,22 +106,39 @@ def test_a_rank_that_drops_its_connection_is_reconnected_at_the_next_step() -> N
             experts.close()
 
 
-def test_a_batch_over_the_frame_limit_is_refused_before_sending(
+def test_a_batch_over_the_frame_limit_goes_in_several_frames(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The expert would drop the connection on such a frame; the client names the limit
-    and the flag to lower, and the connection stays usable."""
+    """The expert would drop the connection on a frame over the limit: a rank's rows go
+    in several calls instead, cut between rows (and between experts' rows), and come back
+    in order."""
     from ep_dispatch import rpc
 
-    with expert_servers(lambda rank, n: "ok") as addresses:
+    calls = [0, 0]
+
+    def counting(rank: int, n: int) -> str:
+        calls[rank] += 1
+        return "ok"
+
+    with expert_servers(counting) as addresses:
         experts = RpcExperts(PLACEMENT, addresses, call_timeout=5)
         try:
-            monkeypatch.setattr(rpc, "MAX_FRAME_BYTES", 4096 + 32)  # 2 rows of 8 floats: 64 B
-            with pytest.raises(ExpertRankError, match="over the 4128-byte frame limit: lower "
-                                                      "--max-num-batched-tokens"):
-                step(experts)
-            monkeypatch.undo()
-            assert experts.ready()
             x = torch.arange(4 * 8, dtype=torch.float32).view(4, 8)
-            assert torch.equal(step(experts), x * 4)
+            assert torch.equal(step(experts), x * 4) and calls == [1, 1]
+            monkeypatch.setattr(rpc, "MAX_FRAME_BYTES", rpc.FRAME_MARGIN + 32)  # 1 row of 8
+            assert torch.equal(step(experts), x * 4)  # 4 rows per rank: 4 calls each
+            assert calls == [5, 5] and experts.ready()
         finally:
             experts.close()
+
+
+@given(st.lists(st.integers(0, 9), min_size=1, max_size=6), st.integers(1, 12))
+def test_chunks_keep_every_row_in_order(counts: list[int], rows: int) -> None:
+    from ep_dispatch.rpc import chunk_counts
+
+    chunks = chunk_counts(counts, rows)
+    assert [sum(c) for c in chunks[:-1]] == [rows] * (len(chunks) - 1)  # full but the last
+    assert all(0 < sum(c) <= rows for c in chunks)
+    assert [sum(c[e] for c in chunks) for e in range(len(counts))] == counts
+    # rows stay grouped by expert: flattening the chunks gives the original order
+    flat = [e for c in chunks for e, n in enumerate(c) for _ in range(n)]
+    assert flat == [e for e, n in enumerate(counts) for _ in range(n)]
