@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import time
 
 import anyio
 import msgspec
@@ -41,11 +42,12 @@ class Generation:
     """One in-flight request: iterate for its `TokenDelta`s, then `aclose` it."""
 
     def __init__(self, client: EngineClient, request_id: str,
-                 deltas: MemoryObjectReceiveStream[TokenDelta]) -> None:
+                 deltas: MemoryObjectReceiveStream[tuple[TokenDelta, float]]) -> None:
         self.request_id = request_id
         self._client = client
         self._deltas = deltas
         self.finished = False
+        self.arrived: float | None = None  # time.monotonic() the last delta came in
 
     def __aiter__(self) -> Generation:
         return self
@@ -54,7 +56,7 @@ class Generation:
         if self.finished:
             raise StopAsyncIteration
         try:
-            delta = await self._deltas.receive()
+            delta, self.arrived = await self._deltas.receive()
         except anyio.EndOfStream:
             # The reader closes the stream without a final delta only when the connection died.
             self.finished = True
@@ -77,7 +79,9 @@ class EngineClient:
         self._retry_interval_s = retry_interval_s
         self._frames: FrameStream | None = None
         self._info: EngineInfo | None = None
-        self._pending: dict[str, MemoryObjectSendStream[TokenDelta]] = {}
+        # per request: its deltas, each with when it arrived (latencies are the engine's,
+        # not how soon a client reads them)
+        self._pending: dict[str, MemoryObjectSendStream[tuple[TokenDelta, float]]] = {}
         self._ready = anyio.Event()
         self._stats_lock = anyio.Lock()
         self._stats: MemoryObjectSendStream[EngineStats] | None = None
@@ -134,7 +138,7 @@ class EngineClient:
             return  # a request we already released, e.g. aborted
         # An unbounded buffer, so one slow client never stalls the others.
         with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
-            stream.send_nowait(message)
+            stream.send_nowait((message, time.monotonic()))
         if message.finish_reason is not None:
             self.release(message.request_id)
 
@@ -153,7 +157,7 @@ class EngineClient:
         frames = self._frames
         if frames is None:
             raise engine_unavailable("not connected to the engine")
-        send, receive = anyio.create_memory_object_stream[TokenDelta](math.inf)
+        send, receive = anyio.create_memory_object_stream[tuple[TokenDelta, float]](math.inf)
         self._pending[request.request_id] = send
         try:
             # Shielded so a cancelled caller never leaves half a frame on the shared stream.

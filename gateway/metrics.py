@@ -88,8 +88,11 @@ class RequestTimer:
         self.num_tokens = 0
         self.finish_reason: str | None = None
 
-    def on_delta(self, delta: TokenDelta) -> None:
-        m, model, now = self._m, self._m._model, time.monotonic()
+    def on_delta(self, delta: TokenDelta, arrived: float | None = None) -> None:
+        """`arrived`: when the delta came from the engine (time.monotonic()), if earlier
+        than now: a client that reads slowly must not lengthen the engine's latencies."""
+        m, model = self._m, self._m._model
+        now = time.monotonic() if arrived is None else arrived
         if delta.token_ids:
             self.num_tokens += len(delta.token_ids)
             m.generation_tokens.labels(model).inc(len(delta.token_ids))
@@ -104,19 +107,21 @@ class RequestTimer:
         if delta.prefill_time_s is not None:
             m.prefill.labels(model).observe(delta.prefill_time_s)
         if delta.finish_reason is not None:
-            self.finish(delta.finish_reason)
+            self.finish(delta.finish_reason, now)
 
     @property
     def ttft_s(self) -> float | None:
         return None if self._first is None else self._first - self._start
 
-    def finish(self, reason: str) -> None:
-        """Count the choice as ended (once), with its end-to-end and decode time."""
+    def finish(self, reason: str, at: float | None = None) -> None:
+        """Count the choice as ended (once; at `at`, else now), with its end-to-end and
+        decode time."""
         if self._done:
             return
         self._done = True
         self.finish_reason = reason
-        m, model, now = self._m, self._m._model, time.monotonic()
+        m, model = self._m, self._m._model
+        now = time.monotonic() if at is None else at
         m.finished.labels(model, reason).inc()
         m.e2e.labels(model).observe(now - self._start)
         if self._first is not None:

@@ -77,7 +77,7 @@ async def outputs(generation: Generation, detokenizer: IncrementalDetokenizer,
     generated = 0
     async for delta in generation:
         before, generated = generated, generated + len(delta.token_ids)
-        timer.on_delta(delta)
+        timer.on_delta(delta, generation.arrived)
         if delta.finish_reason == "error":
             if delta.retryable:
                 raise engine_unavailable(delta.error or "the engine failed the request")
@@ -101,7 +101,7 @@ async def outputs(generation: Generation, detokenizer: IncrementalDetokenizer,
             tail, hit = stops.feed(tail, armed=generated > min_tokens)
             text += tail
             if hit:
-                timer.finish("stop")
+                timer.finish("stop", generation.arrived)
                 await generation.aclose()  # now: the request's other choices may run on
                 yield Output(text, list(delta.token_ids), "stop", list(delta.logprobs or ()))
                 return

@@ -487,7 +487,7 @@ async def test_a_choice_cut_by_a_stop_string_is_aborted_at_once(tokenizer: Token
     from switchyard.messages import TokenDelta
 
     class Generation:
-        closed = False
+        closed, arrived = False, None
 
         def __init__(self, ids: list[int]) -> None:
             self._deltas = iter([TokenDelta("r", [i]) for i in ids])

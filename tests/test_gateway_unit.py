@@ -351,3 +351,20 @@ def test_a_request_span_with_a_failed_choice_has_error_status() -> None:
                   span=provider.get_tracer("t").start_span("text_completion m"))
         run._end_span()
         assert exporter.get_finished_spans()[-1].status.status_code == status
+
+
+def test_latencies_are_taken_when_deltas_arrive_not_when_they_are_read() -> None:
+    """A delta that waited in its request's buffer (a client reading slowly) counts from
+    when it came off the engine connection, as vLLM measures in the engine."""
+    from gateway.metrics import Metrics, RequestTimer
+    from switchyard.messages import TokenDelta
+
+    metrics = Metrics("m")
+    timer = RequestTimer(metrics)
+    start = timer._start
+    timer.on_delta(TokenDelta("r", [1]), arrived=start + 0.25)
+    timer.on_delta(TokenDelta("r", [2], "length"), arrived=start + 1.0)
+    assert timer.ttft_s == 0.25
+    e2e = metrics.e2e.labels("m")._sum.get()  # type: ignore[attr-defined]
+    itl = metrics.itl.labels("m")._sum.get()  # type: ignore[attr-defined]
+    assert (e2e, itl) == (1.0, 0.75)
