@@ -140,7 +140,8 @@ class RpcExperts(PointToPoint):
         """Rank `rank`'s rows x [n, width] grouped by its local experts (`counts`) ->
         outputs [n, H]; in several calls when one frame either way would be over the
         frame limit (the expert would drop it)."""
-        rows = max(1, (MAX_FRAME_BYTES - FRAME_MARGIN) // _row_bytes(x))
+        margin = FRAME_MARGIN + 9 * len(counts)  # the message; each count at most 9 bytes
+        rows = max(1, (MAX_FRAME_BYTES - margin) // _row_bytes(x))
         if x.shape[0] <= rows:
             return await self._call_once(rank, layer, x, counts, trace)
         chunks = chunk_counts(counts, rows)

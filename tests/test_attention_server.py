@@ -309,7 +309,13 @@ async def test_a_failed_step_answers_then_leaves_the_world_only_if_out_of_step(
     engine, a, left = Failing(), _FakeConn(), anyio.Event()
     engine.experts = type("Experts", (), {"lockstep": lockstep})  # type: ignore[misc]
     engine.group = group  # type: ignore[misc]
-    server = AttentionServer(engine, out_of_step=left.set)  # type: ignore[arg-type]
+    at_exit: list[list[object]] = []  # what the connection had when the rank would exit
+
+    def out_of_step() -> None:
+        at_exit.append(list(a.sent))
+        left.set()
+
+    server = AttentionServer(engine, out_of_step=out_of_step)  # type: ignore[arg-type]
     with anyio.fail_after(20):
         async with anyio.create_task_group() as tg:
             tg.start_soon(server.run_engine)
@@ -322,6 +328,9 @@ async def test_a_failed_step_answers_then_leaves_the_world_only_if_out_of_step(
             await a.feed.send(greedy("next", 4))  # applied after the failed step's end
             await engine.wait_added("next")
             assert left.is_set() == leaves
+            if leaves:  # its error reached the connection before the rank went
+                assert [(d.request_id, d.finish_reason) for d in at_exit[0]] == [  # type: ignore[attr-defined]
+                    ("r", "error")]
             tg.cancel_scope.cancel()
 
 
@@ -353,4 +362,35 @@ async def test_a_connection_that_does_not_read_delays_only_itself() -> None:
             sent: list[TokenDelta] = fine.sent  # type: ignore[assignment]
             assert [(d.request_id, d.finish_reason) for d in sent] == [
                 ("f0", "length"), ("f1", "length"), ("f2", "length")]
+            tg.cancel_scope.cancel()
+
+
+async def test_a_delta_that_cannot_be_sent_costs_its_connection_not_the_service() -> None:
+    """A send that fails other than on a closed connection (msgspec refuses a lone
+    surrogate in an error text, say): that connection is dropped, the others go on."""
+    class Answering(_FakeEngine):
+        def has_work(self) -> bool:
+            return bool(self.live)
+
+        def step(self) -> list[TokenDelta]:
+            done = [TokenDelta(r, [7], "length", 1) for r in sorted(self.live)]
+            self.live.clear()
+            return done
+
+    class Unsendable(_FakeConn):
+        async def send(self, message: object) -> None:
+            raise UnicodeEncodeError("utf-8", "\udcff", 0, 1, "surrogates not allowed")
+
+    engine, bad, fine = Answering(), Unsendable(), _FakeConn()
+    server = AttentionServer(engine)  # type: ignore[arg-type]
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(server.run_engine)
+            tg.start_soon(server.handle, bad)
+            tg.start_soon(server.handle, fine)
+            await bad.feed.send(greedy("b", 4))
+            await bad.gone.wait()  # dropped...
+            await fine.feed.send(greedy("f", 4))  # ...and the service still serves
+            await fine.sending.wait()
+            assert [d.request_id for d in fine.sent] == ["f"]  # type: ignore[attr-defined]
             tg.cancel_scope.cancel()

@@ -8,7 +8,6 @@ outbox and sender task: a connection that reads slowly delays only itself.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
@@ -157,8 +156,13 @@ class AttentionServer:
             outbox.send_nowait(delta)
 
     async def _flushed(self) -> None:
-        """Until every outbox is empty (bounded by the caller)."""
-        while any(o.statistics().current_buffer_used for o in self._outboxes.values()):
+        """Until every outbox is empty and its sender back waiting for more (a delta it
+        took is sent by then), bounded by the caller."""
+        def busy(outbox: MemoryObjectSendStream[TokenDelta]) -> bool:
+            stats = outbox.statistics()
+            return bool(stats.current_buffer_used or not stats.tasks_waiting_receive)
+
+        while any(busy(o) for o in self._outboxes.values()):
             await anyio.sleep(0.01)
 
 
@@ -173,12 +177,18 @@ def _exit_out_of_step() -> None:
 
 async def _send_all(conn: FrameStream, pending: MemoryObjectReceiveStream[TokenDelta]
                     ) -> None:
-    """A connection's sender: its deltas in order. One that fails is dropped; a dead
-    connection's handler aborts its requests."""
+    """A connection's sender: its deltas in order. On a dead connection they are dropped
+    (its handler aborts its requests); a delta that cannot be sent at all (a bug) costs
+    its connection, never the service."""
     async with pending:
         async for delta in pending:
-            with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+            try:
                 await conn.send(delta)
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                pass
+            except Exception:
+                log.exception("dropping a connection whose delta could not be sent")
+                await conn.aclose()
 
 
 async def serve(config: AttentionConfig, engine: Engine, metrics_port: int | None) -> None:
