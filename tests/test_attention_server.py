@@ -177,6 +177,32 @@ class _FakeConn:
         self.gone.set()
 
 
+@asynccontextmanager
+async def _served(server: AttentionServer, *conns: object
+                  ) -> AsyncIterator[anyio.abc.TaskGroup]:
+    """`server`'s engine task and a handler for each connection, for at most 20 s; its
+    task group (to add connections), cancelled at the end."""
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(server.run_engine)
+            for conn in conns:
+                tg.start_soon(server.handle, conn)
+            yield tg
+            tg.cancel_scope.cancel()
+
+
+class _Answering(_FakeEngine):
+    """Every step: one token for each live request, which then finishes."""
+
+    def has_work(self) -> bool:
+        return bool(self.live)
+
+    def step(self) -> list[TokenDelta]:
+        done = [TokenDelta(r, [7], "length", 1) for r in sorted(self.live)]
+        self.live.clear()
+        return done
+
+
 async def test_a_connection_that_closes_while_its_request_waits_behind_another_loses_it(
         ) -> None:
     """b's request sits in the batch the engine applies with a's refused one; b goes away
@@ -184,25 +210,20 @@ async def test_a_connection_that_closes_while_its_request_waits_behind_another_l
     the end for nobody when the engine itself waited on that send)."""
     engine, a, b = _FakeEngine(), _FakeConn(hold_sends=True), _FakeConn()
     server = AttentionServer(engine)  # type: ignore[arg-type]
-    with anyio.fail_after(20):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(server.run_engine)
-            tg.start_soon(server.handle, a)
-            tg.start_soon(server.handle, b)
-            await a.feed.send(greedy("first", 4))  # runs a step that holds...
-            await engine.wait_added("first")
-            await a.feed.send(greedy("bad", 4))  # ...while these two queue together
-            await b.feed.send(greedy("b's", 4))
-            await wait_all_tasks_blocked()
-            engine.step_gate.set()
-            await a.sending.wait()  # the refusal of "bad" is held mid-send
-            await b.feed.aclose()
-            await b.gone.wait()
-            a.release.set()
-            await a.feed.send(greedy("probe", 4))  # applied after everything before it
-            await engine.wait_added("probe")
-            assert "b's" not in engine.live
-            tg.cancel_scope.cancel()
+    async with _served(server, a, b):
+        await a.feed.send(greedy("first", 4))  # runs a step that holds...
+        await engine.wait_added("first")
+        await a.feed.send(greedy("bad", 4))  # ...while these two queue together
+        await b.feed.send(greedy("b's", 4))
+        await wait_all_tasks_blocked()
+        engine.step_gate.set()
+        await a.sending.wait()  # the refusal of "bad" is held mid-send
+        await b.feed.aclose()
+        await b.gone.wait()
+        a.release.set()
+        await a.feed.send(greedy("probe", 4))  # applied after everything before it
+        await engine.wait_added("probe")
+        assert "b's" not in engine.live
 
 
 async def test_a_connection_going_away_aborts_only_what_it_owns() -> None:
@@ -212,36 +233,31 @@ async def test_a_connection_going_away_aborts_only_what_it_owns() -> None:
     connection, still ends it: an operator's tool."""
     engine, a, b = _FakeEngine(), _FakeConn(), _FakeConn()
     server = AttentionServer(engine)  # type: ignore[arg-type]
-    with anyio.fail_after(20):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(server.run_engine)
-            tg.start_soon(server.handle, a)
-            tg.start_soon(server.handle, b)
-            await a.feed.send(greedy("r", 4))
-            await engine.wait_added("r")  # and a step holds the engine...
-            await b.feed.send(greedy("r", 4))  # ...while a's id arrives from b, which
-            await b.feed.aclose()  # goes away before it is refused
-            await b.gone.wait()
-            await wait_all_tasks_blocked()
-            engine.step_gate.set()
-            await a.feed.send(greedy("probe", 4))
-            await engine.wait_added("probe")
-            assert "r" in engine.live  # b's going away aborted a's "r" before
-            c = _FakeConn()
-            tg.start_soon(server.handle, c)
-            await c.feed.send(greedy("r", 4))  # refused while c is still there...
-            await c.sending.wait()
-            await c.feed.aclose()  # ...then c goes away
-            await c.gone.wait()
-            await a.feed.send(greedy("probe 1", 4))
-            await engine.wait_added("probe 1")
-            assert "r" in engine.live
-            assert [d.finish_reason for d in c.sent] == ["error"]  # type: ignore[attr-defined]
-            await a.feed.send(AbortRequest("r"))
-            await a.feed.send(greedy("probe 2", 4))
-            await engine.wait_added("probe 2")
-            assert "r" not in engine.live
-            tg.cancel_scope.cancel()
+    async with _served(server, a, b) as tg:
+        await a.feed.send(greedy("r", 4))
+        await engine.wait_added("r")  # and a step holds the engine...
+        await b.feed.send(greedy("r", 4))  # ...while a's id arrives from b, which
+        await b.feed.aclose()  # goes away before it is refused
+        await b.gone.wait()
+        await wait_all_tasks_blocked()
+        engine.step_gate.set()
+        await a.feed.send(greedy("probe", 4))
+        await engine.wait_added("probe")
+        assert "r" in engine.live  # b's going away aborted a's "r" before
+        c = _FakeConn()
+        tg.start_soon(server.handle, c)
+        await c.feed.send(greedy("r", 4))  # refused while c is still there...
+        await c.sending.wait()
+        await c.feed.aclose()  # ...then c goes away
+        await c.gone.wait()
+        await a.feed.send(greedy("probe 1", 4))
+        await engine.wait_added("probe 1")
+        assert "r" in engine.live
+        assert [d.finish_reason for d in c.sent] == ["error"]  # type: ignore[attr-defined]
+        await a.feed.send(AbortRequest("r"))
+        await a.feed.send(greedy("probe 2", 4))
+        await engine.wait_added("probe 2")
+        assert "r" not in engine.live
 
 
 def test_closing_the_engine_waits_for_the_step_another_thread_runs(qwen3_ckpt: tuple
@@ -316,81 +332,49 @@ async def test_a_failed_step_answers_then_leaves_the_world_only_if_out_of_step(
         left.set()
 
     server = AttentionServer(engine, out_of_step=out_of_step)  # type: ignore[arg-type]
-    with anyio.fail_after(20):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(server.run_engine)
-            tg.start_soon(server.handle, a)
-            await a.feed.send(greedy("r", 4))
-            await a.sending.wait()
-            sent: list[TokenDelta] = a.sent  # type: ignore[assignment]
-            assert [(d.request_id, d.finish_reason) for d in sent] == [("r", "error")]
-            assert str(failure) in (sent[0].error or "")
-            await a.feed.send(greedy("next", 4))  # applied after the failed step's end
-            await engine.wait_added("next")
-            assert left.is_set() == leaves
-            if leaves:  # its error reached the connection before the rank went
-                assert [(d.request_id, d.finish_reason) for d in at_exit[0]] == [  # type: ignore[attr-defined]
-                    ("r", "error")]
-            tg.cancel_scope.cancel()
+    async with _served(server, a):
+        await a.feed.send(greedy("r", 4))
+        await a.sending.wait()
+        sent: list[TokenDelta] = a.sent  # type: ignore[assignment]
+        assert [(d.request_id, d.finish_reason) for d in sent] == [("r", "error")]
+        assert str(failure) in (sent[0].error or "")
+        await a.feed.send(greedy("next", 4))  # applied after the failed step's end
+        await engine.wait_added("next")
+        assert left.is_set() == leaves
+        if leaves:  # its error reached the connection before the rank went
+            assert [(d.request_id, d.finish_reason) for d in at_exit[0]] == [  # type: ignore[attr-defined]
+                ("r", "error")]
 
 
 async def test_a_connection_that_does_not_read_delays_only_itself() -> None:
     """Each connection has its own sender: one whose sends never complete (a gateway
     that stopped reading) must not hold the engine, nor another connection's deltas."""
-    class Answering(_FakeEngine):
-        def has_work(self) -> bool:
-            return bool(self.live)
-
-        def step(self) -> list[TokenDelta]:  # every live request: one token, then done
-            done = [TokenDelta(r, [7], "length", 1) for r in sorted(self.live)]
-            self.live.clear()
-            return done
-
-    engine, stuck, fine = Answering(), _FakeConn(hold_sends=True), _FakeConn()
+    engine, stuck, fine = _Answering(), _FakeConn(hold_sends=True), _FakeConn()
     server = AttentionServer(engine)  # type: ignore[arg-type]
-    with anyio.fail_after(20):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(server.run_engine)
-            tg.start_soon(server.handle, stuck)
-            tg.start_soon(server.handle, fine)
-            await stuck.feed.send(greedy("s", 4))
-            await stuck.sending.wait()  # its answer will never finish sending
-            for i in range(3):
-                await fine.feed.send(greedy(f"f{i}", 4))
-                await fine.sending.wait()
-                fine.sending = anyio.Event()
-            sent: list[TokenDelta] = fine.sent  # type: ignore[assignment]
-            assert [(d.request_id, d.finish_reason) for d in sent] == [
-                ("f0", "length"), ("f1", "length"), ("f2", "length")]
-            tg.cancel_scope.cancel()
+    async with _served(server, stuck, fine):
+        await stuck.feed.send(greedy("s", 4))
+        await stuck.sending.wait()  # its answer will never finish sending
+        for i in range(3):
+            await fine.feed.send(greedy(f"f{i}", 4))
+            await fine.sending.wait()
+            fine.sending = anyio.Event()
+        sent: list[TokenDelta] = fine.sent  # type: ignore[assignment]
+        assert [(d.request_id, d.finish_reason) for d in sent] == [
+            ("f0", "length"), ("f1", "length"), ("f2", "length")]
 
 
 async def test_a_delta_that_cannot_be_sent_costs_its_connection_not_the_service() -> None:
     """A send that fails other than on a closed connection (msgspec refuses a lone
     surrogate in an error text, say): that connection is dropped, the others go on."""
-    class Answering(_FakeEngine):
-        def has_work(self) -> bool:
-            return bool(self.live)
-
-        def step(self) -> list[TokenDelta]:
-            done = [TokenDelta(r, [7], "length", 1) for r in sorted(self.live)]
-            self.live.clear()
-            return done
-
     class Unsendable(_FakeConn):
         async def send(self, message: object) -> None:
             raise UnicodeEncodeError("utf-8", "\udcff", 0, 1, "surrogates not allowed")
 
-    engine, bad, fine = Answering(), Unsendable(), _FakeConn()
+    engine, bad, fine = _Answering(), Unsendable(), _FakeConn()
     server = AttentionServer(engine)  # type: ignore[arg-type]
-    with anyio.fail_after(20):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(server.run_engine)
-            tg.start_soon(server.handle, bad)
-            tg.start_soon(server.handle, fine)
-            await bad.feed.send(greedy("b", 4))
-            await bad.gone.wait()  # dropped...
-            await fine.feed.send(greedy("f", 4))  # ...and the service still serves
-            await fine.sending.wait()
-            assert [d.request_id for d in fine.sent] == ["f"]  # type: ignore[attr-defined]
-            tg.cancel_scope.cancel()
+    async with _served(server, bad, fine):
+        await bad.feed.send(greedy("b", 4))
+        await bad.gone.wait()  # dropped...
+        await fine.feed.send(greedy("f", 4))  # ...and the service still serves
+        await fine.sending.wait()
+        assert [d.request_id for d in fine.sent] == ["f"]  # type: ignore[attr-defined]
