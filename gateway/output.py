@@ -88,9 +88,11 @@ async def outputs(generation: Generation, detokenizer: IncrementalDetokenizer,
             # Like vLLM, the stop token is reported in token ids but not in the text.
             text_ids = text_ids[:-1]
         protected = max(0, min(len(text_ids), min_tokens - before))  # within min_tokens
-        text = detokenizer.add(text_ids[:protected])
-        if stops is not None:
-            text = stops.feed(text, armed=False)[0]
+        text = ""
+        if protected:  # (past min_tokens, the per-token path does no more than before)
+            text = detokenizer.add(text_ids[:protected])
+            if stops is not None:
+                text = stops.feed(text, armed=False)[0]
         tail = detokenizer.add(text_ids[protected:])
         if delta.finish_reason is not None:
             tail += detokenizer.flush()

@@ -34,8 +34,9 @@ def held_out(problem: Problem) -> bool:
 
 
 def draw_training(rng: random.Random) -> Problem:
-    while held_out(p := draw(rng)):
-        pass
+    p = draw(rng)
+    while held_out(p):
+        p = draw(rng)
     return p
 
 

@@ -185,7 +185,7 @@ async def _send_all(conn: FrameStream, pending: MemoryObjectReceiveStream[TokenD
             try:
                 await conn.send(delta)
             except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                pass
+                continue  # gone: its handler aborts its requests
             except Exception:
                 log.exception("dropping a connection whose delta could not be sent")
                 await conn.aclose()
