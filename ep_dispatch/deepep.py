@@ -48,6 +48,7 @@ from ep_dispatch.layout import ReplicaTurns
 from ep_dispatch.metrics import phase
 from ep_dispatch.placement import Placement
 from ep_dispatch.torch_dist import World
+from switchyard.flags import env
 from switchyard.units import parse_size
 
 log = logging.getLogger(__name__)
@@ -91,20 +92,22 @@ class DeepEPSettings:
         return self.mode != "normal"
 
 
-def add_deepep_flags(p: argparse.ArgumentParser, env: Callable[[str, str], str]) -> None:
-    p.add_argument("--deepep-mode", default=env("DEEPEP_MODE", "auto"), choices=MODES,
-                   help="deepep backend: its low-latency kernels for rounds of at most "
-                        "--deepep-max-tokens tokens per attention rank and normal ones "
-                        "above (auto), or one kind always")
-    p.add_argument("--deepep-max-tokens", type=int,
-                   default=int(env("DEEPEP_MAX_TOKENS", "128")),
-                   help="deepep: tokens per attention rank the low-latency buffers hold")
-    p.add_argument("--deepep-nvl-bytes", type=parse_size,
-                   default=parse_size(env("DEEPEP_NVL_BYTES", "0")),
-                   help="deepep: NVLink buffer per rank (0: DeepEP's size hint)")
-    p.add_argument("--deepep-rdma-bytes", type=parse_size,
-                   default=parse_size(env("DEEPEP_RDMA_BYTES", "0")),
-                   help="deepep: RDMA buffer per rank (0: DeepEP's size hint)")
+def add_deepep_flags(p: argparse.ArgumentParser) -> list[argparse.Action]:
+    return [
+        p.add_argument("--deepep-mode", default=env("DEEPEP_MODE", "auto"), choices=MODES,
+                       help="deepep backend: its low-latency kernels for rounds of at most "
+                            "--deepep-max-tokens tokens per attention rank and normal ones "
+                            "above (auto), or one kind always"),
+        p.add_argument("--deepep-max-tokens", type=int,
+                       default=int(env("DEEPEP_MAX_TOKENS", "128")),
+                       help="deepep: tokens per attention rank the low-latency buffers hold"),
+        p.add_argument("--deepep-nvl-bytes", type=parse_size,
+                       default=parse_size(env("DEEPEP_NVL_BYTES", "0")),
+                       help="deepep: NVLink buffer per rank (0: DeepEP's size hint)"),
+        p.add_argument("--deepep-rdma-bytes", type=parse_size,
+                       default=parse_size(env("DEEPEP_RDMA_BYTES", "0")),
+                       help="deepep: RDMA buffer per rank (0: DeepEP's size hint)"),
+    ]
 
 
 def deepep_settings(args: argparse.Namespace) -> DeepEPSettings:

@@ -7,13 +7,13 @@ can configure the gateway either way without code changes.
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from gateway.expert_stats import MAX_WINDOW_S
 from gateway.service_metrics import check_url
+from switchyard.flags import env, optional_int
 from switchyard.rpc import parse_address
 from switchyard.units import parse_size
 
@@ -40,54 +40,46 @@ class GatewayConfig:
     dashboard_window_s: float = 60.0
 
 
-def _env(name: str, default: str | None = None) -> str | None:
-    return os.environ.get(f"SWITCHYARD_{name}", default)
-
-
-def _optional_int(value: str | None) -> int | None:
-    return None if value in (None, "") else int(value)
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m gateway", description=__doc__)
-    engine = _env("ENGINE")
-    p.add_argument("--model", default=_env("MODEL"), required=_env("MODEL") is None,
+    engine = env("ENGINE")
+    p.add_argument("--model", default=env("MODEL"), required=env("MODEL") is None,
                    help="checkpoint directory (tokenizer.json, tokenizer_config.json)")
-    p.add_argument("--served-model-name", default=_env("SERVED_MODEL_NAME"),
+    p.add_argument("--served-model-name", default=env("SERVED_MODEL_NAME"),
                    help="model name clients use (default: the model directory's name)")
     p.add_argument("--engine", default=engine, required=engine is None,
                    help="attention service address(es), HOST:PORT[,HOST:PORT...]: one per "
                         "attention group; requests go to the least busy")
-    p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=int(_env("PORT") or 8000),
+    p.add_argument("--host", default=env("HOST", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=int(env("PORT") or 8000),
                    help="HTTP port; 0 picks a free one")
-    p.add_argument("--ready-fd", type=int, default=_optional_int(_env("READY_FD")),
+    p.add_argument("--ready-fd", type=int, default=optional_int(env("READY_FD")),
                    help="write the bound port to this file descriptor, then close it")
-    p.add_argument("--max-model-len", type=int, default=_optional_int(_env("MAX_MODEL_LEN")),
+    p.add_argument("--max-model-len", type=int, default=optional_int(env("MAX_MODEL_LEN")),
                    help="context length cap (default: the engine's)")
-    p.add_argument("--log-level", default=_env("LOG_LEVEL", "warning"), type=str.lower,
+    p.add_argument("--log-level", default=env("LOG_LEVEL", "warning"), type=str.lower,
                    choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action="store_true",
-                   default=_env("ACCESS_LOG", "") not in ("", "0", "false"))
+                   default=env("ACCESS_LOG", "") not in ("", "0", "false"))
     p.add_argument("--shutdown-timeout", type=float,
-                   default=float(_env("SHUTDOWN_TIMEOUT") or 5),
+                   default=float(env("SHUTDOWN_TIMEOUT") or 5),
                    help="seconds open streams get to finish on shutdown")
     p.add_argument("--max-request-body-size", type=parse_size,
-                   default=parse_size(_env("MAX_REQUEST_BODY_SIZE", "16MiB")),
+                   default=parse_size(env("MAX_REQUEST_BODY_SIZE", "16MiB")),
                    help="larger request bodies get 413")
     p.add_argument("--max-queued-requests", type=int,
-                   default=int(_env("MAX_QUEUED_REQUESTS") or 256),
+                   default=int(env("MAX_QUEUED_REQUESTS") or 256),
                    help="requests (choices) that may wait beyond what the engines run at "
                         "once; more get 429 with Retry-After")
-    p.add_argument("--retry-after", type=int, default=int(_env("RETRY_AFTER") or 1),
+    p.add_argument("--retry-after", type=int, default=int(env("RETRY_AFTER") or 1),
                    help="seconds a 429 tells the client to wait")
-    p.add_argument("--otlp-traces-endpoint", default=_env("OTLP_TRACES_ENDPOINT"),
+    p.add_argument("--otlp-traces-endpoint", default=env("OTLP_TRACES_ENDPOINT"),
                    help="OTLP traces URL (or set the OTEL_EXPORTER_OTLP_* variables)")
-    p.add_argument("--service-metrics", default=_env("SERVICE_METRICS", ""),
+    p.add_argument("--service-metrics", default=env("SERVICE_METRICS", ""),
                    help="the attention and expert services' /metrics URLs, comma-separated: "
                         "merged into the gateway's /metrics and shown on /dashboard")
     p.add_argument("--dashboard-window", type=float,
-                   default=float(_env("DASHBOARD_WINDOW") or 60),
+                   default=float(env("DASHBOARD_WINDOW") or 60),
                    help="seconds of recent load /dashboard summarizes by default")
     return p
 

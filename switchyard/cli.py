@@ -7,7 +7,8 @@ import sys
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
-    from services.attention.config import add_engine_flags, env
+    from services.attention.config import add_engine_flags
+    from switchyard.flags import env
 
     p = sub.add_parser("serve", help="start the whole local topology (gateway + engine)")
     p.add_argument("--model", default=env("MODEL"),
@@ -33,7 +34,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _attention_parser(sub: argparse._SubParsersAction) -> None:
-    from services.attention.config import add_engine_flags, add_metrics_flag, env
+    from services.attention.config import add_engine_flags
+    from switchyard.flags import add_metrics_flag, env
 
     p = sub.add_parser("attention", help="run one attention service (the engine core)")
     p.add_argument("--model", default=env("MODEL"), required=env("MODEL") is None,

@@ -26,11 +26,12 @@ import httpx
 
 from ep_dispatch.deepep import deepep_flags, deepep_settings
 from ep_dispatch.registry import COLLECTIVE, check_backend
-from services.attention.config import check_cuda_graphs
+from services.attention.config import add_engine_flags, check_cuda_graphs
 from services.expert.experts import check_quantization
 from services.model.config import CheckpointError, ModelConfig
 from switchyard.demo_model import DEFAULT_MODEL, DEFAULT_MODEL_NAME
-from switchyard.device import check_device
+from switchyard.device import check_device, resolve_dtype
+from switchyard.flags import as_flags
 
 
 class StartupError(RuntimeError):
@@ -225,27 +226,9 @@ def _stop_on_signals() -> Iterator[None]:
 
 
 def _engine_args(args: argparse.Namespace) -> list[str]:
-    out = ["--dtype", args.dtype, "--device", args.device, "--block-size", str(args.block_size),
-           "--expert-timeout", str(args.expert_timeout),
-           "--kv-cache-memory", str(args.kv_cache_memory),
-           "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-           "--max-num-seqs", str(args.max_num_seqs),
-           "--dispatch-backend", args.dispatch_backend,
-           "--cuda-graph-max-batch", str(args.cuda_graph_max_batch),
-           "--cuda-graph-max-len", str(args.cuda_graph_max_len)]
-    if args.max_model_len:
-        out += ["--max-model-len", str(args.max_model_len)]
-    if args.num_threads:
-        out += ["--num-threads", str(args.num_threads)]
-    if args.placement:
-        out += ["--placement", args.placement]
-    out += ["--quantization", args.quantization]
-    if args.dcp_size > 1:
-        out += ["--dcp-size", str(args.dcp_size), "--dcp-interleave", str(args.dcp_interleave)]
-    if args.dispatch_backend == "deepep":
-        out += deepep_flags(deepep_settings(args))
-    out += _tracing_args(args)
-    return out
+    """Every engine flag of `serve`, for each attention service (a flag added to
+    `add_engine_flags` reaches them with no change here). The rendezvous is per world."""
+    return as_flags(args, add_engine_flags(argparse.ArgumentParser()), skip={"dist_init"})
 
 
 def _tracing_args(args: argparse.Namespace) -> list[str]:
@@ -353,7 +336,6 @@ def _check_deepep(args: argparse.Namespace, cfg: ModelConfig) -> None:
         import_deep_ep,
     )
     from ep_dispatch.placement import make_placement
-    from services.attention.config import resolve_dtype
 
     num_experts = _num_expert_services(args)
     world = args.attention_groups + num_experts

@@ -6,6 +6,7 @@ A frame is a 4-byte big-endian length followed by that many bytes of msgpack.
 from __future__ import annotations
 
 import logging
+import signal
 import struct
 import sys
 from collections.abc import Awaitable, Callable
@@ -82,6 +83,13 @@ def run_service(name: str, host: str, port: int, serve: Callable[..., Awaitable[
               file=sys.stderr)
         return 2
     return 0
+
+
+async def cancel_on_signal(scope: anyio.CancelScope) -> None:
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for _ in signals:
+            scope.cancel()
+            return
 
 
 async def connect(host: str, port: int, timeout: float = 30.0) -> FrameStream:

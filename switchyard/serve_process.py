@@ -54,17 +54,23 @@ def alive(pid: int, started: int | None = None) -> bool:
     return started is None or int(fields[19]) == started
 
 
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class Served:
     """`switchyard serve ARGS --port 0`; `.url` is the base URL once healthy."""
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None,
-                 timeout: float = 180.0) -> None:
+                 timeout: float = 180.0, background: bool = False) -> None:
+        """`background`: start it as a shell starts a background job, SIGINT ignored."""
         # stderr goes to a file: a pipe nobody drains would block the services when full.
         self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed in stop())
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "switchyard", "serve", "--port", "0", *args],
             stdout=subprocess.PIPE, stderr=self.log, text=True,
-            env={**os.environ, **(env or {})})
+            env={**os.environ, **(env or {})},
+            preexec_fn=_ignore_sigint if background else None)
         self.url = self._wait_for_url(timeout)
         self.children = child_pids(self.proc.pid)
         self._started = {pid: start_time(pid) for pid in self.children}

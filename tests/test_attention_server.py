@@ -280,13 +280,25 @@ def test_closing_the_engine_waits_for_the_step_another_thread_runs(qwen3_ckpt: t
     stepper = threading.Thread(target=lambda: (engine.step(), order.append("step ended")))
     stepper.start()
     assert entered.wait(30)
+    waiting, lock = threading.Event(), engine._stepping
+
+    class Watched:  # the step's lock, telling when close() starts to wait for it
+        def acquire(self, timeout: float = -1) -> bool:
+            waiting.set()
+            return lock.acquire(timeout=timeout)
+
+        def release(self) -> None:
+            lock.release()
+
+    engine._stepping = Watched()  # type: ignore[assignment]
     closer = threading.Thread(target=engine.close)
     closer.start()
-    closer.join(0.5)  # (without waiting, the experts would be closed by now)
+    assert waiting.wait(30)
     release.set()
     stepper.join(30)
     closer.join(30)
     assert order == ["step ended", "experts closed"]
+    engine._stepping = lock
     assert engine.step() == []  # a worker thread that starts a step after close: nothing
 
 
@@ -294,8 +306,10 @@ def test_closing_under_a_step_that_never_ends_gives_up_after_its_timeout(
         qwen3_ckpt: tuple, caplog: pytest.LogCaptureFixture) -> None:
     engine = engine_for(qwen3_ckpt[0])
     assert engine._stepping.acquire()  # a step that hangs (a peer that died, say)
+    closed, close_experts = [], engine.experts.close
+    engine.experts.close = lambda: (closed.append(True), close_experts())  # type: ignore
     engine.close(timeout=0.1)
-    assert "did not end within" in caplog.text
+    assert "did not end within" in caplog.text and closed == [True]
 
 
 @pytest.mark.parametrize(("lockstep", "group", "failure", "leaves"), [

@@ -98,7 +98,5 @@ def test_a_client_process_that_dies_is_a_clear_error() -> None:
     proc = mp.get_context("spawn").Process(target=exit, args=(3,))
     proc.start()
     proc.join(30)
-    start = time.monotonic()
     with pytest.raises(RuntimeError, match="a client process exited with status 3"):
-        _get(mp.get_context("spawn").Queue(), [proc], 300)
-    assert time.monotonic() - start < 30
+        _get(mp.get_context("spawn").Queue(), [proc], 10)  # (or: "no answer within 10 s")

@@ -233,8 +233,6 @@ def test_a_child_that_dies_is_named_at_once_whichever_it_is() -> None:
     """An attention rank waiting in its rendezvous for an expert rank that exits at once:
     start-up names the expert within seconds (before, it waited on the attention rank
     first, until the rendezvous gave up after 120 s)."""
-    import time
-
     from switchyard.demo_model import DEFAULT_MODEL
     from switchyard.launcher import Children, StartupError, free_port
 
@@ -242,12 +240,10 @@ def test_a_child_that_dies_is_named_at_once_whichever_it_is() -> None:
     waiting = ["attention", "--model", str(DEFAULT_MODEL), "--port", "0", "--dispatch-backend",
                "torch", "--dist-init", f"127.0.0.1:{free_port()}", "--attention-ranks", "1",
                "--expert-ranks", "1"]
-    start = time.monotonic()
-    try:
+    try:  # (waiting in turn would fail otherwise: "... did not start listening in time")
         with pytest.raises(StartupError, match=r"expert rank 0 exited with status 2 before "
                                                r"listening"):
             children.start_all([("attention rank 0", waiting), (
                 "expert rank 0", ["expert", "--model", "/no/such/checkpoint"])], timeout=100)
-        assert time.monotonic() - start < 60
     finally:
         children.stop()

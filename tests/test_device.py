@@ -4,6 +4,7 @@ and asking for a device this process cannot use is a clear start-up error."""
 from __future__ import annotations
 
 import importlib
+import os
 import subprocess
 import sys
 
@@ -58,16 +59,17 @@ def test_the_gpu_check_says_there_is_nothing_to_do_without_a_gpu() -> None:
 
 @pytest.mark.gpu
 def test_w4a4_triton_kernel_matches_the_torch_path_on_the_gpu() -> None:
-    """The grouped MXFP4 GEMM compiled for this GPU (not the interpreter) against the
-    torch path, uneven and empty experts included (benchmarks/gpu_mxfp4.py's check)."""
-    from benchmarks.gpu_mxfp4 import check, parse_args
-
-    sys_argv, sys.argv = sys.argv, ["gpu_mxfp4", "--hidden", "512", "--inter", "256"]
-    try:
-        ok, working = check(parse_args(), ["dot_scaled", "decode"])
-    finally:
-        sys.argv = sys_argv
-    assert ok and working
+    """The grouped MXFP4 GEMM compiled for this GPU against the torch path, uneven and
+    empty experts included (benchmarks/gpu_mxfp4.py's check). In its own process: in this
+    one, collecting tests/test_triton_mxfp4.py set TRITON_INTERPRET=1, and Triton would
+    interpret the kernels instead of compiling them."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-m", "benchmarks.gpu_mxfp4", "--hidden", "512",
+                          "--inter", "256", "--variants", "dot_scaled", "decode", "--decode", "1",
+                          "--prefill", "--warmup", "1", "--iters", "2", "--copy-gib", "0.25"],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "no Triton variant ran" not in out.stdout, out.stdout
 
 
 def test_nccl_backend_needs_cuda_and_names_cupy() -> None:

@@ -257,7 +257,18 @@ def test_expert_server_coalesces_batches_of_one_layer(qwen3_ckpt: tuple) -> None
 
     a, b = batch(1, [2, 0, 1, 3, 0, 0, 1, 2]), batch(2, [0, 4, 1, 0, 0, 2, 0, 1])
     bad = ExpertBatch(3, 0, [1, 2], a.x)  # wrong number of experts
+    calls: list[list[int]] = []
+    forward = server.bank.forward
+
+    def counted(layer: int, x: torch.Tensor, counts: list[int], *rest: object
+                ) -> torch.Tensor:
+        calls.append(list(counts))
+        return forward(layer, x, counts, *rest)  # type: ignore[arg-type]
+
+    server.bank.forward = counted  # type: ignore[method-assign]
     together = server.compute([a, bad, b])
+    server.bank.forward = forward  # type: ignore[method-assign]
+    assert calls == [[2, 4, 2, 3, 0, 2, 1, 3]]  # one grouped GEMM: a's and b's rows per expert
     assert together[1].error and "does not match" in together[1].error
     for merged, single in zip([together[0], together[2]],
                               [server.compute([a])[0], server.compute([b])[0]], strict=True):

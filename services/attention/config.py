@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from ep_dispatch.deepep import DeepEPSettings, add_deepep_flags, deepep_settings
+from switchyard.device import resolve_dtype
+from switchyard.flags import add_device_flag, add_quantization_flag, env, optional_int
 from switchyard.units import parse_size
-
-ENV_PREFIX = "SWITCHYARD_"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -54,15 +52,6 @@ class AttentionConfig:
         return resolve_dtype(self.dtype, self.device)
 
 
-def resolve_dtype(name: str, device: str) -> torch.dtype:
-    """'auto' is float32 on CPU: without AVX-512 BF16, torch's bf16 matmul is ~100x slower."""
-    if name == "auto":
-        return torch.float32 if device == "cpu" else torch.bfloat16
-    if name not in _DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(_DTYPES)}")
-    return _DTYPES[name]
-
-
 def check_cuda_graphs(max_batch: int, max_len: int, device: str, backend: str,
                       dcp_size: int) -> None:
     """Decode graphs capture the whole step, experts included: in-process experts only.
@@ -89,85 +78,62 @@ def parse_addresses(text: str) -> list[tuple[str, int]]:
     return [parse_address(a) for a in text.split(",") if a.strip()]
 
 
-def env(name: str, default: str | None = None) -> str | None:
-    return os.environ.get(ENV_PREFIX + name, default)
-
-
-def add_device_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default=env("DEVICE", "cpu"), choices=["cpu", "cuda"],
-                   help="where to compute: cpu, or cuda (the process's current GPU: pin "
-                        "one with CUDA_VISIBLE_DEVICES)")
-
-
-def add_metrics_flag(p: argparse.ArgumentParser) -> None:
-    port = env("METRICS_PORT")
-    p.add_argument("--metrics-port", type=int, default=int(port) if port else None,
-                   help="serve Prometheus /metrics on this port, on --host (0: a free one; "
-                        "default: not served)")
-
-
-def add_engine_flags(p: argparse.ArgumentParser, default_backend: str = "local") -> None:
-    """Flags shared by `switchyard attention` and `switchyard serve`."""
-    p.add_argument("--dtype", default=env("DTYPE", "auto"),
-                   help="compute dtype: auto (float32 on CPU, where bfloat16 matmuls are "
-                        "~100x slower without AVX-512 BF16; bfloat16 on GPU), float32, "
-                        "bfloat16, float16")
-    add_device_flag(p)
-    p.add_argument("--block-size", type=int, default=int(env("BLOCK_SIZE", "16")),
-                   help="tokens per KV-cache block")
-    p.add_argument("--kv-cache-memory", type=parse_size,
-                   default=parse_size(env("KV_CACHE_MEMORY", "1GiB")),
-                   help="memory budget of the paged KV cache (e.g. 512MiB, 2GiB)")
-    p.add_argument("--max-num-batched-tokens", type=int,
-                   default=int(env("MAX_NUM_BATCHED_TOKENS", "512")),
-                   help="token budget of one scheduler step; longer prompts are chunked")
-    p.add_argument("--max-num-seqs", type=int, default=int(env("MAX_NUM_SEQS", "128")),
-                   help="most sequences running at once (at most the token budget)")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="context limit (default: the model's, capped by the KV cache)")
-    p.add_argument("--cuda-graph-max-batch", type=int,
-                   default=int(env("CUDA_GRAPH_MAX_BATCH", "0")),
-                   help="replay CUDA graphs for decode steps of up to this many sequences "
-                        "(--device cuda, local backend; one graph per power-of-two count of "
-                        "sequences and of keys, all captured at start-up; 0: off)")
-    p.add_argument("--cuda-graph-max-len", type=int,
-                   default=int(env("CUDA_GRAPH_MAX_LEN", "4096")),
-                   help="... when no sequence has more keys than this (longer steps run "
-                        "eagerly: a graph attends over its whole padded length)")
-    p.add_argument("--dispatch-backend", default=env("DISPATCH_BACKEND", default_backend),
-                   help="ep_dispatch backend between attention and experts: local (experts "
-                        "in the attention process), rpc (expert services over TCP), torch "
-                        "(torch.distributed all-to-all: gloo, or NCCL with --device cuda), "
-                        "nccl (NCCL through CuPy, --device cuda) or deepep (DeepEP's "
-                        "kernels, --device cuda)")
-    p.add_argument("--placement", default=env("PLACEMENT"),
-                   help="placement JSON file (default: balanced round-robin)")
-    p.add_argument("--expert-timeout", type=float, default=float(env("EXPERT_TIMEOUT", "30")),
-                   help="seconds an expert rank may take to answer one layer call, "
-                        "or to accept the connection at start-up")
-    add_quantization_flag(p, "w4a4: experts as MXFP4 (quantized at load unless the checkpoint "
-                             "already is, see `switchyard quantize`), activations dispatched "
-                             "as MXFP4 (every backend but deepep)")
-    p.add_argument("--dcp-size", type=int, default=int(env("DCP_SIZE", "1")),
-                   help="decode context parallelism: ranks per attention group, each holding "
-                        "1/D of every sequence's KV cache")
-    p.add_argument("--dcp-interleave", type=int, default=int(env("DCP_INTERLEAVE", "1")),
-                   help="consecutive tokens stored on one DCP rank before the next")
-    p.add_argument("--num-threads", type=int, default=None,
-                   help="torch intra-op threads (default: torch's choice)")
-    p.add_argument("--otlp-traces-endpoint", default=env("OTLP_TRACES_ENDPOINT"),
-                   help="OTLP traces URL (or set the OTEL_EXPORTER_OTLP_* variables)")
-    p.add_argument("--dist-init", default=env("DIST_INIT"),
-                   help="torch backend: HOST:PORT of the rendezvous, hosted by attention "
-                        "rank 0")
-    add_deepep_flags(p, env)
-
-
-def add_quantization_flag(p: argparse.ArgumentParser, w4a4: str) -> None:
-    p.add_argument("--quantization", default=env("QUANTIZATION") or "auto",
-                   choices=["auto", "none", "w4a4"],
-                   help=f"auto (default): the checkpoint's; none: float experts (overrides "
-                        f"{ENV_PREFIX}QUANTIZATION); {w4a4}")
+def add_engine_flags(p: argparse.ArgumentParser, default_backend: str = "local"
+                     ) -> list[argparse.Action]:
+    """Flags shared by `switchyard attention` and `switchyard serve`; returned, so that
+    `serve` forwards every one of them (`switchyard.flags.as_flags`)."""
+    add = p.add_argument
+    return [
+        add("--dtype", default=env("DTYPE", "auto"),
+            help="compute dtype: auto (float32 on CPU, where bfloat16 matmuls are ~100x "
+                 "slower without AVX-512 BF16; bfloat16 on GPU), float32, bfloat16, float16"),
+        add_device_flag(p),
+        add("--block-size", type=int, default=int(env("BLOCK_SIZE", "16")),
+            help="tokens per KV-cache block"),
+        add("--kv-cache-memory", type=parse_size,
+            default=parse_size(env("KV_CACHE_MEMORY", "1GiB")),
+            help="memory budget of the paged KV cache (e.g. 512MiB, 2GiB)"),
+        add("--max-num-batched-tokens", type=int,
+            default=int(env("MAX_NUM_BATCHED_TOKENS", "512")),
+            help="token budget of one scheduler step; longer prompts are chunked"),
+        add("--max-num-seqs", type=int, default=int(env("MAX_NUM_SEQS", "128")),
+            help="most sequences running at once (at most the token budget)"),
+        add("--max-model-len", type=int, default=optional_int(env("MAX_MODEL_LEN")),
+            help="context limit (default: the model's, capped by the KV cache)"),
+        add("--cuda-graph-max-batch", type=int, default=int(env("CUDA_GRAPH_MAX_BATCH", "0")),
+            help="replay CUDA graphs for decode steps of up to this many sequences "
+                 "(--device cuda, local backend; one graph per power-of-two count of "
+                 "sequences and of keys, all captured at start-up; 0: off)"),
+        add("--cuda-graph-max-len", type=int, default=int(env("CUDA_GRAPH_MAX_LEN", "4096")),
+            help="... when no sequence has more keys than this (longer steps run eagerly: a "
+                 "graph attends over its whole padded length)"),
+        add("--dispatch-backend", default=env("DISPATCH_BACKEND", default_backend),
+            help="ep_dispatch backend between attention and experts: local (experts in the "
+                 "attention process), rpc (expert services over TCP), torch "
+                 "(torch.distributed all-to-all: gloo, or NCCL with --device cuda), nccl "
+                 "(NCCL through CuPy, --device cuda) or deepep (DeepEP's kernels, --device "
+                 "cuda)"),
+        add("--placement", default=env("PLACEMENT"),
+            help="placement JSON file (default: balanced round-robin)"),
+        add("--expert-timeout", type=float, default=float(env("EXPERT_TIMEOUT", "30")),
+            help="seconds an expert rank may take to answer one layer call, or to accept "
+                 "the connection at start-up"),
+        add_quantization_flag(p, "w4a4: experts as MXFP4 (quantized at load unless the "
+                                 "checkpoint already is, see `switchyard quantize`), "
+                                 "activations dispatched as MXFP4 (every backend but deepep)"),
+        add("--dcp-size", type=int, default=int(env("DCP_SIZE", "1")),
+            help="decode context parallelism: ranks per attention group, each holding 1/D "
+                 "of every sequence's KV cache"),
+        add("--dcp-interleave", type=int, default=int(env("DCP_INTERLEAVE", "1")),
+            help="consecutive tokens stored on one DCP rank before the next"),
+        add("--num-threads", type=int, default=optional_int(env("NUM_THREADS")),
+            help="torch intra-op threads (default: torch's choice)"),
+        add("--otlp-traces-endpoint", default=env("OTLP_TRACES_ENDPOINT"),
+            help="OTLP traces URL (or set the OTEL_EXPORTER_OTLP_* variables)"),
+        add("--dist-init", default=env("DIST_INIT"),
+            help="torch backend: HOST:PORT of the rendezvous, hosted by attention rank 0"),
+        *add_deepep_flags(p),
+    ]
 
 
 def from_args(args: argparse.Namespace) -> AttentionConfig:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ from switchyard.messages import (
     TokenDelta,
 )
 from switchyard.metrics import report_ready, start_metrics_server
-from switchyard.rpc import FrameStream, run_service, serve_messages
+from switchyard.rpc import FrameStream, cancel_on_signal, run_service, serve_messages
 from switchyard.tracing import setup_tracing
 
 log = logging.getLogger("switchyard.attention")
@@ -150,8 +149,10 @@ class AttentionServer:
             self._queue(conn, delta)
 
     def _queue(self, conn: FrameStream, delta: TokenDelta) -> None:
-        """Into `conn`'s outbox (unbounded: the engine never waits on a connection); a
-        connection that is gone has none, and its handler aborts its requests."""
+        """Into `conn`'s outbox, unbounded as vLLM's and SGLang's output sockets are
+        (ZMQ SNDHWM 0): the engine never waits on a connection, and a bound would drop a
+        gateway that paused (a GC, a slow host) with all its requests. A connection that
+        is gone has no outbox, and its handler aborts its requests."""
         if (outbox := self._outboxes.get(conn)) is not None:
             outbox.send_nowait(delta)
 
@@ -205,13 +206,6 @@ async def serve(config: AttentionConfig, engine: Engine, metrics_port: int | Non
         tg.start_soon(server.run_engine)
         tg.start_soon(cancel_on_signal, tg.cancel_scope)
         await listener.serve(on_connect)
-
-
-async def cancel_on_signal(scope: anyio.CancelScope) -> None:
-    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async for _ in signals:
-            scope.cancel()
-            return
 
 
 def main(config: AttentionConfig) -> int:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ep_dispatch.deepep import DeepEPSettings, add_deepep_flags, deepep_settings
-from services.attention.config import add_device_flag, add_metrics_flag, add_quantization_flag, env
+from switchyard.flags import add_device_flag, add_metrics_flag, add_quantization_flag, env
 from switchyard.rpc import parse_address
 
 
@@ -64,7 +64,7 @@ def add_expert_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--otlp-traces-endpoint", default=env("OTLP_TRACES_ENDPOINT"),
                    help="OTLP traces URL (or set the OTEL_EXPORTER_OTLP_* variables)")
     add_metrics_flag(p)
-    add_deepep_flags(p, env)
+    add_deepep_flags(p)
 
 
 def expert_config(args: argparse.Namespace) -> ExpertConfig:

@@ -27,16 +27,15 @@ from ep_dispatch.torch_dist import (
     serve_experts,
 )
 from ep_dispatch.wire import from_wire, to_wire
-from services.attention.config import resolve_dtype
 from services.expert.config import ExpertConfig
 from services.expert.experts import ExpertBank
 from services.model.checkpoint import Checkpoint
 from services.model.config import CheckpointError, ModelConfig
 from switchyard import tracing
-from switchyard.device import check_device, collective_backend
+from switchyard.device import check_device, collective_backend, resolve_dtype
 from switchyard.messages import ExpertBatch, ExpertInfo, ExpertResult, InfoRequest, Message
 from switchyard.metrics import report_ready, start_metrics_server
-from switchyard.rpc import FrameStream, run_service, serve_messages
+from switchyard.rpc import FrameStream, cancel_on_signal, run_service, serve_messages
 from switchyard.tracing import setup_tracing
 
 log = logging.getLogger("switchyard.expert")
@@ -181,8 +180,6 @@ class ExpertServer:
 
 
 async def serve(config: ExpertConfig, server: ExpertServer, metrics_port: int | None) -> None:
-    from services.attention.server import cancel_on_signal
-
     listener = await anyio.create_tcp_listener(local_host=config.host, local_port=config.port)
     port = listener.extra(SocketAttribute.local_port)
     log.info("expert rank %d/%d listening on %s:%d, holding %.1f MB", config.rank,

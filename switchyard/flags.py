@@ -1,0 +1,56 @@
+"""Flags the service processes share, each defaulting to a `SWITCHYARD_*` variable, and
+their forwarding from `switchyard serve` to the processes it starts."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Collection
+
+ENV_PREFIX = "SWITCHYARD_"
+
+
+def env(name: str, default: str | None = None) -> str | None:
+    """`SWITCHYARD_<name>`, or `default`."""
+    return os.environ.get(ENV_PREFIX + name, default)
+
+
+def optional_int(value: str | None) -> int | None:
+    """An optional integer setting: unset or empty (`${VAR:-}` in an env file) is None."""
+    return None if value in (None, "") else int(value)
+
+
+def add_device_flag(p: argparse.ArgumentParser) -> argparse.Action:
+    return p.add_argument("--device", default=env("DEVICE", "cpu"), choices=["cpu", "cuda"],
+                          help="where to compute: cpu, or cuda (the process's current GPU: "
+                               "pin one with CUDA_VISIBLE_DEVICES)")
+
+
+def add_metrics_flag(p: argparse.ArgumentParser) -> argparse.Action:
+    port = env("METRICS_PORT")
+    return p.add_argument("--metrics-port", type=int, default=int(port) if port else None,
+                          help="serve Prometheus /metrics on this port, on --host (0: a free "
+                               "one; default: not served)")
+
+
+def add_quantization_flag(p: argparse.ArgumentParser, w4a4: str) -> argparse.Action:
+    return p.add_argument("--quantization", default=env("QUANTIZATION") or "auto",
+                          choices=["auto", "none", "w4a4"],
+                          help=f"auto (default): the checkpoint's; none: float experts "
+                               f"(overrides {ENV_PREFIX}QUANTIZATION); {w4a4}")
+
+
+def as_flags(args: argparse.Namespace, actions: list[argparse.Action],
+             skip: Collection[str] = ()) -> list[str]:
+    """The command-line flags that give another process `args`' values of `actions`
+    (those not None; a switch when set), except the destinations in `skip`."""
+    out: list[str] = []
+    for action in actions:
+        value = getattr(args, action.dest)
+        if action.dest in skip or value is None:
+            continue
+        if action.nargs == 0:  # a switch: store_true and the like
+            out += [action.option_strings[0]] if value else []
+        else:
+            out += [action.option_strings[0], str(value)]
+    return out

@@ -1,0 +1,61 @@
+"""Flags: `serve` forwards every engine flag to its attention services, whatever it is."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from switchyard.flags import as_flags
+from switchyard.units import parse_size
+
+
+def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    from switchyard.cli import _attention_parser, _serve_parser
+
+    root = argparse.ArgumentParser()
+    sub = root.add_subparsers(dest="command")
+    _serve_parser(sub)
+    _attention_parser(sub)
+    return sub.choices["serve"], sub.choices["attention"]
+
+
+def _other_value(action: argparse.Action) -> str:
+    """A valid value for `action` that is not its default."""
+    if action.choices:
+        return next(str(c) for c in action.choices if c != action.default)
+    if action.type is int:
+        return str((action.default or 0) + 3)
+    if action.type is float:
+        return str((action.default or 0) + 1.5)
+    if action.type is parse_size:
+        return "3MiB"
+    return f"{action.dest}-value"
+
+
+def test_serve_forwards_every_engine_flag_to_the_attention_services(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.attention.config import add_engine_flags
+    from switchyard.launcher import _engine_args
+
+    for name in ("DISPATCH_BACKEND", "QUANTIZATION", "DTYPE", "DEVICE", "DIST_INIT"):
+        monkeypatch.delenv(f"SWITCHYARD_{name}", raising=False)
+    serve, attention = _parsers()
+    engine = add_engine_flags(argparse.ArgumentParser())
+    argv = [arg for a in engine for arg in (a.option_strings[0], _other_value(a))]
+    given = serve.parse_args(argv)
+    got = attention.parse_args(["--model", "m", *_engine_args(given)])
+    for action in engine:
+        if action.dest != "dist_init":  # the launcher gives each world its own
+            assert getattr(got, action.dest) == getattr(given, action.dest), action.dest
+            assert getattr(got, action.dest) != action.default, action.dest
+
+
+def test_as_flags_gives_values_and_switches_and_leaves_out_what_is_unset() -> None:
+    p = argparse.ArgumentParser()
+    actions = [p.add_argument("--n", type=int), p.add_argument("--on", action="store_true"),
+               p.add_argument("--off", action="store_true"), p.add_argument("--name"),
+               p.add_argument("--skipped")]
+    args = p.parse_args(["--n", "4", "--on", "--skipped", "x"])
+    assert as_flags(args, actions, skip={"skipped"}) == ["--n", "4", "--on"]
+    assert p.parse_args(as_flags(args, actions)) == args
