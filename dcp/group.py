@@ -25,21 +25,18 @@ _IDLE_FOREVER = datetime.timedelta(days=365)
 
 
 class DcpGroup:
-    def __init__(self, init: tuple[str, int], rank: int, size: int, backend: str = "gloo"
-                 ) -> None:
+    def __init__(self, init: tuple[str, int], rank: int, size: int, backend: str = "gloo",
+                 timeout: float = 300.0) -> None:
+        """Meet the group's other ranks at rank 0's store, waiting `timeout` seconds."""
         host, port = init
         store = dist.TCPStore(host, port, size, is_master=rank == 0,
-                              timeout=datetime.timedelta(seconds=120))
+                              timeout=datetime.timedelta(seconds=timeout))
         dist.init_process_group(backend, store=store, rank=rank, world_size=size,
                                 timeout=_IDLE_FOREVER)
         self.rank, self.size = rank, size
         self._device = "cuda" if backend == "nccl" else "cpu"  # where NCCL/gloo want tensors
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(DcpPlan)
-
-    @property
-    def is_leader(self) -> bool:
-        return self.rank == 0
 
     def send_plan(self, plan: DcpPlan) -> None:
         data = torch.frombuffer(bytearray(self._encoder.encode(plan)), dtype=torch.uint8)

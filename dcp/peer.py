@@ -30,7 +30,7 @@ def run_peer(config: AttentionConfig) -> None:
     checkpoint = Checkpoint(config.model)
     device = check_device(config.device, "attention")
     group = DcpGroup(config.dcp_init, config.dcp_rank, config.dcp_size,
-                     collective_backend(device))
+                     collective_backend(device), config.rendezvous_timeout)
     model = DenseModel(cfg, checkpoint, dtype, group.attend, device)
     checkpoint.close()
     num_blocks = config.kv_cache_memory // kv_bytes_per_block(cfg, config.block_size, dtype)

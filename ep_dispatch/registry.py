@@ -34,7 +34,8 @@ class BackendContext:
     expert_addresses: list[tuple[str, int]] = field(default_factory=list)
     placement_file: Path | None = None
     call_timeout: float = 30.0
-    connect_timeout: float = 30.0
+    connect_timeout: float = 30.0  # `rpc`: to reach an expert service
+    rendezvous_timeout: float = 300.0  # lockstep backends: for every rank to join
     world: World | None = None  # `torch`: this rank's place among all ranks
     hidden_size: int = 0
     dtype: torch.dtype = torch.float32
@@ -85,7 +86,7 @@ def _torch(ctx: BackendContext) -> ExpertsClient:
 
     world, placement = _collective_world("torch", ctx)
     rows = _rows(ctx)
-    join(world, ctx.connect_timeout, collective_backend(ctx.device), rows)
+    join(world, ctx.rendezvous_timeout, collective_backend(ctx.device), rows)
     return TorchExperts(world, placement, rows, ctx.device)
 
 
@@ -97,7 +98,7 @@ def _nccl(ctx: BackendContext) -> ExpertsClient:
     world, placement = _collective_world("nccl", ctx)
     rows = _rows(ctx)
     return TorchExperts(world, placement, rows, ctx.device,
-                        CupyNccl(world, ctx.connect_timeout, rows))
+                        CupyNccl(world, ctx.rendezvous_timeout, rows), backend="nccl")
 
 
 def _deepep(ctx: BackendContext) -> ExpertsClient:
@@ -109,7 +110,7 @@ def _deepep(ctx: BackendContext) -> ExpertsClient:
     check_deepep(settings, world.size, ctx.hidden_size, ctx.top_k, placement.most_local,
                  ctx.dtype)
     import_deep_ep()
-    join(world, ctx.connect_timeout, "nccl", _rows(ctx))
+    join(world, ctx.rendezvous_timeout, "nccl", _rows(ctx))
     return DeepEPExperts(world, placement, ctx.hidden_size, ctx.top_k, settings)
 
 

@@ -171,7 +171,9 @@ class TorchExperts:
     lockstep = True
 
     def __init__(self, world: World, placement: Placement, rows: RowFormat,
-                 device: str = "cpu", collective: Collective | None = None) -> None:
+                 device: str = "cpu", collective: Collective | None = None,
+                 backend: str = "torch") -> None:
+        """`backend`: the name its dispatch and combine metrics carry."""
         if placement.num_ranks != world.num_experts:
             raise ValueError(f"placement has {placement.num_ranks} ranks, the world "
                              f"{world.num_experts} expert ranks")
@@ -179,6 +181,7 @@ class TorchExperts:
         self.format, self.device = rows, torch.device(device)
         self.width = placement.most_local
         self.coll = collective or TorchCollective()
+        self.backend = backend
         self._turns = ReplicaTurns(world.rank)  # each layer's first replica; ranks apart
 
     def begin_step(self, num_tokens: int) -> bool:
@@ -192,7 +195,7 @@ class TorchExperts:
 
     def __call__(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> torch.Tensor:
-        with phase("dispatch", "torch", layer, x.shape[0]):
+        with phase("dispatch", self.backend, layer, x.shape[0]):
             layout = compute_layout(topk_ids, topk_weights, self.placement, layer,
                                     self._turns(layer))
             g = self.world.num_attention
@@ -207,7 +210,7 @@ class TorchExperts:
             self.coll.all_to_all(self.format.empty_rows(0, x.device), rows, none, splits)
             y = self.format.empty_outputs(rows.shape[0], x.device)  # [N, H]
             self.coll.all_to_all(y, self.format.empty_outputs(0, x.device), splits, none)
-        with phase("combine", "torch", layer, x.shape[0]):
+        with phase("combine", self.backend, layer, x.shape[0]):
             return combine(y, layout)
 
     def describe(self) -> list[str]:

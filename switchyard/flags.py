@@ -40,6 +40,16 @@ def add_quantization_flag(p: argparse.ArgumentParser, w4a4: str) -> argparse.Act
                                f"(overrides {ENV_PREFIX}QUANTIZATION); {w4a4}")
 
 
+def add_rendezvous_flag(p: argparse.ArgumentParser) -> argparse.Action:
+    # Ranks meet once loaded: an expert rank reads most of an MoE's weights first, which
+    # takes minutes for a large model (torch's own TCPStore waits 300 s by default).
+    return p.add_argument("--rendezvous-timeout", type=float,
+                          default=float(env("RENDEZVOUS_TIMEOUT") or 300),
+                          help="seconds the ranks of a lockstep world (torch, nccl, deepep "
+                               "backends) or of a DCP group wait at start-up for every "
+                               "rank to join")
+
+
 def as_flags(args: argparse.Namespace, actions: list[argparse.Action],
              skip: Collection[str] = ()) -> list[str]:
     """The command-line flags that give another process `args`' values of `actions`

@@ -279,7 +279,7 @@ def _start_services(args: argparse.Namespace, model: Path, name: str,
     common = [*(["--placement", args.placement] if args.placement else []),
               *(["--num-threads", str(args.num_threads)] if args.num_threads else [])]
     expert_flags = ["--quantization", args.quantization, *_tracing_args(args),
-                    "--metrics-port", "0"]
+                    "--metrics-port", "0", "--rendezvous-timeout", str(args.rendezvous_timeout)]
     experts = [(f"expert rank {r}", ["expert", *shared, "--rank", str(r), "--num-ranks",
                                      str(num_experts), "--dtype", args.dtype,
                                      "--device", args.device, *common,

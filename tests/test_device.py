@@ -109,3 +109,17 @@ def test_nccl_unique_id_crosses_the_store_in_the_type_cupy_gave(uid: bytes | tup
 
     back = decode_unique_id(encode_unique_id(uid).encode())
     assert back == uid and type(back) is type(uid)
+
+
+def test_the_nccl_backend_reports_its_metrics_as_nccl(monkeypatch: pytest.MonkeyPatch) -> None:
+    """It reuses the torch backend's exchange: its dispatch and combine histograms must
+    still say `backend="nccl"` (the docs and dashboard name it so)."""
+    from ep_dispatch import nccl
+    from ep_dispatch.registry import BackendContext, create_experts_client
+    from ep_dispatch.torch_dist import World
+
+    monkeypatch.setattr(nccl, "import_nccl", lambda: None)
+    monkeypatch.setattr(nccl, "CupyNccl", lambda *args: "communicator")
+    world = World(("127.0.0.1", 1), 1, 1, rank=0)
+    client = create_experts_client("nccl", BackendContext([0], 8, world=world, device="cuda"))
+    assert (client.backend, client.coll) == ("nccl", "communicator")  # type: ignore[attr-defined]

@@ -10,7 +10,13 @@ import torch
 
 from ep_dispatch.deepep import DeepEPSettings, add_deepep_flags, deepep_settings
 from switchyard.device import resolve_dtype
-from switchyard.flags import add_device_flag, add_quantization_flag, env, optional_int
+from switchyard.flags import (
+    add_device_flag,
+    add_quantization_flag,
+    add_rendezvous_flag,
+    env,
+    optional_int,
+)
 from switchyard.units import parse_size
 
 
@@ -28,6 +34,7 @@ class AttentionConfig:
     expert_addresses: tuple[tuple[str, int], ...] = ()
     placement: Path | None = None
     expert_timeout: float = 30.0
+    rendezvous_timeout: float = 300.0  # lockstep worlds and DCP groups: for every rank
     dist_init: tuple[str, int] | None = None  # torch backend: the rendezvous (TCP store)
     attention_rank: int = 0
     attention_ranks: int = 1
@@ -121,6 +128,7 @@ def add_engine_flags(p: argparse.ArgumentParser, default_backend: str = "local"
         add_quantization_flag(p, "w4a4: experts as MXFP4 (quantized at load unless the "
                                  "checkpoint already is, see `switchyard quantize`), "
                                  "activations dispatched as MXFP4 (every backend but deepep)"),
+        add_rendezvous_flag(p),
         add("--dcp-size", type=int, default=int(env("DCP_SIZE", "1")),
             help="decode context parallelism: ranks per attention group, each holding 1/D "
                  "of every sequence's KV cache"),
@@ -145,7 +153,7 @@ def from_args(args: argparse.Namespace) -> AttentionConfig:
         dispatch_backend=args.dispatch_backend, num_threads=args.num_threads,
         expert_addresses=tuple(parse_addresses(getattr(args, "expert_addresses", None) or "")),
         placement=Path(args.placement) if args.placement else None,
-        expert_timeout=args.expert_timeout,
+        expert_timeout=args.expert_timeout, rendezvous_timeout=args.rendezvous_timeout,
         dist_init=parse_addresses(args.dist_init)[0] if args.dist_init else None,
         attention_rank=getattr(args, "attention_rank", 0),
         attention_ranks=getattr(args, "attention_ranks", 1),

@@ -87,7 +87,8 @@ class Engine:
             device_expert_fn=bank.forward_on_device if bank else None,
             expert_addresses=list(config.expert_addresses),
             placement_file=config.placement, call_timeout=config.expert_timeout,
-            connect_timeout=config.expert_timeout, world=_world(config),
+            connect_timeout=config.expert_timeout,
+            rendezvous_timeout=config.rendezvous_timeout, world=_world(config),
             hidden_size=cfg.hidden_size, dtype=self.dtype, quantization=self.quantization,
             device=config.device, top_k=cfg.top_k, deepep=config.deepep))
         num_blocks = config.kv_cache_memory // kv_bytes_per_block(cfg, config.block_size,
@@ -331,7 +332,8 @@ def _dcp_group(config: AttentionConfig) -> DcpGroup | None:
     if config.dispatch_backend in COLLECTIVE:
         raise ValueError("DCP works with the local and rpc dispatch backends; the collective "
                          "backend's process group is the expert world")
-    return DcpGroup(config.dcp_init, 0, config.dcp_size, collective_backend(config.device))
+    return DcpGroup(config.dcp_init, 0, config.dcp_size, collective_backend(config.device),
+                    config.rendezvous_timeout)
 
 
 def _world(config: AttentionConfig) -> World | None:

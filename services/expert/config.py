@@ -7,7 +7,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ep_dispatch.deepep import DeepEPSettings, add_deepep_flags, deepep_settings
-from switchyard.flags import add_device_flag, add_metrics_flag, add_quantization_flag, env
+from switchyard.flags import (
+    add_device_flag,
+    add_metrics_flag,
+    add_quantization_flag,
+    add_rendezvous_flag,
+    env,
+)
 from switchyard.rpc import parse_address
 
 
@@ -25,7 +31,7 @@ class ExpertConfig:
     dispatch_backend: str = "rpc"  # rpc: serve TCP; torch: join the collective world
     dist_init: tuple[str, int] | None = None
     attention_ranks: int = 1
-    rendezvous_timeout: float = 120.0
+    rendezvous_timeout: float = 300.0
     quantization: str = "auto"  # auto (the checkpoint's), none or w4a4
     otlp_traces_endpoint: str | None = None
     metrics_port: int | None = None  # Prometheus /metrics; None: not served
@@ -58,8 +64,7 @@ def add_expert_parser(sub: argparse._SubParsersAction) -> None:
                    help="torch backend: HOST:PORT of the rendezvous (attention rank 0)")
     p.add_argument("--attention-ranks", type=int, default=int(env("ATTENTION_RANKS", "1")),
                    help="torch backend: number of attention groups in the world")
-    p.add_argument("--rendezvous-timeout", type=float, default=120.0,
-                   help="seconds to wait for every peer to join")
+    add_rendezvous_flag(p)
     add_quantization_flag(p, "w4a4: hold the experts as MXFP4 and take MXFP4 activations")
     p.add_argument("--otlp-traces-endpoint", default=env("OTLP_TRACES_ENDPOINT"),
                    help="OTLP traces URL (or set the OTEL_EXPORTER_OTLP_* variables)")
