@@ -315,7 +315,7 @@ class DeepEPRank:
         self.idx_dtype = getattr(self.deep_ep, "topk_idx_t", torch.int64)
         self.layers = sorted(placement.replicas)
         self.slot_fn = slot_fn
-        _agree(settings, hidden, top_k, self.slots.per_rank)
+        _agree(settings, hidden, top_k, self.slots.per_rank, self.device)
         self.buffer = self._buffer()
         self.mode, self._ll_clean = "normal", False
         self._turns = ReplicaTurns(world.rank)  # each layer's first replica; ranks apart
@@ -419,13 +419,32 @@ class DeepEPRank:
             dist.destroy_process_group()
 
 
-def _agree(settings: DeepEPSettings, hidden: int, top_k: int, per_rank: int) -> None:
-    """Every rank must size DeepEP alike (different max tokens hang its kernels)."""
-    mine = (settings, hidden, top_k, per_rank)
-    everyone: list[object] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    if any(other != mine for other in everyone):
-        raise ValueError(f"the ranks' DeepEP settings differ: {everyone}")
+_AGREED = ("mode", "max tokens", "NVLink bytes", "RDMA bytes", "hidden", "top-k",
+           "slots per rank")
+
+
+def _agree(settings: DeepEPSettings, hidden: int, top_k: int, per_rank: int,
+           device: torch.device) -> None:
+    """Every rank must size DeepEP alike (different max tokens hang its kernels): the
+    sizes are all-gathered as integers (a tensor, as every other exchange here).
+
+    Raises:
+        ValueError: the ranks differ (each rank's values named).
+    """
+    mine = torch.tensor([MODES.index(settings.mode), settings.max_tokens, settings.nvl_bytes,
+                         settings.rdma_bytes, hidden, top_k, per_rank], device=device)  # [7]
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    values = [t.tolist() for t in everyone]
+    if any(v != values[0] for v in values):
+        raise ValueError("the ranks' DeepEP settings differ (give every rank the same "
+                         "--deepep-* flags): " + "; ".join(
+                             f"rank {r}: {_described(v)}" for r, v in enumerate(values)))
+
+
+def _described(values: list[int]) -> str:
+    return ", ".join(f"{name} {MODES[x] if name == 'mode' else x}"
+                     for name, x in zip(_AGREED, values, strict=True))
 
 
 class DeepEPExperts:

@@ -9,14 +9,15 @@ with the kernels around it without host synchronisation.
 
 from __future__ import annotations
 
-import json
 from datetime import timedelta
 from typing import Any
 
+import msgspec
 import torch
 
 from ep_dispatch.torch_dist import World, agree, rendezvous
 from ep_dispatch.wire import RowFormat
+from switchyard.messages import NcclUniqueId
 
 _UID_KEY = "switchyard/nccl_unique_id"
 
@@ -31,15 +32,15 @@ def import_nccl() -> Any:
     return nccl
 
 
-def encode_unique_id(uid: bytes | tuple[int, ...]) -> str:
+def encode_unique_id(uid: bytes | tuple[int, ...]) -> bytes:
     """NCCL's 128-byte unique id for the store: CuPy 14 gives and takes `bytes`, CuPy 13
     a tuple of signed chars."""
-    return json.dumps({"bytes": isinstance(uid, bytes), "id": list(uid)})
+    return msgspec.msgpack.encode(NcclUniqueId(list(uid), isinstance(uid, bytes)))
 
 
-def decode_unique_id(text: bytes | str) -> bytes | tuple[int, ...]:
-    raw = json.loads(text)
-    return bytes(raw["id"]) if raw["bytes"] else tuple(raw["id"])
+def decode_unique_id(data: bytes) -> bytes | tuple[int, ...]:
+    uid = msgspec.msgpack.decode(data, type=NcclUniqueId)
+    return bytes(uid.id) if uid.as_bytes else tuple(uid.id)
 
 
 def p2p_plan(out_splits: list[int], in_splits: list[int], row_bytes: int

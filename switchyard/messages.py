@@ -194,6 +194,15 @@ class DcpPlan(msgspec.Struct, frozen=True, tag=True):
     stop: bool = False
 
 
+class NcclUniqueId(msgspec.Struct, frozen=True):
+    """Attention rank 0 -> every rank of an `nccl` world, through the rendezvous store:
+    NCCL's 128-byte communicator id, in the type this CuPy gave it (`as_bytes`: CuPy 14's
+    bytes; else CuPy 13's tuple of signed chars)."""
+
+    id: list[int]
+    as_bytes: bool
+
+
 Message = (
     GenerateRequest | AbortRequest | TokenDelta | InfoRequest | EngineInfo | StatsRequest
     | EngineStats | ExpertBatch | ExpertResult | ExpertInfo | DcpPlan

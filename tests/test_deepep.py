@@ -328,3 +328,44 @@ def test_deepep_protocol_across_processes_over_a_cpu_double_of_deep_ep() -> None
             if p.is_alive():
                 p.terminate()
             p.join(timeout=30)
+
+
+def _agreeing_rank(rank: int, port: int, max_tokens: int, results: object) -> None:
+    from ep_dispatch.deepep import _agree
+    from ep_dispatch.torch_dist import join
+
+    join(World(("127.0.0.1", port), 1, 1, rank), 60, "gloo")
+    try:
+        _agree(DeepEPSettings(max_tokens=max_tokens), 2048, 8, 4, torch.device("cpu"))
+        results.put((rank, None))  # type: ignore[attr-defined]
+    except ValueError as exc:
+        results.put((rank, str(exc)))  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("max_tokens", [(128, 128), (128, 64)])
+def test_ranks_that_would_size_deepep_differently_name_each_other(max_tokens: tuple) -> None:
+    import multiprocessing as mp
+
+    from switchyard.launcher import free_port
+
+    ctx = mp.get_context("spawn")
+    results, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_agreeing_rank, args=(r, port, max_tokens[r], results))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        errors = dict(results.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    if max_tokens[0] == max_tokens[1]:
+        assert errors == {0: None, 1: None}
+    else:
+        want = ("the ranks' DeepEP settings differ (give every rank the same --deepep-* "
+                "flags): rank 0: mode auto, max tokens 128, NVLink bytes 0, RDMA bytes 0, "
+                "hidden 2048, top-k 8, slots per rank 4; rank 1: mode auto, max tokens 64, "
+                "NVLink bytes 0, RDMA bytes 0, hidden 2048, top-k 8, slots per rank 4")
+        assert errors == {0: want, 1: want}

@@ -105,9 +105,15 @@ def test_nccl_all_to_all_plan() -> None:
 @pytest.mark.parametrize("uid", [bytes(range(128)),  # CuPy 14: bytes
                                  tuple(range(-64, 64))])  # CuPy 13: signed chars
 def test_nccl_unique_id_crosses_the_store_in_the_type_cupy_gave(uid: bytes | tuple) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
     from ep_dispatch.nccl import decode_unique_id, encode_unique_id
 
-    back = decode_unique_id(encode_unique_id(uid).encode())
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=30))
+    store.set("uid", encode_unique_id(uid))
+    back = decode_unique_id(store.get("uid"))
     assert back == uid and type(back) is type(uid)
 
 
