@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.generate import build_checkpoint, make_prompts
+from benchmarks.generate import add_workdir_flag, build_checkpoint, make_prompts
 from dcp.launch import leader_engine
 from services.attention.config import AttentionConfig
 from services.attention.engine import Engine
@@ -86,8 +86,9 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
     ap.add_argument("--steps", type=int, default=5)
+    add_workdir_flag(ap)
     args = ap.parse_args()
-    path = long_context_checkpoint(Path("/tmp/switchyard-bench"), max(args.contexts) + 64)
+    path = long_context_checkpoint(args.workdir, max(args.contexts) + 64)
     settings = dict(dtype="float32", kv_cache_memory=3 << 29, max_num_batched_tokens=1024,
                     max_model_len=max(args.contexts) + 64)
     rows: dict[int, dict[int, tuple[float, float]]] = {}

@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import torch
 
+from benchmarks.generate import add_workdir_flag, build_checkpoint
 from switchyard.serve_process import Served
 
 TOPOLOGIES = [
@@ -55,11 +56,10 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--only", nargs="*", help="substrings of topology names to run")
+    add_workdir_flag(ap)
     args = ap.parse_args()
     if args.model is None:
-        from benchmarks.generate import build_checkpoint
-
-        args.model = build_checkpoint(Path("/tmp/switchyard-bench"))
+        args.model = build_checkpoint(args.workdir)
     g = torch.Generator().manual_seed(0)
     # Ids below 200 are valid for every checkpoint we bench (the tiny test ones included).
     prompts = torch.randint(0, 200, (args.concurrency, args.input_len), generator=g).tolist()

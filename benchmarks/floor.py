@@ -16,11 +16,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
-from benchmarks.generate import build_checkpoint, make_prompts
+from benchmarks.generate import add_workdir_flag, build_checkpoint, make_prompts
 from benchmarks.timing import timed
 from services.attention.config import AttentionConfig
 from services.attention.engine import Engine
@@ -92,8 +91,9 @@ def main() -> None:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=20)
+    add_workdir_flag(ap)
     args = ap.parse_args()
-    path = build_checkpoint(Path("/tmp/switchyard-bench"))
+    path = build_checkpoint(args.workdir)
     print("measuring the machine ...", flush=True)
     m = machine()
     print(f"read {m['read_gbs']:.1f} GB/s, copy {m['copy_gbs']:.1f} GB/s (read + write), "

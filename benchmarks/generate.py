@@ -26,6 +26,11 @@ MID_SIZE = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2048,
                 norm_topk_prob=True, max_position_embeddings=4096)
 
 
+def add_workdir_flag(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/switchyard-bench"),
+                    help="where the benchmark checkpoint is built once and cached")
+
+
 def build_checkpoint(workdir: Path) -> Path:
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
@@ -71,7 +76,7 @@ def bench_switchyard(engine: Engine, prompts: list[list[int]], output_len: int) 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workdir", type=Path, default=Path("/tmp/switchyard-bench"))
+    add_workdir_flag(ap)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=64)

@@ -30,7 +30,7 @@ import httpx
 import torch
 
 from benchmarks.floor import decode_steps, machine
-from benchmarks.generate import bench_transformers, build_checkpoint
+from benchmarks.generate import add_workdir_flag, bench_transformers, build_checkpoint
 from services.attention.config import AttentionConfig
 from services.attention.engine import Engine
 from switchyard.bench import format_table, make_prompts, run_load, summarize
@@ -96,7 +96,7 @@ def served_rows(path: Path, flags: list[str], prompts: list[list[int]], levels: 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workdir", type=Path, default=Path("/tmp/switchyard-bench"))
+    add_workdir_flag(ap)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)

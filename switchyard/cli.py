@@ -77,8 +77,8 @@ def _placement(args: argparse.Namespace) -> int:
 
     try:
         cfg = ModelConfig.from_dir(args.model)
-        placement = make_placement([i for i, m in enumerate(cfg.moe_layers) if m],
-                                   cfg.num_experts, args.expert_services, args.placement)
+        placement = make_placement(cfg.moe_layer_ids, cfg.num_experts, args.expert_services,
+                                   args.placement)
     except (CheckpointError, PlacementError, OSError) as exc:
         print(f"switchyard placement: {exc}", file=sys.stderr)
         return 2

@@ -339,8 +339,7 @@ def _check_deepep(args: argparse.Namespace, cfg: ModelConfig) -> None:
 
     num_experts = _num_expert_services(args)
     world = args.attention_groups + num_experts
-    placement = make_placement([i for i, m in enumerate(cfg.moe_layers) if m],
-                               cfg.num_experts, num_experts, args.placement)
+    placement = make_placement(cfg.moe_layer_ids, cfg.num_experts, num_experts, args.placement)
     settings = deepep_settings(args)
     check_deepep(settings, world, cfg.hidden_size, cfg.top_k, placement.most_local,
                  resolve_dtype(args.dtype, args.device))

@@ -69,7 +69,7 @@ def test_layouts_pin_each_gpu_once_and_place_every_expert(layout: Layout) -> Non
     assert ranks == list(range(layout.expert_services))
     assert {_flag(c, "--num-ranks") for c in experts} == {str(layout.expert_services)}
     cfg = ModelConfig.from_dir(DEFAULT_MODEL)
-    moe = [i for i, m in enumerate(cfg.moe_layers) if m]
+    moe = cfg.moe_layer_ids
     placement = make_placement(moe, cfg.num_experts, layout.expert_services)
     held = {(layer, e) for r in ranks for layer, ids in placement.local_experts(r).items()
             for e in ids}

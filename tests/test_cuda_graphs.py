@@ -94,7 +94,7 @@ def test_local_experts_on_device_counts_equal_the_host_path(qwen3_ckpt: tuple) -
     bank = ExpertBank(cfg, Checkpoint(path), all_experts(cfg), torch.float32)
     local = LocalExperts(cfg.num_experts, bank.forward, device_fn=bank.forward_on_device)
     g = torch.Generator().manual_seed(0)
-    layer = next(i for i, m in enumerate(cfg.moe_layers) if m)
+    layer = cfg.moe_layer_ids[0]
     for tokens in (1, 5, 33):
         x = torch.randn(tokens, cfg.hidden_size, generator=g)
         ids = torch.rand(tokens, cfg.num_experts, generator=g).topk(cfg.top_k).indices

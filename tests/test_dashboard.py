@@ -49,7 +49,7 @@ def bucket_range(counts: dict[float, float], q: float) -> tuple[float, float]:
 def test_dashboard_in_chromium(qwen3_ckpt: tuple) -> None:
     path, _ = qwen3_ckpt
     cfg = ModelConfig.from_dir(path)
-    moe_layers = [i for i, m in enumerate(cfg.moe_layers) if m]
+    moe_layers = cfg.moe_layer_ids
     with Served(["--model", str(path), "--expert-services", "2"]) as served, \
             chromium() as browser:
         generate(served.url, seed=81, lengths=(9, 14, 6, 11))

@@ -63,7 +63,7 @@ def test_rpc_dispatch_equals_local_across_processes(qwen3_ckpt: tuple,
                                                     qwen3_experts: list) -> None:
     path = qwen3_ckpt[0]
     cfg = ModelConfig.from_dir(path)
-    moe = [i for i, m in enumerate(cfg.moe_layers) if m]
+    moe = cfg.moe_layer_ids
     bank = ExpertBank(cfg, Checkpoint(path), all_experts(cfg), torch.float32)
     local = LocalExperts(cfg.num_experts, bank.forward)
     remote = RpcExperts(Placement.balanced(moe, cfg.num_experts, NUM_RANKS), qwen3_experts)
@@ -151,8 +151,7 @@ def test_unreachable_expert_rank_is_named(qwen3_ckpt: tuple, qwen3_experts: list
 def test_expert_service_rejects_a_placement_that_leaves_an_expert_out(
         qwen3_ckpt: tuple, tmp_path: Path) -> None:
     cfg = ModelConfig.from_dir(qwen3_ckpt[0])
-    layers = {str(i): [[0]] * (cfg.num_experts - 1) + [[]]
-              for i, m in enumerate(cfg.moe_layers) if m}
+    layers = {str(i): [[0]] * (cfg.num_experts - 1) + [[]] for i in cfg.moe_layer_ids}
     bad = tmp_path / "p.json"
     bad.write_text(json.dumps({"num_ranks": 1, "layers": layers}))
     proc = subprocess.run([sys.executable, "-m", "switchyard", "expert", "--model",
@@ -219,7 +218,7 @@ def test_torch_backend_across_processes(qwen3_ckpt: tuple) -> None:
         deadline = time.monotonic() + 60
         assert [children.wait_ports(p, deadline) for p in pending] == [(0,)] * NUM_RANKS
         cfg = engine.model_config
-        moe = [i for i, m in enumerate(cfg.moe_layers) if m]
+        moe = cfg.moe_layer_ids
         bank = ExpertBank(cfg, Checkpoint(path), all_experts(cfg), torch.float32)
         local = LocalExperts(cfg.num_experts, bank.forward)
         g = torch.Generator().manual_seed(0)

@@ -82,7 +82,7 @@ class Engine:
                               self.quantization or "none", device=self.device)
         checkpoint.close()
         self.experts = create_experts_client(config.dispatch_backend, BackendContext(
-            moe_layers=[i for i, m in enumerate(cfg.moe_layers) if m],
+            moe_layers=cfg.moe_layer_ids,
             num_experts=cfg.num_experts, expert_fn=bank.forward if bank else None,
             device_expert_fn=bank.forward_on_device if bank else None,
             expert_addresses=list(config.expert_addresses),
@@ -174,7 +174,7 @@ class Engine:
             max_num_seqs=self.scheduler.max_num_seqs, quantization=self.quantization,
             dispatch_backend=self.config.dispatch_backend,
             expert_services=self.experts.describe(),
-            moe_layers=[i for i, is_moe in enumerate(cfg.moe_layers) if is_moe],
+            moe_layers=cfg.moe_layer_ids,
             num_experts=cfg.num_experts,
         )
 

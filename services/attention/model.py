@@ -84,7 +84,7 @@ class DenseModel:
         tied = cfg.tie_word_embeddings and "lm_head.weight" not in ckpt
         self.lm_head = self.embed if tied else get("lm_head.weight", cfg.vocab_size, h)
         # Routed token copies per (layer, expert) since start: what operators balance on.
-        # Counted on the device without a host sync; `load()` reads it between steps.
+        # Counted on the device without a host sync; `publish_load()` reads it between steps.
         self._load = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.int64,
                                  device=device)
         self.expert_load = self._load.cpu()

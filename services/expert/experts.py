@@ -55,8 +55,7 @@ def packed_names(weight_name: str) -> tuple[str, str]:
 
 def all_experts(config: ModelConfig) -> dict[int, list[int]]:
     """Every expert of every MoE layer (what the in-process `local` backend holds)."""
-    return {layer: list(range(config.num_experts))
-            for layer, is_moe in enumerate(config.moe_layers) if is_moe}
+    return {layer: list(range(config.num_experts)) for layer in config.moe_layer_ids}
 
 
 def check_quantization(config: ModelConfig, requested: str) -> str | None:

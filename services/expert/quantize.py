@@ -25,8 +25,7 @@ from services.model.config import QUANT_METHOD, CheckpointError, ModelConfig
 
 
 def expert_weight_names(config: ModelConfig) -> set[str]:
-    return {name for layer, is_moe in enumerate(config.moe_layers) if is_moe
-            for expert in range(config.num_experts)
+    return {name for layer in config.moe_layer_ids for expert in range(config.num_experts)
             for name in expert_tensor_names(config, layer, expert)}
 
 

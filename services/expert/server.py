@@ -50,7 +50,7 @@ class ExpertServer:
             torch.set_num_threads(config.num_threads)
         self.config = config
         self.model_config = model_config = ModelConfig.from_dir(config.model)
-        moe_layers = [i for i, is_moe in enumerate(model_config.moe_layers) if is_moe]
+        moe_layers = model_config.moe_layer_ids
         self.placement = make_placement(moe_layers, model_config.num_experts, config.num_ranks,
                                         config.placement)
         checkpoint = Checkpoint(config.model)

@@ -46,6 +46,11 @@ class ModelConfig:
     quantization: str | None = None  # "w4a4": experts stored as MXFP4 (switchyard quantize)
 
     @property
+    def moe_layer_ids(self) -> list[int]:
+        """The decoder layers that have a sparse MoE block, in order."""
+        return [i for i, is_moe in enumerate(self.moe_layers) if is_moe]
+
+    @property
     def expert_prefix(self) -> str:
         return "block_sparse_moe" if self.architecture == "MixtralForCausalLM" else "mlp"
 
