@@ -25,10 +25,12 @@ class Sharding:
                              f"{self.size} and {self.interleave}")
 
     def owner(self, pos: torch.Tensor) -> torch.Tensor:
+        """The rank holding each position's KV: int64 [T] positions -> int64 [T] ranks."""
         return (pos // self.interleave) % self.size
 
     def local_index(self, pos: torch.Tensor) -> torch.Tensor:
-        """Index of each position among its owner's tokens of the sequence."""
+        """Index of each position among its owner's tokens of the sequence: int64 [T]
+        positions -> int64 [T] indices."""
         cycle = self.interleave * self.size
         return (pos // cycle) * self.interleave + pos % self.interleave
 

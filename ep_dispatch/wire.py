@@ -14,12 +14,16 @@ _DTYPES = {str(d).removeprefix("torch."): d for d in
 
 
 def to_wire(t: torch.Tensor) -> Tensor:
+    """Any tensor of a wire dtype (float32, bfloat16, float16, uint8, int64), any shape,
+    on any device -> its raw bytes (host order), dtype name and shape."""
     t = t.detach().contiguous().cpu()
     return Tensor(t.view(torch.uint8).numpy().tobytes(), str(t.dtype).removeprefix("torch."),
                   list(t.shape))
 
 
 def from_wire(w: Tensor) -> torch.Tensor:
+    """The CPU tensor `to_wire` described (a copy of the frame's bytes), or a ValueError
+    for a dtype that is not a wire dtype."""
     if w.dtype not in _DTYPES:
         raise ValueError(f"unsupported wire dtype {w.dtype!r}")
     if not w.data:

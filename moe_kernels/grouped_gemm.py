@@ -167,6 +167,8 @@ def grouped_swiglu_w4a4(
         tokens_per_expert: E_local ints summing to N.
         w_gate_up: MXFP4 of [E_local, 2 * I, H] (gate first), blocks along H.
         w_down: MXFP4 of [E_local, H, I], blocks along I.
+        spans: if given, filled with each local expert's (start, end) wall-clock ns
+            ((0, 0) for one without rows): the per-expert metrics and trace spans.
 
     Returns:
         [N, H] float32 expert outputs. The SwiGLU output between the two GEMMs is

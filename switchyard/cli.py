@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 
@@ -86,33 +87,18 @@ def _placement(args: argparse.Namespace) -> int:
     return 0
 
 
+# Subcommands with parsers of their own, run by module; imported only when chosen, so that
+# a healthcheck (`probe`) does not wait for torch.
+OWN_PARSERS = {"gateway": "gateway.server", "eval": "switchyard.eval",
+               "bench": "switchyard.bench", "compose": "switchyard.compose",
+               "probe": "switchyard.probe", "quantize": "services.expert.quantize"}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "gateway":
-        from gateway.server import main as gateway_main
-
-        return gateway_main(argv[1:]) or 0
-    if argv and argv[0] == "eval":
-        from switchyard.eval import main as eval_main
-
-        return eval_main(argv[1:])
-    if argv and argv[0] == "bench":
-        from switchyard.bench import main as bench_main
-
-        return bench_main(argv[1:])
-    if argv and argv[0] == "compose":
-        from switchyard.compose import main as compose_main
-
-        return compose_main(argv[1:])
-    if argv and argv[0] == "probe":
-        from switchyard.probe import main as probe_main
-
-        return probe_main(argv[1:])
-    if argv and argv[0] == "quantize":
-        from services.expert.quantize import main as quantize_main
-
-        return quantize_main(argv[1:])
-    # The service flags import torch; the subcommands above (a healthcheck) must not wait.
+    if argv and argv[0] in OWN_PARSERS:
+        return importlib.import_module(OWN_PARSERS[argv[0]]).main(argv[1:]) or 0
+    # The service flags import torch.
     from services.attention.config import from_args
     from services.expert.config import add_expert_parser, expert_config
 

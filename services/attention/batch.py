@@ -62,6 +62,16 @@ def _kv_slots(block_table: list[int], length: int, block_size: int) -> torch.Ten
 
 
 def window_ok(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Which keys each query may attend to: causal, and within the sliding window if any.
+
+    Args:
+        q_pos: int64 query positions, broadcastable against `k_pos` (e.g. [Q, 1]).
+        k_pos: int64 key positions (e.g. [1, K]).
+        window: the model's sliding window in tokens, or None.
+
+    Returns:
+        bool mask of the broadcast shape (e.g. [Q, K]), True where attended.
+    """
     ok = k_pos <= q_pos
     if window is not None:
         ok &= k_pos > q_pos - window

@@ -12,6 +12,7 @@ from dcp.batch import build_rank_batch
 from dcp.group import DcpGroup, GroupExperts
 from dcp.sharding import ShardedBlockManager, Sharding
 from ep_dispatch import BackendContext, create_experts_client
+from ep_dispatch.base import ExpertsClient
 from ep_dispatch.deepep import check_step_budget
 from ep_dispatch.registry import COLLECTIVE, check_backend
 from ep_dispatch.torch_dist import World
@@ -73,32 +74,11 @@ class Engine:
         self.model = DenseModel(cfg, checkpoint, self.dtype,
                                 self.group.attend if self.group else None, self.device)
         self.quantization = check_quantization(cfg, config.quantization)
-        check_backend(config.dispatch_backend, self.device, self.quantization)
-        if config.dispatch_backend == "deepep":
-            check_step_budget(config.deepep, config.max_num_batched_tokens)
-        bank = None
-        if config.dispatch_backend == "local":  # the only backend with experts in-process
-            bank = ExpertBank(cfg, checkpoint, all_experts(cfg), self.dtype,
-                              self.quantization or "none", device=self.device)
+        self.experts = self._experts(checkpoint)
         checkpoint.close()
-        self.experts = create_experts_client(config.dispatch_backend, BackendContext(
-            moe_layers=cfg.moe_layer_ids,
-            num_experts=cfg.num_experts, expert_fn=bank.forward if bank else None,
-            device_expert_fn=bank.forward_on_device if bank else None,
-            expert_addresses=list(config.expert_addresses),
-            placement_file=config.placement, call_timeout=config.expert_timeout,
-            connect_timeout=config.expert_timeout,
-            rendezvous_timeout=config.rendezvous_timeout, world=_world(config),
-            hidden_size=cfg.hidden_size, dtype=self.dtype, quantization=self.quantization,
-            device=config.device, top_k=cfg.top_k, deepep=config.deepep))
-        num_blocks = config.kv_cache_memory // kv_bytes_per_block(cfg, config.block_size,
-                                                                  self.dtype)
         graphs = config.cuda_graph_max_batch > 0
-        if graphs:  # its last block is the graphs' scratch: never handed out
-            num_blocks -= 1
-        if num_blocks < 1:
-            raise ValueError(f"--kv-cache-memory {config.kv_cache_memory} holds no KV block of "
-                             f"{config.block_size} tokens (with CUDA graphs: beside theirs)")
+        num_blocks = _num_blocks(config, cfg, self.dtype, graphs)
+        # With graphs, one more block: their scratch, never handed out.
         self.kv = KVCache(cfg, num_blocks + int(graphs), config.block_size, self.dtype,
                           self.device)
         self.sharding = Sharding(config.dcp_size, config.dcp_interleave)
@@ -122,6 +102,28 @@ class Engine:
             graph_capture or cuda_capture(torch.cuda.graph_pool_handle())) if graphs else None
         if self.graphs:
             self.graphs.capture_all()
+
+    def _experts(self, checkpoint: Checkpoint) -> ExpertsClient:
+        """The configured dispatch backend's client (with `local`, the experts loaded here,
+        the only backend that holds them in-process)."""
+        config, cfg = self.config, self.model_config
+        check_backend(config.dispatch_backend, self.device, self.quantization)
+        if config.dispatch_backend == "deepep":
+            check_step_budget(config.deepep, config.max_num_batched_tokens)
+        bank = None
+        if config.dispatch_backend == "local":
+            bank = ExpertBank(cfg, checkpoint, all_experts(cfg), self.dtype,
+                              self.quantization or "none", device=self.device)
+        return create_experts_client(config.dispatch_backend, BackendContext(
+            moe_layers=cfg.moe_layer_ids,
+            num_experts=cfg.num_experts, expert_fn=bank.forward if bank else None,
+            device_expert_fn=bank.forward_on_device if bank else None,
+            expert_addresses=list(config.expert_addresses),
+            placement_file=config.placement, call_timeout=config.expert_timeout,
+            connect_timeout=config.expert_timeout,
+            rendezvous_timeout=config.rendezvous_timeout, world=_world(config),
+            hidden_size=cfg.hidden_size, dtype=self.dtype, quantization=self.quantization,
+            device=config.device, top_k=cfg.top_k, deepep=config.deepep))
 
     def close(self, timeout: float = 30.0) -> None:
         """Leave the experts and the DCP group, once a step that another thread still runs
@@ -322,6 +324,17 @@ class Engine:
         finally:
             self.block_manager.free(seq)
         return torch.cat(logits)
+
+
+def _num_blocks(config: AttentionConfig, cfg: ModelConfig, dtype: torch.dtype,
+                graphs: bool) -> int:
+    """KV blocks the budget holds for sequences (with CUDA graphs, one fewer: theirs)."""
+    num_blocks = config.kv_cache_memory // kv_bytes_per_block(cfg, config.block_size, dtype)
+    num_blocks -= int(graphs)
+    if num_blocks < 1:
+        raise ValueError(f"--kv-cache-memory {config.kv_cache_memory} holds no KV block of "
+                         f"{config.block_size} tokens (with CUDA graphs: beside theirs)")
+    return num_blocks
 
 
 def _dcp_group(config: AttentionConfig) -> DcpGroup | None:

@@ -76,7 +76,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: tuple[int,
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Presence and frequency penalties over each sequence's generated tokens (OpenAI),
-    and the repetition penalty over prompt and generated tokens (HF, vLLM)."""
+    and the repetition penalty over prompt and generated tokens (HF, vLLM).
+
+    logits: [S, V] float, row i for seqs[i]; returns a penalized copy of the same shape."""
     logits = logits.clone()
     vocab = logits.shape[-1]
     for i, seq in enumerate(seqs):
@@ -101,7 +103,9 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 def suppress_stops(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: tuple[int, ...]
                    ) -> torch.Tensor:
     """min_tokens (vLLM): a sequence with fewer generated tokens cannot sample its stop
-    token ids, nor EOS unless it ignores EOS."""
+    token ids, nor EOS unless it ignores EOS.
+
+    logits: [S, V] float, row i for seqs[i]; returns a copy with those ids at -inf."""
     logits = logits.clone()
     for i, seq in enumerate(seqs):
         p = seq.sampling
@@ -112,7 +116,10 @@ def suppress_stops(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: tu
 
 
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Softmax after masking tokens outside each row's top-k, top-p nucleus and min-p."""
+    """Softmax after masking tokens outside each row's top-k, top-p nucleus and min-p.
+
+    logits: [S, V] float (temperature applied), row i under params[i]; returns [S, V]
+    probabilities of the same dtype, each row summing to 1."""
     vocab = logits.shape[-1]
     device = logits.device
     top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params],

@@ -6,7 +6,8 @@ import torch
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim, computed in float32 as transformers does."""
+    """RMSNorm of x [..., H] with weight [H] over the last dim, computed in float32 as
+    transformers does; returns [..., H] in x's dtype (times the weight's)."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
