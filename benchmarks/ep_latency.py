@@ -29,6 +29,9 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
+from ep_dispatch.base import ExpertFn
+from ep_dispatch.placement import Placement
+from ep_dispatch.torch_dist import World
 from switchyard.launcher import free_port
 
 # DeepEP V1 low-latency kernels, 128 tokens x 7168, top-8: EP size -> (dispatch, combine) us
@@ -68,7 +71,7 @@ def scale(expert: torch.Tensor | int) -> torch.Tensor | float:
     return 1 + (expert % 7) / 8
 
 
-def _expert_fn(hidden: int, dtype: torch.dtype, local: list[int]):  # -> ExpertFn
+def _expert_fn(hidden: int, dtype: torch.dtype, local: list[int]) -> ExpertFn:
     """Scale each local expert's rows (global ids `local`) by `scale`; MXFP4 rows decoded."""
     from moe_kernels.mxfp4 import MXFP4Tensor, dequantize
 
@@ -83,7 +86,7 @@ def _expert_fn(hidden: int, dtype: torch.dtype, local: list[int]):  # -> ExpertF
     return run
 
 
-def _attention(backend: str, world, placement, args: argparse.Namespace,
+def _attention(backend: str, world: World, placement: Placement, args: argparse.Namespace,
                device: torch.device, results: mp.Queue, done: object) -> None:
     """An attention rank: time the calls, report, then stay in the world until the parent
     has every result (leaving earlier breaks the experts' next round, a false failure)."""
@@ -91,7 +94,7 @@ def _attention(backend: str, world, placement, args: argparse.Namespace,
     done.wait(args.timeout)  # type: ignore[attr-defined]
 
 
-def _time(backend: str, world, placement, args: argparse.Namespace,
+def _time(backend: str, world: World, placement: Placement, args: argparse.Namespace,
           device: torch.device) -> dict:
     from ep_dispatch.deepep import DeepEPSettings
     from ep_dispatch.registry import BackendContext, create_experts_client
@@ -130,7 +133,7 @@ def _time(backend: str, world, placement, args: argparse.Namespace,
             "max_rel_err": err}
 
 
-def _serve(backend: str, world, placement, args: argparse.Namespace,
+def _serve(backend: str, world: World, placement: Placement, args: argparse.Namespace,
            device: torch.device) -> None:
     """An expert rank: serve rounds until the parent stops this process."""
     from ep_dispatch.torch_dist import join, serve_experts

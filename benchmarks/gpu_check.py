@@ -382,7 +382,8 @@ def dispatch_path(device: str = "cuda") -> None:
             continue
         parts = {"layout": 0.0, "gather": 0.0, "all-to-all": 0.0, "combine": 0.0}
 
-        def once(parts: dict[str, float] | None = None, coll=coll) -> torch.Tensor:
+        def once(parts: dict[str, float] | None = None, coll: Collective = coll
+                 ) -> torch.Tensor:
             marks = [time.perf_counter()]
 
             def mark() -> None:

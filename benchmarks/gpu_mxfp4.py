@@ -50,9 +50,14 @@ import sys
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:  # imported where used: the module must import without Triton
+    from moe_kernels.bf16x2_layout import Bf16x2Weights
+    from moe_kernels.kernel_configs import KernelConfig
+    from moe_kernels.mxfp4 import MXFP4Tensor
 
 VARIANTS = [f"{inner}{swap}" for inner in ("dot_scaled", "decode", "bf16", "f16", "f16x2",
                                            "bf16x2") for swap in ("", "/swap")]
@@ -61,7 +66,7 @@ SWEPT = ("dot_scaled", "f16", "f16x2", "bf16x2")
 ROUTE = "bf16_grouped_mm"  # the sweep's name for KernelConfig(route="bf16_grouped_mm")
 
 
-def config_label(config) -> str:  # KernelConfig -> "f16/swap (16, 256, 32, 4, 5, 1)"
+def config_label(config: KernelConfig) -> str:  # e.g. "f16/swap (16, 256, 32, 4, 5, 1)"
     if config.route != "triton":
         return config.route
     return (f"{config.inner}{'/swap' if config.swap_ab else ''} ({config.block_n}, "
@@ -69,7 +74,8 @@ def config_label(config) -> str:  # KernelConfig -> "f16/swap (16, 256, 32, 4, 5
             f"{config.split_k})")
 
 
-def weights_for(w, variant: str, layouts: dict[int, tuple]):  # -> MXFP4 | Bf16x2Weights
+def weights_for(w: MXFP4Tensor, variant: str, layouts: dict[int, tuple]
+                ) -> MXFP4Tensor | Bf16x2Weights:
     """w in the layout `variant` reads: "bf16x2" variants read their own
     (`moe_kernels.bf16x2_layout`), made once per weight tensor into `layouts`, a cache
     the caller keeps (which also keeps w alive, so its id stays its own)."""
@@ -113,7 +119,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def random_mxfp4(e: int, m: int, k: int, device: str, seed: int):  # -> MXFP4Tensor
+def random_mxfp4(e: int, m: int, k: int, device: str, seed: int) -> MXFP4Tensor:
     from moe_kernels.mxfp4 import MXFP4Tensor
 
     g = torch.Generator(device=device).manual_seed(seed)
@@ -124,7 +130,7 @@ def random_mxfp4(e: int, m: int, k: int, device: str, seed: int):  # -> MXFP4Ten
     return MXFP4Tensor(packed, scales)
 
 
-def to_bf16(w) -> torch.Tensor:  # MXFP4 [E, M, K] -> [E, M, K] bf16, one expert at a time
+def to_bf16(w: MXFP4Tensor) -> torch.Tensor:  # [E, M, K] -> [E, M, K] bf16, by expert
     from moe_kernels.mxfp4 import dequantize
 
     e, m, k = w.shape
@@ -402,7 +408,7 @@ def bf16_grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int], offsets
     return [("per-expert torch.mm", loop)]
 
 
-def _dequant_grouped_mm(xq, w, ends: torch.Tensor) -> torch.Tensor:
+def _dequant_grouped_mm(xq: MXFP4Tensor, w: MXFP4Tensor, ends: torch.Tensor) -> torch.Tensor:
     """One GEMM by the "bf16_grouped_mm" route: both MXFP4 operands decoded to bf16 in one
     pass each, then `torch._grouped_mm` (ends: [E] int32 cumulative rows)."""
     from moe_kernels.triton_mxfp4 import dequantize_mxfp4
@@ -600,7 +606,7 @@ def best_per_shape(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return best
 
 
-def best_configs(results: list[dict[str, Any]]):  # -> dict[int, KernelConfig]
+def best_configs(results: list[dict[str, Any]]) -> dict[int, KernelConfig]:
     """Per tokens per expert, the variant and tiles whose times summed over the GEMMs are
     least (one config serves both GEMMs of an expert FFN), among those timed for every
     GEMM: the table `moe_kernels.kernel_configs` serves. Configs of earlier sweeps without

@@ -32,7 +32,8 @@ def error_event(error: GatewayError) -> bytes:
 class EventStreamResponse(StreamingResponse):
     """An SSE response that runs `on_close` however it ends: done, failed or disconnected."""
 
-    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]]):
+    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]]
+                 ) -> None:
         super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache"})
         self._on_close = on_close

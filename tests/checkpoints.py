@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # transformers is imported where used: it takes seconds
+    from transformers import MixtralConfig, PretrainedConfig, PreTrainedModel, Qwen3MoeConfig
 
 VOCAB = 256
 
 
-def qwen3_moe_config(**overrides: object):
+def qwen3_moe_config(**overrides: object) -> Qwen3MoeConfig:
     from transformers import Qwen3MoeConfig
 
     kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
@@ -20,7 +24,7 @@ def qwen3_moe_config(**overrides: object):
     return Qwen3MoeConfig(**kw)
 
 
-def mixtral_config(**overrides: object):
+def mixtral_config(**overrides: object) -> MixtralConfig:
     from transformers import MixtralConfig
 
     kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
@@ -30,7 +34,8 @@ def mixtral_config(**overrides: object):
     return MixtralConfig(**kw)
 
 
-def build(config, out_dir: Path, seed: int = 0, max_shard_size: str | None = None):
+def build(config: PretrainedConfig, out_dir: Path, seed: int = 0,
+          max_shard_size: str | None = None) -> PreTrainedModel:
     """Random-init the model (with larger-than-default weights so routing and logits vary),
     save it, and return the transformers model in float32 eval mode."""
     from transformers import AutoModelForCausalLM

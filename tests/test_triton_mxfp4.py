@@ -16,6 +16,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first `import triton`
 
@@ -28,6 +29,9 @@ from moe_kernels.kernel_configs import KernelConfig
 from moe_kernels.mxfp4 import MXFP4Tensor, quantize
 from tests import triton_interpreter
 from tests.tools import missing
+
+if TYPE_CHECKING:
+    from services.expert.experts import ExpertBank
 
 try:
     import triton  # noqa: F401
@@ -412,7 +416,7 @@ class BankRig:
     def pick(self, rows: int) -> KernelConfig:
         return min(self.table.items(), key=lambda item: abs(item[0] - rows))[1]
 
-    def bank(self, gpu: str | None = "Test GPU"):  # -> ExpertBank
+    def bank(self, gpu: str | None = "Test GPU") -> ExpertBank:
         from services.model.checkpoint import Checkpoint
         from services.model.config import ModelConfig
 
@@ -422,7 +426,7 @@ class BankRig:
                                        self.experts.all_experts(cfg), torch.float32, "w4a4",
                                        device=DEVICE)
 
-    def run(self, bank, tokens: list[int]) -> None:
+    def run(self, bank: ExpertBank, tokens: list[int]) -> None:
         """Every layer on the Triton path, against the torch path."""
         x = quantize(torch.randn(sum(tokens), bank.hidden_size,
                                  generator=torch.Generator().manual_seed(len(tokens)))

@@ -21,8 +21,12 @@ import math
 import random
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # transformers is imported where used: it takes seconds
+    from transformers import Qwen3MoeConfig
 
 from switchyard.demo_model import build_tokenizer
 from switchyard.demo_task import draw_training, problems
@@ -36,7 +40,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def model_config(vocab_size: int, eos: int, bos: int):
+def model_config(vocab_size: int, eos: int, bos: int) -> Qwen3MoeConfig:
     from transformers import Qwen3MoeConfig
 
     return Qwen3MoeConfig(

@@ -11,6 +11,7 @@ import json
 from collections.abc import Iterable
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -47,7 +48,7 @@ class Checkpoint:
                 files[name] = path
         return files
 
-    def _open(self, path: Path):
+    def _open(self, path: Path) -> Any:  # safetensors' handle (no public type)
         if path not in self._handles:
             try:
                 self._handles[path] = self._stack.enter_context(safe_open(path, "pt"))
