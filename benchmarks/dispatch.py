@@ -30,7 +30,7 @@ from ep_dispatch.torch_dist import (
     join,
 )
 from ep_dispatch.wire import RowFormat
-from switchyard.launcher import free_port
+from switchyard.ports import free_port
 
 NUM_EXPERTS, TOP_K = 64, 8
 

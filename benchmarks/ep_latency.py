@@ -32,7 +32,7 @@ import torch.multiprocessing as mp
 from ep_dispatch.base import ExpertFn
 from ep_dispatch.placement import Placement
 from ep_dispatch.torch_dist import World
-from switchyard.launcher import free_port
+from switchyard.ports import free_port
 
 # DeepEP V1 low-latency kernels, 128 tokens x 7168, top-8: EP size -> (dispatch, combine) us
 DEEPEP_LL_US = {8: (77, 114), 16: (118, 195), 32: (155, 273), 64: (173, 314),

@@ -356,7 +356,7 @@ def dispatch_path(device: str = "cuda") -> None:
     from ep_dispatch.nccl import CupyNccl
     from ep_dispatch.placement import Placement
     from ep_dispatch.torch_dist import Collective, TorchCollective, World, join
-    from switchyard.launcher import free_port
+    from switchyard.ports import free_port
 
     t, h, k, e = 128, 7168, 8, 256
     placement = Placement.balanced([0], e, 8)
@@ -495,7 +495,7 @@ def nccl_self() -> None:
     """The CuPy NCCL collective at world size 1: rows sent to oneself come back whole."""
     from ep_dispatch.nccl import CupyNccl, import_nccl
     from ep_dispatch.torch_dist import World
-    from switchyard.launcher import free_port
+    from switchyard.ports import free_port
 
     try:
         import_nccl()

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from services.attention.config import AttentionConfig
 from services.attention.engine import Engine
-from switchyard.launcher import Children, free_port
+from switchyard.children import Children
+from switchyard.ports import free_port
 
 
 @contextmanager

@@ -10,13 +10,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import os
-import random
 import select
 import signal
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -29,171 +25,11 @@ from ep_dispatch.registry import COLLECTIVE, check_backend
 from services.attention.config import add_engine_flags, check_cuda_graphs
 from services.expert.experts import check_quantization
 from services.model.config import CheckpointError, ModelConfig
+from switchyard.children import Children, StartupError
 from switchyard.demo_model import DEFAULT_MODEL, DEFAULT_MODEL_NAME
 from switchyard.device import check_device, resolve_dtype
 from switchyard.flags import as_flags
-
-
-class StartupError(RuntimeError):
-    pass
-
-
-# What `serve` decides for each child (its role, rank, ports, peers, backend): a
-# SWITCHYARD_* variable for one of these would be read by the child as its own default
-# and override the topology serve chose, so children never see them.
-_TOPOLOGY_ENV = frozenset(f"SWITCHYARD_{name}" for name in (
-    "ATTENTION_GROUPS", "ATTENTION_HOST", "ATTENTION_PORT", "ATTENTION_RANK",
-    "ATTENTION_RANKS", "DCP_INIT", "DCP_INTERLEAVE", "DCP_RANK", "DCP_SIZE",
-    "DISPATCH_BACKEND", "DIST_INIT", "ENGINE", "EXPERT_ADDRESSES", "EXPERT_HOST",
-    "EXPERT_PORT", "EXPERT_RANK", "EXPERT_RANKS", "HOST", "METRICS_PORT", "PORT",
-    "READY_FD", "SERVICE_METRICS"))
-
-
-def child_env(**extra: str) -> dict[str, str]:
-    """This process's environment for a child service, without `_TOPOLOGY_ENV`."""
-    return {**{k: v for k, v in os.environ.items() if k not in _TOPOLOGY_ENV}, **extra}
-
-
-def http_url(host: str, port: int) -> str:
-    """The URL of a service bound to `host`: IPv6 in brackets, and a wildcard address
-    reached on loopback."""
-    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
-def _die_with_parent() -> None:
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-class Children:
-    """Child processes that are all stopped together."""
-
-    def __init__(self, gpus: int = 0) -> None:
-        self.procs: list[tuple[str, subprocess.Popen]] = []
-        self.gpus = gpus  # GPUs to pin services to, round-robin (0: none)
-        self._next_gpu = 0
-
-    def spawn(self, name: str, args: list[str], gpu: bool = False
-              ) -> tuple[str, subprocess.Popen, int]:
-        """Start `python -m switchyard ARGS --ready-fd W` (pinned to the next GPU by
-        CUDA_VISIBLE_DEVICES if `gpu`); returns what `wait_ports` needs."""
-        read_fd, write_fd = os.pipe()
-        gpu_env = {}
-        if gpu and self.gpus:
-            gpu_env = {"CUDA_VISIBLE_DEVICES": str(self._next_gpu % self.gpus)}
-            self._next_gpu += 1
-        env = child_env(**gpu_env)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "switchyard", *args, "--ready-fd", str(write_fd)],
-            pass_fds=(write_fd,), preexec_fn=_die_with_parent, env=env)
-        os.close(write_fd)
-        self.procs.append((name, proc))
-        return name, proc, read_fd
-
-    @staticmethod
-    def wait_ports(pending: tuple[str, subprocess.Popen, int], deadline: float
-                   ) -> tuple[int, ...]:
-        """The ports a spawned child reports once listening (by `deadline`, monotonic):
-        its service port, then its /metrics port if it serves one."""
-        name, proc, read_fd = pending
-        with os.fdopen(read_fd) as ready:
-            if not select.select([ready], [], [], max(0.0, deadline - time.monotonic()))[0]:
-                raise StartupError(f"{name} did not start listening in time")
-            return Children._reported(name, proc, ready.readline())
-
-    def start_all(self, specs: list[tuple[str, list[str]]], timeout: float,
-                  gpu: bool = False) -> list[tuple[int, ...]]:
-        """Start every (name, ARGS) at once; return their reported ports, in order. The
-        pipes are watched together, so a child that dies is named at once, whichever it
-        is (ranks that wait in a rendezvous for it would otherwise time out first)."""
-        pending = [self.spawn(name, args, gpu) for name, args in specs]
-        deadline = time.monotonic() + timeout
-        pipes = {os.fdopen(fd): (i, name, proc) for i, (name, proc, fd) in enumerate(pending)}
-        ports: dict[int, tuple[int, ...]] = {}
-        try:
-            while pipes:
-                ready = select.select(list(pipes), [], [],
-                                      max(0.0, deadline - time.monotonic()))[0]
-                if not ready:
-                    late = ", ".join(name for _, name, _ in pipes.values())
-                    raise StartupError(f"{late} did not start listening in time")
-                for pipe in ready:
-                    i, name, proc = pipes.pop(pipe)
-                    with pipe:
-                        ports[i] = self._reported(name, proc, pipe.readline())
-        finally:
-            for pipe in pipes:
-                pipe.close()
-        return [ports[i] for i in range(len(pending))]
-
-    @staticmethod
-    def _reported(name: str, proc: subprocess.Popen, line: str) -> tuple[int, ...]:
-        """The ports in a child's ready line; EOF (empty) if it died before listening."""
-        words = line.split()
-        if not words or not all(w.isdigit() for w in words):
-            proc.wait()
-            raise StartupError(f"{name} exited with status {proc.returncode} before listening")
-        return tuple(map(int, words))
-
-    def check_alive(self) -> None:
-        for name, proc in self.procs:
-            if proc.poll() is not None:
-                raise StartupError(f"{name} exited with status {proc.returncode}")
-
-    def wait_any(self) -> None:
-        """Block until a child exits (signals interrupt this via their handlers)."""
-        pid, status = os.wait()
-        name = next((n for n, p in self.procs if p.pid == pid), str(pid))
-        raise StartupError(f"{name} exited with status {os.waitstatus_to_exitcode(status)}")
-
-    def stop(self, timeout: float = 10.0) -> None:
-        for _, proc in self.procs:
-            if proc.poll() is None:
-                proc.terminate()
-        deadline = time.monotonic() + timeout
-        for _, proc in self.procs:
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-def free_port() -> int:
-    """A port free now, for a process that binds it a moment later. It is drawn from below
-    the kernel's ephemeral range, which every bind to port 0 draws from: the services that
-    start meanwhile (they listen on port 0) cannot take it first. Another caller of this
-    function in another process could, a smaller race (random draws among thousands of
-    ports); in this one, no port is handed out twice."""
-    low = _ephemeral_low()
-    start = max(1024, low - 16384)
-    for _ in range(200 if low - start >= 256 else 0):  # (a range from 1024 leaves no room)
-        port = random.randrange(start, low)
-        if port in _HANDED_OUT:  # not bound yet by whoever got it
-            continue
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:  # in use, or in TIME_WAIT
-                continue
-        _HANDED_OUT.add(port)
-        return port
-    with socket.socket() as sock:  # nothing free down there: any port, with the old race
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-_HANDED_OUT: set[int] = set()  # this process's free_port() results
-
-
-def _ephemeral_low() -> int:
-    """The lowest port the kernel hands out for port 0: Linux's ip_local_port_range, else
-    the IANA dynamic range's 49152 (macOS, Windows)."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 49152
+from switchyard.ports import free_port, http_url
 
 
 def _wait_healthy(url: str, children: Children, timeout: float) -> None:

@@ -155,8 +155,8 @@ def test_a_failed_expert_call_on_the_leader_aborts_the_step_on_every_rank() -> N
 
     from dcp.group import DcpGroup, GroupExperts, StepAborted
     from ep_dispatch.rpc import ExpertRankError
-    from switchyard.launcher import free_port
     from switchyard.messages import DcpPlan
+    from switchyard.ports import free_port
 
     calls = []
 

@@ -22,7 +22,8 @@ from services.attention.engine import Engine
 from services.expert.experts import ExpertBank, all_experts
 from services.model.checkpoint import Checkpoint
 from services.model.config import ModelConfig
-from switchyard.launcher import Children, free_port
+from switchyard.children import Children
+from switchyard.ports import free_port
 from switchyard.serve_process import Served
 from tests.test_engine_parity import greedy, prompts, reference_greedy, run_to_completion
 from tests.test_http_api import concurrent_greedy
