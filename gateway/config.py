@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gateway.expert_stats import MAX_WINDOW_S
+from gateway.generation_config import NEUTRAL, SamplingDefaults
 from gateway.service_metrics import check_url
 from switchyard.flags import env, optional_int
 from switchyard.rpc import parse_address
@@ -38,6 +39,8 @@ class GatewayConfig:
     otlp_traces_endpoint: str | None = None
     service_metrics: tuple[str, ...] = ()  # /metrics URLs of the attention and expert services
     dashboard_window_s: float = 60.0
+    # What a request leaves out: the model's generation_config.json (--generation-config)
+    sampling_defaults: SamplingDefaults = NEUTRAL
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -81,6 +84,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dashboard-window", type=float,
                    default=float(env("DASHBOARD_WINDOW") or 60),
                    help="seconds of recent load /dashboard summarizes by default")
+    p.add_argument("--generation-config", default=env("GENERATION_CONFIG", "auto"),
+                   help="sampling defaults for what a request leaves out: auto (the model's "
+                        "generation_config.json, as vLLM), vllm (neutral: temperature 1, "
+                        "no top-p/top-k), or a directory holding a generation_config.json")
     return p
 
 
@@ -107,6 +114,10 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
     model_dir = Path(args.model)
     if not model_dir.is_dir():
         parser.error(f"--model: {model_dir} is not a directory")
+    try:
+        sampling_defaults = SamplingDefaults.load(args.generation_config, model_dir)
+    except ValueError as exc:
+        parser.error(f"--generation-config: {exc}")
     return GatewayConfig(
         model_dir=model_dir,
         served_model_name=args.served_model_name or model_dir.resolve().name,
@@ -124,4 +135,5 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         service_metrics=service_metrics,
         dashboard_window_s=args.dashboard_window,
+        sampling_defaults=sampling_defaults,
     )

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from gateway.errors import bad_request
+from gateway.generation_config import NEUTRAL, SamplingDefaults
 from gateway.openai_protocol import ChatCompletionRequest, SamplingFields
 from switchyard.messages import SamplingParams
 
@@ -57,30 +59,45 @@ def _max_tokens(request: SamplingFields, prompt_len: int, limits: ModelLimits) -
 
 
 def sampling_params(request: SamplingFields, prompt_token_ids: Sequence[int],
-                    limits: ModelLimits) -> SamplingParams:
-    """Validate the request against the model and build the engine's sampling parameters."""
+                    limits: ModelLimits, defaults: SamplingDefaults = NEUTRAL
+                    ) -> SamplingParams:
+    """Validate the request against the model and build the engine's sampling parameters;
+    what the request leaves out comes from `defaults` (the model's generation config),
+    else the neutral value."""
     check_prompt(prompt_token_ids, limits)
     stop_ids = tuple(request.stop_token_ids or ())
     if stop_ids and max(stop_ids) >= limits.vocab_size:
         raise bad_request("stop_token_ids contains an id outside the vocabulary.",
                           "stop_token_ids")
     max_tokens = _max_tokens(request, len(prompt_token_ids), limits)
+    if defaults.max_tokens is not None:  # the model's max_new_tokens caps every request
+        max_tokens = min(max_tokens, defaults.max_tokens)
+    top_k = _given(request.top_k, defaults.top_k, 0)
     if request.min_tokens > max_tokens:
         raise bad_request(f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
                           f"got {request.min_tokens}.", "min_tokens")
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=1.0 if request.temperature is None else request.temperature,
-        top_p=1.0 if request.top_p is None else request.top_p,
+        temperature=_given(request.temperature, defaults.temperature, 1.0),
+        top_p=_given(request.top_p, defaults.top_p, 1.0),
         # k at or above the vocabulary filters nothing, as 0 and -1 do (and fits the wire)
-        top_k=request.top_k if request.top_k and 0 < request.top_k < limits.vocab_size else 0,
-        min_p=request.min_p or 0.0,
+        top_k=top_k if 0 < top_k < limits.vocab_size else 0,
+        min_p=_given(request.min_p, defaults.min_p, 0.0),
         seed=None if request.seed is None else request.seed % 2**63,
         stop_token_ids=stop_ids,
         ignore_eos=request.ignore_eos,
         presence_penalty=request.presence_penalty or 0.0,
         frequency_penalty=request.frequency_penalty or 0.0,
-        repetition_penalty=request.repetition_penalty or 1.0,
+        repetition_penalty=_given(request.repetition_penalty, defaults.repetition_penalty,
+                                  1.0),
         logprobs=request.num_logprobs,
         min_tokens=request.min_tokens,
     )
+
+
+Number = TypeVar("Number", int, float)
+
+
+def _given(asked: Number | None, default: Number | None, neutral: Number) -> Number:
+    """The request's value, else the model's default, else the neutral one."""
+    return asked if asked is not None else default if default is not None else neutral

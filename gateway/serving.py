@@ -20,6 +20,7 @@ from gateway.detokenizer import IncrementalDetokenizer
 from gateway.engine_client import Generation
 from gateway.engine_pool import EnginePool
 from gateway.errors import GatewayError, bad_request, engine_unavailable
+from gateway.generation_config import NEUTRAL
 from gateway.metrics import Metrics, RequestTimer
 from gateway.openai_protocol import SamplingFields, Usage
 from gateway.output import Output, StopStrings, collect, interleave, outputs
@@ -118,6 +119,10 @@ class Serving:
         self.metrics = Metrics(config.served_model_name)
         self.services = ServiceMetrics(config.service_metrics)
         self._tokenizer = tokenizer
+        if config.sampling_defaults != NEUTRAL:
+            log.warning("sampling defaults from the model's generation config: %s (start "
+                        "with --generation-config vllm for neutral ones)",
+                        config.sampling_defaults.describe())
         self._admitted = 0  # choices accepted and not yet finished
         self._unknown_fields: set[str] = set()
 
@@ -214,7 +219,8 @@ class Serving:
         """Validate the request against the model, queue it, and start its choices."""
         info = self._engine_info()
         limits = ModelLimits(self.max_model_len(info) or info.max_model_len, info.vocab_size)
-        sampling = sampling_params(body, prompt_token_ids, limits)
+        sampling = sampling_params(body, prompt_token_ids, limits,
+                                   self.config.sampling_defaults)
         self._admit(body.n)
         run = Run(f"{kind}-{uuid.uuid4().hex}", int(time.time()),
                   self.config.served_model_name, prompt_token_ids, _serving=self,

@@ -31,6 +31,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                         "once; more get 429")
     p.add_argument("--max-request-body-size", default=env("MAX_REQUEST_BODY_SIZE", "16MiB"),
                    help="gateway: larger request bodies get 413")
+    p.add_argument("--generation-config", default=env("GENERATION_CONFIG", "auto"),
+                   help="gateway: sampling defaults for what a request leaves out: auto (the "
+                        "model's generation_config.json, as vLLM), vllm (neutral), or a "
+                        "directory holding a generation_config.json")
     add_engine_flags(p, default_backend="rpc")
 
 

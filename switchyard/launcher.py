@@ -154,7 +154,8 @@ def _start_services(args: argparse.Namespace, model: Path, name: str,
         "--service-metrics", scrape,
         "--host", args.host, "--port", str(args.port),
         "--max-queued-requests", args.max_queued_requests,
-        "--max-request-body-size", args.max_request_body_size, *_tracing_args(args)])],
+        "--max-request-body-size", args.max_request_body_size,
+        "--generation-config", args.generation_config, *_tracing_args(args)])],
         timeout)
     url = http_url(args.host, http_port)
     _wait_healthy(f"{url}/health", children, timeout)

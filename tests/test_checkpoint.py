@@ -32,6 +32,31 @@ def test_translates_qwen3_and_mixtral(qwen3_ckpt: tuple, mixtral_ckpt: tuple) ->
     assert (mixtral_ckpt[0] / "model.safetensors.index.json").is_file()
 
 
+@pytest.mark.parametrize(("generation_eos", "want"), [
+    ([255, 7], (255, 7)), (7, (255, 7)), (None, (255,)), ("absent", (255,))])
+def test_generation_config_adds_its_end_of_sequence_ids(qwen3_ckpt: tuple, tmp_path: Path,
+                                                         generation_eos: object,
+                                                         want: tuple) -> None:
+    """As transformers' `generate` and vLLM: Qwen3's generation_config.json adds
+    <|endoftext|> to config.json's <|im_end|>."""
+    path = copy(qwen3_ckpt[0], tmp_path / "m")
+    assert ModelConfig.from_dir(path).eos_token_ids == (255,)  # config.json's
+    file = path / "generation_config.json"
+    if generation_eos == "absent":
+        file.unlink()
+    else:
+        file.write_text(json.dumps({"eos_token_id": generation_eos, "temperature": 0.6}))
+    assert ModelConfig.from_dir(path).eos_token_ids == want
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", "{", '{"eos_token_id": "2"}'])
+def test_a_bad_generation_config_is_named(qwen3_ckpt: tuple, tmp_path: Path, text: str) -> None:
+    path = copy(qwen3_ckpt[0], tmp_path / "m")
+    (path / "generation_config.json").write_text(text)
+    with pytest.raises(CheckpointError, match=r"generation_config\.json: "):
+        ModelConfig.from_dir(path)
+
+
 def test_unsupported_architecture(qwen3_ckpt: tuple, tmp_path: Path) -> None:
     d = copy(qwen3_ckpt[0], tmp_path / "m")
     cfg = json.loads((d / "config.json").read_text())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 from pathlib import Path
 
 import jinja2
@@ -17,6 +18,7 @@ from transformers import AutoTokenizer
 from gateway.config import parse_args
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.errors import GatewayError
+from gateway.generation_config import SamplingDefaults
 from gateway.openai_protocol import ChatCompletionRequest, CompletionRequest
 from gateway.output import StopStrings
 from gateway.sampling import ModelLimits, sampling_params
@@ -97,7 +99,10 @@ def test_config_flags_and_defaults(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
 @pytest.mark.parametrize(("flags", "error"), [
     (["--engine", "no-port"], "--engine: expected an address of the form HOST:PORT, got "
                               "'no-port'"),
-    (["--model", "/no/such/dir"], "--model: /no/such/dir is not a directory")])
+    (["--model", "/no/such/dir"], "--model: /no/such/dir is not a directory"),
+    (["--generation-config", "/no/such/dir"], "--generation-config: "
+                                              "/no/such/dir/generation_config.json does not "
+                                              "exist")])
 def test_config_rejects_bad_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                   flags: list[str], error: str) -> None:
     with pytest.raises(SystemExit) as exit_:
@@ -253,6 +258,46 @@ def test_sampling_rejections(request_fields: dict[str, object], prompt: list[int
     with pytest.raises(GatewayError) as caught:
         sampling_params(request, prompt, LIMITS)
     assert caught.value.status == 400 and needle in caught.value.message
+
+
+# Qwen3-30B-A3B's generation_config.json (the values vLLM then serves as defaults)
+QWEN3_GENERATION = {"bos_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643],
+                    "pad_token_id": 151643, "temperature": 0.6, "top_k": 20, "top_p": 0.95,
+                    "transformers_version": "4.51.0"}
+
+
+def test_the_models_sampling_defaults_fill_what_a_request_leaves_out(tmp_path: Path) -> None:
+    (tmp_path / "generation_config.json").write_text(json.dumps(QWEN3_GENERATION))
+    defaults = SamplingDefaults.load("auto", tmp_path)
+    assert defaults == SamplingDefaults(temperature=0.6, top_p=0.95, top_k=20)
+    assert defaults.describe() == "temperature=0.6, top_p=0.95, top_k=20"
+    left_out = sampling_params(CompletionRequest(prompt=[1]), [1], LIMITS, defaults)
+    assert (left_out.temperature, left_out.top_p, left_out.top_k) == (0.6, 0.95, 20)
+    assert (left_out.min_p, left_out.repetition_penalty) == (0.0, 1.0)  # not in the file
+    given = sampling_params(CompletionRequest(prompt=[1], temperature=0, top_p=1, top_k=-1,
+                                              min_p=0.1), [1], LIMITS, defaults)
+    assert (given.temperature, given.top_p, given.top_k, given.min_p) == (0.0, 1.0, 0, 0.1)
+    assert SamplingDefaults.load("vllm", tmp_path) == SamplingDefaults()
+    assert SamplingDefaults.load("auto", tmp_path / "elsewhere") == SamplingDefaults()
+
+
+def test_generation_defaults_as_transformers_diff_them(tmp_path: Path) -> None:
+    """Values equal to transformers' own defaults change nothing (vLLM reads the file
+    through `to_diff_dict()`); max_new_tokens caps every request; bad values are named."""
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 1.0, "top_k": 50, "repetition_penalty": 1.1, "max_new_tokens": 8}))
+    defaults = SamplingDefaults.load(str(tmp_path), Path("/unused"))
+    assert defaults == SamplingDefaults(repetition_penalty=1.1, max_tokens=8)
+    capped = sampling_params(CompletionRequest(prompt=[1], max_tokens=30), [1], LIMITS, defaults)
+    assert (capped.max_tokens, capped.repetition_penalty) == (8, 1.1)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_k": "20"}))
+    with pytest.raises(ValueError, match=r"json: top_k must be an integer, got '20'"):
+        SamplingDefaults.load("auto", tmp_path)
+    (tmp_path / "generation_config.json").write_text("[]")
+    with pytest.raises(ValueError, match="not a JSON object"):
+        SamplingDefaults.load("auto", tmp_path)
+    with pytest.raises(ValueError, match="does not exist"):
+        SamplingDefaults.load(str(tmp_path / "nowhere"), tmp_path)
 
 
 # --- stop strings ---------------------------------------------------------------------------

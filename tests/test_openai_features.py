@@ -318,3 +318,33 @@ def test_a_batch_of_prompts_as_openai_and_vllm_number_it(tiny: tuple, demo: Serv
     assert [ch.text for ch in texts.choices] == alone
     with pytest.raises(openai.BadRequestError, match="not a mix"):
         c.completions.create(model=m, prompt=[[1, 2], "x"], max_tokens=2)  # type: ignore[arg-type]
+
+
+def test_the_models_generation_config_as_vllm_reads_it(qwen3_ckpt: tuple, tmp_path: object
+                                                       ) -> None:
+    """generation_config.json's end-of-sequence ids stop generation (Qwen3 adds
+    <|endoftext|> there), and its sampling values are the defaults of what a request
+    leaves out (vLLM's `--generation-config auto`): here greedy, at most 6 tokens."""
+    import shutil
+    from pathlib import Path
+
+    path, model = qwen3_ckpt
+    prompt = next(p for p in prompts(seed=31, lengths=(5, 6, 7, 8))
+                  if (want := reference_greedy(model, p, 6))[2] not in want[:2])
+    want = reference_greedy(model, prompt, 6)
+    copy = Path(str(tmp_path)) / "with-generation-config"
+    shutil.copytree(path, copy)
+    config = json.loads((copy / "generation_config.json").read_text())
+    (copy / "generation_config.json").write_text(json.dumps({
+        **config, "eos_token_id": [config["eos_token_id"], want[2]], "temperature": 0.0,
+        "max_new_tokens": 6}))
+    with Served(["--model", str(copy), "--dispatch-backend", "local"]) as served:
+        c, m = client(served), model_id(served)
+        r = c.completions.create(model=m, prompt=prompt,
+                                 extra_body={"return_token_ids": True})
+        assert r.choices[0].token_ids == want[:3]  # type: ignore[attr-defined]
+        assert r.choices[0].finish_reason == "stop"
+        r = c.completions.create(model=m, prompt=prompt, max_tokens=16,
+                                 extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert r.choices[0].token_ids == want  # type: ignore[attr-defined]
+        assert r.choices[0].finish_reason == "length"

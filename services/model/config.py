@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,9 +65,12 @@ class ModelConfig:
         except json.JSONDecodeError as exc:
             raise CheckpointError(f"{path}: not valid JSON ({exc})") from exc
         try:
-            return cls.from_hf(raw)
+            config = cls.from_hf(raw)
         except CheckpointError as exc:
             raise CheckpointError(f"{path}: {exc}") from exc
+        extra = _generation_eos(Path(model_dir) / "generation_config.json")
+        eos = config.eos_token_ids + tuple(t for t in extra if t not in config.eos_token_ids)
+        return dataclasses.replace(config, eos_token_ids=eos)
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -116,6 +120,22 @@ class ModelConfig:
             torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
             quantization=quantization,
         )
+
+
+def _generation_eos(path: Path) -> tuple[int, ...]:
+    """The end-of-sequence ids of `generation_config.json`, if there is one: generation
+    stops at these too, as in transformers' `generate` and vLLM (e.g. Qwen3 adds
+    <|endoftext|> to config.json's <|im_end|>)."""
+    if not path.is_file():
+        return ()
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    except (json.JSONDecodeError, AttributeError) as exc:
+        raise CheckpointError(f"{path}: not a JSON object ({exc})") from exc
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise CheckpointError(f"{path}: eos_token_id must be an int or a list of ints")
+    return tuple(ids)
 
 
 QUANT_METHOD = "switchyard_mxfp4"  # what `switchyard quantize` writes in quantization_config

@@ -1,0 +1,79 @@
+"""The model's recommended sampling defaults, from its `generation_config.json`.
+
+As vLLM's `--generation-config auto` (its default): a request that leaves a parameter out
+gets the model creator's value instead of the neutral one. Only the values that differ
+from transformers' `GenerationConfig` defaults count (vLLM reads them through
+`to_diff_dict()`); `vllm` keeps the neutral defaults; a directory reads its file instead.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# transformers' GenerationConfig defaults: a file repeating one of these changes nothing.
+_HF_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 50,
+                                "min_p": None, "repetition_penalty": 1.0,
+                                "max_new_tokens": None}
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """What a request that omits the parameter gets; None: the neutral default."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    max_tokens: int | None = None  # generation_config's max_new_tokens: caps every request
+
+    @classmethod
+    def load(cls, source: str, model_dir: Path) -> SamplingDefaults:
+        """`source`: "auto" (the model directory's file), "vllm" (none) or a directory.
+
+        Raises:
+            ValueError: the file is not a JSON object, or a value has the wrong type.
+        """
+        if source == "vllm":
+            return cls()
+        path = (model_dir if source == "auto" else Path(source)) / "generation_config.json"
+        if not path.is_file():
+            if source != "auto":
+                raise ValueError(f"{path} does not exist")
+            return cls()
+        try:
+            raw = json.loads(path.read_text())
+            if not isinstance(raw, dict):
+                raise TypeError("not a JSON object")
+            given = {k: raw[k] for k in _HF_DEFAULTS
+                     if raw.get(k) is not None and raw[k] != _HF_DEFAULTS[k]}
+            defaults = cls(
+                temperature=_number(given, "temperature", float),
+                top_p=_number(given, "top_p", float), top_k=_number(given, "top_k", int),
+                min_p=_number(given, "min_p", float),
+                repetition_penalty=_number(given, "repetition_penalty", float),
+                max_tokens=_number(given, "max_new_tokens", int))
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{path}: {exc}") from exc
+        return defaults
+
+    def describe(self) -> str:
+        """e.g. "temperature=0.6, top_k=20" (what differs from the neutral defaults)."""
+        return ", ".join(f"{k}={v}" for k, v in vars(self).items() if v is not None)
+
+
+NEUTRAL = SamplingDefaults()  # vLLM's `--generation-config vllm`
+
+
+def _number(given: dict[str, Any], key: str, kind: type) -> Any:
+    value = given.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or (
+            kind is int and value != int(value)):
+        raise TypeError(f"{key} must be {'an integer' if kind is int else 'a number'}, got "
+                        f"{value!r}")
+    return kind(value)
