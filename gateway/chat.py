@@ -75,7 +75,9 @@ async def _events(serving: Serving, run: Run, body: ChatCompletionRequest
 async def create_chat_completion(serving: Serving, request: Request) -> Response:
     """Generate the assistant's reply to a conversation."""
     body = await serving.parse(request, ChatCompletionRequest)
-    prompt_token_ids = serving.tokenizer.encode_chat(conversation(body))
+    prompt_token_ids = serving.tokenizer.encode_chat(conversation(body),
+                                                     body.add_generation_prompt,
+                                                     body.chat_template_kwargs)
     run = await serving.start(request, "chatcmpl", prompt_token_ids, body)
     if body.stream:
         return EventStreamResponse(_events(serving, run, body), run.aclose)

@@ -6,7 +6,7 @@ here are the validation, and msgspec's error messages become 400 responses.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -96,6 +96,17 @@ class ChatMessage(msgspec.Struct):
         return "\n".join(part.text or "" for part in self.content)
 
 
+# What the gateway itself gives a chat template; a request may not redefine them.
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents",
+                                         "add_generation_prompt"})
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    if kwargs and (taken := sorted(RESERVED_TEMPLATE_VARIABLES & kwargs.keys())):
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)}: the "
+                         "request's own fields do")
+
+
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     """POST /v1/chat/completions."""
 
@@ -103,11 +114,14 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
+    add_generation_prompt: bool = True  # vLLM: end the prompt with the assistant's header
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM: the template's variables
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.top_logprobs and not self.logprobs:
             raise ValueError("when using `top_logprobs`, `logprobs` must be set to true.")
+        check_template_kwargs(self.chat_template_kwargs)
 
     @property
     def num_logprobs(self) -> int | None:

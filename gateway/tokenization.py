@@ -6,7 +6,7 @@ exactly as /v1/chat/completions renders it, so `count` is that request's prompt_
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 from starlette.requests import Request
@@ -14,7 +14,7 @@ from starlette.responses import Response
 
 from gateway.chat import conversation
 from gateway.errors import bad_request, engine_unavailable
-from gateway.openai_protocol import ChatCompletionRequest, ChatMessage
+from gateway.openai_protocol import ChatCompletionRequest, ChatMessage, check_template_kwargs
 from gateway.serving import Serving, json_response
 from gateway.tokenizer import Tokenizer
 
@@ -35,7 +35,11 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
+
+    def __post_init__(self) -> None:
+        check_template_kwargs(self.chat_template_kwargs)
 
 
 class TokenizeResponse(msgspec.Struct):
@@ -66,12 +70,9 @@ def _prompt_text(tokenizer: Tokenizer, body: TokenizeRequest) -> str:
                           "prompt")
     if body.prompt is not None:
         return body.prompt
-    if not body.add_generation_prompt:
-        # Tokenizer.render_chat always appends it; a silently different count would be worse.
-        raise bad_request("add_generation_prompt=false is not supported.",
-                          "add_generation_prompt")
     # The very rendering /v1/chat/completions uses, so the counts agree.
-    return tokenizer.render_chat(conversation(ChatCompletionRequest(messages=body.messages)))
+    return tokenizer.render_chat(conversation(ChatCompletionRequest(messages=body.messages)),
+                                 body.add_generation_prompt, body.chat_template_kwargs)
 
 
 async def tokenize(serving: Serving, request: Request) -> Response:

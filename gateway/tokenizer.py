@@ -107,16 +107,23 @@ class Tokenizer:
         """Text for `token_ids`."""
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
-        """The prompt text for a conversation, ending with the assistant's generation prompt."""
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    template_kwargs: dict[str, Any] | None = None) -> str:
+        """The prompt text for a conversation, by default ending with the assistant's
+        generation prompt; `template_kwargs` are the template's own variables (e.g.
+        Qwen3's `enable_thinking`), as transformers' `apply_chat_template(**kwargs)`."""
         if self._template is None:
             raise bad_request("The model's tokenizer has no chat template; use /v1/completions.")
         try:
-            return self._template.render(messages=messages, tools=None, documents=None,
-                                         add_generation_prompt=True, **self.special_tokens)
+            return self._template.render(**{
+                **self.special_tokens, **(template_kwargs or {}), "messages": messages,
+                "tools": None, "documents": None,
+                "add_generation_prompt": add_generation_prompt})
         except Exception as exc:  # foreign code: whatever it raises is about these messages
             raise bad_request(f"Chat template error: {exc}", "messages") from exc
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Prompt token ids for a conversation; the template already wrote any special tokens."""
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, add_generation_prompt, template_kwargs),
+                           add_special_tokens=False)

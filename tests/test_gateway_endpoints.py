@@ -102,6 +102,9 @@ async def test_tokenize_chat_uses_the_chat_template(offline: httpx.AsyncClient,
     r = await offline.post("/tokenize", json={"messages": CHAT, "add_special_tokens": True})
     rendered = hf.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
     assert r.json()["tokens"] == hf.encode(rendered, add_special_tokens=True)
+    r = await offline.post("/tokenize", json={"messages": CHAT, "add_generation_prompt": False})
+    assert r.json()["tokens"] == hf.apply_chat_template(
+        CHAT, add_generation_prompt=False, tokenize=True, return_dict=False)
 
 
 @pytest.mark.anyio
@@ -111,9 +114,8 @@ async def test_tokenization_errors(offline: httpx.AsyncClient) -> None:
              "prompt")
     error_of(await offline.post("/tokenize", json={"prompt": 3}), 400, "prompt")
     error_of(await offline.post("/tokenize", json={"messages": []}), 400, "messages")
-    error_of(await offline.post("/tokenize", json={"messages": CHAT,
-                                                   "add_generation_prompt": False}),
-             400, "add_generation_prompt")
+    error_of(await offline.post("/tokenize", json={
+        "messages": CHAT, "chat_template_kwargs": {"add_generation_prompt": False}}), 400)
     error_of(await offline.post("/tokenize", content=b'{"prompt": "a"',
                                 headers={"content-type": "application/json"}), 400)
     error_of(await offline.post("/tokenize", json={"model": "other", "prompt": "a"}), 404,

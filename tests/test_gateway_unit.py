@@ -24,7 +24,7 @@ from gateway.output import StopStrings
 from gateway.sampling import ModelLimits, sampling_params
 from gateway.tokenizer import Tokenizer
 from switchyard.messages import SamplingParams
-from tests.test_gateway_support import write_checkpoint
+from tests.test_gateway_support import CHATML, write_checkpoint
 
 LLAMA_STYLE = (
     "{{ bos_token }}{% for message in messages %}"
@@ -129,6 +129,23 @@ def test_chat_template_matches_transformers(
         messages, add_generation_prompt=True, tokenize=True, return_dict=False
     )
     assert ours.encode_chat(messages) == expected_ids
+
+
+# Qwen3's switch, in the shape of its template: the request's chat_template_kwargs set it.
+THINKING = CHATML + ("{% if add_generation_prompt and enable_thinking is defined and "
+                     "enable_thinking is false %}{{ '<think>\n\n</think>\n\n' }}{% endif %}")
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"enable_thinking": False}, {"enable_thinking": True}])
+@pytest.mark.parametrize("generation_prompt", [True, False])
+def test_chat_template_variables_as_transformers_passes_them(
+        tmp_path: Path, kwargs: dict[str, object], generation_prompt: bool) -> None:
+    model = write_checkpoint(tmp_path / "qwen-like", THINKING)
+    ours, theirs = Tokenizer.load(model), AutoTokenizer.from_pretrained(str(model))
+    assert ours is not None
+    messages = CONVERSATIONS[0]
+    assert ours.render_chat(messages, generation_prompt, kwargs) == theirs.apply_chat_template(
+        messages, add_generation_prompt=generation_prompt, tokenize=False, **kwargs)
 
 
 def test_template_errors_are_bad_requests(checkpoints: dict[str, Path]) -> None:
