@@ -12,10 +12,7 @@ still run. In order:
    kernel once in a child process (`benchmarks/gpu_preflight.py`), so that one which
    faults the GPU is kept out of this process instead of failing every later section;
 2. the W4A4 grouped GEMM (`benchmarks/gpu_mxfp4.py`): every variant checked against the
-   torch path, then timed at decode and prefill shapes against the copy bandwidth; and a
-   sweep of variants, tiles and launch options (`--skip-sweep`), whose fastest config per
-   tokens per expert is written beside the JSON as `<device>.json`: this GPU's tuned
-   table, to commit to `moe_kernels/configs/`;
+   torch path, then timed at decode and prefill shapes against the copy bandwidth;
 3. the bundled demo model on `--device cuda` (local backend) against the CPU in float32:
    logits through the paged-KV path (`Engine.score`) and greedy continuations, in float32
    (random-byte prompts) and bfloat16 (demo questions, against the CPU's own bfloat16
@@ -29,7 +26,12 @@ still run. In order:
    the CuPy collective alone; with two GPUs or more, the `torch`, `nccl` and (installed)
    `deepep` backends across them (`benchmarks/ep_latency.py`, bf16 and MXFP4 rows; with 9
    GPUs or more 8 expert ranks, beside DeepEP's published low-latency figures for EP 8);
-6. `switchyard serve --device cuda` (gateway, attention, 2 expert services over `rpc`, all
+6. a sweep of the W4A4 kernel's variants, tiles and launch options (`--skip-sweep`),
+   whose fastest config per tokens per expert is written beside the JSON as
+   `<device>.json`: this GPU's tuned table, to commit to `moe_kernels/configs/` (late:
+   its configs never ran on a GPU, and one that faults would break this process's CUDA
+   context for the sections after it);
+7. `switchyard serve --device cuda` (gateway, attention, 2 expert services over `rpc`, all
    on this GPU) answering the demo questions as the CPU does (`--skip-serve`).
 
 The `torch`, `nccl` and `deepep` backends across ranks need two GPUs or more (NCCL and

@@ -9,11 +9,13 @@ from transformers' `GenerationConfig` defaults count (vLLM reads them through
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# transformers' GenerationConfig defaults: a file repeating one of these changes nothing.
+# transformers 4's GenerationConfig defaults (the version vLLM pins): a file repeating one
+# of these changes nothing.
 _HF_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 50,
                                 "min_p": None, "repetition_penalty": 1.0,
                                 "max_new_tokens": None}
@@ -35,7 +37,8 @@ class SamplingDefaults:
         """`source`: "auto" (the model directory's file), "vllm" (none) or a directory.
 
         Raises:
-            ValueError: the file is not a JSON object, or a value has the wrong type.
+            ValueError: the file is not a JSON object, or a value has the wrong type or is
+                out of the range a request's own would have to be in.
         """
         if source == "vllm":
             return cls()
@@ -56,9 +59,22 @@ class SamplingDefaults:
                 min_p=_number(given, "min_p", float),
                 repetition_penalty=_number(given, "repetition_penalty", float),
                 max_tokens=_number(given, "max_new_tokens", int))
-        except (ValueError, TypeError) as exc:
+            defaults.check()
+        except (ValueError, TypeError, OverflowError) as exc:
             raise ValueError(f"{path}: {exc}") from exc
         return defaults
+
+    def check(self) -> None:
+        """The ranges the engine takes (vLLM's), so that no request fails for a default
+        it never asked for."""
+        ranges = {"temperature": (self.temperature, 0.0, math.inf),
+                  "top_p": (self.top_p, 1e-9, 1.0), "top_k": (self.top_k, -1, math.inf),
+                  "min_p": (self.min_p, 0.0, 1.0),
+                  "repetition_penalty": (self.repetition_penalty, 1e-9, math.inf),
+                  "max_new_tokens": (self.max_tokens, 1, math.inf)}
+        for name, (value, low, high) in ranges.items():
+            if value is not None and not (low <= value <= high and math.isfinite(value)):
+                raise ValueError(f"{name} {value} is out of range")
 
     def describe(self) -> str:
         """e.g. "temperature=0.6, top_k=20" (what differs from the neutral defaults)."""

@@ -96,15 +96,15 @@ class ChatMessage(msgspec.Struct):
         return "\n".join(part.text or "" for part in self.content)
 
 
-# What the gateway itself gives a chat template; a request may not redefine them.
-RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents",
-                                         "add_generation_prompt"})
+# chat_template_kwargs may set any template variable (add_generation_prompt, tools and
+# documents included, as in vLLM) but these: the conversation is the request's `messages`,
+# and vLLM refuses the other two (apply_chat_template's own arguments).
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "chat_template", "tokenize"})
 
 
 def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
     if kwargs and (taken := sorted(RESERVED_TEMPLATE_VARIABLES & kwargs.keys())):
-        raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)}: the "
-                         "request's own fields do")
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)}")
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):

@@ -116,9 +116,9 @@ class Tokenizer:
             raise bad_request("The model's tokenizer has no chat template; use /v1/completions.")
         try:
             return self._template.render(**{
-                **self.special_tokens, **(template_kwargs or {}), "messages": messages,
-                "tools": None, "documents": None,
-                "add_generation_prompt": add_generation_prompt})
+                **self.special_tokens, "tools": None, "documents": None,
+                "add_generation_prompt": add_generation_prompt, **(template_kwargs or {}),
+                "messages": messages})
         except Exception as exc:  # foreign code: whatever it raises is about these messages
             raise bad_request(f"Chat template error: {exc}", "messages") from exc
 

@@ -22,6 +22,7 @@ import httpx
 
 from ep_dispatch.deepep import deepep_flags, deepep_settings
 from ep_dispatch.registry import COLLECTIVE, check_backend
+from gateway.generation_config import SamplingDefaults
 from services.attention.config import add_engine_flags, check_cuda_graphs
 from services.expert.experts import check_quantization
 from services.model.config import CheckpointError, ModelConfig
@@ -162,6 +163,14 @@ def _start_services(args: argparse.Namespace, model: Path, name: str,
     return url
 
 
+def _check_generation_config(source: str, model: Path) -> None:
+    """What the gateway will read, checked before any service loads the model."""
+    try:
+        SamplingDefaults.load(source, model)
+    except ValueError as exc:
+        raise ValueError(f"--generation-config: {exc}") from exc
+
+
 def _check_deepep(args: argparse.Namespace, cfg: ModelConfig) -> None:
     """DeepEP's limits for this layout and model, and DeepEP itself, before any process."""
     import torch
@@ -215,6 +224,7 @@ def serve(args: argparse.Namespace) -> int:
         check_backend(args.dispatch_backend, args.device, quantization)
         if args.dispatch_backend == "deepep":
             _check_deepep(args, cfg)
+        _check_generation_config(args.generation_config, model)
     except (CheckpointError, ValueError, StartupError) as exc:
         print(f"switchyard serve: {exc}", file=sys.stderr)
         return 2

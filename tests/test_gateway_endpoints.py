@@ -115,7 +115,7 @@ async def test_tokenization_errors(offline: httpx.AsyncClient) -> None:
     error_of(await offline.post("/tokenize", json={"prompt": 3}), 400, "prompt")
     error_of(await offline.post("/tokenize", json={"messages": []}), 400, "messages")
     error_of(await offline.post("/tokenize", json={
-        "messages": CHAT, "chat_template_kwargs": {"add_generation_prompt": False}}), 400)
+        "messages": CHAT, "chat_template_kwargs": {"tokenize": False}}), 400)
     error_of(await offline.post("/tokenize", content=b'{"prompt": "a"',
                                 headers={"content-type": "application/json"}), 400)
     error_of(await offline.post("/tokenize", json={"model": "other", "prompt": "a"}), 404,

@@ -124,16 +124,17 @@ async def test_chat_completion(stack: Stack, tokenizer: Tokenizer, model_dir: Pa
 
 
 async def test_chat_without_the_generation_prompt(stack: Stack, model_dir: Path) -> None:
-    """vLLM's `add_generation_prompt: false` (and a template variable, which this
-    template ignores, as transformers does)."""
+    """vLLM's `add_generation_prompt: false`, as a field or through the template's
+    variables; the conversation itself cannot be replaced that way."""
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}]
-    r = await stack.http.post("/v1/chat/completions", json={
-        "model": MODEL, "messages": messages, "add_generation_prompt": False,
-        "chat_template_kwargs": {"enable_thinking": False}})
-    assert r.status_code == 200, r.text
-    assert stack.engine.requests[0].prompt_token_ids == AutoTokenizer.from_pretrained(
-        str(model_dir)).apply_chat_template(messages, add_generation_prompt=False,
-                                            tokenize=True, return_dict=False)
+    hf = AutoTokenizer.from_pretrained(str(model_dir))
+    for fields in ({"add_generation_prompt": False},  # or as a template variable (vLLM's)
+                   {"chat_template_kwargs": {"add_generation_prompt": False}}):
+        r = await stack.http.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": messages, **fields})
+        assert r.status_code == 200, r.text
+        assert stack.engine.requests[-1].prompt_token_ids == hf.apply_chat_template(
+            messages, add_generation_prompt=False, tokenize=True, return_dict=False)
     r = await stack.http.post("/v1/chat/completions", json={
         "model": MODEL, "messages": messages, "chat_template_kwargs": {"messages": []}})
     assert r.status_code == 400 and "may not set messages" in r.text

@@ -67,15 +67,21 @@ class Engine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.model_config = cfg = ModelConfig.from_dir(config.model)
-        checkpoint = Checkpoint(config.model)
+        self.quantization = check_quantization(cfg, config.quantization)
+        check_backend(config.dispatch_backend, self.device, self.quantization)
+        if config.dispatch_backend == "deepep":
+            check_step_budget(config.deepep, config.max_num_batched_tokens)
         log.info("loading %s (%d layers, %d experts) as %s", cfg.architecture, cfg.num_layers,
                  cfg.num_experts, self.dtype)
         self.group = _dcp_group(config)
-        self.model = DenseModel(cfg, checkpoint, self.dtype,
-                                self.group.attend if self.group else None, self.device)
-        self.quantization = check_quantization(cfg, config.quantization)
-        self.experts = self._experts(checkpoint)
-        checkpoint.close()
+        with Checkpoint(config.model) as checkpoint:  # closed before waiting on any peer
+            self.model = DenseModel(cfg, checkpoint, self.dtype,
+                                    self.group.attend if self.group else None, self.device)
+            # `local` is the only backend that holds the experts in-process
+            bank = ExpertBank(cfg, checkpoint, all_experts(cfg), self.dtype,
+                              self.quantization or "none", device=self.device) \
+                if config.dispatch_backend == "local" else None
+        self.experts = self._experts(bank)
         graphs = config.cuda_graph_max_batch > 0
         num_blocks = _num_blocks(config, cfg, self.dtype, graphs)
         # With graphs, one more block: their scratch, never handed out.
@@ -103,17 +109,10 @@ class Engine:
         if self.graphs:
             self.graphs.capture_all()
 
-    def _experts(self, checkpoint: Checkpoint) -> ExpertsClient:
-        """The configured dispatch backend's client (with `local`, the experts loaded here,
-        the only backend that holds them in-process)."""
+    def _experts(self, bank: ExpertBank | None) -> ExpertsClient:
+        """The configured dispatch backend's client (`bank`: the in-process experts of
+        `local`)."""
         config, cfg = self.config, self.model_config
-        check_backend(config.dispatch_backend, self.device, self.quantization)
-        if config.dispatch_backend == "deepep":
-            check_step_budget(config.deepep, config.max_num_batched_tokens)
-        bank = None
-        if config.dispatch_backend == "local":
-            bank = ExpertBank(cfg, checkpoint, all_experts(cfg), self.dtype,
-                              self.quantization or "none", device=self.device)
         return create_experts_client(config.dispatch_backend, BackendContext(
             moe_layers=cfg.moe_layer_ids,
             num_experts=cfg.num_experts, expert_fn=bank.forward if bank else None,

@@ -85,3 +85,9 @@ class Checkpoint:
     def close(self) -> None:
         self._stack.close()
         self._handles.clear()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
