@@ -122,3 +122,22 @@ def test_bfloat16_dtype_loads(qwen3_ckpt: tuple) -> None:
     with torch.no_grad():
         ref = qwen3_ckpt[1](torch.tensor([[1, 2, 3]])).logits[0]
     assert (logits - ref).abs().max() < 0.1  # bf16 rounding, same model
+
+
+@pytest.mark.parametrize(("generation", "error"), [
+    ({"temperature": -1}, "temperature -1.0 is out of range"),
+    ({"max_new_tokens": 0}, "max_new_tokens 0 is out of range"),
+    ({"top_p": float("inf")}, "top_p inf is out of range"),
+    ({"max_new_tokens": 1e999}, "cannot convert float infinity to integer"),
+    ({"top_k": "20"}, "top_k must be an integer")])
+def test_serve_refuses_generation_defaults_no_request_could_ask_for(
+        qwen3_ckpt: tuple, tmp_path: Path, generation: dict, error: str) -> None:
+    """Before any service starts: a default out of range would fail every request that
+    leaves the field out."""
+    d = copy(qwen3_ckpt[0], tmp_path / "m")
+    (d / "generation_config.json").write_text(json.dumps(generation))
+    proc = subprocess.run([sys.executable, "-m", "switchyard", "serve", "--model", str(d),
+                           "--port", "0"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert f"switchyard serve: --generation-config: {d}/generation_config.json: {error}" \
+        in proc.stderr and "Traceback" not in proc.stderr
