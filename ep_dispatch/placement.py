@@ -44,11 +44,17 @@ class Placement:
     replicas: dict[int, tuple[tuple[int, ...], ...]]  # layer -> expert -> ranks
 
     @classmethod
-    def balanced(cls, moe_layers: list[int], num_experts: int, num_ranks: int) -> Placement:
-        """Expert e on rank e % num_ranks in every layer (counts differ by at most one)."""
+    def balanced(cls, moe_layers: list[int], num_experts: int, num_ranks: int,
+                 replicas: int = 1) -> Placement:
+        """Expert e on ranks e % N, (e + 1) % N, ... (`replicas` of them) in every layer:
+        each rank holds as many experts as another, give or take one."""
         if num_ranks < 1:
             raise PlacementError(f"need at least one expert rank, got {num_ranks}")
-        per_layer = tuple((e % num_ranks,) for e in range(num_experts))
+        if not 1 <= replicas <= num_ranks:
+            raise PlacementError(f"--expert-replicas must be 1..{num_ranks} (the expert ranks), "
+                                 f"got {replicas}")
+        per_layer = tuple(tuple((e + i) % num_ranks for i in range(replicas))
+                          for e in range(num_experts))
         return cls(num_ranks, num_experts, dict.fromkeys(moe_layers, per_layer))
 
     @classmethod
@@ -85,6 +91,16 @@ class Placement:
                 if bad:
                     raise PlacementError(f"{source}: layer {layer} expert {expert} on rank(s) "
                                          f"{bad}, but there are {self.num_ranks} ranks")
+
+    def excluding(self, ranks: frozenset[int]) -> Placement | None:
+        """This placement without `ranks` (lost expert ranks), if every expert keeps a
+        replica; else None. The other ranks keep their experts, in the same local order."""
+        replicas = {layer: tuple(tuple(r for r in ranks_of if r not in ranks)
+                                 for ranks_of in experts)
+                    for layer, experts in self.replicas.items()}
+        if any(not ranks_of for experts in replicas.values() for ranks_of in experts):
+            return None
+        return Placement(self.num_ranks, self.num_experts, replicas)
 
     def to_json(self) -> str:
         return json.dumps({"num_ranks": self.num_ranks, "layers": {
@@ -153,10 +169,14 @@ class Placement:
 
 
 def make_placement(moe_layers: list[int], num_experts: int, num_ranks: int,
-                   path: str | Path | None = None) -> Placement:
-    """The placement file at `path` (checked against `num_ranks`), else balanced."""
+                   path: str | Path | None = None, replicas: int = 1) -> Placement:
+    """The placement file at `path` (checked against `num_ranks`), else balanced with
+    `replicas` of each expert."""
     if path is None:
-        return Placement.balanced(moe_layers, num_experts, num_ranks)
+        return Placement.balanced(moe_layers, num_experts, num_ranks, replicas)
+    if replicas != 1:
+        raise PlacementError(f"{path}: a placement file lists its own replicas; give it or "
+                             f"--expert-replicas, not both")
     placement = Placement.load(path, moe_layers, num_experts)
     if placement.num_ranks != num_ranks:
         raise PlacementError(f"{path}: places experts on {placement.num_ranks} ranks, "

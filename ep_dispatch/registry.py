@@ -33,6 +33,7 @@ class BackendContext:
     device_expert_fn: DeviceExpertFn | None = None  # `local`: the experts for CUDA graphs
     expert_addresses: list[tuple[str, int]] = field(default_factory=list)
     placement_file: Path | None = None
+    replicas: int = 1  # without a placement file: each expert on this many ranks
     call_timeout: float = 30.0
     connect_timeout: float = 30.0  # `rpc`: to reach an expert service
     rendezvous_timeout: float = 300.0  # lockstep backends: for every rank to join
@@ -61,7 +62,7 @@ def _rpc(ctx: BackendContext) -> ExpertsClient:
     if not ctx.expert_addresses:
         raise ValueError("the rpc backend needs --expert-addresses HOST:PORT,...")
     placement = make_placement(ctx.moe_layers, ctx.num_experts, len(ctx.expert_addresses),
-                               ctx.placement_file)
+                               ctx.placement_file, ctx.replicas)
     return RpcExperts(placement, ctx.expert_addresses, ctx.call_timeout, ctx.connect_timeout,
                       ctx.quantization)
 
@@ -74,7 +75,7 @@ def _collective_world(name: str, ctx: BackendContext) -> tuple[World, Placement]
     if ctx.world is None:
         raise ValueError(f"the {name} backend needs --dist-init HOST:PORT and the rank layout")
     return ctx.world, make_placement(ctx.moe_layers, ctx.num_experts,
-                                     ctx.world.num_experts, ctx.placement_file)
+                                     ctx.world.num_experts, ctx.placement_file, ctx.replicas)
 
 
 def _rows(ctx: BackendContext) -> RowFormat:

@@ -3,11 +3,19 @@
 The engine calls from its worker thread; the exchange runs on this client's own event
 loop (an anyio blocking portal), one concurrent `ExpertBatch` per expert rank holding rows
 of the layer, each bounded by a timeout.
+
+An expert rank that is lost (its connection dropped, refused or timed out) is routed
+around while the placement has a replica of each of its experts elsewhere: the layer call
+is made again without it, and the rank is probed in the background until it answers its
+handshake again. Without replicas the call fails, as the step it belongs to.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
+import threading
+import time
 
 import anyio
 import torch
@@ -22,9 +30,17 @@ from switchyard import tracing
 from switchyard.messages import ExpertBatch, ExpertInfo, ExpertResult, InfoRequest
 from switchyard.rpc import MAX_FRAME_BYTES, FrameStream, connect
 
+log = logging.getLogger("switchyard.rpc_experts")
+PROBE_EVERY_S = 1.0  # how often a lost rank that is routed around is tried again
+
 
 class ExpertRankError(RuntimeError):
-    """An expert rank that cannot be reached or answered wrongly; names the rank."""
+    """An expert rank that cannot be reached or answered wrongly; names the rank.
+    `lost`: the ranks whose connection is gone (their calls may go to replicas)."""
+
+    def __init__(self, message: str, lost: frozenset[int] = frozenset()) -> None:
+        super().__init__(message)
+        self.lost = lost
 
 
 class RpcExperts(PointToPoint):
@@ -44,6 +60,11 @@ class RpcExperts(PointToPoint):
         self._portal_cm = start_blocking_portal()
         self._portal = self._portal_cm.__enter__()
         self._conns: list[FrameStream | None] = [None] * len(addresses)
+        # Lost ranks, routed around while replicas allow, and those being probed; shared
+        # by the engine's thread and the portal's.
+        self._lost: set[int] = set()
+        self._probing: set[int] = set()
+        self._lock = threading.Lock()
         self.infos: list[ExpertInfo] = []
         try:
             self.infos = self._portal.call(self._connect_all, connect_timeout)
@@ -103,16 +124,62 @@ class RpcExperts(PointToPoint):
     def __call__(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> torch.Tensor:
         with phase("dispatch", "rpc", layer, x.shape[0]):
-            layout = compute_layout(topk_ids, topk_weights, self.placement, layer,
-                                    self._turns(layer))
             rows = activation_rows(x, self.quantization)  # [T, H], or MXFP4 rows
-            # per rank [n_r, width], copied to the host once for the wire
-            parts = rows[layout.src_token].cpu().split(layout.rank_counts)
             trace = tracing.inject() if tracing.detailed() else {}
-            ys = self._portal.call(self._exchange, layer, parts, layout.expert_counts, trace)
+            turn = self._turns(layer)
+            while True:  # again without each lost rank, while its experts have replicas
+                layout = compute_layout(topk_ids, topk_weights, self._routing(), layer, turn)
+                # per rank [n_r, width], copied to the host once for the wire
+                parts = rows[layout.src_token].cpu().split(layout.rank_counts)
+                try:
+                    ys = self._portal.call(self._exchange, layer, parts,
+                                           layout.expert_counts, trace)
+                    break
+                except ExpertRankError as exc:
+                    if not self._route_around(exc):
+                        raise
         with phase("combine", "rpc", layer, x.shape[0]):
             ys = [y.to(x.device) if y.shape[0] else x[:0] for y in ys]  # [n_r, H] each
             return combine(torch.cat(ys).to(x.dtype) if ys else x[:0], layout)
+
+    def _routing(self) -> Placement:
+        """The placement without the lost ranks, each of which is being probed."""
+        with self._lock:
+            if not self._lost:
+                return self.placement
+            for rank in self._lost - self._probing:
+                self._probing.add(rank)
+                self._portal.start_task_soon(self._probe, rank)
+            routing = self.placement.excluding(frozenset(self._lost))
+        assert routing is not None  # `_route_around` adds ranks only while this holds
+        return routing
+
+    def _route_around(self, exc: ExpertRankError) -> bool:
+        """Whether the ranks `exc` lost can be routed around (then they are)."""
+        with self._lock:
+            lost = self._lost | exc.lost
+            if not exc.lost or self.placement.excluding(frozenset(lost)) is None:
+                return False
+            for rank in sorted(exc.lost - self._lost):
+                log.warning("%s is lost (%s): its experts go to their replicas until it "
+                            "answers again", self._name(rank), exc)
+            self._lost = lost
+        return True
+
+    async def _probe(self, rank: int) -> None:
+        """Try a lost rank's handshake until it answers, every `PROBE_EVERY_S` at most;
+        then it is back in the routing."""
+        while True:
+            started = time.monotonic()
+            try:
+                await self._handshake(rank, self.call_timeout)
+                break
+            except (ExpertRankError, OSError, anyio.EndOfStream, anyio.BrokenResourceError):
+                await anyio.sleep(max(0.0, started + PROBE_EVERY_S - time.monotonic()))
+        with self._lock:
+            self._lost.discard(rank)
+            self._probing.discard(rank)
+        log.warning("%s answers again: back in the routing", self._name(rank))
 
     async def _exchange(self, layer: int, parts: tuple[torch.Tensor, ...],
                         counts: list[list[int]], trace: dict[str, str]
@@ -128,12 +195,18 @@ class RpcExperts(PointToPoint):
                     if part.shape[0]:
                         tg.start_soon(one, rank)
         except* ExpertRankError as group:
-            raise min(group.exceptions, key=str) from None  # the lowest rank's message
+            first = min(group.exceptions, key=str)  # the lowest rank's message
+            lost = frozenset().union(*(e.lost for e in group.exceptions
+                                       if isinstance(e, ExpertRankError)))
+            raise ExpertRankError(str(first), lost) from None
         return ys
 
     def ready(self) -> bool:
-        """Whether every rank is connected (one lost is tried again at its next call)."""
-        return all(conn is not None for conn in self._conns)
+        """Whether every layer call can be served: every rank connected, or lost and
+        routed around (one lost otherwise is tried again at its next call)."""
+        with self._lock:
+            return all(conn is not None or rank in self._lost
+                       for rank, conn in enumerate(self._conns))
 
     async def _call(self, rank: int, layer: int, x: torch.Tensor, counts: list[int],
                     trace: dict[str, str]) -> torch.Tensor:
@@ -157,7 +230,8 @@ class RpcExperts(PointToPoint):
                 await self._handshake(rank, self.call_timeout)
             except (ExpertRankError, OSError, anyio.EndOfStream,
                     anyio.BrokenResourceError) as exc:
-                raise ExpertRankError(f"{self._name(rank)} is not connected: {exc}") from exc
+                raise ExpertRankError(f"{self._name(rank)} is not connected: {exc}",
+                                      frozenset({rank})) from exc
             conn = self._conns[rank]
             assert conn is not None
         call_id, payload = next(self._ids), to_wire(x)
@@ -176,7 +250,7 @@ class RpcExperts(PointToPoint):
             if isinstance(exc, TimeoutError | OSError | anyio.EndOfStream
                           | anyio.BrokenResourceError):
                 raise ExpertRankError(f"{self._name(rank)} failed on layer {layer}: "
-                                      f"{exc!r}") from exc
+                                      f"{exc!r}", frozenset({rank})) from exc
             raise
         if result.error is not None or result.y is None:
             raise ExpertRankError(f"{self._name(rank)} rejected layer {layer}: {result.error}")
@@ -187,6 +261,7 @@ class RpcExperts(PointToPoint):
                 f"{len(i.experts)} MoE layers, {i.weight_bytes / 1e6:.1f} MB"
                 f"{' MXFP4' if i.quantization else ''}, "
                 f"{'connected' if self._conns[i.rank] else 'disconnected'}"
+                f"{' (lost: routed to replicas)' if i.rank in self._lost else ''}"
                 for i in self.infos]
 
     def close(self) -> None:
@@ -197,6 +272,7 @@ class RpcExperts(PointToPoint):
 
         if self._portal_cm is not None:
             self._portal.call(close_all)
+            self._portal.call(self._portal.stop, True)  # and cancel the probes
             self._portal_cm.__exit__(None, None, None)
             self._portal_cm = None
 

@@ -56,13 +56,13 @@ async def health(serving: Serving, _: Request) -> Response:
     the body lists each backing service."""
     if not serving.engine.all_connected:
         return engine_unavailable("not connected to every attention service").response()
-    try:
-        stats = await serving.engine.stats(timeout=HEALTH_TIMEOUT_S)  # alive, not connected
+    try:  # alive, not only connected
+        groups = await serving.engine.group_stats(timeout=HEALTH_TIMEOUT_S)
     except GatewayError as exc:
         return exc.response()
-    if not stats.experts_ready:
+    if not all(s.experts_ready for s in groups):
         return engine_unavailable("an expert service is unreachable").response()
-    return json_response({"status": "ok", "attention": serving.engine.status()})
+    return json_response({"status": "ok", "attention": serving.engine.status(groups)})
 
 
 async def metrics(serving: Serving, _: Request) -> Response:

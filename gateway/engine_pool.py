@@ -27,11 +27,15 @@ class EnginePool:
         """Whether every group is connected and described itself (what /health asks)."""
         return all(c.info is not None for c in self.clients)
 
-    def status(self) -> list[dict[str, object]]:
+    def status(self, stats: list[EngineStats] | None = None) -> list[dict[str, object]]:
+        """Each group's address, state and expert ranks: as they are now if `stats`
+        (`group_stats`) are given, else as they were when the group connected."""
         return [{"address": f"{h}:{p}", "ready": c.info is not None,
                  "dispatch_backend": c.info.dispatch_backend if c.info else None,
-                 "experts": c.info.expert_services if c.info else []}
-                for (h, p), c in zip(self.addresses, self.clients, strict=True)]
+                 "experts": (stats[i].expert_services if stats
+                             else c.info.expert_services if c.info else [])}
+                for i, ((h, p), c) in enumerate(zip(self.addresses, self.clients,
+                                                    strict=True))]
 
     def max_num_seqs(self) -> int:
         """How many sequences the connected groups run at once, together."""
@@ -54,9 +58,13 @@ class EnginePool:
             raise engine_unavailable("not connected to any attention service")
         return await min(ready, key=lambda c: c.num_in_flight).start(request)
 
+    async def group_stats(self, timeout: float = 10.0) -> list[EngineStats]:
+        """Each group's counters."""
+        return [await c.stats(timeout) for c in self.clients]
+
     async def stats(self, timeout: float = 10.0) -> EngineStats:
         """Counters summed over the groups (expert load elementwise)."""
-        parts = [await c.stats(timeout) for c in self.clients]
+        parts = await self.group_stats(timeout)
         return EngineStats(
             num_running=sum(s.num_running for s in parts),
             num_waiting=sum(s.num_waiting for s in parts),

@@ -69,10 +69,13 @@ def _attention_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _placement_parser(sub: argparse._SubParsersAction) -> None:
+    from switchyard.flags import add_replicas_flag
+
     p = sub.add_parser("placement", help="print which expert service holds which experts")
     p.add_argument("--model", required=True, help="HF checkpoint directory")
     p.add_argument("--expert-services", type=int, default=2)
     p.add_argument("--placement", default=None, help="check and print this placement file")
+    add_replicas_flag(p)
     p.add_argument("--json", action="store_true", help="print the JSON form (to edit and load)")
 
 
@@ -83,7 +86,7 @@ def _placement(args: argparse.Namespace) -> int:
     try:
         cfg = ModelConfig.from_dir(args.model)
         placement = make_placement(cfg.moe_layer_ids, cfg.num_experts, args.expert_services,
-                                   args.placement)
+                                   args.placement, args.expert_replicas)
     except (CheckpointError, PlacementError, OSError) as exc:
         print(f"switchyard placement: {exc}", file=sys.stderr)
         return 2

@@ -108,6 +108,11 @@ def _device_flags() -> list[str]:
     return ["--device", "${SWITCHYARD_DEVICE:-cuda}", "--dtype", "${SWITCHYARD_DTYPE:-auto}"]
 
 
+def _replicas_flag() -> list[str]:
+    """Every attention and expert service must place the experts alike."""
+    return ["--expert-replicas", "${SWITCHYARD_EXPERT_REPLICAS:-1}"]
+
+
 def _engine_flags() -> list[str]:
     return ["--model", "/model", "--host", "0.0.0.0", *_device_flags(),
             "--kv-cache-memory", "${SWITCHYARD_KV_CACHE_MEMORY:-40GiB}",
@@ -134,7 +139,7 @@ def _expert_services(layout: Layout) -> dict[str, dict]:
     return {name: _gpu_service(name, layout.expert_gpu(r), [
         "switchyard", "expert", "--model", "/model", "--host", "0.0.0.0",
         "--port", str(EXPERT_PORT), "--rank", str(r),
-        "--num-ranks", str(layout.expert_services), *_device_flags(),
+        "--num-ranks", str(layout.expert_services), *_device_flags(), *_replicas_flag(),
         "--metrics-port", str(METRICS_PORT)], f"127.0.0.1:{EXPERT_PORT}", [])
         for r, name in enumerate(names)}
 
@@ -148,7 +153,7 @@ def _attention_group(layout: Layout, g: int, experts: list[str]) -> dict[str, di
            f"{leader}:{DCP_INIT_PORT}"] if layout.dcp_size > 1 else []
     services = {}
     for r in range(layout.dcp_size):
-        command = ["switchyard", "attention", *_engine_flags(),
+        command = ["switchyard", "attention", *_engine_flags(), *_replicas_flag(),
                    "--dispatch-backend", "rpc", "--expert-addresses", addresses, *dcp]
         if r == 0:
             command += ["--port", str(ATTENTION_PORT)]

@@ -40,6 +40,15 @@ def add_quantization_flag(p: argparse.ArgumentParser, w4a4: str) -> argparse.Act
                                f"(overrides {ENV_PREFIX}QUANTIZATION); {w4a4}")
 
 
+def add_replicas_flag(p: argparse.ArgumentParser) -> argparse.Action:
+    return p.add_argument("--expert-replicas", type=int,
+                          default=int(env("EXPERT_REPLICAS") or 1),
+                          help="without --placement: each expert on this many expert ranks "
+                               "(balanced); the rpc backend routes around a lost rank while "
+                               "every expert it holds has a replica (every service of a "
+                               "deployment must be given the same)")
+
+
 def add_rendezvous_flag(p: argparse.ArgumentParser) -> argparse.Action:
     # Ranks meet once loaded: an expert rank reads most of an MoE's weights first, which
     # takes minutes for a large model (torch's own TCPStore waits 300 s by default).

@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 
 from ep_dispatch.deepep import deepep_flags, deepep_settings
+from ep_dispatch.placement import make_placement
 from ep_dispatch.registry import COLLECTIVE, check_backend
 from gateway.generation_config import SamplingDefaults
 from services.attention.config import add_engine_flags, check_cuda_graphs
@@ -116,7 +117,8 @@ def _start_services(args: argparse.Namespace, model: Path, name: str,
     common = [*(["--placement", args.placement] if args.placement else []),
               *(["--num-threads", str(args.num_threads)] if args.num_threads else [])]
     expert_flags = ["--quantization", args.quantization, *_tracing_args(args),
-                    "--metrics-port", "0", "--rendezvous-timeout", str(args.rendezvous_timeout)]
+                    "--metrics-port", "0", "--rendezvous-timeout", str(args.rendezvous_timeout),
+                    "--expert-replicas", str(args.expert_replicas)]
     experts = [(f"expert rank {r}", ["expert", *shared, "--rank", str(r), "--num-ranks",
                                      str(num_experts), "--dtype", args.dtype,
                                      "--device", args.device, *common,
@@ -181,11 +183,10 @@ def _check_deepep(args: argparse.Namespace, cfg: ModelConfig) -> None:
         check_step_budget,
         import_deep_ep,
     )
-    from ep_dispatch.placement import make_placement
-
     num_experts = _num_expert_services(args)
     world = args.attention_groups + num_experts
-    placement = make_placement(cfg.moe_layer_ids, cfg.num_experts, num_experts, args.placement)
+    placement = make_placement(cfg.moe_layer_ids, cfg.num_experts, num_experts, args.placement,
+                               args.expert_replicas)
     settings = deepep_settings(args)
     check_deepep(settings, world, cfg.hidden_size, cfg.top_k, placement.most_local,
                  resolve_dtype(args.dtype, args.device))
@@ -222,10 +223,13 @@ def serve(args: argparse.Namespace) -> int:
                           args.dispatch_backend, args.dcp_size)
         quantization = check_quantization(cfg, args.quantization)
         check_backend(args.dispatch_backend, args.device, quantization)
+        if num_experts := _num_expert_services(args):
+            make_placement(cfg.moe_layer_ids, cfg.num_experts, num_experts, args.placement,
+                           args.expert_replicas)
         if args.dispatch_backend == "deepep":
             _check_deepep(args, cfg)
         _check_generation_config(args.generation_config, model)
-    except (CheckpointError, ValueError, StartupError) as exc:
+    except (CheckpointError, ValueError, StartupError, OSError) as exc:
         print(f"switchyard serve: {exc}", file=sys.stderr)
         return 2
     try:

@@ -133,7 +133,9 @@ class EngineStats(msgspec.Struct, frozen=True, tag=True):
     num_preemptions: int
     expert_load: list[list[int]]
     num_aborted: int = 0  # requests aborted (client gone) since start
-    experts_ready: bool = True  # every expert rank still reachable
+    experts_ready: bool = True  # every layer call can be served (ranks reachable or routed
+    # around)
+    expert_services: list[str] = []  # each expert rank's state now (`EngineInfo`'s lines)
 
 
 class Tensor(msgspec.Struct, frozen=True):

@@ -18,7 +18,7 @@ from services.model.config import ModelConfig
 from switchyard.compose import Layout, main, render
 from switchyard.demo_model import DEFAULT_MODEL
 from tests.compose_runner import LocalCompose, interpolate
-from tests.tools import missing
+from tests.tools import missing, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "compose.yaml"
@@ -119,27 +119,49 @@ def test_the_dockerfile_installs_as_the_readme_does() -> None:
     assert "WITH_DEEPEP" in text
 
 
+def ask(url: str) -> str:
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+        "model": "our-moe", "max_tokens": 8, "temperature": 0,
+        "messages": [{"role": "user", "content": "What is 123 + 456?"}]})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]
+
+
 @pytest.mark.parametrize("profile", ["gpu", "cpu"])
 def test_the_compose_services_run_as_local_processes(profile: str) -> None:
+    """Also, with each expert on two expert services, one that dies is routed around
+    until its restart (compose's `restart: on-failure`) is probed back in."""
     env = {**dotenv(), "SWITCHYARD_MODEL_DIR": str(DEFAULT_MODEL),
            "SWITCHYARD_SERVED_MODEL_NAME": "our-moe",  # what clients send, in both profiles
            "SWITCHYARD_KV_CACHE_MEMORY": "64MiB", "SWITCHYARD_MAX_NUM_SEQS": "16",
-           "SWITCHYARD_DEVICE": "cpu"}  # no GPU here: the same commands on the CPU
+           "SWITCHYARD_DEVICE": "cpu",  # no GPU here: the same commands on the CPU
+           "SWITCHYARD_EXPERT_REPLICAS": "2"}
     doc = interpolate(yaml.safe_load(COMPOSE.read_text()), env)
     with LocalCompose(doc, {profile}) as compose:
         assert len(compose.services) == (9 if profile == "gpu" else 1)
         compose.up()
         front = "gateway" if profile == "gpu" else "cpu"
         url = f"http://127.0.0.1:{compose.local_port(front, 8000)}"
-        r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
-            "model": "our-moe", "max_tokens": 8, "temperature": 0,
-            "messages": [{"role": "user", "content": "What is 123 + 456?"}]})
-        assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["message"]["content"] == "579"
-        if profile == "gpu":  # the gateway reaches every service's /metrics
-            ups = [line for line in httpx.get(f"{url}/metrics").text.splitlines()
-                   if line.startswith("switchyard:service_up")]
-            assert len(ups) == 8 and all(line.endswith(" 1.0") for line in ups)
+        assert ask(url) == "579"
+        if profile == "cpu":
+            return
+        ups = [line for line in httpx.get(f"{url}/metrics").text.splitlines()
+               if line.startswith("switchyard:service_up")]
+        assert len(ups) == 8 and all(line.endswith(" 1.0") for line in ups)  # every service
+
+        def health() -> str:
+            r = httpx.get(f"{url}/health", timeout=30)
+            assert r.status_code == 200, r.text  # serving all along
+            return r.text
+
+        compose.procs["expert-3"].kill()
+        compose.procs["expert-3"].wait()
+        assert ask(url) == "579"  # its experts' tokens went to their replicas
+        assert "expert rank 3 at" in health() and "routed to replicas" in health()
+        compose.start("expert-3")  # as its restart policy would
+        wait_until(lambda: compose.healthy("expert-3"), 120, lambda: "expert-3 healthy")
+        wait_until(lambda: ask(url) == "579" and "routed to replicas" not in health(), 60,
+                   lambda: f"expert rank 3 back in the routing: {health()}")
 
 
 def test_probe_reports_what_is_wrong() -> None:

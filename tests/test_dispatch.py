@@ -139,6 +139,30 @@ def test_balanced_placement_and_file_errors(tmp_path: object) -> None:
     path.write_text(p.to_json())
     with pytest.raises(PlacementError, match="places experts on 3 ranks, but there are 2"):
         make_placement([0, 1], 8, 2, path)
+    with pytest.raises(PlacementError, match="give it or --expert-replicas, not both"):
+        make_placement([0, 1], 8, 3, path, replicas=2)
+
+
+@pytest.mark.parametrize(("ranks", "replicas"), [(3, 2), (4, 3), (5, 5), (2, 1)])
+def test_balanced_replicas_and_a_lost_rank(ranks: int, replicas: int) -> None:
+    """Each expert on `replicas` distinct ranks, ranks within one expert of each other;
+    without any one rank (`excluding`), every expert keeps a replica exactly when there
+    were two, and the other ranks keep their experts in their order."""
+    p = Placement.balanced([0, 2], 10, ranks, replicas)
+    assert all(len(set(r)) == replicas for r in p.replicas[0])
+    held = [len(p.local_experts(r)[0]) for r in range(ranks)]
+    assert max(held) - min(held) <= 1 and sum(held) == 10 * replicas
+    for lost in range(ranks):
+        rest = p.excluding(frozenset({lost}))
+        assert (rest is not None) == (replicas > 1)
+        if rest is not None:
+            assert rest.local_experts(lost) == {0: [], 2: []}
+            assert all(rest.local_experts(r) == p.local_experts(r)
+                       for r in range(ranks) if r != lost)
+            ids = torch.arange(10).repeat(3)[:, None]  # every expert, 3 tokens each
+            assert compute_layout(ids, torch.ones(30, 1), rest, 0).rank_counts[lost] == 0
+    with pytest.raises(PlacementError, match=rf"--expert-replicas must be 1..{ranks}"):
+        Placement.balanced([0], 10, ranks, ranks + 1)
 
 
 def test_unknown_backend_names_the_known_ones() -> None:

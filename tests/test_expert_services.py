@@ -141,6 +141,102 @@ def test_replicated_placement_from_a_file(mixtral_ckpt: tuple, tmp_path: Path) -
         children.stop()
 
 
+def expert_command(path: Path, rank: int, num_ranks: int, placement: Path, port: int = 0
+                   ) -> list[str]:
+    return ["expert", "--model", str(path), "--rank", str(rank), "--num-ranks",
+            str(num_ranks), "--num-threads", "1", "--placement", str(placement), "--port",
+            str(port)]
+
+
+def test_a_lost_expert_rank_is_routed_around_while_its_experts_have_replicas(
+        qwen3_ckpt: tuple, tmp_path: Path) -> None:
+    """Each expert on 2 of 3 expert services: with one killed, the engine's layer calls
+    go to the replicas (logits still transformers'), and once it is started again it is
+    probed back into the routing and receives rows again."""
+    path, model = qwen3_ckpt
+    cfg = ModelConfig.from_dir(path)
+    placement = tmp_path / "placement.json"
+    placement.write_text(Placement.balanced(cfg.moe_layer_ids, cfg.num_experts, 3,
+                                            replicas=2).to_json())
+    prompt = prompts(seed=8, lengths=(21,))[0]
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt])).logits[0]
+    children, restarted = Children(), Children()
+    try:
+        ports = children.start_all([(f"expert {r}", expert_command(path, r, 3, placement))
+                                    for r in range(3)], timeout=120)
+        addresses = [("127.0.0.1", p) for p, *_ in ports]
+        engine = rpc_engine(path, addresses, placement=placement, expert_timeout=10)
+        client: RpcExperts = engine.experts  # type: ignore[assignment]
+        called: list[int] = []
+        call_once = client._call_once
+
+        async def counted(rank: int, *args: object) -> torch.Tensor:
+            called.append(rank)
+            return await call_once(rank, *args)  # type: ignore[arg-type]
+
+        client._call_once = counted  # type: ignore[method-assign]
+        try:
+            assert (engine.score(prompt) - ref).abs().max().item() < 1e-4
+            assert set(called) == {0, 1, 2}
+            lost = children.procs[1][1]
+            lost.kill()
+            lost.wait()
+            called.clear()
+            assert (engine.score(prompt) - ref).abs().max().item() < 1e-4
+            assert client._lost == {1} and client.ready()  # /health: still serving
+            assert "expert rank 1" in next(line for line in client.describe()
+                                           if "lost: routed to replicas" in line)
+            called.clear()
+            assert (engine.score(prompt) - ref).abs().max().item() < 1e-4
+            assert 1 not in called  # routed around, no call waits on it
+            restarted.start_all([("expert 1", expert_command(path, 1, 3, placement,
+                                                             ports[1][0]))], timeout=120)
+            deadline = time.monotonic() + 60  # the probe retries every second or so
+            while client._lost and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not client._lost and client._conns[1] is not None
+            called.clear()
+            assert (engine.score(prompt) - ref).abs().max().item() < 1e-4
+            assert 1 in called
+        finally:
+            engine.close()
+    finally:
+        children.stop()
+        restarted.stop()
+
+
+def test_without_a_replica_a_lost_rank_fails_the_call(qwen3_ckpt: tuple,
+                                                      tmp_path: Path) -> None:
+    path, _ = qwen3_ckpt
+    cfg = ModelConfig.from_dir(path)
+    placement = tmp_path / "placement.json"  # expert 0 on both ranks, the rest on one
+    placement.write_text(json.dumps({"num_ranks": 2, "layers": {
+        str(i): [[0, 1]] + [[e % 2] for e in range(1, cfg.num_experts)]
+        for i in cfg.moe_layer_ids}}))
+    children = Children()
+    try:
+        ports = children.start_all([(f"expert {r}", expert_command(path, r, 2, placement))
+                                    for r in range(2)], timeout=120)
+        client = RpcExperts(Placement.load(placement, cfg.moe_layer_ids, cfg.num_experts),
+                            [("127.0.0.1", p) for p, *_ in ports], call_timeout=10)
+        try:
+            lost = children.procs[1][1]
+            lost.kill()
+            lost.wait()
+            x, w = torch.randn(4, cfg.hidden_size), torch.ones(4, 1)
+            with pytest.raises(ExpertRankError, match="expert rank 1 at"):
+                client(cfg.moe_layer_ids[0], x, torch.tensor([[1], [3], [0], [5]]), w)
+            assert not client._lost  # nothing routed around: it is called (and fails) again
+            zeros = torch.zeros(4, 1, dtype=torch.int64)  # expert 0: rank 0 also has it
+            with pytest.raises(ExpertRankError, match="expert rank 1"):
+                client(cfg.moe_layer_ids[0], x, zeros, w)  # (turns put some rows on 1)
+        finally:
+            client.close()
+    finally:
+        children.stop()
+
+
 def test_unreachable_expert_rank_is_named(qwen3_ckpt: tuple, qwen3_experts: list) -> None:
     port = free_port()  # nothing listens here
     with pytest.raises(ExpertRankError, match=rf"expert rank 2 at 127\.0\.0\.1:{port}"):

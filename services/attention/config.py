@@ -14,6 +14,7 @@ from switchyard.flags import (
     add_device_flag,
     add_quantization_flag,
     add_rendezvous_flag,
+    add_replicas_flag,
     env,
     optional_int,
 )
@@ -33,6 +34,7 @@ class AttentionConfig:
     dispatch_backend: str = "local"
     expert_addresses: tuple[tuple[str, int], ...] = ()
     placement: Path | None = None
+    expert_replicas: int = 1  # without a placement file: each expert on this many ranks
     expert_timeout: float = 30.0
     rendezvous_timeout: float = 300.0  # lockstep worlds and DCP groups: for every rank
     dist_init: tuple[str, int] | None = None  # torch backend: the rendezvous (TCP store)
@@ -122,6 +124,7 @@ def add_engine_flags(p: argparse.ArgumentParser, default_backend: str = "local"
                  "cuda)"),
         add("--placement", default=env("PLACEMENT"),
             help="placement JSON file (default: balanced round-robin)"),
+        add_replicas_flag(p),
         add("--expert-timeout", type=float, default=float(env("EXPERT_TIMEOUT", "30")),
             help="seconds an expert rank may take to answer one layer call, or to accept "
                  "the connection at start-up"),
@@ -153,6 +156,7 @@ def from_args(args: argparse.Namespace) -> AttentionConfig:
         dispatch_backend=args.dispatch_backend, num_threads=args.num_threads,
         expert_addresses=tuple(parse_addresses(getattr(args, "expert_addresses", None) or "")),
         placement=Path(args.placement) if args.placement else None,
+        expert_replicas=args.expert_replicas,
         expert_timeout=args.expert_timeout, rendezvous_timeout=args.rendezvous_timeout,
         dist_init=parse_addresses(args.dist_init)[0] if args.dist_init else None,
         attention_rank=getattr(args, "attention_rank", 0),

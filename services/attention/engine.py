@@ -118,7 +118,8 @@ class Engine:
             num_experts=cfg.num_experts, expert_fn=bank.forward if bank else None,
             device_expert_fn=bank.forward_on_device if bank else None,
             expert_addresses=list(config.expert_addresses),
-            placement_file=config.placement, call_timeout=config.expert_timeout,
+            placement_file=config.placement, replicas=config.expert_replicas,
+            call_timeout=config.expert_timeout,
             connect_timeout=config.expert_timeout,
             rendezvous_timeout=config.rendezvous_timeout, world=_world(config),
             hidden_size=cfg.hidden_size, dtype=self.dtype, quantization=self.quantization,
@@ -186,7 +187,7 @@ class Engine:
             kv_blocks_used=bm.num_blocks - bm.num_free_blocks, num_kv_blocks=bm.num_blocks,
             num_preemptions=self.scheduler.num_preemptions,
             expert_load=self.model.expert_load.tolist(), num_aborted=self.num_aborted,
-            experts_ready=self.experts.ready(),
+            experts_ready=self.experts.ready(), expert_services=self.experts.describe(),
         )
 
     def add(self, request: GenerateRequest) -> TokenDelta | None:

@@ -12,6 +12,7 @@ from switchyard.flags import (
     add_metrics_flag,
     add_quantization_flag,
     add_rendezvous_flag,
+    add_replicas_flag,
     env,
 )
 from switchyard.rpc import parse_address
@@ -23,6 +24,7 @@ class ExpertConfig:
     rank: int
     num_ranks: int
     placement: Path | None = None  # JSON file; balanced when absent
+    expert_replicas: int = 1  # balanced: each expert on this many ranks
     dtype: str = "auto"
     num_threads: int | None = None
     host: str = "127.0.0.1"
@@ -49,6 +51,7 @@ def add_expert_parser(sub: argparse._SubParsersAction) -> None:
                    help="number of expert services")
     p.add_argument("--placement", default=env("PLACEMENT"),
                    help="placement JSON file (default: balanced round-robin)")
+    add_replicas_flag(p)
     p.add_argument("--dtype", default=env("DTYPE", "auto"))
     add_device_flag(p)
     p.add_argument("--num-threads", type=int, default=None)
@@ -75,6 +78,7 @@ def add_expert_parser(sub: argparse._SubParsersAction) -> None:
 def expert_config(args: argparse.Namespace) -> ExpertConfig:
     return ExpertConfig(model=Path(args.model), rank=args.rank, num_ranks=args.num_ranks,
                         placement=Path(args.placement) if args.placement else None,
+                        expert_replicas=args.expert_replicas,
                         dtype=args.dtype, num_threads=args.num_threads, host=args.host,
                         port=args.port, ready_fd=args.ready_fd,
                         dispatch_backend=args.dispatch_backend,

@@ -52,7 +52,7 @@ class ExpertServer:
         self.model_config = model_config = ModelConfig.from_dir(config.model)
         moe_layers = model_config.moe_layer_ids
         self.placement = make_placement(moe_layers, model_config.num_experts, config.num_ranks,
-                                        config.placement)
+                                        config.placement, config.expert_replicas)
         checkpoint = Checkpoint(config.model)
         self.bank = ExpertBank(model_config, checkpoint,
                                self.placement.local_experts(config.rank),
