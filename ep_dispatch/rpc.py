@@ -65,6 +65,7 @@ class RpcExperts(PointToPoint):
         self._lost: set[int] = set()
         self._probing: set[int] = set()
         self._lock = threading.Lock()
+        self._routes: dict[frozenset[int], Placement] = {}  # by the lost ranks
         self.infos: list[ExpertInfo] = []
         try:
             self.infos = self._portal.call(self._connect_all, connect_timeout)
@@ -150,9 +151,12 @@ class RpcExperts(PointToPoint):
             for rank in self._lost - self._probing:
                 self._probing.add(rank)
                 self._portal.start_task_soon(self._probe, rank)
-            routing = self.placement.excluding(frozenset(self._lost))
-        assert routing is not None  # `_route_around` adds ranks only while this holds
-        return routing
+            lost = frozenset(self._lost)
+        if lost not in self._routes:  # (a placement builds its lookup tables once)
+            routing = self.placement.excluding(lost)
+            assert routing is not None  # `_route_around` adds ranks only while this holds
+            self._routes[lost] = routing
+        return self._routes[lost]
 
     def _route_around(self, exc: ExpertRankError) -> bool:
         """Whether the ranks `exc` lost can be routed around (then they are)."""
