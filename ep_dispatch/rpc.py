@@ -66,6 +66,7 @@ class RpcExperts(PointToPoint):
         self._probing: set[int] = set()
         self._lock = threading.Lock()
         self._routes: dict[frozenset[int], Placement] = {}  # by the lost ranks
+        self._probes: dict[int, anyio.CancelScope] = {}  # the loop's own: no lock
         self.infos: list[ExpertInfo] = []
         try:
             self.infos = self._portal.call(self._connect_all, connect_timeout)
@@ -94,11 +95,11 @@ class RpcExperts(PointToPoint):
             raise min(errors, key=str)  # deterministic: the lowest rank's message
         return [i for i in infos if i is not None]
 
-    async def _handshake(self, rank: int, timeout: float) -> ExpertInfo:
-        """Connect to `rank` and check that it holds the placement's share; the
-        connection is kept only if it does."""
+    async def _handshake(self, rank: int, timeout: float, retry: bool = True) -> ExpertInfo:
+        """Connect to `rank` (`retry`: until it listens) and check that it holds the
+        placement's share; the connection is kept only if it does."""
         try:
-            conn = await connect(*self.addresses[rank], timeout=timeout)
+            conn = await connect(*self.addresses[rank], timeout=timeout, retry=retry)
         except TimeoutError:
             raise ExpertRankError(f"cannot reach {self._name(rank)} within "
                                   f"{timeout:g}s") from None
@@ -145,13 +146,14 @@ class RpcExperts(PointToPoint):
 
     def _routing(self) -> Placement:
         """The placement without the lost ranks, each of which is being probed."""
-        with self._lock:
+        with self._lock:  # (never held across a portal call: the loop takes it too)
             if not self._lost:
                 return self.placement
-            for rank in self._lost - self._probing:
-                self._probing.add(rank)
-                self._portal.start_task_soon(self._probe, rank)
+            new = self._lost - self._probing
+            self._probing |= new
             lost = frozenset(self._lost)
+        for rank in new:
+            self._portal.start_task_soon(self._probe, rank)
         if lost not in self._routes:  # (a placement builds its lookup tables once)
             routing = self.placement.excluding(lost)
             assert routing is not None  # `_route_around` adds ranks only while this holds
@@ -171,18 +173,31 @@ class RpcExperts(PointToPoint):
         return True
 
     async def _probe(self, rank: int) -> None:
-        """Try a lost rank's handshake until it answers, every `PROBE_EVERY_S` at most;
-        then it is back in the routing."""
+        """Try a lost rank's handshake until it answers, every `PROBE_EVERY_S` at most
+        (whatever a try raises); then it is back in the routing. `close` cancels it."""
+        with anyio.CancelScope() as scope:
+            self._probes[rank] = scope
+            try:
+                await self._probe_until_back(rank)
+            finally:
+                del self._probes[rank]
+                with self._lock:
+                    self._probing.discard(rank)
+
+    async def _probe_until_back(self, rank: int) -> None:
+        reason = ""
         while True:
             started = time.monotonic()
             try:
                 await self._handshake(rank, self.call_timeout)
                 break
-            except (ExpertRankError, OSError, anyio.EndOfStream, anyio.BrokenResourceError):
+            except Exception as exc:  # e.g. a share that differs: said once, tried again
+                if str(exc) != reason:
+                    reason = str(exc)
+                    log.warning("%s is still lost: %s", self._name(rank), reason or repr(exc))
                 await anyio.sleep(max(0.0, started + PROBE_EVERY_S - time.monotonic()))
         with self._lock:
             self._lost.discard(rank)
-            self._probing.discard(rank)
         log.warning("%s answers again: back in the routing", self._name(rank))
 
     async def _exchange(self, layer: int, parts: tuple[torch.Tensor, ...],
@@ -229,9 +244,9 @@ class RpcExperts(PointToPoint):
     async def _call_once(self, rank: int, layer: int, x: torch.Tensor, counts: list[int],
                          trace: dict[str, str]) -> torch.Tensor:
         conn = self._conns[rank]
-        if conn is None:  # lost on an earlier call: a rank that is back is used again
-            try:
-                await self._handshake(rank, self.call_timeout)
+        if conn is None:  # dropped on an earlier call: a rank that is back is used again
+            try:  # once: a refused connection is a lost rank now, not after call_timeout
+                await self._handshake(rank, self.call_timeout, retry=False)
             except (ExpertRankError, OSError, anyio.EndOfStream,
                     anyio.BrokenResourceError) as exc:
                 raise ExpertRankError(f"{self._name(rank)} is not connected: {exc}",
@@ -270,13 +285,17 @@ class RpcExperts(PointToPoint):
 
     def close(self) -> None:
         async def close_all() -> None:
+            for scope in list(self._probes.values()):  # first: one could connect meanwhile
+                scope.cancel()
+            with anyio.move_on_after(5):
+                while self._probes:  # each closes its half-open connection as it ends
+                    await anyio.sleep(0.01)
             for conn in self._conns:
                 if conn is not None:
                     await conn.aclose()
 
         if self._portal_cm is not None:
             self._portal.call(close_all)
-            self._portal.call(self._portal.stop, True)  # and cancel the probes
             self._portal_cm.__exit__(None, None, None)
             self._portal_cm = None
 

@@ -43,14 +43,17 @@ class FrameStream:
             await self._stream.send(_HEADER.pack(len(payload)) + payload)
 
     async def receive(self) -> Message:
-        """The next message; raises `anyio.EndOfStream` when the peer closed."""
+        """The next message; raises `anyio.EndOfStream` when the peer closed, also in the
+        middle of a frame."""
         try:
             (length,) = _HEADER.unpack(await self._reader.receive_exactly(_HEADER.size))
+            if length > MAX_FRAME_BYTES:
+                raise ValueError(f"frame of {length} bytes exceeds the {MAX_FRAME_BYTES} "
+                                 "byte limit")
+            body = await self._reader.receive_exactly(length)
         except anyio.IncompleteRead as exc:
             raise anyio.EndOfStream from exc
-        if length > MAX_FRAME_BYTES:
-            raise ValueError(f"frame of {length} bytes exceeds the {MAX_FRAME_BYTES} byte limit")
-        return _decoder.decode(await self._reader.receive_exactly(length))
+        return _decoder.decode(body)
 
     async def aclose(self) -> None:
         self.closed = True
@@ -92,14 +95,18 @@ async def cancel_on_signal(scope: anyio.CancelScope) -> None:
             return
 
 
-async def connect(host: str, port: int, timeout: float = 30.0) -> FrameStream:
-    """Connect to a service, retrying until it listens or `timeout` seconds pass."""
+async def connect(host: str, port: int, timeout: float = 30.0, retry: bool = True
+                  ) -> FrameStream:
+    """Connect to a service, retrying (if `retry`) until it listens or `timeout` seconds
+    pass; without retrying, a refused connection raises its OSError at once."""
     delay = 0.05
     with anyio.fail_after(timeout):
         while True:
             try:
                 return FrameStream(await anyio.connect_tcp(host, port))
             except OSError:
+                if not retry:
+                    raise
                 await anyio.sleep(delay)
                 delay = min(delay * 2, 1.0)
 

@@ -1,0 +1,145 @@
+"""The rpc client routing around a lost expert rank, against expert ranks that fail in
+the ways real ones do at the protocol level: dying in the middle of an answer, answering
+garbage, refusing connections. (Whole expert services killed and restarted:
+tests/test_expert_services.py and tests/test_compose.py.)"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from functools import partial
+
+import anyio
+import pytest
+import torch
+from anyio.abc import SocketAttribute, SocketStream
+from anyio.from_thread import start_blocking_portal
+
+from ep_dispatch.placement import Placement
+from ep_dispatch.rpc import RpcExperts
+from ep_dispatch.wire import from_wire, to_wire
+from switchyard.messages import ExpertBatch, ExpertInfo, ExpertResult, InfoRequest
+from switchyard.rpc import _HEADER, FrameStream, _encoder
+from tests.tools import wait_until
+
+HIDDEN = 8
+PLACEMENT = Placement.balanced([0], 4, 2, replicas=2)  # every expert on both ranks
+
+
+async def answer(fake: FakeRank, conn: FrameStream, stream: SocketStream,
+                 batch: ExpertBatch) -> bool:
+    """The rows times (rank + 1), so that a test sees who answered; True: carry on."""
+    y = from_wire(batch.x) * (fake.rank + 1)
+    await conn.send(ExpertResult(batch.call_id, to_wire(y)))
+    return True
+
+
+async def die_mid_answer(fake: FakeRank, conn: FrameStream, stream: SocketStream,
+                         batch: ExpertBatch) -> bool:
+    """Half an answer's frame, then the connection closes (a process killed mid-send);
+    its handshakes fail from then on (the next `revive_after` of them, if set)."""
+    fake.garbled = fake.revive_after
+    payload = _encoder.encode(ExpertResult(batch.call_id, to_wire(from_wire(batch.x))))
+    await stream.send(_HEADER.pack(len(payload)) + payload[:len(payload) // 2])
+    fake.behaviour = answer
+    return False
+
+
+Behaviour = Callable[["FakeRank", FrameStream, SocketStream, ExpertBatch], Awaitable[bool]]
+
+
+class FakeRank:
+    """An expert rank on loopback, on its own event loop: answers handshakes (the next
+    `garbled` of them with bytes that are no message) and batches by `behaviour`."""
+
+    def __init__(self, rank: int, behaviour: Behaviour = answer) -> None:
+        self.rank, self.behaviour, self.garbled, self.batches = rank, behaviour, 0, 0
+        self.revive_after = 10**9  # failed handshakes once it died (`die_mid_answer`)
+        self._cm = start_blocking_portal()
+        self._portal = self._cm.__enter__()
+        listener = self._portal.call(partial(anyio.create_tcp_listener,
+                                             local_host="127.0.0.1"))
+        self.address = ("127.0.0.1", listener.extra(SocketAttribute.local_port))
+        self._portal.start_task_soon(listener.serve, self._handle)
+
+    async def _handle(self, stream: SocketStream) -> None:
+        conn = FrameStream(stream)
+        async with stream:
+            while True:
+                try:
+                    msg = await conn.receive()
+                except (anyio.EndOfStream, anyio.BrokenResourceError):
+                    return
+                if isinstance(msg, InfoRequest) and self.garbled:
+                    self.garbled -= 1
+                    await stream.send(_HEADER.pack(3) + b"\xc1\xc1\xc1")
+                    return
+                if isinstance(msg, InfoRequest):
+                    await conn.send(ExpertInfo(self.rank, 2,
+                                               PLACEMENT.local_experts(self.rank), 0))
+                elif isinstance(msg, ExpertBatch):
+                    self.batches += 1
+                    if not await self.behaviour(self, conn, stream, msg):
+                        return
+
+    def close(self) -> None:
+        self._portal.call(self._portal.stop, True)
+        self._cm.__exit__(None, None, None)
+
+
+@contextmanager
+def client(*behaviours: Behaviour) -> Iterator[tuple[RpcExperts, list[FakeRank]]]:
+    ranks: list[FakeRank] = []
+    try:
+        ranks += [FakeRank(r, b) for r, b in enumerate(behaviours)]
+        experts = RpcExperts(PLACEMENT, [r.address for r in ranks], call_timeout=10)
+        try:
+            yield experts, ranks
+        finally:
+            experts.close()
+    finally:
+        for rank in ranks:
+            rank.close()
+
+
+def layer_call(experts: RpcExperts) -> torch.Tensor:
+    x = torch.randn(6, HIDDEN)
+    ids = torch.zeros(6, 1, dtype=torch.int64)  # expert 0: its replicas take turns
+    return experts(0, x, ids, torch.ones(6, 1)) / x  # [6, H]: who answered, per token
+
+
+def test_a_rank_that_dies_mid_answer_is_routed_around() -> None:
+    """Its connection ends inside a frame: the rank is lost like one that closed, and
+    the layer call is made again on the replicas."""
+    with client(answer, die_mid_answer) as (experts, ranks):
+        scale = layer_call(experts)
+        assert experts._lost == {1} and ranks[1].batches == 1
+        assert torch.allclose(scale, torch.ones_like(scale))  # all from rank 0 (x1)
+
+
+def test_a_probe_that_meets_garbage_keeps_probing(caplog: pytest.LogCaptureFixture) -> None:
+    """A rank whose first probes get bytes that are no message (another program on its
+    port, a rank restarting) is still probed, and comes back once it answers."""
+    with client(answer, die_mid_answer) as (experts, ranks):
+        ranks[1].revive_after = 2  # once dead, its next two handshakes get garbage
+        layer_call(experts)
+        wait_until(lambda: not experts._lost, 30, lambda: f"rank 1 back: {experts._lost}")
+        assert "is still lost" in caplog.text  # said why, once per reason
+        scale = layer_call(experts)
+        assert set(scale[:, 0].tolist()) == {1.0, 2.0}  # both ranks answer again
+
+
+def test_routing_never_holds_its_lock_across_a_portal_call() -> None:
+    """The portal's loop takes the same lock when a probe ends: starting a probe while
+    holding it could wait for that loop forever (and /health's `ready()` with it)."""
+    with client(answer, die_mid_answer) as (experts, _):
+        start = experts._portal.start_task_soon
+        held: list[tuple[str, bool]] = []
+
+        def watched(func: Callable, *args: object) -> object:
+            held.append((func.__name__, experts._lock.locked()))
+            return start(func, *args)  # type: ignore[arg-type]
+
+        experts._portal.start_task_soon = watched  # type: ignore[method-assign]
+        layer_call(experts)
+        assert ("_probe", False) in held and not any(locked for _, locked in held)
