@@ -161,10 +161,11 @@ class RpcExperts(PointToPoint):
         return self._routes[lost]
 
     def _route_around(self, exc: ExpertRankError) -> bool:
-        """Whether the ranks `exc` lost can be routed around (then they are)."""
+        """Whether the ranks `exc` lost can be routed around (then they are); each retry
+        of a layer call loses one rank more, or is not made."""
         with self._lock:
             lost = self._lost | exc.lost
-            if not exc.lost or self.placement.excluding(frozenset(lost)) is None:
+            if lost == self._lost or self.placement.excluding(frozenset(lost)) is None:
                 return False
             for rank in sorted(exc.lost - self._lost):
                 log.warning("%s is lost (%s): its experts go to their replicas until it "
