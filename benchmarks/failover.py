@@ -3,8 +3,8 @@ three expert services, one killed under load and started again.
 
     .venv/bin/python -m benchmarks.failover [--concurrency 8] [--phase-s 20]
 
-The services run as separate processes, as compose runs them (`switchyard serve` stops
-the whole topology when a child exits): 3 expert services (`--expert-replicas 2`), an
+The services run as separate processes, as compose runs them (`switchyard serve` would
+restart the killed one at once): 3 expert services (`--expert-replicas 2`), an
 attention service (`rpc`) and the gateway, on loopback, serving the bundled demo model.
 `--concurrency` clients ask held-out demo questions back to back (chat, greedy), 3 s
 to warm up, then three phases of `--phase-s` seconds: all up; expert rank 1 killed (SIGKILL) as the

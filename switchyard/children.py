@@ -46,23 +46,35 @@ class Children:
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.gpus = gpus  # GPUs to pin services to, round-robin (0: none)
         self._next_gpu = 0
+        self._started: dict[str, tuple[list[str], dict[str, str]]] = {}  # name -> args, env
 
     def spawn(self, name: str, args: list[str], gpu: bool = False
               ) -> tuple[str, subprocess.Popen, int]:
         """Start `python -m switchyard ARGS --ready-fd W` (pinned to the next GPU by
         CUDA_VISIBLE_DEVICES if `gpu`); returns what `wait_ports` needs."""
-        read_fd, write_fd = os.pipe()
         gpu_env = {}
         if gpu and self.gpus:
             gpu_env = {"CUDA_VISIBLE_DEVICES": str(self._next_gpu % self.gpus)}
             self._next_gpu += 1
-        env = child_env(**gpu_env)
+        self._started[name] = (args, gpu_env)
+        return self._popen(name, args, gpu_env)
+
+    def _popen(self, name: str, args: list[str], gpu_env: dict[str, str]
+               ) -> tuple[str, subprocess.Popen, int]:
+        read_fd, write_fd = os.pipe()
         proc = subprocess.Popen(
             [sys.executable, "-m", "switchyard", *args, "--ready-fd", str(write_fd)],
-            pass_fds=(write_fd,), preexec_fn=_die_with_parent, env=env)
+            pass_fds=(write_fd,), preexec_fn=_die_with_parent, env=child_env(**gpu_env))
         os.close(write_fd)
         self.procs.append((name, proc))
         return name, proc, read_fd
+
+    def restart(self, name: str, timeout: float) -> None:
+        """Start the child `name`, which has exited, again: the same arguments (its port
+        included) and GPU. Returns once it listens."""
+        self.procs = [(n, p) for n, p in self.procs if n != name]
+        self.wait_ports(self._popen(name, *self._started[name]),
+                        time.monotonic() + timeout)
 
     @staticmethod
     def wait_ports(pending: tuple[str, subprocess.Popen, int], deadline: float
@@ -114,11 +126,12 @@ class Children:
             if proc.poll() is not None:
                 raise StartupError(f"{name} exited with status {proc.returncode}")
 
-    def wait_any(self) -> None:
-        """Block until a child exits (signals interrupt this via their handlers)."""
+    def wait_exit(self) -> tuple[str, int]:
+        """Block until a child exits (signals interrupt this via their handlers); its
+        name and exit status."""
         pid, status = os.wait()
         name = next((n for n, p in self.procs if p.pid == pid), str(pid))
-        raise StartupError(f"{name} exited with status {os.waitstatus_to_exitcode(status)}")
+        return name, os.waitstatus_to_exitcode(status)
 
     def stop(self, timeout: float = 10.0) -> None:
         for _, proc in self.procs:

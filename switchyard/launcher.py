@@ -117,12 +117,12 @@ def _start_services(args: argparse.Namespace, model: Path, name: str,
     common = [*(["--placement", args.placement] if args.placement else []),
               *(["--num-threads", str(args.num_threads)] if args.num_threads else [])]
     expert_flags = ["--quantization", args.quantization, *_tracing_args(args),
-                    "--metrics-port", "0", "--rendezvous-timeout", str(args.rendezvous_timeout),
+                    "--rendezvous-timeout", str(args.rendezvous_timeout),
                     "--expert-replicas", str(args.expert_replicas)]
     experts = [(f"expert rank {r}", ["expert", *shared, "--rank", str(r), "--num-ranks",
                                      str(num_experts), "--dtype", args.dtype,
                                      "--device", args.device, *common,
-                                     *expert_flags])
+                                     *expert_flags, *_expert_ports(args)])
                for r in range(num_experts)]
     groups = [(f"attention group {g}", ["attention", *shared, *_engine_args(args),
                                         "--metrics-port", "0"])
@@ -163,6 +163,28 @@ def _start_services(args: argparse.Namespace, model: Path, name: str,
     url = http_url(args.host, http_port)
     _wait_healthy(f"{url}/health", children, timeout)
     return url
+
+
+def _expert_ports(args: argparse.Namespace) -> list[str]:
+    """An `rpc` expert service listens on ports of its own, so that a restart is found
+    where it was (by the attention services, and the gateway's /metrics scrape)."""
+    if args.dispatch_backend in COLLECTIVE:
+        return ["--metrics-port", "0"]
+    return ["--port", str(free_port()), "--metrics-port", str(free_port())]
+
+
+def _supervise(args: argparse.Namespace, children: Children) -> None:
+    """Until a child exits that the topology cannot do without: an `rpc` expert service
+    is started again, on its port (as compose's restart policy does; meanwhile its
+    experts go to their replicas, if any, or its layer calls fail); any other child,
+    a collective rank included, ends them all."""
+    while True:
+        name, status = children.wait_exit()
+        if args.dispatch_backend in COLLECTIVE or not name.startswith("expert rank"):
+            raise StartupError(f"{name} exited with status {status}")
+        print(f"switchyard serve: {name} exited with status {status}; starting it again",
+              file=sys.stderr, flush=True)
+        children.restart(name, args.startup_timeout)
 
 
 def _check_generation_config(source: str, model: Path) -> None:
@@ -241,7 +263,7 @@ def serve(args: argparse.Namespace) -> int:
         try:
             url = _start_services(args, model, name, children)
             print(f"Switchyard is serving {name!r} at {url}/v1", flush=True)
-            children.wait_any()
+            _supervise(args, children)
         except StartupError as exc:
             print(f"switchyard serve: {exc}", file=sys.stderr)
             return 1

@@ -27,6 +27,7 @@ from switchyard.ports import free_port
 from switchyard.serve_process import Served
 from tests.test_engine_parity import greedy, prompts, reference_greedy, run_to_completion
 from tests.test_http_api import concurrent_greedy
+from tests.tools import wait_until
 
 pytestmark = pytest.mark.timeout(300)
 NUM_RANKS = 3
@@ -204,6 +205,37 @@ def test_a_lost_expert_rank_is_routed_around_while_its_experts_have_replicas(
     finally:
         children.stop()
         restarted.stop()
+
+
+def test_serve_starts_a_lost_expert_service_again(qwen3_ckpt: tuple) -> None:
+    """`serve` (rpc) restarts an expert service that dies, on its ports, as compose's
+    restart policy does; with every expert on two services no request fails meanwhile."""
+    import os
+    import signal
+
+    from switchyard.serve_process import child_pids
+
+    path, model = qwen3_ckpt
+    ps = prompts(seed=17, lengths=(9, 14))
+    want = [reference_greedy(model, p, 6) for p in ps]
+    with Served(["--model", str(path), "--expert-services", "3", "--expert-replicas",
+                 "2"]) as served:
+        name = httpx.get(f"{served.url}/v1/models").json()["data"][0]["id"]
+        experts = [pid for pid in served.children
+                   if b"expert" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
+        assert concurrent_greedy(served.url, name, ps, 6) == want
+        os.kill(experts[1], signal.SIGKILL)
+        assert concurrent_greedy(served.url, name, ps, 6) == want  # on the replicas
+
+        def back() -> bool:
+            lines = httpx.get(f"{served.url}/health", timeout=30).json()["attention"][0][
+                "experts"]
+            return len(child_pids(served.proc.pid)) == len(served.children) and all(
+                line.endswith(", connected") for line in lines)
+
+        wait_until(back, 120, lambda: f"expert rank 1 back: {served.stderr()[-2000:]}")
+        assert concurrent_greedy(served.url, name, ps, 6) == want
+        assert "expert rank 1 exited with status -9; starting it again" in served.stderr()
 
 
 def test_without_a_replica_a_lost_rank_fails_the_call(qwen3_ckpt: tuple,
