@@ -69,12 +69,11 @@ class Children:
         self.procs.append((name, proc))
         return name, proc, read_fd
 
-    def restart(self, name: str, timeout: float) -> None:
-        """Start the child `name`, which has exited, again: the same arguments (its port
-        included) and GPU. Returns once it listens."""
+    def respawn(self, name: str) -> int:
+        """Start the child `name`, which has exited, again: the same arguments (its ports
+        included) and GPU, without waiting; the read end of its ready pipe."""
         self.procs = [(n, p) for n, p in self.procs if n != name]
-        self.wait_ports(self._popen(name, *self._started[name]),
-                        time.monotonic() + timeout)
+        return self._popen(name, *self._started[name])[2]
 
     @staticmethod
     def wait_ports(pending: tuple[str, subprocess.Popen, int], deadline: float
@@ -126,12 +125,20 @@ class Children:
             if proc.poll() is not None:
                 raise StartupError(f"{name} exited with status {proc.returncode}")
 
-    def wait_exit(self) -> tuple[str, int]:
-        """Block until a child exits (signals interrupt this via their handlers); its
-        name and exit status."""
-        pid, status = os.wait()
-        name = next((n for n, p in self.procs if p.pid == pid), str(pid))
-        return name, os.waitstatus_to_exitcode(status)
+    def reap(self) -> list[tuple[str, int]]:
+        """The children that exited since the last call, with their exit status, without
+        waiting. Processes these did not start are reaped and left out: a `serve` that is
+        a container's PID 1 inherits orphans (a killed service's own children)."""
+        exited = []
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return exited
+            if pid == 0:
+                return exited
+            if (name := next((n for n, p in self.procs if p.pid == pid), None)) is not None:
+                exited.append((name, os.waitstatus_to_exitcode(status)))
 
     def stop(self, timeout: float = 10.0) -> None:
         for _, proc in self.procs:

@@ -32,6 +32,7 @@ from switchyard.demo_model import DEFAULT_MODEL, DEFAULT_MODEL_NAME
 from switchyard.device import check_device, resolve_dtype
 from switchyard.flags import as_flags
 from switchyard.ports import free_port, http_url
+from switchyard.supervisor import supervise
 
 
 def _wait_healthy(url: str, children: Children, timeout: float) -> None:
@@ -173,20 +174,6 @@ def _expert_ports(args: argparse.Namespace) -> list[str]:
     return ["--port", str(free_port()), "--metrics-port", str(free_port())]
 
 
-def _supervise(args: argparse.Namespace, children: Children) -> None:
-    """Until a child exits that the topology cannot do without: an `rpc` expert service
-    is started again, on its port (as compose's restart policy does; meanwhile its
-    experts go to their replicas, if any, or its layer calls fail); any other child,
-    a collective rank included, ends them all."""
-    while True:
-        name, status = children.wait_exit()
-        if args.dispatch_backend in COLLECTIVE or not name.startswith("expert rank"):
-            raise StartupError(f"{name} exited with status {status}")
-        print(f"switchyard serve: {name} exited with status {status}; starting it again",
-              file=sys.stderr, flush=True)
-        children.restart(name, args.startup_timeout)
-
-
 def _check_generation_config(source: str, model: Path) -> None:
     """What the gateway will read, checked before any service loads the model."""
     try:
@@ -263,7 +250,9 @@ def serve(args: argparse.Namespace) -> int:
         try:
             url = _start_services(args, model, name, children)
             print(f"Switchyard is serving {name!r} at {url}/v1", flush=True)
-            _supervise(args, children)
+            # rpc expert services may be restarted; a collective rank never alone
+            supervise(children, lambda child: args.dispatch_backend not in COLLECTIVE
+                      and child.startswith("expert rank"))
         except StartupError as exc:
             print(f"switchyard serve: {exc}", file=sys.stderr)
             return 1

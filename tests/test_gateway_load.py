@@ -136,7 +136,7 @@ def test_a_hung_expert_service_is_a_503_not_a_client_error(qwen3_ckpt: tuple) ->
         assert httpx.post(f"{served.url}/v1/completions", json=body, timeout=60).is_success
         expert = next(pid for pid in served.children
                       if b"expert" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"))
-        # Stopped, not killed: `switchyard serve` takes the whole tree down when a child exits.
+        # Stopped, not killed: a hung service (serve would restart one that exited).
         os.kill(expert, signal.SIGSTOP)
         try:
             r = httpx.post(f"{served.url}/v1/completions", json=body, timeout=60)

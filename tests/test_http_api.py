@@ -129,7 +129,7 @@ def test_bad_input_gets_openai_errors_and_service_keeps_serving(tiny: tuple) -> 
     r = httpx.post(url, json={"model": name, "prompt": prompt, "max_tokens": 8,
                               "temperature": 0, "ignore_eos": True, "return_token_ids": True})
     assert r.json()["choices"][0]["token_ids"] == reference_greedy(model, prompt, 8)
-    assert served.proc.poll() is None
+    assert served.proc.poll() is None and all(served.children_alive())  # none restarted
 
 
 def test_chat_with_the_bundled_model(demo: Served) -> None:

@@ -1,0 +1,106 @@
+"""`serve`'s restart policy (switchyard/supervisor.py) against scripted exits: what is
+restarted, when, and that every child is still watched while one restarts. (A real
+expert service killed under `serve`: tests/test_expert_services.py.)"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import pytest
+
+from switchyard.children import StartupError
+from switchyard.supervisor import supervise
+
+
+class ScriptedChildren:
+    """`reap` gives each step's exits once its condition holds (nothing until then);
+    `respawn` opens a ready pipe and runs `on_respawn` with its write end (a test writes
+    a ready line, or closes it as a child that died before listening)."""
+
+    def __init__(self, on_respawn: Callable[[str, int], None]) -> None:
+        self.steps: list[tuple[Callable[[], bool], list[tuple[str, int]]]] = []
+        self.on_respawn, self.respawned = on_respawn, []
+
+    def then(self, *exits: tuple[str, int], once: Callable[[], bool] = lambda: True
+             ) -> ScriptedChildren:
+        self.steps.append((once, list(exits)))
+        return self
+
+    def reap(self) -> list[tuple[str, int]]:
+        if self.steps and self.steps[0][0]():
+            return self.steps.pop(0)[1]
+        return []
+
+    def respawn(self, name: str) -> int:
+        self.respawned.append(name)
+        read_fd, write_fd = os.pipe()
+        self.on_respawn(name, write_fd)
+        return read_fd
+
+
+def experts_only(name: str) -> bool:
+    return name.startswith("expert rank")
+
+
+def write_ready(name: str, fd: int) -> None:
+    os.write(fd, b"7100 9400\n")
+    os.close(fd)
+
+
+@pytest.mark.parametrize(("exit_", "why"), [(("gateway", 1), "not restartable"),
+                                            (("expert rank 0", 0), "a clean exit")])
+def test_what_is_not_restarted_ends_the_topology(exit_: tuple[str, int], why: str) -> None:
+    children = ScriptedChildren(write_ready).then(exit_)
+    with pytest.raises(StartupError, match=f"{exit_[0]} exited with status {exit_[1]}"):
+        supervise(children, experts_only)  # type: ignore[arg-type]
+    assert children.respawned == [], why
+
+
+def test_a_failed_expert_service_is_started_again_and_the_rest_still_watched(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    children = ScriptedChildren(write_ready).then(("expert rank 1", -9))
+    children.then(("attention group 0", 1), once=lambda: bool(children.respawned))
+    with pytest.raises(StartupError, match="attention group 0 exited with status 1"):
+        supervise(children, experts_only)  # type: ignore[arg-type]
+    assert children.respawned == ["expert rank 1"]
+    assert "expert rank 1 exited with status -9; starting it again in 0.1 s" in \
+        capsys.readouterr().err
+
+
+def test_a_gateway_exit_is_seen_while_an_expert_service_waits_to_restart() -> None:
+    """The restart is due 0.1 s later; the gateway's exit in between ends it all (the
+    supervisor used to wait for the restarted child, blind to the others)."""
+    children = ScriptedChildren(write_ready).then(("expert rank 0", 1)).then(("gateway", 1))
+    with pytest.raises(StartupError, match="gateway exited with status 1"):
+        supervise(children, experts_only)  # type: ignore[arg-type]
+    assert children.respawned == []
+
+
+def test_a_crash_loop_backs_off_doubling(capsys: pytest.CaptureFixture[str]) -> None:
+    """Each restart dies before listening (its pipe ends without a ready line): waits of
+    0.1, 0.2, 0.4 s, as Docker's restart policy."""
+    children = ScriptedChildren(lambda name, fd: os.close(fd)).then(("expert rank 0", 1))
+    for n in (1, 2):
+        children.then(("expert rank 0", 1), once=lambda n=n: len(children.respawned) == n)
+    children.then(("gateway", 1), once=lambda: len(children.respawned) == 3)
+    with pytest.raises(StartupError, match="gateway"):
+        supervise(children, experts_only)  # type: ignore[arg-type]
+    err = capsys.readouterr().err
+    assert [line.rsplit(" ", 2)[-2] for line in err.splitlines()] == ["0.1", "0.2", "0.4"]
+
+
+def test_a_service_that_ran_long_enough_restarts_at_the_first_delay(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Docker's rule: the doubling starts over once a restarted child has been up a
+    while (here: at once), so a rare crash never waits 30 s."""
+    from switchyard import supervisor
+
+    monkeypatch.setattr(supervisor, "STEADY_S", 0.0)
+    children = ScriptedChildren(write_ready).then(("expert rank 0", 1))
+    children.then(("expert rank 0", 1), once=lambda: len(children.respawned) == 1)
+    children.then(("gateway", 1), once=lambda: len(children.respawned) == 2)
+    with pytest.raises(StartupError, match="gateway"):
+        supervise(children, experts_only)  # type: ignore[arg-type]
+    err = capsys.readouterr().err
+    assert [line.rsplit(" ", 2)[-2] for line in err.splitlines()] == ["0.1", "0.1"]
