@@ -104,3 +104,25 @@ def test_a_service_that_ran_long_enough_restarts_at_the_first_delay(
         supervise(children, experts_only)  # type: ignore[arg-type]
     err = capsys.readouterr().err
     assert [line.rsplit(" ", 2)[-2] for line in err.splitlines()] == ["0.1", "0.1"]
+
+
+def test_processes_serve_did_not_start_are_reaped_and_left_out() -> None:
+    """A `serve` that is a container's PID 1 inherits orphans; their exits are not its
+    children's. (In a process of its own: reaping any child here would take pytest's.)"""
+    import subprocess
+    import sys
+
+    script = """
+import os, subprocess, sys
+from switchyard.children import Children
+stray = subprocess.Popen([sys.executable, "-c", "pass"])  # not one of Children's
+os.waitid(os.P_PID, stray.pid, os.WEXITED | os.WNOWAIT)  # exited, not yet reaped
+print(Children().reap())
+try:
+    os.waitpid(stray.pid, os.WNOHANG)
+except ChildProcessError:
+    print("reaped")
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.split() == ["[]", "reaped"], out.stderr
