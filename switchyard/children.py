@@ -15,7 +15,7 @@ import time
 
 
 class StartupError(RuntimeError):
-    pass
+    """A service that could not start, or exited: named, with its status."""
 
 
 # What `serve` decides for each child (its role, rank, ports, peers, backend): a
