@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 
 from ep_dispatch.deepep import deepep_flags, deepep_settings
-from ep_dispatch.placement import make_placement
+from ep_dispatch.placement import Placement, make_placement
 from ep_dispatch.registry import COLLECTIVE, check_backend
 from gateway.generation_config import SamplingDefaults
 from services.attention.config import add_engine_flags, check_cuda_graphs
@@ -182,7 +182,7 @@ def _check_generation_config(source: str, model: Path) -> None:
         raise ValueError(f"--generation-config: {exc}") from exc
 
 
-def _check_deepep(args: argparse.Namespace, cfg: ModelConfig) -> None:
+def _check_deepep(args: argparse.Namespace, cfg: ModelConfig, placement: Placement) -> None:
     """DeepEP's limits for this layout and model, and DeepEP itself, before any process."""
     import torch
 
@@ -192,10 +192,7 @@ def _check_deepep(args: argparse.Namespace, cfg: ModelConfig) -> None:
         check_step_budget,
         import_deep_ep,
     )
-    num_experts = _num_expert_services(args)
-    world = args.attention_groups + num_experts
-    placement = make_placement(cfg.moe_layer_ids, cfg.num_experts, num_experts, args.placement,
-                               args.expert_replicas)
+    world = args.attention_groups + placement.num_ranks
     settings = deepep_settings(args)
     check_deepep(settings, world, cfg.hidden_size, cfg.top_k, placement.most_local,
                  resolve_dtype(args.dtype, args.device))
@@ -233,10 +230,10 @@ def serve(args: argparse.Namespace) -> int:
         quantization = check_quantization(cfg, args.quantization)
         check_backend(args.dispatch_backend, args.device, quantization)
         if num_experts := _num_expert_services(args):
-            make_placement(cfg.moe_layer_ids, cfg.num_experts, num_experts, args.placement,
-                           args.expert_replicas)
-        if args.dispatch_backend == "deepep":
-            _check_deepep(args, cfg)
+            placement = make_placement(cfg.moe_layer_ids, cfg.num_experts, num_experts,
+                                       args.placement, args.expert_replicas)
+            if args.dispatch_backend == "deepep":  # (a collective backend: it has experts)
+                _check_deepep(args, cfg, placement)
         _check_generation_config(args.generation_config, model)
     except (CheckpointError, ValueError, StartupError, OSError) as exc:
         print(f"switchyard serve: {exc}", file=sys.stderr)
