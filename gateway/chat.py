@@ -9,7 +9,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.errors import GatewayError
-from gateway.logprobs import chat_logprobs
+from gateway.logprobs import chat_logprobs, prompt_logprobs
 from gateway.openai_protocol import (
     AssistantMessage,
     ChatChoice,
@@ -87,4 +87,9 @@ async def create_chat_completion(serving: Serving, request: Request) -> Response
     choices = [ChatChoice(i, AssistantMessage(out.text), out.finish_reason,
                           _logprobs(serving, body, out)) for i, out in enumerate(outs)]
     usage = run.usage(sum(len(out.token_ids) for out in outs))
-    return json_response(ChatCompletion(run.id, run.created, run.model, choices, usage))
+    scores = None
+    if body.prompt_logprobs is not None and outs[0].prompt_logprobs is not None:
+        scores = prompt_logprobs(serving.maybe_tokenizer, prompt_token_ids,
+                                 outs[0].prompt_logprobs)
+    return json_response(ChatCompletion(run.id, run.created, run.model, choices, usage,
+                                        prompt_logprobs=scores))

@@ -7,36 +7,67 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.errors import GatewayError, bad_request
+from gateway.errors import GatewayError, engine_unavailable
 from gateway.logprobs import completion_logprobs
-from gateway.openai_protocol import Completion, CompletionChoice, CompletionRequest, Usage
+from gateway.logprobs import prompt_logprobs as to_prompt_logprobs
+from gateway.openai_protocol import (
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    Usage,
+)
 from gateway.output import Output, interleave
 from gateway.serving import Run, Serving, client_gone, json_response
 from gateway.sse import DONE, EventStreamResponse, error_event, event
 from gateway.tokenizer import Tokenizer
+from switchyard.messages import TokenLogprobs
 
 
 class _ChoiceText:
-    """Shapes one choice's outputs: echo prefix, token ids, logprobs with text offsets."""
+    """Shapes one choice's outputs: echo prefix, token ids, logprobs with text offsets, and
+    on the first output what belongs to the prompt (its ids, its log-probabilities)."""
 
     def __init__(self, serving: Serving, body: CompletionRequest, run: Run, echo: str) -> None:
-        self._serving, self._body, self._run = serving, body, run
+        self._tokenizer, self._body = serving.maybe_tokenizer, body
         self._prefix = echo  # sent with the choice's first output
-        self._offset = len(echo)
-        self._prompt_ids: list[int] | None = run.prompt_token_ids
+        self._offset = len(echo)  # where the generated text starts in the choice's text
+        self._prompt_ids = run.prompt_token_ids
+        self._first = True
 
     def choice(self, index: int, step: Output) -> CompletionChoice:
-        with_ids, text = self._body.return_token_ids, self._prefix + step.text
-        prompt_ids, self._prompt_ids, self._prefix = self._prompt_ids, None, ""
+        body, first, self._first = self._body, self._first, False
+        token_ids, entries, text = step.token_ids, step.logprobs, step.text
+        if body.echo_only:  # the one token the engine generated is left out (vLLM)
+            token_ids, entries, text = [], [], ""
+        if first:
+            text = self._prefix + text
         logprobs = None
-        if self._body.logprobs is not None:
-            tokenizer = self._serving.maybe_tokenizer
-            logprobs = completion_logprobs(tokenizer, step.token_ids, step.logprobs,
-                                           self._offset)
+        if body.logprobs is not None:
+            logprobs = completion_logprobs(self._tokenizer, token_ids, entries, self._offset)
             self._offset += sum(map(len, logprobs.tokens))
+            if first and body.echo:  # the echoed prompt's tokens come first
+                logprobs = _joined(completion_logprobs(
+                    self._tokenizer, self._prompt_ids, self._scores(step)), logprobs)
+        prompt_logprobs = None
+        if first and body.num_prompt_logprobs is not None:
+            prompt_logprobs = to_prompt_logprobs(self._tokenizer, self._prompt_ids,
+                                                 self._scores(step))
+        with_ids = body.return_token_ids
         return CompletionChoice(index, text, step.finish_reason, logprobs,
-                                prompt_ids if with_ids else None,
-                                step.token_ids if with_ids else None)
+                                self._prompt_ids if with_ids and first else None,
+                                token_ids if with_ids else None, prompt_logprobs)
+
+    def _scores(self, step: Output) -> list[TokenLogprobs | None]:
+        if step.prompt_logprobs is None or len(step.prompt_logprobs) != len(self._prompt_ids):
+            raise engine_unavailable("the engine sent no prompt logprobs for this prompt")
+        return step.prompt_logprobs
+
+
+def _joined(head: CompletionLogprobs, tail: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(head.text_offset + tail.text_offset,
+                              head.token_logprobs + tail.token_logprobs,
+                              head.tokens + tail.tokens, head.top_logprobs + tail.top_logprobs)
 
 
 def _echo_text(prompt: str | list[int], tokenizer: Tokenizer | None,
@@ -61,8 +92,8 @@ async def _events(runs: list[Run], body: CompletionRequest, shapers: list[_Choic
     first, completion_tokens = runs[0], 0
     try:
         async for index, step in interleave([c.steps for run in runs for c in run.choices]):
-            completion_tokens += len(step.token_ids)
             choice = shapers[index].choice(index, step)
+            completion_tokens += 0 if body.echo_only else len(step.token_ids)
             if choice.text or step.finish_reason or choice.token_ids or choice.logprobs:
                 yield event(Completion(first.id, first.created, first.model, [choice], None))
     except GatewayError as exc:
@@ -95,8 +126,6 @@ async def create_completion(serving: Serving, request: Request) -> Response:
     body = await serving.parse(request, CompletionRequest)
     prompts = body.prompts
     ids = [p if isinstance(p, list) else serving.tokenizer.encode(p) for p in prompts]
-    if body.echo and body.logprobs is not None:
-        raise bad_request("echo with logprobs (prompt logprobs) is not supported.", "echo")
     # Before any place is taken: echoing token ids needs the tokenizer (a 400 without one).
     needs_tokenizer = body.echo and any(isinstance(p, list) for p in prompts)
     tokenizer = serving.tokenizer if needs_tokenizer else None
@@ -119,6 +148,6 @@ async def create_completion(serving: Serving, request: Request) -> Response:
     if outs is None:
         return client_gone()
     choices = [shapers[i].choice(i, out) for i, out in enumerate(outs)]
-    usage = _usage(runs, sum(len(out.token_ids) for out in outs))
+    usage = _usage(runs, 0 if body.echo_only else sum(len(out.token_ids) for out in outs))
     first = runs[0]
     return json_response(Completion(first.id, first.created, first.model, choices, usage))

@@ -8,6 +8,8 @@ from gateway.openai_protocol import (
     ChatLogprobs,
     ChatTokenLogprob,
     CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobs,
     TopLogprob,
 )
 from gateway.tokenizer import Tokenizer
@@ -37,18 +39,40 @@ def chat_logprobs(tokenizer: Tokenizer | None, token_ids: Sequence[int],
 
 
 def completion_logprobs(tokenizer: Tokenizer | None, token_ids: Sequence[int],
-                        entries: Sequence[TokenLogprobs], offset: int = 0
+                        entries: Sequence[TokenLogprobs | None], offset: int = 0
                         ) -> CompletionLogprobs:
-    """`offset`: where the first token's text starts in the choice's whole text."""
+    """`offset`: where the first token's text starts in the choice's whole text. A None
+    entry (an echoed prompt's first token: nothing predicts it) is null, as in vLLM."""
     out = CompletionLogprobs([], [], [], [])
     for token_id, entry in zip(token_ids, entries, strict=True):
         text = token_text(tokenizer, token_id)
         out.text_offset.append(offset)
         out.tokens.append(text)
+        offset += len(text)
+        if entry is None:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            continue
         out.token_logprobs.append(entry.logprob)
         # The sampled token's always, then up to `logprobs` alternatives (OpenAI, vLLM).
         out.top_logprobs.append({text: entry.logprob, **{
             token_text(tokenizer, i): lp
             for i, lp in zip(entry.top_ids, entry.top_logprobs, strict=True)}})
-        offset += len(text)
+    return out
+
+
+def prompt_logprobs(tokenizer: Tokenizer | None, token_ids: Sequence[int],
+                    entries: Sequence[TokenLogprobs | None]) -> PromptLogprobs:
+    """vLLM's `prompt_logprobs`: per prompt token, {id: entry} for the token itself and
+    the likeliest alternatives (ranked from 1), None for the first."""
+    out: PromptLogprobs = []
+    for token_id, entry in zip(token_ids, entries, strict=True):
+        if entry is None:
+            out.append(None)
+            continue
+        alternatives = zip(entry.top_ids, entry.top_logprobs, strict=True)
+        out.append({str(i): PromptLogprob(lp, rank, token_text(tokenizer, i))
+                    for i, lp, rank in [(token_id, entry.logprob, entry.rank),
+                                        *((i, lp, r) for r, (i, lp)
+                                          in enumerate(alternatives, start=1))]})
     return out

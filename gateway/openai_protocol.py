@@ -52,10 +52,15 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     min_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's: each prompt token's log-probability and this many alternatives
+    prompt_logprobs: NumLogprobs | None = None
 
     def __post_init__(self) -> None:
         if self.include_usage and not self.stream:  # ({} alone is accepted, as by vLLM)
             raise ValueError("Stream options can only be defined when `stream=True`.")
+        if self.stream and self.prompt_logprobs:  # (0 is accepted, as by vLLM)
+            raise bad_request("`prompt_logprobs` are not available when `stream=True`.",
+                              "prompt_logprobs")
 
     @property
     def stop_strings(self) -> list[str]:
@@ -67,6 +72,11 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     def num_logprobs(self) -> int | None:
         """Alternatives to report per token, or None when no logprobs were asked for."""
         return None
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Alternatives to report per prompt token, or None: no prompt logprobs."""
+        return self.prompt_logprobs
 
     @property
     def include_usage(self) -> bool:
@@ -142,9 +152,17 @@ class CompletionRequest(SamplingFields, kw_only=True):
     OpenAI and vLLM: choice `i * n + j` is prompt i's choice j)."""
 
     prompt: str | list[TokenId | str | list[TokenId]]
+    # 0 with `echo`: only the prompt (and with `logprobs`, its log-probabilities) comes back
+    max_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
     return_token_ids: bool = False
     echo: bool = False
     logprobs: NumLogprobs | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.max_tokens == 0 and not self.echo:
+            raise bad_request("max_tokens must be at least 1, got 0 (0 needs `echo`).",
+                              "max_tokens")
 
     @property
     def prompts(self) -> list[str | list[int]]:
@@ -160,6 +178,18 @@ class CompletionRequest(SamplingFields, kw_only=True):
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """`echo` with `logprobs` scores the echoed prompt too (vLLM, OpenAI)."""
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
+
+    @property
+    def echo_only(self) -> bool:
+        """`echo` with `max_tokens` 0: the prompt alone, nothing generated."""
+        return self.echo and self.max_tokens == 0
 
 
 class TopLogprob(msgspec.Struct):
@@ -192,6 +222,19 @@ class CompletionLogprobs(msgspec.Struct):
     token_logprobs: list[float | None]
     tokens: list[str]
     top_logprobs: list[dict[str, float] | None]
+
+
+class PromptLogprob(msgspec.Struct):
+    """One token's entry at a prompt position (vLLM's `prompt_logprobs` shape)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# per prompt position: None for the first, else {token id: entry} for the prompt's own
+# token and the likeliest alternatives
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 class Usage(msgspec.Struct):
@@ -227,6 +270,7 @@ class ChatCompletion(msgspec.Struct):
     choices: list[ChatChoice]
     usage: Usage
     object: Literal["chat.completion"] = "chat.completion"
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, with `prompt_logprobs`
 
 
 class Delta(msgspec.Struct, omit_defaults=True):
@@ -265,6 +309,7 @@ class CompletionChoice(msgspec.Struct, omit_defaults=True):
     logprobs: CompletionLogprobs | None
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when asked for
 
 
 class Completion(msgspec.Struct):

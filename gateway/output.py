@@ -22,6 +22,7 @@ class Output:
     token_ids: list[int]
     finish_reason: str | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # with the first output
 
 
 class StopStrings:
@@ -105,11 +106,13 @@ async def outputs(generation: Generation, detokenizer: IncrementalDetokenizer,
             if hit:
                 timer.finish("stop", generation.arrived)
                 await generation.aclose()  # now: the request's other choices may run on
-                yield Output(text, list(delta.token_ids), "stop", list(delta.logprobs or ()))
+                yield Output(text, list(delta.token_ids), "stop", list(delta.logprobs or ()),
+                             delta.prompt_logprobs)
                 return
             if reason is not None:
                 text += stops.flush()
-        yield Output(text, list(delta.token_ids), reason, list(delta.logprobs or ()))
+        yield Output(text, list(delta.token_ids), reason, list(delta.logprobs or ()),
+                     delta.prompt_logprobs)
 
 
 async def collect(steps: AsyncIterator[Output]) -> Output:
@@ -120,6 +123,7 @@ async def collect(steps: AsyncIterator[Output]) -> Output:
         texts.append(step.text)
         whole.token_ids += step.token_ids
         whole.logprobs += step.logprobs
+        whole.prompt_logprobs = whole.prompt_logprobs or step.prompt_logprobs
         whole.finish_reason = step.finish_reason
     whole.text = "".join(texts)
     return whole

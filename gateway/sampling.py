@@ -46,6 +46,8 @@ def _max_tokens(request: SamplingFields, prompt_len: int, limits: ModelLimits) -
     if chat and request.max_completion_tokens is not None:
         asked = request.max_completion_tokens
     room = limits.max_model_len - prompt_len
+    if asked == 0:  # `echo` alone: one token is generated and left out (vLLM)
+        return 1
     if asked is None:
         return room if chat else min(COMPLETION_MAX_TOKENS, room)
     if asked > room:
@@ -92,6 +94,7 @@ def sampling_params(request: SamplingFields, prompt_token_ids: Sequence[int],
                                   1.0),
         logprobs=request.num_logprobs,
         min_tokens=request.min_tokens,
+        prompt_logprobs=request.num_prompt_logprobs,
     )
 
 

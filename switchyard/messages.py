@@ -24,7 +24,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     sampled (vLLM). A seed makes the
     request's sampled tokens reproducible whatever else is in the batch. `logprobs` asks
     for the sampled token's log-probability and the `logprobs` most likely alternatives at
-    every generated position (None: no log-probabilities).
+    every generated position (None: no log-probabilities); `prompt_logprobs` the same for
+    each prompt token given those before it (vLLM's prompt logprobs: prompt scoring).
     """
 
     max_tokens: int = 16
@@ -40,6 +41,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     min_tokens: int = 0
+    prompt_logprobs: int | None = None
 
     @property
     def penalized(self) -> bool:
@@ -66,9 +68,10 @@ class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
     """Log-probabilities at one generated position, of the model's raw output
     distribution (before penalties, temperature and filters, as vLLM reports them)."""
 
-    logprob: float  # of the token that was sampled
+    logprob: float  # of the token that was sampled (or, in a prompt, that came next)
     top_ids: list[int]  # the most likely tokens, most likely first
     top_logprobs: list[float]
+    rank: int  # of that token among the vocabulary, from 1 (the most likely)
 
 
 class TokenDelta(msgspec.Struct, frozen=True, tag=True):
@@ -79,7 +82,8 @@ class TokenDelta(msgspec.Struct, frozen=True, tag=True):
     service's fault, not the request's (an expert rank failed). `logprobs` has one entry
     per token when
     the request asked for them. The delta with a request's first token carries how long it
-    waited to be scheduled and how long its prefill took.
+    waited to be scheduled and how long its prefill took, and, when asked for, the prompt's
+    log-probabilities: one entry per prompt token, None for the first (nothing precedes it).
     """
 
     request_id: str
@@ -91,6 +95,7 @@ class TokenDelta(msgspec.Struct, frozen=True, tag=True):
     logprobs: list[TokenLogprobs] | None = None
     queue_time_s: float | None = None
     prefill_time_s: float | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class InfoRequest(msgspec.Struct, frozen=True, tag=True):

@@ -219,8 +219,92 @@ def test_echo_prepends_the_prompt(demo: Served) -> None:
     for ids in ([2**32], [2**64]):  # past the vocabulary: a 400, as without echo (was a 500)
         with pytest.raises(openai.BadRequestError, match="out of vocabulary"):
             c.completions.create(model=m, prompt=ids, echo=True, max_tokens=2)
-    with pytest.raises(openai.BadRequestError, match="echo with logprobs"):
-        c.completions.create(model=m, prompt=ARITH, echo=True, logprobs=1, max_tokens=2)
+
+
+def demo_log_softmax(token_ids: list[int]) -> torch.Tensor:
+    """transformers' log-probabilities [L, V] over the bundled model, in float32."""
+    from transformers import AutoModelForCausalLM
+
+    from switchyard.demo_model import DEFAULT_MODEL
+
+    model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([token_ids])).logits[0].log_softmax(-1)
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(demo: Served) -> None:
+    """lm-evaluation-harness's loglikelihood request (echo, logprobs=1, max_tokens=1, as
+    its `local-completions` model sends it), and echo with max_tokens 0 (the prompt
+    alone): the echoed prompt's tokens carry transformers' log-probabilities."""
+    c, m = client(demo), model_id(demo)
+    ids = c.completions.create(model=m, prompt=ARITH, max_tokens=1, echo=True,
+                               extra_body={"return_token_ids": True}).choices[0]
+    prompt_ids = ids.model_extra["prompt_token_ids"]  # type: ignore[index]
+    n = len(prompt_ids)
+    ref = demo_log_softmax(prompt_ids)
+    for stream in (False, True):
+        r = c.completions.create(model=m, prompt=ARITH, max_tokens=1, echo=True, logprobs=1,
+                                 temperature=0, stream=stream)
+        chunks = list(r) if stream else [r]
+        text = "".join(choice.text for ch in chunks for choice in ch.choices)
+        lps = [choice.logprobs for ch in chunks for choice in ch.choices if choice.logprobs]
+        tokens = [t for lp in lps for t in lp.tokens]
+        token_lps = [x for lp in lps for x in lp.token_logprobs]
+        tops = [x for lp in lps for x in lp.top_logprobs]
+        offsets = [x for lp in lps for x in lp.text_offset]
+        assert len(tokens) == len(token_lps) == len(tops) == n + 1
+        assert text.startswith(ARITH) and "".join(tokens[:n]) == ARITH
+        assert token_lps[0] is None and tops[0] is None
+        for j in range(1, n):
+            want = float(ref[j - 1, prompt_ids[j]])
+            assert abs(token_lps[j] - want) < 1e-4, (j, token_lps[j], want)
+            best = int(ref[j - 1].argmax())
+            assert tops[j][tokens[j]] == pytest.approx(token_lps[j])
+            assert len(tops[j]) == (1 if prompt_ids[j] == best else 2)  # its own + the top 1
+        assert offsets == sorted(offsets) and offsets[0] == 0 and offsets[n] == len(ARITH)
+        # what an evaluator checks: the greedy answer's first token was the likeliest
+        assert max(tops[n].values()) == pytest.approx(token_lps[n])
+    only = c.completions.create(model=m, prompt=ARITH, max_tokens=0, echo=True, logprobs=2)
+    choice = only.choices[0]
+    assert choice.text == ARITH and choice.finish_reason == "length"
+    assert only.usage.completion_tokens == 0 and only.usage.prompt_tokens == n
+    assert choice.logprobs is not None and len(choice.logprobs.tokens or []) == n
+    assert choice.logprobs.token_logprobs[1] == pytest.approx(float(ref[0, prompt_ids[1]]),
+                                                              abs=1e-4)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        c.completions.create(model=m, prompt=ARITH, max_tokens=0)
+
+
+def test_prompt_logprobs_as_vllm_returns_them(tiny: tuple, demo: Served) -> None:
+    """vLLM's `prompt_logprobs`: per prompt token {id: {logprob, rank, decoded_token}} for
+    the token itself and the k likeliest, on completions and chat; not with streaming."""
+    served, model = tiny
+    c, m = client(served), model_id(served)
+    prompt = prompts(seed=23, lengths=(11,))[0]
+    r = c.completions.create(model=m, prompt=prompt, max_tokens=2,
+                             extra_body={"prompt_logprobs": 3})
+    entries = r.choices[0].model_extra["prompt_logprobs"]  # type: ignore[index]
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt])).logits[0].log_softmax(-1)  # [L, V]
+    assert len(entries) == len(prompt) and entries[0] is None
+    for j, entry in enumerate(entries[1:], start=1):
+        row, own = ref[j - 1], entry[str(prompt[j])]
+        assert abs(own["logprob"] - float(row[prompt[j]])) < 1e-4
+        assert own["rank"] == int((row > row[prompt[j]]).sum()) + 1
+        assert own["decoded_token"] == f"token_id:{prompt[j]}"  # no tokenizer: vLLM's form
+        best = row.topk(3).indices.tolist()
+        assert [entry[str(t)]["rank"] for t in best] == [1, 2, 3]
+        assert set(entry) == {str(prompt[j]), *map(str, best)}
+    d, dm = client(demo), model_id(demo)
+    messages = [{"role": "user", "content": ARITH}]
+    chat = d.chat.completions.create(model=dm, messages=messages, max_tokens=1,
+                                     extra_body={"prompt_logprobs": 0})
+    scores = chat.model_extra["prompt_logprobs"]  # type: ignore[index]
+    assert len(scores) == chat.usage.prompt_tokens and scores[0] is None
+    assert all(len(entry) == 1 for entry in scores[1:])  # the prompt's own token alone
+    with pytest.raises(openai.BadRequestError, match="not available when `stream=True`"):
+        d.chat.completions.create(model=dm, messages=messages, stream=True,
+                                  extra_body={"prompt_logprobs": 1})
 
 
 def test_unknown_fields_are_ignored(demo: Served) -> None:

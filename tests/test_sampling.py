@@ -181,6 +181,52 @@ def test_logprobs_are_the_models_and_rank_the_top_tokens(qwen3_ckpt: tuple) -> N
     assert first.prefill_time_s is not None and first.prefill_time_s > 0
 
 
+def test_prompt_logprobs_are_the_models_through_chunks_and_preemption(qwen3_ckpt: tuple
+                                                                     ) -> None:
+    """vLLM's prompt logprobs (what `echo` with `logprobs` returns): prompt token j's
+    log-probability given tokens < j, its rank and the top alternatives, equal to
+    transformers' over prompts cut into chunks and preempted; sent once, with the first
+    token."""
+    from services.attention.kv_cache import kv_bytes_per_block
+
+    path, model = qwen3_ckpt
+    ps = prompts(seed=6, lengths=(20, 17, 25, 14))
+    asks = [2, None, 0, 5]  # prompt_logprobs per request
+    per_block = kv_bytes_per_block(engine_for(path).model_config, 4, torch.float32)
+    engine = engine_for(path, block_size=4, kv_cache_memory=per_block * 24,
+                        max_num_batched_tokens=16)
+    for i, (p, k) in enumerate(zip(ps, asks, strict=True)):
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                                prompt_logprobs=k)
+        assert engine.add(GenerateRequest(f"r{i}", p, params)) is None
+    sent: dict[str, list] = {}
+    tokens: dict[str, list[int]] = {}
+    while engine.has_work():
+        for d in engine.step():
+            tokens.setdefault(d.request_id, []).extend(d.token_ids)
+            if d.prompt_logprobs is not None:
+                assert d.request_id not in sent and len(tokens[d.request_id]) == 1
+                sent[d.request_id] = d.prompt_logprobs
+    assert engine.scheduler.num_preemptions > 0
+    assert tokens == {f"r{i}": reference_greedy(model, p, 24) for i, p in enumerate(ps)}
+    assert sorted(sent) == ["r0", "r2", "r3"]
+    for i, (p, k) in enumerate(zip(ps, asks, strict=True)):
+        if k is None:
+            continue
+        entries = sent[f"r{i}"]
+        assert len(entries) == len(p) and entries[0] is None
+        with torch.no_grad():
+            ref = model(torch.tensor([p])).logits[0].log_softmax(-1)  # [L, V]
+        for j, entry in enumerate(entries[1:], start=1):
+            row, token = ref[j - 1], p[j]
+            assert abs(entry.logprob - float(row[token])) < 1e-4
+            assert entry.rank == int((row > row[token]).sum()) + 1
+            top = row.topk(k)
+            assert entry.top_ids == top.indices.tolist()
+            assert torch.allclose(torch.tensor(entry.top_logprobs), top.values, atol=1e-4)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
 def test_extreme_parameters_never_break_the_batch() -> None:
     # Found by the gateway fuzz test: these once made NaN probabilities and failed the step.
     logits = torch.randn(5, 32, generator=torch.Generator().manual_seed(4)) * 4
@@ -213,6 +259,7 @@ def test_sampling_params_out_of_range_are_refused_alone(qwen3_ckpt: tuple) -> No
     vocab = engine.model_config.vocab_size
     bad = {"stop_token_ids": dict(stop_token_ids=(vocab,), min_tokens=1),
            "logprobs": dict(logprobs=vocab + 1), "logprobs ": dict(logprobs=-1),
+           "prompt_logprobs": dict(prompt_logprobs=vocab + 1),
            "temperature": dict(temperature=math.nan), "temperature ": dict(temperature=-1.0),
            "top_p": dict(top_p=0.0), "top_p ": dict(top_p=math.nan),
            "min_p": dict(min_p=1.5), "repetition_penalty": dict(repetition_penalty=0.0),

@@ -22,7 +22,7 @@ from services.attention.config import AttentionConfig, check_cuda_graphs
 from services.attention.graphs import Capture, DecodeGraphs, cuda_capture
 from services.attention.kv_cache import KVCache, kv_bytes_per_block
 from services.attention.model import DenseModel
-from services.attention.sampler import sample, sampling_error
+from services.attention.sampler import sample, sampling_error, token_logprobs
 from services.attention.scheduler import ScheduledSeq, Scheduler
 from services.attention.sequence import Sequence
 from services.attention.tracing import step_span, trace_request
@@ -270,6 +270,7 @@ class Engine:
             else:
                 hidden = self.model.forward(batch, self.kv, self.experts)
         self.model.publish_load()  # for stats(), which must not wait on the device
+        self._score_prompts(scheduled, hidden)
         sampling = [s.seq for s in scheduled
                     if s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens]
         if not sampling:
@@ -282,6 +283,34 @@ class Engine:
             item.seq.num_computed_tokens += item.num_new_tokens
         return [self._append(seq, token, logprobs) for seq, token, logprobs
                 in zip(sampling, sampled.tokens, sampled.logprobs, strict=True)]
+
+    def _score_prompts(self, scheduled: list[ScheduledSeq], hidden: torch.Tensor) -> None:
+        """Prompt logprobs: for each sequence that asks, the log-probability of every prompt
+        token that this step's rows (hidden [T, H]) predict, once (a preempted sequence
+        recomputes its rows, not its scores)."""
+        rows: list[int] = []
+        targets: list[int] = []
+        owners: list[Sequence] = []
+        first = 0
+        for item in scheduled:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            if seq.sampling.prompt_logprobs is not None:
+                # row of position p predicts token p + 1; a prompt's last row samples
+                for pos in range(max(start, len(seq.prompt_logprobs) - 1),
+                                 min(start + item.num_new_tokens, seq.num_prompt_tokens - 1)):
+                    rows.append(first + pos - start)
+                    targets.append(seq.token_ids[pos + 1])
+                    owners.append(seq)
+            first += item.num_new_tokens
+        # lm_head over at most PROMPT_LOGITS_ELEMENTS float32 logits at a time
+        step = max(1, PROMPT_LOGITS_ELEMENTS // self.model_config.vocab_size)
+        for i in range(0, len(rows), step):
+            index = torch.tensor(rows[i:i + step], device=hidden.device)
+            entries = token_logprobs(self.model.logits(hidden[index]), targets[i:i + step],
+                                     [s.sampling.prompt_logprobs or 0
+                                      for s in owners[i:i + step]])
+            for seq, entry in zip(owners[i:i + step], entries, strict=True):
+                seq.prompt_logprobs.append(entry)
 
     def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> TokenDelta:
         seq.token_ids.append(token)
@@ -298,12 +327,15 @@ class Engine:
             del self._seqs[seq.request_id]
             trace_request(seq, seq.finish_reason)
         queue_s = prefill_s = None
-        if seq.num_output_tokens == 1 and seq.first_scheduled_time is not None:
+        first = seq.num_output_tokens == 1
+        if first and seq.first_scheduled_time is not None:
             queue_s = seq.first_scheduled_time - seq.arrival_time
             prefill_s = time.monotonic() - seq.first_scheduled_time
+        prompt = seq.prompt_logprobs if first and p.prompt_logprobs is not None else None
         return TokenDelta(seq.request_id, [token], seq.finish_reason, seq.num_prompt_tokens,
                           logprobs=None if logprobs is None else [logprobs],
-                          queue_time_s=queue_s, prefill_time_s=prefill_s)
+                          queue_time_s=queue_s, prefill_time_s=prefill_s,
+                          prompt_logprobs=prompt)
 
     @torch.inference_mode()
     def score(self, token_ids: list[int]) -> torch.Tensor:
@@ -357,3 +389,4 @@ def _world(config: AttentionConfig) -> World | None:
 
 
 _SCORE_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
+PROMPT_LOGITS_ELEMENTS = 2**25  # 128 MiB of float32 logits per lm_head call of prompt scoring

@@ -25,6 +25,8 @@ def sampling_error(p: SamplingParams, vocab: int) -> str | None:
         return f"stop_token_ids must be in [0, {vocab})"
     if p.logprobs is not None and not 0 <= p.logprobs <= vocab:
         return f"logprobs must be between 0 and {vocab}"
+    if p.prompt_logprobs is not None and not 0 <= p.prompt_logprobs <= vocab:
+        return f"prompt_logprobs must be between 0 and {vocab}"
     if not (0 <= p.temperature < math.inf):
         return "temperature must be a finite number, at least 0"
     if not 0 < p.top_p <= 1:
@@ -151,13 +153,25 @@ def _logprobs(raw: torch.Tensor, params: list[SamplingParams], chosen: list[int]
               ) -> list[TokenLogprobs | None]:
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     out: list[TokenLogprobs | None] = [None] * len(params)
-    if not rows:
-        return out
-    logprobs = raw[rows].log_softmax(dim=-1)  # [R, V]
-    k = max(params[i].logprobs or 0 for i in rows)
-    top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0])
-    for j, i in enumerate(rows):
-        n = params[i].logprobs or 0
-        out[i] = TokenLogprobs(float(logprobs[j, chosen[i]]), top_ids[j, :n].long().tolist(),
-                               top_lp[j, :n].tolist())
+    if rows:
+        entries = token_logprobs(raw[rows], [chosen[i] for i in rows],
+                                 [params[i].logprobs or 0 for i in rows])
+        for i, entry in zip(rows, entries, strict=True):
+            out[i] = entry
     return out
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int]
+                   ) -> list[TokenLogprobs]:
+    """Row i's log-probability of `token_ids[i]`, that token's rank, and the `num_top[i]`
+    likeliest tokens, under the raw distribution of logits [R, V] (float32); copied to
+    the host once, not per row."""
+    logprobs = logits.log_softmax(dim=-1)  # [R, V]
+    ids = torch.tensor(token_ids, dtype=torch.int64, device=logits.device)
+    own = logprobs.gather(1, ids[:, None])  # [R, 1]
+    ranks = (logprobs > own).sum(dim=-1) + 1  # [R]; NaN compares false: ranks stay defined
+    top_lp, top_ids = logprobs.topk(max(num_top, default=0), dim=-1)  # [R, k]
+    own_l, ranks_l, top_lp_l, top_ids_l = (own[:, 0].tolist(), ranks.tolist(),
+                                           top_lp.tolist(), top_ids.tolist())
+    return [TokenLogprobs(own_l[i], top_ids_l[i][:k], top_lp_l[i][:k], ranks_l[i])
+            for i, k in enumerate(num_top)]

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from opentelemetry.trace import SpanContext
 
-from switchyard.messages import FinishReason, SamplingParams
+from switchyard.messages import FinishReason, SamplingParams, TokenLogprobs
 
 
 class SeqStatus(enum.Enum):
@@ -44,6 +44,9 @@ class Sequence:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     trace_parent: SpanContext | None = None  # the gateway's request span, when sampled
+    # With `sampling.prompt_logprobs`: entry j for prompt token j, filled as the prompt's
+    # chunks run (the first token has none: nothing precedes it).
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=lambda: [None])
 
     def __post_init__(self) -> None:
         # Each sequence draws from its own generator, so its samples do not depend on what
