@@ -6,6 +6,7 @@ here are the validation, and msgspec's error messages become 400 responses.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -20,6 +21,51 @@ Penalty = Annotated[float, msgspec.Meta(ge=-2, le=2)]  # OpenAI's range
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 NumLogprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)]
 MAX_N = 128
+
+
+def _never(value: Any) -> bool:
+    return False
+
+
+def _empty(value: Any) -> bool:
+    return value in ("", [], {}, False)
+
+
+# Fields of OpenAI's API or vLLM's that would change the output and are not built here.
+# Ignoring them, as unknown fields are, would answer 200 with output other than asked for,
+# so each is refused unless its value changes nothing: (harmless?, what it asks for).
+NOT_BUILT: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "response_format": (lambda v: isinstance(v, dict) and v.get("type") == "text",
+                        "structured outputs (only {\"type\": \"text\"})"),
+    **{name: (_never, "structured outputs") for name in (
+        "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+        "guided_grammar", "structural_tag")},
+    "tool_choice": (lambda v: v in ("none", "auto"), "tool calling"),  # auto: see tools
+    "functions": (_empty, "function calling"),
+    "function_call": (lambda v: v in ("none", "auto"), "function calling"),
+    "bad_words": (_empty, "bad_words"),
+    "suffix": (_empty, "suffix"),
+    "use_beam_search": (_empty, "beam search"),
+    "best_of": (lambda v: v == 1, "best_of"),
+    "truncate_prompt_tokens": (_never, "truncate_prompt_tokens"),
+    "logits_processors": (_empty, "logits_processors"),
+    "continue_final_message": (_empty, "continue_final_message"),
+    "echo": (_empty, "echo on chat completions"),  # (a field of text completions)
+}
+
+
+def refuse_not_built(raw: dict[str, Any], known: Collection[str]) -> None:
+    """A 400 naming the first field of `raw` (a request body, nulls dropped) that asks for
+    something not built; `known`: the fields the request struct itself takes."""
+    for name, value in raw.items():
+        if name in NOT_BUILT and name not in known and not NOT_BUILT[name][0](value):
+            raise bad_request(f"`{name}` is not supported by this server: it asks for "
+                              f"{NOT_BUILT[name][1]}.", name)
+    if raw.get("tools") and raw.get("tool_choice", "auto") != "none" \
+            and "tools" not in known:  # vLLM without a tool parser refuses these too
+        raise bad_request("`tools` is not supported by this server: tool calling is not "
+                          "built (`tool_choice: \"none\"` serves the request without them).",
+                          "tools")
 
 
 class StreamOptions(msgspec.Struct):
@@ -54,6 +100,11 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool = True
     # vLLM's: each prompt token's log-probability and this many alternatives
     prompt_logprobs: NumLogprobs | None = None
+    # OpenAI's: token id (a string, JSON keys are) -> added to its logit
+    logit_bias: dict[str, Annotated[float, msgspec.Meta(ge=-100, le=100)]] | None = None
+    # vLLM's: sample only among these
+    allowed_token_ids: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]],
+                                 msgspec.Meta(min_length=1)] | None = None
 
     def __post_init__(self) -> None:
         if self.include_usage and not self.stream:  # ({} alone is accepted, as by vLLM)

@@ -95,7 +95,32 @@ def sampling_params(request: SamplingFields, prompt_token_ids: Sequence[int],
         logprobs=request.num_logprobs,
         min_tokens=request.min_tokens,
         prompt_logprobs=request.num_prompt_logprobs,
+        logit_bias=_logit_bias(request.logit_bias, limits.vocab_size),
+        allowed_token_ids=_in_vocabulary(request.allowed_token_ids, limits.vocab_size,
+                                         "allowed_token_ids"),
     )
+
+
+def _logit_bias(asked: dict[str, float] | None, vocab: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} as (id, bias) pairs, one per id."""
+    bias: dict[int, float] = {}
+    for key, value in (asked or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias keys are token ids, not {key!r}.",
+                              "logit_bias") from None
+        bias[_in_vocabulary([token], vocab, "logit_bias")[0]] = value
+    return tuple(bias.items())
+
+
+def _in_vocabulary(ids: list[int] | None, vocab: int, param: str) -> tuple[int, ...]:
+    if ids and (bad := max(ids)) >= vocab:
+        raise bad_request(f"Token id {bad} in {param} is out of vocabulary (size {vocab}).",
+                          param)
+    if ids and min(ids) < 0:
+        raise bad_request(f"Token id {min(ids)} in {param} is negative.", param)
+    return tuple(ids or ())
 
 
 Number = TypeVar("Number", int, float)

@@ -22,7 +22,7 @@ from gateway.engine_pool import EnginePool
 from gateway.errors import GatewayError, bad_request, engine_unavailable
 from gateway.generation_config import NEUTRAL
 from gateway.metrics import Metrics, RequestTimer
-from gateway.openai_protocol import SamplingFields, Usage
+from gateway.openai_protocol import SamplingFields, Usage, refuse_not_built
 from gateway.output import Output, StopStrings, collect, interleave, outputs
 from gateway.sampling import ModelLimits, sampling_params
 from gateway.service_metrics import ServiceMetrics
@@ -153,6 +153,8 @@ class Serving:
             raise bad_request("The request body must be a JSON object.")
         # null is "not given", as the OpenAI client sends a None and vLLM reads it.
         raw = {name: value for name, value in raw.items() if value is not None}
+        if issubclass(kind, SamplingFields):  # (what generates, not /tokenize)
+            refuse_not_built(raw, kind.__struct_fields__)
         self._note_unknown_fields(raw, kind)
         try:
             body = msgspec.convert(raw, kind)

@@ -26,6 +26,9 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     for the sampled token's log-probability and the `logprobs` most likely alternatives at
     every generated position (None: no log-probabilities); `prompt_logprobs` the same for
     each prompt token given those before it (vLLM's prompt logprobs: prompt scoring).
+    `logit_bias` (OpenAI: (token id, bias) pairs added to the logits) and
+    `allowed_token_ids` (vLLM: empty allows all) shape what is sampled, not the reported
+    log-probabilities.
     """
 
     max_tokens: int = 16
@@ -42,6 +45,12 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     logprobs: int | None = None
     min_tokens: int = 0
     prompt_logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()
+
+    @property
+    def biased(self) -> bool:
+        return bool(self.logit_bias or self.allowed_token_ids)
 
     @property
     def penalized(self) -> bool:

@@ -205,7 +205,11 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": [5], "frequency_penalty": -3}, "frequency_penalty"),
     ("/v1/completions", {"prompt": [5], "repetition_penalty": 0}, "repetition_penalty"),
     ("/v1/completions", {"prompt": [5], "logprobs": 21}, "logprobs"),
-    ("/v1/completions", {"prompt": [5], "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": [5], "logit_bias": {"five": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": [5], "logit_bias": {"400": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": [5], "logit_bias": {"5": 101}}, "logit_bias"),
+    ("/v1/completions", {"prompt": [5], "allowed_token_ids": []}, "allowed_token_ids"),
+    ("/v1/completions", {"prompt": [5], "allowed_token_ids": [400]}, "allowed_token_ids"),
     ("/v1/completions", {"prompt": [5], "stream": True, "prompt_logprobs": 1},
      "prompt_logprobs"),
     ("/v1/completions", {"prompt": [5], "stop": [1]}, "stop"),
@@ -220,6 +224,46 @@ BAD_REQUESTS = [
     ("/v1/chat/completions",
      {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
 ]
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {}}}
+NOT_BUILT = [  # (path, fields, the field the 400 names)
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"tools": [TOOL]}, "tools"),
+    ("/v1/chat/completions", {"tools": [TOOL], "tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"continue_final_message": True}, "continue_final_message"),
+    ("/v1/chat/completions", {"echo": True}, "echo"),
+    ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json"),
+    ("/v1/completions", {"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+    ("/v1/completions", {"suffix": "end"}, "suffix"),
+    ("/v1/completions", {"bad_words": ["x"]}, "bad_words"),
+    ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
+    ("/v1/completions", {"best_of": 3}, "best_of"),
+    ("/v1/completions", {"truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
+]
+HARMLESS = [  # the same fields with values that change nothing: served
+    ("/v1/chat/completions", {"response_format": {"type": "text"}, "tools": [TOOL],
+                              "tool_choice": "none", "continue_final_message": False,
+                              "echo": False, "functions": []}),
+    ("/v1/chat/completions", {"tool_choice": "auto", "tools": []}),
+    ("/v1/completions", {"suffix": "", "bad_words": [], "use_beam_search": False,
+                         "best_of": 1, "guided_json": None}),
+]
+
+
+async def test_fields_not_built_are_refused_unless_they_change_nothing(stack: Stack) -> None:
+    """vLLM fields that would change the output (structured outputs, tools, beam search...)
+    get a 400 naming them, not a 200 that ignored them."""
+    for path, fields, param in NOT_BUILT:
+        base = CHAT if "chat" in path else {"prompt": [5]}
+        r = await stack.http.post(path, json={"model": MODEL, **base, **fields})
+        error = error_of(r, 400, "BadRequestError")
+        assert error["param"] == param and "not supported" in error["message"], error
+    for path, fields in HARMLESS:
+        base = CHAT if "chat" in path else {"prompt": [5]}
+        r = await stack.http.post(path, json={"model": MODEL, **base, **fields})
+        assert r.status_code == 200, r.text
 
 
 async def test_bad_requests_get_openai_errors_then_service_continues(stack: Stack) -> None:

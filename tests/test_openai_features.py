@@ -307,10 +307,25 @@ def test_prompt_logprobs_as_vllm_returns_them(tiny: tuple, demo: Served) -> None
                                   extra_body={"prompt_logprobs": 1})
 
 
+def test_logit_bias_and_allowed_token_ids(demo: Served) -> None:
+    c, m = client(demo), model_id(demo)
+    messages = [{"role": "user", "content": "What is 123 + 456?"}]
+    plain = c.chat.completions.create(model=m, messages=messages, temperature=0, max_tokens=8)
+    assert plain.choices[0].message.content == "579"
+    five = httpx.post(f"{demo.url}/tokenize", json={"prompt": "5"}).json()["tokens"][-1]
+    banned = c.chat.completions.create(model=m, messages=messages, temperature=0,
+                                       max_tokens=8, logit_bias={str(five): -100})
+    assert not (banned.choices[0].message.content or "").startswith("5")
+    seven = httpx.post(f"{demo.url}/tokenize", json={"prompt": "7"}).json()["tokens"][-1]
+    only = c.completions.create(model=m, prompt=ARITH, max_tokens=3, seed=1,
+                                extra_body={"allowed_token_ids": [seven], "ignore_eos": True})
+    assert only.choices[0].text == "777"
+
+
 def test_unknown_fields_are_ignored(demo: Served) -> None:
     c, m = client(demo), model_id(demo)
     r = c.completions.create(model=m, prompt=ARITH, max_tokens=4, temperature=0,
-                             extra_body={"best_of_everything": 3, "guided_json": {"a": 1}})
+                             extra_body={"best_of_everything": 3, "user": "u-1"})
     assert r.choices[0].text == c.completions.create(model=m, prompt=ARITH, max_tokens=4,
                                                      temperature=0).choices[0].text
 

@@ -227,6 +227,26 @@ def test_prompt_logprobs_are_the_models_through_chunks_and_preemption(qwen3_ckpt
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+def test_logit_bias_and_allowed_token_ids_shape_what_is_sampled_not_logprobs() -> None:
+    logits = torch.randn(3, 32, generator=torch.Generator().manual_seed(9))
+    best = logits.argmax(dim=-1).tolist()
+    worst = logits.argmin(dim=-1).tolist()
+    seqs = [Sequence("ban", [1], 1, SamplingParams(temperature=0.0, logprobs=1,
+                                                   logit_bias=((best[0], -100.0),))),
+            Sequence("push", [1], 1, SamplingParams(temperature=0.0,
+                                                    logit_bias=((worst[1], 100.0),))),
+            Sequence("only", [1], 1, SamplingParams(seed=3, allowed_token_ids=(4, 9)))]
+    out = sample(logits, seqs)
+    second = logits[0].topk(2).indices[1].item()
+    assert out.tokens[:2] == [second, worst[1]]
+    assert out.tokens[2] in (4, 9)
+    entry = out.logprobs[0]  # raw: the banned token is still the likeliest
+    assert entry is not None and entry.top_ids == [best[0]]
+    draws = {sample(logits[2:], [Sequence("o", [1], 1, SamplingParams(
+        seed=s, temperature=2.0, allowed_token_ids=(4, 9)))]).tokens[0] for s in range(40)}
+    assert draws == {4, 9}
+
+
 def test_extreme_parameters_never_break_the_batch() -> None:
     # Found by the gateway fuzz test: these once made NaN probabilities and failed the step.
     logits = torch.randn(5, 32, generator=torch.Generator().manual_seed(4)) * 4
@@ -260,6 +280,9 @@ def test_sampling_params_out_of_range_are_refused_alone(qwen3_ckpt: tuple) -> No
     bad = {"stop_token_ids": dict(stop_token_ids=(vocab,), min_tokens=1),
            "logprobs": dict(logprobs=vocab + 1), "logprobs ": dict(logprobs=-1),
            "prompt_logprobs": dict(prompt_logprobs=vocab + 1),
+           "logit_bias": dict(logit_bias=((vocab, 1.0),)),
+           "logit_bias ": dict(logit_bias=((1, 101.0),)),
+           "allowed_token_ids": dict(allowed_token_ids=(vocab,)),
            "temperature": dict(temperature=math.nan), "temperature ": dict(temperature=-1.0),
            "top_p": dict(top_p=0.0), "top_p ": dict(top_p=math.nan),
            "min_p": dict(min_p=1.5), "repetition_penalty": dict(repetition_penalty=0.0),

@@ -37,6 +37,11 @@ def sampling_error(p: SamplingParams, vocab: int) -> str | None:
         return "repetition_penalty must be a finite number above 0"
     if not (-2 <= p.presence_penalty <= 2 and -2 <= p.frequency_penalty <= 2):
         return "presence_penalty and frequency_penalty must be in [-2, 2]"
+    if any(not 0 <= t < vocab for t, _ in p.logit_bias) or \
+            any(not 0 <= t < vocab for t in p.allowed_token_ids):
+        return f"logit_bias and allowed_token_ids take token ids in [0, {vocab})"
+    if not all(-100 <= bias <= 100 for _, bias in p.logit_bias):
+        return "logit_bias values must be in [-100, 100]"
     return None
 
 
@@ -56,6 +61,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: tuple[int,
     raw = logits
     if any(p.penalized for p in params):
         logits = _finite(apply_penalties(logits, seqs))
+    if any(p.biased for p in params):
+        logits = apply_bias(logits, params)
     if any(len(s.output_token_ids) < s.sampling.min_tokens for s in seqs):
         logits = suppress_stops(logits, seqs, eos_token_ids)
     tokens = logits.argmax(dim=-1)  # [S]
@@ -99,6 +106,25 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
                                                  device=row.device),
                                     minlength=vocab).to(row.dtype)  # [V]
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    return logits
+
+
+def apply_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """OpenAI's `logit_bias` added, and with vLLM's `allowed_token_ids` every other token
+    masked out.
+
+    logits: [S, V] float, row i under params[i]; returns a copy of the same shape."""
+    logits = logits.clone()
+    for i, p in enumerate(params):
+        if p.allowed_token_ids:
+            allowed = torch.tensor(p.allowed_token_ids, device=logits.device)
+            keep = torch.full_like(logits[i], float("-inf"))  # [V]
+            keep[allowed] = 0.0
+            logits[i] += keep
+        if p.logit_bias:
+            ids = torch.tensor([t for t, _ in p.logit_bias], device=logits.device)
+            logits[i, ids] += torch.tensor([b for _, b in p.logit_bias], dtype=logits.dtype,
+                                           device=logits.device)
     return logits
 
 
