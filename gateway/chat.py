@@ -63,7 +63,10 @@ async def _events(serving: Serving, run: Run, body: ChatCompletionRequest
             logprobs = _logprobs(serving, body, step)
             if step.text or step.finish_reason or logprobs:
                 delta = Delta(content=step.text or None)
-                yield _chunk(run, [ChatChunkChoice(index, delta, step.finish_reason, logprobs)])
+                choice = ChatChunkChoice(index, delta, step.finish_reason, logprobs)
+                if step.finish_reason is not None:
+                    choice.stop_reason = step.stop_reason
+                yield _chunk(run, [choice])
     except GatewayError as exc:
         yield error_event(exc)
     else:
@@ -85,7 +88,8 @@ async def create_chat_completion(serving: Serving, request: Request) -> Response
     if outs is None:
         return client_gone()
     choices = [ChatChoice(i, AssistantMessage(out.text), out.finish_reason,
-                          _logprobs(serving, body, out)) for i, out in enumerate(outs)]
+                          _logprobs(serving, body, out), out.stop_reason)
+               for i, out in enumerate(outs)]
     usage = run.usage(sum(len(out.token_ids) for out in outs))
     scores = None
     if body.prompt_logprobs is not None and outs[0].prompt_logprobs is not None:

@@ -56,7 +56,8 @@ class _ChoiceText:
         with_ids = body.return_token_ids
         return CompletionChoice(index, text, step.finish_reason, logprobs,
                                 self._prompt_ids if with_ids and first else None,
-                                token_ids if with_ids else None, prompt_logprobs)
+                                token_ids if with_ids else None, prompt_logprobs,
+                                step.stop_reason)
 
     def _scores(self, step: Output) -> list[TokenLogprobs | None]:
         if step.prompt_logprobs is None or len(step.prompt_logprobs) != len(self._prompt_ids):

@@ -310,6 +310,7 @@ class ChatChoice(msgspec.Struct):
     message: AssistantMessage
     finish_reason: str | None
     logprobs: ChatLogprobs | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop token id or string that ended it
 
 
 class ChatCompletion(msgspec.Struct):
@@ -338,6 +339,7 @@ class ChatChunkChoice(msgspec.Struct):
     delta: Delta
     finish_reason: str | None
     logprobs: ChatLogprobs | None = None
+    stop_reason: int | str | msgspec.UnsetType | None = msgspec.UNSET  # on the last chunk
 
 
 class ChatCompletionChunk(msgspec.Struct):
@@ -361,6 +363,7 @@ class CompletionChoice(msgspec.Struct, omit_defaults=True):
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when asked for
+    stop_reason: int | str | None = None  # vLLM's: the stop token id or string that ended it
 
 
 class Completion(msgspec.Struct):

@@ -23,6 +23,7 @@ class Output:
     finish_reason: str | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # with the first output
+    stop_reason: int | str | None = None  # vLLM's: the stop token id or string that ended it
 
 
 class StopStrings:
@@ -37,8 +38,8 @@ class StopStrings:
         self._held = ""
         self._dead = 0  # leading characters of `_held` that no stop string may end in
 
-    def feed(self, text: str, armed: bool = True) -> tuple[str, bool]:
-        """(text safe to emit, whether a stop string was found: then nothing follows).
+    def feed(self, text: str, armed: bool = True) -> tuple[str, str | None]:
+        """(text safe to emit, the stop string found, if one was: then nothing follows).
         Unarmed text (the first min_tokens tokens', vLLM) ends no stop string, though one
         that ends in later text may start in it."""
         text = self._held + text
@@ -48,11 +49,11 @@ class StopStrings:
         if hits:
             self._held, self._dead = "", 0
             start, stop = min(hits, key=lambda hit: hit[0])  # the first listed on a tie
-            return text[:start + len(stop) if self._include else start], True
+            return text[:start + len(stop) if self._include else start], stop
         keep = self._partial_suffix(text)
         self._held = text[len(text) - keep:]
         self._dead = max(0, dead - (len(text) - keep))
-        return text[:len(text) - keep], False
+        return text[:len(text) - keep], None
 
     def flush(self) -> str:
         """At the end of the generation: the held-back text was not a stop string after all."""
@@ -69,12 +70,14 @@ class StopStrings:
 
 async def outputs(generation: Generation, detokenizer: IncrementalDetokenizer,
                   stop_token_ids: Collection[int], stops: StopStrings | None,
-                  timer: RequestTimer, min_tokens: int = 0, keep_stop_token: bool = False
-                  ) -> AsyncIterator[Output]:
+                  timer: RequestTimer, min_tokens: int = 0, keep_stop_token: bool = False,
+                  reason_ids: Collection[int] = ()) -> AsyncIterator[Output]:
     """One `Output` per engine delta; the last carries the finish reason. A stop string
     ends the output early and aborts the engine request; as in vLLM, it must end in the
     text of a token after the first `min_tokens`. `keep_stop_token`
-    (include_stop_str_in_output): a stop token's text stays in the text."""
+    (include_stop_str_in_output): a stop token's text stays in the text. `reason_ids`:
+    the stop token ids that are the `stop_reason` when they end it (vLLM: the request's
+    own, but EOS unless ignored)."""
     generated = 0
     async for delta in generation:
         before, generated = generated, generated + len(delta.token_ids)
@@ -93,26 +96,28 @@ async def outputs(generation: Generation, detokenizer: IncrementalDetokenizer,
         if protected:  # (past min_tokens, the per-token path does no more than before)
             text = detokenizer.add(text_ids[:protected])
             if stops is not None:
-                text = stops.feed(text, armed=False)[0]
+                text = stops.feed(text, armed=False)[0]  # (unarmed: never a stop)
         tail = detokenizer.add(text_ids[protected:])
         if delta.finish_reason is not None:
             tail += detokenizer.flush()
         reason = delta.finish_reason
+        stop_reason = delta.token_ids[-1] if reason == "stop" and delta.token_ids \
+            and delta.token_ids[-1] in reason_ids else None
         if stops is None:
             text += tail
         else:
             tail, hit = stops.feed(tail, armed=generated > min_tokens)
             text += tail
-            if hit:
+            if hit is not None:
                 timer.finish("stop", generation.arrived)
                 await generation.aclose()  # now: the request's other choices may run on
                 yield Output(text, list(delta.token_ids), "stop", list(delta.logprobs or ()),
-                             delta.prompt_logprobs)
+                             delta.prompt_logprobs, hit)
                 return
             if reason is not None:
                 text += stops.flush()
         yield Output(text, list(delta.token_ids), reason, list(delta.logprobs or ()),
-                     delta.prompt_logprobs)
+                     delta.prompt_logprobs, stop_reason)
 
 
 async def collect(steps: AsyncIterator[Output]) -> Output:
@@ -124,7 +129,7 @@ async def collect(steps: AsyncIterator[Output]) -> Output:
         whole.token_ids += step.token_ids
         whole.logprobs += step.logprobs
         whole.prompt_logprobs = whole.prompt_logprobs or step.prompt_logprobs
-        whole.finish_reason = step.finish_reason
+        whole.finish_reason, whole.stop_reason = step.finish_reason, step.stop_reason
     whole.text = "".join(texts)
     return whole
 

@@ -268,9 +268,12 @@ class Serving:
                                              body.skip_special_tokens)
         stops = StopStrings(body.stop_strings, body.include_stop_str_in_output) \
             if body.stop_strings else None
+        # vLLM: EOS ends a generation before its stop token ids are looked at
+        reason_ids = set(sampling.stop_token_ids) - \
+            (set() if sampling.ignore_eos else set(self._engine_info().eos_token_ids))
         return Choice(index, generation, outputs(
             generation, detokenizer, stop_ids, stops, timer, body.min_tokens,
-            keep_stop_token=body.include_stop_str_in_output), timer)
+            keep_stop_token=body.include_stop_str_in_output, reason_ids=reason_ids), timer)
 
     async def complete(self, request: Request, *runs: Run) -> list[Output] | None:
         """Every choice's whole output, run after run; None if the client left (and we

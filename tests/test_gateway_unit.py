@@ -336,9 +336,10 @@ def test_stop_strings_cut_the_stream_just_before_a_stop(pieces: list[str], stops
         return [(i, stop) for stop in stops for i in range(len(text))
                 if text.startswith(stop, i) and i + len(stop) > dead]
 
-    emitted, found = [], False
+    emitted, found, hit = [], False, None
     for k, piece in enumerate(pieces):
-        text, found = checker.feed(piece, armed=k >= protected)
+        text, hit = checker.feed(piece, armed=k >= protected)
+        found = hit is not None
         emitted.append(text)
         if found:
             break
@@ -353,6 +354,7 @@ def test_stop_strings_cut_the_stream_just_before_a_stop(pieces: list[str], stops
         seen = next(whole[:e] for e in ends if valid(whole[:e]))
         start = min(i for i, _ in valid(seen))
         first = next(stop for stop in stops if (start, stop) in valid(seen))  # listed first
+        assert hit == first
         assert out == seen[:start + len(first) if include else start]
     else:
         assert out == whole

@@ -124,10 +124,22 @@ def test_stop_strings_cut_before_the_stop_streaming_and_not(demo: Served) -> Non
         whole = c.completions.create(**kw)
         assert whole.choices[0].text == want
         assert whole.choices[0].finish_reason == "stop"
+        assert whole.choices[0].stop_reason == stop  # type: ignore[attr-defined]  # vLLM's
         chunks = list(c.completions.create(**kw, stream=True))
         pieces = [ch.choices[0].text for ch in chunks if ch.choices]
         assert "".join(pieces) == want
         assert chunks[-1].choices[0].finish_reason == "stop"
+        assert chunks[-1].choices[0].stop_reason == stop  # type: ignore[attr-defined]
+    messages = [{"role": "user", "content": "What is 123 + 456?"}]  # 579
+    for stream in (False, True):
+        r = c.chat.completions.create(model=m, messages=messages, temperature=0,
+                                      max_tokens=40, stop=["never-there", "7"], stream=stream)
+        last = list(r)[-1].choices[0] if stream else r.choices[0]
+        assert last.finish_reason == "stop" and last.stop_reason == "7"  # type: ignore[attr-defined]
+        done = c.chat.completions.create(model=m, messages=messages, temperature=0,
+                                         max_tokens=40, stream=stream)
+        last = list(done)[-1].choices[0] if stream else done.choices[0]
+        assert last.finish_reason == "stop" and last.stop_reason is None  # type: ignore[attr-defined]  # EOS
     # A stop string that never appears changes nothing.
     none = c.completions.create(model=m, prompt=ARITH, temperature=0, max_tokens=40,
                                 stop=["never-there"], extra_body={"ignore_eos": True})
@@ -146,6 +158,7 @@ def test_stop_token_ids_and_ignore_eos(tiny: tuple) -> None:
                                          "return_token_ids": True})
     assert r.choices[0].token_ids == want[:cut]  # type: ignore[attr-defined]
     assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].stop_reason == stop_id  # type: ignore[attr-defined]  # vLLM's
     full = c.completions.create(model=m, prompt=prompt, temperature=0, max_tokens=16,
                                 extra_body={"ignore_eos": True, "return_token_ids": True})
     assert full.choices[0].token_ids == want  # type: ignore[attr-defined]
