@@ -38,6 +38,12 @@ def conversation(body: ChatCompletionRequest) -> list[dict[str, Any]]:
     return messages
 
 
+def _role(body: ChatCompletionRequest) -> str:
+    """Whose turn the reply is (vLLM): the assistant's, or without a generation prompt the
+    last message's role, whose turn it continues."""
+    return "assistant" if body.add_generation_prompt else body.messages[-1].role
+
+
 def _chunk(run: Run, choices: list[ChatChunkChoice], usage: Usage | None = None) -> bytes:
     return event(ChatCompletionChunk(run.id, run.created, run.model, choices, usage))
 
@@ -53,10 +59,14 @@ async def _events(serving: Serving, run: Run, body: ChatCompletionRequest
                   ) -> AsyncIterator[bytes]:
     """The SSE stream: a role chunk per choice, content chunks, each choice's finish, maybe
     usage, then [DONE]."""
-    for choice in run.choices:
-        yield _chunk(run, [ChatChunkChoice(choice.index, Delta(role="assistant", content=""),
-                                           None)])
     completion_tokens = 0
+
+    def so_far() -> Usage | None:  # vLLM's continuous_usage_stats: on every chunk
+        return run.usage(completion_tokens) if body.continuous_usage else None
+
+    for choice in run.choices:
+        yield _chunk(run, [ChatChunkChoice(choice.index, Delta(role=_role(body), content=""),
+                                           None)], so_far())
     try:
         async for index, step in run.stream():
             completion_tokens += len(step.token_ids)
@@ -66,7 +76,7 @@ async def _events(serving: Serving, run: Run, body: ChatCompletionRequest
                 choice = ChatChunkChoice(index, delta, step.finish_reason, logprobs)
                 if step.finish_reason is not None:
                     choice.stop_reason = step.stop_reason
-                yield _chunk(run, [choice])
+                yield _chunk(run, [choice], so_far())
     except GatewayError as exc:
         yield error_event(exc)
     else:
@@ -87,7 +97,7 @@ async def create_chat_completion(serving: Serving, request: Request) -> Response
     outs = await serving.complete(request, run)
     if outs is None:
         return client_gone()
-    choices = [ChatChoice(i, AssistantMessage(out.text), out.finish_reason,
+    choices = [ChatChoice(i, AssistantMessage(out.text, _role(body)), out.finish_reason,
                           _logprobs(serving, body, out), out.stop_reason)
                for i, out in enumerate(outs)]
     usage = run.usage(sum(len(out.token_ids) for out in outs))

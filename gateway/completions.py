@@ -96,7 +96,9 @@ async def _events(runs: list[Run], body: CompletionRequest, shapers: list[_Choic
             choice = shapers[index].choice(index, step)
             completion_tokens += 0 if body.echo_only else len(step.token_ids)
             if choice.text or step.finish_reason or choice.token_ids or choice.logprobs:
-                yield event(Completion(first.id, first.created, first.model, [choice], None))
+                # vLLM's continuous_usage_stats: the usage so far on every chunk
+                usage = _usage(runs, completion_tokens) if body.continuous_usage else None
+                yield event(Completion(first.id, first.created, first.model, [choice], usage))
     except GatewayError as exc:
         yield error_event(exc)
     else:

@@ -69,9 +69,16 @@ def refuse_not_built(raw: dict[str, Any], known: Collection[str]) -> None:
 
 
 class StreamOptions(msgspec.Struct):
-    """`stream_options`: whether a final chunk reports token usage."""
+    """`stream_options`: whether a final chunk reports token usage, and (vLLM) every chunk
+    the usage so far."""
 
-    include_usage: bool = False
+    include_usage: bool | msgspec.UnsetType = msgspec.UNSET
+    continuous_usage_stats: bool | msgspec.UnsetType = msgspec.UNSET
+
+    def given(self) -> bool:
+        """Whether any option is set (vLLM refuses them without `stream`; `{}` is not)."""
+        return self.include_usage is not msgspec.UNSET or \
+            self.continuous_usage_stats is not msgspec.UNSET
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):
@@ -107,7 +114,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
                                  msgspec.Meta(min_length=1)] | None = None
 
     def __post_init__(self) -> None:
-        if self.include_usage and not self.stream:  # ({} alone is accepted, as by vLLM)
+        if self.stream_options is not None and self.stream_options.given() \
+                and not self.stream:
             raise ValueError("Stream options can only be defined when `stream=True`.")
         if self.stream and self.prompt_logprobs:  # (0 is accepted, as by vLLM)
             raise bad_request("`prompt_logprobs` are not available when `stream=True`.",
@@ -132,7 +140,13 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     @property
     def include_usage(self) -> bool:
         """Whether a streamed response ends with a usage chunk."""
-        return self.stream_options is not None and self.stream_options.include_usage
+        return self.stream_options is not None and self.stream_options.include_usage is True
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every streamed chunk carries the usage so far (vLLM: with include_usage)."""
+        return self.include_usage and self.stream_options is not None and \
+            self.stream_options.continuous_usage_stats is True
 
 
 class ContentPart(msgspec.Struct):

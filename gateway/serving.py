@@ -55,6 +55,7 @@ class Run:
     created: int
     model: str
     prompt_token_ids: list[int]
+    engine_id: str = ""  # its engine requests' id (and `-{i}` per choice); "": `id`
     choices: list[Choice] = field(default_factory=list)
     span: Span = INVALID_SPAN  # the request's trace span (a no-op one when tracing is off)
     _serving: Serving | None = None
@@ -227,6 +228,10 @@ class Serving:
         run = Run(f"{kind}-{uuid.uuid4().hex}", int(time.time()),
                   self.config.served_model_name, prompt_token_ids, _serving=self,
                   _places=body.n)
+        if client_id := request.headers.get("x-request-id"):
+            # vLLM answers with the client's id; engine ids stay unique whatever it sends
+            run.engine_id = f"{kind}-{client_id}-{uuid.uuid4().hex[:8]}"
+            run.id = f"{kind}-{client_id}"
         try:
             self.metrics.prompt_tokens.labels(run.model).inc(len(prompt_token_ids))
             run.span = self._request_span(request, kind, run, sampling)
@@ -261,7 +266,8 @@ class Serving:
                             sampling: SamplingParams, trace: dict[str, str],
                             stop_ids: frozenset[int]) -> Choice:
         timer = RequestTimer(self.metrics)
-        request_id = run.id if body.n == 1 else f"{run.id}-{index}"
+        engine_id = run.engine_id or run.id
+        request_id = engine_id if body.n == 1 else f"{engine_id}-{index}"
         generation = await self.engine.start(
             GenerateRequest(request_id, run.prompt_token_ids, sampling, trace))
         detokenizer = IncrementalDetokenizer(self._tokenizer, run.prompt_token_ids,

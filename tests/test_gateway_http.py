@@ -138,6 +138,38 @@ async def test_chat_without_the_generation_prompt(stack: Stack, model_dir: Path)
     r = await stack.http.post("/v1/chat/completions", json={
         "model": MODEL, "messages": messages, "chat_template_kwargs": {"messages": []}})
     assert r.status_code == 400 and "may not set messages" in r.text
+    # the reply continues the last message's turn: its role (vLLM)
+    for last in ("user", "assistant"):
+        turns = [{"role": "user", "content": "Hi"}, {"role": last, "content": "Hel"}]
+        r = await stack.http.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": turns, "add_generation_prompt": False})
+        assert r.json()["choices"][0]["message"]["role"] == last
+        async with stack.http.stream("POST", "/v1/chat/completions", json={
+                "model": MODEL, "messages": turns, "add_generation_prompt": False,
+                "stream": True}) as s:
+            first = json.loads(sse_events((await s.aread()).decode())[0])
+        assert first["choices"][0]["delta"]["role"] == last
+
+
+async def test_x_request_id_names_the_response(stack: Stack) -> None:
+    """vLLM answers with the client's X-Request-Id; two requests may share one."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+    headers = {"X-Request-Id": "abc123"}
+    async with anyio.create_task_group() as tg:
+        replies: list[httpx.Response] = []
+
+        async def one() -> None:
+            replies.append(await stack.http.post("/v1/chat/completions", json=body,
+                                                 headers=headers))
+
+        for _ in range(2):
+            tg.start_soon(one)
+    assert [r.json()["id"] for r in replies] == ["chatcmpl-abc123"] * 2
+    engine_ids = [r.request_id for r in stack.engine.requests[-2:]]
+    assert len(set(engine_ids)) == 2 and all("abc123" in i for i in engine_ids)
+    r = await stack.http.post("/v1/completions", json={"model": MODEL, "prompt": [5]},
+                              headers=headers)
+    assert r.json()["id"] == "cmpl-abc123"
 
 
 async def test_chat_stream_sse_format_with_usage(stack: Stack) -> None:
@@ -518,12 +550,32 @@ async def test_openai_and_vllm_request_conventions(stack: Stack, tokenizer: Toke
             ("/v1/completions", {"model": MODEL, "prompt": [5],
                                  "stream_options": {"include_usage": True}},
              "Stream options can only be defined when `stream=True`."),
+            ("/v1/completions", {"model": MODEL, "prompt": [5],
+                                 "stream_options": {"include_usage": False}},
+             "Stream options can only be defined when `stream=True`."),
             ("/v1/chat/completions", {**chat, "top_logprobs": 2},
              "when using `top_logprobs`, `logprobs` must be set to true.")]:
         error = error_of(await stack.http.post(path, json=body), 400, "BadRequestError")
         assert message in error["message"]
     r = await stack.http.post("/v1/chat/completions", json={**chat, "top_logprobs": 0})
     assert r.status_code == 200  # 0 alternatives without logprobs is allowed, as in vLLM
+    r = await stack.http.post("/v1/chat/completions", json={**chat, "stream_options": {}})
+    assert r.status_code == 200  # an empty dict sets nothing: vLLM accepts it too
+
+
+async def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(stack: Stack
+                                                                          ) -> None:
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    for path, body in [("/v1/chat/completions",
+                        {"messages": [{"role": "user", "content": "Hi"}]}),
+                       ("/v1/completions", {"prompt": [5, 6]})]:
+        async with stack.http.stream("POST", path, json={
+                "model": MODEL, **body, "stream": True, "stream_options": options}) as r:
+            chunks = [json.loads(e) for e in sse_events((await r.aread()).decode())[:-1]]
+        used = [c["usage"]["completion_tokens"] for c in chunks]
+        assert used == sorted(used) and used[-1] > 0, used
+        assert all(c["usage"]["prompt_tokens"] > 0 for c in chunks)
+        assert chunks[-1]["choices"] == [] and used[-2] == used[-1]  # then the usage chunk
 
 
 async def test_include_stop_str_in_output_keeps_a_stop_tokens_text(stack: Stack,
