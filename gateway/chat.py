@@ -44,6 +44,12 @@ def _role(body: ChatCompletionRequest) -> str:
     return "assistant" if body.add_generation_prompt else body.messages[-1].role
 
 
+def _echoed(body: ChatCompletionRequest) -> str:
+    """With vLLM's `echo`: the last message's content, when the reply continues its turn."""
+    last = body.messages[-1]
+    return (last.text() or "") if body.echo and last.role == _role(body) else ""
+
+
 def _chunk(run: Run, choices: list[ChatChunkChoice], usage: Usage | None = None) -> bytes:
     return event(ChatCompletionChunk(run.id, run.created, run.model, choices, usage))
 
@@ -67,6 +73,10 @@ async def _events(serving: Serving, run: Run, body: ChatCompletionRequest
     for choice in run.choices:
         yield _chunk(run, [ChatChunkChoice(choice.index, Delta(role=_role(body), content=""),
                                            None)], so_far())
+    if echoed := _echoed(body):
+        for choice in run.choices:
+            yield _chunk(run, [ChatChunkChoice(choice.index, Delta(content=echoed), None)],
+                         so_far())
     try:
         async for index, step in run.stream():
             completion_tokens += len(step.token_ids)
@@ -90,14 +100,16 @@ async def create_chat_completion(serving: Serving, request: Request) -> Response
     body = await serving.parse(request, ChatCompletionRequest)
     prompt_token_ids = serving.tokenizer.encode_chat(conversation(body),
                                                      body.add_generation_prompt,
-                                                     body.chat_template_kwargs)
+                                                     body.chat_template_kwargs,
+                                                     body.continue_final_message)
     run = await serving.start(request, "chatcmpl", prompt_token_ids, body)
     if body.stream:
         return EventStreamResponse(_events(serving, run, body), run.aclose)
     outs = await serving.complete(request, run)
     if outs is None:
         return client_gone()
-    choices = [ChatChoice(i, AssistantMessage(out.text, _role(body)), out.finish_reason,
+    echoed = _echoed(body)
+    choices = [ChatChoice(i, AssistantMessage(echoed + out.text, _role(body)), out.finish_reason,
                           _logprobs(serving, body, out), out.stop_reason)
                for i, out in enumerate(outs)]
     usage = run.usage(sum(len(out.token_ids) for out in outs))

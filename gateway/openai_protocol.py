@@ -49,8 +49,6 @@ NOT_BUILT: dict[str, tuple[Callable[[Any], bool], str]] = {
     "best_of": (lambda v: v == 1, "best_of"),
     "truncate_prompt_tokens": (_never, "truncate_prompt_tokens"),
     "logits_processors": (_empty, "logits_processors"),
-    "continue_final_message": (_empty, "continue_final_message"),
-    "echo": (_empty, "echo on chat completions"),  # (a field of text completions)
 }
 
 
@@ -190,12 +188,17 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
     add_generation_prompt: bool = True  # vLLM: end the prompt with the assistant's header
+    continue_final_message: bool = False  # vLLM: the reply continues the last message
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM: the template's variables
+    echo: bool = False  # vLLM: the reply starts with the last message's content, if its turn
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.top_logprobs and not self.logprobs:
             raise ValueError("when using `top_logprobs`, `logprobs` must be set to true.")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise bad_request("Cannot set both `continue_final_message` and "
+                              "`add_generation_prompt` to True.", "continue_final_message")
         check_template_kwargs(self.chat_template_kwargs)
 
     @property

@@ -35,11 +35,15 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
     def __post_init__(self) -> None:
         check_template_kwargs(self.chat_template_kwargs)
+        if self.continue_final_message and self.add_generation_prompt:
+            raise bad_request("Cannot set both `continue_final_message` and "
+                              "`add_generation_prompt` to True.", "continue_final_message")
 
 
 class TokenizeResponse(msgspec.Struct):
@@ -72,7 +76,8 @@ def _prompt_text(tokenizer: Tokenizer, body: TokenizeRequest) -> str:
         return body.prompt
     # The very rendering /v1/chat/completions uses, so the counts agree.
     return tokenizer.render_chat(conversation(ChatCompletionRequest(messages=body.messages)),
-                                 body.add_generation_prompt, body.chat_template_kwargs)
+                                 body.add_generation_prompt, body.chat_template_kwargs,
+                                 body.continue_final_message)
 
 
 async def tokenize(serving: Serving, request: Request) -> Response:

@@ -108,22 +108,39 @@ class Tokenizer:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    template_kwargs: dict[str, Any] | None = None) -> str:
+                    template_kwargs: dict[str, Any] | None = None,
+                    continue_final_message: bool = False) -> str:
         """The prompt text for a conversation, by default ending with the assistant's
         generation prompt; `template_kwargs` are the template's own variables (e.g.
-        Qwen3's `enable_thinking`), as transformers' `apply_chat_template(**kwargs)`."""
+        Qwen3's `enable_thinking`), as transformers' `apply_chat_template(**kwargs)`.
+        `continue_final_message`: the text ends where the last message's content does, so
+        the reply continues it (transformers' and vLLM's option of that name)."""
         if self._template is None:
             raise bad_request("The model's tokenizer has no chat template; use /v1/completions.")
         try:
-            return self._template.render(**{
+            text = self._template.render(**{
                 **self.special_tokens, "tools": None, "documents": None,
                 "add_generation_prompt": add_generation_prompt, **(template_kwargs or {}),
                 "messages": messages})
         except Exception as exc:  # foreign code: whatever it raises is about these messages
             raise bad_request(f"Chat template error: {exc}", "messages") from exc
+        return _cut_after_final(text, messages) if continue_final_message else text
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                    template_kwargs: dict[str, Any] | None = None,
+                    continue_final_message: bool = False) -> list[int]:
         """Prompt token ids for a conversation; the template already wrote any special tokens."""
-        return self.encode(self.render_chat(messages, add_generation_prompt, template_kwargs),
+        return self.encode(self.render_chat(messages, add_generation_prompt, template_kwargs,
+                                            continue_final_message),
                            add_special_tokens=False)
+
+
+def _cut_after_final(text: str, messages: list[dict[str, Any]]) -> str:
+    """`text` up to the end of the last message's content, as transformers cuts it (templates
+    that strip contents are matched stripped)."""
+    final = messages[-1].get("content") or ""
+    for content in (final, final.strip()):
+        if content and (at := text.rfind(content)) >= 0:
+            return text[:at + len(content)]
+    raise bad_request("continue_final_message needs a last message whose content the chat "
+                      "template writes out.", "messages")

@@ -151,6 +151,32 @@ async def test_chat_without_the_generation_prompt(stack: Stack, model_dir: Path)
         assert first["choices"][0]["delta"]["role"] == last
 
 
+async def test_continue_final_message_and_chat_echo(stack: Stack, model_dir: Path) -> None:
+    """vLLM's `continue_final_message`: the prompt ends inside the last message, as
+    transformers renders it; `echo` starts the reply with that message's content."""
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}]
+    want = AutoTokenizer.from_pretrained(str(model_dir)).apply_chat_template(
+        messages, continue_final_message=True, tokenize=True, return_dict=False)
+    body = {"model": MODEL, "messages": messages, "add_generation_prompt": False,
+            "continue_final_message": True}
+    r = await stack.http.post("/v1/chat/completions", json={**body, "echo": True})
+    assert stack.engine.requests[-1].prompt_token_ids == want
+    assert r.json()["choices"][0]["message"] == {"role": "assistant", "content": "Hel" + REPLY}
+    async with stack.http.stream("POST", "/v1/chat/completions", json={
+            **body, "echo": True, "stream": True}) as s:
+        chunks = [json.loads(e) for e in sse_events((await s.aread()).decode())[:-1]]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == \
+        "Hel" + REPLY
+    tokenized = await stack.http.post("/tokenize", json=body)
+    assert tokenized.json()["tokens"] == want
+    plain = await stack.http.post("/v1/chat/completions", json={  # the user's turn: no echo
+        "model": MODEL, "messages": messages[:1], "echo": True})
+    assert plain.json()["choices"][0]["message"]["content"] == REPLY
+    both = await stack.http.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": messages, "continue_final_message": True})
+    assert error_of(both, 400, "BadRequestError")["param"] == "continue_final_message"
+
+
 async def test_x_request_id_names_the_response(stack: Stack) -> None:
     """vLLM answers with the client's X-Request-Id; two requests may share one."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
@@ -264,8 +290,6 @@ NOT_BUILT = [  # (path, fields, the field the 400 names)
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/chat/completions", {"tools": [TOOL]}, "tools"),
     ("/v1/chat/completions", {"tools": [TOOL], "tool_choice": "required"}, "tool_choice"),
-    ("/v1/chat/completions", {"continue_final_message": True}, "continue_final_message"),
-    ("/v1/chat/completions", {"echo": True}, "echo"),
     ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json"),
     ("/v1/completions", {"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
     ("/v1/completions", {"suffix": "end"}, "suffix"),
