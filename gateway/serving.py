@@ -55,9 +55,9 @@ class Run:
     created: int
     model: str
     prompt_token_ids: list[int]
-    engine_id: str = ""  # its engine requests' id (and `-{i}` per choice); "": `id`
     choices: list[Choice] = field(default_factory=list)
     span: Span = INVALID_SPAN  # the request's trace span (a no-op one when tracing is off)
+    engine_id: str = ""  # its engine requests' id (and `-{i}` per choice); "": `id`
     _serving: Serving | None = None
     _places: int = 0  # queue places taken at admission: all `n`, whether or not each started
 
