@@ -24,6 +24,7 @@ from gateway.openai_protocol import (
 from gateway.output import Output
 from gateway.serving import Run, Serving, client_gone, json_response
 from gateway.sse import DONE, EventStreamResponse, error_event, event
+from gateway.tokenizer import Tokenizer
 
 
 def conversation(body: ChatCompletionRequest) -> list[dict[str, Any]]:
@@ -54,54 +55,58 @@ def _chunk(run: Run, choices: list[ChatChunkChoice], usage: Usage | None = None)
     return event(ChatCompletionChunk(run.id, run.created, run.model, choices, usage))
 
 
+def _namer(serving: Serving, body: ChatCompletionRequest) -> Tokenizer | None:
+    """What names tokens in logprobs: None writes vLLM's `token_id:N`."""
+    return None if body.return_tokens_as_token_ids else serving.maybe_tokenizer
+
+
 def _logprobs(serving: Serving, body: ChatCompletionRequest, step: Output
               ) -> ChatLogprobs | None:
     if not body.logprobs or not step.token_ids:
         return None
-    return chat_logprobs(serving.maybe_tokenizer, step.token_ids, step.logprobs)
+    return chat_logprobs(_namer(serving, body), step.token_ids, step.logprobs)
 
 
 async def _events(serving: Serving, run: Run, body: ChatCompletionRequest
                   ) -> AsyncIterator[bytes]:
     """The SSE stream: a role chunk per choice, content chunks, each choice's finish, maybe
     usage, then [DONE]."""
-    completion_tokens = 0
+    generated = [0] * len(run.choices)  # tokens per choice
 
-    def so_far() -> Usage | None:  # vLLM's continuous_usage_stats: on every chunk
-        return run.usage(completion_tokens) if body.continuous_usage else None
+    def so_far(index: int) -> Usage | None:  # vLLM's continuous_usage_stats: per choice
+        return run.usage(generated[index]) if body.continuous_usage else None
 
     for choice in run.choices:
         yield _chunk(run, [ChatChunkChoice(choice.index, Delta(role=_role(body), content=""),
-                                           None)], so_far())
+                                           None)], so_far(choice.index))
     if echoed := _echoed(body):
         for choice in run.choices:
             yield _chunk(run, [ChatChunkChoice(choice.index, Delta(content=echoed), None)],
-                         so_far())
+                         so_far(choice.index))
     try:
         async for index, step in run.stream():
-            completion_tokens += len(step.token_ids)
+            generated[index] += len(step.token_ids)
             logprobs = _logprobs(serving, body, step)
             if step.text or step.finish_reason or logprobs:
                 delta = Delta(content=step.text or None)
                 choice = ChatChunkChoice(index, delta, step.finish_reason, logprobs)
                 if step.finish_reason is not None:
                     choice.stop_reason = step.stop_reason
-                yield _chunk(run, [choice], so_far())
+                yield _chunk(run, [choice], so_far(index))
     except GatewayError as exc:
         yield error_event(exc)
     else:
         if body.include_usage:
-            yield _chunk(run, [], run.usage(completion_tokens))
+            yield _chunk(run, [], run.usage(sum(generated)))
     yield DONE
 
 
 async def create_chat_completion(serving: Serving, request: Request) -> Response:
     """Generate the assistant's reply to a conversation."""
     body = await serving.parse(request, ChatCompletionRequest)
-    prompt_token_ids = serving.tokenizer.encode_chat(conversation(body),
-                                                     body.add_generation_prompt,
-                                                     body.chat_template_kwargs,
-                                                     body.continue_final_message)
+    prompt_token_ids = serving.tokenizer.encode_chat(
+        conversation(body), body.add_generation_prompt, body.template_kwargs(),
+        body.continue_final_message, body.add_special_tokens)
     run = await serving.start(request, "chatcmpl", prompt_token_ids, body)
     if body.stream:
         return EventStreamResponse(_events(serving, run, body), run.aclose)
@@ -115,7 +120,7 @@ async def create_chat_completion(serving: Serving, request: Request) -> Response
     usage = run.usage(sum(len(out.token_ids) for out in outs))
     scores = None
     if body.prompt_logprobs is not None and outs[0].prompt_logprobs is not None:
-        scores = prompt_logprobs(serving.maybe_tokenizer, prompt_token_ids,
+        scores = prompt_logprobs(_namer(serving, body), prompt_token_ids,
                                  outs[0].prompt_logprobs)
     return json_response(ChatCompletion(run.id, run.created, run.model, choices, usage,
                                         prompt_logprobs=scores))

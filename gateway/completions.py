@@ -29,7 +29,9 @@ class _ChoiceText:
     on the first output what belongs to the prompt (its ids, its log-probabilities)."""
 
     def __init__(self, serving: Serving, body: CompletionRequest, run: Run, echo: str) -> None:
-        self._tokenizer, self._body = serving.maybe_tokenizer, body
+        # what names tokens in logprobs: None writes vLLM's `token_id:N`
+        self._tokenizer = None if body.return_tokens_as_token_ids else serving.maybe_tokenizer
+        self._body = body
         self._prefix = echo  # sent with the choice's first output
         self._offset = len(echo)  # where the generated text starts in the choice's text
         self._prompt_ids = run.prompt_token_ids
@@ -42,22 +44,26 @@ class _ChoiceText:
             token_ids, entries, text = [], [], ""
         if first:
             text = self._prefix + text
-        logprobs = None
+        logprobs = head = None
         if body.logprobs is not None:
+            if first and body.echo:  # the echoed prompt's tokens come first
+                head = completion_logprobs(self._tokenizer, self._prompt_ids,
+                                           self._scores(step))
+                # offsets count the tokens' texts, over prompt and output (as vLLM's), so
+                # they grow even where those texts are not the prompt's (a BOS token)
+                self._offset = sum(map(len, head.tokens))
             logprobs = completion_logprobs(self._tokenizer, token_ids, entries, self._offset)
             self._offset += sum(map(len, logprobs.tokens))
-            if first and body.echo:  # the echoed prompt's tokens come first
-                logprobs = _joined(completion_logprobs(
-                    self._tokenizer, self._prompt_ids, self._scores(step)), logprobs)
+            if head is not None:
+                logprobs = _joined(head, logprobs)
         prompt_logprobs = None
         if first and body.num_prompt_logprobs is not None:
             prompt_logprobs = to_prompt_logprobs(self._tokenizer, self._prompt_ids,
                                                  self._scores(step))
         with_ids = body.return_token_ids
-        return CompletionChoice(index, text, step.finish_reason, logprobs,
+        return CompletionChoice(index, text, step.finish_reason, logprobs, step.stop_reason,
                                 self._prompt_ids if with_ids and first else None,
-                                token_ids if with_ids else None, prompt_logprobs,
-                                step.stop_reason)
+                                token_ids if with_ids else None, prompt_logprobs)
 
     def _scores(self, step: Output) -> list[TokenLogprobs | None]:
         if step.prompt_logprobs is None or len(step.prompt_logprobs) != len(self._prompt_ids):
@@ -90,20 +96,24 @@ async def _events(runs: list[Run], body: CompletionRequest, shapers: list[_Choic
                   ) -> AsyncIterator[bytes]:
     """The SSE stream; a choice's first chunk carries its echo and (with
     `return_token_ids`) the prompt's ids."""
-    first, completion_tokens = runs[0], 0
+    first = runs[0]
+    prompt_tokens = [len(run.prompt_token_ids) for run in runs for _ in run.choices]
+    generated = [0] * len(prompt_tokens)  # tokens per choice
     try:
         async for index, step in interleave([c.steps for run in runs for c in run.choices]):
             choice = shapers[index].choice(index, step)
-            completion_tokens += 0 if body.echo_only else len(step.token_ids)
+            generated[index] += 0 if body.echo_only else len(step.token_ids)
             if choice.text or step.finish_reason or choice.token_ids or choice.logprobs:
-                # vLLM's continuous_usage_stats: the usage so far on every chunk
-                usage = _usage(runs, completion_tokens) if body.continuous_usage else None
+                usage = None  # vLLM's continuous_usage_stats: this choice's so far
+                if body.continuous_usage:
+                    used = prompt_tokens[index], generated[index]
+                    usage = Usage(*used, sum(used))
                 yield event(Completion(first.id, first.created, first.model, [choice], usage))
     except GatewayError as exc:
         yield error_event(exc)
     else:
         if body.include_usage:
-            usage = _usage(runs, completion_tokens)
+            usage = _usage(runs, sum(generated))
             yield event(Completion(first.id, first.created, first.model, [], usage))
     yield DONE
 
@@ -128,7 +138,8 @@ async def create_completion(serving: Serving, request: Request) -> Response:
     """Continue a prompt (or each of a batch) given as text or as token ids."""
     body = await serving.parse(request, CompletionRequest)
     prompts = body.prompts
-    ids = [p if isinstance(p, list) else serving.tokenizer.encode(p) for p in prompts]
+    ids = [p if isinstance(p, list) else serving.tokenizer.encode(p, body.add_special_tokens)
+           for p in prompts]
     # Before any place is taken: echoing token ids needs the tokenizer (a 400 without one).
     needs_tokenizer = body.echo and any(isinstance(p, list) for p in prompts)
     tokenizer = serving.tokenizer if needs_tokenizer else None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from gateway.openai_protocol import (
     ChatLogprobs,
@@ -23,15 +23,30 @@ def token_text(tokenizer: Tokenizer | None, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
+def _texts(tokenizer: Tokenizer | None) -> Callable[[int], str]:
+    """`token_text`, decoding each id once per response: a long prompt's top
+    alternatives repeat the same few tokens many times."""
+    cache: dict[int, str] = {}
+
+    def text(token_id: int) -> str:
+        if (known := cache.get(token_id)) is None:
+            known = cache[token_id] = token_text(tokenizer, token_id)
+        return known
+
+    return text
+
+
 def chat_logprobs(tokenizer: Tokenizer | None, token_ids: Sequence[int],
                   entries: Sequence[TokenLogprobs]) -> ChatLogprobs:
+    name = _texts(tokenizer)
+
     def top(token_id: int, logprob: float) -> TopLogprob:
-        text = token_text(tokenizer, token_id)
+        text = name(token_id)
         return TopLogprob(text, logprob, list(text.encode()))
 
     content = []
     for token_id, entry in zip(token_ids, entries, strict=True):
-        text = token_text(tokenizer, token_id)
+        text = name(token_id)
         content.append(ChatTokenLogprob(
             text, entry.logprob, list(text.encode()),
             [top(i, lp) for i, lp in zip(entry.top_ids, entry.top_logprobs, strict=True)]))
@@ -43,9 +58,9 @@ def completion_logprobs(tokenizer: Tokenizer | None, token_ids: Sequence[int],
                         ) -> CompletionLogprobs:
     """`offset`: where the first token's text starts in the choice's whole text. A None
     entry (an echoed prompt's first token: nothing predicts it) is null, as in vLLM."""
-    out = CompletionLogprobs([], [], [], [])
+    out, name = CompletionLogprobs([], [], [], []), _texts(tokenizer)
     for token_id, entry in zip(token_ids, entries, strict=True):
-        text = token_text(tokenizer, token_id)
+        text = name(token_id)
         out.text_offset.append(offset)
         out.tokens.append(text)
         offset += len(text)
@@ -56,8 +71,7 @@ def completion_logprobs(tokenizer: Tokenizer | None, token_ids: Sequence[int],
         out.token_logprobs.append(entry.logprob)
         # The sampled token's always, then up to `logprobs` alternatives (OpenAI, vLLM).
         out.top_logprobs.append({text: entry.logprob, **{
-            token_text(tokenizer, i): lp
-            for i, lp in zip(entry.top_ids, entry.top_logprobs, strict=True)}})
+            name(i): lp for i, lp in zip(entry.top_ids, entry.top_logprobs, strict=True)}})
     return out
 
 
@@ -66,12 +80,13 @@ def prompt_logprobs(tokenizer: Tokenizer | None, token_ids: Sequence[int],
     """vLLM's `prompt_logprobs`: per prompt token, {id: entry} for the token itself and
     the likeliest alternatives (ranked from 1), None for the first."""
     out: PromptLogprobs = []
+    name = _texts(tokenizer)
     for token_id, entry in zip(token_ids, entries, strict=True):
         if entry is None:
             out.append(None)
             continue
         alternatives = zip(entry.top_ids, entry.top_logprobs, strict=True)
-        out.append({str(i): PromptLogprob(lp, rank, token_text(tokenizer, i))
+        out.append({str(i): PromptLogprob(lp, rank, name(i))
                     for i, lp, rank in [(token_id, entry.logprob, entry.rank),
                                         *((i, lp, r) for r, (i, lp)
                                           in enumerate(alternatives, start=1))]})

@@ -49,6 +49,7 @@ NOT_BUILT: dict[str, tuple[Callable[[Any], bool], str]] = {
     "best_of": (lambda v: v == 1, "best_of"),
     "truncate_prompt_tokens": (_never, "truncate_prompt_tokens"),
     "logits_processors": (_empty, "logits_processors"),
+    "chat_template": (_empty, "a chat template of its own (vLLM: --trust-request-chat-template)"),
 }
 
 
@@ -59,11 +60,20 @@ def refuse_not_built(raw: dict[str, Any], known: Collection[str]) -> None:
         if name in NOT_BUILT and name not in known and not NOT_BUILT[name][0](value):
             raise bad_request(f"`{name}` is not supported by this server: it asks for "
                               f"{NOT_BUILT[name][1]}.", name)
-    if raw.get("tools") and raw.get("tool_choice", "auto") != "none" \
-            and "tools" not in known:  # vLLM without a tool parser refuses these too
+    if "tools" not in known:
+        check_tools(raw.get("tools"), raw.get("tool_choice"))
+
+
+def check_tools(tools: list[Any] | None, tool_choice: Any) -> None:
+    """Tool calls are not parsed: tools are served with `tool_choice` "none" only (vLLM
+    without a tool parser refuses the rest too)."""
+    if tool_choice not in (None, "none", "auto"):
+        raise bad_request(f"`tool_choice` is not supported by this server: it asks for "
+                          f"{NOT_BUILT['tool_choice'][1]}.", "tool_choice")
+    if tools and tool_choice != "none":
         raise bad_request("`tools` is not supported by this server: tool calling is not "
-                          "built (`tool_choice: \"none\"` serves the request without them).",
-                          "tools")
+                          "built (`tool_choice: \"none\"` serves the request, its tools "
+                          "shown to the chat template).", "tools")
 
 
 class StreamOptions(msgspec.Struct):
@@ -110,6 +120,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     # vLLM's: sample only among these
     allowed_token_ids: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]],
                                  msgspec.Meta(min_length=1)] | None = None
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens `token_id:N`
 
     def __post_init__(self) -> None:
         if self.stream_options is not None and self.stream_options.given() \
@@ -134,6 +145,12 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     def num_prompt_logprobs(self) -> int | None:
         """Alternatives to report per prompt token, or None: no prompt logprobs."""
         return self.prompt_logprobs
+
+    @property
+    def prompt_scored_per_choice(self) -> bool:
+        """Whether every choice carries the prompt's log-probabilities (text completions:
+        in its echoed logprobs and its `prompt_logprobs`)."""
+        return True
 
     @property
     def include_usage(self) -> bool:
@@ -191,6 +208,12 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     continue_final_message: bool = False  # vLLM: the reply continues the last message
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM: the template's variables
     echo: bool = False  # vLLM: the reply starts with the last message's content, if its turn
+    add_special_tokens: bool = False  # vLLM: the template writes them; true adds a BOS too
+    # Tool definitions reach the template (as in vLLM), but calls are not parsed: only
+    # `tool_choice: "none"` is served with them.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None  # vLLM: for RAG templates
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -199,11 +222,28 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
         if self.continue_final_message and self.add_generation_prompt:
             raise bad_request("Cannot set both `continue_final_message` and "
                               "`add_generation_prompt` to True.", "continue_final_message")
+        check_tools(self.tools, self.tool_choice)
         check_template_kwargs(self.chat_template_kwargs)
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The template's variables: tools and documents, then `chat_template_kwargs`."""
+        given = {"tools": self.tools, "documents": self.documents}
+        return {**{k: v for k, v in given.items() if v is not None},
+                **(self.chat_template_kwargs or {})}
 
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Only a whole response carries them (0 is accepted with `stream`, as by vLLM)."""
+        return None if self.stream else self.prompt_logprobs
+
+    @property
+    def prompt_scored_per_choice(self) -> bool:
+        """The response has one `prompt_logprobs`: choice 0's engine request scores it."""
+        return False
 
 
 TokenId = Annotated[int, msgspec.Meta(ge=0)]
@@ -222,6 +262,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
     prompt: str | list[TokenId | str | list[TokenId]]
     # 0 with `echo`: only the prompt (and with `logprobs`, its log-probabilities) comes back
     max_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    add_special_tokens: bool = True  # e.g. the BOS a Llama tokenizer prepends to a text
     return_token_ids: bool = False
     echo: bool = False
     logprobs: NumLogprobs | None = None
@@ -377,10 +418,10 @@ class CompletionChoice(msgspec.Struct, omit_defaults=True):
     text: str
     finish_reason: str | None
     logprobs: CompletionLogprobs | None
+    stop_reason: int | str | None  # vLLM's: the stop token id or string that ended it
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when asked for
-    stop_reason: int | str | None = None  # vLLM's: the stop token id or string that ended it
 
 
 class Completion(msgspec.Struct):

@@ -241,7 +241,8 @@ class Serving:
             stop_ids = frozenset(sampling.stop_token_ids) | frozenset(info.eos_token_ids)
             for index in range(body.n):
                 run.choices.append(await self._start_choice(
-                    run, index, body, _choice_sampling(sampling, index), trace, stop_ids))
+                    run, index, body, _choice_sampling(sampling, index, body), trace,
+                    stop_ids))
         except BaseException:
             await run.aclose()
             raise
@@ -295,8 +296,14 @@ class Serving:
                 await run.aclose()
 
 
-def _choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
-    """Choice i of a seeded request uses seed + i, so the n choices differ but reproduce."""
-    if index == 0 or sampling.seed is None:
+def _choice_sampling(sampling: SamplingParams, index: int, body: SamplingFields
+                     ) -> SamplingParams:
+    """Choice i of a seeded request uses seed + i, so the n choices differ but reproduce;
+    a prompt whose response scores it once is scored by choice 0's engine request."""
+    if index == 0:
+        return sampling
+    if sampling.prompt_logprobs is not None and not body.prompt_scored_per_choice:
+        sampling = msgspec.structs.replace(sampling, prompt_logprobs=None)
+    if sampling.seed is None:
         return sampling
     return msgspec.structs.replace(sampling, seed=(sampling.seed + index) % _SEED_SPACE)

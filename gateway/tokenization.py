@@ -37,6 +37,8 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None  # shown to the template, as chat does
+    documents: list[dict[str, str]] | None = None
     return_token_strs: bool = False
 
     def __post_init__(self) -> None:
@@ -75,9 +77,11 @@ def _prompt_text(tokenizer: Tokenizer, body: TokenizeRequest) -> str:
     if body.prompt is not None:
         return body.prompt
     # The very rendering /v1/chat/completions uses, so the counts agree.
-    return tokenizer.render_chat(conversation(ChatCompletionRequest(messages=body.messages)),
-                                 body.add_generation_prompt, body.chat_template_kwargs,
-                                 body.continue_final_message)
+    chat = ChatCompletionRequest(messages=body.messages, tools=body.tools, tool_choice="none",
+                                 documents=body.documents,
+                                 chat_template_kwargs=body.chat_template_kwargs)
+    return tokenizer.render_chat(conversation(chat), body.add_generation_prompt,
+                                 chat.template_kwargs(), body.continue_final_message)
 
 
 async def tokenize(serving: Serving, request: Request) -> Response:

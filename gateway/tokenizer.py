@@ -128,17 +128,20 @@ class Tokenizer:
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     template_kwargs: dict[str, Any] | None = None,
-                    continue_final_message: bool = False) -> list[int]:
-        """Prompt token ids for a conversation; the template already wrote any special tokens."""
+                    continue_final_message: bool = False, add_special_tokens: bool = False
+                    ) -> list[int]:
+        """Prompt token ids for a conversation; the template already wrote any special
+        tokens (unless asked, the tokenizer adds none)."""
         return self.encode(self.render_chat(messages, add_generation_prompt, template_kwargs,
-                                            continue_final_message),
-                           add_special_tokens=False)
+                                            continue_final_message), add_special_tokens)
 
 
 def _cut_after_final(text: str, messages: list[dict[str, Any]]) -> str:
     """`text` up to the end of the last message's content, as transformers cuts it (templates
     that strip contents are matched stripped)."""
     final = messages[-1].get("content") or ""
+    if not final:  # nothing to continue: the whole text (transformers)
+        return text
     for content in (final, final.strip()):
         if content and (at := text.rfind(content)) >= 0:
             return text[:at + len(content)]

@@ -297,6 +297,8 @@ NOT_BUILT = [  # (path, fields, the field the 400 names)
     ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
     ("/v1/completions", {"best_of": 3}, "best_of"),
     ("/v1/completions", {"truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
+    ("/v1/chat/completions", {"chat_template": "{{ messages }}"}, "chat_template"),
+    ("/v1/completions", {"tools": [TOOL]}, "tools"),
 ]
 HARMLESS = [  # the same fields with values that change nothing: served
     ("/v1/chat/completions", {"response_format": {"type": "text"}, "tools": [TOOL],
@@ -589,17 +591,28 @@ async def test_openai_and_vllm_request_conventions(stack: Stack, tokenizer: Toke
 
 async def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(stack: Stack
                                                                           ) -> None:
+    """vLLM's: each chunk carries its choice's usage so far; the last, the request's."""
     options = {"include_usage": True, "continuous_usage_stats": True}
     for path, body in [("/v1/chat/completions",
-                        {"messages": [{"role": "user", "content": "Hi"}]}),
-                       ("/v1/completions", {"prompt": [5, 6]})]:
+                        {"messages": [{"role": "user", "content": "Hi"}], "n": 2}),
+                       ("/v1/completions", {"prompt": [[5, 6], [5, 6, 7]]})]:
         async with stack.http.stream("POST", path, json={
                 "model": MODEL, **body, "stream": True, "stream_options": options}) as r:
             chunks = [json.loads(e) for e in sse_events((await r.aread()).decode())[:-1]]
-        used = [c["usage"]["completion_tokens"] for c in chunks]
-        assert used == sorted(used) and used[-1] > 0, used
-        assert all(c["usage"]["prompt_tokens"] > 0 for c in chunks)
-        assert chunks[-1]["choices"] == [] and used[-2] == used[-1]  # then the usage chunk
+        per_choice: dict[int, list[dict]] = {}
+        for c in chunks[:-1]:
+            per_choice.setdefault(c["choices"][0]["index"], []).append(c["usage"])
+        assert sorted(per_choice) == [0, 1]
+        for usages in per_choice.values():
+            used = [u["completion_tokens"] for u in usages]
+            assert used == sorted(used) and used[-1] > 0, used
+            assert len({u["prompt_tokens"] for u in usages}) == 1
+        total = chunks[-1]["usage"]
+        assert chunks[-1]["choices"] == []
+        assert total["completion_tokens"] == sum(u[-1]["completion_tokens"]
+                                                 for u in per_choice.values())
+        if "prompt" in body:  # each choice counts its own prompt
+            assert [per_choice[i][0]["prompt_tokens"] for i in (0, 1)] == [2, 3]
 
 
 async def test_include_stop_str_in_output_keeps_a_stop_tokens_text(stack: Stack,
@@ -702,3 +715,58 @@ async def test_echo_of_token_ids_without_a_tokenizer_takes_no_place(tmp_path: Pa
                 "model": "no-tokenizer", "prompt": [5, 6], "echo": True})
             assert "no tokenizer" in error_of(r, 400, "BadRequestError")["message"]
         assert engine.requests == []  # nothing started, nothing left running
+
+
+TOOLS_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if tools %}tools: {% for t in tools %}{{ t.function.name }} {% endfor %}\n{% endif %}"
+    "{% if documents %}docs: {% for d in documents %}{{ d.title }} {% endfor %}\n{% endif %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+async def test_tools_documents_and_special_tokens_reach_the_prompt_as_transformers_writes_it(
+        tmp_path: Path) -> None:
+    """With `tool_choice: "none"` the tools, and `documents`, are template variables (vLLM,
+    transformers' apply_chat_template); `add_special_tokens` adds the tokenizer's BOS."""
+    model_dir = write_checkpoint(tmp_path / "tools", TOOLS_TEMPLATE, add_bos=True)
+    hf = AutoTokenizer.from_pretrained(str(model_dir))
+    messages = [{"role": "user", "content": "Hi"}]
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
+    documents = [{"title": "Paris", "text": "Capital of France."}]
+    async with FakeEngine([40, 41], eos_id=2).running() as engine, \
+            serve_gateway(model_dir, engine) as stack:
+        async def prompt(body: dict[str, Any], path: str = "/v1/chat/completions"
+                         ) -> list[int]:
+            r = await stack.http.post(path, json={"model": "tools", **body})
+            assert r.status_code == 200, r.text
+            return engine.requests[-1].prompt_token_ids
+
+        want = hf.apply_chat_template(messages, tools=tools, documents=documents,
+                                      add_generation_prompt=True, tokenize=True,
+                                      return_dict=False)
+        assert "lookup" in hf.decode(want) and "Paris" in hf.decode(want)
+        got = await prompt({"messages": messages, "tools": tools, "tool_choice": "none",
+                            "documents": documents})
+        assert got == want
+        tokenized = await stack.http.post("/tokenize", json={
+            "messages": messages, "tools": tools, "documents": documents})
+        assert tokenized.json()["tokens"] == want
+        bos = hf.convert_tokens_to_ids("<s>")
+        assert bos == HANG  # the fake engine holds such a prompt: read its first token only
+
+        async def held(body: dict[str, Any], path: str) -> list[int]:
+            async with stack.http.stream("POST", path, json={
+                    "model": "tools", **body, "stream": True}) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():  # to the engine's token (after a role)
+                    if line.startswith("data:") and "role" not in line:
+                        break
+            return engine.requests[-1].prompt_token_ids
+
+        assert await held({"messages": messages, "add_special_tokens": True},
+                          "/v1/chat/completions") == \
+            [bos, *hf.apply_chat_template(messages, add_generation_prompt=True,
+                                          tokenize=True, return_dict=False)]
+        text = await prompt({"prompt": "Paris", "add_special_tokens": False}, "/v1/completions")
+        assert text == hf.encode("Paris", add_special_tokens=False) and text[0] != bos
+        assert await held({"prompt": "Paris"}, "/v1/completions") == [bos, *text]

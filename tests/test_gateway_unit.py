@@ -432,3 +432,32 @@ def test_latencies_are_taken_when_deltas_arrive_not_when_they_are_read() -> None
     e2e = metrics.e2e.labels("m")._sum.get()  # type: ignore[attr-defined]
     itl = metrics.itl.labels("m")._sum.get()  # type: ignore[attr-defined]
     assert (e2e, itl) == (1.0, 0.75)
+
+
+def test_echoed_logprobs_offsets_grow_over_prompt_and_output() -> None:
+    """Offsets count the tokens' texts over prompt and output, as vLLM's do: with a BOS
+    whose text the echoed prompt does not show, they still only grow."""
+    from types import SimpleNamespace
+
+    from gateway.completions import _ChoiceText
+    from gateway.openai_protocol import CompletionRequest
+    from gateway.output import Output
+    from switchyard.messages import TokenLogprobs
+
+    class Letters:  # id 0 is a BOS "<s>", id i > 0 the letter i
+        def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+            return "".join("<s>" if i == 0 else chr(ord("a") + i) for i in ids)
+
+    def entry(token: int) -> TokenLogprobs:
+        return TokenLogprobs(-0.5, [token], [-0.5], 1)
+
+    body = CompletionRequest(prompt=[0, 1, 2], echo=True, logprobs=0, max_tokens=2)
+    shaper = _ChoiceText(SimpleNamespace(maybe_tokenizer=Letters()), body,  # type: ignore[arg-type]
+                         SimpleNamespace(prompt_token_ids=[0, 1, 2]), "bc")  # type: ignore[arg-type]
+    first = shaper.choice(0, Output("d", [3], None, [entry(3)], [None, entry(1), entry(2)]))
+    second = shaper.choice(0, Output("e", [4], "length", [entry(4)]))
+    assert first.text == "bcd" and second.text == "e"
+    assert first.logprobs is not None and second.logprobs is not None
+    assert first.logprobs.tokens == ["<s>", "b", "c", "d"]
+    assert first.logprobs.token_logprobs == [None, -0.5, -0.5, -0.5]
+    assert first.logprobs.text_offset + second.logprobs.text_offset == [0, 3, 4, 5, 6]

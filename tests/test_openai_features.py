@@ -218,6 +218,12 @@ def test_chat_logprobs_and_max_completion_tokens(demo: Served) -> None:
             assert e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
             assert e.logprob == pytest.approx(e.top_logprobs[0].logprob)
             assert e.token == e.top_logprobs[0].token and e.logprob <= 0
+    r = c.chat.completions.create(model=m, messages=messages, temperature=0, max_tokens=3,
+                                  logprobs=True, top_logprobs=1,
+                                  extra_body={"return_tokens_as_token_ids": True})
+    named = r.choices[0].logprobs.content  # vLLM's `token_id:N` names
+    assert all(e.token.startswith("token_id:") for e in named) and len(named) == 3
+    assert all(t.token.startswith("token_id:") for e in named for t in e.top_logprobs)
 
 
 def test_echo_prepends_the_prompt(demo: Served) -> None:

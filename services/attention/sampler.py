@@ -59,10 +59,10 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: tuple[int,
     `eos_token_ids` for `min_tokens`."""
     params = [s.sampling for s in seqs]
     raw = logits
+    if any(p.biased for p in params):  # before the penalties, as vLLM
+        logits = apply_bias(logits, params)
     if any(p.penalized for p in params):
         logits = _finite(apply_penalties(logits, seqs))
-    if any(p.biased for p in params):
-        logits = apply_bias(logits, params)
     if any(len(s.output_token_ids) < s.sampling.min_tokens for s in seqs):
         logits = suppress_stops(logits, seqs, eos_token_ids)
     tokens = logits.argmax(dim=-1)  # [S]
