@@ -16,7 +16,8 @@ still run. In order:
 3. the bundled demo model on `--device cuda` (local backend) against the CPU in float32:
    logits through the paged-KV path (`Engine.score`) and greedy continuations, in float32
    (random-byte prompts) and bfloat16 (demo questions, against the CPU's own bfloat16
-   error), then the same with W4A4 experts; seeded sampling giving the same tokens twice;
+   error), then the same with W4A4 experts; seeded sampling giving the same tokens twice
+   and prompt logprobs equal to the CPU's;
 4. decode step time at batch 1, 16 and 64, eager and replayed from CUDA graphs, and one
    step's hidden states both ways (float and W4A4 experts); a decode profile: one host
    sync's cost, the syncs a step makes (by source line, eager and with graphs), each
@@ -205,22 +206,31 @@ def logits_vs_cpu(quantization: str | None) -> None:
 
 
 def sampled_twice() -> None:
-    """Seeded sampling with penalties and logprobs: two CUDA engines draw the same tokens
-    (per-request generators on the device; CUDA and CPU draw differently by design)."""
+    """Seeded sampling with penalties, logit bias and logprobs: two CUDA engines draw the
+    same tokens (per-request generators on the device; CUDA and CPU draw differently by
+    design). The prompt logprobs they score equal the CPU's."""
     from switchyard.messages import GenerateRequest, SamplingParams
 
     params = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=7, logprobs=3,
-                            repetition_penalty=1.2, presence_penalty=0.5, ignore_eos=True)
-    runs = []
-    for _ in range(2):
-        e = engine("cuda", "float32")
+                            repetition_penalty=1.2, presence_penalty=0.5, ignore_eos=True,
+                            logit_bias=((5, -2.0),), prompt_logprobs=3)
+    runs, scores = [], []
+    for device in ("cuda", "cuda", "cpu"):
+        e = engine(device, "float32")
         e.add(GenerateRequest("s", PROMPTS[0], params))
         tokens: list[int] = []
         while e.has_work():
-            tokens += [t for d in e.step() for t in d.token_ids]
+            for d in e.step():
+                tokens += d.token_ids
+                if d.prompt_logprobs is not None:
+                    scores.append([x.logprob for x in d.prompt_logprobs[1:] if x is not None])
         runs.append(tokens)
+    gap = max(abs(a - b) for a, b in zip(scores[0], scores[2], strict=True))
     row("seeded sampling on cuda, twice", "ok" if runs[0] == runs[1] else "FAIL",
-        " ".join(map(str, runs[0])), "penalties and logprobs on")
+        " ".join(map(str, runs[0])), "penalties, logit bias and logprobs on")
+    row("prompt logprobs, cuda vs cpu float32",
+        "ok" if gap < 1e-3 and len(scores[0]) == len(PROMPTS[0]) - 1 else "FAIL",
+        f"max abs diff {gap:.1e}", f"{len(scores[0])} prompt tokens")
 
 
 def serve_vs_cpu() -> None:
