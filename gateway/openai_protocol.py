@@ -47,7 +47,6 @@ NOT_BUILT: dict[str, tuple[Callable[[Any], bool], str]] = {
     "suffix": (_empty, "suffix"),
     "use_beam_search": (_empty, "beam search"),
     "best_of": (lambda v: v == 1, "best_of"),
-    "truncate_prompt_tokens": (_never, "truncate_prompt_tokens"),
     "logits_processors": (_empty, "logits_processors"),
     "chat_template": (_empty, "a chat template of its own (vLLM: --trust-request-chat-template)"),
 }
@@ -121,6 +120,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     allowed_token_ids: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]],
                                  msgspec.Meta(min_length=1)] | None = None
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens `token_id:N`
+    # vLLM's: keep only the prompt's last k tokens (-1: as many as the model takes)
+    truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1)] | None = None
 
     def __post_init__(self) -> None:
         if self.stream_options is not None and self.stream_options.given() \

@@ -222,6 +222,10 @@ class Serving:
         """Validate the request against the model, queue it, and start its choices."""
         info = self._engine_info()
         limits = ModelLimits(self.max_model_len(info) or info.max_model_len, info.vocab_size)
+        if (keep := body.truncate_prompt_tokens) is not None:  # vLLM's: the last `keep`
+            keep = limits.max_model_len if keep == -1 else keep
+            prompt_token_ids = prompt_token_ids[max(0, len(prompt_token_ids) - keep):] \
+                if keep else []
         sampling = sampling_params(body, prompt_token_ids, limits,
                                    self.config.sampling_defaults)
         self._admit(body.n)

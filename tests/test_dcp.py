@@ -52,6 +52,26 @@ def test_logits_and_greedy_equal_d1_and_transformers(qwen3_ckpt: tuple, size: in
                                                ("c", ps[2], 12))}
 
 
+def test_prompt_logprobs_across_the_group_equal_transformers(qwen3_ckpt: tuple) -> None:
+    """Prompt rows scored on the leader, whose hidden states merge every rank's shard."""
+    from switchyard.messages import GenerateRequest, SamplingParams
+
+    path, model = qwen3_ckpt
+    prompt = prompts(seed=55, lengths=(45,))[0]  # chunks of 16, over two ranks' shards
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt])).logits[0].log_softmax(-1)  # [L, V]
+    with dcp_engine(path, 2) as engine:
+        params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1)
+        assert engine.add(GenerateRequest("p", prompt, params)) is None
+        sent = [d.prompt_logprobs for _ in range(20) for d in engine.step()
+                if d.prompt_logprobs is not None]
+    assert len(sent) == 1 and len(sent[0]) == len(prompt) and sent[0][0] is None
+    got = torch.tensor([e.logprob for e in sent[0][1:]])
+    want = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    assert (got - want).abs().max() < 1e-4
+    assert [e.top_ids[0] for e in sent[0][1:]] == ref[:-1].argmax(-1).tolist()
+
+
 def test_each_rank_holds_its_share_of_a_long_request(qwen3_ckpt: tuple) -> None:
     path, _ = qwen3_ckpt
     with dcp_engine(path, 2) as engine:

@@ -177,6 +177,18 @@ async def test_continue_final_message_and_chat_echo(stack: Stack, model_dir: Pat
     assert error_of(both, 400, "BadRequestError")["param"] == "continue_final_message"
 
 
+async def test_truncate_prompt_tokens_keeps_the_last_ones(stack: Stack) -> None:
+    """vLLM's `truncate_prompt_tokens`: the prompt's last k tokens (-1: what fits)."""
+    for keep, want in ((2, [7, 8]), (9, [5, 6, 7, 8]), (-1, [5, 6, 7, 8])):
+        r = await stack.http.post("/v1/completions", json={
+            "model": MODEL, "prompt": [5, 6, 7, 8], "truncate_prompt_tokens": keep})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(want)
+        assert stack.engine.requests[-1].prompt_token_ids == want
+    r = await stack.http.post("/v1/completions", json={
+        "model": MODEL, "prompt": [5] * 300, "truncate_prompt_tokens": 10, "max_tokens": 2})
+    assert r.status_code == 200  # over the context length before, not after
+
+
 async def test_x_request_id_names_the_response(stack: Stack) -> None:
     """vLLM answers with the client's X-Request-Id; two requests may share one."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
@@ -263,6 +275,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": [5], "frequency_penalty": -3}, "frequency_penalty"),
     ("/v1/completions", {"prompt": [5], "repetition_penalty": 0}, "repetition_penalty"),
     ("/v1/completions", {"prompt": [5], "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": [5], "truncate_prompt_tokens": -2},
+     "truncate_prompt_tokens"),
     ("/v1/completions", {"prompt": [5], "logit_bias": {"five": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": [5], "logit_bias": {"400": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": [5], "logit_bias": {"5": 101}}, "logit_bias"),
@@ -296,7 +310,6 @@ NOT_BUILT = [  # (path, fields, the field the 400 names)
     ("/v1/completions", {"bad_words": ["x"]}, "bad_words"),
     ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
     ("/v1/completions", {"best_of": 3}, "best_of"),
-    ("/v1/completions", {"truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
     ("/v1/chat/completions", {"chat_template": "{{ messages }}"}, "chat_template"),
     ("/v1/completions", {"tools": [TOOL]}, "tools"),
 ]
