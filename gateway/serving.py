@@ -267,6 +267,18 @@ class Serving:
                         "gen_ai.usage.input_tokens": len(run.prompt_token_ids),
                         "gen_ai.response.id": run.id})
 
+    def _reason_ids(self, sampling: SamplingParams) -> set[int]:
+        """The token ids that are a choice's `stop_reason` when they end it, as vLLM's: the
+        request's stop ids and the model's other EOS ids, not the tokenizer's EOS (it
+        stops a generation as such; unless ignored, and then the others do not stop)."""
+        if sampling.ignore_eos:
+            return set(sampling.stop_token_ids)
+        eos = self._engine_info().eos_token_ids
+        primary = self._tokenizer.eos_token_id if self._tokenizer is not None else None
+        if primary is None and eos:
+            primary = eos[0]  # config.json's first
+        return {*sampling.stop_token_ids, *eos} - {primary}
+
     async def _start_choice(self, run: Run, index: int, body: SamplingFields,
                             sampling: SamplingParams, trace: dict[str, str],
                             stop_ids: frozenset[int]) -> Choice:
@@ -279,9 +291,7 @@ class Serving:
                                              body.skip_special_tokens)
         stops = StopStrings(body.stop_strings, body.include_stop_str_in_output) \
             if body.stop_strings else None
-        # vLLM: EOS ends a generation before its stop token ids are looked at
-        reason_ids = set(sampling.stop_token_ids) - \
-            (set() if sampling.ignore_eos else set(self._engine_info().eos_token_ids))
+        reason_ids = self._reason_ids(sampling)
         return Choice(index, generation, outputs(
             generation, detokenizer, stop_ids, stops, timer, body.min_tokens,
             keep_stop_token=body.include_stop_str_in_output, reason_ids=reason_ids), timer)

@@ -88,6 +88,12 @@ class Tokenizer:
         }
         self._template = compile_chat_template(chat_template) if chat_template else None
 
+    @property
+    def eos_token_id(self) -> int | None:
+        """The id of tokenizer_config.json's `eos_token`, if it names one."""
+        text = self.special_tokens.get("eos_token")
+        return None if text is None else self.backend.token_to_id(text)
+
     @classmethod
     def load(cls, model_dir: Path) -> Tokenizer | None:
         """The checkpoint's tokenizer, or None when it ships no tokenizer.json."""

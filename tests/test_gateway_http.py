@@ -783,3 +783,28 @@ async def test_tools_documents_and_special_tokens_reach_the_prompt_as_transforme
         text = await prompt({"prompt": "Paris", "add_special_tokens": False}, "/v1/completions")
         assert text == hf.encode("Paris", add_special_tokens=False) and text[0] != bos
         assert await held({"prompt": "Paris"}, "/v1/completions") == [bos, *text]
+
+
+async def test_stop_reason_names_a_models_other_eos_ids(model_dir: Path,
+                                                        tokenizer: Tokenizer) -> None:
+    """vLLM: the tokenizer's EOS ends a choice with stop_reason None, the model's other EOS
+    ids (generation_config.json's) and the request's stop ids name themselves."""
+    import msgspec
+
+    ids = tokenizer.encode(REPLY)
+    eos = tokenizer.backend.token_to_id("<|im_end|>")
+    extra = ids[3]
+    assert extra not in ids[:3] and tokenizer.eos_token_id == eos
+    engine = FakeEngine(ids, eos)
+    engine.info = msgspec.structs.replace(engine.info, eos_token_ids=(eos, extra))
+    async with engine.running(), serve_gateway(model_dir, engine) as stack:
+        body = {"model": MODEL, "prompt": [5], "max_tokens": 40}
+        choice = (await stack.http.post("/v1/completions", json=body)).json()["choices"][0]
+        assert choice["finish_reason"] == "stop" and choice["stop_reason"] == extra
+        ignoring = (await stack.http.post("/v1/completions", json={
+            **body, "ignore_eos": True, "stop_token_ids": [ids[1]]})).json()["choices"][0]
+        assert ignoring["stop_reason"] == ids[1]
+    plain = FakeEngine(ids[:2], eos)
+    async with plain.running(), serve_gateway(model_dir, plain) as stack:
+        choice = (await stack.http.post("/v1/completions", json=body)).json()["choices"][0]
+        assert choice["finish_reason"] == "stop" and choice["stop_reason"] is None
