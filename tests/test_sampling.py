@@ -245,6 +245,11 @@ def test_logit_bias_and_allowed_token_ids_shape_what_is_sampled_not_logprobs() -
     draws = {sample(logits[2:], [Sequence("o", [1], 1, SamplingParams(
         seed=s, temperature=2.0, allowed_token_ids=(4, 9)))]).tokens[0] for s in range(40)}
     assert draws == {4, 9}
+    # only stop tokens allowed, before min_tokens: the allowed ones win, not token 0
+    stuck = Sequence("s", [1], 1, SamplingParams(temperature=0.0, min_tokens=3,
+                                                 allowed_token_ids=(7, 11),
+                                                 stop_token_ids=(7,)))
+    assert sample(logits[:1], [stuck], eos_token_ids=(11,)).tokens[0] in (7, 11)
 
 
 def test_extreme_parameters_never_break_the_batch() -> None:

@@ -64,7 +64,10 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: tuple[int,
     if any(p.penalized for p in params):
         logits = _finite(apply_penalties(logits, seqs))
     if any(len(s.output_token_ids) < s.sampling.min_tokens for s in seqs):
-        logits = suppress_stops(logits, seqs, eos_token_ids)
+        suppressed = suppress_stops(logits, seqs, eos_token_ids)
+        # min_tokens yields where it would leave no token (allowed_token_ids all stops)
+        left = (suppressed > float("-inf")).any(dim=-1, keepdim=True)  # [S, 1]
+        logits = torch.where(left, suppressed, logits)
     tokens = logits.argmax(dim=-1)  # [S]
     greedy = [p.temperature < GREEDY_BELOW for p in params]
     if not all(greedy):
