@@ -4,10 +4,12 @@ The engine calls from its worker thread; the exchange runs on this client's own 
 loop (an anyio blocking portal), one concurrent `ExpertBatch` per expert rank holding rows
 of the layer, each bounded by a timeout.
 
-An expert rank that is lost (its connection dropped, refused or timed out) is routed
-around while the placement has a replica of each of its experts elsewhere: the layer call
-is made again without it, and the rank is probed in the background until it answers its
-handshake again. Without replicas the call fails, as the step it belongs to.
+An expert rank that is lost (its connection dropped, refused, timed out, or answering
+what is no answer) is routed around while the placement has a replica of each of its
+experts elsewhere: the layer call is made again without it, and the rank is probed in
+the background until it answers its handshake and an empty layer call again (a rank whose
+computation is stuck still answers handshakes). Without replicas the call fails, as the
+step it belongs to.
 """
 
 from __future__ import annotations
@@ -67,6 +69,8 @@ class RpcExperts(PointToPoint):
         self._lock = threading.Lock()
         self._routes: dict[frozenset[int], Placement] = {}  # by the lost ranks
         self._probes: dict[int, anyio.CancelScope] = {}  # the loop's own: no lock
+        self._closing = False  # then no probe starts (under `_lock`)
+        self._no_rows: torch.Tensor | None = None  # [0, width] rows on the wire: for probes
         self.infos: list[ExpertInfo] = []
         try:
             self.infos = self._portal.call(self._connect_all, connect_timeout)
@@ -127,6 +131,8 @@ class RpcExperts(PointToPoint):
                  topk_weights: torch.Tensor) -> torch.Tensor:
         with phase("dispatch", "rpc", layer, x.shape[0]):
             rows = activation_rows(x, self.quantization)  # [T, H], or MXFP4 rows
+            if self._no_rows is None:
+                self._no_rows = rows[:0].cpu()
             trace = tracing.inject() if tracing.detailed() else {}
             turn = self._turns(layer)
             while True:  # again without each lost rank, while its experts have replicas
@@ -149,7 +155,7 @@ class RpcExperts(PointToPoint):
         with self._lock:  # (never held across a portal call: the loop takes it too)
             if not self._lost:
                 return self.placement
-            new = self._lost - self._probing
+            new = set() if self._closing else self._lost - self._probing
             self._probing |= new
             lost = frozenset(self._lost)
         for rank in new:
@@ -191,6 +197,7 @@ class RpcExperts(PointToPoint):
             started = time.monotonic()
             try:
                 await self._handshake(rank, self.call_timeout)
+                await self._serves_a_call(rank)
                 break
             except Exception as exc:  # e.g. a share that differs: said once, tried again
                 if str(exc) != reason:
@@ -200,6 +207,27 @@ class RpcExperts(PointToPoint):
         with self._lock:
             self._lost.discard(rank)
         log.warning("%s answers again: back in the routing", self._name(rank))
+
+    async def _serves_a_call(self, rank: int) -> None:
+        """An empty layer call to a rank just connected again, answered within the call
+        timeout: it waits behind whatever that rank computes, as a real call would."""
+        experts, conn = self.placement.local_experts(rank), self._conns[rank]
+        if self._no_rows is None or not experts or conn is None:
+            return  # no call was made yet: nothing to be stuck behind
+        layer, call_id = min(experts), next(self._ids)
+        try:
+            with anyio.fail_after(self.call_timeout):
+                await conn.send(ExpertBatch(call_id, layer, [0] * len(experts[layer]),
+                                            to_wire(self._no_rows)))
+                result = await conn.receive()
+            if not isinstance(result, ExpertResult) or result.call_id != call_id or \
+                    result.error is not None:
+                raise ExpertRankError(f"{self._name(rank)} answered an empty call with "
+                                      f"{result!r:.200}")
+        except BaseException:
+            self._conns[rank] = None
+            await _close(conn)
+            raise
 
     async def _exchange(self, layer: int, parts: tuple[torch.Tensor, ...],
                         counts: list[list[int]], trace: dict[str, str]
@@ -248,9 +276,8 @@ class RpcExperts(PointToPoint):
         if conn is None:  # dropped on an earlier call: a rank that is back is used again
             try:  # once: a refused connection is a lost rank now, not after call_timeout
                 await self._handshake(rank, self.call_timeout, retry=False)
-            except (ExpertRankError, OSError, anyio.EndOfStream,
-                    anyio.BrokenResourceError) as exc:
-                raise ExpertRankError(f"{self._name(rank)} is not connected: {exc}",
+            except Exception as exc:  # refused, dropped, timed out, garbage: lost
+                raise ExpertRankError(f"{self._name(rank)} is not connected: {exc!r}",
                                       frozenset({rank})) from exc
             conn = self._conns[rank]
             assert conn is not None
@@ -263,12 +290,11 @@ class RpcExperts(PointToPoint):
             if not isinstance(result, ExpertResult) or result.call_id != call_id:
                 raise ExpertRankError(f"{self._name(rank)} answered out of turn")
         except BaseException as exc:
-            # Timed out, dropped, out of turn, or cancelled because another rank failed:
-            # the stream may hold a late answer now, so it is never used again.
+            # Timed out, dropped, out of turn, garbage, or cancelled because another rank
+            # failed: the stream may hold a late answer now, so it is never used again.
             self._conns[rank] = None
             await _close(conn)
-            if isinstance(exc, TimeoutError | OSError | anyio.EndOfStream
-                          | anyio.BrokenResourceError):
+            if isinstance(exc, Exception):  # not a cancellation: this rank is lost
                 raise ExpertRankError(f"{self._name(rank)} failed on layer {layer}: "
                                       f"{exc!r}", frozenset({rank})) from exc
             raise
@@ -296,7 +322,10 @@ class RpcExperts(PointToPoint):
                     await conn.aclose()
 
         if self._portal_cm is not None:
+            with self._lock:  # a step still running may lose a rank now: no new probe
+                self._closing = True
             self._portal.call(close_all)
+            self._portal.call(self._portal.stop, True)  # whatever is left, cancelled
             self._portal_cm.__exit__(None, None, None)
             self._portal_cm = None
 

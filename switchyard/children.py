@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 
 
 class StartupError(RuntimeError):
@@ -34,9 +35,11 @@ def child_env(**extra: str) -> dict[str, str]:
     return {**{k: v for k, v in os.environ.items() if k not in _TOPOLOGY_ENV}, **extra}
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(parent: int) -> None:
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # it died before the line above: no signal will come
+        os._exit(1)
 
 
 class Children:
@@ -64,7 +67,8 @@ class Children:
         read_fd, write_fd = os.pipe()
         proc = subprocess.Popen(
             [sys.executable, "-m", "switchyard", *args, "--ready-fd", str(write_fd)],
-            pass_fds=(write_fd,), preexec_fn=_die_with_parent, env=child_env(**gpu_env))
+            pass_fds=(write_fd,), preexec_fn=partial(_die_with_parent, os.getpid()),
+            env=child_env(**gpu_env))
         os.close(write_fd)
         self.procs.append((name, proc))
         return name, proc, read_fd

@@ -45,6 +45,22 @@ async def die_mid_answer(fake: FakeRank, conn: FrameStream, stream: SocketStream
     return False
 
 
+async def wedged(fake: FakeRank, conn: FrameStream, stream: SocketStream,
+                 batch: ExpertBatch) -> bool:
+    """Computation stuck: no batch is ever answered, though handshakes still are (they
+    are answered on the service's event loop, the computation runs in a thread)."""
+    await anyio.sleep_forever()
+    return False
+
+
+async def garbage_answer(fake: FakeRank, conn: FrameStream, stream: SocketStream,
+                         batch: ExpertBatch) -> bool:
+    """A whole frame whose bytes are no message; then it answers properly."""
+    await stream.send(_HEADER.pack(3) + b"\xc1\xc1\xc1")
+    fake.behaviour = answer
+    return False
+
+
 Behaviour = Callable[["FakeRank", FrameStream, SocketStream, ExpertBatch], Awaitable[bool]]
 
 
@@ -88,11 +104,12 @@ class FakeRank:
 
 
 @contextmanager
-def client(*behaviours: Behaviour) -> Iterator[tuple[RpcExperts, list[FakeRank]]]:
+def client(*behaviours: Behaviour, call_timeout: float = 10
+           ) -> Iterator[tuple[RpcExperts, list[FakeRank]]]:
     ranks: list[FakeRank] = []
     try:
         ranks += [FakeRank(r, b) for r, b in enumerate(behaviours)]
-        experts = RpcExperts(PLACEMENT, [r.address for r in ranks], call_timeout=10)
+        experts = RpcExperts(PLACEMENT, [r.address for r in ranks], call_timeout=call_timeout)
         try:
             yield experts, ranks
         finally:
@@ -143,3 +160,32 @@ def test_routing_never_holds_its_lock_across_a_portal_call() -> None:
         experts._portal.start_task_soon = watched  # type: ignore[method-assign]
         layer_call(experts)
         assert ("_probe", False) in held and not any(locked for _, locked in held)
+
+
+def test_a_rank_whose_computation_is_stuck_stays_routed_around() -> None:
+    """It answers handshakes but no batch: once a call timed out on it, it is back in
+    the routing only when it answers an empty layer call, so no later call waits on it
+    (each did, a whole call timeout, when a handshake alone brought it back)."""
+    import time
+
+    with client(answer, wedged, call_timeout=1.0) as (experts, _):
+        layer_call(experts)  # the replicas share the tokens: rank 1 times out
+        assert experts._lost == {1}
+        end = time.monotonic() + 3.0  # three probes' worth
+        while time.monotonic() < end:
+            started = time.monotonic()
+            scale = layer_call(experts)
+            assert time.monotonic() - started < 0.5
+            assert torch.allclose(scale, torch.ones_like(scale))  # all rank 0's
+        assert experts._lost == {1}
+
+
+def test_a_rank_answering_garbage_is_routed_around() -> None:
+    """Bytes that are no message, in a whole frame: lost like a dropped rank (it used to
+    fail the step with a decode error), and back once it answers properly."""
+    with client(answer, garbage_answer) as (experts, ranks):
+        scale = layer_call(experts)  # the replicas share the tokens: rank 1 gets some
+        assert ranks[1].batches >= 1  # (then the probe's empty call, maybe)
+        assert torch.allclose(scale, torch.ones_like(scale))  # made again on rank 0
+        wait_until(lambda: not experts._lost, 30, lambda: f"rank 1 back: {experts._lost}")
+        assert set(layer_call(experts)[:, 0].tolist()) == {1.0, 2.0}
