@@ -14,6 +14,7 @@ step it belongs to.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
@@ -70,6 +71,8 @@ class RpcExperts(PointToPoint):
         self._routes: dict[frozenset[int], Placement] = {}  # by the lost ranks
         self._probes: dict[int, anyio.CancelScope] = {}  # the loop's own: no lock
         self._closing = False  # then no probe starts (under `_lock`)
+        self._reconnecting = False  # a reconnection for readiness is running (`_lock`)
+        self._connecting: dict[int, anyio.Lock] = {}  # per rank, the loop's own: no lock
         self._no_rows: torch.Tensor | None = None  # [0, width] rows on the wire: for probes
         self.infos: list[ExpertInfo] = []
         try:
@@ -196,7 +199,7 @@ class RpcExperts(PointToPoint):
         while True:
             started = time.monotonic()
             try:
-                await self._handshake(rank, self.call_timeout)
+                await self._connect(rank, retry=True)
                 await self._serves_a_call(rank)
                 break
             except Exception as exc:  # e.g. a share that differs: said once, tried again
@@ -251,10 +254,33 @@ class RpcExperts(PointToPoint):
 
     def ready(self) -> bool:
         """Whether every layer call can be served: every rank connected, or lost and
-        routed around (one lost otherwise is tried again at its next call)."""
+        routed around. A rank dropped otherwise is connected again at its next call, and
+        in the background from here: a health check that keeps asking (while no traffic
+        comes, because it answered "not ready") sees it back."""
         with self._lock:
-            return all(conn is not None or rank in self._lost
-                       for rank, conn in enumerate(self._conns))
+            missing = [rank for rank, conn in enumerate(self._conns)
+                       if conn is None and rank not in self._lost]
+            start = bool(missing) and not self._reconnecting and not self._closing
+            self._reconnecting |= start
+        if start:
+            self._portal.start_task_soon(self._reconnect, missing)
+        return not missing
+
+    async def _reconnect(self, ranks: list[int]) -> None:
+        try:
+            for rank in ranks:
+                with contextlib.suppress(Exception):  # still down: the next check tries
+                    await self._connect(rank, retry=False)
+        finally:
+            with self._lock:
+                self._reconnecting = False
+
+    async def _connect(self, rank: int, retry: bool) -> None:
+        """Connect to `rank` again (its handshake) unless it is connected: one task at a
+        time, though a layer call, a probe and a readiness check may all try."""
+        async with self._connecting.setdefault(rank, anyio.Lock()):
+            if self._conns[rank] is None:
+                await self._handshake(rank, self.call_timeout, retry=retry)
 
     async def _call(self, rank: int, layer: int, x: torch.Tensor, counts: list[int],
                     trace: dict[str, str]) -> torch.Tensor:
@@ -272,15 +298,14 @@ class RpcExperts(PointToPoint):
 
     async def _call_once(self, rank: int, layer: int, x: torch.Tensor, counts: list[int],
                          trace: dict[str, str]) -> torch.Tensor:
-        conn = self._conns[rank]
-        if conn is None:  # dropped on an earlier call: a rank that is back is used again
+        if self._conns[rank] is None:  # dropped on an earlier call: used again once back
             try:  # once: a refused connection is a lost rank now, not after call_timeout
-                await self._handshake(rank, self.call_timeout, retry=False)
+                await self._connect(rank, retry=False)
             except Exception as exc:  # refused, dropped, timed out, garbage: lost
                 raise ExpertRankError(f"{self._name(rank)} is not connected: {exc!r}",
                                       frozenset({rank})) from exc
-            conn = self._conns[rank]
-            assert conn is not None
+        conn = self._conns[rank]
+        assert conn is not None
         call_id, payload = next(self._ids), to_wire(x)
         try:
             with anyio.fail_after(self.call_timeout):

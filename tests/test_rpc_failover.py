@@ -189,3 +189,27 @@ def test_a_rank_answering_garbage_is_routed_around() -> None:
         assert torch.allclose(scale, torch.ones_like(scale))  # made again on rank 0
         wait_until(lambda: not experts._lost, 30, lambda: f"rank 1 back: {experts._lost}")
         assert set(layer_call(experts)[:, 0].tolist()) == {1.0, 2.0}
+
+
+def test_a_dropped_rank_without_replicas_is_ready_again_without_traffic() -> None:
+    """No replica: the call fails, as its step does. Readiness then connects the rank
+    again in the background, so /health (503 meanwhile) recovers without a request, which
+    a load balancer that saw the 503 would not send."""
+    from ep_dispatch.rpc import ExpertRankError
+
+    ranks = [FakeRank(0, die_mid_answer)]
+    ranks[0].revive_after = 0  # its handshakes work again at once
+    experts = RpcExperts(Placement.balanced([0], 4, 1), [ranks[0].address], call_timeout=10)
+    try:
+        with pytest.raises(ExpertRankError):
+            experts(0, torch.randn(3, HIDDEN), torch.zeros(3, 1, dtype=torch.int64),
+                    torch.ones(3, 1))
+        assert ranks[0].batches == 1 and not experts._lost
+        wait_until(experts.ready, 30, lambda: "rank 0 connected again")
+        assert ranks[0].batches == 1  # by its handshake alone: no layer call was made
+        y = experts(0, torch.ones(3, HIDDEN), torch.zeros(3, 1, dtype=torch.int64),
+                    torch.ones(3, 1))
+        assert torch.equal(y, torch.ones(3, HIDDEN))  # rank 0 answers x * 1
+    finally:
+        experts.close()
+        ranks[0].close()
