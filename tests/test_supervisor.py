@@ -77,6 +77,23 @@ def test_a_gateway_exit_is_seen_while_an_expert_service_waits_to_restart() -> No
     assert children.respawned == []
 
 
+@pytest.mark.timeout(30)
+def test_a_gateway_exit_is_seen_while_a_restarted_service_is_still_loading() -> None:
+    """The restarted child holds its ready pipe open (loading, not yet listening); the
+    gateway's exit meanwhile ends it all (a supervisor blocked on that pipe would hang)."""
+    loading: list[int] = []
+    children = ScriptedChildren(lambda name, fd: loading.append(fd))
+    children.then(("expert rank 0", 1))
+    children.then(("gateway", 1), once=lambda: bool(children.respawned))
+    try:
+        with pytest.raises(StartupError, match="gateway exited with status 1"):
+            supervise(children, experts_only)  # type: ignore[arg-type]
+    finally:
+        for fd in loading:
+            os.close(fd)
+    assert children.respawned == ["expert rank 0"] and loading
+
+
 def test_a_crash_loop_backs_off_doubling(capsys: pytest.CaptureFixture[str]) -> None:
     """Each restart dies before listening (its pipe ends without a ready line): waits of
     0.1, 0.2, 0.4 s, as Docker's restart policy."""
