@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from gateway.errors import bad_request
+from gateway.structured_outputs import ResponseFormat, StructuredOutputs, grammar
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 Temperature = Annotated[float, msgspec.Meta(ge=0)]
@@ -35,11 +36,7 @@ def _empty(value: Any) -> bool:
 # Ignoring them, as unknown fields are, would answer 200 with output other than asked for,
 # so each is refused unless its value changes nothing: (harmless?, what it asks for).
 NOT_BUILT: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "response_format": (lambda v: isinstance(v, dict) and v.get("type") == "text",
-                        "structured outputs (only {\"type\": \"text\"})"),
-    **{name: (_never, "structured outputs") for name in (
-        "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-        "guided_grammar", "structural_tag")},
+    "structural_tag": (_never, "structural tags"),
     "tool_choice": (lambda v: v in ("none", "auto"), "tool calling"),  # auto: see tools
     "functions": (_empty, "function calling"),
     "function_call": (lambda v: v in ("none", "auto"), "function calling"),
@@ -122,6 +119,14 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens `token_id:N`
     # vLLM's: keep only the prompt's last k tokens (-1: as many as the model takes)
     truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1)] | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, and the
+    # guided_* fields older vLLM took (gateway/structured_outputs.py)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def __post_init__(self) -> None:
         if self.stream_options is not None and self.stream_options.given() \
@@ -152,6 +157,17 @@ class SamplingFields(msgspec.Struct, kw_only=True):
         """Whether every choice carries the prompt's log-probabilities (text completions:
         in its echoed logprobs and its `prompt_logprobs`)."""
         return True
+
+    def grammar(self) -> str | None:
+        """The llguidance grammar the output must follow, if the request constrains it."""
+        legacy = StructuredOutputs(self.guided_json, self.guided_regex, self.guided_choice,
+                                   self.guided_grammar)
+        if legacy != StructuredOutputs():
+            if self.structured_outputs is not None:
+                raise bad_request("Use `structured_outputs` or the guided_* fields, not "
+                                  "both.", "structured_outputs")
+            return grammar(self.response_format, legacy)
+        return grammar(self.response_format, self.structured_outputs)
 
     @property
     def include_usage(self) -> bool:

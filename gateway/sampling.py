@@ -98,6 +98,7 @@ def sampling_params(request: SamplingFields, prompt_token_ids: Sequence[int],
         logit_bias=_logit_bias(request.logit_bias, limits.vocab_size),
         allowed_token_ids=_in_vocabulary(request.allowed_token_ids, limits.vocab_size,
                                          "allowed_token_ids"),
+        grammar=request.grammar(),
     )
 
 

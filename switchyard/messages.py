@@ -47,6 +47,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prompt_logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] = ()
+    grammar: str | None = None  # structured outputs: an llguidance grammar to follow
 
     @property
     def biased(self) -> bool:

@@ -341,6 +341,35 @@ def test_logit_bias_and_allowed_token_ids(demo: Served) -> None:
     assert only.choices[0].text == "777"
 
 
+def test_structured_outputs_as_openai_and_vllm_take_them(demo: Served) -> None:
+    """OpenAI's response_format (json_schema, json_object), vLLM's structured_outputs and
+    its older guided_* fields; streamed as not; a bad schema is the request's 400."""
+    c, m = client(demo), model_id(demo)
+    messages = [{"role": "user", "content": "What is 123 + 456?"}]
+    schema = {"type": "object", "properties": {"sum": {"type": "string", "maxLength": 3}},
+              "required": ["sum"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "sum", "schema": schema}}
+    whole = c.chat.completions.create(model=m, messages=messages, temperature=0,
+                                      max_tokens=30, response_format=fmt)  # type: ignore[arg-type]
+    text = whole.choices[0].message.content or ""
+    assert set(json.loads(text)) == {"sum"} and whole.choices[0].finish_reason == "stop"
+    stream = c.chat.completions.create(model=m, messages=messages, temperature=0,
+                                       max_tokens=30, response_format=fmt, stream=True)  # type: ignore[arg-type]
+    assert streamed_texts(stream, chat=True) == {0: text}
+    obj = c.chat.completions.create(model=m, messages=messages, temperature=0, max_tokens=3,
+                                    response_format={"type": "json_object"})
+    assert (obj.choices[0].message.content or "").startswith("{")
+    for extra in ({"structured_outputs": {"choice": ["579", "no"]}},
+                  {"guided_choice": ["579", "no"]}):
+        r = c.completions.create(model=m, prompt=ARITH, temperature=1.5, seed=3,
+                                 max_tokens=5, n=3, extra_body=extra)
+        assert {choice.text for choice in r.choices} <= {"579", "no"}
+    with pytest.raises(openai.BadRequestError, match="structured outputs") as info:
+        c.chat.completions.create(model=m, messages=messages, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}})
+    assert info.value.body["param"] == "response_format"  # type: ignore[index]
+
+
 def test_unknown_fields_are_ignored(demo: Served) -> None:
     c, m = client(demo), model_id(demo)
     r = c.completions.create(model=m, prompt=ARITH, max_tokens=4, temperature=0,

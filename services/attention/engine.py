@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from pathlib import Path
 
 import torch
 
@@ -19,6 +20,7 @@ from ep_dispatch.torch_dist import World
 from services.attention.batch import StepBatch, build_batch
 from services.attention.block_manager import BlockManager
 from services.attention.config import AttentionConfig, check_cuda_graphs
+from services.attention.grammar import Grammars
 from services.attention.graphs import Capture, DecodeGraphs, cuda_capture
 from services.attention.kv_cache import KVCache, kv_bytes_per_block
 from services.attention.model import DenseModel
@@ -100,6 +102,7 @@ class Engine:
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings,
                                  cfg.max_position_embeddings, capacity)
         self._seqs: dict[str, Sequence] = {}
+        self.grammars = Grammars(Path(config.model), cfg.vocab_size, cfg.eos_token_ids)
         self.num_aborted = 0
         self.graphs = DecodeGraphs(
             self.model, self.kv, self.experts, num_blocks * config.block_size,
@@ -192,14 +195,17 @@ class Engine:
 
     def add(self, request: GenerateRequest) -> TokenDelta | None:
         """Queue a request; returns an error delta instead when it cannot be served."""
-        error = self._validate(request)
+        error, matcher = self._validate(request), None
+        if error is None and request.sampling.grammar is not None:
+            matcher, error = self.grammars.matcher(request.sampling.grammar)
         if error:
             return TokenDelta(request.request_id, [], "error", len(request.prompt_token_ids),
                               error)
         seq = Sequence(request.request_id, list(request.prompt_token_ids),
                        len(request.prompt_token_ids), request.sampling,
                        torch.Generator(self.device),
-                       trace_parent=tracing.sampled_span(request.trace_context))
+                       trace_parent=tracing.sampled_span(request.trace_context),
+                       matcher=matcher)
         self._seqs[seq.request_id] = seq
         self.scheduler.add(seq)
         return None
@@ -320,6 +326,9 @@ class Engine:
             seq.finish_reason = "stop"
         elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
+        if seq.matcher is not None and seq.finish_reason is None and \
+                (not seq.matcher.consume_token(token) or seq.matcher.is_stopped()):
+            seq.finish_reason = "stop"  # the grammar is complete (or broken: nothing fits)
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
         if seq.finish_reason:

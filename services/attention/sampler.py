@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.attention.grammar import allowed
 from services.attention.sequence import Sequence
 from switchyard.messages import SamplingParams, TokenLogprobs
 
@@ -63,6 +64,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: tuple[int,
         logits = apply_bias(logits, params)
     if any(p.penalized for p in params):
         logits = _finite(apply_penalties(logits, seqs))
+    if any(s.matcher is not None for s in seqs):
+        logits = apply_grammars(logits, seqs)
     if any(len(s.output_token_ids) < s.sampling.min_tokens for s in seqs):
         suppressed = suppress_stops(logits, seqs, eos_token_ids)
         # min_tokens yields where it would leave no token (allowed_token_ids all stops)
@@ -128,6 +131,17 @@ def apply_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tens
             ids = torch.tensor([t for t, _ in p.logit_bias], device=logits.device)
             logits[i, ids] += torch.tensor([b for _, b in p.logit_bias], dtype=logits.dtype,
                                            device=logits.device)
+    return logits
+
+
+def apply_grammars(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Structured outputs: tokens a sequence's grammar does not allow next masked out.
+
+    logits: [S, V] float, row i for seqs[i]; returns a copy of the same shape."""
+    rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
+    ok = allowed([seqs[i].matcher for i in rows], logits.shape[-1]).to(logits.device)  # [R, V]
+    logits = logits.clone()
+    logits[rows] = logits[rows].masked_fill(~ok, float("-inf"))
     return logits
 
 

@@ -6,6 +6,7 @@ import enum
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from opentelemetry.trace import SpanContext
@@ -47,6 +48,7 @@ class Sequence:
     # With `sampling.prompt_logprobs`: entry j for prompt token j, filled as the prompt's
     # chunks run (the first token has none: nothing precedes it).
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=lambda: [None])
+    matcher: Any = None  # structured outputs: its llguidance matcher (attention/grammar.py)
 
     def __post_init__(self) -> None:
         # Each sequence draws from its own generator, so its samples do not depend on what

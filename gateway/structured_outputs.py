@@ -1,0 +1,113 @@
+"""Structured outputs: a request's `response_format` (OpenAI) or `structured_outputs` /
+`guided_*` fields (vLLM) as one llguidance grammar, which the engine enforces token by
+token (services/attention/grammar.py).
+
+Grammars are built and checked here, so a bad schema or regex is the request's 400; the
+engine only matches them against its tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+import msgspec
+
+from gateway.errors import bad_request
+
+
+class JsonSchema(msgspec.Struct):
+    """`response_format.json_schema`: the schema, and OpenAI's name for it."""
+
+    name: str = "response"
+    schema: dict[str, Any] | bool = True  # a missing schema allows any JSON value
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct):
+    """OpenAI's `response_format`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+
+class StructuredOutputs(msgspec.Struct):
+    """vLLM's `structured_outputs`: one constraint of these kinds."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark, or llama.cpp's GBNF
+    json_object: bool | None = None
+
+
+def grammar(response_format: ResponseFormat | None,
+            structured: StructuredOutputs | None) -> str | None:
+    """The llguidance grammar asked for (None: none), checked; a 400 naming the field
+    when it cannot be built or more than one constraint is given."""
+    kinds: list[tuple[str, str, str]] = []  # (field, llguidance format, text)
+    if response_format is not None and response_format.type == "json_object":
+        kinds.append(("response_format", "json_schema", _compact({"type": "object"})))
+    elif response_format is not None and response_format.type == "json_schema":
+        if response_format.json_schema is None:
+            raise bad_request("response_format of type json_schema needs `json_schema`.",
+                              "response_format")
+        kinds.append(("response_format", "json_schema",
+                      _compact(response_format.json_schema.schema)))
+    if structured is not None:
+        given = {name: value for name in StructuredOutputs.__struct_fields__
+                 if (value := getattr(structured, name)) is not None}
+        kinds += [("structured_outputs", *_vllm_kind(name, value))
+                  for name, value in given.items() if name != "json_object" or value]
+    if not kinds:
+        return None
+    if len(kinds) > 1:
+        raise bad_request("You can only use one kind of structured outputs constraint, "
+                          f"got {len(kinds)}.", kinds[1][0])
+    field, kind, text = kinds[0]
+    llguidance = _llguidance()
+    try:
+        built = llguidance.grammar_from(kind, text)
+        error = llguidance.LLMatcher.validate_grammar(built)
+    except (ValueError, RuntimeError) as exc:
+        error = str(exc)
+    if error:
+        raise bad_request(f"Invalid structured outputs constraint: {error}", field)
+    return built
+
+
+def _compact(schema: dict[str, Any] | bool | str) -> str:
+    """A JSON schema's text, asking llguidance for JSON without optional whitespace unless
+    the schema says otherwise (its `x-guidance`): small models given the choice can fill a
+    whole reply with whitespace."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError:
+            return str(schema)  # llguidance says what is wrong with it
+    if isinstance(schema, dict) and "x-guidance" not in schema:
+        schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
+    return json.dumps(schema)
+
+
+def _vllm_kind(name: str, value: Any) -> tuple[str, str]:
+    if name == "json":
+        return "json_schema", _compact(value)
+    if name == "choice":
+        if not value:
+            raise bad_request("structured_outputs.choice needs at least one choice.",
+                              "structured_outputs")
+        return "choice", json.dumps(value)
+    if name == "json_object":
+        return "json_schema", _compact({"type": "object"})
+    return {"regex": "regex", "grammar": "grammar"}[name], value
+
+
+def _llguidance() -> Any:  # the optional module
+    try:
+        import llguidance
+    except ImportError:
+        raise bad_request("Structured outputs need the `llguidance` package on the gateway "
+                          "(pip install llguidance).", "response_format") from None
+    return llguidance

@@ -1,0 +1,108 @@
+"""Structured outputs: requests' constraints as llguidance grammars (the gateway), and the
+engine sampling only what they allow, greedy and sampled, on the bundled model."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import pytest
+
+from gateway.errors import GatewayError
+from gateway.structured_outputs import JsonSchema, ResponseFormat, StructuredOutputs, grammar
+from gateway.tokenizer import Tokenizer
+from services.attention.config import AttentionConfig
+from services.attention.engine import Engine
+from switchyard.demo_model import DEFAULT_MODEL
+from switchyard.messages import GenerateRequest, SamplingParams
+
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 4},
+                                           "sure": {"type": "boolean"}},
+          "required": ["answer", "sure"], "additionalProperties": False}
+
+
+def refused(response_format: ResponseFormat | None, structured: StructuredOutputs | None
+            ) -> GatewayError:
+    with pytest.raises(GatewayError) as info:
+        grammar(response_format, structured)
+    assert info.value.status == 400
+    return info.value
+
+
+def test_bad_constraints_are_the_requests_400() -> None:
+    assert grammar(None, None) is None and grammar(ResponseFormat("text"), None) is None
+    assert refused(ResponseFormat("json_schema"), None).param == "response_format"
+    assert refused(ResponseFormat("json_schema", JsonSchema(schema={"type": "objectx"})),
+                   None).param == "response_format"
+    assert "one kind" in refused(None, StructuredOutputs(regex="a", choice=["b"])).message
+    assert refused(ResponseFormat("json_object"), StructuredOutputs(regex="a")).param == \
+        "structured_outputs"
+    assert refused(None, StructuredOutputs(regex="[0-9")).param == "structured_outputs"
+    assert refused(None, StructuredOutputs(choice=[])).param == "structured_outputs"
+
+
+def test_without_llguidance_the_error_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # import fails
+    assert "`llguidance`" in refused(ResponseFormat("json_object"), None).message
+    engine_side = Engine.__new__(Engine)  # only its grammars
+    from services.attention.grammar import Grammars
+
+    engine_side.grammars = Grammars(DEFAULT_MODEL, 261, (260,))
+    assert "`llguidance`" in (engine_side.grammars.matcher("{}")[1] or "")
+
+
+@pytest.fixture(scope="module")
+def demo_engine() -> Engine:
+    return Engine(AttentionConfig(model=DEFAULT_MODEL, max_num_batched_tokens=64))
+
+
+def generate(engine: Engine, constraint: str, n: int = 4, max_tokens: int = 40
+             ) -> list[tuple[str, str | None]]:
+    """(text, finish reason) of a greedy and n - 1 sampled answers to a demo question."""
+    tok = Tokenizer.load(DEFAULT_MODEL)
+    assert tok is not None
+    prompt = tok.encode_chat([{"role": "user", "content": "What is 123 + 456?"}])
+    for i in range(n):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0 if i == 0 else 1.5,
+                                seed=i, grammar=constraint)
+        assert engine.add(GenerateRequest(f"r{i}", prompt, params)) is None
+    tokens: dict[str, list[int]] = {}
+    reasons: dict[str, str | None] = {}
+    while engine.has_work():
+        for d in engine.step():
+            tokens.setdefault(d.request_id, []).extend(d.token_ids)
+            reasons[d.request_id] = d.finish_reason
+    return [(tok.decode(tokens[f"r{i}"]), reasons[f"r{i}"]) for i in range(n)]
+
+
+def test_the_engine_samples_only_what_the_grammar_allows(demo_engine: Engine) -> None:
+    """The model answers "579" unconstrained; each constraint holds greedy and at
+    temperature 1.5, and a complete grammar ends the answer."""
+    for text, reason in generate(demo_engine, grammar(None, StructuredOutputs(
+            regex=r"[0-9]{2}-[a-z]"))):
+        assert re.fullmatch(r"[0-9]{2}-[a-z]", text) and reason == "stop", text
+    choices = ["yes", "no", "57"]
+    for text, reason in generate(demo_engine, grammar(None, StructuredOutputs(
+            choice=choices))):
+        assert text in choices and reason == "stop", text
+    for text, reason in generate(demo_engine, grammar(ResponseFormat(
+            "json_schema", JsonSchema(schema=SCHEMA)), None)):
+        value = json.loads(text)  # compact: no whitespace the schema does not ask for
+        assert set(value) == {"answer", "sure"} and len(value["answer"]) <= 4, text
+        assert isinstance(value["sure"], bool) and " " not in text and reason == "stop"
+    for text, _ in generate(demo_engine, grammar(ResponseFormat("json_object"), None),
+                            n=2, max_tokens=12):
+        assert text.startswith("{")  # (12 tokens may end before the object does)
+
+
+def test_a_grammar_the_engine_cannot_match_is_refused_alone(demo_engine: Engine,
+                                                           qwen3_ckpt: tuple) -> None:
+    """Sent to the attention service directly: an error delta, not a failed step; a
+    model without a tokenizer says so."""
+    bad = demo_engine.add(GenerateRequest("bad", [1, 2], SamplingParams(grammar="%%% x")))
+    assert bad is not None and bad.finish_reason == "error" and "structured" in bad.error
+    tiny = Engine(AttentionConfig(model=qwen3_ckpt[0]))
+    none = tiny.add(GenerateRequest("t", [1, 2], SamplingParams(
+        grammar=grammar(ResponseFormat("json_object"), None))))
+    assert none is not None and "tokenizer" in (none.error or "")
