@@ -1,0 +1,79 @@
+"""What structured outputs cost: decode steps with and without a grammar, side by side.
+
+The bundled demo model's engine in-process (float32): a batch of demo questions, every
+answer forced to --output-len tokens, unconstrained, under a regex and under a JSON
+schema (llguidance masks computed on the engine's thread each step). Conditions
+alternate over --rounds; the median is reported.
+
+    .venv/bin/python -m benchmarks.structured [--batch 16] [--output-len 48] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from gateway.structured_outputs import JsonSchema, ResponseFormat, StructuredOutputs, grammar
+from gateway.tokenizer import Tokenizer
+from services.attention.config import AttentionConfig
+from services.attention.engine import Engine
+from switchyard.demo_model import DEFAULT_MODEL
+from switchyard.demo_task import problems
+from switchyard.messages import GenerateRequest, SamplingParams
+
+# Long on purpose: no grammar is complete before the output length (a complete one would
+# end its answer, and the conditions would not generate the same number of tokens).
+SCHEMA = {"type": "object", "properties": {"steps": {"type": "array", "items": {
+    "type": "string"}, "minItems": 100}}, "required": ["steps"]}
+CONDITIONS = {"unconstrained": None,
+              "regex [0-9+= -]{500}": grammar(None, StructuredOutputs(regex="[0-9+= -]{500}")),
+              "JSON schema": grammar(ResponseFormat("json_schema", JsonSchema(schema=SCHEMA)),
+                                     None)}
+
+
+def run(engine: Engine, prompts: list[list[int]], constraint: str | None, n: int) -> int:
+    params = SamplingParams(max_tokens=n, temperature=1.0, seed=0, ignore_eos=True,
+                            grammar=constraint)
+    for i, prompt in enumerate(prompts):
+        assert engine.add(GenerateRequest(f"r{i}", prompt, params)) is None
+    tokens = 0
+    while engine.has_work():
+        tokens += sum(len(d.token_ids) for d in engine.step())
+    return tokens
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--output-len", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    tok = Tokenizer.load(DEFAULT_MODEL)
+    assert tok is not None
+    prompts = [tok.encode_chat([{"role": "user", "content": p.question}])
+               for p in problems(0, args.batch)]
+    engine = Engine(AttentionConfig(model=DEFAULT_MODEL))
+    for constraint in CONDITIONS.values():  # warm-up
+        run(engine, prompts, constraint, 4)
+    times: dict[str, list[float]] = {name: [] for name in CONDITIONS}
+    tokens: dict[str, int] = {}
+    for r in range(args.rounds):
+        for name, constraint in CONDITIONS.items():
+            start = time.perf_counter()
+            tokens[name] = run(engine, prompts, constraint, args.output_len)
+            times[name].append(time.perf_counter() - start)
+        print(f"round {r + 1}/{args.rounds}: " + ", ".join(
+            f"{name} {t[-1]:.2f}s" for name, t in times.items()), flush=True)
+    base = statistics.median(times["unconstrained"])
+    print(f"\n{args.batch} requests x {args.output_len} tokens, median of {args.rounds}\n")
+    print("| condition | output tokens | seconds | tokens/s | time vs unconstrained |")
+    print("|---|---:|---:|---:|---:|")
+    for name, t in times.items():
+        median = statistics.median(t)
+        print(f"| {name} | {tokens[name]} | {median:.2f} | {tokens[name] / median:.0f} "
+              f"| {median / base:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
