@@ -11,13 +11,17 @@ alternate over --rounds; the median is reported.
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
+
+import torch
 
 from gateway.structured_outputs import JsonSchema, ResponseFormat, StructuredOutputs, grammar
 from gateway.tokenizer import Tokenizer
 from services.attention.config import AttentionConfig
 from services.attention.engine import Engine
+from services.attention.grammar import allowed
 from switchyard.demo_model import DEFAULT_MODEL
 from switchyard.demo_task import problems
 from switchyard.messages import GenerateRequest, SamplingParams
@@ -73,6 +77,32 @@ def main() -> None:
         median = statistics.median(t)
         print(f"| {name} | {tokens[name]} | {median:.2f} | {tokens[name] / median:.0f} "
               f"| {median / base:.2f}x |")
+    unpack_cost()
+
+
+class _Packed:
+    """A matcher's stand-in: a fixed bitmask (llguidance's own time is not in this)."""
+
+    def __init__(self, words: int, seed: int) -> None:
+        self._mask = random.Random(seed).randbytes(4 * words)
+
+    def compute_bitmask(self) -> bytes:
+        return self._mask
+
+
+def unpack_cost(vocab: int = 151_936) -> None:
+    """The masks' unpacking alone at Qwen3's vocabulary, on this machine's CPU."""
+    print(f"\nmasks unpacked to [rows, {vocab:,}] bool on the CPU, median of 10\n")
+    print("| rows | ms per step |")
+    print("|---:|---:|")
+    for rows in (1, 16, 64):
+        matchers = [_Packed((vocab + 31) // 32, i) for i in range(rows)]
+        samples = []
+        for _ in range(10):
+            start = time.perf_counter()
+            allowed(matchers, vocab, torch.device("cpu"))
+            samples.append(time.perf_counter() - start)
+        print(f"| {rows} | {statistics.median(samples) * 1e3:.1f} |")
 
 
 if __name__ == "__main__":

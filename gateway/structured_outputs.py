@@ -32,8 +32,9 @@ class ResponseFormat(msgspec.Struct):
     json_schema: JsonSchema | None = None
 
 
-class StructuredOutputs(msgspec.Struct):
-    """vLLM's `structured_outputs`: one constraint of these kinds."""
+class StructuredOutputs(msgspec.Struct, forbid_unknown_fields=True):
+    """vLLM's `structured_outputs`: one constraint of these kinds (its others, such as
+    `structural_tag` or `whitespace_pattern`, are refused: not built)."""
 
     json: dict[str, Any] | str | None = None
     regex: str | None = None
@@ -58,6 +59,9 @@ def grammar(response_format: ResponseFormat | None,
     if structured is not None:
         given = {name: value for name in StructuredOutputs.__struct_fields__
                  if (value := getattr(structured, name)) is not None}
+        if not given:
+            raise bad_request("structured_outputs needs a constraint: json, regex, choice, "
+                              "grammar or json_object.", "structured_outputs")
         kinds += [("structured_outputs", *_vllm_kind(name, value))
                   for name, value in given.items() if name != "json_object" or value]
     if not kinds:
@@ -79,15 +83,17 @@ def grammar(response_format: ResponseFormat | None,
 
 def _compact(schema: dict[str, Any] | bool | str) -> str:
     """A JSON schema's text, asking llguidance for JSON without optional whitespace unless
-    the schema says otherwise (its `x-guidance`): small models given the choice can fill a
-    whole reply with whitespace."""
+    the schema's `x-guidance` sets `whitespace_flexible`: small models given the choice
+    can fill a whole reply with whitespace."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
         except ValueError:
             return str(schema)  # llguidance says what is wrong with it
-    if isinstance(schema, dict) and "x-guidance" not in schema:
-        schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
+    if isinstance(schema, dict):
+        options = schema.get("x-guidance")
+        options = options if isinstance(options, dict) else {}
+        schema = {**schema, "x-guidance": {"whitespace_flexible": False, **options}}
     return json.dumps(schema)
 
 

@@ -40,6 +40,20 @@ def test_bad_constraints_are_the_requests_400() -> None:
         "structured_outputs"
     assert refused(None, StructuredOutputs(regex="[0-9")).param == "structured_outputs"
     assert refused(None, StructuredOutputs(choice=[])).param == "structured_outputs"
+    assert refused(None, StructuredOutputs()).param == "structured_outputs"  # no constraint
+
+
+def test_json_is_compact_unless_the_schema_asks_for_whitespace() -> None:
+    def options(schema: dict) -> dict:
+        built = json.loads(grammar(ResponseFormat("json_schema", JsonSchema(schema=schema)),
+                                   None) or "")
+        return built["grammars"][0]["json_schema"]["x-guidance"]
+
+    assert options({"type": "object"}) == {"whitespace_flexible": False}
+    assert options({"type": "object", "x-guidance": {"lenient": True}}) == \
+        {"whitespace_flexible": False, "lenient": True}
+    assert options({"x-guidance": {"whitespace_flexible": True}}) == \
+        {"whitespace_flexible": True}
 
 
 def test_without_llguidance_the_error_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -106,3 +120,40 @@ def test_a_grammar_the_engine_cannot_match_is_refused_alone(demo_engine: Engine,
     none = tiny.add(GenerateRequest("t", [1, 2], SamplingParams(
         grammar=grammar(ResponseFormat("json_object"), None))))
     assert none is not None and "tokenizer" in (none.error or "")
+
+
+def test_a_tokenizer_wider_than_the_model_eos_rules_and_impossible_constraints(
+        qwen3_ckpt: tuple, tmp_path: object) -> None:
+    """The tiny model (256 logits, EOS 255) with the demo tokenizer (261 tokens): masks as
+    wide as the logits; a complete grammar ends the answer with ignore_eos and min_tokens
+    too; a constraint nothing satisfies (allowed_token_ids outside the grammar) is that
+    request's error, not a forbidden token."""
+    import shutil
+    from pathlib import Path
+
+    model = Path(str(tmp_path)) / "tiny-with-tokenizer"
+    shutil.copytree(qwen3_ckpt[0], model)
+    shutil.copy(DEFAULT_MODEL / "tokenizer.json", model / "tokenizer.json")
+    tok = Tokenizer.load(DEFAULT_MODEL)
+    assert tok is not None
+    engine = Engine(AttentionConfig(model=model))
+    digits = grammar(None, StructuredOutputs(regex="[0-9]{3}"))
+    letter = tok.encode("a", add_special_tokens=False)
+    asks = {"plain": SamplingParams(max_tokens=10, seed=1, grammar=digits),
+            "eos ignored": SamplingParams(max_tokens=10, seed=2, grammar=digits,
+                                          ignore_eos=True, min_tokens=6),
+            "impossible": SamplingParams(max_tokens=10, seed=3, grammar=digits,
+                                         allowed_token_ids=tuple(letter))}
+    for name, params in asks.items():
+        assert engine.add(GenerateRequest(name, [1, 2, 3], params)) is None
+    tokens: dict[str, list[int]] = {}
+    ends: dict[str, tuple[str | None, str | None]] = {}
+    while engine.has_work():
+        for d in engine.step():
+            tokens.setdefault(d.request_id, []).extend(d.token_ids)
+            ends[d.request_id] = (d.finish_reason, d.error)
+    for name in ("plain", "eos ignored"):
+        assert re.fullmatch("[0-9]{3}", tok.decode(tokens[name])), tokens[name]
+        assert ends[name] == ("stop", None)
+    reason, error = ends["impossible"]
+    assert reason == "error" and "structured outputs" in (error or "")

@@ -326,9 +326,13 @@ class Engine:
             seq.finish_reason = "stop"
         elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
-        if seq.matcher is not None and seq.finish_reason is None and \
-                (not seq.matcher.consume_token(token) or seq.matcher.is_stopped()):
-            seq.finish_reason = "stop"  # the grammar is complete (or broken: nothing fits)
+        error = None
+        if seq.matcher is not None and seq.finish_reason is None:
+            if not seq.matcher.consume_token(token):  # the grammar allowed no token left
+                seq.finish_reason = "error"  # (e.g. allowed_token_ids outside it)
+                error = f"structured outputs: {seq.matcher.get_error()}"
+            elif seq.matcher.is_stopped():  # complete
+                seq.finish_reason = "stop"
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
         if seq.finish_reason:
@@ -342,7 +346,7 @@ class Engine:
             prefill_s = time.monotonic() - seq.first_scheduled_time
         prompt = seq.prompt_logprobs if first and p.prompt_logprobs is not None else None
         return TokenDelta(seq.request_id, [token], seq.finish_reason, seq.num_prompt_tokens,
-                          logprobs=None if logprobs is None else [logprobs],
+                          error, logprobs=None if logprobs is None else [logprobs],
                           queue_time_s=queue_s, prefill_time_s=prefill_s,
                           prompt_logprobs=prompt)
 

@@ -1,45 +1,105 @@
 """Structured outputs in the engine: each constrained sequence's llguidance matcher (its
 grammar built and checked by the gateway), the tokens it allows at each step, and the
-tokens it consumes."""
+tokens it consumes.
+
+Grammars are compiled once each (`prepare`, off the event loop: a complex schema takes a
+while) and kept, so requests with a schema seen before start from a copy.
+"""
 
 from __future__ import annotations
 
+import logging
+import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 import torch
 
+log = logging.getLogger(__name__)
+MAX_COMPILED = 64  # grammars kept compiled, the least recently used dropped first
+# bit k of byte i of a bitmask (u32 words, little-endian) allows token 8 * i + k
+_BITS = (1, 2, 4, 8, 16, 32, 64, 128)
+
 
 class Grammars:
-    """Matchers over the model's tokenizer, which is read at the first one."""
+    """Matchers over the model's tokenizer, which is read once, at start-up. What is
+    missing for structured outputs (llguidance, a tokenizer.json) is each such request's
+    error, never the service's."""
 
     def __init__(self, model_dir: Path, vocab_size: int, eos_token_ids: tuple[int, ...]
                  ) -> None:
-        self._model_dir, self._vocab, self._eos = model_dir, vocab_size, eos_token_ids
-        self._tokenizer: Any = None
+        self._tokenizer, self._unavailable = _load_tokenizer(model_dir, vocab_size,
+                                                              eos_token_ids)
+        self._compiled: OrderedDict[str, tuple[Any, str | None]] = OrderedDict()
+        self._lock = threading.Lock()  # `prepare` runs in worker threads
+
+    def prepare(self, grammar: str) -> None:
+        """Compile `grammar` unless it is compiled already (from any thread)."""
+        with self._lock:
+            if grammar in self._compiled:
+                self._compiled.move_to_end(grammar)
+                return
+        compiled = self._compile(grammar)
+        with self._lock:
+            self._compiled[grammar] = compiled
+            while len(self._compiled) > MAX_COMPILED:
+                self._compiled.popitem(last=False)
 
     def matcher(self, grammar: str) -> tuple[Any, str | None]:
         """(a matcher at the start of `grammar`, None), or (None, why there is none)."""
-        try:
-            import llguidance
-        except ImportError:
-            return None, ("structured outputs need the `llguidance` package on the attention "
-                          "service (pip install llguidance)")
+        with self._lock:
+            compiled = self._compiled.get(grammar)
+        if compiled is None:
+            self.prepare(grammar)
+            with self._lock:
+                compiled = self._compiled.get(grammar) or self._compile(grammar)
+        template, error = compiled
+        return (None, error) if template is None else (template.deep_copy(), None)
+
+    def _compile(self, grammar: str) -> tuple[Any, str | None]:
         if self._tokenizer is None:
-            path = self._model_dir / "tokenizer.json"
-            if not path.is_file():
-                return None, f"structured outputs need the model's tokenizer ({path})"
-            self._tokenizer = llguidance.LLTokenizer(
-                path.read_text("utf-8"), n_vocab=self._vocab, eos_token=list(self._eos))
+            return None, self._unavailable
+        import llguidance
+
         matcher = llguidance.LLMatcher(self._tokenizer, grammar)
         if matcher.is_error():
             return None, f"structured outputs: {matcher.get_error()}"
         return matcher, None
 
 
-def allowed(matchers: list[Any], vocab: int) -> torch.Tensor:
-    """The tokens each matcher allows next: bool [S, V] (the bitmasks' words unpacked)."""
-    words = torch.frombuffer(bytearray(b"".join(m.compute_bitmask() for m in matchers)),
-                             dtype=torch.int32).view(len(matchers), -1)  # [S, ceil(V/32)]
-    bits = (words[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1  # [S, W, 32]
-    return bits.reshape(len(matchers), -1)[:, :vocab].bool()
+def _load_tokenizer(model_dir: Path, vocab_size: int, eos_token_ids: tuple[int, ...]
+                    ) -> tuple[Any, str]:
+    """(llguidance's tokenizer, "") or (None, why structured outputs are unavailable)."""
+    try:
+        import llguidance
+    except ImportError:
+        return None, ("structured outputs need the `llguidance` package on the attention "
+                      "service (pip install llguidance)")
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        return None, f"structured outputs need the model's tokenizer ({path})"
+    try:
+        import tokenizers
+
+        text = path.read_text("utf-8")
+        size = tokenizers.Tokenizer.from_str(text).get_vocab_size(with_added_tokens=True)
+        # as wide as the logits, or the tokenizer when it has more tokens than the model
+        return llguidance.LLTokenizer(text, n_vocab=max(vocab_size, size),
+                                      eos_token=list(eos_token_ids) or None), ""
+    except Exception as exc:  # a tokenizer llguidance cannot take costs only this feature
+        log.warning("structured outputs are unavailable: %s", exc)
+        return None, f"structured outputs are unavailable for this model's tokenizer: {exc}"
+
+
+def allowed(matchers: list[Any], vocab: int, device: torch.device) -> torch.Tensor:
+    """The tokens each matcher allows next: bool [S, vocab] on `device`, unpacked there
+    from the bitmasks' bytes (an eighth of the mask's size crosses to a GPU)."""
+    raw = bytearray(b"".join(m.compute_bitmask() for m in matchers))
+    packed = torch.frombuffer(raw, dtype=torch.uint8).to(device)  # [S * 4 * ceil(n/32)]
+    bits = packed[:, None].bitwise_and(torch.tensor(_BITS, dtype=torch.uint8,
+                                                    device=device)).ne(0)  # [., 8]
+    mask = bits.view(len(matchers), -1)  # [S, n]: n, the tokenizer's width, may exceed vocab
+    if mask.shape[1] < vocab:  # (never built narrower; a token past it is not allowed)
+        mask = torch.nn.functional.pad(mask, (0, vocab - mask.shape[1]))
+    return mask[:, :vocab]

@@ -139,7 +139,7 @@ def apply_grammars(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
     logits: [S, V] float, row i for seqs[i]; returns a copy of the same shape."""
     rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
-    ok = allowed([seqs[i].matcher for i in rows], logits.shape[-1]).to(logits.device)  # [R, V]
+    ok = allowed([seqs[i].matcher for i in rows], logits.shape[-1], logits.device)  # [R, V]
     logits = logits.clone()
     logits[rows] = logits[rows].masked_fill(~ok, float("-inf"))
     return logits

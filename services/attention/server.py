@@ -68,6 +68,10 @@ class AttentionServer:
             elif isinstance(msg, StatsRequest):
                 await conn.send(self.engine.stats())
             elif isinstance(msg, GenerateRequest | AbortRequest):
+                if isinstance(msg, GenerateRequest) and msg.sampling.grammar is not None:
+                    # compiled here, off the loop; this connection's next message waits
+                    await anyio.to_thread.run_sync(self.engine.grammars.prepare,
+                                                   msg.sampling.grammar)
                 self._post(_Work(msg, conn))
             else:
                 log.warning("ignoring unexpected %s", type(msg).__name__)
