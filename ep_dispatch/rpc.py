@@ -236,20 +236,21 @@ class RpcExperts(PointToPoint):
                         counts: list[list[int]], trace: dict[str, str]
                         ) -> list[torch.Tensor]:
         ys: list[torch.Tensor] = list(parts)  # empty parts stay as they are
+        errors: list[ExpertRankError] = []
 
         async def one(rank: int) -> None:
-            ys[rank] = await self._call(rank, layer, parts[rank], counts[rank], trace)
+            try:
+                ys[rank] = await self._call(rank, layer, parts[rank], counts[rank], trace)
+            except ExpertRankError as exc:  # the others' calls end on their own: cancelled,
+                errors.append(exc)  # their connections would close, and be opened again
 
-        try:
-            async with anyio.create_task_group() as tg:
-                for rank, part in enumerate(parts):
-                    if part.shape[0]:
-                        tg.start_soon(one, rank)
-        except* ExpertRankError as group:
-            first = min(group.exceptions, key=str)  # the lowest rank's message
-            lost = frozenset().union(*(e.lost for e in group.exceptions
-                                       if isinstance(e, ExpertRankError)))
-            raise ExpertRankError(str(first), lost) from None
+        async with anyio.create_task_group() as tg:
+            for rank, part in enumerate(parts):
+                if part.shape[0]:
+                    tg.start_soon(one, rank)
+        if errors:
+            first = min(errors, key=str)  # the lowest rank's message
+            raise ExpertRankError(str(first), frozenset().union(*(e.lost for e in errors)))
         return ys
 
     def ready(self) -> bool:

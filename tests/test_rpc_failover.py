@@ -45,6 +45,13 @@ async def die_mid_answer(fake: FakeRank, conn: FrameStream, stream: SocketStream
     return False
 
 
+async def slow_answer(fake: FakeRank, conn: FrameStream, stream: SocketStream,
+                      batch: ExpertBatch) -> bool:
+    """`answer`, a while later (after a faster rank failed)."""
+    await anyio.sleep(0.3)
+    return await answer(fake, conn, stream, batch)
+
+
 async def wedged(fake: FakeRank, conn: FrameStream, stream: SocketStream,
                  batch: ExpertBatch) -> bool:
     """Computation stuck: no batch is ever answered, though handshakes still are (they
@@ -131,6 +138,16 @@ def test_a_rank_that_dies_mid_answer_is_routed_around() -> None:
     with client(answer, die_mid_answer) as (experts, ranks):
         scale = layer_call(experts)
         assert experts._lost == {1} and ranks[1].batches == 1
+        assert torch.allclose(scale, torch.ones_like(scale))  # all from rank 0 (x1)
+
+
+def test_the_ranks_that_answered_keep_their_connections() -> None:
+    """A failed call no longer cancels the others: their connections (which a cancelled
+    call must close, a late answer may be on the way) serve the call made again."""
+    with client(slow_answer, die_mid_answer) as (experts, _):
+        before = experts._conns[0]
+        scale = layer_call(experts)
+        assert experts._lost == {1} and experts._conns[0] is before is not None
         assert torch.allclose(scale, torch.ones_like(scale))  # all from rank 0 (x1)
 
 
