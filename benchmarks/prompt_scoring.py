@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 
 from benchmarks.generate import add_workdir_flag, build_checkpoint, make_prompts
+from benchmarks.timing import alternating
 from services.attention.config import AttentionConfig
 from services.attention.engine import Engine
 from switchyard.messages import GenerateRequest, SamplingParams
@@ -64,16 +64,7 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     runs = {name: engine_run(engine, prompts, k) for name, k in CONDITIONS.items()}
     runs["transformers forward + log_softmax"] = transformers_run(model, prompts)
-    for run in runs.values():  # warm-up
-        run()
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for r in range(args.rounds):
-        for name, run in runs.items():
-            start = time.perf_counter()
-            run()
-            times[name].append(time.perf_counter() - start)
-        print(f"round {r + 1}/{args.rounds}: " + ", ".join(
-            f"{name} {t[-1]:.2f}s" for name, t in times.items()), flush=True)
+    times = alternating(runs, args.rounds)
     base = statistics.median(times["no prompt logprobs"])
     print(f"\n{args.batch} prompts of {args.input_len} tokens, 1 output token each, "
           f"median of {args.rounds}\n")

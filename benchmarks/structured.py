@@ -14,9 +14,11 @@ import argparse
 import random
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
+from benchmarks.timing import alternating
 from gateway.structured_outputs import JsonSchema, ResponseFormat, StructuredOutputs, grammar
 from gateway.tokenizer import Tokenizer
 from services.attention.config import AttentionConfig
@@ -58,17 +60,15 @@ def main() -> None:
     prompts = [tok.encode_chat([{"role": "user", "content": p.question}])
                for p in problems(0, args.batch)]
     engine = Engine(AttentionConfig(model=DEFAULT_MODEL))
-    for constraint in CONDITIONS.values():  # warm-up
-        run(engine, prompts, constraint, 4)
-    times: dict[str, list[float]] = {name: [] for name in CONDITIONS}
     tokens: dict[str, int] = {}
-    for r in range(args.rounds):
-        for name, constraint in CONDITIONS.items():
-            start = time.perf_counter()
+
+    def condition(name: str, constraint: str | None) -> Callable[[], None]:
+        def once() -> None:
             tokens[name] = run(engine, prompts, constraint, args.output_len)
-            times[name].append(time.perf_counter() - start)
-        print(f"round {r + 1}/{args.rounds}: " + ", ".join(
-            f"{name} {t[-1]:.2f}s" for name, t in times.items()), flush=True)
+        return once
+
+    times = alternating({name: condition(name, constraint)
+                         for name, constraint in CONDITIONS.items()}, args.rounds)
     base = statistics.median(times["unconstrained"])
     print(f"\n{args.batch} requests x {args.output_len} tokens, median of {args.rounds}\n")
     print("| condition | output tokens | seconds | tokens/s | time vs unconstrained |")
