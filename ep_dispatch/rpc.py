@@ -214,23 +214,11 @@ class RpcExperts(PointToPoint):
     async def _serves_a_call(self, rank: int) -> None:
         """An empty layer call to a rank just connected again, answered within the call
         timeout: it waits behind whatever that rank computes, as a real call would."""
-        experts, conn = self.placement.local_experts(rank), self._conns[rank]
-        if self._no_rows is None or not experts or conn is None:
+        experts = self.placement.local_experts(rank)
+        if self._no_rows is None or not experts:
             return  # no call was made yet: nothing to be stuck behind
-        layer, call_id = min(experts), next(self._ids)
-        try:
-            with anyio.fail_after(self.call_timeout):
-                await conn.send(ExpertBatch(call_id, layer, [0] * len(experts[layer]),
-                                            to_wire(self._no_rows)))
-                result = await conn.receive()
-            if not isinstance(result, ExpertResult) or result.call_id != call_id or \
-                    result.error is not None:
-                raise ExpertRankError(f"{self._name(rank)} answered an empty call with "
-                                      f"{result!r:.200}")
-        except BaseException:
-            self._conns[rank] = None
-            await _close(conn)
-            raise
+        layer = min(experts)
+        await self._call_once(rank, layer, self._no_rows, [0] * len(experts[layer]), {})
 
     async def _exchange(self, layer: int, parts: tuple[torch.Tensor, ...],
                         counts: list[list[int]], trace: dict[str, str]
