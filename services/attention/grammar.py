@@ -36,26 +36,24 @@ class Grammars:
 
     def prepare(self, grammar: str) -> None:
         """Compile `grammar` unless it is compiled already (from any thread)."""
+        self._compiled_for(grammar)
+
+    def matcher(self, grammar: str) -> tuple[Any, str | None]:
+        """(a matcher at the start of `grammar`, None), or (None, why there is none)."""
+        template, error = self._compiled_for(grammar)
+        return (None, error) if template is None else (template.deep_copy(), None)
+
+    def _compiled_for(self, grammar: str) -> tuple[Any, str | None]:
         with self._lock:
-            if grammar in self._compiled:
+            if (compiled := self._compiled.get(grammar)) is not None:
                 self._compiled.move_to_end(grammar)
-                return
-        compiled = self._compile(grammar)
+                return compiled
+        compiled = self._compile(grammar)  # (unlocked: it may take a while)
         with self._lock:
             self._compiled[grammar] = compiled
             while len(self._compiled) > MAX_COMPILED:
                 self._compiled.popitem(last=False)
-
-    def matcher(self, grammar: str) -> tuple[Any, str | None]:
-        """(a matcher at the start of `grammar`, None), or (None, why there is none)."""
-        with self._lock:
-            compiled = self._compiled.get(grammar)
-        if compiled is None:
-            self.prepare(grammar)
-            with self._lock:
-                compiled = self._compiled.get(grammar) or self._compile(grammar)
-        template, error = compiled
-        return (None, error) if template is None else (template.deep_copy(), None)
+        return compiled
 
     def _compile(self, grammar: str) -> tuple[Any, str | None]:
         if self._tokenizer is None:
