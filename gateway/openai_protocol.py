@@ -209,7 +209,12 @@ class ChatMessage(msgspec.Struct):
 RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "chat_template", "tokenize"})
 
 
-def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+def check_rendering(kwargs: dict[str, Any] | None, add_generation_prompt: bool,
+                    continue_final_message: bool) -> None:
+    """What chat completions and /tokenize refuse in how a conversation is rendered."""
+    if continue_final_message and add_generation_prompt:
+        raise bad_request("Cannot set both `continue_final_message` and "
+                          "`add_generation_prompt` to True.", "continue_final_message")
     if kwargs and (taken := sorted(RESERVED_TEMPLATE_VARIABLES & kwargs.keys())):
         raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)}")
 
@@ -236,11 +241,9 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
         super().__post_init__()
         if self.top_logprobs and not self.logprobs:
             raise ValueError("when using `top_logprobs`, `logprobs` must be set to true.")
-        if self.continue_final_message and self.add_generation_prompt:
-            raise bad_request("Cannot set both `continue_final_message` and "
-                              "`add_generation_prompt` to True.", "continue_final_message")
         check_tools(self.tools, self.tool_choice)
-        check_template_kwargs(self.chat_template_kwargs)
+        check_rendering(self.chat_template_kwargs, self.add_generation_prompt,
+                        self.continue_final_message)
 
     def template_kwargs(self) -> dict[str, Any]:
         """The template's variables: tools and documents, then `chat_template_kwargs`."""

@@ -14,7 +14,7 @@ from starlette.responses import Response
 
 from gateway.chat import conversation
 from gateway.errors import bad_request, engine_unavailable
-from gateway.openai_protocol import ChatCompletionRequest, ChatMessage, check_template_kwargs
+from gateway.openai_protocol import ChatCompletionRequest, ChatMessage, check_rendering
 from gateway.serving import Serving, json_response
 from gateway.tokenizer import Tokenizer
 
@@ -42,10 +42,8 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     return_token_strs: bool = False
 
     def __post_init__(self) -> None:
-        check_template_kwargs(self.chat_template_kwargs)
-        if self.continue_final_message and self.add_generation_prompt:
-            raise bad_request("Cannot set both `continue_final_message` and "
-                              "`add_generation_prompt` to True.", "continue_final_message")
+        check_rendering(self.chat_template_kwargs, self.add_generation_prompt,
+                        self.continue_final_message)
 
 
 class TokenizeResponse(msgspec.Struct):
