@@ -67,10 +67,7 @@ def sampling_params(request: SamplingFields, prompt_token_ids: Sequence[int],
     what the request leaves out comes from `defaults` (the model's generation config),
     else the neutral value."""
     check_prompt(prompt_token_ids, limits)
-    stop_ids = tuple(request.stop_token_ids or ())
-    if stop_ids and max(stop_ids) >= limits.vocab_size:
-        raise bad_request("stop_token_ids contains an id outside the vocabulary.",
-                          "stop_token_ids")
+    stop_ids = _in_vocabulary(request.stop_token_ids, limits.vocab_size, "stop_token_ids")
     max_tokens = _max_tokens(request, len(prompt_token_ids), limits)
     if defaults.max_tokens is not None:  # the model's max_new_tokens caps every request
         max_tokens = min(max_tokens, defaults.max_tokens)
