@@ -183,8 +183,9 @@ class RpcExperts(PointToPoint):
         return True
 
     async def _probe(self, rank: int) -> None:
-        """Try a lost rank's handshake until it answers, every `PROBE_EVERY_S` at most
-        (whatever a try raises); then it is back in the routing. `close` cancels it."""
+        """Try a lost rank (its handshake, then an empty layer call) until it answers,
+        every `PROBE_EVERY_S` at most (whatever a try raises); then it is back in the
+        routing. `close` cancels it."""
         with anyio.CancelScope() as scope:
             self._probes[rank] = scope
             try:
