@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -25,6 +26,7 @@ from gateway.output import Output
 from gateway.serving import Run, Serving, client_gone, json_response
 from gateway.sse import DONE, EventStreamResponse, error_event, event
 from gateway.tokenizer import Tokenizer
+from gateway.tools import Parsed, ToolParser, check_auto, collect, finish_reason, parser_for
 
 
 def conversation(body: ChatCompletionRequest) -> list[dict[str, Any]]:
@@ -35,8 +37,25 @@ def conversation(body: ChatCompletionRequest) -> list[dict[str, Any]]:
         # transformers drops None-valued keys before rendering; templates test for absence.
         if (text := message.text()) is not None:
             turn["content"] = text
+        if message.tool_calls:  # templates write arguments with `tojson` (vLLM decodes them)
+            turn["tool_calls"] = [{"id": call.id, "type": call.type, "function": {
+                "name": call.function.name, "arguments": _decoded(call.function.arguments)}}
+                for call in message.tool_calls]
+        for key in ("tool_call_id", "name"):
+            if (value := getattr(message, key)) is not None:
+                turn[key] = value
         messages.append(turn)
     return messages
+
+
+def _decoded(arguments: str) -> dict[str, Any] | list[Any]:
+    """A call's arguments as JSON values; what is not a JSON object or array is `{}`, as
+    vLLM reads it."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict | list) else {}
 
 
 def _role(body: ChatCompletionRequest) -> str:
@@ -72,6 +91,7 @@ async def _events(serving: Serving, run: Run, body: ChatCompletionRequest
     """The SSE stream: a role chunk per choice, content chunks, each choice's finish, maybe
     usage, then [DONE]."""
     generated = [0] * len(run.choices)  # tokens per choice
+    parsers = [_parser(serving, body) for _ in run.choices]
 
     def so_far(index: int) -> Usage | None:  # vLLM's continuous_usage_stats: per choice
         return run.usage(generated[index]) if body.continuous_usage else None
@@ -87,9 +107,11 @@ async def _events(serving: Serving, run: Run, body: ChatCompletionRequest
         async for index, step in run.stream():
             generated[index] += len(step.token_ids)
             logprobs = _logprobs(serving, body, step)
-            if step.text or step.finish_reason or logprobs:
-                delta = Delta(content=step.text or None)
-                choice = ChatChunkChoice(index, delta, step.finish_reason, logprobs)
+            parsed = _parse(parsers[index], step)
+            if parsed.content or parsed.calls or step.finish_reason or logprobs:
+                delta = Delta(content=parsed.content or None, tool_calls=parsed.calls or None)
+                reason = finish_reason(parsers[index], step.finish_reason)
+                choice = ChatChunkChoice(index, delta, reason, logprobs)
                 if step.finish_reason is not None:
                     choice.stop_reason = step.stop_reason
                 yield _chunk(run, [choice], so_far(index))
@@ -101,9 +123,41 @@ async def _events(serving: Serving, run: Run, body: ChatCompletionRequest
     yield DONE
 
 
+def _parser(serving: Serving, body: ChatCompletionRequest) -> ToolParser | None:
+    return parser_for(body.tools, body.tool_choice, serving.config.tool_call_parser)
+
+
+def _parse(parser: ToolParser | None, step: Output) -> Parsed:
+    """A step's text as content and tool calls."""
+    if parser is None:
+        return Parsed(step.text)
+    parsed = parser.feed(step.text)
+    if step.finish_reason is not None:
+        parsed += parser.finish()
+    return parsed
+
+
+def _choice(serving: Serving, body: ChatCompletionRequest, index: int, out: Output
+            ) -> ChatChoice:
+    """A whole choice: its turn's content (after any echo) and tool calls, and why it
+    ended."""
+    parser = _parser(serving, body)
+    content: str | None = _echoed(body) + out.text
+    calls = []
+    if parser is not None:
+        whole = collect(parser, out.text)
+        content, calls = _echoed(body) + whole.content, whole.calls
+        if not content and calls and not parser.forced:
+            content = None  # (vLLM's, for calls the model chose to make)
+    return ChatChoice(index, AssistantMessage(content, _role(body), calls),
+                      finish_reason(parser, out.finish_reason), _logprobs(serving, body, out),
+                      out.stop_reason)
+
+
 async def create_chat_completion(serving: Serving, request: Request) -> Response:
     """Generate the assistant's reply to a conversation."""
     body = await serving.parse(request, ChatCompletionRequest)
+    check_auto(body.tools, body.tool_choice, serving.config.tool_call_parser)
     prompt_token_ids = serving.tokenizer.encode_chat(
         conversation(body), body.add_generation_prompt, body.template_kwargs(),
         body.continue_final_message, body.add_special_tokens)
@@ -113,10 +167,7 @@ async def create_chat_completion(serving: Serving, request: Request) -> Response
     outs = await serving.complete(request, run)
     if outs is None:
         return client_gone()
-    echoed = _echoed(body)
-    choices = [ChatChoice(i, AssistantMessage(echoed + out.text, _role(body)), out.finish_reason,
-                          _logprobs(serving, body, out), out.stop_reason)
-               for i, out in enumerate(outs)]
+    choices = [_choice(serving, body, i, out) for i, out in enumerate(outs)]
     usage = run.usage(sum(len(out.token_ids) for out in outs))
     scores = None
     if body.prompt_logprobs is not None and outs[0].prompt_logprobs is not None:

@@ -14,6 +14,7 @@ from pathlib import Path
 from gateway.expert_stats import MAX_WINDOW_S
 from gateway.generation_config import NEUTRAL, SamplingDefaults
 from gateway.service_metrics import check_url
+from gateway.tools import TOOL_PARSERS
 from switchyard.flags import env, optional_int
 from switchyard.rpc import parse_address
 from switchyard.units import parse_size
@@ -41,6 +42,8 @@ class GatewayConfig:
     dashboard_window_s: float = 60.0
     # What a request leaves out: the model's generation_config.json (--generation-config)
     sampling_defaults: SamplingDefaults = NEUTRAL
+    # The parser that reads calls out of text when tool_choice is "auto" (None: refused)
+    tool_call_parser: str | None = None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -88,7 +91,31 @@ def _parser() -> argparse.ArgumentParser:
                    help="sampling defaults for what a request leaves out: auto (the model's "
                         "generation_config.json, as vLLM), vllm (neutral: temperature 1, "
                         "no top-p/top-k), or a directory holding a generation_config.json")
+    add_tool_call_flags(p)
     return p
+
+
+def add_tool_call_flags(p: argparse.ArgumentParser) -> None:
+    """vLLM's flags for tool_choice "auto" (gateway and serve)."""
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   default=env("ENABLE_AUTO_TOOL_CHOICE", "") not in ("", "0", "false"),
+                   help="serve tool_choice \"auto\" (the default with tools), reading calls "
+                        "with --tool-call-parser")
+    p.add_argument("--tool-call-parser", default=env("TOOL_CALL_PARSER") or None,
+                   choices=sorted(TOOL_PARSERS),
+                   help="how the model writes tool calls: hermes (Qwen, Hermes)")
+
+
+def tool_call_flags(args: argparse.Namespace) -> list[str]:
+    """Those flags as given, for a launcher to pass on; a ValueError if auto tool choice
+    is enabled without a parser, or the parser (maybe from the environment) is unknown."""
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    if args.tool_call_parser is not None and args.tool_call_parser not in TOOL_PARSERS:
+        raise ValueError(f"--tool-call-parser: {args.tool_call_parser!r} is not one of "
+                         f"{', '.join(sorted(TOOL_PARSERS))}")
+    return ["--enable-auto-tool-choice"] * args.enable_auto_tool_choice + \
+        (["--tool-call-parser", args.tool_call_parser] if args.tool_call_parser else [])
 
 
 def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
@@ -118,6 +145,10 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
         sampling_defaults = SamplingDefaults.load(args.generation_config, model_dir)
     except ValueError as exc:
         parser.error(f"--generation-config: {exc}")
+    try:
+        tool_call_flags(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     return GatewayConfig(
         model_dir=model_dir,
         served_model_name=args.served_model_name or model_dir.resolve().name,
@@ -136,4 +167,5 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
         service_metrics=service_metrics,
         dashboard_window_s=args.dashboard_window,
         sampling_defaults=sampling_defaults,
+        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
     )

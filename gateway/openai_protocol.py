@@ -13,6 +13,7 @@ import msgspec
 
 from gateway.errors import bad_request
 from gateway.structured_outputs import ResponseFormat, StructuredOutputs, grammar
+from gateway.tools import Tool, ToolCall, ToolCallDelta, ToolChoice, call_schema, check_tools
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 Temperature = Annotated[float, msgspec.Meta(ge=0)]
@@ -37,7 +38,9 @@ def _empty(value: Any) -> bool:
 # so each is refused unless its value changes nothing: (harmless?, what it asks for).
 NOT_BUILT: dict[str, tuple[Callable[[Any], bool], str]] = {
     "structural_tag": (_never, "structural tags"),
-    "tool_choice": (lambda v: v in ("none", "auto"), "tool calling"),  # auto: see tools
+    # (chat completions take both)
+    "tools": (_empty, "tool calling, which chat completions serve"),
+    "tool_choice": (lambda v: v in ("none", "auto"), "tool calling, which chat completions serve"),
     "functions": (_empty, "function calling"),
     "function_call": (lambda v: v in ("none", "auto"), "function calling"),
     "bad_words": (_empty, "bad_words"),
@@ -56,20 +59,6 @@ def refuse_not_built(raw: dict[str, Any], known: Collection[str]) -> None:
         if name in NOT_BUILT and name not in known and not NOT_BUILT[name][0](value):
             raise bad_request(f"`{name}` is not supported by this server: it asks for "
                               f"{NOT_BUILT[name][1]}.", name)
-    if "tools" not in known:
-        check_tools(raw.get("tools"), raw.get("tool_choice"))
-
-
-def check_tools(tools: list[Any] | None, tool_choice: Any) -> None:
-    """Tool calls are not parsed: tools are served with `tool_choice` "none" only (vLLM
-    without a tool parser refuses the rest too)."""
-    if tool_choice not in (None, "none", "auto"):
-        raise bad_request(f"`tool_choice` is not supported by this server: it asks for "
-                          f"{NOT_BUILT['tool_choice'][1]}.", "tool_choice")
-    if tools and tool_choice != "none":
-        raise bad_request("`tools` is not supported by this server: tool calling is not "
-                          "built (`tool_choice: \"none\"` serves the request, its tools "
-                          "shown to the chat template).", "tools")
 
 
 class StreamOptions(msgspec.Struct):
@@ -160,14 +149,19 @@ class SamplingFields(msgspec.Struct, kw_only=True):
 
     def grammar(self) -> str | None:
         """The llguidance grammar the output must follow, if the request constrains it."""
+        structured = self.structured_outputs
         legacy = StructuredOutputs(self.guided_json, self.guided_regex, self.guided_choice,
                                    self.guided_grammar)
         if legacy != StructuredOutputs():
-            if self.structured_outputs is not None:
+            if structured is not None:
                 raise bad_request("Use `structured_outputs` or the guided_* fields, not "
                                   "both.", "structured_outputs")
-            return grammar(self.response_format, legacy)
-        return grammar(self.response_format, self.structured_outputs)
+            structured = legacy
+        return grammar(self.response_format, structured, self.tool_schema())
+
+    def tool_schema(self) -> dict[str, Any] | None:
+        """The JSON schema a named or required tool choice holds the output to (chat)."""
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -189,10 +183,14 @@ class ContentPart(msgspec.Struct):
 
 
 class ChatMessage(msgspec.Struct):
-    """One conversation turn as the client sent it."""
+    """One conversation turn as the client sent it: an assistant's may hold the tool calls
+    it made, and a tool's answers one of them."""
 
     role: str
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
     def text(self) -> str | None:
         """The content as one string (text parts joined by newlines, as vLLM does)."""
@@ -231,10 +229,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM: the template's variables
     echo: bool = False  # vLLM: the reply starts with the last message's content, if its turn
     add_special_tokens: bool = False  # vLLM: the template writes them; true adds a BOS too
-    # Tool definitions reach the template (as in vLLM), but calls are not parsed: only
-    # `tool_choice: "none"` is served with them.
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = None  # shown to the template, called as tool_choice says
+    tool_choice: ToolChoice | None = None  # (gateway/tools.py)
     documents: list[dict[str, str]] | None = None  # vLLM: for RAG templates
 
     def __post_init__(self) -> None:
@@ -247,9 +243,13 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 
     def template_kwargs(self) -> dict[str, Any]:
         """The template's variables: tools and documents, then `chat_template_kwargs`."""
-        given = {"tools": self.tools, "documents": self.documents}
+        tools = msgspec.to_builtins(self.tools) if self.tools is not None else None
+        given = {"tools": tools, "documents": self.documents}
         return {**{k: v for k, v in given.items() if v is not None},
                 **(self.chat_template_kwargs or {})}
+
+    def tool_schema(self) -> dict[str, Any] | None:
+        return call_schema(self.tools, self.tool_choice)
 
     @property
     def num_logprobs(self) -> int | None:
@@ -377,8 +377,9 @@ class Usage(msgspec.Struct):
 class AssistantMessage(msgspec.Struct):
     """The generated turn of a non-streamed chat completion."""
 
-    content: str
+    content: str | None
     role: str = "assistant"
+    tool_calls: list[ToolCall] = msgspec.field(default_factory=list)
 
 
 class ChatChoice(msgspec.Struct):
@@ -408,6 +409,7 @@ class Delta(msgspec.Struct, omit_defaults=True):
 
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):

@@ -43,10 +43,11 @@ class StructuredOutputs(msgspec.Struct, forbid_unknown_fields=True):
     json_object: bool | None = None
 
 
-def grammar(response_format: ResponseFormat | None,
-            structured: StructuredOutputs | None) -> str | None:
+def grammar(response_format: ResponseFormat | None, structured: StructuredOutputs | None,
+            tool_schema: dict[str, Any] | None = None) -> str | None:
     """The llguidance grammar asked for (None: none), checked; a 400 naming the field
-    when it cannot be built or more than one constraint is given."""
+    when it cannot be built or more than one constraint is given. `tool_schema`: what a
+    tool choice holds the output to (gateway/tools.py)."""
     kinds: list[tuple[str, str, str]] = []  # (field, llguidance format, text)
     if response_format is not None and response_format.type == "json_object":
         kinds.append(("response_format", "json_schema", _compact({"type": "object"})))
@@ -64,6 +65,8 @@ def grammar(response_format: ResponseFormat | None,
                               "grammar or json_object.", "structured_outputs")
         kinds += [("structured_outputs", *_vllm_kind(name, value))
                   for name, value in given.items() if name != "json_object" or value]
+    if tool_schema is not None:
+        kinds.append(("tool_choice", "json_schema", _compact(tool_schema)))
     if not kinds:
         return None
     if len(kinds) > 1:

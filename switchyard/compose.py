@@ -177,13 +177,19 @@ def _gateway(leaders: list[str], scraped: list[str]) -> dict:
                     "--engine", ",".join(f"{g}:{ATTENTION_PORT}" for g in leaders),
                     "--service-metrics",
                     ",".join(f"http://{s}:{METRICS_PORT}/metrics" for s in scraped)],
-        "environment": _common_env("gateway"),
+        "environment": {**_common_env("gateway"), **_tool_env()},
         "volumes": ["${SWITCHYARD_MODEL_DIR:-./model}:/model:ro"],
         "ports": [f"${{SWITCHYARD_PORT:-{GATEWAY_PORT}}}:{GATEWAY_PORT}"],
         "depends_on": {g: {"condition": "service_healthy"} for g in leaders},
         "healthcheck": _health(f"http://127.0.0.1:{GATEWAY_PORT}/health"),
         "restart": "on-failure",
     }
+
+
+def _tool_env() -> dict[str, str]:
+    """The gateway's tool-calling settings (it reads its flags' SWITCHYARD_ variables)."""
+    return {name: f"${{{name}:-{default}}}" for name, default in (
+        ("SWITCHYARD_ENABLE_AUTO_TOOL_CHOICE", "false"), ("SWITCHYARD_TOOL_CALL_PARSER", ""))}
 
 
 def _companions() -> dict[str, dict]:
@@ -197,7 +203,8 @@ def _companions() -> dict[str, dict]:
                         "--served-model-name", SERVED_MODEL_NAME],
             "environment": {
                 "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
-                "OTEL_TRACES_SAMPLER_ARG": "${SWITCHYARD_TRACE_SAMPLE_RATIO:-0.01}"},
+                "OTEL_TRACES_SAMPLER_ARG": "${SWITCHYARD_TRACE_SAMPLE_RATIO:-0.01}",
+                **_tool_env()},
             "ports": [f"${{SWITCHYARD_PORT:-{GATEWAY_PORT}}}:{GATEWAY_PORT}"],
             "healthcheck": _health(f"http://127.0.0.1:{GATEWAY_PORT}/health"),
             "restart": "on-failure",

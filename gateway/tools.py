@@ -1,0 +1,378 @@
+"""Tool calling: a chat request's `tools` and `tool_choice`, and the calls read back out of
+the generated text, as vLLM serves them.
+
+- a named function: the output is constrained to JSON the function's parameters accept,
+  and all of it is that one call's arguments;
+- "required": the output is constrained to a JSON array of {"name", "parameters"}
+  objects, one per call;
+- "auto": the model decides; the parser chosen with --tool-call-parser reads calls written
+  in the model's own format out of its text (the server needs --enable-auto-tool-choice);
+- "none": the tools are only shown to the chat template.
+
+A parser reads text as it streams and returns, per piece, the content and the tool-call
+deltas it makes; a whole response is the same deltas joined, so both agree by construction.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import msgspec
+
+from gateway.errors import bad_request
+
+
+class Function(msgspec.Struct, omit_defaults=True):
+    """A tool's function: its name, and the JSON schema of its arguments."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, kw_only=True):
+    """One entry of `tools` (its fields in the order clients send them, as the chat
+    template writes them out)."""
+
+    type: Literal["function"] = "function"
+    function: Function
+
+
+class FunctionName(msgspec.Struct):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct):
+    """`tool_choice` naming the function to call."""
+
+    function: FunctionName
+    type: Literal["function"] = "function"
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class FunctionCall(msgspec.Struct):
+    """A call's function: its name and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    """A call in an assistant message (the response's, or one a client sends back)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDelta(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(msgspec.Struct, omit_defaults=True):
+    """What a streamed chunk adds to call `index`: its id, type and name come first."""
+
+    index: int
+    function: FunctionDelta
+    id: str | None = None
+    type: Literal["function"] | None = None
+
+
+def check_tools(tools: list[Tool] | None, tool_choice: ToolChoice | None) -> None:
+    """vLLM's checks of `tools` against `tool_choice` (400s naming `tool_choice`)."""
+    if tool_choice is None or tool_choice == "none":
+        return
+    if tools is None:
+        raise bad_request("When using `tool_choice`, `tools` must be set.", "tool_choice")
+    if isinstance(tool_choice, NamedToolChoice) and \
+            all(tool.function.name != tool_choice.function.name for tool in tools):
+        raise bad_request("The tool specified in `tool_choice` does not match any of the "
+                              "specified `tools`", "tool_choice")
+
+
+def served_choice(tools: list[Tool] | None, tool_choice: ToolChoice | None) -> ToolChoice:
+    """`tool_choice` as served (vLLM's): "auto" when tools come without one, "none" when
+    no tool is given."""
+    if not tools:
+        return "none"
+    return "auto" if tool_choice is None else tool_choice
+
+
+def _parameters(function: Function) -> dict[str, Any]:
+    """The schema of a function's arguments (a function without one takes `{}`)."""
+    return function.parameters or {"type": "object", "properties": {}}
+
+
+def call_schema(tools: list[Tool] | None, tool_choice: ToolChoice | None
+                ) -> dict[str, Any] | None:
+    """The JSON schema the output must follow (vLLM's), or None: unconstrained."""
+    choice = served_choice(tools, tool_choice)
+    if isinstance(choice, NamedToolChoice):
+        return next(_parameters(t.function) for t in tools or []
+                    if t.function.name == choice.function.name)
+    if choice != "required":
+        return None
+    calls, defs = [], {}  # each tool's $defs move to the top, where references find them
+    for tool in tools or []:
+        parameters = dict(_parameters(tool.function))
+        for name, schema in parameters.pop("$defs", {}).items():
+            if defs.setdefault(name, schema) != schema:
+                raise bad_request(f"Tool definition '{name}' has multiple schemas, which is "
+                                  "not supported.", "tools")
+        calls.append({"properties": {"name": {"type": "string", "enum": [tool.function.name]},
+                                     "parameters": parameters},
+                      "required": ["name", "parameters"]})
+    schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": calls}}
+    return {**schema, "$defs": defs} if defs else schema
+
+
+def call_id() -> str:
+    """A new call's id, in vLLM's form."""
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+@dataclass
+class Parsed:
+    """What a piece of generated text makes: message content, and tool-call deltas."""
+
+    content: str = ""
+    calls: list[ToolCallDelta] = field(default_factory=list)
+
+    def __iadd__(self, other: Parsed) -> Parsed:
+        self.content += other.content
+        self.calls += other.calls
+        return self
+
+
+class ToolParser:
+    """Reads tool calls out of one choice's text as it streams. `feed` each piece, then
+    `finish` once; subclasses say how calls are written."""
+
+    forced = False  # whether a grammar makes the model call (named, required)
+
+    def __init__(self) -> None:
+        self.calls = 0  # calls started so far
+
+    def feed(self, text: str) -> Parsed:
+        raise NotImplementedError
+
+    def finish(self) -> Parsed:
+        return Parsed()
+
+    def _whole(self, name: str, arguments: Any) -> ToolCallDelta:
+        """A complete call as one delta; `arguments` as decoded JSON."""
+        return self._start(name, json.dumps(arguments, ensure_ascii=False))
+
+    def _start(self, name: str, arguments: str) -> ToolCallDelta:
+        self.calls += 1
+        return ToolCallDelta(self.calls - 1, FunctionDelta(name, arguments), call_id(),
+                             "function")
+
+
+class NamedCall(ToolParser):
+    """A named tool choice: the whole text is the one call's arguments."""
+
+    forced = True
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self._name = name
+
+    def feed(self, text: str) -> Parsed:
+        if not text:
+            return Parsed()
+        if self.calls:
+            return Parsed(calls=[ToolCallDelta(0, FunctionDelta(arguments=text))])
+        return Parsed(calls=[self._start(self._name, text)])
+
+    def finish(self) -> Parsed:  # a call even if nothing was generated
+        return Parsed() if self.calls else Parsed(calls=[self._start(self._name, "")])
+
+
+_DECODER = json.JSONDecoder()
+
+
+class RequiredCalls(ToolParser):
+    """tool_choice "required": a JSON array of {"name", "parameters"}; each call is sent
+    once its object is complete."""
+
+    forced = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._text = ""
+        self._done = 0  # characters of `_text` read
+
+    def feed(self, text: str) -> Parsed:
+        self._text += text
+        parsed = Parsed()
+        if "}" not in text:  # no object completed (decoding again would cost O(length))
+            return parsed
+        while (start := _skip(self._text, self._done, " \t\r\n[,")) < len(self._text):
+            try:
+                item, end = _DECODER.raw_decode(self._text, start)
+            except ValueError:
+                break  # not complete yet
+            if not (isinstance(item, dict) and isinstance(item.get("name"), str)):
+                break  # not a call: left as content by `finish`
+            parsed.calls.append(self._whole(item["name"], item.get("parameters", {})))
+            self._done = end
+        return parsed
+
+    def finish(self) -> Parsed:
+        """What followed the last complete call, unless only the array's end, is content
+        (the output was cut short, say by max_tokens)."""
+        rest = self._text[_skip(self._text, self._done, " \t\r\n,]"):]
+        return Parsed(content=self._text[self._done:] if rest else "")
+
+
+def _skip(text: str, start: int, chars: str) -> int:
+    while start < len(text) and text[start] in chars:
+        start += 1
+    return start
+
+
+class HermesCalls(ToolParser):
+    """Calls written as Hermes and Qwen models write them, between tags:
+    `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`. Text outside the
+    tags is content, but for whitespace between content and calls; a tagged body that is
+    not such a call stays content, tags and all."""
+
+    START, END = "<tool_call>", "</tool_call>"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._held = ""  # text not yet decided
+        self._inside = False  # within a call's tags
+        self._space = ""  # content's trailing whitespace: dropped if a call follows
+        self._after_call = False  # whether whitespace now follows a call (and is dropped)
+
+    def feed(self, text: str) -> Parsed:
+        seen = max(0, len(self._held) - len(self.END) + 1)  # searched before: no tag there
+        self._held += text
+        parsed = Parsed()
+        while True:
+            tag = self.END if self._inside else self.START
+            at = self._held.find(tag, seen)
+            if at < 0:
+                break
+            before, self._held, seen = self._held[:at], self._held[at + len(tag):], 0
+            if self._inside:
+                parsed += self._call(before)
+            else:
+                parsed.content += self._content(before)
+            self._inside = not self._inside
+        if not self._inside:  # all but a possible start of the tag is content
+            keep = _partial_tag(self._held, self.START)
+            parsed.content += self._content(self._held[:len(self._held) - keep])
+            self._held = self._held[len(self._held) - keep:]
+        return parsed
+
+    def finish(self) -> Parsed:
+        """An unclosed call is a call if its body is one; then what is left is content."""
+        if self._inside:
+            parsed = self._call(self._held, closed=False)
+        else:
+            parsed = Parsed(content=self._content(self._held))
+        self._held = ""
+        if not self.calls:
+            parsed.content += self._space
+        return parsed
+
+    def _content(self, text: str) -> str:
+        """Content to send now; trailing whitespace waits to see what follows it."""
+        text = self._space + text
+        if self._after_call:
+            text = text.lstrip()
+            self._after_call = not text
+        body = text.rstrip()
+        self._space = text[len(body):]
+        return body
+
+    def _call(self, body: str, closed: bool = True) -> Parsed:
+        try:
+            call = json.loads(body)
+        except ValueError:
+            call = None
+        if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
+            text = self.START + body + (self.END if closed else "")
+            return Parsed(content=self._content(text))
+        self._space, self._after_call = "", True
+        return Parsed(calls=[self._whole(call["name"], call.get("arguments", {}))])
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
+    for k in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-k:]):
+            return k
+    return 0
+
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesCalls}
+
+
+def check_auto(tools: list[Tool] | None, tool_choice: ToolChoice | None,
+               auto_parser: str | None) -> None:
+    """A 400 when the request asks for "auto" (maybe by leaving tool_choice out) from a
+    server without a parser for it."""
+    if served_choice(tools, tool_choice) == "auto" and auto_parser is None:
+        raise bad_request('"auto" tool choice requires --enable-auto-tool-choice and '
+                          "--tool-call-parser to be set", "tool_choice")
+
+
+def parser_for(tools: list[Tool] | None, tool_choice: ToolChoice | None,
+               auto_parser: str | None) -> ToolParser | None:
+    """A new parser for one choice's text, or None: the text is all content. `auto_parser`:
+    the server's --tool-call-parser when it enables auto tool choice."""
+    choice = served_choice(tools, tool_choice)
+    if isinstance(choice, NamedToolChoice):
+        return NamedCall(choice.function.name)
+    if choice == "required":
+        return RequiredCalls()
+    if choice == "none":
+        return None
+    check_auto(tools, tool_choice, auto_parser)
+    return TOOL_PARSERS[auto_parser or ""]()
+
+
+def finish_reason(parser: ToolParser | None, reason: str | None) -> str | None:
+    """vLLM's: "tool_calls" when a required or auto choice ended by itself having made
+    calls; a named one's stays "stop"."""
+    if reason == "stop" and parser is not None and parser.calls and \
+            not isinstance(parser, NamedCall):
+        return "tool_calls"
+    return reason
+
+
+@dataclass
+class Collected:
+    """A whole choice's parsed text: its content and its complete calls."""
+
+    content: str = ""
+    calls: list[ToolCall] = field(default_factory=list)
+
+    def add(self, parsed: Parsed) -> None:
+        self.content += parsed.content
+        for delta in parsed.calls:
+            if delta.id is not None:
+                self.calls.append(ToolCall(id=delta.id, function=FunctionCall(
+                    delta.function.name or "", delta.function.arguments or "")))
+            else:
+                call = self.calls[delta.index].function
+                call.arguments += delta.function.arguments or ""
+
+
+def collect(parser: ToolParser, text: str) -> Collected:
+    """A whole text, parsed."""
+    whole = Collected()
+    whole.add(parser.feed(text))
+    whole.add(parser.finish())
+    return whole
