@@ -26,7 +26,7 @@ from gateway.output import Output
 from gateway.serving import Run, Serving, client_gone, json_response
 from gateway.sse import DONE, EventStreamResponse, error_event, event
 from gateway.tokenizer import Tokenizer
-from gateway.tools import Parsed, ToolParser, check_auto, collect, finish_reason, parser_for
+from gateway.tools import Parsed, ToolParser, check_auto, collect, parser_for
 
 
 def conversation(body: ChatCompletionRequest) -> list[dict[str, Any]]:
@@ -53,7 +53,7 @@ def _decoded(arguments: str) -> dict[str, Any] | list[Any]:
     vLLM reads it."""
     try:
         value = json.loads(arguments)
-    except ValueError:
+    except (ValueError, RecursionError):
         return {}
     return value if isinstance(value, dict | list) else {}
 
@@ -110,7 +110,7 @@ async def _events(serving: Serving, run: Run, body: ChatCompletionRequest
             parsed = _parse(parsers[index], step)
             if parsed.content or parsed.calls or step.finish_reason or logprobs:
                 delta = Delta(content=parsed.content or None, tool_calls=parsed.calls or None)
-                reason = finish_reason(parsers[index], step.finish_reason)
+                reason = _finish_reason(parsers[index], step.finish_reason)
                 choice = ChatChunkChoice(index, delta, reason, logprobs)
                 if step.finish_reason is not None:
                     choice.stop_reason = step.stop_reason
@@ -124,7 +124,12 @@ async def _events(serving: Serving, run: Run, body: ChatCompletionRequest
 
 
 def _parser(serving: Serving, body: ChatCompletionRequest) -> ToolParser | None:
-    return parser_for(body.tools, body.tool_choice, serving.config.tool_call_parser)
+    """A new reader of tool calls for one choice (None: its text is all content)."""
+    return parser_for(body.tool_list(), body.tool_choice, serving.config.tool_call_parser)
+
+
+def _finish_reason(parser: ToolParser | None, reason: str | None) -> str | None:
+    return reason if parser is None else parser.finish_reason(reason)
 
 
 def _parse(parser: ToolParser | None, step: Output) -> Parsed:
@@ -142,22 +147,23 @@ def _choice(serving: Serving, body: ChatCompletionRequest, index: int, out: Outp
     """A whole choice: its turn's content (after any echo) and tool calls, and why it
     ended."""
     parser = _parser(serving, body)
-    content: str | None = _echoed(body) + out.text
-    calls = []
+    text, calls = out.text, []
     if parser is not None:
         whole = collect(parser, out.text)
-        content, calls = _echoed(body) + whole.content, whole.calls
-        if not content and calls and not parser.forced:
-            content = None  # (vLLM's, for calls the model chose to make)
+        text, calls = whole.content, whole.calls
+    content: str | None = _echoed(body) + text
+    if not content and calls and parser is not None and not parser.forced:
+        content = None  # (vLLM's, for calls the model chose to make)
     return ChatChoice(index, AssistantMessage(content, _role(body), calls),
-                      finish_reason(parser, out.finish_reason), _logprobs(serving, body, out),
-                      out.stop_reason)
+                      _finish_reason(parser, out.finish_reason),
+                      _logprobs(serving, body, out), out.stop_reason)
 
 
 async def create_chat_completion(serving: Serving, request: Request) -> Response:
     """Generate the assistant's reply to a conversation."""
     body = await serving.parse(request, ChatCompletionRequest)
-    check_auto(body.tools, body.tool_choice, serving.config.tool_call_parser)
+    # (again in each choice's parser; here before any work starts)
+    check_auto(body.tool_list(), body.tool_choice, serving.config.tool_call_parser)
     prompt_token_ids = serving.tokenizer.encode_chat(
         conversation(body), body.add_generation_prompt, body.template_kwargs(),
         body.continue_final_message, body.add_special_tokens)

@@ -13,7 +13,15 @@ import msgspec
 
 from gateway.errors import bad_request
 from gateway.structured_outputs import ResponseFormat, StructuredOutputs, grammar
-from gateway.tools import Tool, ToolCall, ToolCallDelta, ToolChoice, call_schema, check_tools
+from gateway.tools import (
+    Tool,
+    ToolCall,
+    ToolCallDelta,
+    ToolChoice,
+    call_schema,
+    check_tools,
+    tool_list,
+)
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 Temperature = Annotated[float, msgspec.Meta(ge=0)]
@@ -229,27 +237,32 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM: the template's variables
     echo: bool = False  # vLLM: the reply starts with the last message's content, if its turn
     add_special_tokens: bool = False  # vLLM: the template writes them; true adds a BOS too
-    tools: list[Tool] | None = None  # shown to the template, called as tool_choice says
-    tool_choice: ToolChoice | None = None  # (gateway/tools.py)
+    # shown to the template as sent (as transformers shows them), called as tool_choice
+    # says (gateway/tools.py)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: ToolChoice | None = None
     documents: list[dict[str, str]] | None = None  # vLLM: for RAG templates
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.top_logprobs and not self.logprobs:
             raise ValueError("when using `top_logprobs`, `logprobs` must be set to true.")
-        check_tools(self.tools, self.tool_choice)
+        check_tools(self.tool_list(), self.tool_choice)
         check_rendering(self.chat_template_kwargs, self.add_generation_prompt,
                         self.continue_final_message)
 
     def template_kwargs(self) -> dict[str, Any]:
         """The template's variables: tools and documents, then `chat_template_kwargs`."""
-        tools = msgspec.to_builtins(self.tools) if self.tools is not None else None
-        given = {"tools": tools, "documents": self.documents}
+        given = {"tools": self.tools, "documents": self.documents}
         return {**{k: v for k, v in given.items() if v is not None},
                 **(self.chat_template_kwargs or {})}
 
     def tool_schema(self) -> dict[str, Any] | None:
-        return call_schema(self.tools, self.tool_choice)
+        return call_schema(self.tool_list(), self.tool_choice)
+
+    def tool_list(self) -> list[Tool] | None:
+        """`tools`, checked: a 400 naming the field where one is not a tool."""
+        return tool_list(self.tools)
 
     @property
     def num_logprobs(self) -> int | None:

@@ -17,7 +17,6 @@ from gateway.errors import bad_request, engine_unavailable
 from gateway.openai_protocol import ChatCompletionRequest, ChatMessage, check_rendering
 from gateway.serving import Serving, json_response
 from gateway.tokenizer import Tokenizer
-from gateway.tools import Tool
 
 TokenId = Annotated[int, msgspec.Meta(ge=0)]
 
@@ -38,7 +37,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Tool] | None = None  # shown to the template, as chat does
+    tools: list[dict[str, Any]] | None = None  # shown to the template, as chat does
     documents: list[dict[str, str]] | None = None
     return_token_strs: bool = False
 

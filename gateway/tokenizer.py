@@ -32,15 +32,22 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _pick_template(config: dict[str, Any], model_dir: Path) -> str | None:
-    """The default chat template: from tokenizer_config.json, else `chat_template.jinja`."""
+def _chat_templates(config: dict[str, Any], model_dir: Path) -> dict[str, str]:
+    """The checkpoint's chat templates by name, as transformers reads them: the files
+    (`chat_template.jinja`, the default; `additional_chat_templates/NAME.jinja`) over
+    tokenizer_config.json's `chat_template` (one, or a list of named ones)."""
+    files = {"default": model_dir / "chat_template.jinja",
+             **{path.stem: path for path in (model_dir / "additional_chat_templates")
+                .glob("*.jinja")}}
+    found = {name: path.read_text(encoding="utf-8") for name, path in files.items()
+             if path.is_file()}
+    if found:
+        return found
     template = config.get("chat_template")
-    if isinstance(template, list):  # named templates; transformers uses the one named "default"
-        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
-    jinja_file = model_dir / "chat_template.jinja"
-    if template is None and jinja_file.is_file():
-        template = jinja_file.read_text(encoding="utf-8")
-    return template if isinstance(template, str) else None
+    if isinstance(template, list):
+        return {t["name"]: t["template"] for t in template
+                if isinstance(t.get("name"), str) and isinstance(t.get("template"), str)}
+    return {"default": template} if isinstance(template, str) else {}
 
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
@@ -80,13 +87,27 @@ class Tokenizer:
     """Text <-> token ids for one checkpoint, plus its chat template."""
 
     def __init__(self, backend: tokenizers.Tokenizer, config: dict[str, Any],
-                 chat_template: str | None) -> None:
+                 chat_templates: dict[str, str]) -> None:
         self.backend = backend
         self.special_tokens = {
             name: text for name in _SPECIAL_TOKEN_NAMES
             if (text := _token_text(config.get(name))) is not None
         }
-        self._template = compile_chat_template(chat_template) if chat_template else None
+        self._templates = {name: compile_chat_template(source)
+                           for name, source in chat_templates.items()}
+
+    def _template(self, tools: object) -> jinja2.Template:
+        """The template transformers (and so vLLM) picks: "tool_use" when tools are
+        given and the checkpoint names one, else the default."""
+        if tools is not None and "tool_use" in self._templates:
+            return self._templates["tool_use"]
+        if "default" in self._templates:
+            return self._templates["default"]
+        if not self._templates:
+            raise bad_request("The model's tokenizer has no chat template; use "
+                              "/v1/completions.")
+        raise bad_request("The model has several chat templates and none is the default: "
+                          f"{', '.join(sorted(self._templates))}.")
 
     @property
     def eos_token_id(self) -> int | None:
@@ -103,7 +124,7 @@ class Tokenizer:
         config_file = model_dir / "tokenizer_config.json"
         config = json.loads(config_file.read_text("utf-8")) if config_file.is_file() else {}
         return cls(tokenizers.Tokenizer.from_file(str(path)), config,
-                   _pick_template(config, model_dir))
+                   _chat_templates(config, model_dir))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids for `text`."""
@@ -121,10 +142,9 @@ class Tokenizer:
         Qwen3's `enable_thinking`), as transformers' `apply_chat_template(**kwargs)`.
         `continue_final_message`: the text ends where the last message's content does, so
         the reply continues it (transformers' and vLLM's option of that name)."""
-        if self._template is None:
-            raise bad_request("The model's tokenizer has no chat template; use /v1/completions.")
+        template = self._template((template_kwargs or {}).get("tools"))
         try:
-            text = self._template.render(**{
+            text = template.render(**{
                 **self.special_tokens, "tools": None, "documents": None,
                 "add_generation_prompt": add_generation_prompt, **(template_kwargs or {}),
                 "messages": messages})

@@ -43,6 +43,8 @@ class Tool(msgspec.Struct, kw_only=True):
 
 
 class FunctionName(msgspec.Struct):
+    """The function a named tool choice calls."""
+
     name: str
 
 
@@ -72,6 +74,8 @@ class ToolCall(msgspec.Struct, kw_only=True):
 
 
 class FunctionDelta(msgspec.Struct, omit_defaults=True):
+    """What a streamed chunk adds to a call's function: the name once, arguments text."""
+
     name: str | None = None
     arguments: str | None = None
 
@@ -83,6 +87,15 @@ class ToolCallDelta(msgspec.Struct, omit_defaults=True):
     function: FunctionDelta
     id: str | None = None
     type: Literal["function"] | None = None
+
+
+def tool_list(tools: list[dict[str, Any]] | None) -> list[Tool] | None:
+    """A request's `tools` as sent, checked and typed: a 400 naming `tools` where one is
+    not a function tool."""
+    try:
+        return msgspec.convert(tools, list[Tool] | None)
+    except msgspec.ValidationError as exc:
+        raise bad_request(f"Invalid `tools`: {exc}", "tools") from None
 
 
 def check_tools(tools: list[Tool] | None, tool_choice: ToolChoice | None) -> None:
@@ -161,10 +174,19 @@ class ToolParser:
         self.calls = 0  # calls started so far
 
     def feed(self, text: str) -> Parsed:
+        """The content and calls that `text`, the next piece of the output, completes."""
         raise NotImplementedError
 
     def finish(self) -> Parsed:
+        """What is still held once the output has ended."""
         return Parsed()
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """The choice's finish reason, given the engine's (vLLM's: "tool_calls" when the
+        model chose to call; see the subclasses)."""
+        if self.calls and reason in ("stop", "length"):
+            return "tool_calls"
+        return reason
 
     def _whole(self, name: str, arguments: Any) -> ToolCallDelta:
         """A complete call as one delta; `arguments` as decoded JSON."""
@@ -195,6 +217,9 @@ class NamedCall(ToolParser):
     def finish(self) -> Parsed:  # a call even if nothing was generated
         return Parsed() if self.calls else Parsed(calls=[self._start(self._name, "")])
 
+    def finish_reason(self, reason: str | None) -> str | None:
+        return reason  # "stop", as OpenAI and vLLM end a named call
+
 
 _DECODER = json.JSONDecoder()
 
@@ -218,8 +243,8 @@ class RequiredCalls(ToolParser):
         while (start := _skip(self._text, self._done, " \t\r\n[,")) < len(self._text):
             try:
                 item, end = _DECODER.raw_decode(self._text, start)
-            except ValueError:
-                break  # not complete yet
+            except (ValueError, RecursionError):
+                break  # not complete yet (or nested too deep to read: content)
             if not (isinstance(item, dict) and isinstance(item.get("name"), str)):
                 break  # not a call: left as content by `finish`
             parsed.calls.append(self._whole(item["name"], item.get("parameters", {})))
@@ -232,8 +257,12 @@ class RequiredCalls(ToolParser):
         rest = self._text[_skip(self._text, self._done, " \t\r\n,]"):]
         return Parsed(content=self._text[self._done:] if rest else "")
 
+    def finish_reason(self, reason: str | None) -> str | None:
+        return "tool_calls" if reason == "stop" else reason  # (vLLM's, calls or not)
+
 
 def _skip(text: str, start: int, chars: str) -> int:
+    """The first index from `start` whose character is not one of `chars`."""
     while start < len(text) and text[start] in chars:
         start += 1
     return start
@@ -242,8 +271,9 @@ def _skip(text: str, start: int, chars: str) -> int:
 class HermesCalls(ToolParser):
     """Calls written as Hermes and Qwen models write them, between tags:
     `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`. Text outside the
-    tags is content, but for whitespace between content and calls; a tagged body that is
-    not such a call stays content, tags and all."""
+    tags is content, but for the whitespace around calls: where content follows calls
+    that followed content, one run of it (the last, or else the first) still separates
+    them. A tagged body that is not such a call stays content, tags and all."""
 
     START, END = "<tool_call>", "</tool_call>"
 
@@ -251,8 +281,10 @@ class HermesCalls(ToolParser):
         super().__init__()
         self._held = ""  # text not yet decided
         self._inside = False  # within a call's tags
-        self._space = ""  # content's trailing whitespace: dropped if a call follows
-        self._after_call = False  # whether whitespace now follows a call (and is dropped)
+        self._space = ""  # content's trailing whitespace, held to see what follows it
+        self._gap = ""  # the whitespace that preceded the calls since the last content
+        self._after_call = False  # whether calls came since the last content
+        self._emitted = False  # whether any content was sent
 
     def feed(self, text: str) -> Parsed:
         seen = max(0, len(self._held) - len(self.END) + 1)  # searched before: no tag there
@@ -289,21 +321,26 @@ class HermesCalls(ToolParser):
     def _content(self, text: str) -> str:
         """Content to send now; trailing whitespace waits to see what follows it."""
         text = self._space + text
-        if self._after_call:
-            text = text.lstrip()
-            self._after_call = not text
         body = text.rstrip()
         self._space = text[len(body):]
+        if body and self._after_call:
+            rest = body.lstrip()
+            separator = body[:len(body) - len(rest)] or self._gap
+            body = separator + rest if self._emitted else rest
+            self._after_call, self._gap = False, ""
+        self._emitted = self._emitted or bool(body)
         return body
 
     def _call(self, body: str, closed: bool = True) -> Parsed:
         try:
             call = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):  # (nested too deep to read: not a call)
             call = None
         if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
             text = self.START + body + (self.END if closed else "")
             return Parsed(content=self._content(text))
+        if not self._after_call:
+            self._gap = self._space
         self._space, self._after_call = "", True
         return Parsed(calls=[self._whole(call["name"], call.get("arguments", {}))])
 
@@ -321,9 +358,10 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesCalls}
 
 def check_auto(tools: list[Tool] | None, tool_choice: ToolChoice | None,
                auto_parser: str | None) -> None:
-    """A 400 when the request asks for "auto" (maybe by leaving tool_choice out) from a
-    server without a parser for it."""
-    if served_choice(tools, tool_choice) == "auto" and auto_parser is None:
+    """A 400 when the request asks for "auto" (maybe by leaving tool_choice out with
+    tools) from a server without a parser for it; vLLM's check, run before any work."""
+    asks = tool_choice == "auto" or (tool_choice is None and bool(tools))
+    if asks and auto_parser is None:
         raise bad_request('"auto" tool choice requires --enable-auto-tool-choice and '
                           "--tool-call-parser to be set", "tool_choice")
 
@@ -340,16 +378,8 @@ def parser_for(tools: list[Tool] | None, tool_choice: ToolChoice | None,
     if choice == "none":
         return None
     check_auto(tools, tool_choice, auto_parser)
-    return TOOL_PARSERS[auto_parser or ""]()
-
-
-def finish_reason(parser: ToolParser | None, reason: str | None) -> str | None:
-    """vLLM's: "tool_calls" when a required or auto choice ended by itself having made
-    calls; a named one's stays "stop"."""
-    if reason == "stop" and parser is not None and parser.calls and \
-            not isinstance(parser, NamedCall):
-        return "tool_calls"
-    return reason
+    assert auto_parser is not None  # (checked)
+    return TOOL_PARSERS[auto_parser]()
 
 
 @dataclass

@@ -320,7 +320,7 @@ HARMLESS = [  # the same fields with values that change nothing: served
     ("/v1/chat/completions", {"response_format": {"type": "text"}, "tools": [TOOL],
                               "tool_choice": "none", "continue_final_message": False,
                               "echo": False, "functions": []}),
-    ("/v1/chat/completions", {"tool_choice": "auto", "tools": []}),
+    ("/v1/chat/completions", {"tool_choice": "required", "tools": []}),  # (OpenAI, vLLM)
     ("/v1/completions", {"suffix": "", "bad_words": [], "use_beam_search": False,
                          "best_of": 1, "guided_json": None}),
 ]

@@ -148,6 +148,35 @@ def test_chat_template_variables_as_transformers_passes_them(
         messages, add_generation_prompt=generation_prompt, tokenize=False, **kwargs)
 
 
+TOOL_USE = CHATML + "{% for t in tools %}[tool {{ t.function.name }}]{% endfor %}"
+NAMED_TEMPLATES = {  # where a checkpoint keeps several templates: the config, or files
+    "config": lambda d: write_checkpoint(d, [{"name": "default", "template": CHATML},
+                                             {"name": "tool_use", "template": TOOL_USE}]),
+    "files": lambda d: (write_checkpoint(d, "{{ 'overridden by the files' }}"),
+                        (d / "chat_template.jinja").write_text(CHATML),
+                        (d / "additional_chat_templates").mkdir(),
+                        (d / "additional_chat_templates" / "tool_use.jinja").write_text(
+                            TOOL_USE))[0]}
+
+
+@pytest.mark.parametrize("where", NAMED_TEMPLATES)
+def test_named_templates_are_picked_as_transformers_picks_them(tmp_path: Path,
+                                                               where: str) -> None:
+    """"tool_use" when the request gives tools (even none), else the default (Mixtral
+    8x22B and Hermes checkpoints ship both)."""
+    model = NAMED_TEMPLATES[where](tmp_path / "m")
+    ours, theirs = Tokenizer.load(model), AutoTokenizer.from_pretrained(str(model))
+    assert ours is not None
+    tool = {"type": "function", "function": {"name": "lookup"}}
+    messages = CONVERSATIONS[0]
+    for tools in (None, [], [tool]):
+        kwargs = {} if tools is None else {"tools": tools}
+        assert ours.render_chat(messages, template_kwargs=kwargs) == \
+            theirs.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                       tokenize=False)
+    assert "[tool lookup]" in ours.render_chat(messages, template_kwargs={"tools": [tool]})
+
+
 def test_template_errors_are_bad_requests(checkpoints: dict[str, Path]) -> None:
     ours = Tokenizer.load(checkpoints["llama"])
     assert ours is not None
@@ -224,7 +253,7 @@ def test_detokenizer_keeps_leading_space_with_prompt_context() -> None:
     backend.decoder = decoders.Metaspace()
     trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>"], show_progress=False)
     backend.train_from_iterator(["The capital of France is Paris"] * 3, trainer)
-    tokenizer = Tokenizer(backend, {}, None)
+    tokenizer = Tokenizer(backend, {}, {})
     detokenizer = IncrementalDetokenizer(tokenizer, tokenizer.encode("The capital is"))
     paris = tokenizer.encode(" Paris")
     assert tokenizer.decode(paris) == "Paris"

@@ -105,8 +105,9 @@ def test_required_makes_calls_among_the_tools_each_with_its_arguments(served: Se
                                       temperature=1.0)
     for choice in whole.choices:
         calls = whole_calls(choice)
+        assert calls  # (the first fits in far fewer tokens)
         if choice.finish_reason == "tool_calls":  # the array ended: all of it is calls
-            assert calls and choice.message.content == ""
+            assert choice.message.content == ""
         else:  # cut short: the complete calls, the rest as content
             assert choice.finish_reason == "length"
         for name, arguments in calls:
@@ -115,6 +116,15 @@ def test_required_makes_calls_among_the_tools_each_with_its_arguments(served: Se
                 check_weather(arguments)
             else:
                 assert json.loads(arguments) == {}  # its schema: an object, no properties
+    stream = c.chat.completions.create(model=m, messages=ASK, tools=[CITY, TIME],
+                                       tool_choice="required", max_tokens=200, n=3, seed=1,
+                                       temperature=1.0, stream=True)
+    chunks = list(stream)  # each choice parsed on its own, as in the whole response
+    for choice in whole.choices:
+        mine = [chunk.model_copy(update={"choices": [
+            c for c in chunk.choices if c.index == choice.index]}) for chunk in chunks]
+        assert streamed_calls(mine) == (choice.message.content, whole_calls(choice),
+                                        choice.finish_reason)
     greedy = c.chat.completions.create(model=m, messages=ASK, tools=[CITY, TIME],
                                        tool_choice="required", **GREEDY)
     stream = c.chat.completions.create(model=m, messages=ASK, tools=[CITY, TIME],
@@ -147,6 +157,26 @@ def test_auto_reads_calls_the_model_writes_in_its_format(served: Served) -> None
     raw = c.chat.completions.create(model=m, messages=ASK, **forced).choices[0]
     assert raw.message.tool_calls in (None, []) and raw.finish_reason == "stop"
     assert raw.message.content.startswith("I will look.\n\n<tool_call>\n{")
+
+
+def test_auto_calls_cut_short_and_streamed_with_logprobs(served: Served) -> None:
+    """A call, then text that max_tokens cuts: still "tool_calls" (vLLM's), the text
+    after the call is content; logprobs cover every token, held-back text or not."""
+    c, m = client(served), model_id(served)
+    forced = {"temperature": 0, "max_tokens": 140, "logprobs": True, "extra_body": {
+        "structured_outputs": {"regex": HERMES_CALL + r"\n\nNext, [a-z]{200}"}}}
+    whole = c.chat.completions.create(model=m, messages=ASK, tools=[CITY], **forced)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(whole_calls(choice)) == 1
+    assert choice.message.content.startswith("I will look.\n\nNext, ")
+    assert len(choice.logprobs.content) == whole.usage.completion_tokens == 140
+    chunks = list(c.chat.completions.create(model=m, messages=ASK, tools=[CITY],
+                                            stream=True, **forced))
+    assert streamed_calls(chunks) == (choice.message.content, whole_calls(choice),
+                                      "tool_calls")
+    streamed = [entry for chunk in chunks for ch in chunk.choices if ch.logprobs
+                for entry in ch.logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in choice.logprobs.content]
 
 
 def test_auto_without_a_call_is_the_text_as_with_tools_not_called(served: Served) -> None:

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
+from gateway.chat import conversation
 from gateway.config import parse_args
 from gateway.errors import GatewayError
 from gateway.openai_protocol import ChatCompletionRequest
@@ -27,7 +28,6 @@ from gateway.tools import (
     ToolParser,
     check_auto,
     collect,
-    finish_reason,
     parser_for,
 )
 from switchyard.compose import Layout, render
@@ -69,15 +69,19 @@ def test_tool_choice_is_checked_against_the_tools_as_vllm_does() -> None:
     assert "does not match any" in str(refused(tools=[WEATHER], tool_choice={
         "type": "function", "function": {"name": "get_time"}}))
     assert "tool_choice" in str(refused(tools=[WEATHER], tool_choice="sometimes"))
+    assert refused(tools=[{"type": "function", "function": {}}]).param == "tools"
     # Served as "none": required with no tools (vLLM, OpenAI), auto without any
     for body in (request(tools=[], tool_choice="required"), request(tools=[],
                                                                     tool_choice="auto")):
-        assert body.grammar() is None and parser_for(body.tools, body.tool_choice, None) is None
-    # "auto", also by default with tools, needs a parser on the server
-    tools = request(tools=[WEATHER]).tools
-    with pytest.raises(GatewayError, match="--enable-auto-tool-choice"):
-        check_auto(tools, None, None)
-    check_auto(tools, None, "hermes")
+        assert body.grammar() is None
+        assert parser_for(body.tool_list(), body.tool_choice, "hermes") is None
+    # "auto", also by default with tools, needs a parser on the server (vLLM's check)
+    tools = request(tools=[WEATHER]).tool_list()
+    for asked in ((tools, None), (tools, "auto"), ([], "auto")):
+        with pytest.raises(GatewayError, match="--enable-auto-tool-choice"):
+            check_auto(*asked, None)
+        check_auto(*asked, "hermes")
+    check_auto([], None, None)  # no tools, no choice: nothing asked
     assert isinstance(parser_for(tools, None, "hermes"), HermesCalls)
 
 
@@ -175,9 +179,45 @@ def test_hermes_keeps_what_is_not_a_call_as_content() -> None:
     assert collect(HermesCalls(), "Hi <tool_call>{\"name\": ").content == \
         "Hi <tool_call>{\"name\": "
     # text after calls is content too; whitespace that only separates it from calls is not
-    whole = collect(HermesCalls(), '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
-                                   '\n\nDone.\n')
-    assert whole.content == "Done." and calls_of(whole) == [("f", {})]
+    call = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    for text, content in ((f"{call}\n\nDone.\n", "Done."),
+                          (f"I'll check.\n\n{call}\n{call}\n\nThen compare.",
+                           "I'll check.\n\nThen compare."),  # (the last run separates)
+                          (f"Hi {call}bye", "Hi bye"),  # (else the first)
+                          (f"Hi{call}bye", "Hibye"), (f" \n{call} ", "")):
+        whole = collect(HermesCalls(), text)
+        assert whole.content == content and calls_of(whole) == [("f", {})] * \
+            text.count("<tool_call>"), text
+    # JSON nested too deep for Python's decoder is not a call: content, not a crash
+    deep = "<tool_call>" + "[" * 100_000 + "</tool_call>"
+    assert collect(HermesCalls(), deep).content == deep
+    deep = "[" * 100_000
+    assert collect(RequiredCalls(), deep).content == deep
+
+
+WORDS = st.text(alphabet=st.sampled_from(list("ab.<>")), min_size=1, max_size=6).filter(
+    lambda w: "<tool_call>" not in w)
+SPACE = st.text(alphabet=st.sampled_from([" ", "\n"]), max_size=3)
+
+
+@settings(max_examples=200, deadline=None)
+@given(parts=st.lists(st.tuples(SPACE, st.integers(0, 2), SPACE, WORDS), min_size=1,
+                      max_size=4), first=WORDS)
+def test_hermes_content_keeps_one_separator_where_calls_were(
+        parts: list[tuple[str, int, str, str]], first: str) -> None:
+    """Content, then groups of calls each followed by more content: the content is the
+    words with one whitespace run where each group was (the one after it, else the one
+    before it), and the calls are all of them, in order."""
+    call = '<tool_call>\n{"name": "f", "arguments": {"i": %d}}\n</tool_call>'
+    text, content, expected, i = first, first, [], 0
+    for before, calls, after, words in parts:
+        group = "".join(call % (i + k) for k in range(calls))
+        expected += [("f", {"i": i + k}) for k in range(calls)]
+        i += calls
+        text += before + group + after + words
+        content += (after or before if calls else before + after) + words
+    whole = collect(HermesCalls(), text)
+    assert whole.content == content and calls_of(whole) == expected
 
 
 PIECES = st.lists(st.one_of(
@@ -224,11 +264,16 @@ def test_a_named_call_is_all_the_text_and_never_tool_calls_finished() -> None:
     named = NamedCall("get_weather")
     whole = streamed(named, '{"city": "Paris"}', [3, 5, 9])
     assert calls_of(whole) == [("get_weather", {"city": "Paris"})] and whole.content == ""
-    assert finish_reason(named, "stop") == "stop"  # OpenAI and vLLM: a named call stops
+    assert named.finish_reason("stop") == "stop"  # OpenAI and vLLM: a named call stops
     required = RequiredCalls()
     collect(required, '[{"name": "f", "parameters": {}}]')
-    assert finish_reason(required, "stop") == "tool_calls"
-    assert finish_reason(required, "length") == "length"
+    assert required.finish_reason("stop") == "tool_calls"
+    assert required.finish_reason("length") == "length"
+    auto = HermesCalls()  # (vLLM's: calls made, however the output ended)
+    assert auto.finish_reason("stop") == "stop"
+    collect(auto, '<tool_call>{"name": "f", "arguments": {}}</tool_call> and then')
+    assert auto.finish_reason("length") == auto.finish_reason("stop") == "tool_calls"
+    assert auto.finish_reason("abort") == "abort"
     empty = collect(NamedCall("f"), "")  # nothing generated: still the call, empty
     assert [(c.function.name, c.function.arguments) for c in empty.calls] == [("f", "")]
 
@@ -261,3 +306,21 @@ def test_auto_tool_choice_is_configured_by_flags_or_environment(
     for name in ("gateway", "cpu"):
         assert {"SWITCHYARD_ENABLE_AUTO_TOOL_CHOICE", "SWITCHYARD_TOOL_CALL_PARSER"} <= \
             services[name]["environment"].keys()
+
+
+def test_calls_sent_back_reach_the_template_with_arguments_decoded_as_vllm_does() -> None:
+    def turn(arguments: str) -> dict[str, Any]:
+        body = request(messages=[
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+                "name": "f", "arguments": arguments}}]},
+            {"role": "tool", "tool_call_id": "c1", "name": "f", "content": "42"}])
+        turns = conversation(body)
+        assert turns[2] == {"role": "tool", "content": "42", "tool_call_id": "c1", "name": "f"}
+        assert "content" not in turns[1]  # (None: absent, as transformers passes it)
+        return turns[1]["tool_calls"][0]["function"]["arguments"]
+
+    assert turn('{"a": [1, 2]}') == {"a": [1, 2]}
+    for bad in ("not json", "42", "[" * 100_000):  # (nested too deep: no crash)
+        assert turn(bad) == {}
+    assert turn("[1]") == [1]
