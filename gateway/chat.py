@@ -26,7 +26,7 @@ from gateway.output import Output
 from gateway.serving import Run, Serving, client_gone, json_response
 from gateway.sse import DONE, EventStreamResponse, error_event, event
 from gateway.tokenizer import Tokenizer
-from gateway.tools import Parsed, ToolParser, check_auto, collect, parser_for
+from gateway.tools import Parsed, ToolParser, collect, parser_for
 
 
 def conversation(body: ChatCompletionRequest) -> list[dict[str, Any]]:
@@ -162,8 +162,9 @@ def _choice(serving: Serving, body: ChatCompletionRequest, index: int, out: Outp
 async def create_chat_completion(serving: Serving, request: Request) -> Response:
     """Generate the assistant's reply to a conversation."""
     body = await serving.parse(request, ChatCompletionRequest)
-    # (again in each choice's parser; here before any work starts)
-    check_auto(body.tool_list(), body.tool_choice, serving.config.tool_call_parser)
+    # A first parser refuses "auto" without the server's parser before any work starts.
+    if (parser := _parser(serving, body)) is not None and parser.keeps_special_tokens:
+        body.skip_special_tokens = False  # (vLLM's: the parser must see its token)
     prompt_token_ids = serving.tokenizer.encode_chat(
         conversation(body), body.add_generation_prompt, body.template_kwargs(),
         body.continue_final_message, body.add_special_tokens)

@@ -103,7 +103,8 @@ def add_tool_call_flags(p: argparse.ArgumentParser) -> None:
                         "with --tool-call-parser")
     p.add_argument("--tool-call-parser", default=env("TOOL_CALL_PARSER") or None,
                    choices=sorted(TOOL_PARSERS),
-                   help="how the model writes tool calls: hermes (Qwen, Hermes)")
+                   help="how the model writes tool calls: hermes (Qwen3, Hermes), "
+                        "mistral (Mixtral 8x22B: [TOOL_CALLS] and a JSON array)")
 
 
 def tool_call_flags(args: argparse.Namespace) -> list[str]:

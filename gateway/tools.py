@@ -16,6 +16,8 @@ deltas it makes; a whole response is the same deltas joined, so both agree by co
 from __future__ import annotations
 
 import json
+import random
+import string
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -169,6 +171,7 @@ class ToolParser:
     `finish` once; subclasses say how calls are written."""
 
     forced = False  # whether a grammar makes the model call (named, required)
+    keeps_special_tokens = False  # whether it reads a special token (kept in the text)
 
     def __init__(self) -> None:
         self.calls = 0  # calls started so far
@@ -194,8 +197,11 @@ class ToolParser:
 
     def _start(self, name: str, arguments: str) -> ToolCallDelta:
         self.calls += 1
-        return ToolCallDelta(self.calls - 1, FunctionDelta(name, arguments), call_id(),
-                             "function")
+        return ToolCallDelta(self.calls - 1, FunctionDelta(name, arguments),
+                             self._call_id(), "function")
+
+    def _call_id(self) -> str:
+        return call_id()
 
 
 class NamedCall(ToolParser):
@@ -224,14 +230,13 @@ class NamedCall(ToolParser):
 _DECODER = json.JSONDecoder()
 
 
-class RequiredCalls(ToolParser):
-    """tool_choice "required": a JSON array of {"name", "parameters"}; each call is sent
-    once its object is complete."""
+class JsonArrayCalls(ToolParser):
+    """Calls as a JSON array of {"name", KEY: arguments} objects; each call is sent once
+    its object is complete."""
 
-    forced = True
-
-    def __init__(self) -> None:
+    def __init__(self, key: str) -> None:
         super().__init__()
+        self._key = key
         self._text = ""
         self._done = 0  # characters of `_text` read
 
@@ -247,7 +252,7 @@ class RequiredCalls(ToolParser):
                 break  # not complete yet (or nested too deep to read: content)
             if not (isinstance(item, dict) and isinstance(item.get("name"), str)):
                 break  # not a call: left as content by `finish`
-            parsed.calls.append(self._whole(item["name"], item.get("parameters", {})))
+            parsed.calls.append(self._whole(item["name"], item.get(self._key, {})))
             self._done = end
         return parsed
 
@@ -257,8 +262,63 @@ class RequiredCalls(ToolParser):
         rest = self._text[_skip(self._text, self._done, " \t\r\n,]"):]
         return Parsed(content=self._text[self._done:] if rest else "")
 
+
+class RequiredCalls(JsonArrayCalls):
+    """tool_choice "required": the array of {"name", "parameters"} its schema holds the
+    output to."""
+
+    forced = True
+
+    def __init__(self) -> None:
+        super().__init__("parameters")
+
     def finish_reason(self, reason: str | None) -> str | None:
         return "tool_calls" if reason == "stop" else reason  # (vLLM's, calls or not)
+
+
+class MistralCalls(JsonArrayCalls):
+    """Calls as Mistral models (Mixtral 8x22B) write them: text, then the special token
+    `[TOOL_CALLS]` and a JSON array of {"name", "arguments"}. Text before the token is
+    content but for its trailing whitespace; calls get the 9-character alphanumeric ids
+    Mistral's chat templates insist on when the conversation comes back."""
+
+    TOKEN = "[TOOL_CALLS]"
+    keeps_special_tokens = True
+
+    def __init__(self) -> None:
+        super().__init__("arguments")
+        self._before = ""  # text held before the token: a possible start of it, whitespace
+        self._found = False
+
+    def feed(self, text: str) -> Parsed:
+        if self._found:
+            return super().feed(text)
+        self._before += text
+        at = self._before.find(self.TOKEN)
+        if at >= 0:
+            self._found = True
+            content, rest, self._before = self._before[:at].rstrip(), \
+                self._before[at + len(self.TOKEN):], ""
+            parsed = super().feed(rest)
+            parsed.content = content
+            return parsed
+        keep = _partial_tag(self._before, self.TOKEN)
+        content = self._before[:len(self._before) - keep]
+        body = content.rstrip()  # whitespace waits: dropped if the token follows it
+        self._before = content[len(body):] + self._before[len(self._before) - keep:]
+        return Parsed(body)
+
+    def finish(self) -> Parsed:
+        if not self._found:
+            held, self._before = self._before, ""
+            return Parsed(held)
+        parsed = super().finish()
+        if not self.calls:  # no call after all: the text as written
+            parsed.content = self.TOKEN + self._text
+        return parsed
+
+    def _call_id(self) -> str:
+        return "".join(random.choices(string.ascii_letters + string.digits, k=9))
 
 
 def _skip(text: str, start: int, chars: str) -> int:
@@ -353,7 +413,7 @@ def _partial_tag(text: str, tag: str) -> int:
     return 0
 
 
-TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesCalls}
+TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesCalls, "mistral": MistralCalls}
 
 
 def check_auto(tools: list[Tool] | None, tool_choice: ToolChoice | None,

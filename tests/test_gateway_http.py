@@ -18,6 +18,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from tokenizers import Tokenizer as BackendTokenizer
 from transformers import AutoTokenizer
 
 from gateway.app import build_app
@@ -59,12 +60,13 @@ class Stack:
 
 
 @asynccontextmanager
-async def serve_gateway(model_dir: Path, engine: FakeEngine, *more: FakeEngine
-                        ) -> AsyncIterator[Stack]:
-    """The gateway in front of `engine` (and `more` attention groups)."""
+async def serve_gateway(model_dir: Path, engine: FakeEngine, *more: FakeEngine,
+                        **settings: Any) -> AsyncIterator[Stack]:
+    """The gateway in front of `engine` (and `more` attention groups); `settings`: other
+    GatewayConfig fields."""
     config = GatewayConfig(model_dir=model_dir, served_model_name=model_dir.name,
                            engines=tuple(("127.0.0.1", e.port) for e in (engine, *more)),
-                           port=0)
+                           port=0, **settings)
     client = EnginePool(list(config.engines), retry_interval_s=0.01)
     app = build_app(config, client, Tokenizer.load(model_dir))
     sock = bind(config.host, config.port)
@@ -811,3 +813,36 @@ async def test_stop_reason_names_a_models_other_eos_ids(model_dir: Path,
     async with plain.running(), serve_gateway(model_dir, plain) as stack:
         choice = (await stack.http.post("/v1/completions", json=body)).json()["choices"][0]
         assert choice["finish_reason"] == "stop" and choice["stop_reason"] is None
+
+
+async def test_the_mistral_parser_reads_its_special_token_which_skipping_would_drop(
+        tmp_path: Path) -> None:
+    """Mixtral 8x22B writes calls after the special token [TOOL_CALLS]; with auto tool
+    choice and --tool-call-parser mistral the text keeps special tokens (vLLM's
+    adjust_request), so the call is found; the ids fit Mistral's templates (9 alnum)."""
+    model_dir = write_checkpoint(tmp_path / "mixtral-like")
+    backend = BackendTokenizer.from_file(str(model_dir / "tokenizer.json"))
+    backend.add_special_tokens(["[TOOL_CALLS]"])
+    backend.save(str(model_dir / "tokenizer.json"))
+    tokenizer = Tokenizer.load(model_dir)
+    assert tokenizer is not None
+    token = backend.token_to_id("[TOOL_CALLS]")
+    reply = [*tokenizer.encode("Sure.", False), token,
+             *tokenizer.encode(' [{"name": "f", "arguments": {"a": 1}}]', False)]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
+    chat = {"model": model_dir.name, "messages": [{"role": "user", "content": "Hi"}]}
+    eos = backend.token_to_id("<|im_end|>")
+    async with FakeEngine(reply, eos).running() as engine, \
+            serve_gateway(model_dir, engine, tool_call_parser="mistral") as stack:
+        r = await stack.http.post("/v1/chat/completions", json={**chat, "tools": [tool]})
+        assert engine.requests[-1].prompt_token_ids  # (the fake replies whatever it gets)
+        choice = r.json()["choices"][0]
+        [call] = choice["message"]["tool_calls"]
+        assert call["function"] == {"name": "f", "arguments": '{"a": 1}'}
+        assert len(call["id"]) == 9 and call["id"].isalnum()
+        assert (choice["message"]["content"], choice["finish_reason"]) == ("Sure.",
+                                                                          "tool_calls")
+        # Without tools the token is skipped, as usual: a parser reading text would miss it
+        r = await stack.http.post("/v1/chat/completions", json=chat)
+        assert r.json()["choices"][0]["message"]["content"] == \
+            'Sure. [{"name": "f", "arguments": {"a": 1}}]'

@@ -23,6 +23,7 @@ from gateway.structured_outputs import grammar
 from gateway.tools import (
     Collected,
     HermesCalls,
+    MistralCalls,
     NamedCall,
     RequiredCalls,
     ToolParser,
@@ -324,3 +325,36 @@ def test_calls_sent_back_reach_the_template_with_arguments_decoded_as_vllm_does(
     for bad in ("not json", "42", "[" * 100_000):  # (nested too deep: no crash)
         assert turn(bad) == {}
     assert turn("[1]") == [1]
+
+
+MISTRAL_PIECES = st.lists(st.one_of(
+    st.text(alphabet=st.sampled_from(list("ab [],{}\"\n:TOLCS_")), max_size=12),
+    st.sampled_from(["[TOOL_CALLS]", " [", '{"name": "f", "arguments": {"x": 1}}', ", ",
+                     "]", '{"name": "g"}'])), max_size=10)
+
+
+@settings(max_examples=300, deadline=None)
+@given(pieces=MISTRAL_PIECES, data=st.data())
+def test_mistral_text_parses_the_same_streamed_in_any_pieces(pieces: list[str],
+                                                             data: st.DataObject) -> None:
+    text = "".join(pieces)
+    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=8))
+    whole = collect(MistralCalls(), text)
+    assert same(streamed(MistralCalls(), text, cuts), whole)
+    if not whole.calls:  # nothing lost but whitespace before a token that led nowhere
+        assert whole.content == text or whole.content.replace(" ", "").replace("\n", "") \
+            == text.replace(" ", "").replace("\n", "")
+
+
+def test_mistral_calls_after_the_token_and_content_before_it() -> None:
+    text = 'Sure. [TOOL_CALLS] [{"name": "f", "arguments": {"a": 1}}, {"name": "g", ' \
+           '"arguments": {}}]'
+    whole = collect(MistralCalls(), text)
+    assert whole.content == "Sure." and calls_of(whole) == [("f", {"a": 1}), ("g", {})]
+    assert all(len(c.id) == 9 and c.id.isalnum() for c in whole.calls)
+    assert same(streamed(MistralCalls(), text, list(range(len(text)))), whole)
+    for plain in ("no calls [TOOL_ at all ", "[TOOL_CALLS] not json"):
+        assert collect(MistralCalls(), plain).content == plain  # as written
+    parser = MistralCalls()
+    collect(parser, text)
+    assert parser.finish_reason("stop") == "tool_calls"
