@@ -20,6 +20,7 @@ from gateway.config import parse_args
 from gateway.errors import GatewayError
 from gateway.openai_protocol import ChatCompletionRequest
 from gateway.structured_outputs import grammar
+from gateway.tokenizer import Tokenizer
 from gateway.tools import (
     Collected,
     HermesCalls,
@@ -42,12 +43,13 @@ WEATHER = {"type": "function", "function": {
 TIME = {"type": "function", "function": {"name": "get_time"}}  # no parameters
 
 
-def qwen3_template_model(out: Path) -> Path:
-    """The bundled model's files with Qwen3's chat template (as Qwen ships it)."""
+def template_model(out: Path, template: Path = QWEN3_TEMPLATE) -> Path:
+    """The bundled model's files with a model maker's chat template (Qwen3's unless
+    told)."""
     shutil.copytree(DEFAULT_MODEL, out)
     config_path = out / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
-    config["chat_template"] = QWEN3_TEMPLATE.read_text()
+    config["chat_template"] = template.read_text()
     config_path.write_text(json.dumps(config))
     return out
 
@@ -145,7 +147,7 @@ def same(a: Collected, b: Collected) -> bool:
 def test_hermes_reads_back_the_calls_qwen3s_template_writes(tmp_path: Path) -> None:
     """An assistant turn with content and two calls, rendered by transformers with Qwen3's
     template: its text, as the model would generate it, parses back to the same calls."""
-    tokenizer = AutoTokenizer.from_pretrained(str(qwen3_template_model(tmp_path / "m")))
+    tokenizer = AutoTokenizer.from_pretrained(str(template_model(tmp_path / "m")))
     calls = [("get_weather", {"city": "Paris", "days": [1, 2]}),
              ("get_time", {"zone": "Europe/Paris", "note": "été"})]
     messages = [
@@ -358,3 +360,45 @@ def test_mistral_calls_after_the_token_and_content_before_it() -> None:
     parser = MistralCalls()
     collect(parser, text)
     assert parser.finish_reason("stop") == "tool_calls"
+
+
+MISTRAL_TEMPLATE = Path(__file__).parent / "data" / "mistral_v3_chat_template.jinja"
+
+
+def test_mistral_reads_back_the_calls_mistrals_template_writes_and_its_ids_go_back(
+        tmp_path: Path) -> None:
+    """Mistral's v3 tool template (Mistral-7B-Instruct-v0.3's; Mixtral 8x22B writes
+    calls the same way), rendered by transformers: the assistant's calls, as the model
+    would generate them, parse back; the ids we make are ones the template takes back."""
+    model = template_model(tmp_path / "m", MISTRAL_TEMPLATE)
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    calls = [("get_weather", {"city": "Paris", "days": [1, 2]}), ("get_time", {})]
+    messages = [
+        {"role": "user", "content": "Weather and time in Paris?"},
+        {"role": "assistant", "tool_calls": [
+            {"id": f"call{i}abcd", "type": "function", "function": {"name": n, "arguments": a}}
+            for i, (n, a) in enumerate(calls)]},
+        {"role": "tool", "tool_call_id": "call0abcd", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "call1abcd", "content": "noon"},
+        {"role": "assistant", "content": "Sunny at noon."},
+        {"role": "user", "content": "Thanks"}]
+    text = tokenizer.apply_chat_template(messages, tools=[WEATHER, TIME], tokenize=False)
+    eos = tokenizer.eos_token
+    turn = text.split("[/INST]")[1].split(eos)[0]
+    assert turn.startswith("[TOOL_CALLS] [")  # what the model writes
+    whole = collect(MistralCalls(), turn)
+    assert whole.content == "" and calls_of(whole) == calls
+    # the calls come back in the next request: our ids pass the template's check
+    ours = Tokenizer.load(model)
+    assert ours is not None
+    back = request(messages=[messages[0], {"role": "assistant", "tool_calls": [
+        msgspec.to_builtins(call) for call in whole.calls]}, {
+        "role": "tool", "tool_call_id": whole.calls[0].id, "content": "sunny"}],
+        tools=[WEATHER, TIME], tool_choice="none")
+    assert whole.calls[0].id in ours.render_chat(conversation(back),
+                                                 template_kwargs=back.template_kwargs())
+    vllm_style = request(messages=[messages[0], {"role": "assistant", "tool_calls": [
+        {"id": "chatcmpl-tool-0123", "type": "function", "function": {
+            "name": "get_time", "arguments": "{}"}}]}])
+    with pytest.raises(GatewayError, match="length 9"):
+        ours.render_chat(conversation(vllm_style))
