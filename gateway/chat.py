@@ -125,7 +125,9 @@ async def _events(serving: Serving, run: Run, body: ChatCompletionRequest
 
 def _parser(serving: Serving, body: ChatCompletionRequest) -> ToolParser | None:
     """A new reader of tool calls for one choice (None: its text is all content)."""
-    return parser_for(body.tool_list(), body.tool_choice, serving.config.tool_call_parser)
+    config = serving.config
+    return parser_for(body.tool_list(), body.tool_choice, config.tool_call_parser,
+                      config.enable_auto_tool_choice)
 
 
 def _finish_reason(parser: ToolParser | None, reason: str | None) -> str | None:

@@ -42,8 +42,10 @@ class GatewayConfig:
     dashboard_window_s: float = 60.0
     # What a request leaves out: the model's generation_config.json (--generation-config)
     sampling_defaults: SamplingDefaults = NEUTRAL
-    # The parser that reads calls out of text when tool_choice is "auto" (None: refused)
+    # How the model writes tool calls (the parser that reads them out of text for
+    # tool_choice "auto", when enabled; the call ids it takes back, always)
     tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -168,5 +170,6 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
         service_metrics=service_metrics,
         dashboard_window_s=args.dashboard_window,
         sampling_defaults=sampling_defaults,
-        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
     )

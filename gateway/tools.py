@@ -19,6 +19,7 @@ import json
 import random
 import string
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -173,8 +174,9 @@ class ToolParser:
     forced = False  # whether a grammar makes the model call (named, required)
     keeps_special_tokens = False  # whether it reads a special token (kept in the text)
 
-    def __init__(self) -> None:
+    def __init__(self, new_id: Callable[[], str] | None = None) -> None:
         self.calls = 0  # calls started so far
+        self._new_id = new_id or self.call_id  # (another model family's ids)
 
     def feed(self, text: str) -> Parsed:
         """The content and calls that `text`, the next piece of the output, completes."""
@@ -198,9 +200,11 @@ class ToolParser:
     def _start(self, name: str, arguments: str) -> ToolCallDelta:
         self.calls += 1
         return ToolCallDelta(self.calls - 1, FunctionDelta(name, arguments),
-                             self._call_id(), "function")
+                             self._new_id(), "function")
 
-    def _call_id(self) -> str:
+    @staticmethod
+    def call_id() -> str:
+        """A new call's id, as the models this parser reads take them back."""
         return call_id()
 
 
@@ -209,8 +213,8 @@ class NamedCall(ToolParser):
 
     forced = True
 
-    def __init__(self, name: str) -> None:
-        super().__init__()
+    def __init__(self, name: str, new_id: Callable[[], str] | None = None) -> None:
+        super().__init__(new_id)
         self._name = name
 
     def feed(self, text: str) -> Parsed:
@@ -234,8 +238,8 @@ class JsonArrayCalls(ToolParser):
     """Calls as a JSON array of {"name", KEY: arguments} objects; each call is sent once
     its object is complete."""
 
-    def __init__(self, key: str) -> None:
-        super().__init__()
+    def __init__(self, key: str, new_id: Callable[[], str] | None = None) -> None:
+        super().__init__(new_id)
         self._key = key
         self._text = ""
         self._done = 0  # characters of `_text` read
@@ -269,8 +273,8 @@ class RequiredCalls(JsonArrayCalls):
 
     forced = True
 
-    def __init__(self) -> None:
-        super().__init__("parameters")
+    def __init__(self, new_id: Callable[[], str] | None = None) -> None:
+        super().__init__("parameters", new_id)
 
     def finish_reason(self, reason: str | None) -> str | None:
         return "tool_calls" if reason == "stop" else reason  # (vLLM's, calls or not)
@@ -317,7 +321,8 @@ class MistralCalls(JsonArrayCalls):
             parsed.content = self.TOKEN + self._text
         return parsed
 
-    def _call_id(self) -> str:
+    @staticmethod
+    def call_id() -> str:
         return "".join(random.choices(string.ascii_letters + string.digits, k=9))
 
 
@@ -427,19 +432,21 @@ def check_auto(tools: list[Tool] | None, tool_choice: ToolChoice | None,
 
 
 def parser_for(tools: list[Tool] | None, tool_choice: ToolChoice | None,
-               auto_parser: str | None) -> ToolParser | None:
-    """A new parser for one choice's text, or None: the text is all content. `auto_parser`:
-    the server's --tool-call-parser when it enables auto tool choice."""
+               parser: str | None, auto: bool) -> ToolParser | None:
+    """A new parser for one choice's text, or None: the text is all content. `parser`: the
+    server's --tool-call-parser, which also gives named and required calls its models'
+    ids; `auto`: whether the server enables auto tool choice."""
     choice = served_choice(tools, tool_choice)
+    new_id = TOOL_PARSERS[parser].call_id if parser is not None else None
     if isinstance(choice, NamedToolChoice):
-        return NamedCall(choice.function.name)
+        return NamedCall(choice.function.name, new_id)
     if choice == "required":
-        return RequiredCalls()
+        return RequiredCalls(new_id)
     if choice == "none":
         return None
-    check_auto(tools, tool_choice, auto_parser)
-    assert auto_parser is not None  # (checked)
-    return TOOL_PARSERS[auto_parser]()
+    check_auto(tools, tool_choice, parser if auto else None)
+    assert parser is not None  # (checked)
+    return TOOL_PARSERS[parser]()
 
 
 @dataclass

@@ -833,7 +833,8 @@ async def test_the_mistral_parser_reads_its_special_token_which_skipping_would_d
     chat = {"model": model_dir.name, "messages": [{"role": "user", "content": "Hi"}]}
     eos = backend.token_to_id("<|im_end|>")
     async with FakeEngine(reply, eos).running() as engine, \
-            serve_gateway(model_dir, engine, tool_call_parser="mistral") as stack:
+            serve_gateway(model_dir, engine, tool_call_parser="mistral",
+                          enable_auto_tool_choice=True) as stack:
         r = await stack.http.post("/v1/chat/completions", json={**chat, "tools": [tool]})
         assert engine.requests[-1].prompt_token_ids  # (the fake replies whatever it gets)
         choice = r.json()["choices"][0]

@@ -77,7 +77,7 @@ def test_tool_choice_is_checked_against_the_tools_as_vllm_does() -> None:
     for body in (request(tools=[], tool_choice="required"), request(tools=[],
                                                                     tool_choice="auto")):
         assert body.grammar() is None
-        assert parser_for(body.tool_list(), body.tool_choice, "hermes") is None
+        assert parser_for(body.tool_list(), body.tool_choice, "hermes", True) is None
     # "auto", also by default with tools, needs a parser on the server (vLLM's check)
     tools = request(tools=[WEATHER]).tool_list()
     for asked in ((tools, None), (tools, "auto"), ([], "auto")):
@@ -85,7 +85,20 @@ def test_tool_choice_is_checked_against_the_tools_as_vllm_does() -> None:
             check_auto(*asked, None)
         check_auto(*asked, "hermes")
     check_auto([], None, None)  # no tools, no choice: nothing asked
-    assert isinstance(parser_for(tools, None, "hermes"), HermesCalls)
+    assert isinstance(parser_for(tools, None, "hermes", True), HermesCalls)
+    with pytest.raises(GatewayError, match="--enable-auto-tool-choice"):
+        parser_for(tools, None, "hermes", False)
+    # a named or required call takes the server's model family's ids (Mistral: 9 alnum)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for parser, length in ((None, 46), ("hermes", 46), ("mistral", 9)):
+        for choice in (named, "required"):
+            body = request(tools=[WEATHER], tool_choice=choice)
+            reader = parser_for(body.tool_list(), body.tool_choice, parser, False)
+            assert reader is not None
+            text = '{"city": "x"}' if choice == named else \
+                '[{"name": "get_weather", "parameters": {"city": "x"}}]'
+            [call] = collect(reader, text).calls
+            assert len(call.id) == length, (parser, choice, call.id)
 
 
 def test_named_and_required_choices_constrain_as_vllm_does() -> None:
@@ -292,16 +305,21 @@ def test_auto_tool_choice_is_configured_by_flags_or_environment(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM's two flags, or compose's SWITCHYARD_ variables (which reach the gateway)."""
     base = ["--model", str(DEFAULT_MODEL), "--engine", "127.0.0.1:1"]
-    assert parse_args(base).tool_call_parser is None
-    assert parse_args([*base, "--tool-call-parser", "hermes"]).tool_call_parser is None
-    assert parse_args([*base, "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
-                      ).tool_call_parser == "hermes"
+
+    def tools(*flags: str) -> tuple[str | None, bool]:
+        config = parse_args([*base, *flags])
+        return config.tool_call_parser, config.enable_auto_tool_choice
+
+    assert tools() == (None, False)
+    assert tools("--tool-call-parser", "hermes") == ("hermes", False)
+    assert tools("--enable-auto-tool-choice", "--tool-call-parser", "hermes") == \
+        ("hermes", True)
     for bad in (["--enable-auto-tool-choice"], ["--tool-call-parser", "nope"]):
         with pytest.raises(SystemExit):
             parse_args([*base, *bad])
     monkeypatch.setenv("SWITCHYARD_ENABLE_AUTO_TOOL_CHOICE", "true")
     monkeypatch.setenv("SWITCHYARD_TOOL_CALL_PARSER", "hermes")
-    assert parse_args(base).tool_call_parser == "hermes"
+    assert tools() == ("hermes", True)
     monkeypatch.setenv("SWITCHYARD_TOOL_CALL_PARSER", "nope")  # unchecked by argparse
     with pytest.raises(SystemExit):
         parse_args(base)
