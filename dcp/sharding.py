@@ -1,4 +1,5 @@
-"""Which rank of a DCP group holds the KV of which token, and the group's block tables.
+"""Which rank of a DCP group holds the KV of which token (the group's block tables:
+`services.attention.block_manager`).
 
 Token position `p` lives on rank `(p // I) % D` (`I` the interleave, `D` the group size),
 at that rank's local index `(p // (I * D)) * I + p % I`; each rank's paged cache holds only
@@ -10,8 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from services.attention.sequence import Sequence
 
 
 @dataclass(frozen=True)
@@ -47,52 +46,3 @@ class Sharding:
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if self.num_owned(0, mid) <= tokens_per_rank else (lo, mid - 1)
         return lo
-
-
-class ShardedBlockManager:
-    """`BlockManager`'s interface over D ranks' block pools: a sequence's table on rank r,
-    `seq.shard_tables[r]`, covers the tokens rank r holds."""
-
-    def __init__(self, blocks_per_rank: int, block_size: int, sharding: Sharding) -> None:
-        if blocks_per_rank < 1 or block_size < 1:
-            raise ValueError(f"need at least one block of one slot, got "
-                             f"{blocks_per_rank}x{block_size}")
-        self.sharding = sharding
-        self.block_size = block_size
-        self.blocks_per_rank = blocks_per_rank
-        self.num_blocks = blocks_per_rank * sharding.size
-        self._free = [list(range(blocks_per_rank - 1, -1, -1)) for _ in range(sharding.size)]
-
-    @property
-    def num_free_blocks(self) -> int:
-        return sum(map(len, self._free))
-
-    def free_blocks(self, rank: int) -> int:
-        return len(self._free[rank])
-
-    def _needed(self, seq: Sequence, num_new_tokens: int) -> list[int]:
-        total = seq.num_computed_tokens + num_new_tokens
-        if not seq.shard_tables:
-            seq.shard_tables = [[] for _ in range(self.sharding.size)]
-        return [max(0, -(-self.sharding.num_owned(r, total) // self.block_size) - len(t))
-                for r, t in enumerate(seq.shard_tables)]
-
-    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return all(n <= len(free) for n, free in zip(self._needed(seq, num_new_tokens),
-                                                     self._free, strict=True))
-
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
-        needed = self._needed(seq, num_new_tokens)
-        if not self.can_allocate(seq, num_new_tokens):
-            raise RuntimeError(f"out of KV blocks: need {needed} per rank")
-        for table, free, n in zip(seq.shard_tables, self._free, needed, strict=True):
-            table.extend(free.pop() for _ in range(n))
-
-    def free(self, seq: Sequence) -> None:
-        """Give back seq's blocks; one never allocated (still queued, or preempted) holds
-        none."""
-        if not seq.shard_tables:
-            return
-        for table, free in zip(seq.shard_tables, self._free, strict=True):
-            free.extend(reversed(table))
-        seq.shard_tables = []

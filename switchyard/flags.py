@@ -68,7 +68,9 @@ def as_flags(args: argparse.Namespace, actions: list[argparse.Action],
         value = getattr(args, action.dest)
         if action.dest in skip or value is None:
             continue
-        if action.nargs == 0:  # a switch: store_true and the like
+        if isinstance(action, argparse.BooleanOptionalAction):  # --x or --no-x
+            out += [action.option_strings[0 if value else 1]]
+        elif action.nargs == 0:  # a switch: store_true and the like
             out += [action.option_strings[0]] if value else []
         else:
             out += [action.option_strings[0], str(value)]

@@ -60,12 +60,14 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class GenerateRequest(msgspec.Struct, frozen=True, tag=True):
-    """Gateway -> attention leader: start generating for one sequence."""
+    """Gateway -> attention leader: start generating for one sequence. Only requests of
+    the same `cache_salt` (vLLM's) share prefix-cached KV blocks."""
 
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
     trace_context: dict[str, str] = {}
+    cache_salt: str | None = None
 
 
 class AbortRequest(msgspec.Struct, frozen=True, tag=True):
@@ -93,7 +95,8 @@ class TokenDelta(msgspec.Struct, frozen=True, tag=True):
     per token when
     the request asked for them. The delta with a request's first token carries how long it
     waited to be scheduled and how long its prefill took, and, when asked for, the prompt's
-    log-probabilities: one entry per prompt token, None for the first (nothing precedes it).
+    log-probabilities: one entry per prompt token, None for the first (nothing precedes it),
+    and how many prompt tokens' KV came from the prefix cache (None: caching off).
     """
 
     request_id: str
@@ -106,6 +109,7 @@ class TokenDelta(msgspec.Struct, frozen=True, tag=True):
     queue_time_s: float | None = None
     prefill_time_s: float | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    num_cached_tokens: int | None = None
 
 
 class InfoRequest(msgspec.Struct, frozen=True, tag=True):

@@ -80,7 +80,7 @@ def test_each_rank_holds_its_share_of_a_long_request(qwen3_ckpt: tuple) -> None:
         while seq.num_output_tokens < 89:
             engine.step()
         total = seq.num_computed_tokens
-        per_rank = [len(t) for t in seq.shard_tables]  # blocks held on each rank
+        per_rank = [len(t) for t in seq.block_tables]  # blocks held on each rank
         bm = engine.block_manager
         assert [bm.blocks_per_rank - bm.free_blocks(r) for r in range(2)] == per_rank
         for blocks in per_rank:  # within one block of total / D

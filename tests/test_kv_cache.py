@@ -24,20 +24,20 @@ def seq(n_tokens: int, name: str = "s") -> Sequence:
 
 
 def test_allocation_rounds_up_to_blocks_and_free_returns_them() -> None:
-    bm = BlockManager(num_blocks=4, block_size=4)
+    bm = BlockManager(blocks_per_rank=4, block_size=4)
     s = seq(6)
-    assert bm.blocks_needed(s, 6) == 2
+    assert bm.blocks_needed(s, 6) == [2]
     bm.allocate(s, 6)
     assert len(s.block_table) == 2 and bm.num_free_blocks == 2
     s.num_computed_tokens = 6
-    assert bm.blocks_needed(s, 2) == 0  # slots 6, 7 are in block 2 of 2
-    assert bm.blocks_needed(s, 3) == 1
+    assert bm.blocks_needed(s, 2) == [0]  # slots 6, 7 are in block 2 of 2
+    assert bm.blocks_needed(s, 3) == [1]
     bm.free(s)
     assert s.block_table == [] and bm.num_free_blocks == 4 and bm.usage == 0.0
 
 
 def test_exhaustion_is_refused_not_overcommitted() -> None:
-    bm = BlockManager(num_blocks=2, block_size=4)
+    bm = BlockManager(blocks_per_rank=2, block_size=4)
     a, b = seq(8, "a"), seq(1, "b")
     bm.allocate(a, 8)
     assert not bm.can_allocate(b, 1)
@@ -48,7 +48,7 @@ def test_exhaustion_is_refused_not_overcommitted() -> None:
 
 @given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 20)), max_size=40))
 def test_blocks_are_never_shared_or_lost(ops: list[tuple[int, int]]) -> None:
-    bm = BlockManager(num_blocks=16, block_size=4)
+    bm = BlockManager(blocks_per_rank=16, block_size=4)
     seqs = [seq(0, str(i)) for i in range(6)]
     for i, n in ops:
         s = seqs[i]
@@ -114,7 +114,7 @@ def test_the_gpu_attention_kernel_matches_the_cpu_one() -> None:
     for i, (n, done, blocks) in enumerate([(20, 19, range(0, 5)), (30, 0, range(5, 13)),
                                            (13, 12, range(13, 16))]):
         s = seq(n, f"s{i}")
-        s.num_computed_tokens, s.block_table = done, list(blocks)
+        s.num_computed_tokens, s.block_tables = done, [list(blocks)]
         seqs.append(ScheduledSeq(s, min(n - done, 12)))
     for window in (None, 7):
         batch = build_batch(seqs, 4, window)
@@ -129,7 +129,7 @@ def test_every_running_sequence_decodes_every_step_even_with_a_small_budget() ->
     the others start as they finish (the newest used to wait out every step unscheduled)."""
     from services.attention.scheduler import Scheduler
 
-    bm = BlockManager(num_blocks=64, block_size=4)
+    bm = BlockManager(blocks_per_rank=64, block_size=4)
     scheduler = Scheduler(bm, max_num_batched_tokens=2, max_num_seqs=8)
     seqs = [seq(1, f"s{i}") for i in range(4)]
     for s in seqs:

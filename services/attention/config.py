@@ -27,6 +27,7 @@ class AttentionConfig:
     dtype: str = "auto"
     device: str = "cpu"
     block_size: int = 16
+    enable_prefix_caching: bool = True  # share the KV of equal prompt prefixes (vLLM's)
     kv_cache_memory: int = 1 << 30  # bytes for the paged KV cache
     max_num_batched_tokens: int = 512  # per-step token budget (prefill chunk size)
     max_num_seqs: int = 128
@@ -99,6 +100,10 @@ def add_engine_flags(p: argparse.ArgumentParser, default_backend: str = "local"
         add_device_flag(p),
         add("--block-size", type=int, default=int(env("BLOCK_SIZE", "16")),
             help="tokens per KV-cache block"),
+        add("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+            default=env("ENABLE_PREFIX_CACHING", "1") not in ("", "0", "false"),
+            help="keep the KV of full blocks and reuse it for later requests that start "
+                 "with the same tokens (vLLM's automatic prefix caching; default: on)"),
         add("--kv-cache-memory", type=parse_size,
             default=parse_size(env("KV_CACHE_MEMORY", "1GiB")),
             help="memory budget of the paged KV cache (e.g. 512MiB, 2GiB)"),
@@ -150,7 +155,7 @@ def add_engine_flags(p: argparse.ArgumentParser, default_backend: str = "local"
 def from_args(args: argparse.Namespace) -> AttentionConfig:
     return AttentionConfig(
         model=Path(args.model), dtype=args.dtype, device=args.device,
-        block_size=args.block_size,
+        block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
         kv_cache_memory=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         dispatch_backend=args.dispatch_backend, num_threads=args.num_threads,

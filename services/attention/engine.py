@@ -11,7 +11,7 @@ import torch
 
 from dcp.batch import build_rank_batch
 from dcp.group import DcpGroup, GroupExperts
-from dcp.sharding import ShardedBlockManager, Sharding
+from dcp.sharding import Sharding
 from ep_dispatch import BackendContext, create_experts_client
 from ep_dispatch.base import ExpertsClient
 from ep_dispatch.deepep import check_step_budget
@@ -93,10 +93,8 @@ class Engine:
         capacity = self.sharding.max_length(num_blocks * config.block_size)
         if self.group:
             self.experts = GroupExperts(self.group, self.experts)
-            self.block_manager: BlockManager | ShardedBlockManager = ShardedBlockManager(
-                num_blocks, config.block_size, self.sharding)
-        else:
-            self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size, self.sharding,
+                                          config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens,
                                    config.max_num_seqs)
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings,
@@ -158,7 +156,7 @@ class Engine:
         for item in scheduled:
             seq, n = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
-            seqs.append(DcpSeqPlan(seq.token_ids[start:start + n], start, seq.shard_tables))
+            seqs.append(DcpSeqPlan(seq.token_ids[start:start + n], start, seq.block_tables))
             if all_logits:
                 rows.extend(range(first, first + n))
             elif start + n == seq.num_tokens:
@@ -205,7 +203,7 @@ class Engine:
                        len(request.prompt_token_ids), request.sampling,
                        torch.Generator(self.device),
                        trace_parent=tracing.sampled_span(request.trace_context),
-                       matcher=matcher)
+                       matcher=matcher, cache_salt=request.cache_salt)
         self._seqs[seq.request_id] = seq
         self.scheduler.add(seq)
         return None
@@ -279,14 +277,13 @@ class Engine:
         self._score_prompts(scheduled, hidden)
         sampling = [s.seq for s in scheduled
                     if s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens]
+        for item in scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.cache_computed(item.seq)
         if not sampling:
-            for item in scheduled:
-                item.seq.num_computed_tokens += item.num_new_tokens
             return []
         sampled = sample(self.model.logits(hidden[batch.logits_rows]), sampling,
                          self.model_config.eos_token_ids)
-        for item in scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
         return [self._append(seq, token, logprobs) for seq, token, logprobs
                 in zip(sampling, sampled.tokens, sampled.logprobs, strict=True)]
 
@@ -348,7 +345,8 @@ class Engine:
         return TokenDelta(seq.request_id, [token], seq.finish_reason, seq.num_prompt_tokens,
                           error, logprobs=None if logprobs is None else [logprobs],
                           queue_time_s=queue_s, prefill_time_s=prefill_s,
-                          prompt_logprobs=prompt)
+                          prompt_logprobs=prompt,
+                          num_cached_tokens=seq.num_cached_tokens if first else None)
 
     @torch.inference_mode()
     def score(self, token_ids: list[int]) -> torch.Tensor:

@@ -2,8 +2,10 @@
 
 Every step, running sequences go first (oldest first: a decode token each, or their next
 prefill chunk), then waiting ones are admitted while the token budget, the sequence limit
-and the free KV blocks allow. A sequence that cannot get a block preempts the newest
-running one, whose KV is dropped and recomputed when it is admitted again.
+and the free KV blocks allow; with prefix caching, an admitted sequence first takes the
+blocks of its longest cached prefix and computes only the rest. A sequence that cannot get a
+block preempts the newest running one, whose KV is dropped and recomputed when it is
+admitted again (what of it is still cached is found there, as any prefix).
 """
 
 from __future__ import annotations
@@ -68,13 +70,16 @@ class Scheduler:
             if len(self.running) >= self.max_num_seqs:
                 break
             seq = self.waiting[0]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.block_manager.can_allocate(seq, n):
+            cached = self.block_manager.lookup(seq)
+            n = min(seq.num_tokens - cached.num_tokens, budget)
+            if not self.block_manager.can_allocate(seq, n, cached):
                 break
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            self.block_manager.allocate(seq, n)
+            if seq.num_cached_tokens is None and self.block_manager.prefix_cache is not None:
+                seq.num_cached_tokens = min(cached.num_tokens, seq.num_prompt_tokens)
+            self.block_manager.allocate(seq, n, cached)
             scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         return scheduled

@@ -24,9 +24,10 @@ class SeqStatus(enum.Enum):
 class Sequence:
     """Prompt plus generated tokens, and how far the KV cache has computed them.
 
-    `num_computed_tokens` tokens have their KV in the blocks of `block_table`; the rest of
-    `token_ids` still has to go through the model (a prompt, a prompt chunk, or the last
-    sampled token). Preemption by recompute resets it to 0 and keeps `token_ids`.
+    `num_computed_tokens` tokens have their KV in the blocks of `block_tables` (computed
+    here or found in the prefix cache); the rest of `token_ids` still has to go through the
+    model (a prompt, a prompt chunk, or the last sampled token). Preemption by recompute
+    resets it to 0 and keeps `token_ids`.
     """
 
     request_id: str
@@ -35,8 +36,13 @@ class Sequence:
     sampling: SamplingParams
     generator: torch.Generator = field(default_factory=torch.Generator)
     num_computed_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
-    shard_tables: list[list[int]] = field(default_factory=list)  # DCP: one table per rank
+    # one table per DCP rank (one without DCP); empty while it holds no block
+    block_tables: list[list[int]] = field(default_factory=list)
+    cache_salt: str | None = None  # vLLM's: only requests of the same salt share KV blocks
+    span_keys: list[bytes] = field(default_factory=list)  # prefix cache keys of full spans
+    num_cached_spans: int = 0  # leading spans of its tables that are in the prefix cache
+    # prompt tokens found in the prefix cache when first scheduled (None: not looked up)
+    num_cached_tokens: int | None = None
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
     num_sent_tokens: int = 0  # output tokens already reported to the client
@@ -59,6 +65,22 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def block_table(self) -> list[int]:
+        """The table of a sequence without DCP (rank 0's)."""
+        return self.block_tables[0] if self.block_tables else []
+
+    @property
+    def num_reusable_tokens(self) -> int:
+        """Leading tokens whose KV may come from the prefix cache: all but the last, whose
+        row must run to sample; while prompt logprobs are scored, only the positions scored
+        already (each one's row must run)."""
+        n = self.num_tokens - 1
+        if (self.sampling.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < self.num_prompt_tokens):
+            n = min(n, len(self.prompt_logprobs) - 1)
+        return n
 
     @property
     def num_output_tokens(self) -> int:
