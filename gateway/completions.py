@@ -88,8 +88,8 @@ def _echo_text(prompt: str | list[int], tokenizer: Tokenizer | None,
 
 
 def _usage(runs: list[Run], completion_tokens: int) -> Usage:
-    prompt_tokens = sum(len(run.prompt_token_ids) for run in runs)
-    return Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
+    return Usage.of(sum(len(run.prompt_token_ids) for run in runs), completion_tokens,
+                    sum(run.cached_tokens or 0 for run in runs))
 
 
 async def _events(runs: list[Run], body: CompletionRequest, shapers: list[_ChoiceText]
@@ -106,8 +106,7 @@ async def _events(runs: list[Run], body: CompletionRequest, shapers: list[_Choic
             if choice.text or step.finish_reason or choice.token_ids or choice.logprobs:
                 usage = None  # vLLM's continuous_usage_stats: this choice's so far
                 if body.continuous_usage:
-                    used = prompt_tokens[index], generated[index]
-                    usage = Usage(*used, sum(used))
+                    usage = Usage.of(prompt_tokens[index], generated[index])
                 yield event(Completion(first.id, first.created, first.model, [choice], usage))
     except GatewayError as exc:
         yield error_event(exc)

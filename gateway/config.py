@@ -46,6 +46,7 @@ class GatewayConfig:
     # tool_choice "auto", when enabled; the call ids it takes back, always)
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
+    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details (vLLM's)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -93,8 +94,24 @@ def _parser() -> argparse.ArgumentParser:
                    help="sampling defaults for what a request leaves out: auto (the model's "
                         "generation_config.json, as vLLM), vllm (neutral: temperature 1, "
                         "no top-p/top-k), or a directory holding a generation_config.json")
-    add_tool_call_flags(p)
+    add_serve_flags(p)
     return p
+
+
+def add_serve_flags(p: argparse.ArgumentParser) -> None:
+    """The gateway's flags that `switchyard serve` takes too (and passes on with
+    `serve_flags`)."""
+    add_tool_call_flags(p)
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   default=env("ENABLE_PROMPT_TOKENS_DETAILS", "") not in ("", "0", "false"),
+                   help="report usage.prompt_tokens_details.cached_tokens (prompt tokens "
+                        "found in the prefix cache), as vLLM's flag of that name")
+
+
+def serve_flags(args: argparse.Namespace) -> list[str]:
+    """`add_serve_flags`' flags as given (a ValueError as `tool_call_flags`)."""
+    return tool_call_flags(args) + \
+        ["--enable-prompt-tokens-details"] * args.enable_prompt_tokens_details
 
 
 def add_tool_call_flags(p: argparse.ArgumentParser) -> None:
@@ -149,7 +166,7 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
     except ValueError as exc:
         parser.error(f"--generation-config: {exc}")
     try:
-        tool_call_flags(args)
+        serve_flags(args)
     except ValueError as exc:
         parser.error(str(exc))
     return GatewayConfig(
@@ -172,4 +189,5 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
         sampling_defaults=sampling_defaults,
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
     )

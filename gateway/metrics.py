@@ -40,6 +40,13 @@ class Metrics:
                                      "Prompt tokens of accepted requests.", m, registry=r)
         self.generation_tokens = Counter("switchyard:generation_tokens",
                                          "Generated tokens.", m, registry=r)
+        # vLLM's: prompt tokens looked up in the prefix cache, and those found there
+        self.prefix_cache_queries = Counter(
+            "switchyard:prefix_cache_queries",
+            "Prompt tokens of requests looked up in the prefix cache.", m, registry=r)
+        self.prefix_cache_hits = Counter(
+            "switchyard:prefix_cache_hits",
+            "Prompt tokens whose KV was found in the prefix cache.", m, registry=r)
         self.finished = Counter("switchyard:request_success", "Finished choices.",
                                 [*m, "finished_reason"], registry=r)
         self.rejected = Counter("switchyard:request_rejected",
@@ -87,6 +94,7 @@ class RequestTimer:
         self._done = False
         self.num_tokens = 0
         self.finish_reason: str | None = None
+        self.num_cached_tokens: int | None = None  # from the engine, with the first token
 
     def on_delta(self, delta: TokenDelta, arrived: float | None = None) -> None:
         """`arrived`: when the delta came from the engine (time.monotonic()), if earlier
@@ -106,6 +114,10 @@ class RequestTimer:
             m.queue.labels(model).observe(delta.queue_time_s)
         if delta.prefill_time_s is not None:
             m.prefill.labels(model).observe(delta.prefill_time_s)
+        if delta.num_cached_tokens is not None:
+            self.num_cached_tokens = delta.num_cached_tokens
+            m.prefix_cache_queries.labels(model).inc(delta.num_prompt_tokens)
+            m.prefix_cache_hits.labels(model).inc(delta.num_cached_tokens)
         if delta.finish_reason is not None:
             self.finish(delta.finish_reason, now)
 

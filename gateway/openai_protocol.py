@@ -124,6 +124,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's: only requests with the same salt share prefix-cached KV (tenants apart)
+    cache_salt: Annotated[str, msgspec.Meta(min_length=1)] | None = None
 
     def __post_init__(self) -> None:
         if self.stream_options is not None and self.stream_options.given() \
@@ -379,12 +381,25 @@ class PromptLogprob(msgspec.Struct):
 PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+
+
 class Usage(msgspec.Struct):
-    """Token counts of one request."""
+    """Token counts of one request; `prompt_tokens_details` as vLLM's (with
+    --enable-prompt-tokens-details, once some prompt tokens were cached)."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int,
+           cached_tokens: int | None = None) -> Usage:
+        details = PromptTokensDetails(cached_tokens) if cached_tokens else None
+        return cls(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens,
+                   details)
 
 
 class AssistantMessage(msgspec.Struct):

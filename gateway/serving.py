@@ -60,11 +60,19 @@ class Run:
     engine_id: str = ""  # its engine requests' id (and `-{i}` per choice); "": `id`
     _serving: Serving | None = None
     _places: int = 0  # queue places taken at admission: all `n`, whether or not each started
+    _details: bool = False  # --enable-prompt-tokens-details
 
     def usage(self, completion_tokens: int) -> Usage:
         """Token counts for this request once `completion_tokens` were generated."""
-        prompt_tokens = len(self.prompt_token_ids)
-        return Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
+        return Usage.of(len(self.prompt_token_ids), completion_tokens, self.cached_tokens)
+
+    @property
+    def cached_tokens(self) -> int | None:
+        """Prompt tokens the prefix cache held for its first choice (what vLLM reports),
+        with --enable-prompt-tokens-details; else None."""
+        if not self._details or not self.choices:
+            return None
+        return self.choices[0].timer.num_cached_tokens
 
     def stream(self) -> AsyncIterator[tuple[int, Output]]:
         """(choice index, output) as the choices produce them."""
@@ -231,7 +239,7 @@ class Serving:
         self._admit(body.n)
         run = Run(f"{kind}-{uuid.uuid4().hex}", int(time.time()),
                   self.config.served_model_name, prompt_token_ids, _serving=self,
-                  _places=body.n)
+                  _places=body.n, _details=self.config.enable_prompt_tokens_details)
         if client_id := request.headers.get("x-request-id"):
             # vLLM answers with the client's id; engine ids stay unique whatever it sends
             run.engine_id = f"{kind}-{client_id}-{uuid.uuid4().hex[:8]}"
@@ -286,7 +294,8 @@ class Serving:
         engine_id = run.engine_id or run.id
         request_id = engine_id if body.n == 1 else f"{engine_id}-{index}"
         generation = await self.engine.start(
-            GenerateRequest(request_id, run.prompt_token_ids, sampling, trace))
+            GenerateRequest(request_id, run.prompt_token_ids, sampling, trace,
+                            body.cache_salt))
         detokenizer = IncrementalDetokenizer(self._tokenizer, run.prompt_token_ids,
                                              body.skip_special_tokens)
         stops = StopStrings(body.stop_strings, body.include_stop_str_in_output) \

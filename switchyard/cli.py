@@ -8,7 +8,7 @@ import sys
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
-    from gateway.config import add_tool_call_flags
+    from gateway.config import add_serve_flags
     from services.attention.config import add_engine_flags
     from switchyard.flags import env
 
@@ -36,7 +36,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="gateway: sampling defaults for what a request leaves out: auto (the "
                         "model's generation_config.json, as vLLM), vllm (neutral), or a "
                         "directory holding a generation_config.json")
-    add_tool_call_flags(p)
+    add_serve_flags(p)
     add_engine_flags(p, default_backend="rpc")
 
 

@@ -164,6 +164,7 @@ def _attention_group(layout: Layout, g: int, experts: list[str]) -> dict[str, di
         name = _attention_name(g, r)
         services[name] = _gpu_service(name, layout.attention_gpu(g, r), command, health,
                                       experts)
+        services[name]["environment"].update(_settings(ENGINE_SETTINGS))
     return services
 
 
@@ -177,7 +178,7 @@ def _gateway(leaders: list[str], scraped: list[str]) -> dict:
                     "--engine", ",".join(f"{g}:{ATTENTION_PORT}" for g in leaders),
                     "--service-metrics",
                     ",".join(f"http://{s}:{METRICS_PORT}/metrics" for s in scraped)],
-        "environment": {**_common_env("gateway"), **_tool_env()},
+        "environment": {**_common_env("gateway"), **_settings(GATEWAY_SETTINGS)},
         "volumes": ["${SWITCHYARD_MODEL_DIR:-./model}:/model:ro"],
         "ports": [f"${{SWITCHYARD_PORT:-{GATEWAY_PORT}}}:{GATEWAY_PORT}"],
         "depends_on": {g: {"condition": "service_healthy"} for g in leaders},
@@ -186,10 +187,17 @@ def _gateway(leaders: list[str], scraped: list[str]) -> dict:
     }
 
 
-def _tool_env() -> dict[str, str]:
-    """The gateway's tool-calling settings (it reads its flags' SWITCHYARD_ variables)."""
-    return {name: f"${{{name}:-{default}}}" for name, default in (
-        ("SWITCHYARD_ENABLE_AUTO_TOOL_CHOICE", "false"), ("SWITCHYARD_TOOL_CALL_PARSER", ""))}
+# Settings of .env a service reads as its flags' SWITCHYARD_ variables (name without the
+# prefix, default).
+GATEWAY_SETTINGS = (("ENABLE_AUTO_TOOL_CHOICE", "false"), ("TOOL_CALL_PARSER", ""),
+                    ("ENABLE_PROMPT_TOKENS_DETAILS", "false"))
+ENGINE_SETTINGS = (("ENABLE_PREFIX_CACHING", "true"),)
+
+
+def _settings(names: tuple[tuple[str, str], ...]) -> dict[str, str]:
+    """The environment entries passing those settings on."""
+    return {f"SWITCHYARD_{name}": f"${{SWITCHYARD_{name}:-{default}}}"
+            for name, default in names}
 
 
 def _companions() -> dict[str, dict]:
@@ -204,7 +212,7 @@ def _companions() -> dict[str, dict]:
             "environment": {
                 "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
                 "OTEL_TRACES_SAMPLER_ARG": "${SWITCHYARD_TRACE_SAMPLE_RATIO:-0.01}",
-                **_tool_env()},
+                **_settings(GATEWAY_SETTINGS + ENGINE_SETTINGS)},
             "ports": [f"${{SWITCHYARD_PORT:-{GATEWAY_PORT}}}:{GATEWAY_PORT}"],
             "healthcheck": _health(f"http://127.0.0.1:{GATEWAY_PORT}/health"),
             "restart": "on-failure",

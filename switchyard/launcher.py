@@ -23,7 +23,7 @@ import httpx
 from ep_dispatch.deepep import deepep_flags, deepep_settings
 from ep_dispatch.placement import Placement, make_placement
 from ep_dispatch.registry import COLLECTIVE, check_backend
-from gateway.config import tool_call_flags
+from gateway.config import serve_flags
 from gateway.generation_config import SamplingDefaults
 from services.attention.config import add_engine_flags, check_cuda_graphs
 from services.expert.experts import check_quantization
@@ -160,7 +160,7 @@ def _start_services(args: argparse.Namespace, model: Path, name: str,
         "--host", args.host, "--port", str(args.port),
         "--max-queued-requests", args.max_queued_requests,
         "--max-request-body-size", args.max_request_body_size,
-        "--generation-config", args.generation_config, *tool_call_flags(args),
+        "--generation-config", args.generation_config, *serve_flags(args),
         *_tracing_args(args)])],
         timeout)
     url = http_url(args.host, http_port)
@@ -237,7 +237,7 @@ def serve(args: argparse.Namespace) -> int:
             if args.dispatch_backend == "deepep":  # (a collective backend: it has experts)
                 _check_deepep(args, cfg, placement)
         _check_generation_config(args.generation_config, model)
-        tool_call_flags(args)
+        serve_flags(args)
     except (CheckpointError, ValueError, StartupError, OSError) as exc:
         print(f"switchyard serve: {exc}", file=sys.stderr)
         return 2

@@ -495,3 +495,47 @@ def test_the_models_generation_config_as_vllm_reads_it(qwen3_ckpt: tuple, tmp_pa
                                  extra_body={"ignore_eos": True, "return_token_ids": True})
         assert r.choices[0].token_ids == want  # type: ignore[attr-defined]
         assert r.choices[0].finish_reason == "length"
+
+
+def test_prefix_cached_prompts_report_cached_tokens_as_vllm(qwen3_ckpt: tuple) -> None:
+    """With --enable-prompt-tokens-details, a prompt that repeats another's first blocks
+    reports them in usage.prompt_tokens_details.cached_tokens (absent while none were
+    cached, as vLLM), generates what transformers does, and counts in /metrics; a cache
+    salt keeps it apart; chat on the bundled model the same."""
+    path, model = qwen3_ckpt
+    system = prompts(seed=24, lengths=(40,))[0]
+    with Served(["--model", str(path), "--enable-prompt-tokens-details"]) as served:
+        c, m = client(served), model_id(served)
+        args = dict(model=m, temperature=0, max_tokens=6,
+                    extra_body={"ignore_eos": True, "return_token_ids": True})
+        first = c.completions.create(prompt=[*system, 1, 2], **args)
+        assert first.usage.prompt_tokens_details is None
+        prompt = [*system, 3, 4, 5]
+        again = c.completions.create(prompt=prompt, **args)
+        assert again.usage.prompt_tokens_details.cached_tokens == 32  # two 16-token blocks
+        assert again.choices[0].token_ids == reference_greedy(model, prompt, 6)  # type: ignore[attr-defined]
+        stream = list(c.completions.create(prompt=prompt, stream=True,
+                                           stream_options={"include_usage": True}, **args))
+        assert stream[-1].usage.prompt_tokens_details.cached_tokens == 32
+        salted = c.completions.create(prompt=prompt, **{
+            **args, "extra_body": {**args["extra_body"], "cache_salt": "tenant-b"}})
+        assert salted.usage.prompt_tokens_details is None
+        assert salted.choices[0].token_ids == again.choices[0].token_ids  # type: ignore[attr-defined]
+        with pytest.raises(openai.BadRequestError, match="cache_salt"):
+            c.completions.create(prompt=prompt, **{**args, "extra_body": {"cache_salt": ""}})
+        metrics = {ln.split("{")[0]: float(ln.split()[-1])
+                   for ln in httpx.get(f"{served.url}/metrics").text.splitlines()
+                   if ln.startswith("switchyard:prefix_cache_")}
+        assert metrics["switchyard:prefix_cache_queries_total"] == 42 + 3 * 43
+        assert metrics["switchyard:prefix_cache_hits_total"] == 2 * 32
+    with Served(["--enable-prompt-tokens-details"]) as served:
+        c, m = client(served), model_id(served)
+        messages = [{"role": "system", "content": "Answer with the number alone, please."},
+                    {"role": "user", "content": "What is 123 + 456?"}]
+        count = httpx.post(f"{served.url}/tokenize",
+                           json={"model": m, "messages": messages}).json()["count"]
+        replies = [c.chat.completions.create(model=m, messages=messages, temperature=0,
+                                             max_tokens=8) for _ in range(2)]
+        assert replies[0].usage.prompt_tokens_details is None
+        assert replies[1].usage.prompt_tokens_details.cached_tokens == (count - 1) // 16 * 16
+        assert replies[0].choices[0].message.content == replies[1].choices[0].message.content
