@@ -385,9 +385,9 @@ class PromptTokensDetails(msgspec.Struct):
     cached_tokens: int  # prompt tokens whose KV came from the prefix cache
 
 
-class Usage(msgspec.Struct):
+class Usage(msgspec.Struct, omit_defaults=True):
     """Token counts of one request; `prompt_tokens_details` as vLLM's (with
-    --enable-prompt-tokens-details, once some prompt tokens were cached)."""
+    --enable-prompt-tokens-details, once some prompt tokens were cached; left out else)."""
 
     prompt_tokens: int
     completion_tokens: int

@@ -33,6 +33,13 @@ def _other_value(action: argparse.Action) -> str:
     return f"{action.dest}-value"
 
 
+def _other_flags(action: argparse.Action) -> list[str]:
+    """The flags that give `action` a valid value that is not its default."""
+    if isinstance(action, argparse.BooleanOptionalAction):  # --x / --no-x
+        return [action.option_strings[1 if action.default else 0]]
+    return [action.option_strings[0], _other_value(action)]
+
+
 def test_serve_forwards_every_engine_flag_to_the_attention_services(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from services.attention.config import add_engine_flags
@@ -42,7 +49,7 @@ def test_serve_forwards_every_engine_flag_to_the_attention_services(
         monkeypatch.delenv(f"SWITCHYARD_{name}", raising=False)
     serve, attention = _parsers()
     engine = add_engine_flags(argparse.ArgumentParser())
-    argv = [arg for a in engine for arg in (a.option_strings[0], _other_value(a))]
+    argv = [arg for a in engine for arg in _other_flags(a)]
     given = serve.parse_args(argv)
     got = attention.parse_args(["--model", "m", *_engine_args(given)])
     for action in engine:
