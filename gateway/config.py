@@ -13,6 +13,7 @@ from pathlib import Path
 
 from gateway.expert_stats import MAX_WINDOW_S
 from gateway.generation_config import NEUTRAL, SamplingDefaults
+from gateway.prefix_affinity import POLICIES
 from gateway.service_metrics import check_url
 from gateway.tools import TOOL_PARSERS
 from switchyard.flags import env, optional_int
@@ -47,6 +48,8 @@ class GatewayConfig:
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details (vLLM's)
+    routing_policy: str = "prefix-affinity"  # which attention group takes a request
+    routing_balance: int = 16  # requests in flight a group may have above the least busy
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -106,12 +109,27 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                    default=env("ENABLE_PROMPT_TOKENS_DETAILS", "") not in ("", "0", "false"),
                    help="report usage.prompt_tokens_details.cached_tokens (prompt tokens "
                         "found in the prefix cache), as vLLM's flag of that name")
+    p.add_argument("--routing-policy", default=env("ROUTING_POLICY", "prefix-affinity"),
+                   choices=POLICIES,
+                   help="which attention group takes a request: prefix-affinity (the one "
+                        "its prompt's first blocks were last sent to, if within "
+                        "--routing-balance of the least busy; else the least busy) or "
+                        "least-busy")
+    p.add_argument("--routing-balance", type=int,
+                   default=int(env("ROUTING_BALANCE") or 16),
+                   help="prefix-affinity: requests in flight a group may have beyond the "
+                        "least busy one and still be chosen for its cached prefix")
 
 
 def serve_flags(args: argparse.Namespace) -> list[str]:
-    """`add_serve_flags`' flags as given (a ValueError as `tool_call_flags`)."""
-    return tool_call_flags(args) + \
-        ["--enable-prompt-tokens-details"] * args.enable_prompt_tokens_details
+    """`add_serve_flags`' flags as given (a ValueError as `tool_call_flags`, or for a
+    negative balance)."""
+    if args.routing_balance < 0:
+        raise ValueError("--routing-balance must not be negative")
+    return [*tool_call_flags(args),
+            *["--enable-prompt-tokens-details"] * args.enable_prompt_tokens_details,
+            "--routing-policy", args.routing_policy,
+            "--routing-balance", str(args.routing_balance)]
 
 
 def add_tool_call_flags(p: argparse.ArgumentParser) -> None:
@@ -190,4 +208,5 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        routing_policy=args.routing_policy, routing_balance=args.routing_balance,
     )

@@ -1,4 +1,6 @@
-"""Several attention groups behind one gateway: requests go to the least busy one."""
+"""Several attention groups behind one gateway: a request goes to the group whose prefix
+cache most likely holds its prompt's start, within a balance of load (`prefix_affinity`),
+or with `least-busy` routing to the one with the fewest requests in flight."""
 
 from __future__ import annotations
 
@@ -6,15 +8,21 @@ import anyio
 
 from gateway.engine_client import EngineClient, Generation
 from gateway.errors import engine_unavailable
+from gateway.prefix_affinity import POLICIES, PrefixAffinity, block_keys
 from switchyard.messages import EngineInfo, EngineStats, GenerateRequest
 
 
 class EnginePool:
     """The same interface as one `EngineClient`, over one client per attention group."""
 
-    def __init__(self, addresses: list[tuple[str, int]], retry_interval_s: float = 1.0) -> None:
+    def __init__(self, addresses: list[tuple[str, int]], retry_interval_s: float = 1.0,
+                 routing: str = "prefix-affinity", balance: int = 16) -> None:
+        if routing not in POLICIES:
+            raise ValueError(f"routing policy {routing!r} is not one of {', '.join(POLICIES)}")
         self.addresses = addresses
         self.clients = [EngineClient(host, port, retry_interval_s) for host, port in addresses]
+        self._affinity = PrefixAffinity(len(addresses), balance) \
+            if routing == "prefix-affinity" and len(addresses) > 1 else None
 
     @property
     def info(self) -> EngineInfo | None:
@@ -52,11 +60,18 @@ class EnginePool:
         return infos[0]
 
     async def start(self, request: GenerateRequest) -> Generation:
-        """Send to the connected group with the fewest requests in flight."""
-        ready = [c for c in self.clients if c.info is not None]
-        if not ready:
+        """Send to a connected group, chosen by the routing policy."""
+        loads = {g: c.num_in_flight for g, c in enumerate(self.clients) if c.info is not None}
+        if not loads:
             raise engine_unavailable("not connected to any attention service")
-        return await min(ready, key=lambda c: c.num_in_flight).start(request)
+        if self._affinity is None:
+            group = min(loads, key=loads.__getitem__)
+        else:
+            info = self.clients[next(iter(loads))].info
+            assert info is not None  # (connected)
+            keys = block_keys(request.prompt_token_ids, info.block_size, request.cache_salt)
+            group = self._affinity.choose(keys, loads, info.num_kv_blocks)
+        return await self.clients[group].start(request)
 
     async def group_stats(self, timeout: float = 10.0) -> list[EngineStats]:
         """Each group's counters."""

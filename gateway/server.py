@@ -41,7 +41,8 @@ def uvicorn_server(config: GatewayConfig) -> uvicorn.Server:
     tokenizer = Tokenizer.load(config.model_dir)
     if tokenizer is None:
         log.warning("no tokenizer.json in %s: only token-id prompts will work", config.model_dir)
-    engine = EnginePool(list(config.engines))
+    engine = EnginePool(list(config.engines), routing=config.routing_policy,
+                        balance=config.routing_balance)
     app = build_app(config, engine, tokenizer)
     return uvicorn.Server(uvicorn.Config(
         app,

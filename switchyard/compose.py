@@ -190,7 +190,8 @@ def _gateway(leaders: list[str], scraped: list[str]) -> dict:
 # Settings of .env a service reads as its flags' SWITCHYARD_ variables (name without the
 # prefix, default).
 GATEWAY_SETTINGS = (("ENABLE_AUTO_TOOL_CHOICE", "false"), ("TOOL_CALL_PARSER", ""),
-                    ("ENABLE_PROMPT_TOKENS_DETAILS", "false"))
+                    ("ENABLE_PROMPT_TOKENS_DETAILS", "false"),
+                    ("ROUTING_POLICY", "prefix-affinity"), ("ROUTING_BALANCE", "16"))
 ENGINE_SETTINGS = (("ENABLE_PREFIX_CACHING", "true"),)
 
 
