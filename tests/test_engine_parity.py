@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from services.attention.config import AttentionConfig
@@ -37,15 +39,17 @@ def greedy(request_id: str, prompt: list[int], n: int = 32) -> GenerateRequest:
                            SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
 
 
-def run_to_completion(engine: Engine, arrivals: dict[int, list[GenerateRequest]]) -> dict:
-    """Step the engine, adding arrivals[k] before step k; returns request id -> tokens."""
+def run_to_completion(engine: Engine, arrivals: dict[int, list[GenerateRequest]],
+                      seen: Callable[[TokenDelta], object] = lambda delta: None) -> dict:
+    """Step the engine, adding arrivals[k] before step k, and `seen` every delta; returns
+    request id -> tokens."""
     out: dict[str, list[int]] = {}
     step = 0
     while engine.has_work() or any(k >= step for k in arrivals):
         for req in arrivals.get(step, []):
             assert engine.add(req) is None
-        deltas: list[TokenDelta] = engine.step()
-        for d in deltas:
+        for d in engine.step():
+            seen(d)
             out.setdefault(d.request_id, []).extend(d.token_ids)
         step += 1
     return out

@@ -18,7 +18,13 @@ from services.attention.engine import Engine
 from services.attention.prefix_cache import CachedPrefix
 from services.attention.sequence import Sequence
 from switchyard.messages import GenerateRequest, SamplingParams, TokenDelta
-from tests.test_engine_parity import engine_for, greedy, prompts, reference_greedy
+from tests.test_engine_parity import (
+    engine_for,
+    greedy,
+    prompts,
+    reference_greedy,
+    run_to_completion,
+)
 
 # --- the block manager against a model of what each KV slot holds -----------------------
 
@@ -189,20 +195,13 @@ def test_without_prefix_caching_nothing_is_found() -> None:
 
 def run(engine: Engine, arrivals: dict[int, list[GenerateRequest]]
         ) -> tuple[dict[str, list[int]], dict[str, int | None]]:
-    """Step the engine with arrivals before steps; (tokens, cached prompt tokens) per id."""
-    out: dict[str, list[int]] = {}
+    """`run_to_completion`, and the cached prompt tokens each request's first delta says."""
     cached: dict[str, int | None] = {}
-    step = 0
-    while engine.has_work() or any(k >= step for k in arrivals):
-        for req in arrivals.get(step, []):
-            assert engine.add(req) is None
-        deltas: list[TokenDelta] = engine.step()
-        for d in deltas:
-            if d.request_id not in out:
-                cached[d.request_id] = d.num_cached_tokens
-            out.setdefault(d.request_id, []).extend(d.token_ids)
-        step += 1
-    return out, cached
+
+    def first(delta: TokenDelta) -> None:
+        cached.setdefault(delta.request_id, delta.num_cached_tokens)
+
+    return run_to_completion(engine, arrivals, first), cached
 
 
 def shared_prefix_prompts() -> dict[str, list[int]]:
