@@ -2,7 +2,8 @@
 the start of its prompt, unless that one is busier than the least busy group by more than
 `balance` requests; else the least busy (SGLang's cache-aware routing, simplified).
 
-Each group's recent prompts are remembered as chain hashes of their whole blocks, at most
+Each group's recent prompts are remembered by the prefix cache's chain keys of their whole
+blocks (`services.attention.prefix_cache.chain_keys`, a block a span), at most
 as many as the group has KV blocks, the least recently sent forgotten first: a guess at
 what that group's prefix cache holds, made without asking it (its own eviction differs).
 """
@@ -12,17 +13,14 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from services.attention.prefix_cache import chain_keys
+
 POLICIES = ("prefix-affinity", "least-busy")
 
 
-def block_keys(token_ids: Sequence[int], block_size: int, salt: str | None) -> list[int]:
-    """A chain hash per whole block of `token_ids` (the cache salt in the first)."""
-    keys: list[int] = []
-    parent = hash(salt)
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash((parent, tuple(token_ids[start:start + block_size])))
-        keys.append(parent)
-    return keys
+def block_keys(token_ids: Sequence[int], block_size: int, salt: str | None) -> list[bytes]:
+    """The chain key of each whole block of `token_ids` (the cache salt in the first)."""
+    return chain_keys(token_ids, block_size, salt, [], len(token_ids) // block_size)
 
 
 class PrefixAffinity:
@@ -30,9 +28,10 @@ class PrefixAffinity:
 
     def __init__(self, num_groups: int, balance: int) -> None:
         self.balance = balance
-        self._sent: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_groups)]
+        self._sent: list[OrderedDict[bytes, None]] = [OrderedDict()
+                                                       for _ in range(num_groups)]
 
-    def choose(self, keys: list[int], loads: dict[int, int], capacity: int) -> int:
+    def choose(self, keys: list[bytes], loads: dict[int, int], capacity: int) -> int:
         """The group for a prompt of block `keys`, among the connected groups `loads`
         (group -> requests in flight), remembered there (at most `capacity` blocks)."""
         least = min(loads, key=loads.__getitem__)
@@ -48,7 +47,7 @@ class PrefixAffinity:
             sent.popitem(last=False)
         return chosen
 
-    def _matched(self, group: int, keys: list[int]) -> int:
+    def _matched(self, group: int, keys: list[bytes]) -> int:
         """How many of `keys`, from the first, were sent to `group`."""
         sent, n = self._sent[group], 0
         while n < len(keys) and keys[n] in sent:

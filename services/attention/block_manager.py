@@ -63,8 +63,7 @@ class BlockManager:
         total = max(seq.num_computed_tokens, cached.num_tokens) + num_new_tokens
         tables = seq.block_tables or [[]] * self.sharding.size
         found = cached.tables or ((),) * self.sharding.size
-        return [max(0, -(-self.sharding.num_owned(r, total) // self.block_size)
-                    - len(table) - len(blocks))
+        return [max(0, self._blocks_for(r, total) - len(table) - len(blocks))
                 + sum(self._refs[r][b] == 0 for b in blocks)
                 for r, (table, blocks) in enumerate(zip(tables, found, strict=True))]
 
@@ -76,12 +75,15 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_new_tokens: int,
                  cached: CachedPrefix = NOTHING_CACHED) -> None:
         """Give seq the blocks for `num_new_tokens` more tokens; first, for a sequence that
-        holds none, the blocks of `cached` (its KV then counts as computed)."""
+        holds none, the blocks of `cached` (its KV then counts as computed, and the first
+        time, its prompt tokens among them are the request's `num_cached_tokens`)."""
         if not self.can_allocate(seq, num_new_tokens, cached):
             raise RuntimeError(f"out of KV blocks: need "
                                f"{self.blocks_needed(seq, num_new_tokens, cached)} per rank")
         if not seq.block_tables:
             seq.block_tables = [[] for _ in range(self.sharding.size)]
+            if self.prefix_cache is not None and seq.num_cached_tokens is None:
+                seq.num_cached_tokens = min(cached.num_tokens, seq.num_prompt_tokens)
         for r, blocks in enumerate(cached.tables):
             for b in blocks:
                 if self._refs[r][b] == 0:
@@ -93,8 +95,12 @@ class BlockManager:
             seq.num_cached_spans = cached.num_tokens // self.span
         total = seq.num_computed_tokens + num_new_tokens
         for r, table in enumerate(seq.block_tables):
-            for _ in range(-(-self.sharding.num_owned(r, total) // self.block_size) - len(table)):
+            for _ in range(self._blocks_for(r, total) - len(table)):
                 table.append(self._take(r))
+
+    def _blocks_for(self, rank: int, num_tokens: int) -> int:
+        """Blocks rank `rank` needs for its share of a sequence's first `num_tokens`."""
+        return -(-self.sharding.num_owned(rank, num_tokens) // self.block_size)
 
     def _take(self, rank: int) -> int:
         block, _ = self._free[rank].popitem(last=False)
@@ -139,12 +145,12 @@ class BlockManager:
 
     def cache_computed(self, seq: Sequence) -> None:
         """Cache seq's spans whose every token's KV is now computed (after a step)."""
-        if self.prefix_cache is None:
-            return
         done = seq.num_computed_tokens // self.span
+        if self.prefix_cache is None or done <= seq.num_cached_spans:  # (most steps)
+            return
         keys = chain_keys(seq.token_ids, self.span, seq.cache_salt, seq.span_keys, done)
         m = self._span_blocks
         for s in range(seq.num_cached_spans, done):
             self.prefix_cache.add(keys[s], tuple(tuple(t[s * m:(s + 1) * m])
                                                  for t in seq.block_tables))
-        seq.num_cached_spans = max(seq.num_cached_spans, done)
+        seq.num_cached_spans = done

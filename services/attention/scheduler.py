@@ -77,8 +77,6 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            if seq.num_cached_tokens is None and self.block_manager.prefix_cache is not None:
-                seq.num_cached_tokens = min(cached.num_tokens, seq.num_prompt_tokens)
             self.block_manager.allocate(seq, n, cached)
             scheduled.append(ScheduledSeq(seq, n))
             budget -= n
