@@ -96,7 +96,7 @@ def _attention(backend: str, world: World, placement: Placement, args: argparse.
 
 def _time(backend: str, world: World, placement: Placement, args: argparse.Namespace,
           device: torch.device) -> dict:
-    from ep_dispatch.deepep import DeepEPSettings
+    from ep_dispatch.deepep_config import DeepEPSettings
     from ep_dispatch.registry import BackendContext, create_experts_client
     from moe_kernels.mxfp4 import dequantize, quantize
 
@@ -145,7 +145,8 @@ def _serve(backend: str, world: World, placement: Placement, args: argparse.Name
     local = placement.local_experts(world.rank - world.num_attention)[0]  # layer 0
     expert_fn = _expert_fn(args.hidden, dtype, local)
     if backend == "deepep":
-        from ep_dispatch.deepep import DeepEPSettings, serve_deepep
+        from ep_dispatch.deepep import serve_deepep
+        from ep_dispatch.deepep_config import DeepEPSettings
 
         join(world, args.timeout, "nccl", rows)
         serve_deepep(world, placement, expert_fn, args.hidden, args.top_k,

@@ -1,10 +1,6 @@
 """All-to-all between attention ranks and expert ranks: `dispatch` tokens, `combine` outputs.
 
-Backends are chosen by name with `ep_dispatch.registry.create_experts_client`.
+Backends are chosen by name with `ep_dispatch.registry.create_experts_client`; the
+interface they share is in `ep_dispatch.base`. Nothing is imported here, so that the
+placement and the backends' names and settings can be checked without torch.
 """
-
-from ep_dispatch.base import Dispatcher, DispatchHandle, ExpertsClient
-from ep_dispatch.registry import BackendContext, available_backends, create_experts_client
-
-__all__ = ["BackendContext", "DispatchHandle", "Dispatcher", "ExpertsClient",
-           "available_backends", "create_experts_client"]

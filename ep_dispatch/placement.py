@@ -17,8 +17,10 @@ import json
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # only the routing tables are tensors: `switchyard serve` checks
+    import torch  # placements without torch
 
 
 class PlacementError(ValueError):
@@ -117,6 +119,8 @@ class Placement:
         return {layer: self._table(layer) for layer in self.replicas}
 
     def _table(self, layer: int) -> RoutingTable:
+        import torch
+
         experts = self.replicas[layer]
         width = max(len(r) for r in experts)
         local_index = torch.full((self.num_ranks, self.num_experts), -1, dtype=torch.int64)

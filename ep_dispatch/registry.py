@@ -1,4 +1,5 @@
-"""Dispatch backends by name; optional packages are imported only when their backend is chosen."""
+"""Dispatch backends by name; their packages (torch among them) are imported only when
+one is built, so `switchyard serve` checks a backend's name without them."""
 
 from __future__ import annotations
 
@@ -7,16 +8,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
-from ep_dispatch.base import DeviceExpertFn, ExpertFn, ExpertsClient
-from ep_dispatch.wire import RowFormat
 from switchyard.device import collective_backend
 
 if TYPE_CHECKING:
-    from ep_dispatch.deepep import DeepEPSettings
+    import torch
+
+    from ep_dispatch.base import DeviceExpertFn, ExpertFn, ExpertsClient
+    from ep_dispatch.deepep_config import DeepEPSettings
     from ep_dispatch.placement import Placement
     from ep_dispatch.torch_dist import World
+    from ep_dispatch.wire import RowFormat
 
 
 @dataclass(frozen=True)
@@ -39,11 +40,23 @@ class BackendContext:
     rendezvous_timeout: float = 300.0  # lockstep backends: for every rank to join
     world: World | None = None  # `torch`: this rank's place among all ranks
     hidden_size: int = 0
-    dtype: torch.dtype = torch.float32
+    dtype: torch.dtype = field(default_factory=lambda: _float32())
     quantization: str | None = None  # "w4a4": activations travel as MXFP4
     device: str = "cpu"  # where the activations live
     top_k: int = 0  # experts per token (`deepep` pads empty ranks with it)
     deepep: DeepEPSettings | None = None  # `deepep`: the --deepep-* flags
+
+
+def _float32() -> torch.dtype:
+    import torch
+
+    return torch.float32
+
+
+def _float32() -> torch.dtype:
+    import torch
+
+    return torch.float32
 
 
 def _local(ctx: BackendContext) -> ExpertsClient:
@@ -79,6 +92,8 @@ def _collective_world(name: str, ctx: BackendContext) -> tuple[World, Placement]
 
 
 def _rows(ctx: BackendContext) -> RowFormat:
+    from ep_dispatch.wire import RowFormat
+
     return RowFormat(ctx.hidden_size, ctx.dtype, ctx.quantization)
 
 
@@ -103,7 +118,8 @@ def _nccl(ctx: BackendContext) -> ExpertsClient:
 
 
 def _deepep(ctx: BackendContext) -> ExpertsClient:
-    from ep_dispatch.deepep import DeepEPExperts, DeepEPSettings, check_deepep, import_deep_ep
+    from ep_dispatch.deepep import DeepEPExperts
+    from ep_dispatch.deepep_config import DeepEPSettings, check_deepep, import_deep_ep
     from ep_dispatch.torch_dist import join
 
     world, placement = _collective_world("deepep", ctx)

@@ -1,18 +1,28 @@
-"""Where a service computes (`--device`), and the collective backend that goes with it."""
+"""Where a service computes (`--device`), and the collective backend that goes with it.
+
+torch is imported only where a CUDA device is asked about or a dtype made: `switchyard
+serve` checks its flags with this module and never computes."""
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 DEVICES = ("cpu", "cuda")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")  # torch's names
 
 
 def check_device(name: str, service: str) -> str:
     """`name` if this process can compute there; otherwise an error saying why not."""
     if name not in DEVICES:
         raise ValueError(f"unknown device {name!r}; choose {' or '.join(DEVICES)}")
-    if name == "cuda" and not torch.cuda.is_available():
+    if name != "cuda":
+        return name
+    import torch
+
+    if not torch.cuda.is_available():
         raise ValueError(f"--device cuda needs an NVIDIA GPU and a CUDA build of torch; "
                          f"this torch ({torch.__version__}) sees no GPU (the {service} "
                          "service can run with --device cpu)")
@@ -26,8 +36,10 @@ def collective_backend(device: str) -> str:
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:
     """'auto' is float32 on CPU: without AVX-512 BF16, torch's bf16 matmul is ~100x slower."""
+    import torch
+
     if name == "auto":
         return torch.float32 if device == "cpu" else torch.bfloat16
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(DTYPES)}")
-    return DTYPES[name]
+    return getattr(torch, name)

@@ -20,14 +20,13 @@ from pathlib import Path
 
 import httpx
 
-from ep_dispatch.deepep import deepep_flags, deepep_settings
+from ep_dispatch.deepep_config import deepep_flags, deepep_settings
 from ep_dispatch.placement import Placement, make_placement
 from ep_dispatch.registry import COLLECTIVE, check_backend
 from gateway.config import serve_flags
 from gateway.generation_config import SamplingDefaults
 from services.attention.config import add_engine_flags, check_cuda_graphs
-from services.expert.experts import check_quantization
-from services.model.config import CheckpointError, ModelConfig
+from services.model.config import CheckpointError, ModelConfig, check_quantization
 from switchyard.children import Children, StartupError
 from switchyard.demo_model import DEFAULT_MODEL, DEFAULT_MODEL_NAME
 from switchyard.device import check_device, resolve_dtype
@@ -188,7 +187,7 @@ def _check_deepep(args: argparse.Namespace, cfg: ModelConfig, placement: Placeme
     """DeepEP's limits for this layout and model, and DeepEP itself, before any process."""
     import torch
 
-    from ep_dispatch.deepep import (
+    from ep_dispatch.deepep_config import (
         check_deepep,
         check_slots_fit,
         check_step_budget,

@@ -12,15 +12,12 @@ import sys
 import pytest
 import torch
 
-from ep_dispatch.deepep import (
+from ep_dispatch.deepep import Slots, packed_rows, unpack_into, weighted_by_slot
+from ep_dispatch.deepep_config import (
     DeepEPSettings,
-    Slots,
     check_deepep,
     check_slots_fit,
     check_step_budget,
-    packed_rows,
-    unpack_into,
-    weighted_by_slot,
 )
 from ep_dispatch.placement import Placement
 from ep_dispatch.registry import BackendContext, create_experts_client
@@ -91,7 +88,7 @@ def test_low_latency_tokens_follow_nvshmem_queue_depth(monkeypatch: pytest.Monke
 def test_the_auto_buffer_across_nodes_stays_below_2_gib() -> None:
     """`auto` sizes the RDMA buffer for both kernels; the normal ones index it with an int
     (what `_buffer` checks once DeepEP gives its size hints)."""
-    from ep_dispatch.deepep import check_rdma_bytes
+    from ep_dispatch.deepep_config import check_rdma_bytes
 
     check_rdma_bytes(DeepEPSettings(), 16, 2**31 - 2)
     check_rdma_bytes(DeepEPSettings(mode="low_latency"), 16, 2**32)  # no normal kernels
@@ -105,7 +102,7 @@ def test_a_deep_ep_without_its_v1_buffer_says_so(monkeypatch: pytest.MonkeyPatch
     import sys
     import types
 
-    from ep_dispatch.deepep import import_deep_ep
+    from ep_dispatch.deepep_config import import_deep_ep
 
     monkeypatch.setitem(sys.modules, "deep_ep", types.SimpleNamespace(Buffer=None))
     with pytest.raises(ValueError, match=r"needs DeepEP's Buffer \(V1 API\), which this build "

@@ -7,6 +7,7 @@ import asyncio
 import json
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -161,6 +162,20 @@ def test_sse_wire_format(demo: Served) -> None:
     assert events[-1] == "data: [DONE]" and len(events) >= 2  # at least one chunk
     for e in events[:-1]:
         assert json.loads(e.removeprefix("data: "))["object"] == "text_completion"
+
+
+def test_only_the_compute_services_load_torch(demo: Served) -> None:
+    """`serve` itself (it checks flags, starts and watches processes) and the gateway never
+    map libtorch: each would spend seconds of start-up importing it."""
+    def has_torch(pid: int) -> bool:
+        return "/libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+    def role(pid: int) -> str:
+        return Path(f"/proc/{pid}/cmdline").read_text().split("\0")[3]  # python -m switchyard X
+
+    assert not has_torch(demo.proc.pid)
+    assert sorted((role(pid), has_torch(pid)) for pid in demo.children) == [
+        ("attention", True), ("expert", True), ("expert", True), ("gateway", False)]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

@@ -360,8 +360,11 @@ def test_the_gpu_benchmarks_check_runs_on_this_device(monkeypatch: pytest.Monkey
     """benchmarks/gpu_mxfp4.py's `check` (what gpu_check runs first; only the variants it
     passes are swept and tuned in), here: right variants (one reading its own weight
     layout) and the bf16 route pass, and a faulty variant is dropped, alone."""
+    from benchmarks import gpu_mxfp4
     from benchmarks.gpu_mxfp4 import ROUTE, check, check_quantize, parse_args
     from moe_kernels import triton_mxfp4
+
+    monkeypatch.setattr(gpu_mxfp4, "UNEVEN", (128, 64, gpu_mxfp4.UNEVEN[2]))  # interpreted
 
     real = triton_mxfp4.grouped_mxfp4_gemm
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from ep_dispatch.deepep import DeepEPSettings, add_deepep_flags, deepep_settings
+from ep_dispatch.deepep_config import DeepEPSettings, add_deepep_flags, deepep_settings
 from switchyard.device import resolve_dtype
 from switchyard.flags import (
     add_device_flag,
@@ -19,6 +18,9 @@ from switchyard.flags import (
     optional_int,
 )
 from switchyard.units import parse_size
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)

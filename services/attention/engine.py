@@ -12,10 +12,9 @@ import torch
 from dcp.batch import build_rank_batch
 from dcp.group import DcpGroup, GroupExperts
 from dcp.sharding import Sharding
-from ep_dispatch import BackendContext, create_experts_client
 from ep_dispatch.base import ExpertsClient
-from ep_dispatch.deepep import check_step_budget
-from ep_dispatch.registry import COLLECTIVE, check_backend
+from ep_dispatch.deepep_config import check_step_budget
+from ep_dispatch.registry import COLLECTIVE, BackendContext, check_backend, create_experts_client
 from ep_dispatch.torch_dist import World
 from services.attention.batch import StepBatch, build_batch
 from services.attention.block_manager import BlockManager
@@ -28,9 +27,9 @@ from services.attention.sampler import sample, sampling_error, token_logprobs
 from services.attention.scheduler import ScheduledSeq, Scheduler
 from services.attention.sequence import Sequence
 from services.attention.tracing import step_span, trace_request
-from services.expert.experts import ExpertBank, all_experts, check_quantization
+from services.expert.experts import ExpertBank, all_experts
 from services.model.checkpoint import Checkpoint
-from services.model.config import ModelConfig
+from services.model.config import ModelConfig, check_quantization
 from switchyard import tracing
 from switchyard.device import check_device, collective_backend
 from switchyard.messages import (

@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ep_dispatch.deepep import DeepEPSettings, add_deepep_flags, deepep_settings
+from ep_dispatch.deepep_config import DeepEPSettings, add_deepep_flags, deepep_settings
 from switchyard.flags import (
     add_device_flag,
     add_metrics_flag,

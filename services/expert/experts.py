@@ -19,20 +19,18 @@ from moe_kernels.kernel_configs import KernelConfig, load_configs, tuned_config
 from moe_kernels.mxfp4 import (
     MXFP4Tensor,
     ScaledBlocks,
-    check_blockable,
     quantize,
     quantize_fused,
 )
 from services.expert.metrics import ExpertMetrics
 from services.model.checkpoint import Checkpoint
-from services.model.config import ModelConfig
+from services.model.config import ModelConfig, check_quantization
 
 # Per-architecture names of (gate, up, down) inside one expert.
 _PROJ_NAMES = {
     "Qwen3MoeForCausalLM": ("gate_proj", "up_proj", "down_proj"),
     "MixtralForCausalLM": ("w1", "w3", "w2"),
 }
-QUANTIZATIONS = ("auto", "none", "w4a4")  # what --quantization accepts
 log = logging.getLogger("switchyard.expert")
 FALLBACK_KERNEL = KernelConfig(inner="decode")  # where a tuned W4A4 config does not run
 W4A4Weights = MXFP4Tensor | Bf16x2Weights  # one GEMM's weights, in a kernel's layout
@@ -56,23 +54,6 @@ def packed_names(weight_name: str) -> tuple[str, str]:
 def all_experts(config: ModelConfig) -> dict[int, list[int]]:
     """Every expert of every MoE layer (what the in-process `local` backend holds)."""
     return {layer: list(range(config.num_experts)) for layer in config.moe_layer_ids}
-
-
-def check_quantization(config: ModelConfig, requested: str) -> str | None:
-    """The quantization to serve with (None: the checkpoint's dtype). `requested` is
-    --quantization: "auto" takes the checkpoint's, "none" insists on float experts."""
-    if requested not in QUANTIZATIONS:
-        raise ValueError(f"unknown quantization {requested!r}; choose one of "
-                         f"{', '.join(QUANTIZATIONS)}")
-    if config.quantization and requested not in ("auto", config.quantization):
-        raise ValueError(f"the checkpoint is quantized as {config.quantization}: serve it with "
-                         f"--quantization {config.quantization} or auto")
-    quantization = config.quantization if requested == "auto" else requested
-    quantization = None if quantization == "none" else quantization
-    if quantization == "w4a4":
-        check_blockable(config.hidden_size)
-        check_blockable(config.moe_intermediate_size)
-    return quantization
 
 
 class ExpertBank:

@@ -226,7 +226,8 @@ def serve_collective(config: ExpertConfig, server: ExpertServer,
 def serve_deepep_rank(config: ExpertConfig, server: ExpertServer, world: World,
                       metrics_port: int | None) -> None:
     """deepep backend: this rank's share of DeepEP's buffer, serving every round."""
-    from ep_dispatch.deepep import check_deepep, import_deep_ep, serve_deepep
+    from ep_dispatch.deepep import serve_deepep
+    from ep_dispatch.deepep_config import check_deepep, import_deep_ep
 
     bank, top_k = server.bank, server.model_config.top_k
     check_deepep(config.deepep, world.size, bank.hidden_size, top_k,

@@ -141,6 +141,28 @@ def _generation_eos(path: Path) -> tuple[int, ...]:
 QUANT_METHOD = "switchyard_mxfp4"  # what `switchyard quantize` writes in quantization_config
 
 
+QUANTIZATIONS = ("auto", "none", "w4a4")  # what --quantization accepts
+
+
+def check_quantization(config: ModelConfig, requested: str) -> str | None:
+    """The quantization to serve with (None: the checkpoint's dtype). `requested` is
+    --quantization: "auto" takes the checkpoint's, "none" insists on float experts."""
+    if requested not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {requested!r}; choose one of "
+                         f"{', '.join(QUANTIZATIONS)}")
+    if config.quantization and requested not in ("auto", config.quantization):
+        raise ValueError(f"the checkpoint is quantized as {config.quantization}: serve it with "
+                         f"--quantization {config.quantization} or auto")
+    quantization = config.quantization if requested == "auto" else requested
+    quantization = None if quantization == "none" else quantization
+    if quantization == "w4a4":
+        from moe_kernels.mxfp4 import check_blockable  # torch: only where W4A4 is asked for
+
+        check_blockable(config.hidden_size)
+        check_blockable(config.moe_intermediate_size)
+    return quantization
+
+
 def _quantization(raw: dict[str, Any]) -> str | None:
     qc = raw.get("quantization_config")
     if qc is None:
