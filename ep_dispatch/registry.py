@@ -20,6 +20,12 @@ if TYPE_CHECKING:
     from ep_dispatch.wire import RowFormat
 
 
+def _float32() -> torch.dtype:
+    import torch
+
+    return torch.float32
+
+
 @dataclass(frozen=True)
 class BackendContext:
     """What a backend may need; each uses its share.
@@ -40,23 +46,11 @@ class BackendContext:
     rendezvous_timeout: float = 300.0  # lockstep backends: for every rank to join
     world: World | None = None  # `torch`: this rank's place among all ranks
     hidden_size: int = 0
-    dtype: torch.dtype = field(default_factory=lambda: _float32())
+    dtype: torch.dtype = field(default_factory=_float32)
     quantization: str | None = None  # "w4a4": activations travel as MXFP4
     device: str = "cpu"  # where the activations live
     top_k: int = 0  # experts per token (`deepep` pads empty ranks with it)
     deepep: DeepEPSettings | None = None  # `deepep`: the --deepep-* flags
-
-
-def _float32() -> torch.dtype:
-    import torch
-
-    return torch.float32
-
-
-def _float32() -> torch.dtype:
-    import torch
-
-    return torch.float32
 
 
 def _local(ctx: BackendContext) -> ExpertsClient:

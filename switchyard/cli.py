@@ -97,7 +97,7 @@ def _placement(args: argparse.Namespace) -> int:
 
 
 # Subcommands with parsers of their own, run by module; imported only when chosen, so that
-# a healthcheck (`probe`) does not wait for torch.
+# a healthcheck (`probe`) loads only what it runs.
 OWN_PARSERS = {"gateway": "gateway.server", "eval": "switchyard.eval",
                "bench": "switchyard.bench", "compose": "switchyard.compose",
                "probe": "switchyard.probe", "quantize": "services.expert.quantize"}
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in OWN_PARSERS:
         return importlib.import_module(OWN_PARSERS[argv[0]]).main(argv[1:]) or 0
-    # The service flags import torch.
+    # The service flags need no torch; the services import it when they start.
     from services.attention.config import from_args
     from services.expert.config import add_expert_parser, expert_config
 
