@@ -16,7 +16,7 @@ from gateway.generation_config import NEUTRAL, SamplingDefaults
 from gateway.prefix_affinity import POLICIES
 from gateway.service_metrics import check_url
 from gateway.tools import TOOL_PARSERS
-from switchyard.flags import env, optional_int
+from switchyard.flags import env, env_switch, optional_int
 from switchyard.rpc import parse_address
 from switchyard.units import parse_size
 
@@ -72,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default=env("LOG_LEVEL", "warning"), type=str.lower,
                    choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action="store_true",
-                   default=env("ACCESS_LOG", "") not in ("", "0", "false"))
+                   default=env_switch("ACCESS_LOG"))
     p.add_argument("--shutdown-timeout", type=float,
                    default=float(env("SHUTDOWN_TIMEOUT") or 5),
                    help="seconds open streams get to finish on shutdown")
@@ -106,7 +106,7 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     `serve_flags`)."""
     add_tool_call_flags(p)
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
-                   default=env("ENABLE_PROMPT_TOKENS_DETAILS", "") not in ("", "0", "false"),
+                   default=env_switch("ENABLE_PROMPT_TOKENS_DETAILS"),
                    help="report usage.prompt_tokens_details.cached_tokens (prompt tokens "
                         "found in the prefix cache), as vLLM's flag of that name")
     p.add_argument("--routing-policy", default=env("ROUTING_POLICY", "prefix-affinity"),
@@ -135,7 +135,7 @@ def serve_flags(args: argparse.Namespace) -> list[str]:
 def add_tool_call_flags(p: argparse.ArgumentParser) -> None:
     """vLLM's flags for tool_choice "auto" (gateway and serve)."""
     p.add_argument("--enable-auto-tool-choice", action="store_true",
-                   default=env("ENABLE_AUTO_TOOL_CHOICE", "") not in ("", "0", "false"),
+                   default=env_switch("ENABLE_AUTO_TOOL_CHOICE"),
                    help="serve tool_choice \"auto\" (the default with tools), reading calls "
                         "with --tool-call-parser")
     p.add_argument("--tool-call-parser", default=env("TOOL_CALL_PARSER") or None,

@@ -15,6 +15,12 @@ def env(name: str, default: str | None = None) -> str | None:
     return os.environ.get(ENV_PREFIX + name, default)
 
 
+def env_switch(name: str, default: bool = False) -> bool:
+    """A yes/no setting `SWITCHYARD_<name>`: unset is `default`; empty, 0 or false is no."""
+    value = env(name)
+    return default if value is None else value not in ("", "0", "false")
+
+
 def optional_int(value: str | None) -> int | None:
     """An optional integer setting: unset or empty (`${VAR:-}` in an env file) is None."""
     return None if value in (None, "") else int(value)

@@ -15,6 +15,7 @@ from switchyard.flags import (
     add_rendezvous_flag,
     add_replicas_flag,
     env,
+    env_switch,
     optional_int,
 )
 from switchyard.units import parse_size
@@ -103,7 +104,7 @@ def add_engine_flags(p: argparse.ArgumentParser, default_backend: str = "local"
         add("--block-size", type=int, default=int(env("BLOCK_SIZE", "16")),
             help="tokens per KV-cache block"),
         add("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-            default=env("ENABLE_PREFIX_CACHING", "1") not in ("", "0", "false"),
+            default=env_switch("ENABLE_PREFIX_CACHING", True),
             help="keep the KV of full blocks and reuse it for later requests that start "
                  "with the same tokens (vLLM's automatic prefix caching; default: on)"),
         add("--kv-cache-memory", type=parse_size,
