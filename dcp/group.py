@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from dcp.merge import merge
 from ep_dispatch.base import ExpertsClient, PointToPoint
+from ep_dispatch.wire import tensor_bytes
 from services.attention.batch import StepBatch
 from services.attention.kv_cache import KVCache
 from switchyard.messages import DcpPlan
@@ -48,7 +49,7 @@ class DcpGroup:
         dist.broadcast(size, src=0)
         data = torch.empty(int(size), dtype=torch.uint8, device=self._device)
         dist.broadcast(data, src=0)
-        return self._decoder.decode(data.cpu().numpy().tobytes())
+        return self._decoder.decode(tensor_bytes(data))
 
     def attend(self, kv: KVCache, layer: int, q: torch.Tensor, batch: StepBatch
                ) -> torch.Tensor:

@@ -153,6 +153,11 @@ class Placement:
         return {}
 
     @property
+    def max_replicas(self) -> int:
+        """The most ranks that hold one expert."""
+        return max(len(ranks) for experts in self.replicas.values() for ranks in experts)
+
+    @property
     def most_local(self) -> int:
         """The most experts one rank holds in one MoE layer."""
         return max(max(t.num_local) for t in self._tables.values())

@@ -52,10 +52,13 @@ async def list_models(serving: Serving, _: Request) -> Response:
 
 
 async def health(serving: Serving, _: Request) -> Response:
-    """GET /health: 200 once every attention group is connected and described itself;
-    the body lists each backing service."""
+    """GET /health: 200 once every attention group is connected and its warm-up generation
+    went through every expert rank, while each answers; the body lists each backing
+    service. A 503 says why not (a failed warm-up's error)."""
     if not serving.engine.all_connected:
         return engine_unavailable("not connected to every attention service").response()
+    if problem := serving.engine.warmup_problem():
+        return engine_unavailable(problem).response()
     try:  # alive, not only connected
         groups = await serving.engine.group_stats(timeout=HEALTH_TIMEOUT_S)
     except GatewayError as exc:

@@ -3,6 +3,10 @@
 Requests are multiplexed by request id: `start` sends a `GenerateRequest`, and a reader
 task routes each `TokenDelta` to that request's memory stream. When the connection drops,
 every in-flight request fails with 503 and `run` reconnects in the background.
+
+Each connection is warmed up (`keep_warm`): one generation that the engine routes through
+every expert rank, as vLLM's start-up dummy run. `/health` answers 200 only once it came
+back; a warm-up that failed is retried, and its error is what `/health` says meanwhile.
 """
 
 from __future__ import annotations
@@ -11,12 +15,13 @@ import contextlib
 import logging
 import math
 import time
+import uuid
 
 import anyio
 import msgspec
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from gateway.errors import engine_unavailable
+from gateway.errors import GatewayError, engine_unavailable
 from switchyard.messages import (
     AbortRequest,
     EngineInfo,
@@ -24,6 +29,7 @@ from switchyard.messages import (
     GenerateRequest,
     InfoRequest,
     Message,
+    SamplingParams,
     StatsRequest,
     TokenDelta,
 )
@@ -85,6 +91,20 @@ class EngineClient:
         self._ready = anyio.Event()
         self._stats_lock = anyio.Lock()
         self._stats: MemoryObjectSendStream[EngineStats] | None = None
+        self._epoch = 0  # connections made so far
+        self._down = anyio.Event()  # set when the current connection is lost
+        self._warm_epoch = -1  # the connection whose warm-up came back
+        self._warmed = anyio.Event()  # set once it did (a new one for each connection)
+        self.warmup_error: str | None = None  # the last warm-up's error, until one works
+
+    @property
+    def address(self) -> str:
+        return f"{self._host}:{self._port}"
+
+    @property
+    def warm(self) -> bool:
+        """Whether this connection's warm-up generation came back."""
+        return self._info is not None and self._warm_epoch == self._epoch
 
     @property
     def num_in_flight(self) -> int:
@@ -100,6 +120,11 @@ class EngineClient:
         while self._info is None:
             await self._ready.wait()
         return self._info
+
+    async def wait_warm(self) -> None:
+        """Wait until a connection's warm-up came back (callers bound this)."""
+        while not self.warm:
+            await self._warmed.wait()
 
     async def run(self) -> None:
         """Stay connected to the engine until cancelled, reconnecting after failures."""
@@ -120,6 +145,8 @@ class EngineClient:
         info = await frames.receive()
         if not isinstance(info, EngineInfo):
             raise ValueError(f"expected EngineInfo, got {type(info).__name__}")
+        self._down = anyio.Event()
+        self._epoch += 1
         self._frames, self._info = frames, info
         self._ready.set()
         log.info("connected to engine %s:%d (%s)", self._host, self._port, info.architecture)
@@ -144,6 +171,9 @@ class EngineClient:
 
     def _fail_pending(self) -> None:
         self._frames, self._info = None, None
+        self._down.set()
+        if self._warmed.is_set():  # as `_ready`
+            self._warmed = anyio.Event()
         if self._ready.is_set():  # replace only a spent event: waiters may be parked on this one
             self._ready = anyio.Event()
         for stream in self._pending.values():
@@ -151,6 +181,41 @@ class EngineClient:
         self._pending.clear()
         if self._stats is not None:
             self._stats.close()
+
+    async def keep_warm(self, retry_s: float = 2.0) -> None:
+        """Warm up each connection once it is made; a failed warm-up again every
+        `retry_s` (an expert rank may come back) until it works. Until cancelled."""
+        while True:
+            await self.wait_ready()
+            epoch, down = self._epoch, self._down
+            error = await self._warm_up()
+            if epoch != self._epoch:  # reconnected meanwhile: warm the new connection up
+                continue
+            self.warmup_error = error
+            if error is None:
+                self._warm_epoch = epoch
+                self._warmed.set()
+                await down.wait()
+                continue
+            log.error("warm-up of attention service %s failed: %s", self.address, error)
+            with anyio.move_on_after(retry_s):
+                await down.wait()
+
+    async def _warm_up(self) -> str | None:
+        """One warm-up generation (the engine makes its prompt); its error, if any."""
+        request = GenerateRequest(f"warm-up-{uuid.uuid4().hex}", [],
+                                  SamplingParams(max_tokens=1, temperature=0.0), warmup=True)
+        try:
+            generation = await self.start(request)
+            try:
+                async for delta in generation:
+                    if delta.error is not None:
+                        return delta.error
+            finally:
+                await generation.aclose()
+        except GatewayError as exc:
+            return exc.message
+        return None
 
     async def start(self, request: GenerateRequest) -> Generation:
         """Send a request; raise a 503 `GatewayError` if the engine is not connected."""

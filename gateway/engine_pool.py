@@ -11,6 +11,8 @@ from gateway.errors import engine_unavailable
 from gateway.prefix_affinity import POLICIES, PrefixAffinity, block_keys
 from switchyard.messages import EngineInfo, EngineStats, GenerateRequest
 
+WARMUP_FAILED = "warm-up failed"  # how /health begins to say it (`switchyard serve` reads it)
+
 
 class EnginePool:
     """The same interface as one `EngineClient`, over one client per attention group."""
@@ -35,6 +37,17 @@ class EnginePool:
         """Whether every group is connected and described itself (what /health asks)."""
         return all(c.info is not None for c in self.clients)
 
+    def warmup_problem(self) -> str | None:
+        """Why not every group is warm (connected and its warm-up generation came back):
+        the first failed warm-up's error, else the groups still warming up; None if all
+        are warm."""
+        if failed := [c for c in self.clients if c.warmup_error is not None and not c.warm]:
+            return (f"{WARMUP_FAILED} on attention service {failed[0].address}: "
+                    f"{failed[0].warmup_error}")
+        if cold := [c.address for c in self.clients if not c.warm]:
+            return f"warming up attention service {', '.join(cold)}"
+        return None
+
     def status(self, stats: list[EngineStats] | None = None) -> list[dict[str, object]]:
         """Each group's address, state and expert ranks: as they are now if `stats`
         (`group_stats`) are given, else as they were when the group connected."""
@@ -53,11 +66,17 @@ class EnginePool:
         async with anyio.create_task_group() as tg:
             for client in self.clients:
                 tg.start_soon(client.run)
+                tg.start_soon(client.keep_warm)
 
     async def wait_ready(self) -> EngineInfo:
         """Wait until every group is connected (callers bound this); the model's info."""
         infos = [await client.wait_ready() for client in self.clients]
         return infos[0]
+
+    async def wait_warm(self) -> None:
+        """Wait until every group is warm (callers bound this)."""
+        for client in self.clients:
+            await client.wait_warm()
 
     async def start(self, request: GenerateRequest) -> Generation:
         """Send to a connected group, chosen by the routing policy."""

@@ -2,7 +2,9 @@
 
 Start-up is ordered by readiness, not by sleeps: each child writes its bound port to a
 pipe once it listens, and the gateway's `/health` must answer 200 before the URL is
-printed. Ctrl-C or SIGTERM stops every child; children also die with the launcher
+printed, which it does once a warm-up generation went through every attention group and
+every expert rank (a failed warm-up stops `serve`, naming the service and its error).
+Ctrl-C or SIGTERM stops every child; children also die with the launcher
 (PR_SET_PDEATHSIG), so none is orphaned.
 """
 
@@ -24,6 +26,7 @@ from ep_dispatch.deepep_config import deepep_flags, deepep_settings
 from ep_dispatch.placement import Placement, make_placement
 from ep_dispatch.registry import COLLECTIVE, check_backend
 from gateway.config import serve_flags
+from gateway.engine_pool import WARMUP_FAILED
 from gateway.generation_config import SamplingDefaults
 from services.attention.config import add_engine_flags, check_cuda_graphs
 from services.model.config import CheckpointError, ModelConfig, check_quantization
@@ -36,17 +39,31 @@ from switchyard.supervisor import supervise
 
 
 def _wait_healthy(url: str, children: Children, timeout: float) -> None:
+    """Until `url` (the gateway's /health) answers 200: every group warmed up. A warm-up
+    that failed ends the wait at once, with its error (which names the service)."""
     deadline = time.monotonic() + timeout
-    delay = 0.05
+    delay, said = 0.05, "no answer"
     with httpx.Client(timeout=5.0) as client:
         while time.monotonic() < deadline:
             children.check_alive()
             with contextlib.suppress(httpx.HTTPError):
-                if client.get(url).status_code == 200:
+                answer = client.get(url)
+                if answer.status_code == 200:
                     return
+                said = _error_message(answer)
+                if WARMUP_FAILED in said:
+                    raise StartupError(said[said.index(WARMUP_FAILED):])
             select.select([], [], [], delay)
             delay = min(delay * 2, 1.0)
-    raise StartupError(f"{url} did not answer 200 within {timeout:.0f}s")
+    raise StartupError(f"{url} did not answer 200 within {timeout:.0f}s (last: {said})")
+
+
+def _error_message(answer: httpx.Response) -> str:
+    """An OpenAI-shaped error body's message, else the status and text."""
+    try:
+        return str(answer.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return f"{answer.status_code} {answer.text[:200]}"
 
 
 @contextlib.contextmanager

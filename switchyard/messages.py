@@ -61,13 +61,18 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class GenerateRequest(msgspec.Struct, frozen=True, tag=True):
     """Gateway -> attention leader: start generating for one sequence. Only requests of
-    the same `cache_salt` (vLLM's) share prefix-cached KV blocks."""
+    the same `cache_salt` (vLLM's) share prefix-cached KV blocks.
+
+    `warmup`: the gateway's readiness check. The engine makes the prompt itself (the one
+    given is ignored) and routes its rows to every replica of every expert, so one step
+    goes through every expert rank; its KV is never shared and it counts as no load."""
 
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
     trace_context: dict[str, str] = {}
     cache_salt: str | None = None
+    warmup: bool = False
 
 
 class AbortRequest(msgspec.Struct, frozen=True, tag=True):

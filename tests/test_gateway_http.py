@@ -75,7 +75,7 @@ async def serve_gateway(model_dir: Path, engine: FakeEngine, *more: FakeEngine,
     async with anyio.create_task_group() as tg, httpx.AsyncClient(base_url=url, timeout=10) as http:
         tg.start_soon(server.serve, [sock])
         with anyio.fail_after(5):
-            await client.wait_ready()
+            await client.wait_warm()
         try:
             yield Stack(engine, client, http, url)
         finally:
@@ -421,7 +421,7 @@ async def test_engine_loss_fails_requests_and_health_until_reconnected(stack: St
         waiter_done = anyio.Event()
 
         async def wait_for_engine() -> None:
-            await stack.client.wait_ready()
+            await stack.client.wait_warm()  # connected again, and that connection warmed up
             waiter_done.set()
 
         tg.start_soon(wait_for_engine)
@@ -431,6 +431,7 @@ async def test_engine_loss_fails_requests_and_health_until_reconnected(stack: St
             stack.engine.accepting = True
             await waiter_done.wait()
     assert (await stack.http.get("/health")).status_code == 200
+    assert len(stack.engine.warmups) == 2  # one per connection
 
 
 async def test_checkpoint_without_tokenizer_serves_token_ids(tmp_path: Path) -> None:

@@ -97,6 +97,7 @@ class FakeEngine:
         self.reply_ids = reply_ids
         self.info = EngineInfo("FakeMoE", max_model_len, 400, (eos_id,), "bf16", 16, 16)
         self.requests: list[GenerateRequest] = []
+        self.warmups: list[GenerateRequest] = []
         self.aborts: list[str] = []
         self.aborted = anyio.Event()
         self.received = anyio.Event()
@@ -112,6 +113,10 @@ class FakeEngine:
         self._connections.clear()
 
     async def _reply(self, frames: FrameStream, request: GenerateRequest) -> None:
+        if request.warmup:  # the gateway's readiness check: kept apart from the requests
+            self.warmups.append(request)
+            await frames.send(TokenDelta(request.request_id, [self.reply_ids[0]], "length", 1))
+            return
         self.requests.append(request)
         self.received.set()
         rid, sampling = request.request_id, request.sampling

@@ -37,6 +37,9 @@ class StepBatch:
     logits_rows: torch.Tensor  # [S] int64 rows whose logits are sampled (last token of a seq)
     foreign_slots: bool = False  # some slot_mapping entries are -1 (another DCP rank's)
     real_rows: torch.Tensor | None = None  # [T] int64: 0 for a CUDA graph's padding rows
+    # A warm-up's rows [W] int64 and the experts they go to [W, K] int64, instead of the
+    # router's choice (`Engine.add`): one step that reaches every expert rank.
+    forced_routing: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def to(self, device: str) -> StepBatch:
         """The same batch with every tensor on `device` (built on the CPU, copied once)."""
@@ -52,7 +55,9 @@ class StepBatch:
             [PrefillSlice(p.start, p.length, move(p.kv_slots), move(p.mask))
              for p in self.prefills],
             move(self.logits_rows), self.foreign_slots,
-            None if self.real_rows is None else move(self.real_rows))
+            None if self.real_rows is None else move(self.real_rows),
+            None if self.forced_routing is None else
+            (move(self.forced_routing[0]), move(self.forced_routing[1])))
 
 
 def _kv_slots(block_table: list[int], length: int, block_size: int) -> torch.Tensor:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
+import msgspec
 import torch
 
 from dcp.batch import build_rank_batch
@@ -14,6 +17,7 @@ from dcp.group import DcpGroup, GroupExperts
 from dcp.sharding import Sharding
 from ep_dispatch.base import ExpertsClient
 from ep_dispatch.deepep_config import check_step_budget
+from ep_dispatch.placement import Placement
 from ep_dispatch.registry import COLLECTIVE, BackendContext, check_backend, create_experts_client
 from ep_dispatch.torch_dist import World
 from services.attention.batch import StepBatch, build_batch
@@ -32,6 +36,7 @@ from services.model.checkpoint import Checkpoint
 from services.model.config import ModelConfig, check_quantization
 from switchyard import tracing
 from switchyard.device import check_device, collective_backend
+from switchyard.failures import root_causes
 from switchyard.messages import (
     DcpPlan,
     DcpSeqPlan,
@@ -44,6 +49,15 @@ from switchyard.messages import (
 )
 
 log = logging.getLogger(__name__)
+
+
+class StepFailed(RuntimeError):
+    """A step raised (`__cause__`): the sequences it ran, `request_ids`, are to be failed
+    with this error's text, the cause's root causes; the others were not touched."""
+
+    def __init__(self, cause: Exception, request_ids: list[str]) -> None:
+        super().__init__(root_causes(cause))
+        self.request_ids = request_ids
 
 
 class Engine:
@@ -101,6 +115,7 @@ class Engine:
         self._seqs: dict[str, Sequence] = {}
         self.grammars = Grammars(Path(config.model), cfg.vocab_size, cfg.eos_token_ids)
         self.num_aborted = 0
+        self._warmup_replicas = _max_replicas(config, cfg)
         self.graphs = DecodeGraphs(
             self.model, self.kv, self.experts, num_blocks * config.block_size,
             config.cuda_graph_max_batch, min(config.cuda_graph_max_len, self.max_model_len),
@@ -144,7 +159,27 @@ class Engine:
 
     def _batch(self, scheduled: list[ScheduledSeq], all_logits: bool = False) -> StepBatch:
         """The step's inputs, on the engine's device."""
-        return self._plan_batch(scheduled, all_logits).to(self.device)
+        batch = self._plan_batch(scheduled, all_logits)
+        if any(item.seq.warmup for item in scheduled):
+            batch = replace(batch, forced_routing=self._warmup_routing(scheduled))
+        return batch.to(self.device)
+
+    def _warmup_routing(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Warm-up rows [W] and their experts [W, K]: position p takes experts
+        (p // R) * K + j (mod E), so R rows in a row share K experts, and a layout gives
+        consecutive rows consecutive replicas (`compute_layout`): every replica of every
+        expert gets a row once the prompt has ceil(E / K) * R positions."""
+        cfg, replicas = self.model_config, self._warmup_replicas
+        rows, positions, first = [], [], 0
+        for item in scheduled:
+            if item.seq.warmup:
+                start = item.seq.num_computed_tokens
+                rows += range(first, first + item.num_new_tokens)
+                positions += range(start, start + item.num_new_tokens)
+            first += item.num_new_tokens
+        group = torch.tensor(positions, dtype=torch.int64) // replicas  # [W]
+        experts = (group[:, None] * cfg.top_k + torch.arange(cfg.top_k)) % cfg.num_experts
+        return torch.tensor(rows, dtype=torch.int64), experts  # [W], [W, K]
 
     def _plan_batch(self, scheduled: list[ScheduledSeq], all_logits: bool) -> StepBatch:
         """The step's inputs on the CPU; a DCP leader first sends its peers the plan."""
@@ -192,6 +227,9 @@ class Engine:
 
     def add(self, request: GenerateRequest) -> TokenDelta | None:
         """Queue a request; returns an error delta instead when it cannot be served."""
+        if request.warmup:  # its own prompt, and KV blocks no other request finds
+            request = msgspec.structs.replace(request, prompt_token_ids=self._warmup_prompt(),
+                                              cache_salt=f"warm-up {os.urandom(16).hex()}")
         error, matcher = self._validate(request), None
         if error is None and request.sampling.grammar is not None:
             matcher, error = self.grammars.matcher(request.sampling.grammar)
@@ -202,10 +240,18 @@ class Engine:
                        len(request.prompt_token_ids), request.sampling,
                        torch.Generator(self.device),
                        trace_parent=tracing.sampled_span(request.trace_context),
-                       matcher=matcher, cache_salt=request.cache_salt)
+                       matcher=matcher, cache_salt=request.cache_salt,
+                       warmup=request.warmup)
         self._seqs[seq.request_id] = seq
         self.scheduler.add(seq)
         return None
+
+    def _warmup_prompt(self) -> list[int]:
+        """Enough positions for `_warmup_routing` to reach every expert replica (at least
+        one; fewer if the context is shorter), of token ids that every vocabulary has."""
+        cfg = self.model_config
+        n = -(-cfg.num_experts // cfg.top_k) * self._warmup_replicas
+        return [t % cfg.vocab_size for t in range(max(1, min(n, self.max_model_len - 1)))]
 
     def _validate(self, request: GenerateRequest) -> str | None:
         n, vocab = len(request.prompt_token_ids), self.model_config.vocab_size
@@ -236,27 +282,40 @@ class Engine:
         trace_request(seq, "abort")
         return TokenDelta(request_id, [], "abort", seq.num_prompt_tokens)
 
-    def fail_all(self, error: str) -> list[TokenDelta]:
-        """End every sequence with an error (after a failed step), returning their blocks."""
+    def fail(self, request_ids: list[str], error: str) -> list[TokenDelta]:
+        """End these sequences with an error (a step they were in failed), returning their
+        blocks; ids no longer running are skipped."""
         deltas = []
-        for request_id in list(self._seqs):
-            seq = self._seqs.pop(request_id)
+        for request_id in request_ids:
+            if (seq := self._seqs.pop(request_id, None)) is None:
+                continue
             self.scheduler.finish(seq)
             trace_request(seq, "error")
             deltas.append(TokenDelta(request_id, [], "error", seq.num_prompt_tokens, error,
                                      retryable=True))
         return deltas
 
+    def fail_all(self, error: str) -> list[TokenDelta]:
+        """End every sequence with an error (a failure that may have touched any)."""
+        return self.fail(list(self._seqs), error)
+
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
     def step(self) -> list[TokenDelta]:
-        """Run one scheduler step; returns the new tokens of every sequence that got one."""
+        """Run one scheduler step; returns the new tokens of every sequence that got one.
+        Raises `StepFailed`, naming the step's sequences, if the step raised once they
+        were scheduled."""
         with self._stepping:
-            return [] if self._closed else self._step()
+            if self._closed:
+                return []
+            scheduled = self.scheduler.schedule()
+            try:
+                return self._step(scheduled)
+            except Exception as exc:
+                raise StepFailed(exc, [item.seq.request_id for item in scheduled]) from exc
 
-    def _step(self) -> list[TokenDelta]:
-        scheduled = self.scheduler.schedule()
+    def _step(self, scheduled: list[ScheduledSeq]) -> list[TokenDelta]:
         if not self.experts.begin_step(sum(item.num_new_tokens for item in scheduled)):
             return []
         if not scheduled:  # others have work: join their exchanges with zero rows
@@ -268,7 +327,7 @@ class Engine:
                 item.seq.first_scheduled_time = now
         with step_span(scheduled):
             batch = self._batch(scheduled)
-            if self.graphs and self.graphs.fits(batch):
+            if self.graphs and batch.forced_routing is None and self.graphs.fits(batch):
                 hidden = self.graphs.forward(batch)
             else:
                 hidden = self.model.forward(batch, self.kv, self.experts)
@@ -366,6 +425,14 @@ class Engine:
         finally:
             self.block_manager.free(seq)
         return torch.cat(logits)
+
+
+def _max_replicas(config: AttentionConfig, cfg: ModelConfig) -> int:
+    """The most expert ranks one expert is on (the placement's, as the experts client
+    builds it)."""
+    if config.placement is None:
+        return config.expert_replicas
+    return Placement.load(config.placement, cfg.moe_layer_ids, cfg.num_experts).max_replicas
 
 
 def _num_blocks(config: AttentionConfig, cfg: ModelConfig, dtype: torch.dtype,

@@ -99,6 +99,9 @@ class DenseModel:
         # what each routed copy adds to the load counts: 1, or 0 for a graph's padding rows
         rows = torch.ones_like(batch.input_ids) if batch.real_rows is None else batch.real_rows
         counted = rows.repeat_interleave(self.cfg.top_k)  # [T*K] int64
+        forced = batch.forced_routing
+        if forced is not None:  # a warm-up is not load
+            counted = counted.view(-1, self.cfg.top_k).index_fill(0, forced[0], 0).view(-1)
         for i, w in enumerate(self.layers):
             h = h + self._attention(i, w, rms_norm(h, w.input_norm, self.cfg.rms_norm_eps),
                                     cos, sin, batch, kv)
@@ -107,6 +110,8 @@ class DenseModel:
                 h = h + swiglu_mlp(x, w.mlp_gate_up, w.mlp_down)
             else:
                 ids, weights = route(x, w.gate, self.cfg.top_k, self.cfg.norm_topk_prob)
+                if forced is not None:
+                    ids = ids.index_put((forced[0],), forced[1])
                 flat = ids.reshape(-1)  # [T*K]
                 self._load[i].index_add_(0, flat, counted)
                 h = h + experts(i, x, ids, weights)

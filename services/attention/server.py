@@ -23,8 +23,9 @@ from dcp.group import StepAborted
 from ep_dispatch.rpc import ExpertRankError
 from ep_dispatch.torch_dist import RendezvousError
 from services.attention.config import AttentionConfig
-from services.attention.engine import Engine
+from services.attention.engine import Engine, StepFailed
 from services.model.config import CheckpointError
+from switchyard.failures import root_causes
 from switchyard.messages import (
     AbortRequest,
     GenerateRequest,
@@ -109,16 +110,29 @@ class AttentionServer:
                     deltas += await anyio.to_thread.run_sync(self.engine.step,
                                                              abandon_on_cancel=True)
                 except Exception as exc:  # a bug must cost its batch, not the service
-                    log.exception("engine step failed; failing its sequences")
-                    deltas += self.engine.fail_all(f"internal engine error: {exc}")
-                    if self._left_peers_behind(exc):
-                        for delta in deltas:
-                            self._deliver(delta)
-                        with anyio.move_on_after(5):  # a gateway that stopped reading
-                            await self._flushed()  # must not keep the peers waiting
-                        self._out_of_step()
+                    deltas += await self._step_failed(exc, deltas)
             for delta in deltas:
                 self._deliver(delta)
+
+    async def _step_failed(self, exc: Exception, deltas: list[TokenDelta]
+                           ) -> list[TokenDelta]:
+        """The error deltas of a step that raised: its own sequences' (`StepFailed`), or
+        every sequence's (a failure outside a step, or a rank now out of step, whose
+        sequences all end here: then it answers them, with `deltas`, and exits)."""
+        cause = exc.__cause__ if isinstance(exc, StepFailed) else exc
+        assert isinstance(cause, Exception)
+        log.error("engine step failed: %s", root_causes(cause), exc_info=cause)
+        error = f"internal engine error: {root_causes(cause)}"
+        if not self._left_peers_behind(cause):
+            if isinstance(exc, StepFailed):
+                return self.engine.fail(exc.request_ids, error)
+            return self.engine.fail_all(error)
+        for delta in [*deltas, *self.engine.fail_all(error)]:
+            self._deliver(delta)
+        with anyio.move_on_after(5):  # a gateway that stopped reading
+            await self._flushed()  # must not keep the peers waiting
+        self._out_of_step()
+        return []
 
     def _left_peers_behind(self, failure: Exception) -> bool:
         """Whether a failed step left peers (lockstep expert ranks, DCP ranks) in
@@ -138,7 +152,13 @@ class AttentionServer:
             return self.engine.abort(msg.request_id)
         if work.conn.closed:  # its sender went away while it waited: nobody would read it
             return None
-        refused = self.engine.add(msg)
+        try:
+            refused = self.engine.add(msg)
+        except Exception as exc:  # a bug must cost this request, not the service
+            log.error("adding request %s failed: %s", msg.request_id, root_causes(exc),
+                      exc_info=exc)
+            refused = TokenDelta(msg.request_id, [], "error", len(msg.prompt_token_ids),
+                                 f"internal engine error: {root_causes(exc)}", retryable=True)
         if refused is None:
             self._owners[msg.request_id] = work.conn
         else:

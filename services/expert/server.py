@@ -33,6 +33,7 @@ from services.model.checkpoint import Checkpoint
 from services.model.config import CheckpointError, ModelConfig
 from switchyard import tracing
 from switchyard.device import check_device, collective_backend, resolve_dtype
+from switchyard.failures import root_causes
 from switchyard.messages import ExpertBatch, ExpertInfo, ExpertResult, InfoRequest, Message
 from switchyard.metrics import report_ready, start_metrics_server
 from switchyard.rpc import FrameStream, cancel_on_signal, run_service, serve_messages
@@ -106,7 +107,7 @@ class ExpertServer:
                 log.exception("expert computation failed for layer %d", valid[0][1].layer)
                 for i, batch, _ in valid:
                     results[i] = ExpertResult(batch.call_id, error=f"expert computation "
-                                                                   f"failed: {exc}")
+                                                                   f"failed: {root_causes(exc)}")
         return [results[i] for i in range(len(batches))]
 
     def _trace(self, batch: ExpertBatch, start: int, spans: list[tuple[int, int]]) -> None:
