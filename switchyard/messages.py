@@ -65,7 +65,7 @@ class GenerateRequest(msgspec.Struct, frozen=True, tag=True):
 
     `warmup`: the gateway's readiness check. The engine makes the prompt itself (the one
     given is ignored) and routes its rows to every replica of every expert, so one step
-    goes through every expert rank; its KV is never shared and it counts as no load."""
+    goes through every expert rank; its KV is never shared."""
 
     request_id: str
     prompt_token_ids: list[int]

@@ -36,7 +36,10 @@ def test_per_expert_series_follow_the_load(qwen3_ckpt: tuple, flags: list[str]) 
     backend = "rpc" if "--expert-services" in flags else "local"
     with Served(["--model", str(path), *flags]) as served:
         before = scrape(f"{served.url}/metrics")
-        assert per_expert(before, TOKENS) == {}  # nothing served yet
+        warmup = per_expert(before, TOKENS)  # the warm-up alone so far: every expert ran
+        assert warmup == routed(served.url)
+        assert set(warmup) == set(per_expert(before, CALLS)) == {
+            (layer, e) for layer in (0, 2) for e in range(8)}  # qwen3_ckpt's MoE layers
         ups = before["switchyard:service_up"]
         assert len(ups) == (3 if backend == "rpc" else 1) and set(ups.values()) == {1.0}
 

@@ -412,7 +412,7 @@ def test_expert_server_coalesces_batches_of_one_layer(qwen3_ckpt: tuple) -> None
     real, server.bank.forward = server.bank.forward, out_of_memory  # type: ignore[method-assign]
     failed = server.compute([a, bad, b])  # answers every batch, raises nothing
     assert [r.call_id for r in failed] == [1, 3, 2] and all(r.y is None for r in failed)
-    oom = "expert computation failed: CUDA out of memory (a stand-in)"
+    oom = "expert computation failed: OutOfMemoryError: CUDA out of memory (a stand-in)"
     assert (failed[0].error, failed[2].error) == (oom, oom)
     assert "does not match" in (failed[1].error or "")
     server.bank.forward = real  # type: ignore[method-assign]

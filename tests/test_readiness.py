@@ -89,7 +89,7 @@ def test_root_causes_are_the_leaves_of_exception_groups_once_each() -> None:
 def test_a_warm_up_reaches_every_replica_of_every_expert(qwen3_ckpt: tuple) -> None:
     """The warm-up's rows are routed to experts by position so that a layout gives every
     replica of every expert a row, whatever replica turn a layer call starts at; its KV
-    is never found by another request, and it is not counted as expert load."""
+    is never found by another request. Its rows count as load: R per expert."""
     engine = engine_for(qwen3_ckpt[0], dispatch_backend="local", expert_replicas=2,
                         max_num_batched_tokens=64)
     cfg, calls = engine.model_config, []
@@ -115,7 +115,9 @@ def test_a_warm_up_reaches_every_replica_of_every_expert(qwen3_ckpt: tuple) -> N
                                     placement, layer, turn)
             assert all(all(c > 0 for c in counts) for counts in layout.expert_counts), (
                 layer, turn, layout.expert_counts)
-    assert int(engine.model.expert_load.sum()) == 0
+    load = engine.model.expert_load  # [layers, E]
+    moe = len(cfg.moe_layer_ids)
+    assert (load[cfg.moe_layer_ids] == 2).all() and int(load.sum()) == 2 * cfg.num_experts * moe
     prompt = engine._warmup_prompt()
     assert engine.add(greedy("same tokens", prompt, 1)) is None
     [delta] = engine.step()

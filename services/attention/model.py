@@ -99,9 +99,7 @@ class DenseModel:
         # what each routed copy adds to the load counts: 1, or 0 for a graph's padding rows
         rows = torch.ones_like(batch.input_ids) if batch.real_rows is None else batch.real_rows
         counted = rows.repeat_interleave(self.cfg.top_k)  # [T*K] int64
-        forced = batch.forced_routing
-        if forced is not None:  # a warm-up is not load
-            counted = counted.view(-1, self.cfg.top_k).index_fill(0, forced[0], 0).view(-1)
+        forced = batch.forced_routing  # a warm-up's (its rows count as load: they ran)
         for i, w in enumerate(self.layers):
             h = h + self._attention(i, w, rms_norm(h, w.input_norm, self.cfg.rms_norm_eps),
                                     cos, sin, batch, kv)
