@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 
 from benchmarks.generate import add_workdir_flag, build_checkpoint, make_prompts
-from dcp.launch import leader_engine
+from common.messages import GenerateRequest, SamplingParams
 from services.attention.config import AttentionConfig
 from services.attention.engine import Engine
-from switchyard.messages import GenerateRequest, SamplingParams
+from switchyard.dcp_leader import leader_engine
 
 
 class AttentionTimer:

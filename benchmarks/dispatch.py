@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from common.ports import free_port
 from ep_dispatch.layout import compute_layout
 from ep_dispatch.placement import Placement
 from ep_dispatch.torch_dist import (
@@ -30,7 +31,6 @@ from ep_dispatch.torch_dist import (
     join,
 )
 from ep_dispatch.wire import RowFormat
-from switchyard.ports import free_port
 
 NUM_EXPERTS, TOP_K = 64, 8
 

@@ -29,10 +29,10 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
+from common.ports import free_port
 from ep_dispatch.base import ExpertFn
 from ep_dispatch.placement import Placement
 from ep_dispatch.torch_dist import World
-from switchyard.ports import free_port
 
 # DeepEP V1 low-latency kernels, 128 tokens x 7168, top-8: EP size -> (dispatch, combine) us
 DEEPEP_LL_US = {8: (77, 114), 16: (118, 195), 32: (155, 273), 64: (173, 314),
@@ -136,9 +136,9 @@ def _time(backend: str, world: World, placement: Placement, args: argparse.Names
 def _serve(backend: str, world: World, placement: Placement, args: argparse.Namespace,
            device: torch.device) -> None:
     """An expert rank: serve rounds until the parent stops this process."""
+    from common.device import collective_backend
     from ep_dispatch.torch_dist import join, serve_experts
     from ep_dispatch.wire import RowFormat
-    from switchyard.device import collective_backend
 
     dtype = _dtype(args)
     rows = RowFormat(args.hidden, dtype, args.quantization)

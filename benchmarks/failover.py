@@ -23,11 +23,11 @@ from dataclasses import dataclass
 
 import httpx
 
+from common.ports import free_port
 from switchyard.bench import percentile
 from switchyard.children import Children
 from switchyard.demo_model import DEFAULT_MODEL, DEFAULT_MODEL_NAME
 from switchyard.demo_task import is_correct, problems
-from switchyard.ports import free_port
 
 NUM_EXPERTS, LOST = 3, 1
 

@@ -21,9 +21,9 @@ import torch
 
 from benchmarks.generate import add_workdir_flag, build_checkpoint, make_prompts
 from benchmarks.timing import timed
+from common.messages import GenerateRequest, SamplingParams
 from services.attention.config import AttentionConfig
 from services.attention.engine import Engine
-from switchyard.messages import GenerateRequest, SamplingParams
 
 
 def _bandwidth() -> tuple[float, float]:

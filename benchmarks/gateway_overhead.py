@@ -43,9 +43,7 @@ import anyio
 import httpx
 from anyio.abc import SocketAttribute, SocketStream
 
-from switchyard.bench import percentile
-from switchyard.demo_model import DEFAULT_MODEL
-from switchyard.messages import (
+from common.messages import (
     AbortRequest,
     EngineInfo,
     EngineStats,
@@ -56,7 +54,9 @@ from switchyard.messages import (
     StatsRequest,
     TokenDelta,
 )
-from switchyard.rpc import FrameStream, connect, serve_messages
+from common.rpc import FrameStream, connect, serve_messages
+from switchyard.bench import percentile
+from switchyard.demo_model import DEFAULT_MODEL
 
 log = logging.getLogger("fake-engine")
 

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
+from common.messages import GenerateRequest, SamplingParams
 from services.attention.config import AttentionConfig
 from services.attention.engine import Engine
-from switchyard.messages import GenerateRequest, SamplingParams
 
 MID_SIZE = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2048,
                 moe_intermediate_size=768, num_hidden_layers=8, num_attention_heads=16,

@@ -151,7 +151,7 @@ def engine(device: str, dtype: str, quantization: str | None = None,
 
 
 def greedy(e: Engine, prompt: list[int], n: int = 8) -> list[int]:
-    from switchyard.messages import GenerateRequest, SamplingParams
+    from common.messages import GenerateRequest, SamplingParams
 
     e.add(GenerateRequest("g", prompt, SamplingParams(max_tokens=n, temperature=0.0,
                                                       ignore_eos=True)))
@@ -209,7 +209,7 @@ def sampled_twice() -> None:
     """Seeded sampling with penalties, logit bias and logprobs: two CUDA engines draw the
     same tokens (per-request generators on the device; CUDA and CPU draw differently by
     design). The prompt logprobs they score equal the CPU's."""
-    from switchyard.messages import GenerateRequest, SamplingParams
+    from common.messages import GenerateRequest, SamplingParams
 
     params = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=7, logprobs=3,
                             repetition_penalty=1.2, presence_penalty=0.5, ignore_eos=True,
@@ -364,11 +364,11 @@ def dispatch_path(device: str = "cuda") -> None:
     routed top-8 of 256 experts over 8 expert ranks; checked against x * sum(weights)."""
     import torch.distributed as dist
 
+    from common.ports import free_port
     from ep_dispatch.layout import combine, compute_layout
     from ep_dispatch.nccl import CupyNccl
     from ep_dispatch.placement import Placement
     from ep_dispatch.torch_dist import Collective, TorchCollective, World, join
-    from switchyard.ports import free_port
 
     t, h, k, e = 128, 7168, 8, 256
     placement = Placement.balanced([0], e, 8)
@@ -505,9 +505,9 @@ def _run_group(cmd: list[str], timeout: float) -> int | str:
 
 def nccl_self() -> None:
     """The CuPy NCCL collective at world size 1: rows sent to oneself come back whole."""
+    from common.ports import free_port
     from ep_dispatch.nccl import CupyNccl, import_nccl
     from ep_dispatch.torch_dist import World
-    from switchyard.ports import free_port
 
     try:
         import_nccl()
@@ -530,7 +530,7 @@ def decode_steps() -> None:
     """Decode step time at batch 1, 16 and 64 (bfloat16), eager and replayed from CUDA
     graphs (`--cuda-graph-max-batch 64`, captured at start-up); then one step both ways
     (float and W4A4 experts, 3 sequences: a graph of 4 rows with one padding row)."""
-    from switchyard.messages import GenerateRequest, SamplingParams
+    from common.messages import GenerateRequest, SamplingParams
 
     def run(e: Engine, batch: int, warm: int, timed: int) -> tuple[float, dict[str, list[int]]]:
         out: dict[str, list[int]] = {}
@@ -582,7 +582,7 @@ def decode_profile() -> None:
     from collections import Counter
     from pathlib import Path
 
-    from switchyard.messages import GenerateRequest, SamplingParams
+    from common.messages import GenerateRequest, SamplingParams
 
     x = torch.ones(1, device="cuda")
     for _ in range(10):

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 import torch
 
 from benchmarks.generate import add_workdir_flag, build_checkpoint
+from common.messages import GenerateRequest, SamplingParams
 from services.attention.config import AttentionConfig
 from services.attention.engine import Engine
-from switchyard.messages import GenerateRequest, SamplingParams
 
 
 @dataclass

@@ -19,9 +19,9 @@ import torch
 
 from benchmarks.generate import add_workdir_flag, build_checkpoint, make_prompts
 from benchmarks.timing import alternating
+from common.messages import GenerateRequest, SamplingParams
 from services.attention.config import AttentionConfig
 from services.attention.engine import Engine
-from switchyard.messages import GenerateRequest, SamplingParams
 
 CONDITIONS = {"no prompt logprobs": None, "prompt_logprobs 0": 0, "prompt_logprobs 5": 5}
 

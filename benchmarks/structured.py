@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.timing import alternating
+from common.messages import GenerateRequest, SamplingParams
 from gateway.structured_outputs import JsonSchema, ResponseFormat, StructuredOutputs, grammar
 from gateway.tokenizer import Tokenizer
 from services.attention.config import AttentionConfig
@@ -26,7 +27,6 @@ from services.attention.engine import Engine
 from services.attention.grammar import allowed
 from switchyard.demo_model import DEFAULT_MODEL
 from switchyard.demo_task import problems
-from switchyard.messages import GenerateRequest, SamplingParams
 
 # Long on purpose: no grammar is complete before the output length (a complete one would
 # end its answer, and the conditions would not generate the same number of tokens).

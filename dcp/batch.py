@@ -1,12 +1,85 @@
-"""One DCP rank's step inputs: every token of the step, but only this rank's keys."""
+"""The flattened inputs of one model step, built once and shared by every layer: every
+token of the step, but only this rank's keys. A single rank is the DCP group of one
+(`Sharding(1, 1)`): it holds every key."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from common.messages import DcpSeqPlan
 from dcp.sharding import Sharding
-from services.attention.batch import PrefillSlice, StepBatch, window_ok
-from switchyard.messages import DcpSeqPlan
+
+
+@dataclass(frozen=True)
+class PrefillSlice:
+    """One sequence's query chunk: rows [start, start + length) attend to `kv_slots`."""
+
+    start: int
+    length: int
+    kv_slots: torch.Tensor  # [L] int64 KV-cache slots of the sequence's tokens 0..L-1
+    mask: torch.Tensor  # [length, L] bool, True where a query may attend to a key
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """Inputs of one step: T new tokens of B sequences, flattened.
+
+    Sequences with a single new token (decodes) are attended as one padded batch; longer
+    chunks (prefills) one by one.
+    """
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64, where each new token's KV is written
+    decode_rows: torch.Tensor  # [B_d] int64 rows of decode tokens
+    decode_kv_slots: torch.Tensor  # [B_d, L_max] int64 (padding points at slot 0)
+    decode_mask: torch.Tensor  # [B_d, L_max] bool, True for real (and in-window) keys
+    prefills: list[PrefillSlice]
+    logits_rows: torch.Tensor  # [S] int64 rows whose logits are sampled (last token of a seq)
+    foreign_slots: bool = False  # some slot_mapping entries are -1 (another DCP rank's)
+    real_rows: torch.Tensor | None = None  # [T] int64: 0 for a CUDA graph's padding rows
+    # A warm-up's rows [W] int64 and the experts they go to [W, K] int64, instead of the
+    # router's choice (`Engine.add`): one step that reaches every expert rank.
+    forced_routing: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def to(self, device: str) -> StepBatch:
+        """The same batch with every tensor on `device` (built on the CPU, copied once)."""
+        if device == "cpu":
+            return self
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=True)
+
+        return StepBatch(
+            move(self.input_ids), move(self.positions), move(self.slot_mapping),
+            move(self.decode_rows), move(self.decode_kv_slots), move(self.decode_mask),
+            [PrefillSlice(p.start, p.length, move(p.kv_slots), move(p.mask))
+             for p in self.prefills],
+            move(self.logits_rows), self.foreign_slots,
+            None if self.real_rows is None else move(self.real_rows),
+            None if self.forced_routing is None else
+            (move(self.forced_routing[0]), move(self.forced_routing[1])))
+
+
+def window_ok(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Which keys each query may attend to: causal, and within the sliding window if any.
+
+    Args:
+        q_pos: int64 query positions, broadcastable against `k_pos` (e.g. [Q, 1]).
+        k_pos: int64 key positions (e.g. [1, K]).
+        window: the model's sliding window in tokens, or None.
+
+    Returns:
+        bool mask of the broadcast shape (e.g. [Q, K]), True where attended.
+    """
+    ok = k_pos <= q_pos
+    if window is not None:
+        ok &= k_pos > q_pos - window
+    return ok
+
+
 
 
 def build_rank_batch(seqs: list[DcpSeqPlan], rank: int, sharding: Sharding, block_size: int,

@@ -9,20 +9,29 @@ outputs, so expert services never see a token twice.
 from __future__ import annotations
 
 import datetime
+from typing import Protocol
 
 import msgspec
 import torch
 import torch.distributed as dist
 
+from common.messages import DcpPlan
+from dcp.batch import StepBatch
 from dcp.merge import merge
 from ep_dispatch.base import ExpertsClient, PointToPoint
 from ep_dispatch.wire import tensor_bytes
-from services.attention.batch import StepBatch
-from services.attention.kv_cache import KVCache
-from switchyard.messages import DcpPlan
 
 # Peers wait in a broadcast while the leader idles: no timeout short of a year.
 _IDLE_FOREVER = datetime.timedelta(days=365)
+
+
+class PartialAttention(Protocol):
+    """A rank's KV cache as the group attends over it (`KVCache`)."""
+
+    def attend_partial(self, layer: int, q: torch.Tensor, batch: StepBatch
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out [T, heads, D], lse [T, heads] float32) over the keys this rank holds."""
+        ...
 
 
 class DcpGroup:
@@ -51,7 +60,7 @@ class DcpGroup:
         dist.broadcast(data, src=0)
         return self._decoder.decode(tensor_bytes(data))
 
-    def attend(self, kv: KVCache, layer: int, q: torch.Tensor, batch: StepBatch
+    def attend(self, kv: PartialAttention, layer: int, q: torch.Tensor, batch: StepBatch
                ) -> torch.Tensor:
         """Attention over the whole group's keys: local partials, gathered and merged."""
         out, lse = kv.attend_partial(layer, q, batch)  # [T, H, D], [T, H]

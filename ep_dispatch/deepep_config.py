@@ -9,8 +9,8 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from switchyard.flags import env
-from switchyard.units import parse_size
+from common.flags import env
+from common.units import parse_size
 
 if TYPE_CHECKING:
     import torch

@@ -16,7 +16,7 @@ from typing import Literal
 
 from prometheus_client import Histogram
 
-from switchyard.tracing import layer_span
+from common.tracing import layer_span
 
 _BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25,
             1.0, 2.5)

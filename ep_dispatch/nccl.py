@@ -15,9 +15,9 @@ from typing import Any
 import msgspec
 import torch
 
+from common.messages import NcclUniqueId
 from ep_dispatch.torch_dist import World, agree, rendezvous
 from ep_dispatch.wire import RowFormat
-from switchyard.messages import NcclUniqueId
 
 _UID_KEY = "switchyard/nccl_unique_id"
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from switchyard.device import collective_backend
+from common.device import collective_backend
 
 if TYPE_CHECKING:
     import torch

@@ -24,14 +24,14 @@ import anyio
 import torch
 from anyio.from_thread import start_blocking_portal
 
+from common import tracing
+from common.messages import ExpertBatch, ExpertInfo, ExpertResult, InfoRequest
+from common.rpc import MAX_FRAME_BYTES, FrameStream, connect
 from ep_dispatch.base import PointToPoint
 from ep_dispatch.layout import ReplicaTurns, combine, compute_layout
 from ep_dispatch.metrics import phase
 from ep_dispatch.placement import Placement
 from ep_dispatch.wire import activation_rows, from_wire, to_wire
-from switchyard import tracing
-from switchyard.messages import ExpertBatch, ExpertInfo, ExpertResult, InfoRequest
-from switchyard.rpc import MAX_FRAME_BYTES, FrameStream, connect
 
 log = logging.getLogger("switchyard.rpc_experts")
 PROBE_EVERY_S = 1.0  # how often a lost rank that is routed around is tried again

@@ -1,4 +1,4 @@
-"""Tensors to and from their wire form (`switchyard.messages.Tensor`)."""
+"""Tensors to and from their wire form (`common.messages.Tensor`)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_kernels.mxfp4 import quantize_fused
-from switchyard.messages import Tensor
+from common.messages import Tensor
+from moe_kernels.selection import quantize_fused
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in
            (torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.int64)}

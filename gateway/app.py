@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from common import tracing
 from gateway.chat import create_chat_completion
 from gateway.completions import create_completion
 from gateway.config import GatewayConfig
@@ -33,7 +34,6 @@ from gateway.serving import Serving, json_response
 from gateway.tokenization import detokenize, tokenize
 from gateway.tokenizer import Tokenizer
 from gateway.version import show_version
-from switchyard import tracing
 
 HEALTH_TIMEOUT_S = 5.0
 

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
+from common.messages import TokenLogprobs
 from gateway.errors import GatewayError, engine_unavailable
 from gateway.logprobs import completion_logprobs
 from gateway.logprobs import prompt_logprobs as to_prompt_logprobs
@@ -21,7 +22,6 @@ from gateway.output import Output, interleave
 from gateway.serving import Run, Serving, client_gone, json_response
 from gateway.sse import DONE, EventStreamResponse, error_event, event
 from gateway.tokenizer import Tokenizer
-from switchyard.messages import TokenLogprobs
 
 
 class _ChoiceText:

@@ -11,14 +11,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.flags import env, env_switch, optional_int
+from common.rpc import parse_address
+from common.units import parse_size
 from gateway.expert_stats import MAX_WINDOW_S
 from gateway.generation_config import NEUTRAL, SamplingDefaults
 from gateway.prefix_affinity import POLICIES
 from gateway.service_metrics import check_url
 from gateway.tools import TOOL_PARSERS
-from switchyard.flags import env, env_switch, optional_int
-from switchyard.rpc import parse_address
-from switchyard.units import parse_size
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,7 @@ import anyio
 import msgspec
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from gateway.errors import GatewayError, engine_unavailable
-from switchyard.messages import (
+from common.messages import (
     AbortRequest,
     EngineInfo,
     EngineStats,
@@ -33,7 +32,8 @@ from switchyard.messages import (
     StatsRequest,
     TokenDelta,
 )
-from switchyard.rpc import FrameStream, connect
+from common.rpc import FrameStream, connect
+from gateway.errors import GatewayError, engine_unavailable
 
 log = logging.getLogger(__name__)
 

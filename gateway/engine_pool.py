@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import anyio
 
+from common.messages import EngineInfo, EngineStats, GenerateRequest
 from gateway.engine_client import EngineClient, Generation
 from gateway.errors import engine_unavailable
 from gateway.prefix_affinity import POLICIES, PrefixAffinity, block_keys
-from switchyard.messages import EngineInfo, EngineStats, GenerateRequest
 
 WARMUP_FAILED = "warm-up failed"  # how /health begins to say it (`switchyard serve` reads it)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from common.messages import TokenLogprobs
 from gateway.openai_protocol import (
     ChatLogprobs,
     ChatTokenLogprob,
@@ -13,7 +14,6 @@ from gateway.openai_protocol import (
     TopLogprob,
 )
 from gateway.tokenizer import Tokenizer
-from switchyard.messages import TokenLogprobs
 
 
 def token_text(tokenizer: Tokenizer | None, token_id: int) -> str:

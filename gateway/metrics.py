@@ -11,8 +11,8 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from common.messages import EngineStats, TokenDelta
 from gateway.service_metrics import Families, Scrape, merge
-from switchyard.messages import EngineStats, TokenDelta
 
 # vLLM's buckets, so dashboards built for it read ours the same way.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,

@@ -11,6 +11,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from common.messages import EngineStats
 from gateway.errors import ErrorBody
 from gateway.openai_protocol import (
     PROMPT_SCHEMA,
@@ -28,7 +29,6 @@ from gateway.tokenization import (
     TokenizeResponse,
 )
 from gateway.version import VersionResponse, package_version
-from switchyard.messages import EngineStats
 
 REF_TEMPLATE = "#/components/schemas/{name}"
 _GENERATION_ERRORS = (400, 404, 413, 429, 503)

@@ -7,11 +7,11 @@ import asyncio
 from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass, field
 
+from common.messages import TokenLogprobs
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.engine_client import Generation
 from gateway.errors import bad_request, engine_unavailable
 from gateway.metrics import RequestTimer
-from switchyard.messages import TokenLogprobs
 
 
 @dataclass

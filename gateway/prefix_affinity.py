@@ -3,7 +3,7 @@ the start of its prompt, unless that one is busier than the least busy group by 
 `balance` requests; else the least busy (SGLang's cache-aware routing, simplified).
 
 Each group's recent prompts are remembered by the prefix cache's chain keys of their whole
-blocks (`services.attention.prefix_cache.chain_keys`, a block a span), at most
+blocks (`common.prefix_keys.chain_keys`, a block a span), at most
 as many as the group has KV blocks, the least recently sent forgotten first: a guess at
 what that group's prefix cache holds, made without asking it (its own eviction differs).
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from services.attention.prefix_cache import chain_keys
+from common.prefix_keys import chain_keys
 
 POLICIES = ("prefix-affinity", "least-busy")
 

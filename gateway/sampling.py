@@ -6,10 +6,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+from common.messages import SamplingParams
 from gateway.errors import bad_request
 from gateway.generation_config import NEUTRAL, SamplingDefaults
 from gateway.openai_protocol import ChatCompletionRequest, SamplingFields
-from switchyard.messages import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,12 @@ from collections.abc import Sequence
 
 import uvicorn
 
+from common.metrics import report_ready
+from common.tracing import setup_tracing
 from gateway.app import build_app
 from gateway.config import GatewayConfig, parse_args
 from gateway.engine_pool import EnginePool
 from gateway.tokenizer import Tokenizer
-from switchyard.metrics import report_ready
-from switchyard.tracing import setup_tracing
 
 log = logging.getLogger(__name__)
 

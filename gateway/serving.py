@@ -15,6 +15,8 @@ from opentelemetry.trace import INVALID_SPAN, Span, SpanKind, StatusCode, set_sp
 from starlette.requests import Request
 from starlette.responses import Response
 
+from common import tracing
+from common.messages import EngineInfo, GenerateRequest, SamplingParams
 from gateway.config import GatewayConfig
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.engine_client import Generation
@@ -28,8 +30,6 @@ from gateway.sampling import ModelLimits, sampling_params
 from gateway.service_metrics import ServiceMetrics
 from gateway.sse import unless_disconnected
 from gateway.tokenizer import NO_TOKENIZER_MESSAGE, Tokenizer
-from switchyard import tracing
-from switchyard.messages import EngineInfo, GenerateRequest, SamplingParams
 
 log = logging.getLogger(__name__)
 RequestT = TypeVar("RequestT", bound=msgspec.Struct)

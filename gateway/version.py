@@ -9,7 +9,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-import switchyard
+import common
 from gateway.serving import json_response
 
 
@@ -26,7 +26,7 @@ def package_version() -> str:
     try:
         return version("switchyard")
     except PackageNotFoundError:
-        return switchyard.__version__
+        return common.__version__
 
 
 async def show_version(_: Request) -> Response:

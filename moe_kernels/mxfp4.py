@@ -122,17 +122,6 @@ def quantize(x: torch.Tensor) -> MXFP4Tensor:
     return MXFP4Tensor(packed.contiguous(), scales.contiguous())
 
 
-def quantize_fused(x: torch.Tensor) -> MXFP4Tensor:
-    """`quantize(x)`, on CUDA in one Triton kernel (`triton_mxfp4.quantize_mxfp4`, bit for
-    bit the same under the tests' interpreter; this module's torch version runs 58 tensor
-    operations per call, counted with a TorchDispatchMode on [32, 7168] bfloat16 rows)."""
-    if x.device.type != "cuda":
-        return quantize(x)
-    from moe_kernels.triton_mxfp4 import quantize_mxfp4
-
-    return quantize_mxfp4(x)
-
-
 def _byte_table() -> torch.Tensor:
     """[256, 2] float32: the two values (low nibble, high nibble) each byte encodes."""
     mags = torch.tensor(E2M1_VALUES)

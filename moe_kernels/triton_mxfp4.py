@@ -633,7 +633,7 @@ def grouped_swiglu_w4a4_triton(
             for this GPU model and the most tokens any expert has
             (`moe_kernels.kernel_configs`), else `KernelConfig()`. Weights not in its
             layout are converted on each call (`to_bf16x2`): callers that call again
-            convert once (`services.expert.experts.ExpertBank` does).
+            convert once (`services.model.experts.ExpertBank` does).
 
     Returns:
         `[N, H]` float32 expert outputs on x's device, not yet weighted by the router. The

@@ -1,3 +1,8 @@
-"""Switchyard: serving Mixture-of-Experts language models as asyncio microservices."""
+"""Switchyard: serving Mixture-of-Experts language models as asyncio microservices.
 
-__version__ = "0.1.0"
+This package is the top: the command line, the launcher and its supervision, the compose
+renderer, and the client tools (bench, eval, probe). Nothing below imports it."""
+
+from common import __version__
+
+__all__ = ["__version__"]

@@ -8,9 +8,9 @@ import sys
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    from common.flags import env
     from gateway.config import add_serve_flags
     from services.attention.config import add_engine_flags
-    from switchyard.flags import env
 
     p = sub.add_parser("serve", help="start the whole local topology (gateway + engine)")
     p.add_argument("--model", default=env("MODEL"),
@@ -41,8 +41,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _attention_parser(sub: argparse._SubParsersAction) -> None:
+    from common.flags import add_metrics_flag, env
     from services.attention.config import add_engine_flags
-    from switchyard.flags import add_metrics_flag, env
 
     p = sub.add_parser("attention", help="run one attention service (the engine core)")
     p.add_argument("--model", default=env("MODEL"), required=env("MODEL") is None,
@@ -71,7 +71,7 @@ def _attention_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _placement_parser(sub: argparse._SubParsersAction) -> None:
-    from switchyard.flags import add_replicas_flag
+    from common.flags import add_replicas_flag
 
     p = sub.add_parser("placement", help="print which expert service holds which experts")
     p.add_argument("--model", required=True, help="HF checkpoint directory")

@@ -22,6 +22,9 @@ from pathlib import Path
 
 import httpx
 
+from common.device import check_device, resolve_dtype
+from common.flags import as_flags
+from common.ports import free_port, http_url
 from ep_dispatch.deepep_config import deepep_flags, deepep_settings
 from ep_dispatch.placement import Placement, make_placement
 from ep_dispatch.registry import COLLECTIVE, check_backend
@@ -32,9 +35,6 @@ from services.attention.config import add_engine_flags, check_cuda_graphs
 from services.model.config import CheckpointError, ModelConfig, check_quantization
 from switchyard.children import Children, StartupError
 from switchyard.demo_model import DEFAULT_MODEL, DEFAULT_MODEL_NAME
-from switchyard.device import check_device, resolve_dtype
-from switchyard.flags import as_flags
-from switchyard.ports import free_port, http_url
 from switchyard.supervisor import supervise
 
 

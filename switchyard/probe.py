@@ -12,8 +12,8 @@ import sys
 import anyio
 import httpx
 
-from switchyard.messages import EngineInfo, ExpertInfo, InfoRequest
-from switchyard.rpc import connect, parse_address
+from common.messages import EngineInfo, ExpertInfo, InfoRequest
+from common.rpc import connect, parse_address
 
 
 async def _rpc_info(host: str, port: int, timeout: float) -> object:

@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from switchyard.ports import free_port
+from common.ports import free_port
 from tests.tools import wait_until
 
 _VAR = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}")

@@ -12,18 +12,18 @@ import pytest
 from anyio import wait_all_tasks_blocked
 from anyio.abc import SocketAttribute
 
-from dcp.group import StepAborted
-from services.attention.config import AttentionConfig
-from services.attention.engine import Engine
-from services.attention.server import AttentionServer
-from switchyard.messages import (
+from common.messages import (
     AbortRequest,
     GenerateRequest,
     SamplingParams,
     StatsRequest,
     TokenDelta,
 )
-from switchyard.rpc import FrameStream
+from common.rpc import FrameStream
+from dcp.group import StepAborted
+from services.attention.config import AttentionConfig
+from services.attention.engine import Engine
+from services.attention.server import AttentionServer
 from tests.test_engine_parity import engine_for
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]

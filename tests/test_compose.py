@@ -165,7 +165,7 @@ def test_the_compose_services_run_as_local_processes(profile: str) -> None:
 
 
 def test_probe_reports_what_is_wrong() -> None:
-    from switchyard.ports import free_port
+    from common.ports import free_port
     from switchyard.probe import main as probe
 
     port = free_port()  # nothing listens there
@@ -180,7 +180,7 @@ def test_free_ports_come_from_below_the_ephemeral_range() -> None:
     (a collision there made the compose test's gateway find its port taken)."""
     import socket
 
-    from switchyard.ports import _ephemeral_low, free_port
+    from common.ports import _ephemeral_low, free_port
 
     low = _ephemeral_low()
     ports = [free_port() for _ in range(20)]
@@ -194,7 +194,7 @@ def test_free_ports_come_from_below_the_ephemeral_range() -> None:
 def test_free_port_without_room_below_the_ephemeral_range(monkeypatch: pytest.MonkeyPatch
                                                          ) -> None:
     """A kernel whose ephemeral range starts at 1024 leaves nothing below: any free port."""
-    from switchyard import ports
+    from common import ports
 
     monkeypatch.setattr(ports, "_ephemeral_low", lambda: 1024)
     assert ports.free_port() >= 1024
@@ -218,7 +218,7 @@ def test_serve_decides_its_childrens_topology_whatever_the_environment() -> None
 
 
 def test_service_urls_for_any_bound_host() -> None:
-    from switchyard.ports import http_url
+    from common.ports import http_url
 
     assert http_url("127.0.0.1", 80) == "http://127.0.0.1:80"
     assert http_url("0.0.0.0", 80) == "http://127.0.0.1:80"  # a wildcard, reached on loopback
@@ -255,9 +255,9 @@ def test_a_child_that_dies_is_named_at_once_whichever_it_is() -> None:
     """An attention rank waiting in its rendezvous for an expert rank that exits at once:
     start-up names the expert within seconds (before, it waited on the attention rank
     first, until the rendezvous gave up after 120 s)."""
+    from common.ports import free_port
     from switchyard.children import Children, StartupError
     from switchyard.demo_model import DEFAULT_MODEL
-    from switchyard.ports import free_port
 
     children = Children()
     waiting = ["attention", "--model", str(DEFAULT_MODEL), "--port", "0", "--dispatch-backend",

@@ -15,8 +15,8 @@ from ep_dispatch.local import LocalExperts
 from services.attention.config import AttentionConfig
 from services.attention.engine import Engine
 from services.attention.graphs import DecodeGraphs, eager_capture, next_power_of_2
-from services.expert.experts import ExpertBank, all_experts
 from services.model.checkpoint import Checkpoint
+from services.model.experts import ExpertBank, all_experts
 from tests.test_engine_parity import greedy, prompts, run_to_completion
 
 

@@ -10,10 +10,10 @@ import httpx
 import pytest
 import torch
 
-from dcp.launch import leader_engine
 from dcp.sharding import Sharding
 from services.attention.config import AttentionConfig
 from services.attention.engine import Engine
+from switchyard.dcp_leader import leader_engine
 from switchyard.serve_process import Served
 from tests.test_engine_parity import greedy, prompts, reference_greedy, run_to_completion
 from tests.test_http_api import concurrent_greedy
@@ -54,7 +54,7 @@ def test_logits_and_greedy_equal_d1_and_transformers(qwen3_ckpt: tuple, size: in
 
 def test_prompt_logprobs_across_the_group_equal_transformers(qwen3_ckpt: tuple) -> None:
     """Prompt rows scored on the leader, whose hidden states merge every rank's shard."""
-    from switchyard.messages import GenerateRequest, SamplingParams
+    from common.messages import GenerateRequest, SamplingParams
 
     path, model = qwen3_ckpt
     prompt = prompts(seed=55, lengths=(45,))[0]  # chunks of 16, over two ranks' shards
@@ -173,10 +173,10 @@ def test_a_failed_expert_call_on_the_leader_aborts_the_step_on_every_rank() -> N
     second step's outputs."""
     import multiprocessing
 
+    from common.messages import DcpPlan
+    from common.ports import free_port
     from dcp.group import DcpGroup, GroupExperts, StepAborted
     from ep_dispatch.rpc import ExpertRankError
-    from switchyard.messages import DcpPlan
-    from switchyard.ports import free_port
 
     calls = []
 

@@ -298,7 +298,7 @@ def _attention_rank(rank: int, port: int, results: object) -> None:
 def test_deepep_protocol_across_processes_over_a_cpu_double_of_deep_ep() -> None:
     import multiprocessing as mp
 
-    from switchyard.ports import free_port
+    from common.ports import free_port
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -343,7 +343,7 @@ def _agreeing_rank(rank: int, port: int, max_tokens: int, results: object) -> No
 def test_ranks_that_would_size_deepep_differently_name_each_other(max_tokens: tuple) -> None:
     import multiprocessing as mp
 
-    from switchyard.ports import free_port
+    from common.ports import free_port
 
     ctx = mp.get_context("spawn")
     results, port = ctx.Queue(), free_port()

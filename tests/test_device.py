@@ -11,14 +11,14 @@ import sys
 import pytest
 import torch
 
-from switchyard.device import check_device, collective_backend
+from common.device import check_device, collective_backend
 
 NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 
 
 @pytest.mark.parametrize("module", ["moe_kernels.triton_mxfp4", "benchmarks.gpu_mxfp4",
                                     "benchmarks.gpu_check",
-                                    "ep_dispatch.torch_dist", "switchyard.device"])
+                                    "ep_dispatch.torch_dist", "common.device"])
 def test_gpu_code_imports_without_cuda(module: str) -> None:
     importlib.import_module(module)
 

@@ -6,9 +6,9 @@ from collections.abc import Callable
 
 import torch
 
+from common.messages import GenerateRequest, SamplingParams, TokenDelta
 from services.attention.config import AttentionConfig
 from services.attention.engine import Engine
-from switchyard.messages import GenerateRequest, SamplingParams, TokenDelta
 from tests.checkpoints import VOCAB
 
 PROMPT_LENGTHS = (1, 5, 19, 40)

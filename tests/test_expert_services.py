@@ -14,16 +14,16 @@ import httpx
 import pytest
 import torch
 
+from common.ports import free_port
 from ep_dispatch.local import LocalExperts
 from ep_dispatch.placement import Placement
 from ep_dispatch.rpc import ExpertRankError, RpcExperts
 from services.attention.config import AttentionConfig
 from services.attention.engine import Engine
-from services.expert.experts import ExpertBank, all_experts
 from services.model.checkpoint import Checkpoint
 from services.model.config import ModelConfig
+from services.model.experts import ExpertBank, all_experts
 from switchyard.children import Children
-from switchyard.ports import free_port
 from switchyard.serve_process import Served
 from tests.test_engine_parity import greedy, prompts, reference_greedy, run_to_completion
 from tests.test_http_api import concurrent_greedy
@@ -373,10 +373,10 @@ def test_torch_backend_across_processes(qwen3_ckpt: tuple) -> None:
 
 
 def test_expert_server_coalesces_batches_of_one_layer(qwen3_ckpt: tuple) -> None:
+    from common.messages import ExpertBatch
     from ep_dispatch.wire import from_wire, to_wire
     from services.expert.config import ExpertConfig
     from services.expert.server import ExpertServer
-    from switchyard.messages import ExpertBatch
 
     server = ExpertServer(ExpertConfig(model=qwen3_ckpt[0], rank=0, num_ranks=1))
     g = torch.Generator().manual_seed(3)
@@ -422,10 +422,10 @@ def test_expert_server_coalesces_batches_of_one_layer(qwen3_ckpt: tuple) -> None
 def test_expert_server_answers_odd_batches_alone(qwen3_ckpt: tuple) -> None:
     """Negative counts that sum right are refused for their caller only; an empty batch
     under a trace context is answered (its tracing used to raise out of the service)."""
+    from common.messages import ExpertBatch
     from ep_dispatch.wire import from_wire, to_wire
     from services.expert.config import ExpertConfig
     from services.expert.server import ExpertServer
-    from switchyard.messages import ExpertBatch
 
     server = ExpertServer(ExpertConfig(model=qwen3_ckpt[0], rank=0, num_ranks=1))
     x = torch.randn(2, server.bank.hidden_size)

@@ -6,8 +6,8 @@ import argparse
 
 import pytest
 
-from switchyard.flags import as_flags
-from switchyard.units import parse_size
+from common.flags import as_flags
+from common.units import parse_size
 
 
 def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:

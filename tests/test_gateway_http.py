@@ -511,10 +511,10 @@ async def test_a_request_whose_choice_fails_to_start_gives_back_every_place(
     places come back, so failures cannot fill the queue and turn everything into 429."""
     from starlette.requests import Request
 
+    from common.messages import EngineInfo
     from gateway.errors import GatewayError, engine_unavailable
     from gateway.openai_protocol import CompletionRequest
     from gateway.serving import Serving
-    from switchyard.messages import EngineInfo
 
     class Generation:
         async def aclose(self) -> None:
@@ -652,10 +652,10 @@ async def test_include_stop_str_in_output_keeps_a_stop_tokens_text(stack: Stack,
 async def test_a_choice_cut_by_a_stop_string_is_aborted_at_once(tokenizer: Tokenizer) -> None:
     """With n > 1 the run closes only after its slowest choice: a choice that hit a stop
     string must release its engine request itself, then and there."""
+    from common.messages import TokenDelta
     from gateway.detokenizer import IncrementalDetokenizer
     from gateway.metrics import Metrics, RequestTimer
     from gateway.output import StopStrings, outputs
-    from switchyard.messages import TokenDelta
 
     class Generation:
         closed, arrived = False, None
@@ -690,10 +690,10 @@ async def test_n_beyond_the_servers_capacity_is_a_400(model_dir: Path,
     ever."""
     from starlette.requests import Request
 
+    from common.messages import EngineInfo
     from gateway.errors import GatewayError
     from gateway.openai_protocol import CompletionRequest
     from gateway.serving import Serving
-    from switchyard.messages import EngineInfo
 
     class Pool:
         info = EngineInfo("FakeMoE", 256, 400, (2,), "bf16", 16, 16, max_num_seqs=4)

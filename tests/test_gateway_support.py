@@ -14,7 +14,7 @@ import anyio
 from anyio.abc import SocketAttribute, SocketStream
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from switchyard.messages import (
+from common.messages import (
     AbortRequest,
     EngineInfo,
     EngineStats,
@@ -23,7 +23,7 @@ from switchyard.messages import (
     StatsRequest,
     TokenDelta,
 )
-from switchyard.rpc import FrameStream
+from common.rpc import FrameStream
 
 CHATML = (
     "{% for message in messages %}"

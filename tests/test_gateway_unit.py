@@ -15,6 +15,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer
 
+from common.messages import SamplingParams
 from gateway.config import parse_args
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.errors import GatewayError
@@ -23,7 +24,6 @@ from gateway.openai_protocol import ChatCompletionRequest, CompletionRequest
 from gateway.output import StopStrings
 from gateway.sampling import ModelLimits, sampling_params
 from gateway.tokenizer import Tokenizer
-from switchyard.messages import SamplingParams
 from tests.test_gateway_support import CHATML, write_checkpoint
 
 LLAMA_STYLE = (
@@ -406,8 +406,8 @@ def test_bundled_byte_level_tokenizer_streams_multibyte_characters_whole() -> No
 def test_engine_gauges_are_absent_while_the_engine_does_not_answer() -> None:
     """They are read at scrape time; a scrape the engine did not answer must not repeat
     the last reading as if it were current."""
+    from common.messages import EngineStats
     from gateway.metrics import Metrics
-    from switchyard.messages import EngineStats
 
     metrics = Metrics("m")
     up = metrics.render(EngineStats(3, 2, 5, 10, 0, []), []).decode()
@@ -449,8 +449,8 @@ def test_a_request_span_with_a_failed_choice_has_error_status() -> None:
 def test_latencies_are_taken_when_deltas_arrive_not_when_they_are_read() -> None:
     """A delta that waited in its request's buffer (a client reading slowly) counts from
     when it came off the engine connection, as vLLM measures in the engine."""
+    from common.messages import TokenDelta
     from gateway.metrics import Metrics, RequestTimer
-    from switchyard.messages import TokenDelta
 
     metrics = Metrics("m")
     timer = RequestTimer(metrics)
@@ -468,10 +468,10 @@ def test_echoed_logprobs_offsets_grow_over_prompt_and_output() -> None:
     whose text the echoed prompt does not show, they still only grow."""
     from types import SimpleNamespace
 
+    from common.messages import TokenLogprobs
     from gateway.completions import _ChoiceText
     from gateway.openai_protocol import CompletionRequest
     from gateway.output import Output
-    from switchyard.messages import TokenLogprobs
 
     class Letters:  # id 0 is a BOS "<s>", id i > 0 the letter i
         def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moe_kernels.grouped_gemm import grouped_swiglu, grouped_swiglu_mm, timed_together
-from services.expert.experts import _grouped_mm_matches
+from services.model.experts import _grouped_mm_matches
 
 pytest.importorskip("torch", minversion="2.8")  # torch._grouped_mm
 

@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from common.messages import SamplingParams
 from services.attention.block_manager import BlockManager
 from services.attention.kv_cache import kv_bytes_per_block
 from services.attention.sequence import Sequence
-from switchyard.messages import SamplingParams
 from tests.test_engine_parity import (
     engine_for,
     greedy,
@@ -107,12 +107,12 @@ def test_the_gpu_attention_kernel_matches_the_cpu_one() -> None:
 
     torch.manual_seed(0)
     cfg = SimpleNamespace(num_layers=1, num_kv_heads=2, head_dim=16)
-    kv = KVCache(cfg, num_blocks=16, block_size=4, dtype=torch.float32)
+    kv = KVCache(cfg, num_blocks=17, block_size=4, dtype=torch.float32)
     kv.k[0].normal_()
     kv.v[0].normal_()
     seqs = []
     for i, (n, done, blocks) in enumerate([(20, 19, range(0, 5)), (30, 0, range(5, 13)),
-                                           (13, 12, range(13, 16))]):
+                                           (13, 12, range(13, 17))]):  # 13 keys: 4 blocks
         s = seq(n, f"s{i}")
         s.num_computed_tokens, s.block_tables = done, [list(blocks)]
         seqs.append(ScheduledSeq(s, min(n - done, 12)))

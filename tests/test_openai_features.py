@@ -12,8 +12,8 @@ import openai
 import pytest
 import torch
 
-from switchyard.messages import AbortRequest
-from switchyard.rpc import connect, parse_address
+from common.messages import AbortRequest
+from common.rpc import connect, parse_address
 from switchyard.serve_process import Served
 from tests.test_engine_parity import prompts, reference_greedy
 

@@ -12,12 +12,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from common.messages import GenerateRequest, SamplingParams, TokenDelta
 from dcp.sharding import Sharding
 from services.attention.block_manager import BlockManager
 from services.attention.engine import Engine
 from services.attention.prefix_cache import CachedPrefix
 from services.attention.sequence import Sequence
-from switchyard.messages import GenerateRequest, SamplingParams, TokenDelta
 from tests.test_engine_parity import (
     engine_for,
     greedy,
@@ -328,8 +328,8 @@ def test_a_dcp_group_shares_prefixes_across_its_ranks(qwen3_ckpt: tuple, size: i
 def test_the_flag_reaches_the_engine_and_serve_forwards_it(tmp_path: Path) -> None:
     import argparse
 
+    from common.flags import as_flags
     from services.attention.config import add_engine_flags, from_args
-    from switchyard.flags import as_flags
 
     p = argparse.ArgumentParser()
     p.add_argument("--model")

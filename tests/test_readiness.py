@@ -17,12 +17,12 @@ import httpx
 import pytest
 import torch
 
+from common.failures import root_causes
+from common.messages import GenerateRequest, SamplingParams
 from ep_dispatch.layout import compute_layout
 from ep_dispatch.placement import Placement
 from ep_dispatch.wire import from_wire, to_wire
 from services.attention.engine import StepFailed
-from switchyard.failures import root_causes
-from switchyard.messages import GenerateRequest, SamplingParams
 from switchyard.serve_process import Served
 from tests.test_engine_parity import engine_for, greedy
 

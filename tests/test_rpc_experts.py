@@ -15,11 +15,11 @@ from anyio.from_thread import start_blocking_portal
 from hypothesis import given
 from hypothesis import strategies as st
 
+from common.messages import ExpertBatch, ExpertInfo, ExpertResult, InfoRequest
+from common.rpc import FrameStream
 from ep_dispatch.placement import Placement
 from ep_dispatch.rpc import ExpertRankError, RpcExperts
 from ep_dispatch.wire import from_wire, to_wire
-from switchyard.messages import ExpertBatch, ExpertInfo, ExpertResult, InfoRequest
-from switchyard.rpc import FrameStream
 
 pytestmark = pytest.mark.timeout(60)
 PLACEMENT = Placement.balanced([0], 4, 2)  # experts 0, 2 on rank 0; 1, 3 on rank 1

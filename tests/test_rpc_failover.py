@@ -15,11 +15,11 @@ import torch
 from anyio.abc import SocketAttribute, SocketStream
 from anyio.from_thread import start_blocking_portal
 
+from common.messages import ExpertBatch, ExpertInfo, ExpertResult, InfoRequest
+from common.rpc import _HEADER, FrameStream, _encoder
 from ep_dispatch.placement import Placement
 from ep_dispatch.rpc import RpcExperts
 from ep_dispatch.wire import from_wire, to_wire
-from switchyard.messages import ExpertBatch, ExpertInfo, ExpertResult, InfoRequest
-from switchyard.rpc import _HEADER, FrameStream, _encoder
 from tests.tools import wait_until
 
 HIDDEN = 8

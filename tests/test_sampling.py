@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from common.messages import GenerateRequest, SamplingParams
 from services.attention.sampler import apply_penalties, filtered_probs, sample
 from services.attention.sequence import Sequence
-from switchyard.messages import GenerateRequest, SamplingParams
 from tests.test_engine_parity import (
     engine_for,
     greedy,

@@ -9,13 +9,13 @@ import sys
 
 import pytest
 
+from common.messages import GenerateRequest, SamplingParams
 from gateway.errors import GatewayError
 from gateway.structured_outputs import JsonSchema, ResponseFormat, StructuredOutputs, grammar
 from gateway.tokenizer import Tokenizer
 from services.attention.config import AttentionConfig
 from services.attention.engine import Engine
 from switchyard.demo_model import DEFAULT_MODEL
-from switchyard.messages import GenerateRequest, SamplingParams
 
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 4},
                                            "sure": {"type": "boolean"}},

@@ -133,8 +133,8 @@ from opentelemetry.trace import SpanContext, TraceFlags
 from services.attention.scheduler import ScheduledSeq
 from services.attention.sequence import Sequence
 from services.attention.tracing import step_span
-from switchyard import tracing
-from switchyard.messages import SamplingParams
+from common import tracing
+from common.messages import SamplingParams
 
 tracing.setup_tracing("attention")
 rng = random.Random(0)

@@ -31,7 +31,7 @@ from tests import triton_interpreter
 from tests.tools import missing
 
 if TYPE_CHECKING:
-    from services.expert.experts import ExpertBank
+    from services.model.experts import ExpertBank
 
 try:
     import triton  # noqa: F401

@@ -152,8 +152,8 @@ def test_quantizing_at_load_rounds_once_whatever_the_serving_dtype(ckpt: Path,
                                                                    quantized: Path) -> None:
     """`--quantization w4a4 --dtype bfloat16` on a float32 checkpoint holds the bytes that
     `switchyard quantize` writes: the weights go to MXFP4 from float32, not via bf16."""
-    from services.expert.experts import ExpertBank, all_experts
     from services.model.checkpoint import Checkpoint
+    from services.model.experts import ExpertBank, all_experts
 
     cfg = ModelConfig.from_dir(ckpt)
     at_load = ExpertBank(cfg, Checkpoint(ckpt), all_experts(cfg), torch.bfloat16, "w4a4")

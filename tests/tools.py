@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from switchyard.ports import free_port
+from common.ports import free_port
 
 CHROMIUM = os.environ.get("SWITCHYARD_CHROMIUM", "/usr/bin/chromium")
 CHROMEDRIVER = os.environ.get("SWITCHYARD_CHROMEDRIVER", "/usr/bin/chromedriver")

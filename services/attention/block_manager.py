@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from common.prefix_keys import chain_keys
 from dcp.sharding import Sharding
-from services.attention.prefix_cache import CachedPrefix, PrefixCache, chain_keys, span_tokens
+from services.attention.prefix_cache import CachedPrefix, PrefixCache, span_tokens
 from services.attention.sequence import Sequence
 
 NOTHING_CACHED = CachedPrefix()

@@ -7,9 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ep_dispatch.deepep_config import DeepEPSettings, add_deepep_flags, deepep_settings
-from switchyard.device import resolve_dtype
-from switchyard.flags import (
+from common.device import resolve_dtype
+from common.flags import (
     add_device_flag,
     add_quantization_flag,
     add_rendezvous_flag,
@@ -18,7 +17,8 @@ from switchyard.flags import (
     env_switch,
     optional_int,
 )
-from switchyard.units import parse_size
+from common.units import parse_size
+from ep_dispatch.deepep_config import DeepEPSettings, add_deepep_flags, deepep_settings
 
 if TYPE_CHECKING:
     import torch
@@ -86,7 +86,7 @@ def check_cuda_graphs(max_batch: int, max_len: int, device: str, backend: str,
 
 def parse_addresses(text: str) -> list[tuple[str, int]]:
     """'h1:p1,h2:p2' -> [(h1, p1), (h2, p2)]."""
-    from switchyard.rpc import parse_address
+    from common.rpc import parse_address
 
     return [parse_address(a) for a in text.split(",") if a.strip()]
 
@@ -94,7 +94,7 @@ def parse_addresses(text: str) -> list[tuple[str, int]]:
 def add_engine_flags(p: argparse.ArgumentParser, default_backend: str = "local"
                      ) -> list[argparse.Action]:
     """Flags shared by `switchyard attention` and `switchyard serve`; returned, so that
-    `serve` forwards every one of them (`switchyard.flags.as_flags`)."""
+    `serve` forwards every one of them (`common.flags.as_flags`)."""
     add = p.add_argument
     return [
         add("--dtype", default=env("DTYPE", "auto"),

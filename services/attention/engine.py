@@ -12,7 +12,19 @@ from pathlib import Path
 import msgspec
 import torch
 
-from dcp.batch import build_rank_batch
+from common import tracing
+from common.device import check_device, collective_backend
+from common.failures import root_causes
+from common.messages import (
+    DcpPlan,
+    EngineInfo,
+    EngineStats,
+    GenerateRequest,
+    SamplingParams,
+    TokenDelta,
+    TokenLogprobs,
+)
+from dcp.batch import StepBatch, build_rank_batch
 from dcp.group import DcpGroup, GroupExperts
 from dcp.sharding import Sharding
 from ep_dispatch.base import ExpertsClient
@@ -20,7 +32,7 @@ from ep_dispatch.deepep_config import check_step_budget
 from ep_dispatch.placement import Placement
 from ep_dispatch.registry import COLLECTIVE, BackendContext, check_backend, create_experts_client
 from ep_dispatch.torch_dist import World
-from services.attention.batch import StepBatch, build_batch
+from services.attention.batch import plan_step
 from services.attention.block_manager import BlockManager
 from services.attention.config import AttentionConfig, check_cuda_graphs
 from services.attention.grammar import Grammars
@@ -31,22 +43,9 @@ from services.attention.sampler import sample, sampling_error, token_logprobs
 from services.attention.scheduler import ScheduledSeq, Scheduler
 from services.attention.sequence import Sequence
 from services.attention.tracing import step_span, trace_request
-from services.expert.experts import ExpertBank, all_experts
 from services.model.checkpoint import Checkpoint
 from services.model.config import ModelConfig, check_quantization
-from switchyard import tracing
-from switchyard.device import check_device, collective_backend
-from switchyard.failures import root_causes
-from switchyard.messages import (
-    DcpPlan,
-    DcpSeqPlan,
-    EngineInfo,
-    EngineStats,
-    GenerateRequest,
-    SamplingParams,
-    TokenDelta,
-    TokenLogprobs,
-)
+from services.model.experts import ExpertBank, all_experts
 
 log = logging.getLogger(__name__)
 
@@ -183,22 +182,10 @@ class Engine:
 
     def _plan_batch(self, scheduled: list[ScheduledSeq], all_logits: bool) -> StepBatch:
         """The step's inputs on the CPU; a DCP leader first sends its peers the plan."""
-        if self.group is None:
-            return build_batch(scheduled, self.block_manager.block_size,
-                               self.model_config.sliding_window, all_logits)
-        rows, seqs, first = [], [], 0
-        for item in scheduled:
-            seq, n = item.seq, item.num_new_tokens
-            start = seq.num_computed_tokens
-            seqs.append(DcpSeqPlan(seq.token_ids[start:start + n], start, seq.block_tables))
-            if all_logits:
-                rows.extend(range(first, first + n))
-            elif start + n == seq.num_tokens:
-                rows.append(first + n - 1)
-            first += n
-        plan = DcpPlan(seqs)
-        self.group.send_plan(plan)
-        return build_rank_batch(plan.seqs, 0, self.sharding, self.block_manager.block_size,
+        seqs, rows = plan_step(scheduled, all_logits)
+        if self.group:
+            self.group.send_plan(DcpPlan(seqs))
+        return build_rank_batch(seqs, 0, self.sharding, self.block_manager.block_size,
                                 self.model_config.sliding_window, rows)
 
     def info(self) -> EngineInfo:

@@ -27,8 +27,8 @@ from collections.abc import Callable
 
 import torch
 
+from dcp.batch import StepBatch
 from ep_dispatch.local import LocalExperts
-from services.attention.batch import StepBatch
 from services.attention.kv_cache import KVCache
 from services.attention.model import DenseModel
 

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from dcp.batch import StepBatch
 from dcp.merge import partial_attention
-from services.attention.batch import StepBatch
 from services.model.config import ModelConfig
 
 

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dcp.batch import StepBatch
 from ep_dispatch.base import ExpertsClient
 from moe_kernels.grouped_gemm import swiglu_mlp
-from services.attention.batch import StepBatch
 from services.attention.kv_cache import KVCache
 from services.attention.router import route
 from services.model.checkpoint import Checkpoint

@@ -14,31 +14,15 @@ what it computed or found, so a cached block is never written again while it is 
 
 from __future__ import annotations
 
-import hashlib
 import math
-from array import array
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # (not imported: the gateway takes `chain_keys` without torch)
-    from dcp.sharding import Sharding
+from dcp.sharding import Sharding
 
 
 def span_tokens(block_size: int, sharding: Sharding) -> int:
     """W: the tokens of one span (whole blocks on every rank)."""
     return math.lcm(block_size, sharding.interleave) * sharding.size
-
-
-def chain_keys(token_ids: Sequence[int], width: int, salt: str | None, keys: list[bytes],
-               num_spans: int) -> list[bytes]:
-    """Extend `keys` (the keys of the first len(keys) spans of `width` tokens of
-    `token_ids`) to `num_spans` keys, in place; returns it."""
-    for s in range(len(keys), num_spans):
-        parent = keys[-1] if keys else (salt or "").encode()
-        tokens = array("q", token_ids[s * width:(s + 1) * width]).tobytes()
-        keys.append(hashlib.sha256(parent + tokens).digest())
-    return keys
 
 
 @dataclass(frozen=True)

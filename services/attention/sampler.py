@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
+from common.messages import SamplingParams, TokenLogprobs
 from services.attention.grammar import allowed
 from services.attention.sequence import Sequence
-from switchyard.messages import SamplingParams, TokenLogprobs
 
 # Temperatures below this are greedy (as in vLLM): dividing by them overflows float32.
 GREEDY_BELOW = 1e-5

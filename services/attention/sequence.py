@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from opentelemetry.trace import SpanContext
 
-from switchyard.messages import FinishReason, SamplingParams, TokenLogprobs
+from common.messages import FinishReason, SamplingParams, TokenLogprobs
 
 
 class SeqStatus(enum.Enum):

@@ -1,4 +1,4 @@
-"""The attention service process: the engine behind a `switchyard.rpc` listener.
+"""The attention service process: the engine behind a `common.rpc` listener.
 
 Connection tasks only queue work; one engine task applies it between steps and runs each
 step in a worker thread, so the engine is never touched concurrently and the event loop
@@ -19,14 +19,8 @@ import anyio
 from anyio.abc import SocketAttribute, SocketStream
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from dcp.group import StepAborted
-from ep_dispatch.rpc import ExpertRankError
-from ep_dispatch.torch_dist import RendezvousError
-from services.attention.config import AttentionConfig
-from services.attention.engine import Engine, StepFailed
-from services.model.config import CheckpointError
-from switchyard.failures import root_causes
-from switchyard.messages import (
+from common.failures import root_causes
+from common.messages import (
     AbortRequest,
     GenerateRequest,
     InfoRequest,
@@ -34,9 +28,15 @@ from switchyard.messages import (
     StatsRequest,
     TokenDelta,
 )
-from switchyard.metrics import report_ready, start_metrics_server
-from switchyard.rpc import FrameStream, cancel_on_signal, run_service, serve_messages
-from switchyard.tracing import setup_tracing
+from common.metrics import report_ready, start_metrics_server
+from common.rpc import FrameStream, cancel_on_signal, run_service, serve_messages
+from common.tracing import setup_tracing
+from dcp.group import StepAborted
+from ep_dispatch.rpc import ExpertRankError
+from ep_dispatch.torch_dist import RendezvousError
+from services.attention.config import AttentionConfig
+from services.attention.engine import Engine, StepFailed
+from services.model.config import CheckpointError
 
 log = logging.getLogger("switchyard.attention")
 LOCKSTEP_POLL_S = 0.002  # idle round cadence of collective backends
@@ -236,7 +236,7 @@ def main(config: AttentionConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s attention %(message)s")
     setup_tracing("switchyard-attention", config.otlp_traces_endpoint)
     if config.dcp_rank > 0:
-        from dcp.peer import run_peer
+        from services.attention.dcp_peer import run_peer
 
         try:
             run_peer(config)

@@ -10,9 +10,9 @@ from contextlib import contextmanager
 from opentelemetry.context import Context
 from opentelemetry.trace import Link, NonRecordingSpan, set_span_in_context
 
+from common import tracing
 from services.attention.scheduler import ScheduledSeq
 from services.attention.sequence import Sequence
-from switchyard import tracing
 
 
 def _wall_ns(monotonic_s: float) -> int:

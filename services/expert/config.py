@@ -6,8 +6,7 @@ import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ep_dispatch.deepep_config import DeepEPSettings, add_deepep_flags, deepep_settings
-from switchyard.flags import (
+from common.flags import (
     add_device_flag,
     add_metrics_flag,
     add_quantization_flag,
@@ -15,7 +14,8 @@ from switchyard.flags import (
     add_replicas_flag,
     env,
 )
-from switchyard.rpc import parse_address
+from common.rpc import parse_address
+from ep_dispatch.deepep_config import DeepEPSettings, add_deepep_flags, deepep_settings
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moe_kernels.mxfp4 import BLOCK, quantize
-from services.expert.experts import expert_tensor_names, packed_names
 from services.model.checkpoint import INDEX_FILE
 from services.model.config import QUANT_METHOD, CheckpointError, ModelConfig, check_quantization
+from services.model.experts import expert_tensor_names, packed_names
 
 
 def expert_weight_names(config: ModelConfig) -> set[str]:

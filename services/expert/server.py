@@ -1,4 +1,4 @@
-"""The expert service process: an `ExpertBank` behind a `switchyard.rpc` listener.
+"""The expert service process: an `ExpertBank` behind a `common.rpc` listener.
 
 Any number of attention ranks connect (M:N). Each `ExpertBatch` is computed in a worker
 thread, one at a time, and answered on the connection it came from.
@@ -16,6 +16,13 @@ import torch
 from anyio.abc import SocketAttribute, SocketStream
 from opentelemetry.trace import set_span_in_context
 
+from common import tracing
+from common.device import check_device, collective_backend, resolve_dtype
+from common.failures import root_causes
+from common.messages import ExpertBatch, ExpertInfo, ExpertResult, InfoRequest, Message
+from common.metrics import report_ready, start_metrics_server
+from common.rpc import FrameStream, cancel_on_signal, run_service, serve_messages
+from common.tracing import setup_tracing
 from ep_dispatch.placement import make_placement
 from ep_dispatch.registry import COLLECTIVE, check_backend
 from ep_dispatch.torch_dist import (
@@ -28,16 +35,9 @@ from ep_dispatch.torch_dist import (
 )
 from ep_dispatch.wire import from_wire, to_wire
 from services.expert.config import ExpertConfig
-from services.expert.experts import ExpertBank
 from services.model.checkpoint import Checkpoint
 from services.model.config import CheckpointError, ModelConfig
-from switchyard import tracing
-from switchyard.device import check_device, collective_backend, resolve_dtype
-from switchyard.failures import root_causes
-from switchyard.messages import ExpertBatch, ExpertInfo, ExpertResult, InfoRequest, Message
-from switchyard.metrics import report_ready, start_metrics_server
-from switchyard.rpc import FrameStream, cancel_on_signal, run_service, serve_messages
-from switchyard.tracing import setup_tracing
+from services.model.experts import ExpertBank
 
 log = logging.getLogger("switchyard.expert")
 

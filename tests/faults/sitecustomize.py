@@ -22,7 +22,7 @@ def _flag(name: str) -> str | None:
 
 if _fault.startswith("expert-compute:") and _role == "expert" and \
         _flag("--rank") == _fault.split(":", 1)[1]:
-    from services.expert.experts import ExpertBank
+    from services.model.experts import ExpertBank
 
     def _cannot_compute(*args: object, **kwargs: object) -> object:
         raise RuntimeError("injected fault: this expert rank cannot compute")

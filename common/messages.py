@@ -1,7 +1,7 @@
 """Every message that crosses a process boundary.
 
 Frames on the wire are msgpack-encoded `Message` values (a tagged union), one per
-length-prefixed frame (see `switchyard.rpc`). Nothing else crosses a process boundary.
+length-prefixed frame (see `common.rpc`). Nothing else crosses a process boundary.
 Every message that starts work carries a request id and a W3C trace context.
 """
 

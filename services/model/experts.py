@@ -20,11 +20,11 @@ from moe_kernels.mxfp4 import (
     MXFP4Tensor,
     ScaledBlocks,
     quantize,
-    quantize_fused,
 )
-from services.expert.metrics import ExpertMetrics
+from moe_kernels.selection import quantize_fused
 from services.model.checkpoint import Checkpoint
 from services.model.config import ModelConfig, check_quantization
+from services.model.expert_metrics import ExpertMetrics
 
 # Per-architecture names of (gate, up, down) inside one expert.
 _PROJ_NAMES = {

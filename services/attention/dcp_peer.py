@@ -7,6 +7,8 @@ import logging
 
 import torch
 
+from common.device import check_device, collective_backend
+from common.metrics import report_ready, start_metrics_server
 from dcp.batch import build_rank_batch
 from dcp.group import DcpGroup, GroupExperts, StepAborted
 from dcp.sharding import Sharding
@@ -15,8 +17,6 @@ from services.attention.kv_cache import KVCache, kv_bytes_per_block
 from services.attention.model import DenseModel
 from services.model.checkpoint import Checkpoint
 from services.model.config import ModelConfig
-from switchyard.device import check_device, collective_backend
-from switchyard.metrics import report_ready, start_metrics_server
 
 log = logging.getLogger("switchyard.dcp")
 

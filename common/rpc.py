@@ -1,4 +1,4 @@
-"""Service RPC: `switchyard.messages.Message` frames over anyio TCP streams.
+"""Service RPC: `common.messages.Message` frames over anyio TCP streams.
 
 A frame is a 4-byte big-endian length followed by that many bytes of msgpack.
 """
@@ -16,7 +16,7 @@ import msgspec
 from anyio.abc import ByteStream
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from switchyard.messages import Message
+from common.messages import Message
 
 _HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = 256 * 1024 * 1024

@@ -8,10 +8,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from common.ports import free_port
 from services.attention.config import AttentionConfig
 from services.attention.engine import Engine
 from switchyard.children import Children
-from switchyard.ports import free_port
 
 
 @contextmanager

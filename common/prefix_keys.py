@@ -1,0 +1,21 @@
+"""The prefix cache's keys: a chain hash over spans of tokens. The attention service keys
+its cached KV blocks by them; the gateway routes by the same keys (prefix affinity), so
+both compute them here, without torch."""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+
+def chain_keys(token_ids: Sequence[int], width: int, salt: str | None, keys: list[bytes],
+               num_spans: int) -> list[bytes]:
+    """Extend `keys` (the keys of the first len(keys) spans of `width` tokens of
+    `token_ids`) to `num_spans` keys, in place; returns it. A span's key is sha256 of the
+    previous span's key (the salt's bytes for the first) and its own tokens."""
+    for s in range(len(keys), num_spans):
+        parent = keys[-1] if keys else (salt or "").encode()
+        tokens = array("q", token_ids[s * width:(s + 1) * width]).tobytes()
+        keys.append(hashlib.sha256(parent + tokens).digest())
+    return keys
