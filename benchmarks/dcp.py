@@ -24,6 +24,7 @@ import torch
 
 from benchmarks.generate import add_workdir_flag, build_checkpoint, make_prompts
 from common.messages import GenerateRequest, SamplingParams
+from services.attention.builder import build_engine
 from services.attention.config import AttentionConfig
 from services.attention.engine import Engine
 from switchyard.dcp_leader import leader_engine
@@ -96,7 +97,7 @@ def main() -> None:
         print(f"D = {size} ...", file=sys.stderr, flush=True)
         if size == 1:
             torch.set_num_threads(2)
-            engine = Engine(AttentionConfig(model=path, **settings))  # type: ignore[arg-type]
+            engine = build_engine(AttentionConfig(model=path, **settings))  # type: ignore[arg-type]
             rows[1] = {c: decode_times(engine, c, args.steps) for c in args.contexts}
             del engine
         else:

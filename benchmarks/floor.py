@@ -22,6 +22,7 @@ import torch
 from benchmarks.generate import add_workdir_flag, build_checkpoint, make_prompts
 from benchmarks.timing import timed
 from common.messages import GenerateRequest, SamplingParams
+from services.attention.builder import build_engine
 from services.attention.config import AttentionConfig
 from services.attention.engine import Engine
 
@@ -98,7 +99,7 @@ def main() -> None:
     m = machine()
     print(f"read {m['read_gbs']:.1f} GB/s, copy {m['copy_gbs']:.1f} GB/s (read + write), "
           f"float32 matmul {m['matmul_gflops']:.0f} GFLOP/s", flush=True)
-    engine = Engine(AttentionConfig(model=path, dtype="float32", kv_cache_memory=1 << 30,
+    engine = build_engine(AttentionConfig(model=path, dtype="float32", kv_cache_memory=1 << 30,
                                     max_num_batched_tokens=2048))
     print("| batch | median step ms | MB read per step | floor ms | step / floor |")
     print("|---:|---:|---:|---:|---:|")

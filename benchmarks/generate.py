@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from common.messages import GenerateRequest, SamplingParams
+from services.attention.builder import build_engine
 from services.attention.config import AttentionConfig
 from services.attention.engine import Engine
 
@@ -88,7 +89,7 @@ def main() -> None:
     print("loading transformers model ...", flush=True)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     print("loading switchyard engine ...", flush=True)
-    engine = Engine(AttentionConfig(model=path, dtype="float32", kv_cache_memory=1 << 30,
+    engine = build_engine(AttentionConfig(model=path, dtype="float32", kv_cache_memory=1 << 30,
                                     max_num_batched_tokens=1024))
     vocab = engine.model_config.vocab_size
     # Warm both up once so first-call allocations are not measured.

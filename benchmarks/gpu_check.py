@@ -70,6 +70,7 @@ from benchmarks.gpu_mxfp4 import copy_bandwidth, time_ms
 from switchyard.demo_model import DEFAULT_MODEL, DEFAULT_MODEL_NAME
 
 if TYPE_CHECKING:
+    from services.attention.builder import build_engine
     from services.attention.engine import Engine
 
 ROWS: list[dict[str, object]] = []
@@ -143,9 +144,8 @@ def machine() -> None:
 def engine(device: str, dtype: str, quantization: str | None = None,
            cuda_graph_max_batch: int = 0) -> Engine:
     from services.attention.config import AttentionConfig
-    from services.attention.engine import Engine
 
-    return Engine(AttentionConfig(model=DEFAULT_MODEL, device=device, dtype=dtype,
+    return build_engine(AttentionConfig(model=DEFAULT_MODEL, device=device, dtype=dtype,
                                   quantization=quantization or "auto", kv_cache_memory=256 << 20,
                                   cuda_graph_max_batch=cuda_graph_max_batch))
 

@@ -26,6 +26,7 @@ import torch
 
 from benchmarks.generate import add_workdir_flag, build_checkpoint
 from common.messages import GenerateRequest, SamplingParams
+from services.attention.builder import build_engine
 from services.attention.config import AttentionConfig
 from services.attention.engine import Engine
 
@@ -108,7 +109,7 @@ def main() -> None:
     add_workdir_flag(ap)
     args = ap.parse_args()
     path = build_checkpoint(args.workdir)
-    engines = {on: Engine(AttentionConfig(model=path, max_num_batched_tokens=512,
+    engines = {on: build_engine(AttentionConfig(model=path, max_num_batched_tokens=512,
                                           kv_cache_memory=1 << 30, dtype="float32",
                                           enable_prefix_caching=on))
                for on in (False, True)}

@@ -20,6 +20,7 @@ import torch
 from benchmarks.generate import add_workdir_flag, build_checkpoint, make_prompts
 from benchmarks.timing import alternating
 from common.messages import GenerateRequest, SamplingParams
+from services.attention.builder import build_engine
 from services.attention.config import AttentionConfig
 from services.attention.engine import Engine
 
@@ -58,7 +59,7 @@ def main() -> None:
 
     path = build_checkpoint(args.workdir)
     torch.manual_seed(0)
-    engine = Engine(AttentionConfig(model=path, max_num_batched_tokens=2048,
+    engine = build_engine(AttentionConfig(model=path, max_num_batched_tokens=2048,
                                     kv_cache_memory=1 << 30, dtype="float32"))
     prompts = make_prompts(args.batch, args.input_len, engine.model_config.vocab_size)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

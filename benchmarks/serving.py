@@ -31,8 +31,8 @@ import torch
 
 from benchmarks.floor import decode_steps, machine
 from benchmarks.generate import add_workdir_flag, bench_transformers, build_checkpoint
+from services.attention.builder import build_engine
 from services.attention.config import AttentionConfig
-from services.attention.engine import Engine
 from switchyard.bench import format_table, make_prompts, run_load, summarize
 from switchyard.serve_process import Served
 
@@ -64,7 +64,7 @@ def transformers_rows(path: Path, prompts: list[list[int]], levels: list[int],
 def floor_rows(path: Path, levels: list[int], input_len: int, read_gbs: float
                ) -> dict[int, dict[str, float]]:
     log("engine in-process: decode steps vs. floor ...")
-    engine = Engine(AttentionConfig(model=path, dtype="float32", kv_cache_memory=1 << 30,
+    engine = build_engine(AttentionConfig(model=path, dtype="float32", kv_cache_memory=1 << 30,
                                     max_num_batched_tokens=2048))
     out = {}
     for c in levels:

@@ -22,6 +22,7 @@ from benchmarks.timing import alternating
 from common.messages import GenerateRequest, SamplingParams
 from gateway.structured_outputs import JsonSchema, ResponseFormat, StructuredOutputs, grammar
 from gateway.tokenizer import Tokenizer
+from services.attention.builder import build_engine
 from services.attention.config import AttentionConfig
 from services.attention.engine import Engine
 from services.attention.grammar import allowed
@@ -59,7 +60,7 @@ def main() -> None:
     assert tok is not None
     prompts = [tok.encode_chat([{"role": "user", "content": p.question}])
                for p in problems(0, args.batch)]
-    engine = Engine(AttentionConfig(model=DEFAULT_MODEL))
+    engine = build_engine(AttentionConfig(model=DEFAULT_MODEL))
     tokens: dict[str, int] = {}
 
     def condition(name: str, constraint: str | None) -> Callable[[], None]:

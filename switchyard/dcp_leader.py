@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from common.ports import free_port
+from services.attention.builder import build_engine
 from services.attention.config import AttentionConfig
 from services.attention.engine import Engine
 from switchyard.children import Children
@@ -28,7 +29,7 @@ def leader_engine(model: Path, size: int, interleave: int = 1, peer_threads: int
     pending = [children.spawn(f"DCP rank {r}", ["attention", *flags, "--dcp-rank", str(r)])
                for r in range(1, size)]
     try:
-        engine = Engine(AttentionConfig(model=model, dcp_size=size, dcp_interleave=interleave,
+        engine = build_engine(AttentionConfig(model=model, dcp_size=size, dcp_interleave=interleave,
                                         dcp_init=("127.0.0.1", port), **settings))  # type: ignore[arg-type]
         try:
             deadline = time.monotonic() + timeout

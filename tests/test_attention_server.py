@@ -21,8 +21,8 @@ from common.messages import (
 )
 from common.rpc import FrameStream
 from dcp.group import StepAborted
+from services.attention.builder import build_engine
 from services.attention.config import AttentionConfig
-from services.attention.engine import Engine
 from services.attention.server import AttentionServer
 from tests.test_engine_parity import engine_for
 
@@ -38,7 +38,7 @@ def anyio_backend() -> str:
 @asynccontextmanager
 async def attention(path: object) -> AsyncIterator[int]:
     """An attention server over `path` in this process; its port."""
-    engine = Engine(AttentionConfig(model=path, kv_cache_memory=1 << 22))  # type: ignore[arg-type]
+    engine = build_engine(AttentionConfig(model=path, kv_cache_memory=1 << 22))  # type: ignore[arg-type]
     server = AttentionServer(engine)
     listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
     async with listener, anyio.create_task_group() as tg:

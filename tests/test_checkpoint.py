@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from services.attention.builder import build_engine
 from services.attention.config import AttentionConfig
-from services.attention.engine import Engine
 from services.model.config import CheckpointError, ModelConfig
 
 
@@ -77,7 +77,7 @@ def test_missing_tensor_named(qwen3_ckpt: tuple, tmp_path: Path) -> None:
     del tensors["model.layers.2.mlp.experts.5.up_proj.weight"]
     save_file(tensors, d / "model.safetensors")
     with pytest.raises(CheckpointError, match=r"'model\.layers\.2\.mlp\.experts\.5\.up_proj"):
-        Engine(AttentionConfig(model=d))
+        build_engine(AttentionConfig(model=d))
 
 
 def test_wrong_shape_names_file_and_tensor(mixtral_ckpt: tuple, tmp_path: Path) -> None:
@@ -90,7 +90,7 @@ def test_wrong_shape_names_file_and_tensor(mixtral_ckpt: tuple, tmp_path: Path) 
     save_file(tensors, shard)
     want = rf"{shard.name}: tensor '{name}' has shape \[3, 64\]"
     with pytest.raises(CheckpointError, match=want):
-        Engine(AttentionConfig(model=d))
+        build_engine(AttentionConfig(model=d))
 
 
 def test_missing_shard_named(mixtral_ckpt: tuple, tmp_path: Path) -> None:
@@ -98,7 +98,7 @@ def test_missing_shard_named(mixtral_ckpt: tuple, tmp_path: Path) -> None:
     shard = sorted(d.glob("*.safetensors"))[0]
     shard.unlink()
     with pytest.raises(CheckpointError, match=rf"{shard.name}: missing"):
-        Engine(AttentionConfig(model=d))
+        build_engine(AttentionConfig(model=d))
 
 
 def test_serve_reports_a_bad_checkpoint_without_opening_ports(qwen3_ckpt: tuple,
@@ -115,7 +115,7 @@ def test_serve_reports_a_bad_checkpoint_without_opening_ports(qwen3_ckpt: tuple,
 
 
 def test_bfloat16_dtype_loads(qwen3_ckpt: tuple) -> None:
-    engine = Engine(AttentionConfig(model=qwen3_ckpt[0], dtype="bfloat16",
+    engine = build_engine(AttentionConfig(model=qwen3_ckpt[0], dtype="bfloat16",
                                     kv_cache_memory=1 << 20))
     assert engine.model.embed.dtype == torch.bfloat16
     logits = engine.score([1, 2, 3])

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from ep_dispatch.local import LocalExperts
+from services.attention.builder import build_engine
 from services.attention.config import AttentionConfig
-from services.attention.engine import Engine
 from services.attention.graphs import DecodeGraphs, eager_capture, next_power_of_2
 from services.model.checkpoint import Checkpoint
 from services.model.experts import ExpertBank, all_experts
@@ -29,9 +29,9 @@ def test_graph_steps_generate_what_eager_steps_generate(ckpt: tuple) -> None:
     """Six requests arriving over time: decode steps of 1-6 sequences, padded to 1, 2, 4 rows
     (more than 4: eager), and keys padded to powers of two up to 64 (longer: eager)."""
     path, _ = ckpt
-    graphed = Engine(config(path, cuda_graph_max_batch=4, cuda_graph_max_len=64),
+    graphed = build_engine(config(path, cuda_graph_max_batch=4, cuda_graph_max_len=64),
                      graph_capture=eager_capture)
-    eager = Engine(config(path))
+    eager = build_engine(config(path))
     lengths = (3, 9, 30, 17, 5, 12)
     arrivals = {2 * i: [greedy(f"r{i}", p, 24)] for i, p in enumerate(prompts(3, lengths))}
     want = run_to_completion(eager, arrivals)
@@ -46,7 +46,7 @@ def test_graph_steps_generate_what_eager_steps_generate(ckpt: tuple) -> None:
 def test_graph_forward_matches_the_model_row_for_row(qwen3_ckpt: tuple) -> None:
     """One decode step of 3 sequences through a (4, 32) graph vs the eager forward."""
     path, _ = qwen3_ckpt
-    engine = Engine(config(path, cuda_graph_max_batch=8, cuda_graph_max_len=32),
+    engine = build_engine(config(path, cuda_graph_max_batch=8, cuda_graph_max_len=32),
                     graph_capture=eager_capture)
     for i, p in enumerate(prompts(4, (7, 19, 12))):
         engine.add(greedy(f"r{i}", p, 4))
@@ -68,7 +68,7 @@ def test_what_a_graph_cannot_run_runs_eagerly(qwen3_ckpt: tuple) -> None:
     """Prefills, and decodes of more rows or keys than any graph: not one replay, and the
     tokens of an engine without graphs."""
     path, _ = qwen3_ckpt
-    engine = Engine(config(path, cuda_graph_max_batch=2, cuda_graph_max_len=16),
+    engine = build_engine(config(path, cuda_graph_max_batch=2, cuda_graph_max_len=16),
                     graph_capture=eager_capture)
     ps = prompts(5, (5, 6, 20))
     for i, p in enumerate(ps):
@@ -80,16 +80,16 @@ def test_what_a_graph_cannot_run_runs_eagerly(qwen3_ckpt: tuple) -> None:
     assert not decode.prefills and not engine.graphs.fits(decode)
 
     arrivals = {0: [greedy(f"r{i}", p, 6) for i, p in enumerate(ps)]}
-    graphed = Engine(config(path, cuda_graph_max_batch=2, cuda_graph_max_len=16),
+    graphed = build_engine(config(path, cuda_graph_max_batch=2, cuda_graph_max_len=16),
                      graph_capture=eager_capture)
-    assert run_to_completion(graphed, arrivals) == run_to_completion(Engine(config(path)),
+    assert run_to_completion(graphed, arrivals) == run_to_completion(build_engine(config(path)),
                                                                      arrivals)
     assert graphed.graphs is not None and graphed.graphs.replays == {}
 
 
 def test_local_experts_on_device_counts_equal_the_host_path(qwen3_ckpt: tuple) -> None:
     path, _ = qwen3_ckpt
-    engine = Engine(config(path))
+    engine = build_engine(config(path))
     cfg = engine.model_config
     bank = ExpertBank(cfg, Checkpoint(path), all_experts(cfg), torch.float32)
     local = LocalExperts(cfg.num_experts, bank.forward, device_fn=bank.forward_on_device)
@@ -113,12 +113,12 @@ def test_local_experts_on_device_counts_equal_the_host_path(qwen3_ckpt: tuple) -
 def test_graph_flags_where_they_cannot_run_are_errors(qwen3_ckpt: tuple, overrides: dict,
                                                       match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        Engine(config(qwen3_ckpt[0], **overrides))
+        build_engine(config(qwen3_ckpt[0], **overrides))
 
 
 def test_graphs_need_in_process_experts(qwen3_ckpt: tuple) -> None:
     with pytest.raises(ValueError, match="needs --dispatch-backend local and no DCP"):
-        Engine(config(qwen3_ckpt[0], cuda_graph_max_batch=8, dispatch_backend="rpc",
+        build_engine(config(qwen3_ckpt[0], cuda_graph_max_batch=8, dispatch_backend="rpc",
                       expert_addresses=(("127.0.0.1", 1),)), graph_capture=eager_capture)
 
 
@@ -136,7 +136,7 @@ def test_sizes_round_up_to_powers_of_two() -> None:
 
 
 def test_graph_sizes_start_at_128_keys_largest_first(qwen3_ckpt: tuple) -> None:
-    engine = Engine(config(qwen3_ckpt[0]))
+    engine = build_engine(config(qwen3_ckpt[0]))
     graphs = DecodeGraphs(engine.model, engine.kv, engine.experts, 0, max_batch=5,
                           max_len=1000, device=torch.device("cpu"), capture=eager_capture)
     assert graphs.sizes() == [(b, k) for b in (8, 4, 2, 1) for k in (1024, 512, 256, 128)]
@@ -149,5 +149,5 @@ def test_a_step_that_cannot_be_captured_is_a_clear_start_up_error(qwen3_ckpt: tu
     with pytest.raises(ValueError, match=r"a decode step of 2 sequences and 16 keys cannot be "
                                          r"captured here \(called a synchronizing CUDA "
                                          r"operation\); run without it"):
-        Engine(config(qwen3_ckpt[0], cuda_graph_max_batch=2, cuda_graph_max_len=16),
+        build_engine(config(qwen3_ckpt[0], cuda_graph_max_batch=2, cuda_graph_max_len=16),
                graph_capture=refuse)  # type: ignore[arg-type]

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dcp.sharding import Sharding
+from services.attention.builder import build_engine
 from services.attention.config import AttentionConfig
 from services.attention.engine import Engine
 from switchyard.dcp_leader import leader_engine
@@ -35,7 +36,7 @@ def test_logits_and_greedy_equal_d1_and_transformers(qwen3_ckpt: tuple, size: in
                                                      interleave: int) -> None:
     path, model = qwen3_ckpt
     ps = prompts(seed=51, lengths=(70, 5, 33))  # several 16-token blocks; chunked prefill
-    single = Engine(AttentionConfig(model=path, **ENGINE))  # type: ignore[arg-type]
+    single = build_engine(AttentionConfig(model=path, **ENGINE))  # type: ignore[arg-type]
     arrivals = {0: [greedy("a", ps[0], 20), greedy("b", ps[1], 20)],
                 6: [greedy("c", ps[2], 12)]}  # arrives while a and b decode
     with dcp_engine(path, size, interleave) as engine:
@@ -121,7 +122,7 @@ def test_preemption_by_recompute_across_the_group(qwen3_ckpt: tuple) -> None:
     path, _ = qwen3_ckpt
     ps = prompts(seed=54, lengths=(40, 36, 44, 38))
     arrivals = {0: [greedy(f"r{i}", p, 30) for i, p in enumerate(ps)]}
-    want = run_to_completion(Engine(AttentionConfig(model=path, **ENGINE)), arrivals)  # type: ignore[arg-type]
+    want = run_to_completion(build_engine(AttentionConfig(model=path, **ENGINE)), arrivals)  # type: ignore[arg-type]
     # 6 blocks per rank (96 tokens): the four requests (~280 tokens) cannot all stay.
     with dcp_engine(path, 2, kv_cache_memory=6 * 12288) as engine:
         assert run_to_completion(engine, arrivals) == want

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 
 from common.messages import GenerateRequest, SamplingParams, TokenDelta
+from services.attention.builder import build_engine
 from services.attention.config import AttentionConfig
 from services.attention.engine import Engine
 from tests.checkpoints import VOCAB
@@ -31,7 +32,7 @@ def reference_greedy(model: object, prompt: list[int], n: int) -> list[int]:
 def engine_for(path: object, **overrides: object) -> Engine:
     kw: dict = {"model": path, "max_num_batched_tokens": 8, "kv_cache_memory": 1 << 22}
     kw.update(overrides)
-    return Engine(AttentionConfig(**kw))
+    return build_engine(AttentionConfig(**kw))
 
 
 def greedy(request_id: str, prompt: list[int], n: int = 32) -> GenerateRequest:

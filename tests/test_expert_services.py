@@ -18,6 +18,7 @@ from common.ports import free_port
 from ep_dispatch.local import LocalExperts
 from ep_dispatch.placement import Placement
 from ep_dispatch.rpc import ExpertRankError, RpcExperts
+from services.attention.builder import build_engine
 from services.attention.config import AttentionConfig
 from services.attention.engine import Engine
 from services.model.checkpoint import Checkpoint
@@ -56,7 +57,7 @@ def qwen3_experts(qwen3_ckpt: tuple) -> Iterator[list[tuple[str, int]]]:
 
 
 def rpc_engine(path: Path, addresses: list[tuple[str, int]], **kw: object) -> Engine:
-    return Engine(AttentionConfig(model=path, dispatch_backend="rpc",
+    return build_engine(AttentionConfig(model=path, dispatch_backend="rpc",
                                   expert_addresses=tuple(addresses), max_num_batched_tokens=8,
                                   kv_cache_memory=1 << 22, **kw))  # type: ignore[arg-type]
 
@@ -275,7 +276,7 @@ def test_without_a_replica_a_lost_rank_fails_the_call(qwen3_ckpt: tuple,
 def test_unreachable_expert_rank_is_named(qwen3_ckpt: tuple, qwen3_experts: list) -> None:
     port = free_port()  # nothing listens here
     with pytest.raises(ExpertRankError, match=rf"expert rank 2 at 127\.0\.0\.1:{port}"):
-        Engine(AttentionConfig(model=qwen3_ckpt[0], dispatch_backend="rpc",
+        build_engine(AttentionConfig(model=qwen3_ckpt[0], dispatch_backend="rpc",
                                expert_addresses=(*qwen3_experts[:2], ("127.0.0.1", port)),
                                kv_cache_memory=1 << 20, expert_timeout=1.0))
 
@@ -339,7 +340,7 @@ def test_torch_backend_across_processes(qwen3_ckpt: tuple) -> None:
         "--num-threads", "1", "--dispatch-backend", "torch", "--dist-init",
         f"127.0.0.1:{port}"]) for r in range(NUM_RANKS)]
     try:
-        engine = Engine(AttentionConfig(model=path, dispatch_backend="torch",
+        engine = build_engine(AttentionConfig(model=path, dispatch_backend="torch",
                                         dist_init=("127.0.0.1", port), expert_ranks=NUM_RANKS,
                                         max_num_batched_tokens=8, kv_cache_memory=1 << 22,
                                         expert_timeout=120))

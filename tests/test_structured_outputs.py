@@ -13,6 +13,7 @@ from common.messages import GenerateRequest, SamplingParams
 from gateway.errors import GatewayError
 from gateway.structured_outputs import JsonSchema, ResponseFormat, StructuredOutputs, grammar
 from gateway.tokenizer import Tokenizer
+from services.attention.builder import build_engine
 from services.attention.config import AttentionConfig
 from services.attention.engine import Engine
 from switchyard.demo_model import DEFAULT_MODEL
@@ -68,7 +69,7 @@ def test_without_llguidance_the_error_names_it(monkeypatch: pytest.MonkeyPatch) 
 
 @pytest.fixture(scope="module")
 def demo_engine() -> Engine:
-    return Engine(AttentionConfig(model=DEFAULT_MODEL, max_num_batched_tokens=64))
+    return build_engine(AttentionConfig(model=DEFAULT_MODEL, max_num_batched_tokens=64))
 
 
 def generate(engine: Engine, constraint: str, n: int = 4, max_tokens: int = 40
@@ -116,7 +117,7 @@ def test_a_grammar_the_engine_cannot_match_is_refused_alone(demo_engine: Engine,
     model without a tokenizer says so."""
     bad = demo_engine.add(GenerateRequest("bad", [1, 2], SamplingParams(grammar="%%% x")))
     assert bad is not None and bad.finish_reason == "error" and "structured" in bad.error
-    tiny = Engine(AttentionConfig(model=qwen3_ckpt[0]))
+    tiny = build_engine(AttentionConfig(model=qwen3_ckpt[0]))
     none = tiny.add(GenerateRequest("t", [1, 2], SamplingParams(
         grammar=grammar(ResponseFormat("json_object"), None))))
     assert none is not None and "tokenizer" in (none.error or "")
@@ -136,7 +137,7 @@ def test_a_tokenizer_wider_than_the_model_eos_rules_and_impossible_constraints(
     shutil.copy(DEFAULT_MODEL / "tokenizer.json", model / "tokenizer.json")
     tok = Tokenizer.load(DEFAULT_MODEL)
     assert tok is not None
-    engine = Engine(AttentionConfig(model=model))
+    engine = build_engine(AttentionConfig(model=model))
     digits = grammar(None, StructuredOutputs(regex="[0-9]{3}"))
     letter = tok.encode("a", add_special_tokens=False)
     asks = {"plain": SamplingParams(max_tokens=10, seed=1, grammar=digits),

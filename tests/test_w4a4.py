@@ -11,6 +11,7 @@ import httpx
 import pytest
 import torch
 
+from services.attention.builder import build_engine
 from services.attention.config import AttentionConfig
 from services.attention.engine import Engine
 from services.expert.quantize import main as quantize_main
@@ -39,7 +40,7 @@ def quantized(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def engine(path: Path, **kw: object) -> Engine:
-    return Engine(AttentionConfig(model=path, max_num_batched_tokens=16,
+    return build_engine(AttentionConfig(model=path, max_num_batched_tokens=16,
                                   kv_cache_memory=1 << 22, **kw))  # type: ignore[arg-type]
 
 

@@ -6,14 +6,12 @@ import logging
 import os
 import threading
 import time
-from dataclasses import replace
-from pathlib import Path
+from dataclasses import dataclass, replace
 
 import msgspec
 import torch
 
 from common import tracing
-from common.device import check_device, collective_backend
 from common.failures import root_causes
 from common.messages import (
     DcpPlan,
@@ -25,27 +23,21 @@ from common.messages import (
     TokenLogprobs,
 )
 from dcp.batch import StepBatch, build_rank_batch
-from dcp.group import DcpGroup, GroupExperts
+from dcp.group import DcpGroup
 from dcp.sharding import Sharding
 from ep_dispatch.base import ExpertsClient
-from ep_dispatch.deepep_config import check_step_budget
-from ep_dispatch.placement import Placement
-from ep_dispatch.registry import COLLECTIVE, BackendContext, check_backend, create_experts_client
-from ep_dispatch.torch_dist import World
 from services.attention.batch import plan_step
 from services.attention.block_manager import BlockManager
-from services.attention.config import AttentionConfig, check_cuda_graphs
+from services.attention.config import AttentionConfig
 from services.attention.grammar import Grammars
-from services.attention.graphs import Capture, DecodeGraphs, cuda_capture
-from services.attention.kv_cache import KVCache, kv_bytes_per_block
+from services.attention.graphs import DecodeGraphs
+from services.attention.kv_cache import KVCache
 from services.attention.model import DenseModel
 from services.attention.sampler import sample, sampling_error, token_logprobs
 from services.attention.scheduler import ScheduledSeq, Scheduler
 from services.attention.sequence import Sequence
 from services.attention.tracing import step_span, trace_request
-from services.model.checkpoint import Checkpoint
-from services.model.config import ModelConfig, check_quantization
-from services.model.experts import ExpertBank, all_experts
+from services.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -59,85 +51,52 @@ class StepFailed(RuntimeError):
         self.request_ids = request_ids
 
 
+@dataclass(frozen=True)
+class EngineParts:
+    """What `build_engine` makes of a config: the pieces an `Engine` steps over.
+
+    `experts` is the dispatch backend's client (a DCP leader's wrapped in `GroupExperts`);
+    `graphs` the captured decode steps (None without `--cuda-graph-max-batch`);
+    `warmup_replicas` the most replicas of one expert (the warm-up's prompt covers them).
+    """
+
+    config: AttentionConfig
+    model_config: ModelConfig
+    device: str
+    dtype: torch.dtype
+    quantization: str | None
+    model: DenseModel
+    kv: KVCache
+    experts: ExpertsClient
+    group: DcpGroup | None
+    sharding: Sharding
+    block_manager: BlockManager
+    scheduler: Scheduler
+    grammars: Grammars
+    graphs: DecodeGraphs | None
+    max_model_len: int
+    warmup_replicas: int
+
+
 class Engine:
     """Continuous-batching generation over a paged KV cache.
 
     Not thread-safe: the service calls `add`, `abort` and `step` from one thread at a time.
-
-    `graph_capture`: how decode steps are captured with `--cuda-graph-max-batch` (default:
-    CUDA graphs, which need `--device cuda`); tests pass `graphs.eager_capture` to run the
-    graph path's static buffers and padding on a CPU.
+    Built from a config, checks and wiring included, by `builder.build_engine`.
     """
 
-    def __init__(self, config: AttentionConfig, graph_capture: Capture | None = None) -> None:
-        self.config = config
+    def __init__(self, parts: EngineParts) -> None:
+        self.config, self.model_config = parts.config, parts.model_config
+        self.device, self.dtype, self.quantization = parts.device, parts.dtype, parts.quantization
+        self.model, self.kv, self.experts = parts.model, parts.kv, parts.experts
+        self.group, self.sharding, self.graphs = parts.group, parts.sharding, parts.graphs
+        self.block_manager, self.scheduler = parts.block_manager, parts.scheduler
+        self.grammars, self.max_model_len = parts.grammars, parts.max_model_len
+        self._warmup_replicas = parts.warmup_replicas
+        self._seqs: dict[str, Sequence] = {}
+        self.num_aborted = 0
         self._stepping = threading.Lock()  # held by a step; close() waits for it
         self._closed = False  # then a step (a worker thread that started late) does nothing
-        self.device = check_device(config.device, "attention")
-        check_cuda_graphs(config.cuda_graph_max_batch, config.cuda_graph_max_len,
-                          "cuda" if graph_capture else config.device, config.dispatch_backend,
-                          config.dcp_size)
-        self.dtype = config.torch_dtype
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        self.model_config = cfg = ModelConfig.from_dir(config.model)
-        self.quantization = check_quantization(cfg, config.quantization)
-        check_backend(config.dispatch_backend, self.device, self.quantization)
-        if config.dispatch_backend == "deepep":
-            check_step_budget(config.deepep, config.max_num_batched_tokens)
-        log.info("loading %s (%d layers, %d experts) as %s", cfg.architecture, cfg.num_layers,
-                 cfg.num_experts, self.dtype)
-        self.group = _dcp_group(config)
-        with Checkpoint(config.model) as checkpoint:  # closed before waiting on any peer
-            self.model = DenseModel(cfg, checkpoint, self.dtype,
-                                    self.group.attend if self.group else None, self.device)
-            # `local` is the only backend that holds the experts in-process
-            bank = ExpertBank(cfg, checkpoint, all_experts(cfg), self.dtype,
-                              self.quantization or "none", device=self.device) \
-                if config.dispatch_backend == "local" else None
-        self.experts = self._experts(bank)
-        graphs = config.cuda_graph_max_batch > 0
-        num_blocks = _num_blocks(config, cfg, self.dtype, graphs)
-        # With graphs, one more block: their scratch, never handed out.
-        self.kv = KVCache(cfg, num_blocks + int(graphs), config.block_size, self.dtype,
-                          self.device)
-        self.sharding = Sharding(config.dcp_size, config.dcp_interleave)
-        capacity = self.sharding.max_length(num_blocks * config.block_size)
-        if self.group:
-            self.experts = GroupExperts(self.group, self.experts)
-        self.block_manager = BlockManager(num_blocks, config.block_size, self.sharding,
-                                          config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens,
-                                   config.max_num_seqs)
-        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings,
-                                 cfg.max_position_embeddings, capacity)
-        self._seqs: dict[str, Sequence] = {}
-        self.grammars = Grammars(Path(config.model), cfg.vocab_size, cfg.eos_token_ids)
-        self.num_aborted = 0
-        self._warmup_replicas = _max_replicas(config, cfg)
-        self.graphs = DecodeGraphs(
-            self.model, self.kv, self.experts, num_blocks * config.block_size,
-            config.cuda_graph_max_batch, min(config.cuda_graph_max_len, self.max_model_len),
-            self.device,
-            graph_capture or cuda_capture(torch.cuda.graph_pool_handle())) if graphs else None
-        if self.graphs:
-            self.graphs.capture_all()
-
-    def _experts(self, bank: ExpertBank | None) -> ExpertsClient:
-        """The configured dispatch backend's client (`bank`: the in-process experts of
-        `local`)."""
-        config, cfg = self.config, self.model_config
-        return create_experts_client(config.dispatch_backend, BackendContext(
-            moe_layers=cfg.moe_layer_ids,
-            num_experts=cfg.num_experts, expert_fn=bank.forward if bank else None,
-            device_expert_fn=bank.forward_on_device if bank else None,
-            expert_addresses=list(config.expert_addresses),
-            placement_file=config.placement, replicas=config.expert_replicas,
-            call_timeout=config.expert_timeout,
-            connect_timeout=config.expert_timeout,
-            rendezvous_timeout=config.rendezvous_timeout, world=_world(config),
-            hidden_size=cfg.hidden_size, dtype=self.dtype, quantization=self.quantization,
-            device=config.device, top_k=cfg.top_k, deepep=config.deepep))
 
     def close(self, timeout: float = 30.0) -> None:
         """Leave the experts and the DCP group, once a step that another thread still runs
@@ -412,44 +371,6 @@ class Engine:
         finally:
             self.block_manager.free(seq)
         return torch.cat(logits)
-
-
-def _max_replicas(config: AttentionConfig, cfg: ModelConfig) -> int:
-    """The most expert ranks one expert is on (the placement's, as the experts client
-    builds it)."""
-    if config.placement is None:
-        return config.expert_replicas
-    return Placement.load(config.placement, cfg.moe_layer_ids, cfg.num_experts).max_replicas
-
-
-def _num_blocks(config: AttentionConfig, cfg: ModelConfig, dtype: torch.dtype,
-                graphs: bool) -> int:
-    """KV blocks the budget holds for sequences (with CUDA graphs, one fewer: theirs)."""
-    num_blocks = config.kv_cache_memory // kv_bytes_per_block(cfg, config.block_size, dtype)
-    num_blocks -= int(graphs)
-    if num_blocks < 1:
-        raise ValueError(f"--kv-cache-memory {config.kv_cache_memory} holds no KV block of "
-                         f"{config.block_size} tokens (with CUDA graphs: beside theirs)")
-    return num_blocks
-
-
-def _dcp_group(config: AttentionConfig) -> DcpGroup | None:
-    if config.dcp_size == 1:
-        return None
-    if config.dcp_init is None:
-        raise ValueError("--dcp-size > 1 needs --dcp-init HOST:PORT for the group's rendezvous")
-    if config.dispatch_backend in COLLECTIVE:
-        raise ValueError("DCP works with the local and rpc dispatch backends; the collective "
-                         "backend's process group is the expert world")
-    return DcpGroup(config.dcp_init, 0, config.dcp_size, collective_backend(config.device),
-                    config.rendezvous_timeout)
-
-
-def _world(config: AttentionConfig) -> World | None:
-    if config.dist_init is None:
-        return None
-    return World(config.dist_init, config.attention_ranks, config.expert_ranks,
-                 rank=config.attention_rank)
 
 
 _SCORE_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)

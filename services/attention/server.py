@@ -34,6 +34,7 @@ from common.tracing import setup_tracing
 from dcp.group import StepAborted
 from ep_dispatch.rpc import ExpertRankError
 from ep_dispatch.torch_dist import RendezvousError
+from services.attention.builder import build_engine
 from services.attention.config import AttentionConfig
 from services.attention.engine import Engine, StepFailed
 from services.model.config import CheckpointError
@@ -247,7 +248,7 @@ def main(config: AttentionConfig) -> int:
     try:
         # Before the engine: an rpc client's thread would keep a failed process alive.
         metrics_port = start_metrics_server(config.host, config.metrics_port)
-        engine = Engine(config)
+        engine = build_engine(config)
     except (CheckpointError, ValueError, OSError, ExpertRankError, RendezvousError) as exc:
         print(f"switchyard attention: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,143 @@
+"""The attention service's composition root: a config checked, the model loaded, and every
+part an `Engine` steps over built and wired (the dispatch backend's client, a DCP group,
+the paged KV cache, the block manager, the scheduler, CUDA graphs)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from common.device import check_device, collective_backend
+from dcp.group import DcpGroup, GroupExperts
+from dcp.sharding import Sharding
+from ep_dispatch.base import ExpertsClient
+from ep_dispatch.deepep_config import check_step_budget
+from ep_dispatch.placement import Placement
+from ep_dispatch.registry import COLLECTIVE, BackendContext, check_backend, create_experts_client
+from ep_dispatch.torch_dist import World
+from services.attention.block_manager import BlockManager
+from services.attention.config import AttentionConfig, check_cuda_graphs
+from services.attention.engine import Engine, EngineParts
+from services.attention.grammar import Grammars
+from services.attention.graphs import Capture, DecodeGraphs, cuda_capture
+from services.attention.kv_cache import KVCache, kv_bytes_per_block
+from services.attention.model import DenseModel
+from services.attention.scheduler import Scheduler
+from services.model.checkpoint import Checkpoint
+from services.model.config import ModelConfig, check_quantization
+from services.model.experts import ExpertBank, all_experts
+
+log = logging.getLogger(__name__)
+
+
+def build_engine(config: AttentionConfig, graph_capture: Capture | None = None) -> Engine:
+    """An engine for `config`, checked first (device, graphs, quantization, backend).
+
+    `graph_capture`: how decode steps are captured with `--cuda-graph-max-batch` (default:
+    CUDA graphs, which need `--device cuda`); tests pass `graphs.eager_capture` to run the
+    graph path's static buffers and padding on a CPU.
+    """
+    device = check_device(config.device, "attention")
+    check_cuda_graphs(config.cuda_graph_max_batch, config.cuda_graph_max_len,
+                      "cuda" if graph_capture else config.device, config.dispatch_backend,
+                      config.dcp_size)
+    dtype = config.torch_dtype
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    cfg = ModelConfig.from_dir(config.model)
+    quantization = check_quantization(cfg, config.quantization)
+    check_backend(config.dispatch_backend, device, quantization)
+    if config.dispatch_backend == "deepep":
+        check_step_budget(config.deepep, config.max_num_batched_tokens)
+    log.info("loading %s (%d layers, %d experts) as %s", cfg.architecture, cfg.num_layers,
+             cfg.num_experts, dtype)
+    group = _dcp_group(config)
+    with Checkpoint(config.model) as checkpoint:  # closed before waiting on any peer
+        model = DenseModel(cfg, checkpoint, dtype, group.attend if group else None, device)
+        # `local` is the only backend that holds the experts in-process
+        bank = ExpertBank(cfg, checkpoint, all_experts(cfg), dtype, quantization or "none",
+                          device=device) if config.dispatch_backend == "local" else None
+    experts = _experts_client(config, cfg, dtype, quantization, bank)
+    graphed = config.cuda_graph_max_batch > 0
+    num_blocks = _num_blocks(config, cfg, dtype, graphed)
+    # With graphs, one more block: their scratch, never handed out.
+    kv = KVCache(cfg, num_blocks + int(graphed), config.block_size, dtype, device)
+    sharding = Sharding(config.dcp_size, config.dcp_interleave)
+    if group:
+        experts = GroupExperts(group, experts)
+    block_manager = BlockManager(num_blocks, config.block_size, sharding,
+                                 config.enable_prefix_caching)
+    max_model_len = min(config.max_model_len or cfg.max_position_embeddings,
+                        cfg.max_position_embeddings,
+                        sharding.max_length(num_blocks * config.block_size))
+    graphs = DecodeGraphs(
+        model, kv, experts, num_blocks * config.block_size, config.cuda_graph_max_batch,
+        min(config.cuda_graph_max_len, max_model_len), device,
+        graph_capture or cuda_capture(torch.cuda.graph_pool_handle())) if graphed else None
+    if graphs:
+        graphs.capture_all()
+    return Engine(EngineParts(
+        config=config, model_config=cfg, device=device, dtype=dtype, quantization=quantization,
+        model=model, kv=kv, experts=experts, group=group, sharding=sharding,
+        block_manager=block_manager,
+        scheduler=Scheduler(block_manager, config.max_num_batched_tokens, config.max_num_seqs),
+        grammars=Grammars(Path(config.model), cfg.vocab_size, cfg.eos_token_ids),
+        graphs=graphs, max_model_len=max_model_len,
+        warmup_replicas=_max_replicas(config, cfg)))
+
+
+def _experts_client(config: AttentionConfig, cfg: ModelConfig, dtype: torch.dtype,
+                    quantization: str | None, bank: ExpertBank | None) -> ExpertsClient:
+    """The configured dispatch backend's client (`bank`: the in-process experts of
+    `local`)."""
+    return create_experts_client(config.dispatch_backend, BackendContext(
+        moe_layers=cfg.moe_layer_ids,
+        num_experts=cfg.num_experts, expert_fn=bank.forward if bank else None,
+        device_expert_fn=bank.forward_on_device if bank else None,
+        expert_addresses=list(config.expert_addresses),
+        placement_file=config.placement, replicas=config.expert_replicas,
+        call_timeout=config.expert_timeout,
+        connect_timeout=config.expert_timeout,
+        rendezvous_timeout=config.rendezvous_timeout, world=_world(config),
+        hidden_size=cfg.hidden_size, dtype=dtype, quantization=quantization,
+        device=config.device, top_k=cfg.top_k, deepep=config.deepep))
+
+
+def _max_replicas(config: AttentionConfig, cfg: ModelConfig) -> int:
+    """The most expert ranks one expert is on (the placement's, as the experts client
+    builds it)."""
+    if config.placement is None:
+        return config.expert_replicas
+    return Placement.load(config.placement, cfg.moe_layer_ids, cfg.num_experts).max_replicas
+
+
+def _num_blocks(config: AttentionConfig, cfg: ModelConfig, dtype: torch.dtype,
+                graphs: bool) -> int:
+    """KV blocks the budget holds for sequences (with CUDA graphs, one fewer: theirs)."""
+    num_blocks = config.kv_cache_memory // kv_bytes_per_block(cfg, config.block_size, dtype)
+    num_blocks -= int(graphs)
+    if num_blocks < 1:
+        raise ValueError(f"--kv-cache-memory {config.kv_cache_memory} holds no KV block of "
+                         f"{config.block_size} tokens (with CUDA graphs: beside theirs)")
+    return num_blocks
+
+
+def _dcp_group(config: AttentionConfig) -> DcpGroup | None:
+    if config.dcp_size == 1:
+        return None
+    if config.dcp_init is None:
+        raise ValueError("--dcp-size > 1 needs --dcp-init HOST:PORT for the group's rendezvous")
+    if config.dispatch_backend in COLLECTIVE:
+        raise ValueError("DCP works with the local and rpc dispatch backends; the collective "
+                         "backend's process group is the expert world")
+    return DcpGroup(config.dcp_init, 0, config.dcp_size, collective_backend(config.device),
+                    config.rendezvous_timeout)
+
+
+def _world(config: AttentionConfig) -> World | None:
+    if config.dist_init is None:
+        return None
+    return World(config.dist_init, config.attention_ranks, config.expert_ranks,
+                 rank=config.attention_rank)
