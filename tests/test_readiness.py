@@ -23,6 +23,7 @@ from ep_dispatch.layout import compute_layout
 from ep_dispatch.placement import Placement
 from ep_dispatch.wire import from_wire, to_wire
 from services.attention.engine import StepFailed
+from services.attention.warmup import warmup_prompt
 from switchyard.serve_process import Served
 from tests.test_engine_parity import engine_for, greedy
 
@@ -118,7 +119,7 @@ def test_a_warm_up_reaches_every_replica_of_every_expert(qwen3_ckpt: tuple) -> N
     load = engine.model.expert_load  # [layers, E]
     moe = len(cfg.moe_layer_ids)
     assert (load[cfg.moe_layer_ids] == 2).all() and int(load.sum()) == 2 * cfg.num_experts * moe
-    prompt = engine._warmup_prompt()
+    prompt = warmup_prompt(cfg, 2, engine.max_model_len)
     assert engine.add(greedy("same tokens", prompt, 1)) is None
     [delta] = engine.step()
     assert delta.num_cached_tokens == 0

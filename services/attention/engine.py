@@ -37,6 +37,7 @@ from services.attention.sampler import sample, sampling_error, token_logprobs
 from services.attention.scheduler import ScheduledSeq, Scheduler
 from services.attention.sequence import Sequence
 from services.attention.tracing import step_span, trace_request
+from services.attention.warmup import warmup_prompt, warmup_routing
 from services.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -119,25 +120,9 @@ class Engine:
         """The step's inputs, on the engine's device."""
         batch = self._plan_batch(scheduled, all_logits)
         if any(item.seq.warmup for item in scheduled):
-            batch = replace(batch, forced_routing=self._warmup_routing(scheduled))
+            batch = replace(batch, forced_routing=warmup_routing(
+                scheduled, self.model_config, self._warmup_replicas))
         return batch.to(self.device)
-
-    def _warmup_routing(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Warm-up rows [W] and their experts [W, K]: position p takes experts
-        (p // R) * K + j (mod E), so R rows in a row share K experts, and a layout gives
-        consecutive rows consecutive replicas (`compute_layout`): every replica of every
-        expert gets a row once the prompt has ceil(E / K) * R positions."""
-        cfg, replicas = self.model_config, self._warmup_replicas
-        rows, positions, first = [], [], 0
-        for item in scheduled:
-            if item.seq.warmup:
-                start = item.seq.num_computed_tokens
-                rows += range(first, first + item.num_new_tokens)
-                positions += range(start, start + item.num_new_tokens)
-            first += item.num_new_tokens
-        group = torch.tensor(positions, dtype=torch.int64) // replicas  # [W]
-        experts = (group[:, None] * cfg.top_k + torch.arange(cfg.top_k)) % cfg.num_experts
-        return torch.tensor(rows, dtype=torch.int64), experts  # [W], [W, K]
 
     def _plan_batch(self, scheduled: list[ScheduledSeq], all_logits: bool) -> StepBatch:
         """The step's inputs on the CPU; a DCP leader first sends its peers the plan."""
@@ -174,7 +159,8 @@ class Engine:
     def add(self, request: GenerateRequest) -> TokenDelta | None:
         """Queue a request; returns an error delta instead when it cannot be served."""
         if request.warmup:  # its own prompt, and KV blocks no other request finds
-            request = msgspec.structs.replace(request, prompt_token_ids=self._warmup_prompt(),
+            prompt = warmup_prompt(self.model_config, self._warmup_replicas, self.max_model_len)
+            request = msgspec.structs.replace(request, prompt_token_ids=prompt,
                                               cache_salt=f"warm-up {os.urandom(16).hex()}")
         error, matcher = self._validate(request), None
         if error is None and request.sampling.grammar is not None:
@@ -191,13 +177,6 @@ class Engine:
         self._seqs[seq.request_id] = seq
         self.scheduler.add(seq)
         return None
-
-    def _warmup_prompt(self) -> list[int]:
-        """Enough positions for `_warmup_routing` to reach every expert replica (at least
-        one; fewer if the context is shorter), of token ids that every vocabulary has."""
-        cfg = self.model_config
-        n = -(-cfg.num_experts // cfg.top_k) * self._warmup_replicas
-        return [t % cfg.vocab_size for t in range(max(1, min(n, self.max_model_len - 1)))]
 
     def _validate(self, request: GenerateRequest) -> str | None:
         n, vocab = len(request.prompt_token_ids), self.model_config.vocab_size

@@ -1,0 +1,37 @@
+"""The gateway's readiness check, engine side: a request whose one step computes on every
+expert rank (`GenerateRequest.warmup`). Its prompt is made here, and its rows are routed
+by position instead of by the router, so that every replica of every expert gets a row."""
+
+from __future__ import annotations
+
+import torch
+
+from services.attention.scheduler import ScheduledSeq
+from services.model.config import ModelConfig
+
+
+def warmup_prompt(cfg: ModelConfig, replicas: int, max_model_len: int) -> list[int]:
+    """ceil(E / K) * R positions (`warmup_routing` reaches every expert replica with them;
+    at least one, fewer if the context is shorter), of token ids every vocabulary has.
+    `replicas`: R, the most expert ranks one expert is on."""
+    n = -(-cfg.num_experts // cfg.top_k) * replicas
+    return [t % cfg.vocab_size for t in range(max(1, min(n, max_model_len - 1)))]
+
+
+def warmup_routing(scheduled: list[ScheduledSeq], cfg: ModelConfig, replicas: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The warm-up sequences' rows of this step [W] int64, and their experts [W, K] int64:
+    position p takes experts (p // R) * K + j (mod E), so R rows in a row share K experts,
+    and a layout gives consecutive rows consecutive replicas (`compute_layout`)."""
+    rows: list[int] = []
+    positions: list[int] = []
+    first = 0
+    for item in scheduled:
+        if item.seq.warmup:
+            start = item.seq.num_computed_tokens
+            rows += range(first, first + item.num_new_tokens)
+            positions += range(start, start + item.num_new_tokens)
+        first += item.num_new_tokens
+    group = torch.tensor(positions, dtype=torch.int64) // replicas  # [W]
+    experts = (group[:, None] * cfg.top_k + torch.arange(cfg.top_k)) % cfg.num_experts
+    return torch.tensor(rows, dtype=torch.int64), experts  # [W], [W, K]
