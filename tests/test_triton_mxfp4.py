@@ -400,7 +400,7 @@ class BankRig:
     `to_bf16x2` calls."""
 
     def __init__(self, path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-        from services.expert import experts
+        from services.model import experts
 
         self.experts, self.path, self.conversions = experts, path, 0
         self.monkeypatch = monkeypatch
