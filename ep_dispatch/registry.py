@@ -125,35 +125,120 @@ def _deepep(ctx: BackendContext) -> ExpertsClient:
     return DeepEPExperts(world, placement, ctx.hidden_size, ctx.top_k, settings)
 
 
-_BACKENDS: dict[str, Callable[[BackendContext], ExpertsClient]] = {
-    "local": _local, "rpc": _rpc, "torch": _torch, "nccl": _nccl, "deepep": _deepep}
-# Backends whose ranks move in lockstep through collectives (the launcher starts every
-# rank together), and those that move CUDA tensors only.
-COLLECTIVE = ("torch", "nccl", "deepep")
-CUDA_ONLY = ("nccl", "deepep")
+@dataclass(frozen=True)
+class ExpertSide:
+    """What the expert side of a lockstep backend serves with, on one expert rank.
+
+    expert_fn: the rank's experts (`ExpertBank.forward`); rows: what travels; ready: called
+    once the rank joined the world (it reports readiness and logs)."""
+
+    world: World
+    placement: Placement
+    expert_fn: ExpertFn
+    rows: RowFormat
+    device: str
+    rendezvous_timeout: float
+    top_k: int
+    deepep: DeepEPSettings | None
+    ready: Callable[[], None]
+
+
+def _serve_torch(side: ExpertSide) -> None:
+    from ep_dispatch.torch_dist import serve_experts
+
+    _join(side, collective_backend(side.device))
+    serve_experts(side.world, side.placement, side.expert_fn, side.rows, side.device)
+
+
+def _serve_nccl(side: ExpertSide) -> None:
+    from ep_dispatch.nccl import CupyNccl
+    from ep_dispatch.torch_dist import serve_experts
+
+    collective = CupyNccl(side.world, side.rendezvous_timeout, side.rows)
+    side.ready()
+    serve_experts(side.world, side.placement, side.expert_fn, side.rows, side.device,
+                  collective)
+
+
+def _serve_deepep(side: ExpertSide) -> None:
+    from ep_dispatch.deepep import serve_deepep
+    from ep_dispatch.deepep_config import DeepEPSettings, check_deepep, import_deep_ep
+
+    settings = side.deepep or DeepEPSettings()
+    check_deepep(settings, side.world.size, side.rows.hidden, side.top_k,
+                 side.placement.most_local, side.rows.dtype)
+    import_deep_ep()
+    _join(side, "nccl")
+    serve_deepep(side.world, side.placement, side.expert_fn, side.rows.hidden, side.top_k,
+                 settings)
+
+
+def _join(side: ExpertSide, backend: str) -> None:
+    """Join the world's process group (gloo or NCCL), then say the rank is ready."""
+    from ep_dispatch.torch_dist import join as join_world
+
+    join_world(side.world, side.rendezvous_timeout, backend, side.rows)
+    side.ready()
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One dispatch backend: both sides and what it can do. Nothing outside this module
+    compares a backend's name; callers ask these attributes.
+
+    client: the attention side, built from a `BackendContext`.
+    serve: the expert side of a lockstep backend, run on each expert rank until stopped
+        (None: the expert service's own TCP server answers, `rpc`; or there are no expert
+        services, `local`).
+    collective: every rank moves in lockstep through collectives, so all start together
+        and no rank restarts alone. in_process: the experts live in the attention process.
+    cuda_only: moves CUDA tensors only. mxfp4_rows: moves W4A4's MXFP4 rows.
+    deepep_settings: takes the `--deepep-*` settings (and DeepEP's limits on them).
+    """
+
+    name: str
+    client: Callable[[BackendContext], ExpertsClient]
+    serve: Callable[[ExpertSide], None] | None = None
+    collective: bool = False
+    in_process: bool = False
+    cuda_only: bool = False
+    mxfp4_rows: bool = True
+    deepep_settings: bool = False
+
+
+_BACKENDS = {b.name: b for b in (
+    Backend("local", _local, in_process=True),
+    Backend("rpc", _rpc),
+    Backend("torch", _torch, _serve_torch, collective=True),
+    Backend("nccl", _nccl, _serve_nccl, collective=True, cuda_only=True),
+    Backend("deepep", _deepep, _serve_deepep, collective=True, cuda_only=True,
+            mxfp4_rows=False, deepep_settings=True),
+)}
 
 
 def available_backends() -> list[str]:
     return sorted(_BACKENDS)
 
 
-def check_backend(name: str, device: str = "cpu", quantization: str | None = None) -> None:
-    """A clear error for an unknown backend, or one that cannot move `device`'s tensors or
-    `quantization`'s rows."""
+def backend(name: str, device: str = "cpu", quantization: str | None = None) -> Backend:
+    """The backend called `name`, or a clear error for an unknown one, or one that cannot
+    move `device`'s tensors or `quantization`'s rows."""
     if name not in _BACKENDS:
         raise ValueError(
             f"unknown dispatch backend {name!r}; available: {', '.join(available_backends())}"
         )
-    if quantization and name == "deepep":
-        raise ValueError(f"the deepep dispatch backend moves bfloat16 rows (DeepEP's kernels "
+    found = _BACKENDS[name]
+    if quantization and not found.mxfp4_rows:
+        able = ", ".join(b.name for b in _BACKENDS.values() if b.mxfp4_rows)
+        raise ValueError(f"the {name} dispatch backend moves bfloat16 rows (DeepEP's kernels "
                          f"take bf16 or FP8, not MXFP4): --quantization {quantization} works "
-                         "with the local, rpc, torch and nccl backends")
-    if name in CUDA_ONLY and device != "cuda":
+                         f"with the {able} backends")
+    if found.cuda_only and device != "cuda":
         raise ValueError(f"the {name} dispatch backend moves CUDA tensors: run the services "
                          "with --device cuda")
+    return found
 
 
 def create_experts_client(name: str, ctx: BackendContext) -> ExpertsClient:
-    """Build the backend called `name`; unknown names get an error listing the known ones."""
-    check_backend(name, ctx.device, ctx.quantization)
-    return _BACKENDS[name](ctx)
+    """Build the attention side of the backend called `name` (`backend`'s errors)."""
+    return backend(name, ctx.device, ctx.quantization).client(ctx)

@@ -27,7 +27,7 @@ from common.flags import as_flags
 from common.ports import free_port, http_url
 from ep_dispatch.deepep_config import deepep_flags, deepep_settings
 from ep_dispatch.placement import Placement, make_placement
-from ep_dispatch.registry import COLLECTIVE, check_backend
+from ep_dispatch.registry import backend
 from gateway.config import serve_flags
 from gateway.engine_pool import WARMUP_FAILED
 from gateway.generation_config import SamplingDefaults
@@ -107,7 +107,7 @@ def _dcp_peers(groups: list[tuple[str, list[str]]], size: int
 
 
 def _num_expert_services(args: argparse.Namespace) -> int:
-    if args.dispatch_backend == "local":
+    if backend(args.dispatch_backend).in_process:
         if args.expert_services:
             raise StartupError("--dispatch-backend local keeps the experts in the attention "
                                "service; it cannot use --expert-services")
@@ -146,7 +146,7 @@ def _start_services(args: argparse.Namespace, model: Path, name: str,
                                         "--metrics-port", "0"])
               for g in range(args.attention_groups)]
     peers = _dcp_peers(groups, args.dcp_size)
-    if args.dispatch_backend in COLLECTIVE:
+    if backend(args.dispatch_backend).collective:
         # One process group: attention ranks 0..G-1, expert ranks G..G+N-1; all start
         # together because the rendezvous needs every rank.
         dist = ["--dist-init", args.dist_init or f"127.0.0.1:{free_port()}"]
@@ -156,7 +156,7 @@ def _start_services(args: argparse.Namespace, model: Path, name: str,
         for _, cmd in experts:
             cmd += ["--dispatch-backend", args.dispatch_backend, *dist, "--attention-ranks",
                     str(args.attention_groups)]
-            if args.dispatch_backend == "deepep":
+            if backend(args.dispatch_backend).deepep_settings:
                 cmd += deepep_flags(deepep_settings(args))
         started = children.start_all(experts + groups, timeout, gpu=True)
         expert_ports, engine_ports = started[:num_experts], started[num_experts:]
@@ -187,7 +187,7 @@ def _start_services(args: argparse.Namespace, model: Path, name: str,
 def _expert_ports(args: argparse.Namespace) -> list[str]:
     """An `rpc` expert service listens on ports of its own, so that a restart is found
     where it was (by the attention services, and the gateway's /metrics scrape)."""
-    if args.dispatch_backend in COLLECTIVE:
+    if backend(args.dispatch_backend).collective:
         return ["--metrics-port", "0"]
     return ["--port", str(free_port()), "--metrics-port", str(free_port())]
 
@@ -228,7 +228,7 @@ def _gpus(args: argparse.Namespace, num_experts: int) -> int:
     import torch
 
     have = torch.cuda.device_count()
-    collective = args.dispatch_backend in COLLECTIVE
+    collective = backend(args.dispatch_backend).collective
     ranks = args.attention_groups * args.dcp_size + (num_experts if collective else 0)
     if (collective or args.dcp_size > 1) and ranks > have:
         raise StartupError(f"{ranks} NCCL ranks need as many GPUs; {have} visible "
@@ -246,11 +246,11 @@ def serve(args: argparse.Namespace) -> int:
         check_cuda_graphs(args.cuda_graph_max_batch, args.cuda_graph_max_len, args.device,
                           args.dispatch_backend, args.dcp_size)
         quantization = check_quantization(cfg, args.quantization)
-        check_backend(args.dispatch_backend, args.device, quantization)
+        dispatch = backend(args.dispatch_backend, args.device, quantization)
         if num_experts := _num_expert_services(args):
             placement = make_placement(cfg.moe_layer_ids, cfg.num_experts, num_experts,
                                        args.placement, args.expert_replicas)
-            if args.dispatch_backend == "deepep":  # (a collective backend: it has experts)
+            if dispatch.deepep_settings:  # (a collective backend: it has experts)
                 _check_deepep(args, cfg, placement)
         _check_generation_config(args.generation_config, model)
         serve_flags(args)
@@ -267,7 +267,7 @@ def serve(args: argparse.Namespace) -> int:
             url = _start_services(args, model, name, children)
             print(f"Switchyard is serving {name!r} at {url}/v1", flush=True)
             # rpc expert services may be restarted; a collective rank never alone
-            supervise(children, lambda child: args.dispatch_backend not in COLLECTIVE
+            supervise(children, lambda child: not backend(args.dispatch_backend).collective
                       and child.startswith("expert rank"))
         except StartupError as exc:
             print(f"switchyard serve: {exc}", file=sys.stderr)

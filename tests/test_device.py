@@ -73,11 +73,11 @@ def test_w4a4_triton_kernel_matches_the_torch_path_on_the_gpu() -> None:
 
 
 def test_nccl_backend_needs_cuda_and_names_cupy() -> None:
-    from ep_dispatch.registry import BackendContext, check_backend, create_experts_client
+    from ep_dispatch.registry import BackendContext, backend, create_experts_client
 
     with pytest.raises(ValueError, match="moves CUDA tensors: run the services with "
                                          "--device cuda"):
-        check_backend("nccl", "cpu")
+        backend("nccl", "cpu")
     try:
         import cupy  # noqa: F401
     except ImportError:

@@ -15,7 +15,7 @@ from dcp.sharding import Sharding
 from ep_dispatch.base import ExpertsClient
 from ep_dispatch.deepep_config import check_step_budget
 from ep_dispatch.placement import Placement
-from ep_dispatch.registry import COLLECTIVE, BackendContext, check_backend, create_experts_client
+from ep_dispatch.registry import BackendContext, backend, create_experts_client
 from ep_dispatch.torch_dist import World
 from services.attention.block_manager import BlockManager
 from services.attention.config import AttentionConfig, check_cuda_graphs
@@ -48,8 +48,8 @@ def build_engine(config: AttentionConfig, graph_capture: Capture | None = None) 
         torch.set_num_threads(config.num_threads)
     cfg = ModelConfig.from_dir(config.model)
     quantization = check_quantization(cfg, config.quantization)
-    check_backend(config.dispatch_backend, device, quantization)
-    if config.dispatch_backend == "deepep":
+    dispatch = backend(config.dispatch_backend, device, quantization)
+    if dispatch.deepep_settings:
         check_step_budget(config.deepep, config.max_num_batched_tokens)
     log.info("loading %s (%d layers, %d experts) as %s", cfg.architecture, cfg.num_layers,
              cfg.num_experts, dtype)
@@ -58,7 +58,7 @@ def build_engine(config: AttentionConfig, graph_capture: Capture | None = None) 
         model = DenseModel(cfg, checkpoint, dtype, group.attend if group else None, device)
         # `local` is the only backend that holds the experts in-process
         bank = ExpertBank(cfg, checkpoint, all_experts(cfg), dtype, quantization or "none",
-                          device=device) if config.dispatch_backend == "local" else None
+                          device=device) if dispatch.in_process else None
     experts = _experts_client(config, cfg, dtype, quantization, bank)
     graphed = config.cuda_graph_max_batch > 0
     num_blocks = _num_blocks(config, cfg, dtype, graphed)
@@ -129,7 +129,7 @@ def _dcp_group(config: AttentionConfig) -> DcpGroup | None:
         return None
     if config.dcp_init is None:
         raise ValueError("--dcp-size > 1 needs --dcp-init HOST:PORT for the group's rendezvous")
-    if config.dispatch_backend in COLLECTIVE:
+    if backend(config.dispatch_backend).collective:
         raise ValueError("DCP works with the local and rpc dispatch backends; the collective "
                          "backend's process group is the expert world")
     return DcpGroup(config.dcp_init, 0, config.dcp_size, collective_backend(config.device),

@@ -17,21 +17,17 @@ from anyio.abc import SocketAttribute, SocketStream
 from opentelemetry.trace import set_span_in_context
 
 from common import tracing
-from common.device import check_device, collective_backend, resolve_dtype
+from common.device import check_device, resolve_dtype
 from common.failures import root_causes
 from common.messages import ExpertBatch, ExpertInfo, ExpertResult, InfoRequest, Message
 from common.metrics import report_ready, start_metrics_server
 from common.rpc import FrameStream, cancel_on_signal, run_service, serve_messages
 from common.tracing import setup_tracing
 from ep_dispatch.placement import make_placement
-from ep_dispatch.registry import COLLECTIVE, check_backend
+from ep_dispatch.registry import ExpertSide, backend
 from ep_dispatch.torch_dist import (
-    Collective,
     RendezvousError,
-    TorchCollective,
     World,
-    join,
-    serve_experts,
 )
 from ep_dispatch.wire import from_wire, to_wire
 from services.expert.config import ExpertConfig
@@ -60,7 +56,7 @@ class ExpertServer:
                                resolve_dtype(config.dtype, config.device), config.quantization,
                                config.rank, config.device)
         checkpoint.close()
-        check_backend(config.dispatch_backend, config.device, self.bank.quantization)
+        self.backend = backend(config.dispatch_backend, config.device, self.bank.quantization)
         self._queue: list[tuple[ExpertBatch, FrameStream]] = []
         self._arrived = anyio.Event()
         self.num_coalesced = 0  # batches that shared a GEMM with an earlier one
@@ -198,49 +194,28 @@ async def serve(config: ExpertConfig, server: ExpertServer, metrics_port: int | 
 
 def serve_collective(config: ExpertConfig, server: ExpertServer,
                      metrics_port: int | None) -> None:
-    """torch or nccl backend: join the attention ranks' world and serve every round."""
+    """A lockstep backend (torch, nccl, deepep): join the attention ranks' world and serve
+    every round, with the backend's own expert side."""
     if config.dist_init is None:
         raise ValueError(f"--dispatch-backend {config.dispatch_backend} needs --dist-init "
                          "HOST:PORT")
     world = World(config.dist_init, config.attention_ranks, config.num_ranks,
                   rank=config.attention_ranks + config.rank)
-    if config.dispatch_backend == "deepep":
-        serve_deepep_rank(config, server, world, metrics_port)
-        return
     bank = server.bank
-    rows = bank.rows
-    if config.dispatch_backend == "nccl":
-        from ep_dispatch.nccl import CupyNccl
 
-        collective: Collective = CupyNccl(world, config.rendezvous_timeout, rows)
-    else:
-        join(world, config.rendezvous_timeout, collective_backend(config.device), rows)
-        collective = TorchCollective()
-    log.info("expert rank %d/%d joined the %s world, holding %.1f MB, moving %s",
-             config.rank, config.num_ranks, config.dispatch_backend, bank.nbytes() / 1e6,
-             rows.describe())
-    report_ready(config.ready_fd, 0, metrics_port)
+    def ready() -> None:
+        log.info("expert rank %d/%d joined the %s world, holding %.1f MB, moving %s",
+                 config.rank, config.num_ranks, config.dispatch_backend, bank.nbytes() / 1e6,
+                 bank.rows.describe())
+        report_ready(config.ready_fd, 0, metrics_port)
+
+    side = ExpertSide(world, server.placement, bank.forward, bank.rows, config.device,
+                      config.rendezvous_timeout, server.model_config.top_k, config.deepep,
+                      ready)
+    serve = server.backend.serve
+    assert serve is not None  # (every collective backend has an expert side)
     with torch.inference_mode():
-        serve_experts(world, server.placement, bank.forward, rows, config.device, collective)
-
-
-def serve_deepep_rank(config: ExpertConfig, server: ExpertServer, world: World,
-                      metrics_port: int | None) -> None:
-    """deepep backend: this rank's share of DeepEP's buffer, serving every round."""
-    from ep_dispatch.deepep import serve_deepep
-    from ep_dispatch.deepep_config import check_deepep, import_deep_ep
-
-    bank, top_k = server.bank, server.model_config.top_k
-    check_deepep(config.deepep, world.size, bank.hidden_size, top_k,
-                 server.placement.most_local, bank.dtype)
-    import_deep_ep()
-    join(world, config.rendezvous_timeout, "nccl", bank.rows)
-    log.info("expert rank %d/%d joined the deepep world, holding %.1f MB", config.rank,
-             config.num_ranks, bank.nbytes() / 1e6)
-    report_ready(config.ready_fd, 0, metrics_port)
-    with torch.inference_mode():
-        serve_deepep(world, server.placement, bank.forward, bank.hidden_size, top_k,
-                     config.deepep)
+        serve(side)
 
 
 def main(config: ExpertConfig) -> int:
@@ -249,7 +224,7 @@ def main(config: ExpertConfig) -> int:
     try:
         server = ExpertServer(config)
         metrics_port = start_metrics_server(config.host, config.metrics_port)
-        if config.dispatch_backend in COLLECTIVE:
+        if server.backend.collective:
             serve_collective(config, server, metrics_port)
             return 0
     except (CheckpointError, ValueError, OSError, RendezvousError) as exc:
