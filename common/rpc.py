@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import struct
 import sys
+import time
 from collections.abc import Awaitable, Callable
 
 import anyio
@@ -58,6 +60,68 @@ class FrameStream:
     async def aclose(self) -> None:
         self.closed = True
         await self._stream.aclose()
+
+
+class SocketFrames:
+    """`FrameStream`'s frames over a blocking socket, used by one thread at a time: the
+    engine's step thread makes a layer's exchange on these itself, so the exchange
+    crosses no thread and no event loop. Every call is bounded by a deadline
+    (`time.monotonic()`); a timeout raises `TimeoutError`, a peer that closed `EOFError`."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock
+
+    @classmethod
+    def connect(cls, host: str, port: int, deadline: float, retry: bool = True
+                ) -> SocketFrames:
+        """Connect by `deadline`, retrying (if `retry`) until the peer listens; without
+        retrying, a refused connection raises its OSError at once."""
+        delay = 0.05
+        while True:
+            try:
+                return cls(socket.create_connection((host, port), _left(deadline)))
+            except OSError:
+                if not retry or time.monotonic() + delay >= deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    def send(self, message: Message, deadline: float) -> int:
+        """Send one frame; returns its payload's bytes."""
+        payload = _encoder.encode(message)
+        self.sock.settimeout(_left(deadline))
+        self.sock.sendall(_HEADER.pack(len(payload)) + payload)
+        return len(payload)
+
+    def receive(self, deadline: float) -> Message:
+        (length,) = _HEADER.unpack(self._exactly(_HEADER.size, deadline))
+        if length > MAX_FRAME_BYTES:
+            raise ValueError(f"frame of {length} bytes exceeds the {MAX_FRAME_BYTES} byte "
+                             "limit")
+        return _decoder.decode(self._exactly(length, deadline))
+
+    def _exactly(self, n: int, deadline: float) -> bytearray:
+        buf = bytearray(n)
+        view, got = memoryview(buf), 0
+        while got < n:
+            self.sock.settimeout(_left(deadline))
+            k = self.sock.recv_into(view[got:])
+            if k == 0:
+                raise EOFError("the peer closed the connection")
+            got += k
+        return buf
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _left(deadline: float) -> float:
+    """Seconds to `deadline`; past it, a timeout (a socket timeout of 0 would not block)."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("timed out")
+    return left
 
 
 async def serve_messages(conn: FrameStream, handle: Callable[[Message], Awaitable[None]],

@@ -229,7 +229,8 @@ def backend(name: str, device: str = "cpu", quantization: str | None = None) -> 
         )
     found = _BACKENDS[name]
     if quantization and not found.mxfp4_rows:
-        able = ", ".join(b.name for b in _BACKENDS.values() if b.mxfp4_rows)
+        *most, last = [b.name for b in _BACKENDS.values() if b.mxfp4_rows]
+        able = f"{', '.join(most)} and {last}"
         raise ValueError(f"the {name} dispatch backend moves bfloat16 rows (DeepEP's kernels "
                          f"take bf16 or FP8, not MXFP4): --quantization {quantization} works "
                          f"with the {able} backends")

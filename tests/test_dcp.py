@@ -177,7 +177,7 @@ def test_a_failed_expert_call_on_the_leader_aborts_the_step_on_every_rank() -> N
     from common.messages import DcpPlan
     from common.ports import free_port
     from dcp.group import DcpGroup, GroupExperts, StepAborted
-    from ep_dispatch.rpc import ExpertRankError
+    from ep_dispatch.rpc_pool import ExpertRankError
 
     calls = []
 

@@ -17,7 +17,8 @@ import torch
 from common.ports import free_port
 from ep_dispatch.local import LocalExperts
 from ep_dispatch.placement import Placement
-from ep_dispatch.rpc import ExpertRankError, RpcExperts
+from ep_dispatch.rpc import RpcExperts
+from ep_dispatch.rpc_pool import ExpertRankError
 from services.attention.builder import build_engine
 from services.attention.config import AttentionConfig
 from services.attention.engine import Engine
@@ -95,7 +96,7 @@ def test_each_expert_service_holds_only_its_share(qwen3_ckpt: tuple,
     total = per_expert * cfg.num_experts * sum(cfg.moe_layers)
     engine = rpc_engine(qwen3_ckpt[0], qwen3_experts)
     try:
-        held = [info.weight_bytes for info in engine.experts.infos]
+        held = [info.weight_bytes for info in engine.experts.pool.infos]
     finally:
         engine.close()
     assert sum(held) == total
@@ -171,13 +172,13 @@ def test_a_lost_expert_rank_is_routed_around_while_its_experts_have_replicas(
         engine = rpc_engine(path, addresses, placement=placement, expert_timeout=10)
         client: RpcExperts = engine.experts  # type: ignore[assignment]
         called: list[int] = []
-        call_once = client._call_once
+        send = client._send
 
-        async def counted(rank: int, *args: object) -> torch.Tensor:
+        def counted(rank: int, *args: object) -> tuple[list[int], float]:
             called.append(rank)
-            return await call_once(rank, *args)  # type: ignore[arg-type]
+            return send(rank, *args)  # type: ignore[arg-type]
 
-        client._call_once = counted  # type: ignore[method-assign]
+        client._send = counted  # type: ignore[method-assign]
         try:
             assert (engine.score(prompt) - ref).abs().max().item() < 1e-4
             assert set(called) == {0, 1, 2}
@@ -186,7 +187,7 @@ def test_a_lost_expert_rank_is_routed_around_while_its_experts_have_replicas(
             lost.wait()
             called.clear()
             assert (engine.score(prompt) - ref).abs().max().item() < 1e-4
-            assert client._lost == {1} and client.ready()  # /health: still serving
+            assert client.pool.lost == {1} and client.ready()  # /health: still serving
             assert "expert rank 1" in next(line for line in client.describe()
                                            if "lost: routed to replicas" in line)
             called.clear()
@@ -195,9 +196,9 @@ def test_a_lost_expert_rank_is_routed_around_while_its_experts_have_replicas(
             restarted.start_all([("expert 1", expert_command(path, 1, 3, placement,
                                                              ports[1][0]))], timeout=120)
             deadline = time.monotonic() + 60  # the probe retries every second or so
-            while client._lost and time.monotonic() < deadline:
+            while client.pool.lost and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert not client._lost and client._conns[1] is not None
+            assert not client.pool.lost and client.pool.conns[1] is not None
             called.clear()
             assert (engine.score(prompt) - ref).abs().max().item() < 1e-4
             assert 1 in called
@@ -263,7 +264,7 @@ def test_without_a_replica_a_lost_rank_fails_the_call(qwen3_ckpt: tuple,
             x, w = torch.randn(4, cfg.hidden_size), torch.ones(4, 1)
             with pytest.raises(ExpertRankError, match="expert rank 1 at"):
                 client(cfg.moe_layer_ids[0], x, torch.tensor([[1], [3], [0], [5]]), w)
-            assert not client._lost  # nothing routed around: it is called (and fails) again
+            assert not client.pool.lost  # nothing routed around: it is called (and fails) again
             zeros = torch.zeros(4, 1, dtype=torch.int64)  # expert 0: rank 0 also has it
             with pytest.raises(ExpertRankError, match="expert rank 1"):
                 client(cfg.moe_layer_ids[0], x, zeros, w)  # (turns put some rows on 1)

@@ -56,10 +56,10 @@ def test_serve_stops_naming_an_expert_rank_that_cannot_compute() -> None:
 
 def test_a_failed_steps_503_names_its_root_cause_and_the_engine_serves_on(
         tmp_path: Path) -> None:
-    """The first-run failure of issue 26: tensors that cannot become wire bytes fail both
-    expert ranks' calls inside one task group. The 503 says what failed, not "unhandled
-    errors in a TaskGroup (2 sub-exceptions)"; once the cause is gone the same service
-    answers again."""
+    """The first-run failure of issue 26: tensors that cannot become wire bytes (which
+    then failed both expert ranks' calls inside one task group). The 503 says what
+    failed, not "unhandled errors in a TaskGroup (2 sub-exceptions)", nor an expert rank
+    that is not at fault; once the cause is gone the same service answers again."""
     armed = tmp_path / "armed"
     with Served([], env=faulty(f"wire-bytes:{armed}")) as served:
         ok = httpx.post(f"{served.url}/v1/chat/completions", json=ASK, timeout=60)
@@ -75,7 +75,8 @@ def test_a_failed_steps_503_names_its_root_cause_and_the_engine_serves_on(
         assert again.status_code == 200, again.text
         assert again.json()["choices"][0]["message"]["content"] == "579"
         log = served.stderr()  # the traceback logged once, by the engine
-        assert log.count("engine step failed") == log.count("Exception Group Traceback") == 1
+        assert log.count("engine step failed") == 1
+        assert log.count("Traceback") == 1 and "Exception Group" not in log
 
 
 def test_root_causes_are_the_leaves_of_exception_groups_once_each() -> None:

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from common.messages import ExpertBatch, ExpertInfo, ExpertResult, InfoRequest
 from common.rpc import FrameStream
 from ep_dispatch.placement import Placement
-from ep_dispatch.rpc import ExpertRankError, RpcExperts
+from ep_dispatch.rpc import RpcExperts
+from ep_dispatch.rpc_pool import ExpertRankError
 from ep_dispatch.wire import from_wire, to_wire
 
 pytestmark = pytest.mark.timeout(60)

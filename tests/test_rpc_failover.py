@@ -137,7 +137,7 @@ def test_a_rank_that_dies_mid_answer_is_routed_around() -> None:
     the layer call is made again on the replicas."""
     with client(answer, die_mid_answer) as (experts, ranks):
         scale = layer_call(experts)
-        assert experts._lost == {1} and ranks[1].batches == 1
+        assert experts.pool.lost == {1} and ranks[1].batches == 1
         assert torch.allclose(scale, torch.ones_like(scale))  # all from rank 0 (x1)
 
 
@@ -145,9 +145,9 @@ def test_the_ranks_that_answered_keep_their_connections() -> None:
     """A failed call no longer cancels the others: their connections (which a cancelled
     call must close, a late answer may be on the way) serve the call made again."""
     with client(slow_answer, die_mid_answer) as (experts, _):
-        before = experts._conns[0]
+        before = experts.pool.conns[0]
         scale = layer_call(experts)
-        assert experts._lost == {1} and experts._conns[0] is before is not None
+        assert experts.pool.lost == {1} and experts.pool.conns[0] is before is not None
         assert torch.allclose(scale, torch.ones_like(scale))  # all from rank 0 (x1)
 
 
@@ -157,26 +157,48 @@ def test_a_probe_that_meets_garbage_keeps_probing(caplog: pytest.LogCaptureFixtu
     with client(answer, die_mid_answer) as (experts, ranks):
         ranks[1].revive_after = 2  # once dead, its next two handshakes get garbage
         layer_call(experts)
-        wait_until(lambda: not experts._lost, 30, lambda: f"rank 1 back: {experts._lost}")
+        wait_until(lambda: not experts.pool.lost, 30, lambda: f"rank 1 back: {experts.pool.lost}")
         assert "is still lost" in caplog.text  # said why, once per reason
         scale = layer_call(experts)
         assert set(scale[:, 0].tolist()) == {1.0, 2.0}  # both ranks answer again
 
 
-def test_routing_never_holds_its_lock_across_a_portal_call() -> None:
-    """The portal's loop takes the same lock when a probe ends: starting a probe while
-    holding it could wait for that loop forever (and /health's `ready()` with it)."""
+def test_a_layer_call_crosses_no_thread() -> None:
+    """The exchange runs on the caller's thread (the engine's step thread): every frame of
+    a layer call is sent and read there, with no thread started, also when a rank is lost
+    and the call is made again on its replicas (only its probe runs beside it)."""
+    import threading
+
+    from common.rpc import SocketFrames
+
     with client(answer, die_mid_answer) as (experts, _):
-        start = experts._portal.start_task_soon
-        held: list[tuple[str, bool]] = []
+        where: list[int] = []
+        send, receive = SocketFrames.send, SocketFrames.receive
 
-        def watched(func: Callable, *args: object) -> object:
-            held.append((func.__name__, experts._lock.locked()))
-            return start(func, *args)  # type: ignore[arg-type]
+        def sending(self: SocketFrames, message: object, deadline: float) -> int:
+            where.append(threading.get_ident())
+            return send(self, message, deadline)  # type: ignore[arg-type]
 
-        experts._portal.start_task_soon = watched  # type: ignore[method-assign]
-        layer_call(experts)
-        assert ("_probe", False) in held and not any(locked for _, locked in held)
+        def receiving(self: SocketFrames, deadline: float) -> object:
+            where.append(threading.get_ident())
+            return receive(self, deadline)
+
+        started = threading.Thread.start
+        threads: list[str] = []
+
+        def start(self: threading.Thread) -> None:
+            threads.append(self.name)
+            started(self)
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(SocketFrames, "send", sending)
+            patch.setattr(SocketFrames, "receive", receiving)
+            patch.setattr(threading.Thread, "start", start)
+            layer_call(experts)
+        mine = [w for w in where if w == threading.get_ident()]
+        assert len(mine) >= 4  # both ranks' sends and reads, then rank 0's again
+        assert threads == ["_probe expert rank 1"]  # lost: probed beside the calls
+        assert experts.pool.lost == {1}
 
 
 def test_a_rank_whose_computation_is_stuck_stays_routed_around() -> None:
@@ -187,14 +209,14 @@ def test_a_rank_whose_computation_is_stuck_stays_routed_around() -> None:
 
     with client(answer, wedged, call_timeout=1.0) as (experts, _):
         layer_call(experts)  # the replicas share the tokens: rank 1 times out
-        assert experts._lost == {1}
+        assert experts.pool.lost == {1}
         end = time.monotonic() + 3.0  # three probes' worth
         while time.monotonic() < end:
             started = time.monotonic()
             scale = layer_call(experts)
             assert time.monotonic() - started < 0.5
             assert torch.allclose(scale, torch.ones_like(scale))  # all rank 0's
-        assert experts._lost == {1}
+        assert experts.pool.lost == {1}
 
 
 def test_a_rank_answering_garbage_is_routed_around() -> None:
@@ -204,7 +226,7 @@ def test_a_rank_answering_garbage_is_routed_around() -> None:
         scale = layer_call(experts)  # the replicas share the tokens: rank 1 gets some
         assert ranks[1].batches >= 1  # (then the probe's empty call, maybe)
         assert torch.allclose(scale, torch.ones_like(scale))  # made again on rank 0
-        wait_until(lambda: not experts._lost, 30, lambda: f"rank 1 back: {experts._lost}")
+        wait_until(lambda: not experts.pool.lost, 30, lambda: f"rank 1 back: {experts.pool.lost}")
         assert set(layer_call(experts)[:, 0].tolist()) == {1.0, 2.0}
 
 
@@ -212,7 +234,7 @@ def test_a_dropped_rank_without_replicas_is_ready_again_without_traffic() -> Non
     """No replica: the call fails, as its step does. Readiness then connects the rank
     again in the background, so /health (503 meanwhile) recovers without a request, which
     a load balancer that saw the 503 would not send."""
-    from ep_dispatch.rpc import ExpertRankError
+    from ep_dispatch.rpc_pool import ExpertRankError
 
     ranks = [FakeRank(0, die_mid_answer)]
     ranks[0].revive_after = 0  # its handshakes work again at once
@@ -221,7 +243,7 @@ def test_a_dropped_rank_without_replicas_is_ready_again_without_traffic() -> Non
         with pytest.raises(ExpertRankError):
             experts(0, torch.randn(3, HIDDEN), torch.zeros(3, 1, dtype=torch.int64),
                     torch.ones(3, 1))
-        assert ranks[0].batches == 1 and not experts._lost
+        assert ranks[0].batches == 1 and not experts.pool.lost
         wait_until(experts.ready, 30, lambda: "rank 0 connected again")
         assert ranks[0].batches == 1  # by its handshake alone: no layer call was made
         y = experts(0, torch.ones(3, HIDDEN), torch.zeros(3, 1, dtype=torch.int64),

@@ -32,7 +32,7 @@ from common.metrics import report_ready, start_metrics_server
 from common.rpc import FrameStream, cancel_on_signal, run_service, serve_messages
 from common.tracing import setup_tracing
 from dcp.group import StepAborted
-from ep_dispatch.rpc import ExpertRankError
+from ep_dispatch.rpc_pool import ExpertRankError
 from ep_dispatch.torch_dist import RendezvousError
 from services.attention.builder import build_engine
 from services.attention.config import AttentionConfig

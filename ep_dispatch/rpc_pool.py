@@ -1,0 +1,261 @@
+"""The `rpc` backend's connections to its expert ranks, and their failover.
+
+Each rank's connection is checked by its handshake (the share of the placement it holds,
+its quantization). A rank that is lost (its connection dropped, refused, timed out, or
+answering what is no answer) is routed around while the placement has a replica of each
+of its experts elsewhere, and a thread of its own probes it until it answers its
+handshake and an empty layer call again (a rank whose computation is stuck still answers
+handshakes). The layer calls themselves (`ep_dispatch.rpc`) run on the engine's step
+thread, on these connections; only probes and readiness reconnections run beside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+from common.messages import ExpertBatch, ExpertInfo, ExpertResult, InfoRequest, Tensor
+from common.rpc import SocketFrames
+from ep_dispatch.placement import Placement
+
+log = logging.getLogger("switchyard.rpc_experts")
+PROBE_EVERY_S = 1.0  # how often a lost rank that is routed around is tried again
+
+
+class ExpertRankError(RuntimeError):
+    """An expert rank that cannot be reached or answered wrongly; names the rank.
+    `lost`: the ranks whose connection is gone (their calls may go to replicas)."""
+
+    def __init__(self, message: str, lost: frozenset[int] = frozenset()) -> None:
+        super().__init__(message)
+        self.lost = lost
+
+
+class ExpertPool:
+    def __init__(self, placement: Placement, addresses: list[tuple[str, int]],
+                 call_timeout: float = 30.0, connect_timeout: float = 30.0,
+                 quantization: str | None = None) -> None:
+        if len(addresses) != placement.num_ranks:
+            raise ValueError(f"{len(addresses)} expert addresses for a placement of "
+                             f"{placement.num_ranks} ranks")
+        self.placement = placement
+        self.addresses = addresses
+        self.call_timeout = call_timeout
+        self.quantization = quantization
+        self.conns: list[SocketFrames | None] = [None] * len(addresses)
+        # Lost ranks, routed around while replicas allow, and those being probed; shared
+        # by the step thread and the probes' (under `_lock`, never held across a call).
+        self.lost: set[int] = set()
+        self._probing: set[int] = set()
+        self._reconnecting = False  # a reconnection for readiness is running
+        self._lock = threading.Lock()
+        self._closing = threading.Event()  # then no probe starts, and those running end
+        self._threads: list[threading.Thread] = []
+        self._probe_conns: set[SocketFrames] = set()  # a probe's, until it ends (`close`)
+        self._routes: dict[frozenset[int], Placement] = {}  # by the lost ranks
+        self.empty_call: Tensor | None = None  # [0, width] rows on the wire: for probes
+        self.infos: list[ExpertInfo] = []
+        deadline = time.monotonic() + connect_timeout
+        try:
+            for rank in range(len(addresses)):  # the lowest unreachable rank is named
+                self.conns[rank], info = self._handshake(rank, deadline, retry=True)
+                self.infos.append(info)
+        except BaseException:
+            self.close()
+            raise
+
+    def name(self, rank: int) -> str:
+        host, port = self.addresses[rank]
+        return f"expert rank {rank} at {host}:{port}"
+
+    def _handshake(self, rank: int, deadline: float, retry: bool
+                   ) -> tuple[SocketFrames, ExpertInfo]:
+        """A connection to `rank` (`retry`: until it listens) that holds the placement's
+        share; a connection that does not is closed."""
+        try:
+            conn = SocketFrames.connect(*self.addresses[rank], deadline, retry)
+        except (OSError, TimeoutError) as exc:
+            raise ExpertRankError(f"cannot reach {self.name(rank)} within "
+                                  f"{self.call_timeout:g}s: {exc!r}") from None
+        try:
+            conn.send(InfoRequest(), deadline)
+            info = conn.receive(deadline)
+        except BaseException:
+            conn.close()
+            raise
+        want = self.placement.local_experts(rank)
+        problem = None
+        if not isinstance(info, ExpertInfo) or info.rank != rank or info.experts != want:
+            problem = f"holds a different share than the placement expects: {info}"
+        elif info.quantization != self.quantization:
+            problem = (f"serves quantization {info.quantization}, this attention service "
+                       f"{self.quantization}: start both with the same --quantization")
+        if problem:
+            conn.close()
+            raise ExpertRankError(f"{self.name(rank)} {problem}")
+        return conn, info
+
+    def conn(self, rank: int) -> SocketFrames:
+        """`rank`'s connection, connected again (once, without retrying) if it was
+        dropped: a refused connection is a lost rank now, not after a call timeout."""
+        conn = self.conns[rank]
+        if conn is None:
+            try:
+                conn, _ = self._handshake(rank, time.monotonic() + self.call_timeout,
+                                          retry=False)
+            except Exception as exc:  # refused, dropped, timed out, garbage: lost
+                raise ExpertRankError(f"{self.name(rank)} is not connected: {exc!r}",
+                                      frozenset({rank})) from exc
+            self.conns[rank] = conn
+        return conn
+
+    def drop(self, rank: int) -> None:
+        """Close `rank`'s connection: it may hold a late answer, so it is never used again."""
+        conn, self.conns[rank] = self.conns[rank], None
+        if conn is not None:
+            conn.close()
+
+    def routing(self) -> Placement:
+        """The placement without the lost ranks, each of which is being probed."""
+        with self._lock:
+            if not self.lost:
+                return self.placement
+            new = set() if self._closing.is_set() else self.lost - self._probing
+            self._probing |= new
+            lost = frozenset(self.lost)
+        for rank in new:
+            self._start(self._probe, rank)
+        if lost not in self._routes:  # (a placement builds its lookup tables once)
+            routing = self.placement.excluding(lost)
+            assert routing is not None  # `route_around` adds ranks only while this holds
+            self._routes[lost] = routing
+        return self._routes[lost]
+
+    def route_around(self, exc: ExpertRankError) -> bool:
+        """Whether the ranks `exc` lost can be routed around (then they are); each retry
+        of a layer call loses one rank more, or is not made."""
+        with self._lock:
+            lost = self.lost | exc.lost
+            if lost == self.lost or self.placement.excluding(frozenset(lost)) is None:
+                return False
+            for rank in sorted(exc.lost - self.lost):
+                log.warning("%s is lost (%s): its experts go to their replicas until it "
+                            "answers again", self.name(rank), exc)
+            self.lost = lost
+        return True
+
+    def _start(self, target: Callable[[int], None], rank: int) -> None:
+        thread = threading.Thread(target=target, args=(rank,), daemon=True,
+                                  name=f"{target.__name__} expert rank {rank}")
+        self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        thread.start()
+
+    def _probe(self, rank: int) -> None:
+        """Try a lost rank (its handshake, then an empty layer call) until it answers,
+        every `PROBE_EVERY_S` at most (whatever a try raises); then it is back in the
+        routing. Ends early on `close`."""
+        reason = ""
+        try:
+            while not self._closing.is_set():
+                started = time.monotonic()
+                try:
+                    conn = self._answers_a_call(rank)
+                    with self._lock:
+                        self.conns[rank] = conn
+                        self.lost.discard(rank)
+                    log.warning("%s answers again: back in the routing", self.name(rank))
+                    return
+                except Exception as exc:  # e.g. a share that differs: said once, tried again
+                    if str(exc) != reason:
+                        reason = str(exc)
+                        log.warning("%s is still lost: %s", self.name(rank),
+                                    reason or repr(exc))
+                self._closing.wait(max(0.0, started + PROBE_EVERY_S - time.monotonic()))
+        finally:
+            with self._lock:
+                self._probing.discard(rank)
+
+    def _answers_a_call(self, rank: int) -> SocketFrames:
+        """A new connection to `rank` that answered an empty layer call within the call
+        timeout: it waits behind whatever that rank computes, as a real call would."""
+        deadline = time.monotonic() + self.call_timeout
+        conn, _ = self._handshake(rank, deadline, retry=False)  # (the probe loop retries)
+        experts = self.placement.local_experts(rank)
+        if self.empty_call is None or not experts:
+            return conn  # no call was made yet: nothing to be stuck behind
+        layer = min(experts)
+        with self._lock:
+            self._probe_conns.add(conn)
+        try:
+            conn.send(ExpertBatch(-1, layer, [0] * len(experts[layer]), self.empty_call),
+                      deadline)
+            result = conn.receive(deadline)
+            if not isinstance(result, ExpertResult) or result.call_id != -1:
+                raise ExpertRankError(f"{self.name(rank)} answered out of turn")
+        except BaseException:
+            conn.close()
+            raise
+        finally:
+            with self._lock:
+                self._probe_conns.discard(conn)
+        return conn
+
+    def ready(self) -> bool:
+        """Whether every layer call can be served: every rank connected, or lost and
+        routed around. A rank dropped otherwise is connected again at its next call, and
+        in the background from here: a health check that keeps asking (while no traffic
+        comes, because it answered "not ready") sees it back."""
+        with self._lock:
+            missing = [rank for rank, conn in enumerate(self.conns)
+                       if conn is None and rank not in self.lost]
+            start = bool(missing) and not self._reconnecting and not self._closing.is_set()
+            self._reconnecting |= start
+        if start:
+            self._start(self._reconnect, missing[0])
+        return not missing
+
+    def _reconnect(self, _: int) -> None:
+        try:
+            for rank, conn in enumerate(self.conns):
+                if conn is not None or rank in self.lost:
+                    continue
+                try:  # still down: the next check tries again
+                    new, _info = self._handshake(rank, time.monotonic() + self.call_timeout,
+                                                 retry=False)
+                except Exception:
+                    continue
+                with self._lock:  # a layer call may have connected it meanwhile
+                    if self.conns[rank] is None and not self._closing.is_set():
+                        self.conns[rank] = new
+                        new = None
+                if new is not None:
+                    new.close()
+        finally:
+            with self._lock:
+                self._reconnecting = False
+
+    def describe(self) -> list[str]:
+        return [f"{self.name(i.rank)}: {sum(map(len, i.experts.values()))} experts over "
+                f"{len(i.experts)} MoE layers, {i.weight_bytes / 1e6:.1f} MB"
+                f"{' MXFP4' if i.quantization else ''}, "
+                f"{'connected' if self.conns[i.rank] else 'disconnected'}"
+                f"{' (lost: routed to replicas)' if i.rank in self.lost else ''}"
+                for i in self.infos]
+
+    def close(self) -> None:
+        """Stop the probes (each closes its half-open connection as it ends), then close
+        every connection."""
+        self._closing.set()
+        with self._lock:
+            for conn in self._probe_conns:  # a probe waiting on a stuck rank: now
+                with contextlib.suppress(OSError):
+                    conn.sock.shutdown(socket.SHUT_RDWR)
+        for thread in self._threads:
+            thread.join(self.call_timeout + 5)
+        with self._lock:
+            for rank in range(len(self.conns)):
+                self.drop(rank)
