@@ -189,7 +189,7 @@ class EngineClient:
             await self.wait_ready()
             epoch, down = self._epoch, self._down
             error = await self._warm_up()
-            if epoch != self._epoch:  # reconnected meanwhile: warm the new connection up
+            if epoch != self._epoch or down.is_set():  # the connection went: warm the next
                 continue
             self.warmup_error = error
             if error is None:
