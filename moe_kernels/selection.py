@@ -1,12 +1,23 @@
 """Which kernel runs where: the top of `moe_kernels`, the one module that picks between the
 torch versions (any device) and the Triton ones (CUDA), so that the formats below never
-import the kernels built on them."""
+import the kernels built on them: the activations' quantizer, whether `torch._grouped_mm`
+runs (float experts), and the W4A4 kernel config and weight layout (`W4A4Kernels`)."""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
 import torch
 
+from moe_kernels.bf16x2_layout import Bf16x2Weights, to_bf16x2
+from moe_kernels.grouped_gemm import grouped_swiglu, grouped_swiglu_mm
+from moe_kernels.kernel_configs import KernelConfig, load_configs, tuned_config
 from moe_kernels.mxfp4 import MXFP4Tensor, quantize
+
+log = logging.getLogger("switchyard.expert")
+FALLBACK_KERNEL = KernelConfig(inner="decode")  # where a tuned W4A4 config does not run
+W4A4Weights = MXFP4Tensor | Bf16x2Weights  # one GEMM's weights, in a kernel's layout
 
 
 def quantize_fused(x: torch.Tensor) -> MXFP4Tensor:
@@ -18,3 +29,128 @@ def quantize_fused(x: torch.Tensor) -> MXFP4Tensor:
     from moe_kernels.triton_mxfp4 import quantize_mxfp4
 
     return quantize_mxfp4(x)
+
+
+def gpu_name(device: torch.device) -> str | None:
+    """The GPU model whose tuned W4A4 table applies (`moe_kernels.kernel_configs`), if any."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
+
+
+def reads_bf16x2(config: KernelConfig) -> bool:
+    return config.route == "triton" and config.inner == "bf16x2"
+
+
+class W4A4Kernels:
+    """Which W4A4 Triton kernel config runs one bank's experts on its GPU, and the weight
+    layouts those read.
+
+    The config is the one tuned for this GPU model and the rows per expert
+    (`kernel_configs`), each tried once before its first use (`runs`), or
+    `FALLBACK_KERNEL` where it does not run here. The bf16x2 layout (`bf16x2`, per layer
+    (w_gate_up, w_down); None once the weights proved unable to take it) is made for every
+    layer at load when the tuned table has a bf16x2 entry (else on first use), kept beside
+    the MXFP4 weights, which other entries read (a second copy), and freed once no config
+    that reads it runs.
+
+    w_gate_up, w_down: per MoE layer, [E_local, 2I, H] and [E_local, H, I] MXFP4 weights.
+    """
+
+    def __init__(self, device: torch.device, w_gate_up: dict[int, MXFP4Tensor],
+                 w_down: dict[int, MXFP4Tensor]) -> None:
+        self.gpu = gpu_name(device)  # the tuned table's key, asked of CUDA once
+        self.w_gate_up, self.w_down = w_gate_up, w_down
+        self.runs: dict[KernelConfig, bool] = {}  # Triton configs tried here
+        self.bf16x2: dict[int, tuple[Bf16x2Weights, Bf16x2Weights]] | None = {}
+        if self.gpu and any(map(reads_bf16x2, load_configs(self.gpu).values())):
+            self._convert_bf16x2()  # now, not in the first step that reads it
+
+    def config(self, layer: int, q: MXFP4Tensor, counts: list[int] | torch.Tensor,
+               max_rows: int, rows: int | None = None) -> KernelConfig:
+        """The W4A4 kernel config tuned for this GPU and `rows` per expert (default:
+        `max_rows`, the most any has), or `FALLBACK_KERNEL` where it does not run here (this
+        Triton cannot compile it, or the weights do not fit its layout). The first call with
+        a config tries it (and synchronises): a CUDA graph's warm-up run makes that call,
+        never its capture."""
+        config = tuned_config(self.gpu, rows or max_rows)
+        if config not in self.runs:
+            self.runs[config] = _kernel_runs(config, q, counts, max_rows,
+                                             lambda: self.layout(layer, config))
+            self._free_unread_layout()
+        return config if self.runs[config] else FALLBACK_KERNEL
+
+    def layout(self, layer: int, config: KernelConfig) -> tuple[W4A4Weights, W4A4Weights]:
+        """This layer's W4A4 weights in the layout `config` reads (`to_bf16x2` refuses
+        weights it cannot scale: the config then does not run here)."""
+        if not reads_bf16x2(config):
+            return self.w_gate_up[layer], self.w_down[layer]
+        if self.bf16x2 == {}:
+            self._convert_bf16x2()
+        if self.bf16x2 is None:
+            raise ValueError("these weights do not fit the bf16x2 layout (logged before)")
+        return self.bf16x2[layer]
+
+    def _convert_bf16x2(self) -> None:
+        """Every layer's weights in the bf16x2 layout too, or (logged) none: once that fails,
+        `layout` refuses the layout without trying again."""
+        try:
+            self.bf16x2 = {i: (to_bf16x2(self.w_gate_up[i]), to_bf16x2(self.w_down[i]))
+                           for i in self.w_gate_up}
+        except (ValueError, torch.OutOfMemoryError) as exc:  # unscalable, or no room
+            self.bf16x2 = None
+            log.warning("W4A4 weights stay out of the bf16x2 layout (%s): its tuned configs "
+                        "run %s", exc, FALLBACK_KERNEL)
+            return
+        log.info("W4A4 weights in the bf16x2 layout too: %.1f MiB more",
+                 self.layout_bytes() / 2**20)
+
+    def _free_unread_layout(self) -> None:
+        """Drop the bf16x2 copy once every bf16x2 config of the tuned table (and any other
+        tried) has been tried here and none runs: nothing will read it."""
+        tried = {c: ok for c, ok in self.runs.items() if reads_bf16x2(c)}
+        table = load_configs(self.gpu).values() if self.gpu else ()
+        if self.bf16x2 and not any(tried.values()) and \
+                all(c in tried for c in table if reads_bf16x2(c)):
+            self.bf16x2 = {}
+
+    def layout_bytes(self) -> int:
+        """The bytes of the layouts kept beside the MXFP4 weights."""
+        return sum(w.nbytes() for pair in (self.bf16x2 or {}).values() for w in pair)
+
+
+def grouped_mm_runs(x: torch.Tensor, tokens_per_expert: list[int],
+                        w_gate_up: torch.Tensor, w_down: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm` runs here (a CUDA build, arch, dtype and alignment it
+    supports) and agrees with the per-expert loop on a first batch; if not, the loop."""
+    try:
+        got = grouped_swiglu_mm(x, tokens_per_expert, w_gate_up, w_down).float()
+    except (AttributeError, RuntimeError, TypeError, ValueError) as exc:  # unsupported here
+        log.info("torch._grouped_mm does not run here (%s); experts run one by one",
+                 str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        return False
+    want = grouped_swiglu(x, tokens_per_expert, w_gate_up, w_down).float()
+    err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+    # summation order only: float32 to 1e-5; 16-bit outputs to a few of their ulps
+    if not err <= (1e-5 if x.dtype == torch.float32 else 2e-2):
+        log.warning("torch._grouped_mm differs from the per-expert loop here (max relative "
+                    "error %.2g); experts run one by one", err)
+        return False
+    return True
+
+
+def _kernel_runs(config: KernelConfig, q: MXFP4Tensor, counts: list[int] | torch.Tensor,
+                 max_rows: int, weights: Callable[[], tuple[W4A4Weights, W4A4Weights]]) -> bool:
+    """Whether `config` (tuned for this GPU, or the defaults: `tl.dot_scaled`, e2m1 x e2m1)
+    runs here on the `weights()` it reads; if not, W4A4 runs `FALLBACK_KERNEL` (in-kernel
+    decode and `tl.dot`, which benchmarks/gpu_mxfp4.py also times)."""
+    from moe_kernels.triton_mxfp4 import grouped_swiglu_w4a4_triton
+
+    try:
+        grouped_swiglu_w4a4_triton(q, counts, *weights(), config, max_rows)
+        torch.cuda.synchronize()
+        return True
+    except Exception as exc:  # a compiler error for this arch, or weights its layout
+        # cannot hold: fall back, say so
+        log.warning("the W4A4 kernel config %s does not run here (%s); it runs %s",
+                    config, str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+                    FALLBACK_KERNEL)
+        return False

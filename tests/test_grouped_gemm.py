@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moe_kernels.grouped_gemm import grouped_swiglu, grouped_swiglu_mm, timed_together
-from services.model.experts import _grouped_mm_matches
+from moe_kernels.selection import grouped_mm_runs
 
 pytest.importorskip("torch", minversion="2.8")  # torch._grouped_mm
 
@@ -38,7 +38,7 @@ def test_grouped_gemms_equal_the_per_expert_loop(counts: list[int]) -> None:
 
 def test_the_grouped_path_is_used_only_where_it_agrees(monkeypatch: pytest.MonkeyPatch) -> None:
     x, w_gate_up, w_down = experts([3, 4])
-    assert _grouped_mm_matches(x, [3, 4], w_gate_up, w_down)
+    assert grouped_mm_runs(x, [3, 4], w_gate_up, w_down)
 
     def wrong(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         return torch.zeros(a.shape[0], b.shape[-1])
@@ -48,7 +48,7 @@ def test_the_grouped_path_is_used_only_where_it_agrees(monkeypatch: pytest.Monke
 
     for broken in (wrong, missing):
         monkeypatch.setattr(torch, "_grouped_mm", broken)
-        assert not _grouped_mm_matches(x, [3, 4], w_gate_up, w_down)
+        assert not grouped_mm_runs(x, [3, 4], w_gate_up, w_down)
 
 
 def test_experts_run_together_share_the_calls_span() -> None:

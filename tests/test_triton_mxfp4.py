@@ -400,20 +400,21 @@ class BankRig:
     `to_bf16x2` calls."""
 
     def __init__(self, path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        from moe_kernels import selection
         from services.model import experts
 
-        self.experts, self.path, self.conversions = experts, path, 0
+        self.experts, self.selection, self.path, self.conversions = experts, selection, path, 0
         self.monkeypatch = monkeypatch
         self.table: dict[int, KernelConfig] = {}
-        real = experts.to_bf16x2
+        real = selection.to_bf16x2
 
         def counted(w: MXFP4Tensor) -> Bf16x2Weights:
             self.conversions += 1
             return real(w)
 
-        monkeypatch.setattr(experts, "to_bf16x2", counted)
-        monkeypatch.setattr(experts, "load_configs", lambda gpu: self.table)
-        monkeypatch.setattr(experts, "tuned_config", lambda gpu, rows: self.pick(rows))
+        monkeypatch.setattr(selection, "to_bf16x2", counted)
+        monkeypatch.setattr(selection, "load_configs", lambda gpu: self.table)
+        monkeypatch.setattr(selection, "tuned_config", lambda gpu, rows: self.pick(rows))
         monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
 
     def pick(self, rows: int) -> KernelConfig:
@@ -424,7 +425,7 @@ class BankRig:
         from services.model.config import ModelConfig
 
         cfg = ModelConfig.from_dir(self.path)
-        self.monkeypatch.setattr(self.experts, "gpu_name", lambda device: gpu)
+        self.monkeypatch.setattr(self.selection, "gpu_name", lambda device: gpu)
         return self.experts.ExpertBank(cfg, Checkpoint(self.path),
                                        self.experts.all_experts(cfg), torch.float32, "w4a4",
                                        device=DEVICE)
@@ -453,14 +454,14 @@ def test_bank_converts_at_load_when_its_table_has_bf16x2_and_never_again(
     rig.table = {2: BF16X2, 40: DECODE_TILES}
     bank = rig.bank()
     layers = len(bank.w_gate_up)
-    assert rig.conversions == 2 * layers and set(bank._bf16x2) == set(bank.w_gate_up)
+    assert rig.conversions == 2 * layers and set(bank.kernels.bf16x2) == set(bank.w_gate_up)
     before = sum(w.packed.numel() + w.scales.numel() for w in
                  [*bank.w_gate_up.values(), *bank.w_down.values()])
     assert bank.nbytes() == 2 * before  # the layout is a second copy
     rig.run(bank, PREFILL)
     rig.run(bank, DECODE)
-    assert bank._kernel_runs == {DECODE_TILES: True, BF16X2: True}
-    assert rig.conversions == 2 * layers and bank._bf16x2
+    assert bank.kernels.runs == {DECODE_TILES: True, BF16X2: True}
+    assert rig.conversions == 2 * layers and bank.kernels.bf16x2
 
 
 def test_bank_without_a_table_entry_converts_on_first_use(
@@ -471,7 +472,7 @@ def test_bank_without_a_table_entry_converts_on_first_use(
     rig.table = {2: BF16X2}
     rig.run(bank, DECODE)
     rig.run(bank, DECODE)
-    assert rig.conversions == 2 * len(bank.w_gate_up) and bank._kernel_runs == {BF16X2: True}
+    assert rig.conversions == 2 * len(bank.w_gate_up) and bank.kernels.runs == {BF16X2: True}
 
 
 def test_weights_the_layout_cannot_scale_fall_back_for_good(
@@ -489,7 +490,7 @@ def test_weights_the_layout_cannot_scale_fall_back_for_good(
     rig.table = {2: BF16X2, 40: other}
     rig.run(bank, DECODE)
     rig.run(bank, PREFILL)
-    assert bank._bf16x2 is None and bank._kernel_runs == {BF16X2: False, other: False}
+    assert bank.kernels.bf16x2 is None and bank.kernels.runs == {BF16X2: False, other: False}
     assert rig.conversions <= 2 * len(bank.w_gate_up)  # the one attempt, stopped at the raise
 
 
@@ -512,9 +513,9 @@ def test_a_copy_no_runnable_config_reads_is_freed(w4a4_bank_ckpt: Path,
     rig.table = {2: BF16X2, 40: DECODE_TILES}
     bank = rig.bank()
     rig.run(bank, PREFILL)
-    assert bank._bf16x2  # the bf16x2 config is untried: kept
+    assert bank.kernels.bf16x2  # the bf16x2 config is untried: kept
     rig.run(bank, DECODE)
-    assert bank._kernel_runs == {DECODE_TILES: True, BF16X2: False} and bank._bf16x2 == {}
+    assert bank.kernels.runs == {DECODE_TILES: True, BF16X2: False} and bank.kernels.bf16x2 == {}
     assert bank.nbytes() == sum(w.packed.numel() + w.scales.numel() for w in
                                 [*bank.w_gate_up.values(), *bank.w_down.values()])
 

@@ -3,25 +3,23 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from ep_dispatch.wire import RowFormat
-from moe_kernels.bf16x2_layout import Bf16x2Weights, to_bf16x2
 from moe_kernels.grouped_gemm import (
     grouped_swiglu,
     grouped_swiglu_mm,
     grouped_swiglu_w4a4,
     timed_together,
 )
-from moe_kernels.kernel_configs import KernelConfig, load_configs, tuned_config
 from moe_kernels.mxfp4 import (
     MXFP4Tensor,
     ScaledBlocks,
     quantize,
 )
-from moe_kernels.selection import quantize_fused
+from moe_kernels.selection import W4A4Kernels, grouped_mm_runs, quantize_fused
 from services.model.checkpoint import Checkpoint
 from services.model.config import ModelConfig, check_quantization
 from services.model.expert_metrics import ExpertMetrics
@@ -32,13 +30,6 @@ _PROJ_NAMES = {
     "MixtralForCausalLM": ("w1", "w3", "w2"),
 }
 log = logging.getLogger("switchyard.expert")
-FALLBACK_KERNEL = KernelConfig(inner="decode")  # where a tuned W4A4 config does not run
-W4A4Weights = MXFP4Tensor | Bf16x2Weights  # one GEMM's weights, in a kernel's layout
-
-
-def gpu_name(device: torch.device) -> str | None:
-    """The GPU model whose tuned W4A4 table applies (`moe_kernels.kernel_configs`), if any."""
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
 
 
 def expert_tensor_names(config: ModelConfig, layer: int, expert: int) -> tuple[str, str, str]:
@@ -75,12 +66,6 @@ class ExpertBank:
         self.metrics = ExpertMetrics(rank)
         self.dtype = dtype
         self.device = torch.device(device)
-        # the tuned W4A4 table's key, looked up per layer call: asked of CUDA once
-        self._gpu = gpu_name(self.device)
-        self._kernel_runs: dict[KernelConfig, bool] = {}  # Triton configs tried here
-        # per layer: (w_gate_up, w_down) in the bf16x2 layout once a config reads it; None
-        # once the weights proved unable to take it
-        self._bf16x2: dict[int, tuple[Bf16x2Weights, Bf16x2Weights]] | None = {}
         self._grouped_mm: bool | None = None  # torch._grouped_mm works here, once known
         self.hidden_size = config.hidden_size
         self.quantization = check_quantization(config, quantization)
@@ -98,9 +83,9 @@ class ExpertBank:
                 down.append(self._load(checkpoint, config, d, (hidden, inter)))
             self.w_gate_up[layer] = self._stack(gate_up)
             self.w_down[layer] = self._stack(down)
-        if self.quantization and self._gpu and any(
-                map(_reads_bf16x2, load_configs(self._gpu).values())):
-            self._convert_bf16x2()  # now, not in the first step that reads it
+        # W4A4 on a GPU: its kernel configs and the weight layouts they read
+        self.kernels = W4A4Kernels(self.device, self.w_gate_up, self.w_down) \
+            if self.quantization else None  # type: ignore[arg-type]
 
     def _load(self, ckpt: Checkpoint, config: ModelConfig, name: str,
               shape: tuple[int, int]) -> torch.Tensor | MXFP4Tensor:
@@ -172,7 +157,7 @@ class ExpertBank:
         w_gate_up, w_down = self.w_gate_up[layer], self.w_down[layer]
         if not self.quantization:
             if self.device.type == "cuda" and self._grouped_mm is None:  # a graph's first
-                self._grouped_mm = _grouped_mm_matches(  # warm-up, where a sync is allowed
+                self._grouped_mm = grouped_mm_runs(  # warm-up, where a sync is allowed
                     x, counts.tolist(), w_gate_up, w_down)
             if self.device.type == "cuda" and not self._grouped_mm:
                 raise ValueError("torch._grouped_mm does not run here: the experts need host "
@@ -186,8 +171,9 @@ class ExpertBank:
         q = MXFP4Tensor.from_rows(x, self.hidden_size) if x.dtype == torch.uint8 \
             else quantize_fused(x)
         mean = -(-x.shape[0] // counts.shape[0])  # the tuned table's key: rows per expert
-        config = self._kernel_config(layer, q, counts, max_rows, mean)
-        return grouped_swiglu_w4a4_triton(q, counts, *self._layout(layer, config), config,
+        assert self.kernels is not None  # (quantized)
+        config = self.kernels.config(layer, q, counts, max_rows, mean)
+        return grouped_swiglu_w4a4_triton(q, counts, *self.kernels.layout(layer, config), config,
                                           max_rows).to(self.dtype)  # [N, H]
 
     def _float_ffn(self, x: torch.Tensor, tokens_per_expert: list[int],
@@ -196,7 +182,7 @@ class ExpertBank:
         """On CUDA, two grouped GEMMs where `torch._grouped_mm` runs and agrees (its experts
         then share the call's span); else expert by expert, each timed on its own."""
         if self._grouped_mm is None:  # once: can this torch group them here?
-            self._grouped_mm = self.device.type == "cuda" and _grouped_mm_matches(
+            self._grouped_mm = self.device.type == "cuda" and grouped_mm_runs(
                 x, tokens_per_expert, w_gate_up, w_down)
         if self._grouped_mm:
             return timed_together(spans, tokens_per_expert, self.device, lambda: (
@@ -210,109 +196,17 @@ class ExpertBank:
         is the whole call's."""
         from moe_kernels.triton_mxfp4 import grouped_swiglu_w4a4_triton
 
-        config = self._kernel_config(layer, q, tokens_per_expert,
+        assert self.kernels is not None  # (quantized)
+        config = self.kernels.config(layer, q, tokens_per_expert,
                                      max(tokens_per_expert, default=0))
-        w_gate_up, w_down = self._layout(layer, config)
+        w_gate_up, w_down = self.kernels.layout(layer, config)
         return timed_together(spans, tokens_per_expert, self.device, lambda: (
             grouped_swiglu_w4a4_triton(q, tokens_per_expert, w_gate_up, w_down, config)))
 
-    def _layout(self, layer: int, config: KernelConfig) -> tuple[W4A4Weights, W4A4Weights]:
-        """This layer's W4A4 weights in the layout `config` reads. The bf16x2 layout is
-        made for every layer at load when this GPU's tuned table has a bf16x2 entry (else on
-        first use), or for none (`to_bf16x2` refuses weights it cannot scale: the config
-        then does not run here), and kept beside the MXFP4 weights, which other entries of
-        the tuned table read: a second copy."""
-        if not _reads_bf16x2(config):
-            return self.w_gate_up[layer], self.w_down[layer]
-        if self._bf16x2 == {}:
-            self._convert_bf16x2()
-        if self._bf16x2 is None:
-            raise ValueError("these weights do not fit the bf16x2 layout (logged before)")
-        return self._bf16x2[layer]
-
-    def _convert_bf16x2(self) -> None:
-        """Every layer's weights in the bf16x2 layout too, or (logged) none: once that fails,
-        `_layout` refuses the layout without trying again."""
-        try:
-            self._bf16x2 = {i: (to_bf16x2(self.w_gate_up[i]), to_bf16x2(self.w_down[i]))
-                            for i in self.w_gate_up}
-        except (ValueError, torch.OutOfMemoryError) as exc:  # unscalable, or no room
-            self._bf16x2 = None
-            log.warning("W4A4 weights stay out of the bf16x2 layout (%s): its tuned configs "
-                        "run %s", exc, FALLBACK_KERNEL)
-            return
-        log.info("W4A4 weights in the bf16x2 layout too: %.1f MiB more",
-                 sum(w.nbytes() for pair in self._bf16x2.values() for w in pair) / 2**20)
-
-    def _kernel_config(self, layer: int, q: MXFP4Tensor, counts: list[int] | torch.Tensor,
-                       max_rows: int, rows: int | None = None) -> KernelConfig:
-        """The W4A4 kernel config tuned for this GPU and `rows` per expert (default:
-        `max_rows`, the most any has), or `FALLBACK_KERNEL` where it does not run here (this
-        Triton cannot compile it, or the weights do not fit its layout). The first call with
-        a config tries it (and synchronises): a CUDA graph's warm-up run makes that call,
-        never its capture."""
-        config = tuned_config(self._gpu, rows or max_rows)
-        if config not in self._kernel_runs:
-            self._kernel_runs[config] = _kernel_runs(
-                config, q, counts, max_rows, lambda: self._layout(layer, config))
-            self._free_unread_layout()
-        return config if self._kernel_runs[config] else FALLBACK_KERNEL
-
-    def _free_unread_layout(self) -> None:
-        """Drop the bf16x2 copy once every bf16x2 config of the tuned table (and any other
-        tried) has been tried here and none runs: nothing will read it."""
-        tried = {c: ok for c, ok in self._kernel_runs.items() if _reads_bf16x2(c)}
-        table = load_configs(self._gpu).values() if self._gpu else ()
-        if self._bf16x2 and not any(tried.values()) and \
-                all(c in tried for c in table if _reads_bf16x2(c)):
-            self._bf16x2 = {}
-
     def nbytes(self) -> int:
         total = 0
-        layouts = [w for pair in (self._bf16x2 or {}).values() for w in pair]
-        for w in [*self.w_gate_up.values(), *self.w_down.values(), *layouts]:
+        for w in [*self.w_gate_up.values(), *self.w_down.values()]:
             total += w.nbytes() if isinstance(w, ScaledBlocks) else w.numel() * w.element_size()
-        return total
+        return total + (self.kernels.layout_bytes() if self.kernels else 0)
 
 
-def _reads_bf16x2(config: KernelConfig) -> bool:
-    return config.route == "triton" and config.inner == "bf16x2"
-
-
-def _grouped_mm_matches(x: torch.Tensor, tokens_per_expert: list[int],
-                        w_gate_up: torch.Tensor, w_down: torch.Tensor) -> bool:
-    """Whether `torch._grouped_mm` runs here (a CUDA build, arch, dtype and alignment it
-    supports) and agrees with the per-expert loop on a first batch; if not, the loop."""
-    try:
-        got = grouped_swiglu_mm(x, tokens_per_expert, w_gate_up, w_down).float()
-    except (AttributeError, RuntimeError, TypeError, ValueError) as exc:  # unsupported here
-        log.info("torch._grouped_mm does not run here (%s); experts run one by one",
-                 str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-        return False
-    want = grouped_swiglu(x, tokens_per_expert, w_gate_up, w_down).float()
-    err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
-    # summation order only: float32 to 1e-5; 16-bit outputs to a few of their ulps
-    if not err <= (1e-5 if x.dtype == torch.float32 else 2e-2):
-        log.warning("torch._grouped_mm differs from the per-expert loop here (max relative "
-                    "error %.2g); experts run one by one", err)
-        return False
-    return True
-
-
-def _kernel_runs(config: KernelConfig, q: MXFP4Tensor, counts: list[int] | torch.Tensor,
-                 max_rows: int, weights: Callable[[], tuple[W4A4Weights, W4A4Weights]]) -> bool:
-    """Whether `config` (tuned for this GPU, or the defaults: `tl.dot_scaled`, e2m1 x e2m1)
-    runs here on the `weights()` it reads; if not, W4A4 runs `FALLBACK_KERNEL` (in-kernel
-    decode and `tl.dot`, which benchmarks/gpu_mxfp4.py also times)."""
-    from moe_kernels.triton_mxfp4 import grouped_swiglu_w4a4_triton
-
-    try:
-        grouped_swiglu_w4a4_triton(q, counts, *weights(), config, max_rows)
-        torch.cuda.synchronize()
-        return True
-    except Exception as exc:  # a compiler error for this arch, or weights its layout
-        # cannot hold: fall back, say so
-        log.warning("the W4A4 kernel config %s does not run here (%s); it runs %s",
-                    config, str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
-                    FALLBACK_KERNEL)
-        return False
