@@ -110,7 +110,14 @@ class ExpertPool:
             except Exception as exc:  # refused, dropped, timed out, garbage: lost
                 raise ExpertRankError(f"{self.name(rank)} is not connected: {exc!r}",
                                       frozenset({rank})) from exc
-            self.conns[rank] = conn
+            with self._lock:  # a readiness reconnection may have connected it meanwhile
+                if self.conns[rank] is None:
+                    self.conns[rank], conn = conn, None
+                kept = self.conns[rank]
+            if conn is not None:
+                conn.close()
+            assert kept is not None
+            return kept
         return conn
 
     def drop(self, rank: int) -> None:
