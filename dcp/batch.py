@@ -101,15 +101,20 @@ def build_rank_batch(seqs: list[DcpSeqPlan], rank: int, sharding: Sharding, bloc
         ids.extend(seq.token_ids)
         pos = torch.arange(start, start + n)
         positions.append(pos)
-        key_pos = torch.arange(start + n)
-        key_pos = key_pos[sharding.owner(key_pos) == rank]  # [L_r] global positions held here
         table = torch.tensor(seq.shard_tables[rank] if seq.shard_tables else [],
                              dtype=torch.int64)
-        key_slots = _slots(table, sharding.local_index(key_pos), block_size)  # [L_r]
-        new_slots = torch.full((n,), -1, dtype=torch.int64)
-        mine = sharding.owner(pos) == rank
-        new_slots[mine] = _slots(table, sharding.local_index(pos[mine]), block_size)
-        slots.append(new_slots)
+        if sharding.size == 1:  # every key is held here, at its own index
+            key_pos = torch.arange(start + n)  # [L]
+            key_slots = _slots(table, key_pos, block_size)  # [L]
+            slots.append(key_slots[start:])  # the new tokens are the last keys
+        else:
+            key_pos = torch.arange(start + n)
+            key_pos = key_pos[sharding.owner(key_pos) == rank]  # [L_r] positions held here
+            key_slots = _slots(table, sharding.local_index(key_pos), block_size)  # [L_r]
+            new_slots = torch.full((n,), -1, dtype=torch.int64)
+            mine = sharding.owner(pos) == rank
+            new_slots[mine] = _slots(table, sharding.local_index(pos[mine]), block_size)
+            slots.append(new_slots)
         if n == 1:
             decode_rows.append(row)
             decode_keys.append((key_slots, key_pos))
@@ -134,10 +139,12 @@ def _slots(table: torch.Tensor, local: torch.Tensor, block_size: int) -> torch.T
 def _pad(keys: list[tuple[torch.Tensor, torch.Tensor]], q_pos: torch.Tensor,
          window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, L_max] slots (padding: slot 0) and mask; a rank may hold no key of a sequence."""
-    width = max([1, *(len(s) for s, _ in keys)])
-    slots = torch.zeros(len(keys), width, dtype=torch.int64)
-    mask = torch.zeros(len(keys), width, dtype=torch.bool)
-    for b, (s, p) in enumerate(keys):
-        slots[b, :len(s)] = s
-        mask[b, :len(s)] = window_ok(q_pos[b], p, window)
-    return slots, mask
+    if not keys:
+        return torch.zeros(0, 1, dtype=torch.int64), torch.zeros(0, 1, dtype=torch.bool)
+    lengths = torch.tensor([len(s) for s, _ in keys])  # [B]
+    slots = torch.nn.utils.rnn.pad_sequence([s for s, _ in keys], batch_first=True)
+    k_pos = torch.nn.utils.rnn.pad_sequence([p for _, p in keys], batch_first=True)
+    if slots.shape[1] == 0:  # (no rank-held key in any sequence: one padding column)
+        slots, k_pos = slots.new_zeros(len(keys), 1), k_pos.new_zeros(len(keys), 1)
+    real = torch.arange(slots.shape[1])[None, :] < lengths[:, None]  # [B, L_max]
+    return slots, real & window_ok(q_pos[:, None], k_pos, window)
