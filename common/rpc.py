@@ -27,6 +27,14 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 
 
+def _frame_length(header: bytes | bytearray) -> int:
+    """A frame's length from its header; a ValueError past the limit."""
+    (length,) = _HEADER.unpack(header)
+    if length > MAX_FRAME_BYTES:
+        raise ValueError(f"frame of {length} bytes exceeds the {MAX_FRAME_BYTES} byte limit")
+    return length
+
+
 class FrameStream:
     """One connection carrying `Message` frames in both directions.
 
@@ -48,10 +56,7 @@ class FrameStream:
         """The next message; raises `anyio.EndOfStream` when the peer closed, also in the
         middle of a frame."""
         try:
-            (length,) = _HEADER.unpack(await self._reader.receive_exactly(_HEADER.size))
-            if length > MAX_FRAME_BYTES:
-                raise ValueError(f"frame of {length} bytes exceeds the {MAX_FRAME_BYTES} "
-                                 "byte limit")
+            length = _frame_length(await self._reader.receive_exactly(_HEADER.size))
             body = await self._reader.receive_exactly(length)
         except anyio.IncompleteRead as exc:
             raise anyio.EndOfStream from exc
@@ -95,10 +100,7 @@ class SocketFrames:
         return len(payload)
 
     def receive(self, deadline: float) -> Message:
-        (length,) = _HEADER.unpack(self._exactly(_HEADER.size, deadline))
-        if length > MAX_FRAME_BYTES:
-            raise ValueError(f"frame of {length} bytes exceeds the {MAX_FRAME_BYTES} byte "
-                             "limit")
+        length = _frame_length(self._exactly(_HEADER.size, deadline))
         return _decoder.decode(self._exactly(length, deadline))
 
     def _exactly(self, n: int, deadline: float) -> bytearray:

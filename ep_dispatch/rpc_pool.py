@@ -135,7 +135,7 @@ class ExpertPool:
             self._probing |= new
             lost = frozenset(self.lost)
         for rank in new:
-            self._start(self._probe, rank)
+            self._start(f"_probe expert rank {rank}", self._probe, rank)
         if lost not in self._routes:  # (a placement builds its lookup tables once)
             routing = self.placement.excluding(lost)
             assert routing is not None  # `route_around` adds ranks only while this holds
@@ -155,9 +155,8 @@ class ExpertPool:
             self.lost = lost
         return True
 
-    def _start(self, target: Callable[[int], None], rank: int) -> None:
-        thread = threading.Thread(target=target, args=(rank,), daemon=True,
-                                  name=f"{target.__name__} expert rank {rank}")
+    def _start(self, name: str, target: Callable[..., None], *args: object) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True, name=name)
         self._threads = [t for t in self._threads if t.is_alive()] + [thread]
         thread.start()
 
@@ -222,10 +221,10 @@ class ExpertPool:
             start = bool(missing) and not self._reconnecting and not self._closing.is_set()
             self._reconnecting |= start
         if start:
-            self._start(self._reconnect, missing[0])
+            self._start("_reconnect expert ranks", self._reconnect)
         return not missing
 
-    def _reconnect(self, _: int) -> None:
+    def _reconnect(self) -> None:
         try:
             for rank, conn in enumerate(self.conns):
                 if conn is not None or rank in self.lost:
