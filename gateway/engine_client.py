@@ -91,10 +91,8 @@ class EngineClient:
         self._ready = anyio.Event()
         self._stats_lock = anyio.Lock()
         self._stats: MemoryObjectSendStream[EngineStats] | None = None
-        self._epoch = 0  # connections made so far
         self._down = anyio.Event()  # set when the current connection is lost
-        self._warm_epoch = -1  # the connection whose warm-up came back
-        self._warmed = anyio.Event()  # set once it did (a new one for each connection)
+        self._warmed = anyio.Event()  # set once its warm-up came back (one per connection)
         self.warmup_error: str | None = None  # the last warm-up's error, until one works
 
     @property
@@ -104,7 +102,7 @@ class EngineClient:
     @property
     def warm(self) -> bool:
         """Whether this connection's warm-up generation came back."""
-        return self._info is not None and self._warm_epoch == self._epoch
+        return self._info is not None and self._warmed.is_set()
 
     @property
     def num_in_flight(self) -> int:
@@ -146,7 +144,6 @@ class EngineClient:
         if not isinstance(info, EngineInfo):
             raise ValueError(f"expected EngineInfo, got {type(info).__name__}")
         self._down = anyio.Event()
-        self._epoch += 1
         self._frames, self._info = frames, info
         self._ready.set()
         log.info("connected to engine %s:%d (%s)", self._host, self._port, info.architecture)
@@ -187,13 +184,12 @@ class EngineClient:
         `retry_s` (an expert rank may come back) until it works. Until cancelled."""
         while True:
             await self.wait_ready()
-            epoch, down = self._epoch, self._down
+            down = self._down
             error = await self._warm_up()
-            if epoch != self._epoch or down.is_set():  # the connection went: warm the next
+            if down.is_set():  # the connection went: warm the next one up
                 continue
             self.warmup_error = error
             if error is None:
-                self._warm_epoch = epoch
                 self._warmed.set()
                 await down.wait()
                 continue
