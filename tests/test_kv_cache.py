@@ -100,8 +100,10 @@ def test_the_gpu_attention_kernel_matches_the_cpu_one() -> None:
 
     import torch
 
+    from dcp.batch import build_rank_batch
     from dcp.merge import partial_attention
-    from services.attention.batch import build_batch
+    from dcp.sharding import Sharding
+    from services.attention.batch import plan_step
     from services.attention.kv_cache import KVCache, _sdpa
     from services.attention.scheduler import ScheduledSeq
 
@@ -117,7 +119,8 @@ def test_the_gpu_attention_kernel_matches_the_cpu_one() -> None:
         s.num_computed_tokens, s.block_tables = done, [list(blocks)]
         seqs.append(ScheduledSeq(s, min(n - done, 12)))
     for window in (None, 7):
-        batch = build_batch(seqs, 4, window)
+        plan, rows = plan_step(seqs)
+        batch = build_rank_batch(plan, 0, Sharding(1, 1), 4, window, rows)
         q = torch.randn(batch.input_ids.shape[0], 4, 16)
         ours, _ = kv._attend(0, q, batch, partial_attention)
         sdpa, _ = kv._attend(0, q, batch, _sdpa)

@@ -1,14 +1,11 @@
 """A step's plan: the new tokens of each scheduled sequence, its block tables, and the
-rows whose logits are sampled; its `StepBatch` is `dcp.batch.build_rank_batch`'s."""
+rows whose logits are sampled; its `StepBatch` is `dcp.batch.build_rank_batch`'s (a
+single rank's with `Sharding(1, 1)`)."""
 
 from __future__ import annotations
 
 from common.messages import DcpSeqPlan
-from dcp.batch import StepBatch, build_rank_batch
-from dcp.sharding import Sharding
 from services.attention.scheduler import ScheduledSeq
-
-SINGLE_RANK = Sharding(1, 1)
 
 
 def plan_step(scheduled: list[ScheduledSeq], all_logits: bool = False
@@ -26,10 +23,3 @@ def plan_step(scheduled: list[ScheduledSeq], all_logits: bool = False
             rows.append(first + n - 1)
         first += n
     return seqs, rows
-
-
-def build_batch(scheduled: list[ScheduledSeq], block_size: int, sliding_window: int | None,
-                all_logits: bool = False, sharding: Sharding = SINGLE_RANK) -> StepBatch:
-    """Rank 0's batch of the scheduled chunks (a single rank's, by default)."""
-    seqs, rows = plan_step(scheduled, all_logits)
-    return build_rank_batch(seqs, 0, sharding, block_size, sliding_window, rows)
