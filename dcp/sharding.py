@@ -46,3 +46,6 @@ class Sharding:
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if self.num_owned(0, mid) <= tokens_per_rank else (lo, mid - 1)
         return lo
+
+
+ONE_RANK = Sharding(1)  # no DCP: one rank holds every key

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from types import SimpleNamespace
 
 import anyio
 import pytest
@@ -21,6 +22,8 @@ from common.messages import (
 )
 from common.rpc import FrameStream
 from dcp.group import StepAborted
+from dcp.sharding import Sharding
+from dcp.strategy import DcpLeader, SingleRank
 from services.attention.builder import build_engine
 from services.attention.config import AttentionConfig
 from services.attention.server import AttentionServer
@@ -118,7 +121,7 @@ class _FakeEngine:
     class experts:  # stands in for the engine's attribute
         lockstep = False
 
-    group = None  # no DCP group
+    attention = SingleRank(16, None)  # no DCP group
 
     def __init__(self) -> None:
         self.live: set[str] = set()
@@ -312,14 +315,18 @@ def test_closing_under_a_step_that_never_ends_gives_up_after_its_timeout(
     assert "did not end within" in caplog.text and closed == [True]
 
 
-@pytest.mark.parametrize(("lockstep", "group", "failure", "leaves"), [
-    (True, None, RuntimeError("a collective failed"), True),
-    (False, "dcp", RuntimeError("attention's all_gather failed"), True),
-    (False, "dcp", StepAborted("expert rank 1 failed"), False),  # the group knows: in step
-    (False, None, RuntimeError("a bug"), False),  # alone: nobody waits on it
+_LEADER = DcpLeader(SimpleNamespace(attend=None), Sharding(2, 1), 16,  # type: ignore[arg-type]
+                    None)  # its group is never called here
+
+
+@pytest.mark.parametrize(("lockstep", "attention", "failure", "leaves"), [
+    (True, SingleRank(16, None), RuntimeError("a collective failed"), True),
+    (False, _LEADER, RuntimeError("attention's all_gather failed"), True),
+    (False, _LEADER, StepAborted("expert rank 1 failed"), False),  # the group knows: in step
+    (False, SingleRank(16, None), RuntimeError("a bug"), False),  # alone: nobody waits on it
 ])
 async def test_a_failed_step_answers_then_leaves_the_world_only_if_out_of_step(
-        lockstep: bool, group: object, failure: Exception, leaves: bool) -> None:
+        lockstep: bool, attention: SingleRank, failure: Exception, leaves: bool) -> None:
     """A rank whose peers wait in collectives it will never join (lockstep expert ranks;
     a DCP group told nothing) answers its requests with the error, then exits (the launcher
     or compose restarts the world). A DCP group that aborted the step together, or a rank
@@ -338,7 +345,7 @@ async def test_a_failed_step_answers_then_leaves_the_world_only_if_out_of_step(
 
     engine, a, left = Failing(), _FakeConn(), anyio.Event()
     engine.experts = type("Experts", (), {"lockstep": lockstep})  # type: ignore[misc]
-    engine.group = group  # type: ignore[misc]
+    engine.attention = attention  # type: ignore[misc]
     at_exit: list[list[object]] = []  # what the connection had when the rank would exit
 
     def out_of_step() -> None:

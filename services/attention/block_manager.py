@@ -18,12 +18,11 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from common.prefix_keys import chain_keys
-from dcp.sharding import Sharding
+from dcp.sharding import ONE_RANK, Sharding
 from services.attention.prefix_cache import CachedPrefix, PrefixCache, span_tokens
 from services.attention.sequence import Sequence
 
 NOTHING_CACHED = CachedPrefix()
-ONE_RANK = Sharding(1)
 
 
 class BlockManager:

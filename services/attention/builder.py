@@ -10,8 +10,9 @@ from pathlib import Path
 import torch
 
 from common.device import check_device, collective_backend
-from dcp.group import DcpGroup, GroupExperts
+from dcp.group import DcpGroup
 from dcp.sharding import Sharding
+from dcp.strategy import DcpLeader, SingleRank
 from ep_dispatch.base import ExpertsClient
 from ep_dispatch.deepep_config import check_step_budget
 from ep_dispatch.placement import Placement
@@ -53,20 +54,18 @@ def build_engine(config: AttentionConfig, graph_capture: Capture | None = None) 
         check_step_budget(config.deepep, config.max_num_batched_tokens)
     log.info("loading %s (%d layers, %d experts) as %s", cfg.architecture, cfg.num_layers,
              cfg.num_experts, dtype)
-    group = _dcp_group(config)
+    attention = _attention(config, cfg)
     with Checkpoint(config.model) as checkpoint:  # closed before waiting on any peer
-        model = DenseModel(cfg, checkpoint, dtype, group.attend if group else None, device)
+        model = DenseModel(cfg, checkpoint, dtype, attention.attend, device)
         # `local` is the only backend that holds the experts in-process
         bank = ExpertBank(cfg, checkpoint, all_experts(cfg), dtype, quantization or "none",
                           device=device) if dispatch.in_process else None
-    experts = _experts_client(config, cfg, dtype, quantization, bank)
+    experts = attention.experts(_experts_client(config, cfg, dtype, quantization, bank))
     graphed = config.cuda_graph_max_batch > 0
     num_blocks = _num_blocks(config, cfg, dtype, graphed)
     # With graphs, one more block: their scratch, never handed out.
     kv = KVCache(cfg, num_blocks + int(graphed), config.block_size, dtype, device)
-    sharding = Sharding(config.dcp_size, config.dcp_interleave)
-    if group:
-        experts = GroupExperts(group, experts)
+    sharding = attention.sharding
     block_manager = BlockManager(num_blocks, config.block_size, sharding,
                                  config.enable_prefix_caching)
     max_model_len = min(config.max_model_len or cfg.max_position_embeddings,
@@ -80,7 +79,7 @@ def build_engine(config: AttentionConfig, graph_capture: Capture | None = None) 
         graphs.capture_all()
     return Engine(EngineParts(
         config=config, model_config=cfg, device=device, dtype=dtype, quantization=quantization,
-        model=model, kv=kv, experts=experts, group=group, sharding=sharding,
+        model=model, kv=kv, experts=experts, attention=attention,
         block_manager=block_manager,
         scheduler=Scheduler(block_manager, config.max_num_batched_tokens, config.max_num_seqs),
         grammars=Grammars(Path(config.model), cfg.vocab_size, cfg.eos_token_ids),
@@ -124,16 +123,20 @@ def _num_blocks(config: AttentionConfig, cfg: ModelConfig, dtype: torch.dtype,
     return num_blocks
 
 
-def _dcp_group(config: AttentionConfig) -> DcpGroup | None:
+def _attention(config: AttentionConfig, cfg: ModelConfig) -> SingleRank:
+    """One rank's attention, or with `--dcp-size` > 1 the leader of a DCP group (met
+    here: this waits for the peers)."""
     if config.dcp_size == 1:
-        return None
+        return SingleRank(config.block_size, cfg.sliding_window)
     if config.dcp_init is None:
         raise ValueError("--dcp-size > 1 needs --dcp-init HOST:PORT for the group's rendezvous")
     if backend(config.dispatch_backend).collective:
         raise ValueError("DCP works with the local and rpc dispatch backends; the collective "
                          "backend's process group is the expert world")
-    return DcpGroup(config.dcp_init, 0, config.dcp_size, collective_backend(config.device),
-                    config.rendezvous_timeout)
+    group = DcpGroup(config.dcp_init, 0, config.dcp_size, collective_backend(config.device),
+                     config.rendezvous_timeout)
+    return DcpLeader(group, Sharding(config.dcp_size, config.dcp_interleave),
+                     config.block_size, cfg.sliding_window)
 
 
 def _world(config: AttentionConfig) -> World | None:

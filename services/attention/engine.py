@@ -14,7 +14,6 @@ import torch
 from common import tracing
 from common.failures import root_causes
 from common.messages import (
-    DcpPlan,
     EngineInfo,
     EngineStats,
     GenerateRequest,
@@ -22,9 +21,8 @@ from common.messages import (
     TokenDelta,
     TokenLogprobs,
 )
-from dcp.batch import StepBatch, build_rank_batch
-from dcp.group import DcpGroup
-from dcp.sharding import Sharding
+from dcp.batch import StepBatch
+from dcp.strategy import SingleRank
 from ep_dispatch.base import ExpertsClient
 from services.attention.batch import plan_step
 from services.attention.block_manager import BlockManager
@@ -56,7 +54,9 @@ class StepFailed(RuntimeError):
 class EngineParts:
     """What `build_engine` makes of a config: the pieces an `Engine` steps over.
 
-    `experts` is the dispatch backend's client (a DCP leader's wrapped in `GroupExperts`);
+    `experts` is the MoE seam the model calls (the dispatch backend's client, through
+    `attention.experts`); `attention` how the step's attention is spread (one rank, or a
+    DCP group this engine leads);
     `graphs` the captured decode steps (None without `--cuda-graph-max-batch`);
     `warmup_replicas` the most replicas of one expert (the warm-up's prompt covers them).
     """
@@ -69,8 +69,7 @@ class EngineParts:
     model: DenseModel
     kv: KVCache
     experts: ExpertsClient
-    group: DcpGroup | None
-    sharding: Sharding
+    attention: SingleRank
     block_manager: BlockManager
     scheduler: Scheduler
     grammars: Grammars
@@ -90,7 +89,7 @@ class Engine:
         self.config, self.model_config = parts.config, parts.model_config
         self.device, self.dtype, self.quantization = parts.device, parts.dtype, parts.quantization
         self.model, self.kv, self.experts = parts.model, parts.kv, parts.experts
-        self.group, self.sharding, self.graphs = parts.group, parts.sharding, parts.graphs
+        self.attention, self.graphs = parts.attention, parts.graphs
         self.block_manager, self.scheduler = parts.block_manager, parts.scheduler
         self.grammars, self.max_model_len = parts.grammars, parts.max_model_len
         self._warmup_replicas = parts.warmup_replicas
@@ -109,9 +108,7 @@ class Engine:
         try:
             self._closed = True
             self.experts.close()
-            if self.group:
-                self.group.send_plan(DcpPlan([], stop=True))
-                self.group.close()
+            self.attention.close()
         finally:
             if idle:
                 self._stepping.release()
@@ -125,12 +122,8 @@ class Engine:
         return batch.to(self.device)
 
     def _plan_batch(self, scheduled: list[ScheduledSeq], all_logits: bool) -> StepBatch:
-        """The step's inputs on the CPU; a DCP leader first sends its peers the plan."""
-        seqs, rows = plan_step(scheduled, all_logits)
-        if self.group:
-            self.group.send_plan(DcpPlan(seqs))
-        return build_rank_batch(seqs, 0, self.sharding, self.block_manager.block_size,
-                                self.model_config.sliding_window, rows)
+        """The step's inputs on the CPU (a DCP leader's peers get the plan first)."""
+        return self.attention.batch(*plan_step(scheduled, all_logits))
 
     def info(self) -> EngineInfo:
         cfg = self.model_config

@@ -31,7 +31,6 @@ from common.messages import (
 from common.metrics import report_ready, start_metrics_server
 from common.rpc import FrameStream, cancel_on_signal, run_service, serve_messages
 from common.tracing import setup_tracing
-from dcp.group import StepAborted
 from ep_dispatch.rpc_pool import ExpertRankError
 from ep_dispatch.torch_dist import RendezvousError
 from services.attention.builder import build_engine
@@ -141,7 +140,7 @@ class AttentionServer:
         group that aborted the step together (`StepAborted`) is still in step."""
         if self.engine.experts.lockstep:
             return True
-        return self.engine.group is not None and not isinstance(failure, StepAborted)
+        return not self.engine.attention.in_step_after(failure)
 
     def _apply(self, work: _Work) -> TokenDelta | None:
         """Add or abort; the abort's delta is returned for its owner. A refused request
