@@ -4,7 +4,6 @@ reused by combine)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -14,56 +13,6 @@ ExpertFn = Callable[[int, torch.Tensor, list[int]], torch.Tensor]
 # (layer, rows [N, width] grouped by expert, counts [E_local] int64 on the rows' device,
 # an upper bound of any count) -> [N, H]: the experts without a host sync (CUDA graphs)
 DeviceExpertFn = Callable[[int, torch.Tensor, torch.Tensor, int], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class DispatchHandle:
-    """What `combine` needs to undo a `dispatch`; opaque to callers.
-
-    Attributes:
-        src_token: [N] int64, the source token row (in `x` of dispatch) of each received row.
-        weights: [N] router weight of each received row, in the dtype of `x`.
-        num_tokens: T, the number of rows of `x` given to dispatch.
-    """
-
-    src_token: torch.Tensor
-    weights: torch.Tensor
-    num_tokens: int
-
-
-class Dispatcher(Protocol):
-    """Moves each token to the experts it was routed to, and the expert outputs back,
-    for a rank that is both sender and receiver (symmetric expert parallelism).
-
-    The router weights are applied by `combine`, never by the experts: expert ranks
-    return raw FFN outputs, row-aligned with what they received.
-    """
-
-    num_local_experts: int
-
-    def dispatch(
-        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
-    ) -> tuple[torch.Tensor, list[int], DispatchHandle]:
-        """Send tokens to their experts.
-
-        Args:
-            x: [T, H] hidden states of this rank's tokens.
-            topk_ids: [T, K] int64 global expert ids chosen by the router.
-            topk_weights: [T, K] router weights (any float dtype).
-
-        Returns:
-            recv_x: [N, H] received rows, grouped by local expert in expert order.
-            tokens_per_expert: E_local ints, the length of each local expert's run in recv_x.
-            handle: reused by `combine`.
-        """
-        ...
-
-    def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        """Bring expert outputs y [N, H] (row-aligned with recv_x) back as out [T, H].
-
-        out[t] = sum over t's routed rows r of weight[r] * y[r].
-        """
-        ...
 
 
 class ExpertsClient(Protocol):

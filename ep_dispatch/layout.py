@@ -8,6 +8,7 @@ contiguous slice already grouped the way its grouped GEMM wants it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -16,21 +17,35 @@ from ep_dispatch.placement import Placement
 
 @dataclass(frozen=True)
 class Layout:
-    """The dispatch plan of one layer call (DeepEP's "layout", then data, then a handle).
+    """The dispatch plan of one layer call (DeepEP's "layout", then data, then a handle);
+    every backend's, the in-process `local` one included (one rank holding every expert).
 
     Attributes:
         src_token: [N] int64, the source token of each dispatched row, in send order.
         weights: [N] router weight of each row (applied by `combine`).
-        rank_counts: rows sent to each expert rank (length num_ranks, sums to N).
-        expert_counts: per rank, rows for each of its local experts (in local order).
+        counts: [R, E] int64 on the rows' device: rows for each rank's local experts (in
+            local order; a rank's slots past its `num_local` stay 0). Read on the device
+            by a CUDA graph, which must not copy to the host.
+        num_local: R ints, the experts each rank holds.
         num_tokens: T.
     """
 
     src_token: torch.Tensor
     weights: torch.Tensor
-    rank_counts: list[int]
-    expert_counts: list[list[int]]
+    counts: torch.Tensor
+    num_local: list[int]
     num_tokens: int
+
+    @cached_property
+    def expert_counts(self) -> list[list[int]]:
+        """Per rank, rows for each of its local experts: the one copy to the host, which
+        the transfers need."""
+        return [c[:n] for c, n in zip(self.counts.tolist(), self.num_local, strict=True)]
+
+    @cached_property
+    def rank_counts(self) -> list[int]:
+        """Rows sent to each expert rank (R ints, summing to N)."""
+        return [sum(c) for c in self.expert_counts]
 
 
 class ReplicaTurns:
@@ -56,7 +71,7 @@ def compute_layout(
     Token t takes replica (first_replica + t) % R of its expert: callers rotate
     `first_replica` from call to call, or a decode step of one token would always take
     the first replica."""
-    num_tokens, top_k = topk_ids.shape
+    top_k = topk_ids.shape[1]
     device = topk_ids.device
     table = placement.table(layer, device)
     flat = topk_ids.reshape(-1)  # [T*K]
@@ -64,31 +79,27 @@ def compute_layout(
     replica = (token + first_replica) % table.num_replicas[flat]  # [T*K]
     rank = table.replica_ranks[flat, replica]  # [T*K]
     local = table.local_index[rank, flat]  # [T*K]
-    key = rank * placement.num_experts + local  # [T*K]
+    return sort_rows(rank * placement.num_experts + local, topk_weights, table.num_local,
+                     placement.num_experts)
+
+
+def sort_rows(key: torch.Tensor, topk_weights: torch.Tensor, num_local: list[int],
+              num_experts: int) -> Layout:
+    """The layout of the rows of topk_weights [T, K] whose destination slots are key
+    [T*K] int64 (rank * E + local expert), all on the device: no host synchronisation."""
+    num_tokens, top_k = topk_weights.shape
     order = torch.argsort(key, stable=True)  # [T*K]
     # not bincount: on a GPU it synchronises twice to size its output
-    counts = torch.zeros(placement.num_ranks * placement.num_experts, dtype=torch.int64,
-                         device=device).index_add_(0, key, torch.ones_like(key))
-    per_rank = counts.view(placement.num_ranks, placement.num_experts).tolist()
-    return Layout(
-        src_token=token[order],
-        weights=topk_weights.reshape(-1)[order],
-        rank_counts=[sum(c) for c in per_rank],
-        expert_counts=[c[:n] for c, n in zip(per_rank, table.num_local, strict=True)],
-        num_tokens=num_tokens,
-    )
+    counts = torch.zeros(len(num_local) * num_experts, dtype=torch.int64,
+                         device=key.device).index_add_(0, key, torch.ones_like(key))
+    return Layout(src_token=order // top_k, weights=topk_weights.reshape(-1)[order],
+                  counts=counts.view(len(num_local), num_experts), num_local=num_local,
+                  num_tokens=num_tokens)
 
 
 def combine(y: torch.Tensor, layout: Layout) -> torch.Tensor:
     """out [T, H] = sum over each token's rows of weight * y, for y [N, H] in send order,
     in y's dtype: summed in float32 and rounded once (as DeepEP's combine), not K times."""
-    return weighted_sum(y, layout.src_token, layout.weights, layout.num_tokens)
-
-
-def weighted_sum(y: torch.Tensor, src_token: torch.Tensor, weights: torch.Tensor,
-                 num_tokens: int) -> torch.Tensor:
-    """out [T, H] with out[src_token[i]] += weights[i] * y[i] for y [N, H], accumulated in
-    float32 (in bf16, each of a token's K additions would round) and cast to y's dtype."""
-    out = torch.zeros(num_tokens, y.shape[1], dtype=torch.float32, device=y.device)
-    out.index_add_(0, src_token, y.float() * weights.float()[:, None])
+    out = torch.zeros(layout.num_tokens, y.shape[1], dtype=torch.float32, device=y.device)
+    out.index_add_(0, layout.src_token, y.float() * layout.weights.float()[:, None])
     return out.to(y.dtype)

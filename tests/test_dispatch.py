@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ep_dispatch.layout import ReplicaTurns, combine, compute_layout
-from ep_dispatch.local import LocalDispatcher, LocalExperts
+from ep_dispatch.local import LocalExperts
 from ep_dispatch.placement import Placement, PlacementError, make_placement
 from ep_dispatch.registry import BackendContext, create_experts_client
 
@@ -93,15 +93,17 @@ def test_combine_is_the_router_weighted_sum(case: tuple) -> None:
 
 @settings(max_examples=100, deadline=None)
 @given(routings())
-def test_local_dispatcher_groups_by_expert(case: tuple) -> None:
+def test_the_local_layout_groups_by_expert(case: tuple) -> None:
     placement, x, ids, weights = case
-    d = LocalDispatcher(placement.num_experts)
-    recv, counts, handle = d.dispatch(x, ids, weights)
+    layout = LocalExperts(placement.num_experts, lambda *_: x).layout(ids, weights)
+    counts = layout.expert_counts[0]
     assert counts == torch.bincount(ids.flatten(), minlength=placement.num_experts).tolist()
+    assert layout.rank_counts == [ids.numel()]
+    assert layout.counts[0].tolist() == counts  # the device copy a CUDA graph reads
     owner = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
-    y = recv * (owner + 1)[:, None]
+    y = x[layout.src_token] * (owner + 1)[:, None]
     want = (weights[..., None] * (ids + 1)[..., None] * x[:, None, :]).sum(dim=1)
-    assert torch.allclose(d.combine(y, handle), want, atol=1e-6)
+    assert torch.allclose(combine(y, layout), want, atol=1e-6)
 
 
 def test_a_rank_that_receives_nothing_and_zero_tokens() -> None:
@@ -222,9 +224,7 @@ def test_the_first_replica_rotates_so_single_token_steps_spread() -> None:
 def test_combine_rounds_a_tokens_sum_once() -> None:
     """bf16 expert outputs, top-8: each token's weighted sum is rounded to bf16 once, from
     float32 (DeepEP's combine), not after each of its 8 additions."""
-    from ep_dispatch.base import DispatchHandle
     from ep_dispatch.layout import Layout
-    from ep_dispatch.local import LocalDispatcher
 
     g = torch.Generator().manual_seed(0)
     tokens, top_k, hidden = 64, 8, 64
@@ -234,9 +234,8 @@ def test_combine_rounds_a_tokens_sum_once() -> None:
     exact = torch.zeros(tokens, hidden, dtype=torch.float64).index_add_(
         0, src, y.double() * weights.double()[:, None])  # [T, H]
     want = exact.to(torch.bfloat16)  # one rounding (float64 -> bf16 directly)
-    layout = Layout(src, weights, [tokens * top_k], [[tokens * top_k]], tokens)
-    handle = DispatchHandle(src_token=src, weights=weights, num_tokens=tokens)
-    for got in (combine(y.clone(), layout), LocalDispatcher(1).combine(y, handle)):
-        assert got.dtype == torch.bfloat16
-        mismatched = (got != want).float().mean().item()
-        assert mismatched < 1e-3, mismatched  # float32's own error decides a rare tie
+    layout = Layout(src, weights, torch.tensor([[tokens * top_k]]), [1], tokens)
+    got = combine(y, layout)  # every backend's combine, `local`'s included
+    assert got.dtype == torch.bfloat16
+    mismatched = (got != want).float().mean().item()
+    assert mismatched < 1e-3, mismatched  # float32's own error decides a rare tie
