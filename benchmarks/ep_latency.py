@@ -97,14 +97,19 @@ def _attention(backend: str, world: World, placement: Placement, args: argparse.
 def _time(backend: str, world: World, placement: Placement, args: argparse.Namespace,
           device: torch.device) -> dict:
     from ep_dispatch.deepep_config import DeepEPSettings
-    from ep_dispatch.registry import BackendContext, create_experts_client
+    from ep_dispatch.registry import (
+        BackendSettings,
+        MoESeam,
+        WorldSettings,
+        create_experts_client,
+    )
     from moe_kernels.mxfp4 import dequantize, quantize
 
     dtype = _dtype(args)
-    client = create_experts_client(backend, BackendContext(
-        moe_layers=[0], num_experts=args.experts, world=world, hidden_size=args.hidden,
-        dtype=dtype, quantization=args.quantization, device=args.device, top_k=args.top_k,
-        connect_timeout=args.timeout, deepep=DeepEPSettings(max_tokens=args.tokens)))
+    client = create_experts_client(backend, MoESeam(
+        moe_layers=[0], num_experts=args.experts, hidden_size=args.hidden, top_k=args.top_k,
+        dtype=dtype, quantization=args.quantization, device=args.device), BackendSettings(
+        world=WorldSettings(world, deepep=DeepEPSettings(max_tokens=args.tokens))))
     g = torch.Generator(device=device).manual_seed(world.rank)
     x = torch.randn(args.tokens, args.hidden, device=device, generator=g).to(dtype)  # [T, H]
     probs = torch.rand(args.tokens, args.experts, device=device, generator=g)  # [T, E]

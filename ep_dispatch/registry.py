@@ -27,102 +27,129 @@ def _float32() -> torch.dtype:
 
 
 @dataclass(frozen=True)
-class BackendContext:
-    """What a backend may need; each uses its share.
-
-    expert_fn: the in-process experts (`local`). expert_addresses: one (host, port) per
-    expert rank (`rpc`). placement_file: JSON placement, else balanced.
-    """
+class MoESeam:
+    """The model's MoE layers as every backend sees them: what is routed, what travels,
+    and where the experts are placed (a JSON placement file, else balanced with
+    `replicas` copies of each expert)."""
 
     moe_layers: list[int]
     num_experts: int
-    expert_fn: ExpertFn | None = None
-    device_expert_fn: DeviceExpertFn | None = None  # `local`: the experts for CUDA graphs
-    expert_addresses: list[tuple[str, int]] = field(default_factory=list)
-    placement_file: Path | None = None
-    replicas: int = 1  # without a placement file: each expert on this many ranks
-    call_timeout: float = 30.0
-    connect_timeout: float = 30.0  # `rpc`: to reach an expert service
-    rendezvous_timeout: float = 300.0  # lockstep backends: for every rank to join
-    world: World | None = None  # `torch`: this rank's place among all ranks
     hidden_size: int = 0
+    top_k: int = 0  # experts per token (`deepep` pads empty ranks with it)
     dtype: torch.dtype = field(default_factory=_float32)
     quantization: str | None = None  # "w4a4": activations travel as MXFP4
     device: str = "cpu"  # where the activations live
-    top_k: int = 0  # experts per token (`deepep` pads empty ranks with it)
-    deepep: DeepEPSettings | None = None  # `deepep`: the --deepep-* flags
+    placement_file: Path | None = None
+    replicas: int = 1
+
+    def placement(self, num_ranks: int) -> Placement:
+        from ep_dispatch.placement import make_placement
+
+        return make_placement(self.moe_layers, self.num_experts, num_ranks,
+                              self.placement_file, self.replicas)
+
+    @property
+    def rows(self) -> RowFormat:
+        from ep_dispatch.wire import RowFormat
+
+        return RowFormat(self.hidden_size, self.dtype, self.quantization)
 
 
-def _local(ctx: BackendContext) -> ExpertsClient:
+@dataclass(frozen=True)
+class InProcessSettings:
+    """`local`: the experts held in the attention process (`ExpertBank.forward`, and
+    `forward_on_device` for CUDA graphs)."""
+
+    expert_fn: ExpertFn
+    device_expert_fn: DeviceExpertFn | None = None
+
+
+@dataclass(frozen=True)
+class RpcSettings:
+    """`rpc`: one (host, port) per expert rank, and how long to wait for them."""
+
+    addresses: list[tuple[str, int]]
+    call_timeout: float = 30.0
+    connect_timeout: float = 30.0
+
+
+@dataclass(frozen=True)
+class WorldSettings:
+    """The lockstep backends (`torch`, `nccl`, `deepep`): this rank's place among all
+    ranks, how long all may take to join, and `deepep`'s `--deepep-*` settings."""
+
+    world: World
+    rendezvous_timeout: float = 300.0
+    deepep: DeepEPSettings | None = None
+
+
+@dataclass(frozen=True)
+class BackendSettings:
+    """Each backend's own settings, as the flags gave them (None: no flag for it); a
+    backend reads only its own and names the flags it misses."""
+
+    in_process: InProcessSettings | None = None
+    rpc: RpcSettings | None = None
+    world: WorldSettings | None = None
+
+
+def _local(seam: MoESeam, settings: BackendSettings) -> ExpertsClient:
     from ep_dispatch.local import LocalExperts
 
-    if ctx.expert_fn is None:
+    if (own := settings.in_process) is None:
         raise ValueError("the local backend needs the experts in this process")
-    return LocalExperts(ctx.num_experts, ctx.expert_fn, ctx.quantization,
-                        ctx.device_expert_fn)
+    return LocalExperts(seam.num_experts, own.expert_fn, seam.quantization,
+                        own.device_expert_fn)
 
 
-def _rpc(ctx: BackendContext) -> ExpertsClient:
-    from ep_dispatch.placement import make_placement
+def _rpc(seam: MoESeam, settings: BackendSettings) -> ExpertsClient:
     from ep_dispatch.rpc import RpcExperts
 
-    if not ctx.expert_addresses:
+    if (own := settings.rpc) is None or not own.addresses:
         raise ValueError("the rpc backend needs --expert-addresses HOST:PORT,...")
-    placement = make_placement(ctx.moe_layers, ctx.num_experts, len(ctx.expert_addresses),
-                               ctx.placement_file, ctx.replicas)
-    return RpcExperts(placement, ctx.expert_addresses, ctx.call_timeout, ctx.connect_timeout,
-                      ctx.quantization)
+    return RpcExperts(seam.placement(len(own.addresses)), own.addresses, own.call_timeout,
+                      own.connect_timeout, seam.quantization)
 
 
-def _collective_world(name: str, ctx: BackendContext) -> tuple[World, Placement]:
-    """What the lockstep backends (`torch`, `nccl`, `deepep`) share: a world, a placement
-    over its expert ranks."""
-    from ep_dispatch.placement import make_placement
-
-    if ctx.world is None:
+def _world(name: str, settings: BackendSettings) -> WorldSettings:
+    if settings.world is None:
         raise ValueError(f"the {name} backend needs --dist-init HOST:PORT and the rank layout")
-    return ctx.world, make_placement(ctx.moe_layers, ctx.num_experts,
-                                     ctx.world.num_experts, ctx.placement_file, ctx.replicas)
+    return settings.world
 
 
-def _rows(ctx: BackendContext) -> RowFormat:
-    from ep_dispatch.wire import RowFormat
-
-    return RowFormat(ctx.hidden_size, ctx.dtype, ctx.quantization)
-
-
-def _torch(ctx: BackendContext) -> ExpertsClient:
+def _torch(seam: MoESeam, settings: BackendSettings) -> ExpertsClient:
     from ep_dispatch.torch_dist import TorchExperts, join
 
-    world, placement = _collective_world("torch", ctx)
-    rows = _rows(ctx)
-    join(world, ctx.rendezvous_timeout, collective_backend(ctx.device), rows)
-    return TorchExperts(world, placement, rows, ctx.device)
+    own = _world("torch", settings)
+    join(own.world, own.rendezvous_timeout, collective_backend(seam.device), seam.rows)
+    return TorchExperts(own.world, seam.placement(own.world.num_experts), seam.rows,
+                        seam.device)
 
 
-def _nccl(ctx: BackendContext) -> ExpertsClient:
+def _nccl(seam: MoESeam, settings: BackendSettings) -> ExpertsClient:
     from ep_dispatch.nccl import CupyNccl, import_nccl
     from ep_dispatch.torch_dist import TorchExperts
 
     import_nccl()
-    world, placement = _collective_world("nccl", ctx)
-    rows = _rows(ctx)
-    return TorchExperts(world, placement, rows, ctx.device,
-                        CupyNccl(world, ctx.rendezvous_timeout, rows), backend="nccl")
+    own = _world("nccl", settings)
+    return TorchExperts(own.world, seam.placement(own.world.num_experts), seam.rows,
+                        seam.device, CupyNccl(own.world, own.rendezvous_timeout, seam.rows),
+                        backend="nccl")
 
 
-def _deepep(ctx: BackendContext) -> ExpertsClient:
+def _deepep(seam: MoESeam, settings: BackendSettings) -> ExpertsClient:
     from ep_dispatch.deepep import DeepEPExperts
     from ep_dispatch.deepep_config import DeepEPSettings, check_deepep, import_deep_ep
     from ep_dispatch.torch_dist import join
 
-    world, placement = _collective_world("deepep", ctx)
-    settings = ctx.deepep or DeepEPSettings()
-    check_deepep(settings, world.size, ctx.hidden_size, ctx.top_k, placement.most_local,
-                 ctx.dtype)
+    own = _world("deepep", settings)
+    placement = seam.placement(own.world.num_experts)
+    deepep = own.deepep or DeepEPSettings()
+    check_deepep(deepep, own.world.size, seam.hidden_size, seam.top_k, placement.most_local,
+                 seam.dtype)
     import_deep_ep()
-    join(world, ctx.rendezvous_timeout, "nccl", _rows(ctx))
-    return DeepEPExperts(world, placement, ctx.hidden_size, ctx.top_k, settings)
+    join(own.world, own.rendezvous_timeout, "nccl", seam.rows)
+    return DeepEPExperts(own.world, placement, seam.hidden_size, seam.top_k, deepep)
 
 
 @dataclass(frozen=True)
@@ -132,14 +159,12 @@ class ExpertSide:
     expert_fn: the rank's experts (`ExpertBank.forward`); rows: what travels; ready: called
     once the rank joined the world (it reports readiness and logs)."""
 
-    world: World
+    settings: WorldSettings
     placement: Placement
     expert_fn: ExpertFn
     rows: RowFormat
     device: str
-    rendezvous_timeout: float
     top_k: int
-    deepep: DeepEPSettings | None
     ready: Callable[[], None]
 
 
@@ -147,16 +172,16 @@ def _serve_torch(side: ExpertSide) -> None:
     from ep_dispatch.torch_dist import serve_experts
 
     _join(side, collective_backend(side.device))
-    serve_experts(side.world, side.placement, side.expert_fn, side.rows, side.device)
+    serve_experts(side.settings.world, side.placement, side.expert_fn, side.rows, side.device)
 
 
 def _serve_nccl(side: ExpertSide) -> None:
     from ep_dispatch.nccl import CupyNccl
     from ep_dispatch.torch_dist import serve_experts
 
-    collective = CupyNccl(side.world, side.rendezvous_timeout, side.rows)
+    collective = CupyNccl(side.settings.world, side.settings.rendezvous_timeout, side.rows)
     side.ready()
-    serve_experts(side.world, side.placement, side.expert_fn, side.rows, side.device,
+    serve_experts(side.settings.world, side.placement, side.expert_fn, side.rows, side.device,
                   collective)
 
 
@@ -164,20 +189,20 @@ def _serve_deepep(side: ExpertSide) -> None:
     from ep_dispatch.deepep import serve_deepep
     from ep_dispatch.deepep_config import DeepEPSettings, check_deepep, import_deep_ep
 
-    settings = side.deepep or DeepEPSettings()
-    check_deepep(settings, side.world.size, side.rows.hidden, side.top_k,
+    settings = side.settings.deepep or DeepEPSettings()
+    check_deepep(settings, side.settings.world.size, side.rows.hidden, side.top_k,
                  side.placement.most_local, side.rows.dtype)
     import_deep_ep()
     _join(side, "nccl")
-    serve_deepep(side.world, side.placement, side.expert_fn, side.rows.hidden, side.top_k,
-                 settings)
+    serve_deepep(side.settings.world, side.placement, side.expert_fn, side.rows.hidden,
+                 side.top_k, settings)
 
 
 def _join(side: ExpertSide, backend: str) -> None:
     """Join the world's process group (gloo or NCCL), then say the rank is ready."""
     from ep_dispatch.torch_dist import join as join_world
 
-    join_world(side.world, side.rendezvous_timeout, backend, side.rows)
+    join_world(side.settings.world, side.settings.rendezvous_timeout, backend, side.rows)
     side.ready()
 
 
@@ -186,7 +211,8 @@ class Backend:
     """One dispatch backend: both sides and what it can do. Nothing outside this module
     compares a backend's name; callers ask these attributes.
 
-    client: the attention side, built from a `BackendContext`.
+    client: the attention side, built from the model's `MoESeam` and the backend's own
+        settings (of the `BackendSettings` the flags gave).
     serve: the expert side of a lockstep backend, run on each expert rank until stopped
         (None: the expert service's own TCP server answers, `rpc`; or there are no expert
         services, `local`).
@@ -197,7 +223,7 @@ class Backend:
     """
 
     name: str
-    client: Callable[[BackendContext], ExpertsClient]
+    client: Callable[[MoESeam, BackendSettings], ExpertsClient]
     serve: Callable[[ExpertSide], None] | None = None
     collective: bool = False
     in_process: bool = False
@@ -240,6 +266,7 @@ def backend(name: str, device: str = "cpu", quantization: str | None = None) -> 
     return found
 
 
-def create_experts_client(name: str, ctx: BackendContext) -> ExpertsClient:
+def create_experts_client(name: str, seam: MoESeam,
+                          settings: BackendSettings = BackendSettings()) -> ExpertsClient:
     """Build the attention side of the backend called `name` (`backend`'s errors)."""
-    return backend(name, ctx.device, ctx.quantization).client(ctx)
+    return backend(name, seam.device, seam.quantization).client(seam, settings)

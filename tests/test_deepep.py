@@ -20,7 +20,12 @@ from ep_dispatch.deepep_config import (
     check_step_budget,
 )
 from ep_dispatch.placement import Placement
-from ep_dispatch.registry import BackendContext, create_experts_client
+from ep_dispatch.registry import (
+    BackendSettings,
+    MoESeam,
+    WorldSettings,
+    create_experts_client,
+)
 from ep_dispatch.torch_dist import World
 
 BF16 = torch.bfloat16
@@ -126,9 +131,9 @@ def test_low_latency_only_needs_steps_that_fit_its_buffers() -> None:
         check_step_budget(DeepEPSettings(mode="low_latency", max_tokens=128), 512)
 
 
-def context(hidden: int) -> BackendContext:
-    return BackendContext([0, 1], 16, world=World(("127.0.0.1", 1), 1, 1, rank=0),
-                          hidden_size=hidden, dtype=BF16, top_k=8, device="cuda")
+def context(hidden: int) -> tuple[MoESeam, BackendSettings]:
+    return (MoESeam([0, 1], 16, hidden_size=hidden, dtype=BF16, top_k=8, device="cuda"),
+            BackendSettings(world=WorldSettings(World(("127.0.0.1", 1), 1, 1, rank=0))))
 
 
 @pytest.mark.skipif(not NO_DEEP_EP, reason="deep_ep is installed here")
@@ -136,14 +141,14 @@ def test_without_deep_ep_the_backend_says_what_to_install() -> None:
     with pytest.raises(ValueError, match=r"needs DeepEP \(import deep_ep failed: .*\); build "
                                          r"it from https://github.com/deepseek-ai/DeepEP .*"
                                          r"WITH_DEEPEP=1"):
-        create_experts_client("deepep", context(7168))
+        create_experts_client("deepep", *context(7168))
 
 
 def test_limits_are_checked_before_deep_ep_is_needed() -> None:
     with pytest.raises(ValueError, match="this model's is 1000"):
-        create_experts_client("deepep", context(1000))
+        create_experts_client("deepep", *context(1000))
     with pytest.raises(ValueError, match="moves CUDA tensors"):
-        create_experts_client("deepep", BackendContext([0], 8, device="cpu"))
+        create_experts_client("deepep", MoESeam([0], 8, device="cpu"))
 
 
 @pytest.mark.parametrize(("flags", "error"), [

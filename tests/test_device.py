@@ -73,7 +73,7 @@ def test_w4a4_triton_kernel_matches_the_torch_path_on_the_gpu() -> None:
 
 
 def test_nccl_backend_needs_cuda_and_names_cupy() -> None:
-    from ep_dispatch.registry import BackendContext, backend, create_experts_client
+    from ep_dispatch.registry import MoESeam, backend, create_experts_client
 
     with pytest.raises(ValueError, match="moves CUDA tensors: run the services with "
                                          "--device cuda"):
@@ -82,7 +82,7 @@ def test_nccl_backend_needs_cuda_and_names_cupy() -> None:
         import cupy  # noqa: F401
     except ImportError:
         with pytest.raises(ValueError, match="needs CuPy with NCCL: pip install cupy-cuda12x"):
-            create_experts_client("nccl", BackendContext([0], 8, device="cuda"))
+            create_experts_client("nccl", MoESeam([0], 8, device="cuda"))
 
 
 @NO_GPU
@@ -121,11 +121,17 @@ def test_the_nccl_backend_reports_its_metrics_as_nccl(monkeypatch: pytest.Monkey
     """It reuses the torch backend's exchange: its dispatch and combine histograms must
     still say `backend="nccl"` (the docs and dashboard name it so)."""
     from ep_dispatch import nccl
-    from ep_dispatch.registry import BackendContext, create_experts_client
+    from ep_dispatch.registry import (
+        BackendSettings,
+        MoESeam,
+        WorldSettings,
+        create_experts_client,
+    )
     from ep_dispatch.torch_dist import World
 
     monkeypatch.setattr(nccl, "import_nccl", lambda: None)
     monkeypatch.setattr(nccl, "CupyNccl", lambda *args: "communicator")
     world = World(("127.0.0.1", 1), 1, 1, rank=0)
-    client = create_experts_client("nccl", BackendContext([0], 8, world=world, device="cuda"))
+    client = create_experts_client("nccl", MoESeam([0], 8, device="cuda"),
+                                   BackendSettings(world=WorldSettings(world)))
     assert (client.backend, client.coll) == ("nccl", "communicator")  # type: ignore[attr-defined]

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from ep_dispatch.layout import ReplicaTurns, combine, compute_layout
 from ep_dispatch.local import LocalExperts
 from ep_dispatch.placement import Placement, PlacementError, make_placement
-from ep_dispatch.registry import BackendContext, create_experts_client
+from ep_dispatch.registry import MoESeam, create_experts_client
 
 H = 8
 
@@ -170,7 +170,7 @@ def test_balanced_replicas_and_a_lost_rank(ranks: int, replicas: int) -> None:
 def test_unknown_backend_names_the_known_ones() -> None:
     with pytest.raises(ValueError, match=r"unknown dispatch backend 'nope'; available: deepep, "
                                          r"local, nccl, rpc, torch$"):
-        create_experts_client("nope", BackendContext(moe_layers=[0], num_experts=2))
+        create_experts_client("nope", MoESeam(moe_layers=[0], num_experts=2))
 
 
 def test_local_experts_client_equals_dense_reference() -> None:

@@ -513,14 +513,21 @@ def test_rendezvous_timeout_names_the_missing_ranks() -> None:
 def test_an_attention_rank_waits_its_rendezvous_timeout_not_the_expert_timeout() -> None:
     """Expert ranks load most of the weights before they join: the attention rank's wait
     is `--rendezvous-timeout`, not the 30 s an rpc call may take (`--expert-timeout`)."""
-    from ep_dispatch.registry import BackendContext, create_experts_client
+    from ep_dispatch.registry import (
+        BackendSettings,
+        MoESeam,
+        RpcSettings,
+        WorldSettings,
+        create_experts_client,
+    )
     from ep_dispatch.torch_dist import RendezvousError, World
 
     port = free_port()
-    ctx = BackendContext([0], 8, world=World(("127.0.0.1", port), 1, 1, rank=0),
-                         connect_timeout=600, rendezvous_timeout=1, hidden_size=8)
+    settings = BackendSettings(
+        rpc=RpcSettings([], call_timeout=600, connect_timeout=600),
+        world=WorldSettings(World(("127.0.0.1", port), 1, 1, rank=0), rendezvous_timeout=1))
     with pytest.raises(RendezvousError, match=r"waited 1s at .* for expert rank 0"):
-        create_experts_client("torch", ctx)
+        create_experts_client("torch", MoESeam([0], 8, hidden_size=8), settings)
 
 
 def test_a_lockstep_attention_rank_whose_expert_rank_dies_exits_for_a_restart(

@@ -16,7 +16,15 @@ from dcp.strategy import DcpLeader, SingleRank
 from ep_dispatch.base import ExpertsClient
 from ep_dispatch.deepep_config import check_step_budget
 from ep_dispatch.placement import Placement
-from ep_dispatch.registry import BackendContext, backend, create_experts_client
+from ep_dispatch.registry import (
+    BackendSettings,
+    InProcessSettings,
+    MoESeam,
+    RpcSettings,
+    WorldSettings,
+    backend,
+    create_experts_client,
+)
 from ep_dispatch.torch_dist import World
 from services.attention.block_manager import BlockManager
 from services.attention.config import AttentionConfig, check_cuda_graphs
@@ -90,18 +98,18 @@ def build_engine(config: AttentionConfig, graph_capture: Capture | None = None) 
 def _experts_client(config: AttentionConfig, cfg: ModelConfig, dtype: torch.dtype,
                     quantization: str | None, bank: ExpertBank | None) -> ExpertsClient:
     """The configured dispatch backend's client (`bank`: the in-process experts of
-    `local`)."""
-    return create_experts_client(config.dispatch_backend, BackendContext(
-        moe_layers=cfg.moe_layer_ids,
-        num_experts=cfg.num_experts, expert_fn=bank.forward if bank else None,
-        device_expert_fn=bank.forward_on_device if bank else None,
-        expert_addresses=list(config.expert_addresses),
-        placement_file=config.placement, replicas=config.expert_replicas,
-        call_timeout=config.expert_timeout,
-        connect_timeout=config.expert_timeout,
-        rendezvous_timeout=config.rendezvous_timeout, world=_world(config),
-        hidden_size=cfg.hidden_size, dtype=dtype, quantization=quantization,
-        device=config.device, top_k=cfg.top_k, deepep=config.deepep))
+    `local`); each backend takes its own settings of those the flags give."""
+    seam = MoESeam(moe_layers=cfg.moe_layer_ids, num_experts=cfg.num_experts,
+                   hidden_size=cfg.hidden_size, top_k=cfg.top_k, dtype=dtype,
+                   quantization=quantization, device=config.device,
+                   placement_file=config.placement, replicas=config.expert_replicas)
+    world = _world(config)
+    return create_experts_client(config.dispatch_backend, seam, BackendSettings(
+        in_process=InProcessSettings(bank.forward, bank.forward_on_device) if bank else None,
+        rpc=RpcSettings(list(config.expert_addresses), config.expert_timeout,
+                        config.expert_timeout),
+        world=WorldSettings(world, config.rendezvous_timeout, config.deepep) if world
+        else None))
 
 
 def _max_replicas(config: AttentionConfig, cfg: ModelConfig) -> int:

@@ -24,7 +24,7 @@ from common.metrics import report_ready, start_metrics_server
 from common.rpc import FrameStream, cancel_on_signal, run_service, serve_messages
 from common.tracing import setup_tracing
 from ep_dispatch.placement import make_placement
-from ep_dispatch.registry import ExpertSide, backend
+from ep_dispatch.registry import ExpertSide, WorldSettings, backend
 from ep_dispatch.torch_dist import (
     RendezvousError,
     World,
@@ -209,9 +209,9 @@ def serve_collective(config: ExpertConfig, server: ExpertServer,
                  bank.rows.describe())
         report_ready(config.ready_fd, 0, metrics_port)
 
-    side = ExpertSide(world, server.placement, bank.forward, bank.rows, config.device,
-                      config.rendezvous_timeout, server.model_config.top_k, config.deepep,
-                      ready)
+    side = ExpertSide(WorldSettings(world, config.rendezvous_timeout, config.deepep),
+                      server.placement, bank.forward, bank.rows, config.device,
+                      server.model_config.top_k, ready)
     serve = server.backend.serve
     assert serve is not None  # (every collective backend has an expert side)
     with torch.inference_mode():
