@@ -76,13 +76,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout", type=float,
                    default=float(env("SHUTDOWN_TIMEOUT") or 5),
                    help="seconds open streams get to finish on shutdown")
-    p.add_argument("--max-request-body-size", type=parse_size,
-                   default=parse_size(env("MAX_REQUEST_BODY_SIZE", "16MiB")),
-                   help="larger request bodies get 413")
-    p.add_argument("--max-queued-requests", type=int,
-                   default=int(env("MAX_QUEUED_REQUESTS") or 256),
-                   help="requests (choices) that may wait beyond what the engines run at "
-                        "once; more get 429 with Retry-After")
     p.add_argument("--retry-after", type=int, default=int(env("RETRY_AFTER") or 1),
                    help="seconds a 429 tells the client to wait")
     p.add_argument("--otlp-traces-endpoint", default=env("OTLP_TRACES_ENDPOINT"),
@@ -93,10 +86,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dashboard-window", type=float,
                    default=float(env("DASHBOARD_WINDOW") or 60),
                    help="seconds of recent load /dashboard summarizes by default")
-    p.add_argument("--generation-config", default=env("GENERATION_CONFIG", "auto"),
-                   help="sampling defaults for what a request leaves out: auto (the model's "
-                        "generation_config.json, as vLLM), vllm (neutral: temperature 1, "
-                        "no top-p/top-k), or a directory holding a generation_config.json")
     add_serve_flags(p)
     return p
 
@@ -105,6 +94,17 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     """The gateway's flags that `switchyard serve` takes too (and passes on with
     `serve_flags`)."""
     add_tool_call_flags(p)
+    p.add_argument("--max-request-body-size", type=parse_size,
+                   default=parse_size(env("MAX_REQUEST_BODY_SIZE", "16MiB")),
+                   help="larger request bodies get 413")
+    p.add_argument("--max-queued-requests", type=int,
+                   default=int(env("MAX_QUEUED_REQUESTS") or 256),
+                   help="requests (choices) that may wait beyond what the engines run at "
+                        "once; more get 429 with Retry-After")
+    p.add_argument("--generation-config", default=env("GENERATION_CONFIG", "auto"),
+                   help="sampling defaults for what a request leaves out: auto (the model's "
+                        "generation_config.json, as vLLM), vllm (neutral: temperature 1, "
+                        "no top-p/top-k), or a directory holding a generation_config.json")
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    default=env_switch("ENABLE_PROMPT_TOKENS_DETAILS"),
                    help="report usage.prompt_tokens_details.cached_tokens (prompt tokens "
@@ -127,6 +127,9 @@ def serve_flags(args: argparse.Namespace) -> list[str]:
     if args.routing_balance < 0:
         raise ValueError("--routing-balance must not be negative")
     return [*tool_call_flags(args),
+            "--max-request-body-size", str(args.max_request_body_size),
+            "--max-queued-requests", str(args.max_queued_requests),
+            "--generation-config", args.generation_config,
             *["--enable-prompt-tokens-details"] * args.enable_prompt_tokens_details,
             "--routing-policy", args.routing_policy,
             "--routing-balance", str(args.routing_balance)]

@@ -27,47 +27,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                         "local, which keeps the experts inside the attention service)")
     p.add_argument("--attention-groups", type=int, default=int(env("ATTENTION_GROUPS", "1")),
                    help="attention services sharing the expert services (data parallel)")
-    p.add_argument("--max-queued-requests", default=env("MAX_QUEUED_REQUESTS", "256"),
-                   help="gateway: requests that may wait beyond what the engines run at "
-                        "once; more get 429")
-    p.add_argument("--max-request-body-size", default=env("MAX_REQUEST_BODY_SIZE", "16MiB"),
-                   help="gateway: larger request bodies get 413")
-    p.add_argument("--generation-config", default=env("GENERATION_CONFIG", "auto"),
-                   help="gateway: sampling defaults for what a request leaves out: auto (the "
-                        "model's generation_config.json, as vLLM), vllm (neutral), or a "
-                        "directory holding a generation_config.json")
     add_serve_flags(p)
     add_engine_flags(p, default_backend="rpc")
-
-
-def _attention_parser(sub: argparse._SubParsersAction) -> None:
-    from common.flags import add_metrics_flag, env
-    from services.attention.config import add_engine_flags
-
-    p = sub.add_parser("attention", help="run one attention service (the engine core)")
-    p.add_argument("--model", default=env("MODEL"), required=env("MODEL") is None,
-                   help="HF checkpoint directory")
-    p.add_argument("--host", default=env("ATTENTION_HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=int(env("ATTENTION_PORT", "0")),
-                   help="RPC port (0 picks a free one)")
-    p.add_argument("--ready-fd", type=int, default=None,
-                   help="write the bound port to this file descriptor once listening")
-    p.add_argument("--expert-addresses", default=env("EXPERT_ADDRESSES"),
-                   help="rpc backend: HOST:PORT of each expert rank, comma-separated, in "
-                        "rank order")
-    p.add_argument("--attention-rank", type=int, default=int(env("ATTENTION_RANK", "0")),
-                   help="torch backend: this attention group's rank, 0..attention-ranks-1")
-    p.add_argument("--attention-ranks", type=int, default=int(env("ATTENTION_RANKS", "1")),
-                   help="torch backend: number of attention groups in the world")
-    p.add_argument("--expert-ranks", type=int, default=int(env("EXPERT_RANKS", "0")),
-                   help="torch backend: number of expert ranks in the world")
-    p.add_argument("--dcp-rank", type=int, default=int(env("DCP_RANK", "0")),
-                   help="this process's rank in its DCP group (0: the leader, which the "
-                        "gateway connects to)")
-    p.add_argument("--dcp-init", default=env("DCP_INIT"),
-                   help="HOST:PORT of the DCP group's rendezvous, hosted by its rank 0")
-    add_engine_flags(p)
-    add_metrics_flag(p)
 
 
 def _placement_parser(sub: argparse._SubParsersAction) -> None:
@@ -108,13 +69,13 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in OWN_PARSERS:
         return importlib.import_module(OWN_PARSERS[argv[0]]).main(argv[1:]) or 0
     # The service flags need no torch; the services import it when they start.
-    from services.attention.config import from_args
+    from services.attention.config import add_attention_parser, from_args
     from services.expert.config import add_expert_parser, expert_config
 
     parser = argparse.ArgumentParser(prog="switchyard", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
-    _attention_parser(sub)
+    add_attention_parser(sub)
     add_expert_parser(sub)
     _placement_parser(sub)
     sub.add_parser("gateway", help="run the HTTP gateway (see `switchyard gateway --help`)")

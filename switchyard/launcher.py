@@ -174,9 +174,7 @@ def _start_services(args: argparse.Namespace, model: Path, name: str,
         "--engine", ",".join(f"127.0.0.1:{p}" for p, _ in engine_ports),
         "--service-metrics", scrape,
         "--host", args.host, "--port", str(args.port),
-        "--max-queued-requests", args.max_queued_requests,
-        "--max-request-body-size", args.max_request_body_size,
-        "--generation-config", args.generation_config, *serve_flags(args),
+        *serve_flags(args),
         *_tracing_args(args)])],
         timeout)
     url = http_url(args.host, http_port)

@@ -11,12 +11,13 @@ from common.units import parse_size
 
 
 def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
-    from switchyard.cli import _attention_parser, _serve_parser
+    from services.attention.config import add_attention_parser
+    from switchyard.cli import _serve_parser
 
     root = argparse.ArgumentParser()
     sub = root.add_subparsers(dest="command")
     _serve_parser(sub)
-    _attention_parser(sub)
+    add_attention_parser(sub)
     return sub.choices["serve"], sub.choices["attention"]
 
 
@@ -37,6 +38,8 @@ def _other_flags(action: argparse.Action) -> list[str]:
     """The flags that give `action` a valid value that is not its default."""
     if isinstance(action, argparse.BooleanOptionalAction):  # --x / --no-x
         return [action.option_strings[1 if action.default else 0]]
+    if action.nargs == 0:  # a switch (store_true)
+        return [action.option_strings[0]]
     return [action.option_strings[0], _other_value(action)]
 
 
@@ -56,6 +59,24 @@ def test_serve_forwards_every_engine_flag_to_the_attention_services(
         if action.dest != "dist_init":  # the launcher gives each world its own
             assert getattr(got, action.dest) == getattr(given, action.dest), action.dest
             assert getattr(got, action.dest) != action.default, action.dest
+
+
+def test_serve_forwards_every_gateway_flag_it_takes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`add_serve_flags` defines the gateway flags `serve` takes too, once: each reaches
+    the gateway's own parser through `serve_flags` with the value given to serve."""
+    from gateway.config import _parser, add_serve_flags, serve_flags
+
+    for name in ("GENERATION_CONFIG", "TOOL_CALL_PARSER", "ROUTING_POLICY"):
+        monkeypatch.delenv(f"SWITCHYARD_{name}", raising=False)
+    serve, _ = _parsers()
+    probe = argparse.ArgumentParser()
+    add_serve_flags(probe)
+    shared = [a for a in probe._actions if a.option_strings and a.dest != "help"]
+    given = serve.parse_args([arg for a in shared for arg in _other_flags(a)])
+    got = _parser().parse_args(["--model", "m", "--engine", "h:1", *serve_flags(given)])
+    for action in shared:
+        assert getattr(got, action.dest) == getattr(given, action.dest), action.dest
+        assert getattr(got, action.dest) != action.default, action.dest
 
 
 def test_as_flags_gives_values_and_switches_and_leaves_out_what_is_unset() -> None:

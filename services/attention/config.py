@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from common.device import resolve_dtype
 from common.flags import (
     add_device_flag,
+    add_metrics_flag,
     add_quantization_flag,
     add_rendezvous_flag,
     add_replicas_flag,
@@ -153,6 +154,35 @@ def add_engine_flags(p: argparse.ArgumentParser, default_backend: str = "local"
             help="torch backend: HOST:PORT of the rendezvous, hosted by attention rank 0"),
         *add_deepep_flags(p),
     ]
+
+
+def add_attention_parser(sub: argparse._SubParsersAction) -> None:
+    """`switchyard attention`: the engine flags, and those of one process of a
+    deployment (its address, its expert ranks, its place in a world or a DCP group)."""
+    p = sub.add_parser("attention", help="run one attention service (the engine core)")
+    p.add_argument("--model", default=env("MODEL"), required=env("MODEL") is None,
+                   help="HF checkpoint directory")
+    p.add_argument("--host", default=env("ATTENTION_HOST", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=int(env("ATTENTION_PORT", "0")),
+                   help="RPC port (0 picks a free one)")
+    p.add_argument("--ready-fd", type=int, default=None,
+                   help="write the bound port to this file descriptor once listening")
+    p.add_argument("--expert-addresses", default=env("EXPERT_ADDRESSES"),
+                   help="rpc backend: HOST:PORT of each expert rank, comma-separated, in "
+                        "rank order")
+    p.add_argument("--attention-rank", type=int, default=int(env("ATTENTION_RANK", "0")),
+                   help="torch backend: this attention group's rank, 0..attention-ranks-1")
+    p.add_argument("--attention-ranks", type=int, default=int(env("ATTENTION_RANKS", "1")),
+                   help="torch backend: number of attention groups in the world")
+    p.add_argument("--expert-ranks", type=int, default=int(env("EXPERT_RANKS", "0")),
+                   help="torch backend: number of expert ranks in the world")
+    p.add_argument("--dcp-rank", type=int, default=int(env("DCP_RANK", "0")),
+                   help="this process's rank in its DCP group (0: the leader, which the "
+                        "gateway connects to)")
+    p.add_argument("--dcp-init", default=env("DCP_INIT"),
+                   help="HOST:PORT of the DCP group's rendezvous, hosted by its rank 0")
+    add_engine_flags(p)
+    add_metrics_flag(p)
 
 
 def from_args(args: argparse.Namespace) -> AttentionConfig:
