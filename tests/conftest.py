@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import checkpoints
+from tests.support import checkpoints
 
 
 @pytest.fixture(scope="session")

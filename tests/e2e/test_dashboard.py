@@ -1,0 +1,104 @@
+"""/dashboard in a real headless Chromium: it loads with no network but loopback, draws a
+cell for every (MoE layer, expert), its numbers agree with /metrics, and it follows new
+load. SWITCHYARD_DASHBOARD_SCREENSHOT=PATH saves what it showed (docs/dashboard.png)."""
+
+from __future__ import annotations
+
+import os
+from itertools import product
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+from selenium.webdriver.support.ui import WebDriverWait
+
+from services.model.config import ModelConfig
+from switchyard.serve_process import Served
+from tests.support.engines import prompts
+from tests.support.metrics_text import buckets, per_expert, scrape
+from tests.support.tools import chromium
+
+pytestmark = pytest.mark.timeout(300)
+TOKENS = "switchyard:expert_tokens_total"
+COMPUTE = "switchyard:expert_compute_seconds"
+CELLS = "return [...document.querySelectorAll('#heatmap td.cell')].map(td => ({...td.dataset}))"
+TABLES = """return ['slowest', 'services'].map(id =>
+    [...document.getElementById(id).tBodies[0].rows].map(tr =>
+        [...tr.cells].map(td => td.textContent)))"""
+
+
+def generate(url: str, seed: int, lengths: tuple[int, ...]) -> None:
+    name = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+    for prompt in prompts(seed=seed, lengths=lengths):
+        r = httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "model": name, "prompt": prompt, "max_tokens": 6, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+
+
+def bucket_range(counts: dict[float, float], q: float) -> tuple[float, float]:
+    """The (lower, upper) bounds of the bucket holding the q-quantile; a quantile in the
+    +Inf bucket is reported as the largest finite bound, as Prometheus does."""
+    bounds = sorted(counts)
+    rank = q * counts[float("inf")]
+    i = next(i for i, b in enumerate(bounds) if counts[b] >= rank)
+    if i == len(bounds) - 1:
+        return bounds[-2], bounds[-2]
+    return (bounds[i - 1] if i else 0.0), bounds[i]
+
+
+def test_dashboard_in_chromium(qwen3_ckpt: tuple) -> None:
+    path, _ = qwen3_ckpt
+    cfg = ModelConfig.from_dir(path)
+    moe_layers = cfg.moe_layer_ids
+    with Served(["--model", str(path), "--expert-services", "2"]) as served, \
+            chromium() as browser:
+        generate(served.url, seed=81, lengths=(9, 14, 6, 11))
+        samples = scrape(f"{served.url}/metrics")
+        tokens = per_expert(samples, TOKENS)
+        browser.get(f"{served.url}/dashboard?window=900&refresh=0.5")
+        WebDriverWait(browser, 30).until(
+            lambda b: b.execute_script("return document.body.dataset.renders"))
+
+        for bad in ("0", "abc", "901"):  # a window the server cannot keep is refused
+            assert httpx.get(f"{served.url}/dashboard/data?window={bad}").status_code == 400
+
+        # Offline: every resource came from the gateway itself.
+        origin = "{0.scheme}://{0.netloc}".format(urlsplit(served.url))
+        resources = browser.execute_script(
+            "return performance.getEntriesByType('resource').map(e => e.name)")
+        assert resources and all(r.startswith(origin) for r in resources)
+        assert browser.find_element("id", "error").get_attribute("hidden") is not None
+
+        cells = browser.execute_script(CELLS)
+        keys = [(int(c["layer"]), int(c["expert"])) for c in cells]
+        assert sorted(keys) == sorted(product(moe_layers, range(cfg.num_experts)))
+        busy = 0
+        for key, cell in zip(keys, cells, strict=True):
+            assert float(cell["tokens"]) == tokens.get(key, 0.0)
+            if not tokens.get(key):
+                assert cell["calls"] == "0" and cell["p99S"] == ""
+                continue
+            busy += 1
+            counts = buckets(samples, COMPUTE, layer=str(key[0]), expert=str(key[1]))
+            assert float(cell["calls"]) == counts[float("inf")]
+            for q, shown in ((0.5, cell["p50S"]), (0.99, cell["p99S"])):
+                lower, upper = bucket_range(counts, q)
+                assert lower <= float(shown) <= upper, (key, q, shown, lower, upper)
+        assert busy >= len(moe_layers) * 2  # top-2 routing of 40 tokens
+
+        # The slowest list starts with the cell of the largest p99.
+        slowest, states = browser.execute_script(TABLES)  # read at once: it re-renders
+        layer, expert = map(int, slowest[0][:2])
+        p99 = {k: float(c["p99S"]) for k, c in zip(keys, cells, strict=True) if c["p99S"]}
+        assert p99[(layer, expert)] == max(p99.values())
+        assert [row[1] for row in states] == ["up"] * 4  # attention, its /metrics, 2 experts
+
+        if shot := os.environ.get("SWITCHYARD_DASHBOARD_SCREENSHOT"):
+            browser.save_screenshot(shot)
+
+        # Live: more load shows up without reloading the page.
+        generate(served.url, seed=82, lengths=(13,))
+        total = sum(per_expert(scrape(f"{served.url}/metrics"), TOKENS).values())
+        assert total > sum(tokens.values())
+        WebDriverWait(browser, 30).until(lambda b: sum(
+            float(c["tokens"]) for c in b.execute_script(CELLS)) == total)

@@ -1,0 +1,550 @@
+"""Expert services as real processes on loopback, reached through the `rpc` backend."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from common.ports import free_port
+from ep_dispatch.local import LocalExperts
+from ep_dispatch.placement import Placement
+from ep_dispatch.rpc import RpcExperts
+from ep_dispatch.rpc_pool import ExpertRankError
+from services.attention.builder import build_engine
+from services.attention.config import AttentionConfig
+from services.attention.engine import Engine
+from services.model.checkpoint import Checkpoint
+from services.model.config import ModelConfig
+from services.model.experts import ExpertBank, all_experts
+from switchyard.children import Children
+from switchyard.serve_process import Served
+from tests.support.engines import (
+    greedy,
+    prompts,
+    reference_greedy,
+    run_to_completion,
+    start_experts,
+)
+from tests.support.serving import concurrent_greedy
+from tests.support.tools import wait_until
+
+pytestmark = pytest.mark.timeout(300)
+NUM_RANKS = 3
+
+
+
+
+@pytest.fixture(scope="module")
+def qwen3_experts(qwen3_ckpt: tuple) -> Iterator[list[tuple[str, int]]]:
+    children, addresses = start_experts(qwen3_ckpt[0], NUM_RANKS)
+    yield addresses
+    children.stop()
+
+
+def rpc_engine(path: Path, addresses: list[tuple[str, int]], **kw: object) -> Engine:
+    return build_engine(AttentionConfig(model=path, dispatch_backend="rpc",
+                                  expert_addresses=tuple(addresses), max_num_batched_tokens=8,
+                                  kv_cache_memory=1 << 22, **kw))  # type: ignore[arg-type]
+
+
+def test_rpc_dispatch_equals_local_across_processes(qwen3_ckpt: tuple,
+                                                    qwen3_experts: list) -> None:
+    path = qwen3_ckpt[0]
+    cfg = ModelConfig.from_dir(path)
+    moe = cfg.moe_layer_ids
+    bank = ExpertBank(cfg, Checkpoint(path), all_experts(cfg), torch.float32)
+    local = LocalExperts(cfg.num_experts, bank.forward)
+    remote = RpcExperts(Placement.balanced(moe, cfg.num_experts, NUM_RANKS), qwen3_experts)
+    try:
+        g = torch.Generator().manual_seed(0)
+        for tokens, top_k in [(0, 2), (1, 1), (17, 2), (64, 8)]:
+            x = torch.randn(tokens, cfg.hidden_size, generator=g)
+            ids = torch.rand(tokens, cfg.num_experts, generator=g).topk(top_k).indices
+            w = torch.rand(tokens, top_k, generator=g)
+            for layer in moe:
+                assert torch.allclose(remote(layer, x, ids, w), local(layer, x, ids, w),
+                                      atol=1e-6)
+        # All tokens to one expert: only its rank works.
+        x = torch.randn(9, cfg.hidden_size, generator=g)
+        ids = torch.full((9, 1), 4)
+        w = torch.ones(9, 1)
+        assert torch.allclose(remote(0, x, ids, w), local(0, x, ids, w), atol=1e-6)
+    finally:
+        remote.close()
+
+
+def test_each_expert_service_holds_only_its_share(qwen3_ckpt: tuple,
+                                                  qwen3_experts: list) -> None:
+    cfg = ModelConfig.from_dir(qwen3_ckpt[0])
+    per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4  # float32 bytes
+    total = per_expert * cfg.num_experts * sum(cfg.moe_layers)
+    engine = rpc_engine(qwen3_ckpt[0], qwen3_experts)
+    try:
+        held = [info.weight_bytes for info in engine.experts.pool.infos]
+    finally:
+        engine.close()
+    assert sum(held) == total
+    for b in held:  # balanced: within one expert per MoE layer of total / N
+        assert abs(b - total / NUM_RANKS) <= per_expert * sum(cfg.moe_layers)
+
+
+def test_logits_and_greedy_through_expert_processes(qwen3_ckpt: tuple,
+                                                    qwen3_experts: list) -> None:
+    path, model = qwen3_ckpt
+    engine = rpc_engine(path, qwen3_experts)
+    try:
+        for prompt in prompts(lengths=(5, 19, 40)):
+            with torch.no_grad():
+                ref = model(torch.tensor([prompt])).logits[0]
+            assert (engine.score(prompt) - ref).abs().max().item() < 1e-4
+        ps = prompts(seed=21, lengths=(12, 3, 30, 21))
+        got = run_to_completion(engine, {0: [greedy("a", ps[0]), greedy("b", ps[1])],
+                                         4: [greedy("c", ps[2])], 11: [greedy("d", ps[3])]})
+    finally:
+        engine.close()
+    assert got == {rid: reference_greedy(model, p, 32) for rid, p in zip("abcd", ps,
+                                                                          strict=True)}
+
+
+def test_replicated_placement_from_a_file(mixtral_ckpt: tuple, tmp_path: Path) -> None:
+    path, model = mixtral_ckpt
+    cfg = ModelConfig.from_dir(path)
+    # Expert 0 on every rank, the rest round-robin: replicas share expert 0's tokens.
+    layers = {str(i): [[0, 1]] + [[e % 2] for e in range(1, cfg.num_experts)]
+              for i in range(cfg.num_layers)}
+    placement = tmp_path / "placement.json"
+    placement.write_text(json.dumps({"num_ranks": 2, "layers": layers}))
+    children, addresses = start_experts(path, 2, placement)
+    try:
+        engine = rpc_engine(path, addresses, placement=placement)
+        try:
+            prompt = prompts(seed=4, lengths=(33,))[0]
+            with torch.no_grad():
+                ref = model(torch.tensor([prompt])).logits[0]
+            assert (engine.score(prompt) - ref).abs().max().item() < 1e-4
+        finally:
+            engine.close()
+    finally:
+        children.stop()
+
+
+def expert_command(path: Path, rank: int, num_ranks: int, placement: Path, port: int = 0
+                   ) -> list[str]:
+    return ["expert", "--model", str(path), "--rank", str(rank), "--num-ranks",
+            str(num_ranks), "--num-threads", "1", "--placement", str(placement), "--port",
+            str(port)]
+
+
+def test_a_lost_expert_rank_is_routed_around_while_its_experts_have_replicas(
+        qwen3_ckpt: tuple, tmp_path: Path) -> None:
+    """Each expert on 2 of 3 expert services: with one killed, the engine's layer calls
+    go to the replicas (logits still transformers'), and once it is started again it is
+    probed back into the routing and receives rows again."""
+    path, model = qwen3_ckpt
+    cfg = ModelConfig.from_dir(path)
+    placement = tmp_path / "placement.json"
+    placement.write_text(Placement.balanced(cfg.moe_layer_ids, cfg.num_experts, 3,
+                                            replicas=2).to_json())
+    prompt = prompts(seed=8, lengths=(21,))[0]
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt])).logits[0]
+    children, restarted = Children(), Children()
+    try:
+        ports = children.start_all([(f"expert {r}", expert_command(path, r, 3, placement))
+                                    for r in range(3)], timeout=120)
+        addresses = [("127.0.0.1", p) for p, *_ in ports]
+        engine = rpc_engine(path, addresses, placement=placement, expert_timeout=10)
+        client: RpcExperts = engine.experts  # type: ignore[assignment]
+        called: list[int] = []
+        send = client._send
+
+        def counted(rank: int, *args: object) -> tuple[list[int], float]:
+            called.append(rank)
+            return send(rank, *args)  # type: ignore[arg-type]
+
+        client._send = counted  # type: ignore[method-assign]
+        try:
+            assert (engine.score(prompt) - ref).abs().max().item() < 1e-4
+            assert set(called) == {0, 1, 2}
+            lost = children.procs[1][1]
+            lost.kill()
+            lost.wait()
+            called.clear()
+            assert (engine.score(prompt) - ref).abs().max().item() < 1e-4
+            assert client.pool.lost == {1} and client.ready()  # /health: still serving
+            assert "expert rank 1" in next(line for line in client.describe()
+                                           if "lost: routed to replicas" in line)
+            called.clear()
+            assert (engine.score(prompt) - ref).abs().max().item() < 1e-4
+            assert 1 not in called  # routed around, no call waits on it
+            restarted.start_all([("expert 1", expert_command(path, 1, 3, placement,
+                                                             ports[1][0]))], timeout=120)
+            deadline = time.monotonic() + 60  # the probe retries every second or so
+            while client.pool.lost and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not client.pool.lost and client.pool.conns[1] is not None
+            called.clear()
+            assert (engine.score(prompt) - ref).abs().max().item() < 1e-4
+            assert 1 in called
+        finally:
+            engine.close()
+    finally:
+        children.stop()
+        restarted.stop()
+
+
+def test_serve_starts_a_lost_expert_service_again(qwen3_ckpt: tuple) -> None:
+    """`serve` (rpc) restarts an expert service that dies, on its ports, as compose's
+    restart policy does; with every expert on two services no request fails meanwhile."""
+    import os
+    import signal
+
+    from switchyard.serve_process import child_pids
+
+    path, model = qwen3_ckpt
+    ps = prompts(seed=17, lengths=(9, 14))
+    want = [reference_greedy(model, p, 6) for p in ps]
+    with Served(["--model", str(path), "--expert-services", "3", "--expert-replicas",
+                 "2"]) as served:
+        name = httpx.get(f"{served.url}/v1/models").json()["data"][0]["id"]
+        def rank_of(pid: int) -> int | None:  # from its command line: --rank R
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+            return int(args[args.index("--rank") + 1]) if "expert" in args else None
+
+        rank_1 = next(pid for pid in served.children if rank_of(pid) == 1)
+        assert concurrent_greedy(served.url, name, ps, 6) == want
+        os.kill(rank_1, signal.SIGKILL)
+        assert concurrent_greedy(served.url, name, ps, 6) == want  # on the replicas
+
+        def back() -> bool:
+            lines = httpx.get(f"{served.url}/health", timeout=30).json()["attention"][0][
+                "experts"]
+            return len(child_pids(served.proc.pid)) == len(served.children) and all(
+                line.endswith(", connected") for line in lines)
+
+        wait_until(back, 120, lambda: f"expert rank 1 back: {served.stderr()[-2000:]}")
+        assert concurrent_greedy(served.url, name, ps, 6) == want
+        assert "expert rank 1 exited with status -9; starting it again" in served.stderr()
+
+
+def test_without_a_replica_a_lost_rank_fails_the_call(qwen3_ckpt: tuple,
+                                                      tmp_path: Path) -> None:
+    path, _ = qwen3_ckpt
+    cfg = ModelConfig.from_dir(path)
+    placement = tmp_path / "placement.json"  # expert 0 on both ranks, the rest on one
+    placement.write_text(json.dumps({"num_ranks": 2, "layers": {
+        str(i): [[0, 1]] + [[e % 2] for e in range(1, cfg.num_experts)]
+        for i in cfg.moe_layer_ids}}))
+    children = Children()
+    try:
+        ports = children.start_all([(f"expert {r}", expert_command(path, r, 2, placement))
+                                    for r in range(2)], timeout=120)
+        client = RpcExperts(Placement.load(placement, cfg.moe_layer_ids, cfg.num_experts),
+                            [("127.0.0.1", p) for p, *_ in ports], call_timeout=10)
+        try:
+            lost = children.procs[1][1]
+            lost.kill()
+            lost.wait()
+            x, w = torch.randn(4, cfg.hidden_size), torch.ones(4, 1)
+            with pytest.raises(ExpertRankError, match="expert rank 1 at"):
+                client(cfg.moe_layer_ids[0], x, torch.tensor([[1], [3], [0], [5]]), w)
+            assert not client.pool.lost  # nothing routed around: it is called (and fails) again
+            zeros = torch.zeros(4, 1, dtype=torch.int64)  # expert 0: rank 0 also has it
+            with pytest.raises(ExpertRankError, match="expert rank 1"):
+                client(cfg.moe_layer_ids[0], x, zeros, w)  # (turns put some rows on 1)
+        finally:
+            client.close()
+    finally:
+        children.stop()
+
+
+def test_unreachable_expert_rank_is_named(qwen3_ckpt: tuple, qwen3_experts: list) -> None:
+    port = free_port()  # nothing listens here
+    with pytest.raises(ExpertRankError, match=rf"expert rank 2 at 127\.0\.0\.1:{port}"):
+        build_engine(AttentionConfig(model=qwen3_ckpt[0], dispatch_backend="rpc",
+                               expert_addresses=(*qwen3_experts[:2], ("127.0.0.1", port)),
+                               kv_cache_memory=1 << 20, expert_timeout=1.0))
+
+
+def test_expert_service_rejects_a_placement_that_leaves_an_expert_out(
+        qwen3_ckpt: tuple, tmp_path: Path) -> None:
+    cfg = ModelConfig.from_dir(qwen3_ckpt[0])
+    layers = {str(i): [[0]] * (cfg.num_experts - 1) + [[]] for i in cfg.moe_layer_ids}
+    bad = tmp_path / "p.json"
+    bad.write_text(json.dumps({"num_ranks": 1, "layers": layers}))
+    proc = subprocess.run([sys.executable, "-m", "switchyard", "expert", "--model",
+                           str(qwen3_ckpt[0]), "--placement", str(bad)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert f"expert {cfg.num_experts - 1} is unplaced" in proc.stderr
+
+
+def test_serve_rejects_an_unknown_backend(qwen3_ckpt: tuple) -> None:
+    proc = subprocess.run([sys.executable, "-m", "switchyard", "serve", "--model",
+                           str(qwen3_ckpt[0]), "--port", "0",
+                           "--dispatch-backend", "carrier-pigeon"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert ("unknown dispatch backend 'carrier-pigeon'; available: deepep, local, nccl, rpc, "
+            "torch"
+            in proc.stderr)
+
+
+@pytest.mark.parametrize("flags", [
+    ["--expert-services", "3", "--attention-groups", "2"],  # rpc, the default backend
+    ["--dispatch-backend", "torch", "--expert-services", "3", "--attention-groups", "2"],
+    ["--dispatch-backend", "local"]])
+def test_serve_topologies_match_transformers(ckpt: tuple, flags: list[str]) -> None:
+    path, model = ckpt
+    ps = prompts(seed=31, lengths=(2, 37, 15, 8, 26, 11))
+    rendezvous = free_port()  # serve's --dist-init, where the torch backend meets
+    dist = ["--dist-init", f"127.0.0.1:{rendezvous}"] if "torch" in flags else []
+    with Served(["--model", str(path), "--max-num-batched-tokens", "16", *flags, *dist]
+                ) as served:
+        name = httpx.get(f"{served.url}/v1/models").json()["data"][0]["id"]
+        got = concurrent_greedy(served.url, name, ps, max_tokens=16)
+        health = httpx.get(f"{served.url}/health").json()
+        if dist:  # attention rank 0 hosts the store there (it used to pick its own port)
+            socket.create_connection(("127.0.0.1", rendezvous), timeout=5).close()
+    assert got == [reference_greedy(model, p, 16) for p in ps]
+    groups = 2 if "--attention-groups" in flags else 1
+    assert len(health["attention"]) == groups and all(a["ready"] for a in health["attention"])
+    experts = health["attention"][0]["experts"]
+    assert len(experts) == (1 if "local" in flags else 3)
+    assert all("expert rank" in e or "in-process" in e for e in experts)
+
+
+def test_torch_backend_across_processes(qwen3_ckpt: tuple) -> None:
+    """This process is attention rank 0 of a gloo world with 3 expert-rank processes."""
+    path, model = qwen3_ckpt
+    port = free_port()
+    children = Children()
+    # Expert ranks report ready only once the whole world (this rank too) has joined.
+    pending = [children.spawn(f"expert {r}", [
+        "expert", "--model", str(path), "--rank", str(r), "--num-ranks", str(NUM_RANKS),
+        "--num-threads", "1", "--dispatch-backend", "torch", "--dist-init",
+        f"127.0.0.1:{port}"]) for r in range(NUM_RANKS)]
+    try:
+        engine = build_engine(AttentionConfig(model=path, dispatch_backend="torch",
+                                        dist_init=("127.0.0.1", port), expert_ranks=NUM_RANKS,
+                                        max_num_batched_tokens=8, kv_cache_memory=1 << 22,
+                                        expert_timeout=120))
+    except BaseException:
+        children.stop()
+        raise
+    try:
+        deadline = time.monotonic() + 60
+        assert [children.wait_ports(p, deadline) for p in pending] == [(0,)] * NUM_RANKS
+        cfg = engine.model_config
+        moe = cfg.moe_layer_ids
+        bank = ExpertBank(cfg, Checkpoint(path), all_experts(cfg), torch.float32)
+        local = LocalExperts(cfg.num_experts, bank.forward)
+        g = torch.Generator().manual_seed(0)
+        for tokens, top_k in [(0, 2), (1, 1), (17, 2), (64, 8)]:
+            x = torch.randn(tokens, cfg.hidden_size, generator=g)
+            ids = torch.rand(tokens, cfg.num_experts, generator=g).topk(top_k).indices
+            w = torch.rand(tokens, top_k, generator=g)
+            # announce work, so that every rank runs the round (the 0-token call too)
+            assert engine.experts.begin_step(1)  # one round serves every MoE layer once
+            for layer in moe:
+                assert torch.allclose(engine.experts(layer, x, ids, w),
+                                      local(layer, x, ids, w), atol=1e-6)
+        prompt = prompts(lengths=(29,))[0]
+        with torch.no_grad():
+            ref = model(torch.tensor([prompt])).logits[0]
+        assert (engine.score(prompt) - ref).abs().max().item() < 1e-4
+    finally:
+        engine.close()
+        children.stop()
+
+
+def test_expert_server_coalesces_batches_of_one_layer(qwen3_ckpt: tuple) -> None:
+    from common.messages import ExpertBatch
+    from ep_dispatch.wire import from_wire, to_wire
+    from services.expert.config import ExpertConfig
+    from services.expert.server import ExpertServer
+
+    server = ExpertServer(ExpertConfig(model=qwen3_ckpt[0], rank=0, num_ranks=1))
+    g = torch.Generator().manual_seed(3)
+    hidden = server.bank.hidden_size
+
+    def batch(call_id: int, counts: list[int]) -> ExpertBatch:
+        return ExpertBatch(call_id, 0, counts, to_wire(torch.randn(sum(counts), hidden,
+                                                                   generator=g)))
+
+    a, b = batch(1, [2, 0, 1, 3, 0, 0, 1, 2]), batch(2, [0, 4, 1, 0, 0, 2, 0, 1])
+    bad = ExpertBatch(3, 0, [1, 2], a.x)  # wrong number of experts
+    calls: list[list[int]] = []
+    forward = server.bank.forward
+
+    def counted(layer: int, x: torch.Tensor, counts: list[int], *rest: object
+                ) -> torch.Tensor:
+        calls.append(list(counts))
+        return forward(layer, x, counts, *rest)  # type: ignore[arg-type]
+
+    server.bank.forward = counted  # type: ignore[method-assign]
+    together = server.compute([a, bad, b])
+    server.bank.forward = forward  # type: ignore[method-assign]
+    assert calls == [[2, 4, 2, 3, 0, 2, 1, 3]]  # one grouped GEMM: a's and b's rows per expert
+    assert together[1].error and "does not match" in together[1].error
+    for merged, single in zip([together[0], together[2]],
+                              [server.compute([a])[0], server.compute([b])[0]], strict=True):
+        assert merged.call_id == single.call_id
+        assert torch.allclose(from_wire(merged.y), from_wire(single.y), atol=1e-6)
+
+    def out_of_memory(*args: object) -> torch.Tensor:
+        raise torch.OutOfMemoryError("CUDA out of memory (a stand-in)")
+
+    real, server.bank.forward = server.bank.forward, out_of_memory  # type: ignore[method-assign]
+    failed = server.compute([a, bad, b])  # answers every batch, raises nothing
+    assert [r.call_id for r in failed] == [1, 3, 2] and all(r.y is None for r in failed)
+    oom = "expert computation failed: OutOfMemoryError: CUDA out of memory (a stand-in)"
+    assert (failed[0].error, failed[2].error) == (oom, oom)
+    assert "does not match" in (failed[1].error or "")
+    server.bank.forward = real  # type: ignore[method-assign]
+    assert server.compute([a])[0].y is not None  # and it serves the next batch
+
+
+def test_expert_server_answers_odd_batches_alone(qwen3_ckpt: tuple) -> None:
+    """Negative counts that sum right are refused for their caller only; an empty batch
+    under a trace context is answered (its tracing used to raise out of the service)."""
+    from common.messages import ExpertBatch
+    from ep_dispatch.wire import from_wire, to_wire
+    from services.expert.config import ExpertConfig
+    from services.expert.server import ExpertServer
+
+    server = ExpertServer(ExpertConfig(model=qwen3_ckpt[0], rank=0, num_ranks=1))
+    x = torch.randn(2, server.bank.hidden_size)
+    good = ExpertBatch(1, 0, [1, 0, 0, 0, 0, 0, 0, 1], to_wire(x))
+    negative = ExpertBatch(2, 0, [-1, 0, 0, 0, 0, 0, 0, 3], to_wire(x))
+    results = server.compute([good, negative])
+    assert results[0].error is None and results[0].y is not None
+    assert torch.allclose(from_wire(results[0].y), from_wire(server.compute([good])[0].y))
+    assert "does not match" in (results[1].error or "")
+    traceparent = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+    empty = ExpertBatch(3, 0, [0] * 8, to_wire(x[:0]), traceparent)
+    [answer] = server.compute([empty])
+    assert answer.error is None and answer.y is not None and from_wire(answer.y).shape == (0, 64)
+
+
+def test_expert_and_attention_services_on_a_taken_port_say_so(qwen3_ckpt: tuple) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        for role in (["expert"], ["attention", "--dispatch-backend", "local"]):
+            proc = subprocess.run([sys.executable, "-m", "switchyard", *role, "--model",
+                                   str(qwen3_ckpt[0]), "--port", str(port)],
+                                  capture_output=True, text=True, timeout=120)
+            assert proc.returncode == 2, proc.stderr
+            assert f"switchyard {role[0]}: cannot listen on 127.0.0.1:{port}: Address already " \
+                "in use" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_expert_rank_that_cannot_reach_the_rendezvous_says_so(qwen3_ckpt: tuple) -> None:
+    port = free_port()
+    proc = subprocess.run([sys.executable, "-m", "switchyard", "expert", "--model",
+                           str(qwen3_ckpt[0]), "--dispatch-backend", "torch", "--dist-init",
+                           f"127.0.0.1:{port}", "--rendezvous-timeout", "2"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert f"cannot reach the rendezvous at 127.0.0.1:{port} (hosted by attention rank 0)" \
+        in proc.stderr
+
+
+def test_ranks_that_move_different_rows_name_each_other() -> None:
+    """Rows must match on every rank of a lockstep world, or the all-to-alls mis-size."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ep_dispatch.torch_dist import World, agree, rendezvous
+    from ep_dispatch.wire import RowFormat
+
+    rows = [RowFormat(64, torch.float32, "w4a4"), RowFormat(64, torch.float32)]
+
+    def messages(rows: list[RowFormat], transports: list[str]) -> list[str]:
+        port = free_port()
+
+        def rank(r: int) -> str:
+            world = World(("127.0.0.1", port), num_attention=1, num_experts=1, rank=r)
+            store = rendezvous(world, 30)
+            with pytest.raises(ValueError) as info:
+                agree(store, world, rows[r], 30, transports[r])
+            del store  # rank 0 hosts it: every rank must have read before any raises
+            return str(info.value)
+
+        with ThreadPoolExecutor(2) as pool:
+            return list(pool.map(rank, [0, 1]))
+
+    for message in messages(rows, ["gloo", "gloo"]):
+        assert message == (
+            "the ranks move different rows (attention rank 0: MXFP4 rows of hidden 64 "
+            "(34 bytes), float32 outputs, over gloo; expert rank 0: float32 rows of hidden "
+            "64, over gloo): start every rank with the same --quantization, --dtype and "
+            "--device")
+    # The same rows, but one rank on CUDA (NCCL) and one on the CPU (gloo): never meet.
+    for message in messages([rows[1], rows[1]], ["nccl", "gloo"]):
+        assert "attention rank 0: float32 rows of hidden 64, over nccl; expert rank 0: " \
+            "float32 rows of hidden 64, over gloo" in message
+
+
+def test_rendezvous_timeout_names_the_missing_ranks() -> None:
+    from ep_dispatch.torch_dist import RendezvousError, World, join
+
+    port = free_port()  # this process hosts the store as attention rank 0; nobody else comes
+    with pytest.raises(RendezvousError, match=rf"waited 1s at 127\.0\.0\.1:{port} for "
+                                              r"expert rank 0, expert rank 1"):
+        join(World(("127.0.0.1", port), num_attention=1, num_experts=2, rank=0), timeout=1)
+
+
+def test_an_attention_rank_waits_its_rendezvous_timeout_not_the_expert_timeout() -> None:
+    """Expert ranks load most of the weights before they join: the attention rank's wait
+    is `--rendezvous-timeout`, not the 30 s an rpc call may take (`--expert-timeout`)."""
+    from ep_dispatch.registry import (
+        BackendSettings,
+        MoESeam,
+        RpcSettings,
+        WorldSettings,
+        create_experts_client,
+    )
+    from ep_dispatch.torch_dist import RendezvousError, World
+
+    port = free_port()
+    settings = BackendSettings(
+        rpc=RpcSettings([], call_timeout=600, connect_timeout=600),
+        world=WorldSettings(World(("127.0.0.1", port), 1, 1, rank=0), rendezvous_timeout=1))
+    with pytest.raises(RendezvousError, match=r"waited 1s at .* for expert rank 0"):
+        create_experts_client("torch", MoESeam([0], 8, hidden_size=8), settings)
+
+
+def test_a_lockstep_attention_rank_whose_expert_rank_dies_exits_for_a_restart(
+        qwen3_ckpt: tuple) -> None:
+    """Services started one by one (as compose does), torch backend: when an expert rank
+    dies, the attention rank's collectives fail, and it must exit (status 3) rather than
+    run on with a world whose rounds can no longer pair up."""
+    from services.attention.server import OUT_OF_STEP_EXIT
+
+    path, _ = qwen3_ckpt
+    port = free_port()
+    children = Children()
+    try:
+        world = ["--dispatch-backend", "torch", "--dist-init", f"127.0.0.1:{port}"]
+        pending = [children.spawn("expert 0", ["expert", "--model", str(path), "--rank", "0",
+                                               "--num-ranks", "1", *world]),
+                   children.spawn("attention 0", ["attention", "--model", str(path),
+                                                  "--port", "0", "--expert-ranks", "1",
+                                                  *world])]
+        deadline = time.monotonic() + 120
+        for p in pending:
+            children.wait_ports(p, deadline)
+        (_, expert), (_, attention) = children.procs
+        expert.kill()
+        assert attention.wait(timeout=60) == OUT_OF_STEP_EXIT
+    finally:
+        children.stop()

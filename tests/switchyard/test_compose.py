@@ -1,0 +1,154 @@
+"""compose.yaml as `switchyard compose` renders it: the committed files are the default
+layout, every layout pins each GPU once and places every expert, the Dockerfile installs
+as the README does; the launcher's ports and probes (run for real: tests/e2e/test_compose.py)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import httpx
+import pytest
+
+from ep_dispatch.placement import make_placement
+from services.model.config import ModelConfig
+from switchyard.compose import Layout, main, render
+from switchyard.demo_model import DEFAULT_MODEL
+from tests.support import ROOT
+
+COMPOSE = ROOT / "compose.yaml"
+pytestmark = pytest.mark.timeout(600)
+
+
+
+
+def test_committed_files_are_the_default_layout(tmp_path: Path) -> None:
+    assert main(["--out", str(tmp_path / "compose.yaml"),
+                 "--prometheus", str(tmp_path / "prometheus.yml")]) == 0
+    assert (tmp_path / "compose.yaml").read_text() == COMPOSE.read_text()
+    assert (tmp_path / "prometheus.yml").read_text() == \
+        (ROOT / "deploy/prometheus.yml").read_text()
+
+
+def _commands(services: dict, kind: str) -> list[list[str]]:
+    """The commands of the `switchyard KIND` services."""
+    return [s["command"] for s in services.values() if s.get("command", [])[1:2] == [kind]]
+
+
+def _flag(command: list[str], name: str) -> str | None:
+    return command[command.index(name) + 1] if name in command else None
+
+
+@pytest.mark.parametrize("layout", [Layout(), Layout(4, 2, 1, 2), Layout(16, 12, 2, 2),
+                                    Layout(3, 1, 2, 1), Layout(8, 3, 1, 1)],
+                         ids=lambda x: x.args().replace(" ", ""))
+def test_layouts_pin_each_gpu_once_and_place_every_expert(layout: Layout) -> None:
+    services = render(layout)["services"]
+    gpus = [d["device_ids"] for s in services.values()
+            for d in s.get("deploy", {}).get("resources", {}).get("reservations", {})
+            .get("devices", [])]
+    flat = [int(g) for ids in gpus for g in ids]
+    assert all(len(ids) == 1 for ids in gpus)
+    assert len(flat) == len(set(flat)) == layout.attention_groups * layout.dcp_size + \
+        layout.expert_services
+    assert all(0 <= g < layout.gpus for g in flat)
+    # a rank that exits (a crash, or a lockstep world out of step) is started again
+    ours = [s for s in services.values() if "SWITCHYARD_IMAGE" in s.get("image", "")]
+    assert ours and all(s["restart"] == "on-failure" for s in ours)
+
+    experts = _commands(services, "expert")
+    ranks = sorted(int(_flag(c, "--rank")) for c in experts)
+    assert ranks == list(range(layout.expert_services))
+    assert {_flag(c, "--num-ranks") for c in experts} == {str(layout.expert_services)}
+    cfg = ModelConfig.from_dir(DEFAULT_MODEL)
+    moe = cfg.moe_layer_ids
+    placement = make_placement(moe, cfg.num_experts, layout.expert_services)
+    held = {(layer, e) for r in ranks for layer, ids in placement.local_experts(r).items()
+            for e in ids}
+    assert held == {(layer, e) for layer in moe for e in range(cfg.num_experts)}
+
+    attention = _commands(services, "attention")
+    assert len(attention) == layout.attention_groups * layout.dcp_size
+    addresses = {_flag(c, "--expert-addresses") for c in attention}
+    assert len(addresses) == 1 and len(addresses.pop().split(",")) == layout.expert_services
+    engines = _flag(services["gateway"]["command"], "--engine").split(",")
+    assert len(engines) == layout.attention_groups
+    for name, s in services.items():
+        for dep in s.get("depends_on", {}):
+            assert dep in services and dep != name
+
+
+def test_too_few_gpus_is_an_error() -> None:
+    with pytest.raises(ValueError, match="need 9 GPUs; --gpus is 8"):
+        render(Layout(8, 7, 2, 1))
+    assert main(["--gpus", "2", "--expert-services", "2"]) == 2
+
+
+
+
+def test_the_dockerfile_installs_as_the_readme_does() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    stages = re.findall(r"^FROM (\S+)", text, re.M)
+    assert len(stages) == 2 and all(s.startswith("nvidia/cuda:") for s in stages)
+    runs = " ".join(re.findall(r"^RUN (.*(?:\\\n.*)*)", text, re.M))
+    assert "scripts/bootstrap.sh gpu" in runs
+    assert "pip install" not in runs.replace("pip install --no-build-isolation .", "")
+    assert re.search(r"^USER switchyard$", text, re.M)
+    assert "WITH_DEEPEP" in text
+
+
+
+
+
+
+def test_probe_reports_what_is_wrong() -> None:
+    from common.ports import free_port
+    from switchyard.probe import main as probe
+
+    port = free_port()  # nothing listens there
+    assert probe([f"127.0.0.1:{port}", "--timeout", "2"]) == 1
+    assert probe([f"http://127.0.0.1:{port}/health", "--timeout", "2"]) == 1
+    assert probe(["not-an-address", "--timeout", "2"]) == 1
+
+
+def test_free_ports_come_from_below_the_ephemeral_range() -> None:
+    """What `free_port` hands out (rendezvous addresses, the compose runner's ports) is
+    never what a service binding port 0 meanwhile gets: that draws from the ephemeral range
+    (a collision there made the compose test's gateway find its port taken)."""
+    import socket
+
+    from common.ports import _ephemeral_low, free_port
+
+    low = _ephemeral_low()
+    ports = [free_port() for _ in range(20)]
+    assert len(set(ports)) == 20  # none handed out twice before anyone binds it
+    for port in ports:
+        assert 1024 <= port < low
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))  # still free
+
+
+def test_free_port_without_room_below_the_ephemeral_range(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """A kernel whose ephemeral range starts at 1024 leaves nothing below: any free port."""
+    from common import ports
+
+    monkeypatch.setattr(ports, "_ephemeral_low", lambda: 1024)
+    assert ports.free_port() >= 1024
+
+
+
+
+def test_service_urls_for_any_bound_host() -> None:
+    from common.ports import http_url
+
+    assert http_url("127.0.0.1", 80) == "http://127.0.0.1:80"
+    assert http_url("0.0.0.0", 80) == "http://127.0.0.1:80"  # a wildcard, reached on loopback
+    assert http_url("::", 80) == "http://[::1]:80"
+    assert http_url("::1", 80) == "http://[::1]:80"
+    assert http_url("fe80::1", 81) == "http://[fe80::1]:81"
+    assert httpx.URL(http_url("::", 8000)).port == 8000  # one httpx takes (was InvalidURL)
+
+
+
+
