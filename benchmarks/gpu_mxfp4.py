@@ -248,7 +248,7 @@ def check(args: argparse.Namespace, variants: list[str], device: str = "cuda"
                 working.remove(variant)
         try:  # the route through bf16 grouped GEMMs: bf16-rounded GEMM outputs, so a
             # re-quantized code flips now and then: as close to the float FFN of the same
-            # operands as the torch path is (tests/test_triton_mxfp4.py)
+            # operands as the torch path is (tests/moe_kernels/test_triton_mxfp4.py)
             out = grouped_swiglu_w4a4_bf16(x, counts, w_gate_up, w_down)
             ref = grouped_swiglu_w4a4(x, counts, w_gate_up, w_down).to(out.device)
             ffn = grouped_swiglu(dequantize(x), counts, dequantize(w_gate_up),

@@ -26,7 +26,7 @@ work while a low-latency exchange is in flight, and an attention rank here has n
 then. The models served have no shared experts (DeepSeek-style ones would be that work),
 and two-micro-batch overlap of the attention step is not built.
 
-Tested across processes over a CPU double of DeepEP's API (tests/deepep_fake.py); not yet
+Tested across processes over a CPU double of DeepEP's API (tests/support/deepep_fake.py); not yet
 run with DeepEP itself, which the lent GPU machine lacks (docs/benchmarks.md).
 """
 

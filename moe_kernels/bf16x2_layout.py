@@ -47,7 +47,7 @@ PAIR_STEP, PAIR_BASE = 0x00800080, 0x3F003F00  # pair = s * PAIR_STEP + PAIR_BAS
 # with pack 1: register j = (word rotated right by ROTATIONS[j]) & MASK (register 3: two
 # rotations, masked apart), times the pair with -0 added (so zeros keep their sign), as
 # bfloat16 halves $2j (low) and $2j + 1 (high). 13 instructions per word, sm_80 and later.
-# tests/ptx.py runs this text on the CPU.
+# tests/support/ptx.py runs this text on the CPU.
 PTX = """{
         .reg .b32 r, s, z;
         mov.b32 z, 0x80008000;

@@ -35,7 +35,7 @@ docs/benchmarks.md):
   applied, two values per instruction; then one bfloat16 MMA per K step, no per-block
   scaling of partial sums.
 Triton's interpreter runs neither inline PTX nor bfloat16 dots (triton-lang/triton#11584),
-and truncates casts to bfloat16: the tests teach it all three (tests/triton_interpreter.py),
+and truncates casts to bfloat16: the tests teach it all three (tests/support/triton_interpreter.py),
 so they run every variant as written, the asm text included; a GPU run checks the hardware.
 Either operand can be the MMA's left one (`swap_ab`), and K can be split over programs
 (`split_k`).

@@ -31,7 +31,7 @@ JAEGER_IMAGE = "jaegertracing/jaeger:2.21.0"
 PROMETHEUS_IMAGE = "prom/prometheus:v3.5.0"
 HEADER = """\
 # Switchyard on one GPU host: rendered by `switchyard compose {args}`
-# (tests/test_compose.py keeps this file equal to that output). Settings: .env.
+# (tests/switchyard/test_compose.py keeps this file equal to that output). Settings: .env.
 #   docker compose up                  # the GPU services (COMPOSE_PROFILES=gpu in .env)
 #   docker compose --profile cpu up    # the bundled demo model on the CPU, no GPU
 # Chat: http://HOST:8000/v1   Jaeger: http://HOST:16686   Prometheus: http://HOST:9090

@@ -101,27 +101,6 @@ def test_serve_decides_its_childrens_topology_whatever_the_environment() -> None
         assert r.status_code == 200, r.text
 
 
-def test_attention_and_expert_services_take_their_model_from_the_environment(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """SWITCHYARD_MODEL, as the gateway and `serve` take it (they required --model)."""
-    import argparse
-
-    from services.expert.config import add_expert_parser
-    from switchyard.cli import _attention_parser
-
-    def parse(argv: list[str]) -> argparse.Namespace:
-        parser = argparse.ArgumentParser()
-        sub = parser.add_subparsers(dest="command", required=True)
-        _attention_parser(sub)
-        add_expert_parser(sub)
-        return parser.parse_args(argv)
-
-    monkeypatch.setenv("SWITCHYARD_MODEL", "/models/from-env")
-    assert parse(["attention"]).model == parse(["expert"]).model == "/models/from-env"
-    assert parse(["expert", "--model", "/flag"]).model == "/flag"  # the flag wins
-    monkeypatch.delenv("SWITCHYARD_MODEL")
-    with pytest.raises(SystemExit):
-        parse(["attention"])  # neither: --model is required
 
 
 def test_a_child_that_dies_is_named_at_once_whichever_it_is() -> None:

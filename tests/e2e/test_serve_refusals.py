@@ -50,7 +50,7 @@ def test_the_gpu_check_says_there_is_nothing_to_do_without_a_gpu() -> None:
 def test_w4a4_triton_kernel_matches_the_torch_path_on_the_gpu() -> None:
     """The grouped MXFP4 GEMM compiled for this GPU against the torch path, uneven and
     empty experts included (benchmarks/gpu_mxfp4.py's check). In its own process: in this
-    one, collecting tests/test_triton_mxfp4.py set TRITON_INTERPRET=1, and Triton would
+    one, collecting tests/moe_kernels/test_triton_mxfp4.py set TRITON_INTERPRET=1, and Triton would
     interpret the kernels instead of compiling them."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-m", "benchmarks.gpu_mxfp4", "--hidden", "512",

@@ -4,7 +4,7 @@ own REST API: one request's trace across the gateway and the attention service, 
 steps' traces down to each expert on both expert services.
 
 Phoenix drops span links and resource attributes on ingest, so the links from steps to
-requests and the service names are checked in tests/test_tracing.py instead."""
+requests and the service names are checked in tests/e2e/test_tracing.py instead."""
 
 from __future__ import annotations
 

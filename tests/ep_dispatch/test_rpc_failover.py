@@ -1,7 +1,7 @@
 """The rpc client routing around a lost expert rank, against expert ranks that fail in
 the ways real ones do at the protocol level: dying in the middle of an answer, answering
 garbage, refusing connections. (Whole expert services killed and restarted:
-tests/test_expert_services.py and tests/test_compose.py.)"""
+tests/e2e/test_expert_services.py and tests/e2e/test_compose.py.)"""
 
 from __future__ import annotations
 

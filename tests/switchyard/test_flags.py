@@ -1,4 +1,5 @@
-"""Flags: `serve` forwards every engine flag to its attention services, whatever it is."""
+"""Flags: `serve` forwards every engine and gateway flag it takes to its services, whatever
+it is, and the services take their model from the environment."""
 
 from __future__ import annotations
 
@@ -87,3 +88,26 @@ def test_as_flags_gives_values_and_switches_and_leaves_out_what_is_unset() -> No
     args = p.parse_args(["--n", "4", "--on", "--skipped", "x"])
     assert as_flags(args, actions, skip={"skipped"}) == ["--n", "4", "--on"]
     assert p.parse_args(as_flags(args, actions)) == args
+
+
+def test_attention_and_expert_services_take_their_model_from_the_environment(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """SWITCHYARD_MODEL, as the gateway and `serve` take it (they required --model)."""
+    import argparse
+
+    from services.attention.config import add_attention_parser
+    from services.expert.config import add_expert_parser
+
+    def parse(argv: list[str]) -> argparse.Namespace:
+        parser = argparse.ArgumentParser()
+        sub = parser.add_subparsers(dest="command", required=True)
+        add_attention_parser(sub)
+        add_expert_parser(sub)
+        return parser.parse_args(argv)
+
+    monkeypatch.setenv("SWITCHYARD_MODEL", "/models/from-env")
+    assert parse(["attention"]).model == parse(["expert"]).model == "/models/from-env"
+    assert parse(["expert", "--model", "/flag"]).model == "/flag"  # the flag wins
+    monkeypatch.delenv("SWITCHYARD_MODEL")
+    with pytest.raises(SystemExit):
+        parse(["attention"])  # neither: --model is required

@@ -1,6 +1,6 @@
 """`serve`'s restart policy (switchyard/supervisor.py) against scripted exits: what is
 restarted, when, and that every child is still watched while one restarts. (A real
-expert service killed under `serve`: tests/test_expert_services.py.)"""
+expert service killed under `serve`: tests/e2e/test_expert_services.py.)"""
 
 from __future__ import annotations
 

@@ -1,0 +1,98 @@
+"""The `rpc` backend's expert side: a TCP listener that any number of attention ranks
+connect to (M:N). Batches of one layer that arrive while the last computation runs are
+answered together by the next: one grouped GEMM for M attention ranks' rows."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import anyio
+from anyio.abc import SocketAttribute, SocketStream
+
+from common.messages import ExpertBatch, ExpertInfo, ExpertResult, InfoRequest, Message
+from common.rpc import FrameStream, cancel_on_signal, serve_messages
+
+log = logging.getLogger("switchyard.expert")
+
+
+@dataclass(frozen=True)
+class RpcListen:
+    """Where an expert rank listens, and what answers there.
+
+    answer: batches of one layer (from any attention ranks) -> one result each, in order;
+        run in a worker thread, one call at a time. It must answer every batch, a bad one
+        with its error, and never raise.
+    info: the handshake's answer (`InfoRequest` -> `ExpertInfo`).
+    """
+
+    host: str
+    port: int
+    answer: Callable[[list[ExpertBatch]], list[ExpertResult]]
+    info: Callable[[], ExpertInfo]
+
+
+class Coalescer:
+    """The queue between the connections and the computation."""
+
+    def __init__(self, answer: Callable[[list[ExpertBatch]], list[ExpertResult]]) -> None:
+        self._answer = answer
+        self._queue: list[tuple[ExpertBatch, FrameStream]] = []
+        self._arrived = anyio.Event()
+        self.num_coalesced = 0  # batches that shared a computation with an earlier one
+
+    def submit(self, batch: ExpertBatch, conn: FrameStream) -> None:
+        self._queue.append((batch, conn))
+        self._arrived.set()
+
+    async def run(self) -> None:
+        """Whatever arrived for the first queued batch's layer goes into one `answer`."""
+        while True:
+            if not self._queue:
+                await self._arrived.wait()
+                self._arrived = anyio.Event()
+                continue
+            layer = self._queue[0][0].layer
+            todo = [q for q in self._queue if q[0].layer == layer]
+            self._queue = [q for q in self._queue if q[0].layer != layer]
+            results = await anyio.to_thread.run_sync(self._answer, [b for b, _ in todo])
+            self.num_coalesced += len(todo) - 1
+            for (_, conn), result in zip(todo, results, strict=True):
+                with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    await conn.send(result)
+
+
+async def serve_rpc(listen: RpcListen, ready: Callable[[int], None]) -> None:
+    """Serve until SIGTERM or SIGINT; `ready` gets the bound port once listening.
+
+    Raises:
+        OSError: the listener cannot bind ("cannot listen on HOST:PORT: ...").
+    """
+    try:
+        listener = await anyio.create_tcp_listener(local_host=listen.host,
+                                                   local_port=listen.port)
+    except OSError as exc:
+        raise OSError(f"cannot listen on {listen.host}:{listen.port}: "
+                      f"{exc.strerror or exc}") from exc
+    ready(listener.extra(SocketAttribute.local_port))
+    queue = Coalescer(listen.answer)
+
+    async def on_connect(stream: SocketStream) -> None:
+        conn = FrameStream(stream)
+
+        async def on_message(msg: Message) -> None:
+            if isinstance(msg, InfoRequest):
+                await conn.send(listen.info())
+            elif isinstance(msg, ExpertBatch):
+                queue.submit(msg, conn)
+            else:
+                log.warning("ignoring unexpected %s", type(msg).__name__)
+
+        await serve_messages(conn, on_message, log)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(cancel_on_signal, tg.cancel_scope)
+        tg.start_soon(queue.run)
+        await listener.serve(on_connect)
