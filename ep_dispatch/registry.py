@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from ep_dispatch.base import DeviceExpertFn, ExpertFn, ExpertsClient
     from ep_dispatch.deepep_config import DeepEPSettings
     from ep_dispatch.placement import Placement
+    from ep_dispatch.rpc_server import RpcListen
     from ep_dispatch.torch_dist import World
     from ep_dispatch.wire import RowFormat
 
@@ -154,34 +155,56 @@ def _deepep(seam: MoESeam, settings: BackendSettings) -> ExpertsClient:
 
 @dataclass(frozen=True)
 class ExpertSide:
-    """What the expert side of a lockstep backend serves with, on one expert rank.
+    """What one expert rank serves with, whatever the backend; each reads its share.
 
-    expert_fn: the rank's experts (`ExpertBank.forward`); rows: what travels; ready: called
-    once the rank joined the world (it reports readiness and logs)."""
+    placement: every rank's experts; expert_fn: this rank's (`ExpertBank.forward`); rows:
+    what travels; ready: called once the rank serves, with the port it bound (0: none, a
+    lockstep backend's rank joined its world). world: the lockstep backends' settings;
+    listen: `rpc`'s (where to listen, what answers there).
+    """
 
-    settings: WorldSettings
     placement: Placement
     expert_fn: ExpertFn
     rows: RowFormat
     device: str
     top_k: int
-    ready: Callable[[], None]
+    ready: Callable[[int], None]
+    world: WorldSettings | None = None
+    listen: RpcListen | None = None
+
+
+def _serve_rpc(side: ExpertSide) -> None:
+    import anyio
+
+    from ep_dispatch.rpc_server import serve_rpc
+
+    if side.listen is None:
+        raise ValueError("the rpc backend's expert side needs its listener's settings")
+    anyio.run(serve_rpc, side.listen, side.ready)
+
+
+def _side_world(name: str, side: ExpertSide) -> WorldSettings:
+    if side.world is None:
+        raise ValueError(f"--dispatch-backend {name} needs --dist-init HOST:PORT")
+    return side.world
 
 
 def _serve_torch(side: ExpertSide) -> None:
     from ep_dispatch.torch_dist import serve_experts
 
-    _join(side, collective_backend(side.device))
-    serve_experts(side.settings.world, side.placement, side.expert_fn, side.rows, side.device)
+    own = _side_world("torch", side)
+    _join(side, own, collective_backend(side.device))
+    serve_experts(own.world, side.placement, side.expert_fn, side.rows, side.device)
 
 
 def _serve_nccl(side: ExpertSide) -> None:
     from ep_dispatch.nccl import CupyNccl
     from ep_dispatch.torch_dist import serve_experts
 
-    collective = CupyNccl(side.settings.world, side.settings.rendezvous_timeout, side.rows)
-    side.ready()
-    serve_experts(side.settings.world, side.placement, side.expert_fn, side.rows, side.device,
+    own = _side_world("nccl", side)
+    collective = CupyNccl(own.world, own.rendezvous_timeout, side.rows)
+    side.ready(0)
+    serve_experts(own.world, side.placement, side.expert_fn, side.rows, side.device,
                   collective)
 
 
@@ -189,21 +212,22 @@ def _serve_deepep(side: ExpertSide) -> None:
     from ep_dispatch.deepep import serve_deepep
     from ep_dispatch.deepep_config import DeepEPSettings, check_deepep, import_deep_ep
 
-    settings = side.settings.deepep or DeepEPSettings()
-    check_deepep(settings, side.settings.world.size, side.rows.hidden, side.top_k,
+    own = _side_world("deepep", side)
+    settings = own.deepep or DeepEPSettings()
+    check_deepep(settings, own.world.size, side.rows.hidden, side.top_k,
                  side.placement.most_local, side.rows.dtype)
     import_deep_ep()
-    _join(side, "nccl")
-    serve_deepep(side.settings.world, side.placement, side.expert_fn, side.rows.hidden,
-                 side.top_k, settings)
+    _join(side, own, "nccl")
+    serve_deepep(own.world, side.placement, side.expert_fn, side.rows.hidden, side.top_k,
+                 settings)
 
 
-def _join(side: ExpertSide, backend: str) -> None:
+def _join(side: ExpertSide, own: WorldSettings, backend: str) -> None:
     """Join the world's process group (gloo or NCCL), then say the rank is ready."""
     from ep_dispatch.torch_dist import join as join_world
 
-    join_world(side.settings.world, side.settings.rendezvous_timeout, backend, side.rows)
-    side.ready()
+    join_world(own.world, own.rendezvous_timeout, backend, side.rows)
+    side.ready(0)
 
 
 @dataclass(frozen=True)
@@ -213,9 +237,9 @@ class Backend:
 
     client: the attention side, built from the model's `MoESeam` and the backend's own
         settings (of the `BackendSettings` the flags gave).
-    serve: the expert side of a lockstep backend, run on each expert rank until stopped
-        (None: the expert service's own TCP server answers, `rpc`; or there are no expert
-        services, `local`).
+    serve: the expert side, run on each expert rank until stopped (`rpc`: a TCP listener,
+        `ep_dispatch/rpc_server.py`; the lockstep backends: their world's rounds). None:
+        there are no expert services (`local`).
     collective: every rank moves in lockstep through collectives, so all start together
         and no rank restarts alone. in_process: the experts live in the attention process.
     cuda_only: moves CUDA tensors only. mxfp4_rows: moves W4A4's MXFP4 rows.
@@ -234,7 +258,7 @@ class Backend:
 
 _BACKENDS = {b.name: b for b in (
     Backend("local", _local, in_process=True),
-    Backend("rpc", _rpc),
+    Backend("rpc", _rpc, _serve_rpc),
     Backend("torch", _torch, _serve_torch, collective=True),
     Backend("nccl", _nccl, _serve_nccl, collective=True, cuda_only=True),
     Backend("deepep", _deepep, _serve_deepep, collective=True, cuda_only=True,
@@ -244,6 +268,11 @@ _BACKENDS = {b.name: b for b in (
 
 def available_backends() -> list[str]:
     return sorted(_BACKENDS)
+
+
+def expert_side_backends() -> list[str]:
+    """The backends an expert service can serve (those with expert services)."""
+    return sorted(name for name, b in _BACKENDS.items() if b.serve is not None)
 
 
 def backend(name: str, device: str = "cpu", quantization: str | None = None) -> Backend:

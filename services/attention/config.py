@@ -20,6 +20,7 @@ from common.flags import (
 )
 from common.units import parse_size
 from ep_dispatch.deepep_config import DeepEPSettings, add_deepep_flags, deepep_settings
+from ep_dispatch.registry import backend as dispatch_backend
 
 if TYPE_CHECKING:
     import torch
@@ -79,7 +80,7 @@ def check_cuda_graphs(max_batch: int, max_len: int, device: str, backend: str,
         return
     if device != "cuda":
         raise ValueError("--cuda-graph-max-batch needs --device cuda")
-    if backend != "local" or dcp_size > 1:
+    if not dispatch_backend(backend).in_process or dcp_size > 1:
         raise ValueError("--cuda-graph-max-batch captures the experts inside the step: it "
                          "needs --dispatch-backend local and no DCP (the other backends and "
                          "DCP cross processes within a step)")

@@ -16,6 +16,7 @@ from common.flags import (
 )
 from common.rpc import parse_address
 from ep_dispatch.deepep_config import DeepEPSettings, add_deepep_flags, deepep_settings
+from ep_dispatch.registry import expert_side_backends
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ def add_expert_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=int(env("EXPERT_PORT", "0")))
     p.add_argument("--ready-fd", type=int, default=None)
     p.add_argument("--dispatch-backend", default=env("DISPATCH_BACKEND", "rpc"),
-                   choices=["rpc", "torch", "nccl", "deepep"],
+                   choices=expert_side_backends(),
                    help="rpc: serve attention ranks over TCP; torch: join their process "
                         "group; nccl: their NCCL communicator (CuPy, --device cuda); "
                         "deepep: their DeepEP buffer (--device cuda)")

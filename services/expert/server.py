@@ -1,34 +1,26 @@
-"""The expert service process: an `ExpertBank` behind a `common.rpc` listener.
-
-Any number of attention ranks connect (M:N). Each `ExpertBatch` is computed in a worker
-thread, one at a time, and answered on the connection it came from.
-"""
+"""The expert service process: an `ExpertBank`, served by its dispatch backend's expert
+side (`rpc`: a TCP listener any number of attention ranks connect to, `ExpertServer.compute`
+answering each layer's batches; the lockstep backends: their world's rounds)."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import sys
 import time
 
-import anyio
 import torch
-from anyio.abc import SocketAttribute, SocketStream
 from opentelemetry.trace import set_span_in_context
 
 from common import tracing
 from common.device import check_device, resolve_dtype
 from common.failures import root_causes
-from common.messages import ExpertBatch, ExpertInfo, ExpertResult, InfoRequest, Message
+from common.messages import ExpertBatch, ExpertInfo, ExpertResult
 from common.metrics import report_ready, start_metrics_server
-from common.rpc import FrameStream, cancel_on_signal, run_service, serve_messages
 from common.tracing import setup_tracing
 from ep_dispatch.placement import make_placement
 from ep_dispatch.registry import ExpertSide, WorldSettings, backend
-from ep_dispatch.torch_dist import (
-    RendezvousError,
-    World,
-)
+from ep_dispatch.rpc_server import RpcListen
+from ep_dispatch.torch_dist import RendezvousError, World
 from ep_dispatch.wire import from_wire, to_wire
 from services.expert.config import ExpertConfig
 from services.model.checkpoint import Checkpoint
@@ -39,6 +31,9 @@ log = logging.getLogger("switchyard.expert")
 
 
 class ExpertServer:
+    """One expert rank: its placement's share of every MoE layer's experts, loaded; each
+    layer's batches checked and answered with one grouped GEMM (`compute`)."""
+
     def __init__(self, config: ExpertConfig) -> None:
         if not 0 <= config.rank < config.num_ranks:
             raise ValueError(f"--rank {config.rank} is outside 0..{config.num_ranks - 1}")
@@ -57,9 +52,6 @@ class ExpertServer:
                                config.rank, config.device)
         checkpoint.close()
         self.backend = backend(config.dispatch_backend, config.device, self.bank.quantization)
-        self._queue: list[tuple[ExpertBatch, FrameStream]] = []
-        self._arrived = anyio.Event()
-        self.num_coalesced = 0  # batches that shared a GEMM with an earlier one
 
     def info(self) -> ExpertInfo:
         return ExpertInfo(self.config.rank, self.config.num_ranks, self.bank.experts,
@@ -143,79 +135,25 @@ class ExpertServer:
         y_pieces = y.split([counts[b][e] for e in range(num_local) for b in range(n)])
         return [torch.cat([y_pieces[e * n + b] for e in range(num_local)]) for b in range(n)]
 
-    def submit(self, batch: ExpertBatch, conn: FrameStream) -> None:
-        self._queue.append((batch, conn))
-        self._arrived.set()
+    def side(self, metrics_port: int | None) -> ExpertSide:
+        """What the backend's expert side serves with; its `ready` reports the rank
+        ready (to the launcher's pipe) once it listens or has joined its world."""
+        config, bank = self.config, self.bank
 
-    async def run_compute(self) -> None:
-        """Coalesce: whatever arrived for the same layer while the last GEMM ran is served
-        by the next one, so M attention ranks make one larger expert batch."""
-        while True:
-            if not self._queue:
-                await self._arrived.wait()
-                self._arrived = anyio.Event()
-                continue
-            layer = self._queue[0][0].layer
-            todo = [q for q in self._queue if q[0].layer == layer]
-            self._queue = [q for q in self._queue if q[0].layer != layer]
-            results = await anyio.to_thread.run_sync(self.compute, [b for b, _ in todo])
-            self.num_coalesced += len(todo) - 1
-            for (_, conn), result in zip(todo, results, strict=True):
-                with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
-                    await conn.send(result)
+        def ready(port: int) -> None:
+            where = f"listening on {config.host}:{port}" if port else \
+                f"joined the {config.dispatch_backend} world"
+            log.info("expert rank %d/%d %s, holding %.1f MB, moving %s", config.rank,
+                     config.num_ranks, where, bank.nbytes() / 1e6, bank.rows.describe())
+            report_ready(config.ready_fd, port, metrics_port)
 
-    async def handle(self, conn: FrameStream) -> None:
-        async def on_message(msg: Message) -> None:
-            if isinstance(msg, InfoRequest):
-                await conn.send(self.info())
-            elif isinstance(msg, ExpertBatch):
-                self.submit(msg, conn)
-            else:
-                log.warning("ignoring unexpected %s", type(msg).__name__)
-
-        await serve_messages(conn, on_message, log)
-
-
-async def serve(config: ExpertConfig, server: ExpertServer, metrics_port: int | None) -> None:
-    listener = await anyio.create_tcp_listener(local_host=config.host, local_port=config.port)
-    port = listener.extra(SocketAttribute.local_port)
-    log.info("expert rank %d/%d listening on %s:%d, holding %.1f MB", config.rank,
-             config.num_ranks, config.host, port, server.bank.nbytes() / 1e6)
-    report_ready(config.ready_fd, port, metrics_port)
-
-    async def on_connect(stream: SocketStream) -> None:
-        await server.handle(FrameStream(stream))
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(cancel_on_signal, tg.cancel_scope)
-        tg.start_soon(server.run_compute)
-        await listener.serve(on_connect)
-
-
-def serve_collective(config: ExpertConfig, server: ExpertServer,
-                     metrics_port: int | None) -> None:
-    """A lockstep backend (torch, nccl, deepep): join the attention ranks' world and serve
-    every round, with the backend's own expert side."""
-    if config.dist_init is None:
-        raise ValueError(f"--dispatch-backend {config.dispatch_backend} needs --dist-init "
-                         "HOST:PORT")
-    world = World(config.dist_init, config.attention_ranks, config.num_ranks,
-                  rank=config.attention_ranks + config.rank)
-    bank = server.bank
-
-    def ready() -> None:
-        log.info("expert rank %d/%d joined the %s world, holding %.1f MB, moving %s",
-                 config.rank, config.num_ranks, config.dispatch_backend, bank.nbytes() / 1e6,
-                 bank.rows.describe())
-        report_ready(config.ready_fd, 0, metrics_port)
-
-    side = ExpertSide(WorldSettings(world, config.rendezvous_timeout, config.deepep),
-                      server.placement, bank.forward, bank.rows, config.device,
-                      server.model_config.top_k, ready)
-    serve = server.backend.serve
-    assert serve is not None  # (every collective backend has an expert side)
-    with torch.inference_mode():
-        serve(side)
+        world = None if config.dist_init is None else WorldSettings(
+            World(config.dist_init, config.attention_ranks, config.num_ranks,
+                  rank=config.attention_ranks + config.rank),
+            config.rendezvous_timeout, config.deepep)
+        return ExpertSide(self.placement, bank.forward, bank.rows, config.device,
+                          self.model_config.top_k, ready, world,
+                          RpcListen(config.host, config.port, self.compute, self.info))
 
 
 def main(config: ExpertConfig) -> int:
@@ -224,11 +162,11 @@ def main(config: ExpertConfig) -> int:
     try:
         server = ExpertServer(config)
         metrics_port = start_metrics_server(config.host, config.metrics_port)
-        if server.backend.collective:
-            serve_collective(config, server, metrics_port)
-            return 0
+        serve = server.backend.serve
+        assert serve is not None  # (the expert flags offer only backends with an expert side)
+        with torch.inference_mode():
+            serve(server.side(metrics_port))
     except (CheckpointError, ValueError, OSError, RendezvousError) as exc:
         print(f"switchyard expert: {exc}", file=sys.stderr)
         return 2
-    return run_service("expert", config.host, config.port, serve, config, server,
-                       metrics_port)
+    return 0
