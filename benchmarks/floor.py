@@ -1,14 +1,19 @@
-"""Decode step time of the engine vs. the memory-bandwidth floor of the bytes it must read.
+"""Decode step time of the engine vs. the floor of the bytes it must read and the FLOPs it
+must do, and where the step's time goes.
 
-    .venv/bin/python -m benchmarks.floor [--batch-sizes 1 16] [--input-len 128]
+    .venv/bin/python -m benchmarks.floor [--batch-sizes 1 16 64] [--cpu-kernels on off]
 
 Measures this machine once (read bandwidth: `sum` over 2 GiB; copy bandwidth; float32
-matmul GFLOP/s), then runs the engine in-process on the mid-size checkpoint of
-benchmarks/generate.py and, for each decode step, counts the bytes that step had to read:
-the experts its tokens were routed to (from the engine's routing counters, exactly), every
-dense weight (attention, norms, router gates, lm_head), and the KV cache of the batch. The
-floor is those bytes at the measured read bandwidth; the table gives the median step time
-as a multiple of it.
+matmul GFLOP/s), then runs the engine in-process (`local` backend) on the mid-size
+checkpoint of benchmarks/generate.py and, for each decode step, counts the bytes that step
+had to read: the experts its tokens were routed to (from the engine's routing counters,
+exactly), every dense weight (attention, norms, router gates, lm_head), and the KV cache
+of the batch; and the FLOPs of its matmuls and attention. The floor is the larger of the
+bytes at the measured read bandwidth and the FLOPs at the measured matmul rate; the table
+gives the median step time as a multiple of it, and the step's median time in each part:
+attention, router, dispatch and combine, the experts, lm_head and sampling, the rest.
+With `--cpu-kernels on off` each batch size runs with the compiled CPU expert kernel and
+with torch's matmuls, alternating, in one run.
 """
 
 from __future__ import annotations
@@ -16,12 +21,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
 from benchmarks.generate import add_workdir_flag, build_checkpoint, make_prompts
 from benchmarks.timing import timed
 from common.messages import GenerateRequest, SamplingParams
+from moe_kernels.cpu_kernels import set_enabled
 from services.attention.builder import build_engine
 from services.attention.config import AttentionConfig
 from services.attention.engine import Engine
@@ -63,24 +70,85 @@ def kv_bytes(engine: Engine) -> int:
     return per_token * sum(s.num_computed_tokens for s in engine.scheduler.running)
 
 
-def decode_steps(engine: Engine, batch: int, input_len: int, steps: int
-                 ) -> list[tuple[float, int]]:
-    """(seconds, bytes read) of `steps` decode steps at `batch` sequences."""
+def step_flops(engine: Engine) -> int:
+    """FLOPs of one decode step of the running batch: every dense matmul for each token,
+    each token's top-k experts (three projections), and attention over each context."""
+    cfg, model = engine.model_config, engine.model
+    running = engine.scheduler.running
+    dense = model.lm_head.numel() + sum(
+        t.numel() for w in model.layers for t in (w.qkv, w.o, w.gate, w.mlp_gate_up,
+                                                  w.mlp_down) if t is not None)
+    experts = len(cfg.moe_layer_ids) * cfg.top_k * 3 * cfg.hidden_size * \
+        cfg.moe_intermediate_size
+    attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * \
+        sum(s.num_computed_tokens + 1 for s in running)
+    return 2 * len(running) * (dense + experts) + attention
+
+
+PARTS = ("attention", "router", "dispatch + combine", "experts", "lm_head + sampling",
+         "rest")
+
+
+class StepParts:
+    """Seconds of each part of the engine's steps, by wrapping the functions the step
+    calls (attention, router, the local experts client and its experts, lm_head, sampling);
+    `dispatch + combine` is the experts client's time outside the experts, `rest` the
+    step's time outside every part."""
+
+    def __init__(self, engine: Engine) -> None:
+        import services.attention.engine as engine_module
+        import services.attention.model as model_module
+
+        self.seconds = dict.fromkeys(PARTS, 0.0)
+        experts, model = engine.experts, engine.model
+        model.attend = self._timed("attention", model.attend)
+        model_module.route = self._timed("router", model_module.route)
+        experts.expert_fn = self._timed("experts", experts.expert_fn)  # type: ignore[attr-defined]
+        call = type(experts).__call__
+        type(experts).__call__ = self._timed("dispatch + combine", call)  # type: ignore[method-assign]
+        model.logits = self._timed("lm_head + sampling", model.logits)  # type: ignore[method-assign]
+        engine_module.sample = self._timed("lm_head + sampling", engine_module.sample)
+
+    def _timed(self, part: str, fn: object) -> object:
+        def run(*args: object, **kwargs: object) -> object:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)  # type: ignore[operator]
+            finally:
+                self.seconds[part] += time.perf_counter() - start
+        return run
+
+    def of(self, step: Callable[[], object]) -> dict[str, float]:
+        """Run one step; the seconds of each part of it."""
+        self.seconds = dict.fromkeys(PARTS, 0.0)
+        start = time.perf_counter()
+        step()
+        total = time.perf_counter() - start
+        parts = dict(self.seconds)
+        parts["dispatch + combine"] -= parts["experts"]  # the experts run inside the call
+        parts["rest"] = total - sum(parts.values())
+        return parts
+
+
+def decode_steps(engine: Engine, parts: StepParts, batch: int, input_len: int, steps: int
+                 ) -> list[tuple[float, int, int, dict[str, float]]]:
+    """(seconds, bytes read, FLOPs, seconds per part) of `steps` decode steps at `batch`
+    sequences."""
     params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(make_prompts(batch, input_len, engine.model_config.vocab_size)):
-        engine.add(GenerateRequest(f"floor-{batch}-{i}", p, params))
+        engine.add(GenerateRequest(f"floor-{batch}-{i}-{time.monotonic_ns()}", p, params))
     running = engine.scheduler.running
     while len(running) < batch or any(s.num_output_tokens == 0 for s in running):
         engine.step()  # prefill until every sequence decodes
     out = []
     for _ in range(steps):
         before = engine.model.expert_load.clone()
-        kv = kv_bytes(engine)
-        start = time.perf_counter()
-        engine.step()
-        elapsed = time.perf_counter() - start
+        kv, flops = kv_bytes(engine), step_flops(engine)
+        times = parts.of(engine.step)
+        elapsed = sum(times.values())
         hit = int(((engine.model.expert_load - before) > 0).sum())
-        out.append((elapsed, dense_bytes(engine) + hit * expert_bytes(engine) + kv))
+        out.append((elapsed, dense_bytes(engine) + hit * expert_bytes(engine) + kv, flops,
+                    times))
     while engine.has_work():
         engine.step()
     return out
@@ -89,9 +157,11 @@ def decode_steps(engine: Engine, batch: int, input_len: int, steps: int
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--cpu-kernels", nargs="+", choices=["on", "off"], default=["on"],
+                    help="the compiled CPU expert kernel, torch's matmuls, or both in turn")
     add_workdir_flag(ap)
     args = ap.parse_args()
     path = build_checkpoint(args.workdir)
@@ -101,15 +171,29 @@ def main() -> None:
           f"float32 matmul {m['matmul_gflops']:.0f} GFLOP/s", flush=True)
     engine = build_engine(AttentionConfig(model=path, dtype="float32", kv_cache_memory=1 << 30,
                                     max_num_batched_tokens=2048))
-    print("| batch | median step ms | MB read per step | floor ms | step / floor |")
-    print("|---:|---:|---:|---:|---:|")
+    parts = StepParts(engine)
+    rows = []
     for batch in args.batch_sizes:
-        steps = decode_steps(engine, batch, args.input_len, args.steps)
-        med_time = statistics.median(t for t, _ in steps)
-        med_bytes = statistics.median(b for _, b in steps)
-        floor = med_bytes / (m["read_gbs"] * 1e9)
-        print(f"| {batch} | {1e3 * med_time:.1f} | {med_bytes / 1e6:.0f} | "
-              f"{1e3 * floor:.1f} | {med_time / floor:.2f}x |", flush=True)
+        for kernels in args.cpu_kernels:
+            set_enabled(kernels == "on")
+            print(f"batch {batch}, CPU kernels {kernels} ...", flush=True)
+            steps = decode_steps(engine, parts, batch, args.input_len, args.steps)
+            rows.append((batch, kernels, steps))
+    print("\n| batch | CPU kernel | median step ms | MB read | GFLOP | floor ms (bytes, FLOPs) "
+          "| step / floor | " + " | ".join(f"{p} ms" for p in PARTS) + " |")
+    print("|---:|---|---:|---:|---:|---:|---:|" + "---:|" * len(PARTS))
+    for batch, kernels, steps in rows:
+        med_time = statistics.median(t for t, *_ in steps)
+        med_bytes = statistics.median(b for _, b, _, _ in steps)
+        med_flops = statistics.median(f for _, _, f, _ in steps)
+        by_bytes = med_bytes / (m["read_gbs"] * 1e9)
+        by_flops = med_flops / (m["matmul_gflops"] * 1e9)
+        floor = max(by_bytes, by_flops)
+        split = " | ".join(f"{1e3 * statistics.median(p[part] for *_, p in steps):.1f}"
+                           for part in PARTS)
+        print(f"| {batch} | {kernels} | {1e3 * med_time:.1f} | {med_bytes / 1e6:.0f} | "
+              f"{med_flops / 1e9:.2f} | {1e3 * floor:.1f} ({1e3 * by_bytes:.1f}, "
+              f"{1e3 * by_flops:.1f}) | {med_time / floor:.2f}x | {split} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ from collections.abc import Callable
 import torch
 
 from moe_kernels.bf16x2_layout import Bf16x2Weights, to_bf16x2
-from moe_kernels.grouped_gemm import grouped_swiglu, grouped_swiglu_mm
+from moe_kernels.cpu_kernels import cpu_kernels
+from moe_kernels.grouped_gemm import ExpertTimer, grouped_swiglu, grouped_swiglu_mm
 from moe_kernels.kernel_configs import KernelConfig, load_configs, tuned_config
 from moe_kernels.mxfp4 import MXFP4Tensor, quantize
 
@@ -29,6 +30,26 @@ def quantize_fused(x: torch.Tensor) -> MXFP4Tensor:
     from moe_kernels.triton_mxfp4 import quantize_mxfp4
 
     return quantize_mxfp4(x)
+
+
+def cpu_grouped_swiglu(x: torch.Tensor, tokens_per_expert: list[int], w_gate_up: torch.Tensor,
+                       w_down: torch.Tensor, spans: list[tuple[int, int]] | None
+                       ) -> torch.Tensor | None:
+    """`grouped_swiglu` through the compiled CPU kernel (`cpu_kernels`: one call for every
+    local expert, each timed on its own), where it applies: float32 on the CPU, H and I
+    multiples of 16, the kernel built. None where it does not: the caller runs torch's."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or w_gate_up.dtype != torch.float32 \
+            or x.shape[1] % 16 or w_down.shape[-1] % 16:
+        return None
+    if (kernels := cpu_kernels()) is None:
+        return None
+    timer = ExpertTimer(spans, x.device)
+    y, marks = kernels.grouped_swiglu_f32(x.contiguous(), tokens_per_expert,
+                                          w_gate_up.contiguous(), w_down.contiguous())
+    for start, end in zip(marks[::2], marks[1::2], strict=True):
+        timer.marks.append((start, end) if end else None)
+    timer.close()
+    return y  # [N, H]
 
 
 def gpu_name(device: torch.device) -> str | None:

@@ -19,7 +19,12 @@ from moe_kernels.mxfp4 import (
     ScaledBlocks,
     quantize,
 )
-from moe_kernels.selection import W4A4Kernels, grouped_mm_runs, quantize_fused
+from moe_kernels.selection import (
+    W4A4Kernels,
+    cpu_grouped_swiglu,
+    grouped_mm_runs,
+    quantize_fused,
+)
 from services.model.checkpoint import Checkpoint
 from services.model.config import ModelConfig, check_quantization
 from services.model.expert_metrics import ExpertMetrics
@@ -179,8 +184,12 @@ class ExpertBank:
     def _float_ffn(self, x: torch.Tensor, tokens_per_expert: list[int],
                    w_gate_up: torch.Tensor, w_down: torch.Tensor,
                    spans: list[tuple[int, int]]) -> torch.Tensor:
-        """On CUDA, two grouped GEMMs where `torch._grouped_mm` runs and agrees (its experts
-        then share the call's span); else expert by expert, each timed on its own."""
+        """On the CPU, float32: the compiled kernel, one call per layer. On CUDA, two
+        grouped GEMMs where `torch._grouped_mm` runs and agrees (its experts then share the
+        call's span). Else expert by expert, each timed on its own."""
+        if self.device.type == "cpu" and (y := cpu_grouped_swiglu(
+                x, tokens_per_expert, w_gate_up, w_down, spans)) is not None:
+            return y
         if self._grouped_mm is None:  # once: can this torch group them here?
             self._grouped_mm = self.device.type == "cuda" and grouped_mm_runs(
                 x, tokens_per_expert, w_gate_up, w_down)

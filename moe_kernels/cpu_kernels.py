@@ -1,0 +1,60 @@
+"""The CPU's compiled expert kernels (`csrc/grouped_swiglu_cpu.cpp`), built once per
+machine with torch's cpp_extension (gcc, ninja) into torch's extension cache, and loaded
+on first use. A machine that cannot build them runs the torch path, and says why once;
+`SWITCHYARD_CPU_KERNELS=0` chooses the torch path."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from types import ModuleType
+
+log = logging.getLogger("switchyard.expert")
+SOURCE = Path(__file__).parent / "csrc" / "grouped_swiglu_cpu.cpp"
+_lock = threading.Lock()
+_loaded: ModuleType | None = None
+_failed = False
+
+
+def cpu_kernels() -> ModuleType | None:
+    """The built extension, or None (disabled, or the build failed: logged once)."""
+    global _loaded, _failed
+    if _loaded is not None or _failed:
+        return _loaded
+    with _lock:
+        if _loaded is None and not _failed:
+            if os.environ.get("SWITCHYARD_CPU_KERNELS", "1") in ("", "0", "false"):
+                _failed = True
+            else:
+                _loaded = _build()
+                _failed = _loaded is None
+    return _loaded
+
+
+def set_enabled(enabled: bool) -> None:
+    """Choose the kernel (built on the next use) or the torch path, for this process: what
+    `SWITCHYARD_CPU_KERNELS` does at start-up (benchmarks compare the two in one run)."""
+    global _loaded, _failed
+    with _lock:
+        _loaded, _failed = (None, False) if enabled else (None, True)
+
+
+def _build() -> ModuleType | None:
+    from torch.utils.cpp_extension import load
+
+    start = time.monotonic()
+    log.info("loading the CPU expert kernel (built once per machine, about 30 s) ...")
+    try:
+        module = load("switchyard_cpu_kernels", [str(SOURCE)],
+                      extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
+                      extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as exc:  # no compiler, no ninja, an unsupported machine, ...
+        reason = (str(exc).strip().splitlines() or [repr(exc)])[-1]
+        log.warning("the CPU expert kernel could not be built (%s); float32 experts run "
+                    "on torch's matmuls instead", reason)
+        return None
+    log.info("CPU expert kernel ready in %.1f s", time.monotonic() - start)
+    return module
