@@ -16,19 +16,10 @@ from transformers import AutoTokenizer
 
 from switchyard.demo_model import DEFAULT_MODEL
 from switchyard.serve_process import Served
+from tests.support.gateway import CHAT, error_of
 
 pytestmark = pytest.mark.timeout(120)
 
-CHAT = [{"role": "user", "content": "What is 123 + 456?"}]
-
-
-def error_of(r: httpx.Response, status: int, param: str | None = None) -> dict[str, Any]:
-    assert r.status_code == status, r.text
-    error = r.json()["error"]
-    assert error["code"] == status and error["message"]
-    if param is not None:
-        assert error["param"] == param, error
-    return error
 
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -16,20 +15,10 @@ from gateway.app import build_app
 from gateway.config import GatewayConfig
 from gateway.engine_pool import EnginePool
 from gateway.tokenizer import Tokenizer
-from tests.support.gateway import write_checkpoint
+from tests.support.gateway import CHAT, error_of, write_checkpoint
 
 pytestmark = pytest.mark.timeout(120)
 
-CHAT = [{"role": "user", "content": "What is 123 + 456?"}]
-
-
-def error_of(r: httpx.Response, status: int, param: str | None = None) -> dict[str, Any]:
-    assert r.status_code == status, r.text
-    error = r.json()["error"]
-    assert error["code"] == status and error["message"]
-    if param is not None:
-        assert error["param"] == param, error
-    return error
 
 
 # In-process: the app without its lifespan, so the engine never connects.

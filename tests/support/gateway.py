@@ -8,8 +8,10 @@ import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import anyio
+import httpx
 from anyio.abc import SocketAttribute, SocketStream
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -197,3 +199,16 @@ WEATHER = {"type": "function", "function": {
 
 
 TIME = {"type": "function", "function": {"name": "get_time"}}  # no parameters
+
+
+# A chat the tokenization tests send, and the OpenAI error body they check.
+CHAT = [{"role": "user", "content": "What is 123 + 456?"}]
+
+
+def error_of(r: httpx.Response, status: int, param: str | None = None) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["code"] == status and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    return error
