@@ -12,8 +12,10 @@ of the batch; and the FLOPs of its matmuls and attention. The floor is the large
 bytes at the measured read bandwidth and the FLOPs at the measured matmul rate; the table
 gives the median step time as a multiple of it, and the step's median time in each part:
 attention, router, dispatch and combine, the experts, lm_head and sampling, the rest.
-With `--cpu-kernels on off` each batch size runs with the compiled CPU expert kernel and
-with torch's matmuls, alternating, in one run.
+With `--cpu-kernels on off` each batch size runs with the compiled CPU kernels (experts,
+dense projections, lm_head) and with torch's matmuls, alternating, in one run; with
+`--quantization none w4a4` both float32 and W4A4 experts (MXFP4, quantized at load; the
+dense weights stay float32), one engine each, alternating too.
 """
 
 from __future__ import annotations
@@ -60,8 +62,12 @@ def dense_bytes(engine: Engine) -> int:
 
 
 def expert_bytes(engine: Engine) -> int:
+    """Bytes of one expert's three projections: float, or MXFP4's 4.25 bits per weight."""
     cfg = engine.model_config
-    return 3 * cfg.hidden_size * cfg.moe_intermediate_size * engine.dtype.itemsize
+    weights = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    if engine.quantization == "w4a4":
+        return weights // 2 + weights // 32
+    return weights * engine.dtype.itemsize
 
 
 def kv_bytes(engine: Engine) -> int:
@@ -161,7 +167,9 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--cpu-kernels", nargs="+", choices=["on", "off"], default=["on"],
-                    help="the compiled CPU expert kernel, torch's matmuls, or both in turn")
+                    help="the compiled CPU kernels, torch's matmuls, or both in turn")
+    ap.add_argument("--quantization", nargs="+", choices=["none", "w4a4"], default=["none"],
+                    help="float32 experts, W4A4 experts, or both in turn (one engine each)")
     add_workdir_flag(ap)
     args = ap.parse_args()
     path = build_checkpoint(args.workdir)
@@ -169,18 +177,24 @@ def main() -> None:
     m = machine()
     print(f"read {m['read_gbs']:.1f} GB/s, copy {m['copy_gbs']:.1f} GB/s (read + write), "
           f"float32 matmul {m['matmul_gflops']:.0f} GFLOP/s", flush=True)
-    engine = build_engine(AttentionConfig(model=path, dtype="float32", kv_cache_memory=1 << 30,
-                                    max_num_batched_tokens=2048))
-    parts = StepParts(engine)
+    engines = {}
+    for quantization in args.quantization:
+        print(f"loading the engine, experts {quantization} ...", flush=True)
+        engine = build_engine(AttentionConfig(
+            model=path, dtype="float32", quantization=quantization, kv_cache_memory=1 << 30,
+            max_num_batched_tokens=2048))
+        engines[quantization] = (engine, StepParts(engine))
     rows = []
     for batch in args.batch_sizes:
-        for kernels in args.cpu_kernels:
-            set_enabled(kernels == "on")
-            print(f"batch {batch}, CPU kernels {kernels} ...", flush=True)
-            steps = decode_steps(engine, parts, batch, args.input_len, args.steps)
-            rows.append((batch, kernels, steps))
-    print("\n| batch | CPU kernel | median step ms | MB read | GFLOP | floor ms (bytes, FLOPs) "
-          "| step / floor | " + " | ".join(f"{p} ms" for p in PARTS) + " |")
+        for quantization, (engine, parts) in engines.items():
+            for kernels in args.cpu_kernels:
+                set_enabled(kernels == "on")
+                print(f"batch {batch}, experts {quantization}, CPU kernels {kernels} ...",
+                      flush=True)
+                steps = decode_steps(engine, parts, batch, args.input_len, args.steps)
+                rows.append((batch, f"{quantization}, {kernels}", steps))
+    print("\n| batch | experts, CPU kernels | median step ms | MB read | GFLOP | floor ms "
+          "(bytes, FLOPs) | step / floor | " + " | ".join(f"{p} ms" for p in PARTS) + " |")
     print("|---:|---|---:|---:|---:|---:|---:|" + "---:|" * len(PARTS))
     for batch, kernels, steps in rows:
         med_time = statistics.median(t for t, *_ in steps)

@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from benchmarks.floor import decode_steps, machine
+from benchmarks.floor import StepParts, decode_steps, machine
 from benchmarks.generate import add_workdir_flag, bench_transformers, build_checkpoint
 from services.attention.builder import build_engine
 from services.attention.config import AttentionConfig
@@ -67,10 +67,11 @@ def floor_rows(path: Path, levels: list[int], input_len: int, read_gbs: float
     engine = build_engine(AttentionConfig(model=path, dtype="float32", kv_cache_memory=1 << 30,
                                     max_num_batched_tokens=2048))
     out = {}
+    parts = StepParts(engine)
     for c in levels:
-        steps = decode_steps(engine, c, input_len, steps=10)
-        step_s = statistics.median(t for t, _ in steps)
-        nbytes = statistics.median(b for _, b in steps)
+        steps = decode_steps(engine, parts, c, input_len, steps=10)
+        step_s = statistics.median(t for t, *_ in steps)
+        nbytes = statistics.median(b for _, b, *_ in steps)
         out[c] = {"step_ms": 1e3 * step_s, "mb_read": nbytes / 1e6,
                   "floor_ms": 1e3 * nbytes / (read_gbs * 1e9)}
     engine.close()
@@ -101,6 +102,8 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--json", type=Path, help="also write every figure as JSON here")
+    ap.add_argument("--skip-transformers", action="store_true",
+                    help="leave out transformers' generate() (the serving overhead only)")
     args = ap.parse_args()
     path = build_checkpoint(args.workdir)
     levels = args.concurrency
@@ -108,7 +111,8 @@ def main() -> None:
 
     log("measuring the machine ...")
     m = machine()
-    hf = transformers_rows(path, prompts, levels, args.output_len)
+    hf = {} if args.skip_transformers else transformers_rows(path, prompts, levels,
+                                                             args.output_len)
     gc.collect()
     floor = floor_rows(path, levels, args.input_len, m["read_gbs"])
     gc.collect()
@@ -125,15 +129,17 @@ def main() -> None:
     print("|---:|---:|" + "---:|" * len(served) + "---:|")
     for c in levels:
         tps = [served[name][c]["output_throughput"] for name in served]
-        print(f"| {c} | {hf[c]:.1f} | " + " | ".join(f"{t:.1f}" for t in tps)
-              + f" | {max(tps) / hf[c]:.2f}x |")
+        ratio = f"{max(tps) / hf[c]:.2f}x" if c in hf else "-"
+        print(f"| {c} | {hf[c]:.1f} | " if c in hf else f"| {c} | - | ", end="")
+        print(" | ".join(f"{t:.1f}" for t in tps) + f" | {ratio} |")
     print("\n| concurrency | MB read per decode step | floor ms | engine step ms (x floor) | "
-          + " | ".join(f"{name} TPOT median ms (x floor)" for name in served) + " |")
+          + " | ".join(f"{name} TPOT median ms (x floor; x step)" for name in served) + " |")
     print("|---:|---:|---:|---:|" + "---:|" * len(served))
     for c in levels:
         f = floor[c]
         tpots = [s[c]["tpot"]["median_ms"] for s in served.values()]
-        cells = [f"{t:.1f} ({t / f['floor_ms']:.2f}x)" for t in tpots]
+        cells = [f"{t:.1f} ({t / f['floor_ms']:.2f}x; {t / f['step_ms']:.2f}x step)"
+                 for t in tpots]
         print(f"| {c} | {f['mb_read']:.0f} | {f['floor_ms']:.1f} | "
               f"{f['step_ms']:.1f} ({f['step_ms'] / f['floor_ms']:.2f}x) | " + " | ".join(cells)
               + " |")

@@ -1,7 +1,7 @@
-"""The CPU's compiled expert kernels (`csrc/grouped_swiglu_cpu.cpp`), built once per
-machine with torch's cpp_extension (gcc, ninja) into torch's extension cache, and loaded
-on first use. A machine that cannot build them runs the torch path, and says why once;
-`SWITCHYARD_CPU_KERNELS=0` chooses the torch path."""
+"""The CPU's compiled kernels (`csrc/`: float32 experts and small-M linears, W4A4 experts
+and their quantizer), built once per machine with torch's cpp_extension (gcc, ninja) into
+torch's extension cache, and loaded on first use. A machine that cannot build them runs
+the torch path, and says why once; `SWITCHYARD_CPU_KERNELS=0` chooses the torch path."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from pathlib import Path
 from types import ModuleType
 
 log = logging.getLogger("switchyard.expert")
-SOURCE = Path(__file__).parent / "csrc" / "grouped_swiglu_cpu.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name
+           for name in ("module.cpp", "f32_cpu.cpp", "w4a4_cpu.cpp")]
 _lock = threading.Lock()
 _loaded: ModuleType | None = None
 _failed = False
@@ -46,15 +47,15 @@ def _build() -> ModuleType | None:
     from torch.utils.cpp_extension import load
 
     start = time.monotonic()
-    log.info("loading the CPU expert kernel (built once per machine, about 30 s) ...")
+    log.info("loading the CPU kernels (built once per machine, about 1 min) ...")
     try:
-        module = load("switchyard_cpu_kernels", [str(SOURCE)],
+        module = load("switchyard_cpu_kernels", [str(s) for s in SOURCES],
                       extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
                       extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, no ninja, an unsupported machine, ...
         reason = (str(exc).strip().splitlines() or [repr(exc)])[-1]
-        log.warning("the CPU expert kernel could not be built (%s); float32 experts run "
-                    "on torch's matmuls instead", reason)
+        log.warning("the CPU kernels could not be built (%s); the experts and dense "
+                    "projections run on torch's matmuls instead", reason)
         return None
-    log.info("CPU expert kernel ready in %.1f s", time.monotonic() - start)
+    log.info("CPU kernels ready in %.1f s", time.monotonic() - start)
     return module

@@ -9,6 +9,7 @@ import logging
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from moe_kernels.bf16x2_layout import Bf16x2Weights, to_bf16x2
 from moe_kernels.cpu_kernels import cpu_kernels
@@ -22,9 +23,13 @@ W4A4Weights = MXFP4Tensor | Bf16x2Weights  # one GEMM's weights, in a kernel's l
 
 
 def quantize_fused(x: torch.Tensor) -> MXFP4Tensor:
-    """`quantize(x)`, on CUDA in one Triton kernel (`triton_mxfp4.quantize_mxfp4`, bit for
-    bit the same under the tests' interpreter; the torch version runs 58 tensor
+    """`quantize(x)`, in one call: on the CPU the compiled kernels' quantizer (float32 rows),
+    on CUDA one Triton kernel (`triton_mxfp4.quantize_mxfp4`), both bit for bit the same
+    (the Triton one under the tests' interpreter; the torch version runs 58 tensor
     operations per call, counted with a TorchDispatchMode on [32, 7168] bfloat16 rows)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 \
+            and (kernels := cpu_kernels()) is not None:
+        return MXFP4Tensor(*kernels.quantize_mxfp4(x))  # bit for bit `quantize`'s, in C++
     if x.device.type != "cuda":
         return quantize(x)
     from moe_kernels.triton_mxfp4 import quantize_mxfp4
@@ -50,6 +55,36 @@ def cpu_grouped_swiglu(x: torch.Tensor, tokens_per_expert: list[int], w_gate_up:
         timer.marks.append((start, end) if end else None)
     timer.close()
     return y  # [N, H]
+
+
+def cpu_grouped_swiglu_w4a4(x: MXFP4Tensor, tokens_per_expert: list[int],
+                            w_gate_up: MXFP4Tensor, w_down: MXFP4Tensor,
+                            spans: list[tuple[int, int]] | None) -> torch.Tensor | None:
+    """`grouped_swiglu_w4a4` through the compiled CPU kernel (`csrc/w4a4_cpu.cpp`: the MXFP4
+    bytes read as stored, exact integer products, one call for every local expert, each
+    timed on its own). None where it does not apply (not on the CPU, or not built)."""
+    if x.packed.device.type != "cpu" or (kernels := cpu_kernels()) is None:
+        return None
+    timer = ExpertTimer(spans, x.packed.device)
+    y, marks = kernels.grouped_swiglu_w4a4(
+        x.packed.contiguous(), x.scales.contiguous(), tokens_per_expert,
+        w_gate_up.packed.contiguous(), w_gate_up.scales.contiguous(),
+        w_down.packed.contiguous(), w_down.scales.contiguous())
+    for start, end in zip(marks[::2], marks[1::2], strict=True):
+        timer.marks.append((start, end) if end else None)
+    timer.close()
+    return y  # [N, H] float32
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`F.linear(x, w)` without a bias, for the dense projections and lm_head: x [M, K] @
+    w [N, K]^T. On the CPU in float32 the compiled kernel (`linear_f32`), which streams w
+    from memory once for the 1 to 64 rows of a decode step, where torch's matmul reads it
+    at a fraction of the bandwidth; torch's matmul otherwise."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype == torch.float32 \
+            and x.dim() == 2 and (kernels := cpu_kernels()) is not None:
+        return kernels.linear_f32(x, w)
+    return F.linear(x, w)
 
 
 def gpu_name(device: torch.device) -> str | None:

@@ -62,14 +62,23 @@ def make_prompts(n: int, input_len: int, shared_fraction: float, id_range: int, 
             for _ in range(n)]
 
 
+def _chunk_tokens(choice: dict[str, Any]) -> int:
+    """Output tokens in a streamed choice: its `token_ids` (Switchyard, vLLM with
+    `return_token_ids`), else one for non-empty text, as `vllm bench serve` counts."""
+    return len(choice.get("token_ids") or []) or int(bool(choice.get("text")))
+
+
 async def _one(client: httpx.AsyncClient, load: Load, prompt: list[int]) -> RequestRecord:
+    """One streamed request. Content chunks time TTFT and ITL; the final usage chunk
+    (`stream_options.include_usage`), where the server sends one, gives the token count."""
     record = RequestRecord(ok=False, prompt_tokens=len(prompt))
     start = last = time.perf_counter()
+    usage_tokens: int | None = None
     try:
         async with client.stream("POST", "/v1/completions", json={
                 "model": load.model, "prompt": prompt, "max_tokens": load.output_len,
                 "temperature": 0, "ignore_eos": True, "stream": True,
-                "return_token_ids": True}) as r:
+                "stream_options": {"include_usage": True}, "return_token_ids": True}) as r:
             if r.status_code != 200:
                 record.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                 return record
@@ -77,7 +86,9 @@ async def _one(client: httpx.AsyncClient, load: Load, prompt: list[int]) -> Requ
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line.removeprefix("data: "))
-                tokens = sum(len(c.get("token_ids") or []) for c in chunk.get("choices", []))
+                if usage := chunk.get("usage"):
+                    usage_tokens = usage["completion_tokens"]
+                tokens = sum(_chunk_tokens(c) for c in chunk.get("choices") or [])
                 if not tokens:
                     continue
                 now = time.perf_counter()
@@ -88,10 +99,12 @@ async def _one(client: httpx.AsyncClient, load: Load, prompt: list[int]) -> Requ
                 last = now
                 record.output_tokens += tokens
         record.e2e = time.perf_counter() - start
+        if usage_tokens is not None:
+            record.output_tokens = usage_tokens
         record.ok = record.output_tokens == load.output_len
         if not record.ok:
             record.error = f"got {record.output_tokens} of {load.output_len} tokens"
-    except (httpx.HTTPError, ValueError) as exc:
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:  # or a malformed chunk
         record.error = repr(exc)
     return record
 

@@ -7,11 +7,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from dcp.batch import StepBatch
 from ep_dispatch.base import ExpertsClient
 from moe_kernels.grouped_gemm import swiglu_mlp
+from moe_kernels.selection import linear
 from services.attention.kv_cache import KVCache
 from services.attention.router import route
 from services.model.checkpoint import Checkpoint
@@ -120,7 +120,7 @@ class DenseModel:
         batch: StepBatch, kv: KVCache,
     ) -> torch.Tensor:
         cfg, t = self.cfg, x.shape[0]
-        q, k, v = F.linear(x, w.qkv).split(
+        q, k, v = linear(x, w.qkv).split(
             [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
              cfg.num_kv_heads * cfg.head_dim], dim=-1)
         q = q.view(t, cfg.num_heads, cfg.head_dim)
@@ -132,7 +132,7 @@ class DenseModel:
         kv.write(i, k, v.view(t, cfg.num_kv_heads, cfg.head_dim), batch.slot_mapping,
                  batch.foreign_slots)
         out = self.attend(kv, i, q, batch)  # [T, heads, D]
-        return F.linear(out.reshape(t, -1), w.o)
+        return linear(out.reshape(t, -1), w.o)
 
     def publish_load(self) -> None:
         """Copy the routing counts to the host (`expert_load`), after a step synchronised."""
@@ -140,4 +140,4 @@ class DenseModel:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [S, V] of hidden rows [S, H]."""
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head).float()

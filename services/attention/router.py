@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moe_kernels.selection import linear
+
 
 def route(
     x: torch.Tensor, gate: torch.Tensor, top_k: int, normalize: bool
@@ -14,7 +16,7 @@ def route(
     Returns topk_ids [T, K] int64 and topk_weights [T, K] in x's dtype: softmax over all
     experts (in float32), top-k, renormalised to sum to 1 when `normalize`.
     """
-    probs = F.softmax(F.linear(x, gate), dim=-1, dtype=torch.float32)  # [T, E]
+    probs = F.softmax(linear(x, gate), dim=-1, dtype=torch.float32)  # [T, E]
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)

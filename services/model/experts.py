@@ -22,6 +22,7 @@ from moe_kernels.mxfp4 import (
 from moe_kernels.selection import (
     W4A4Kernels,
     cpu_grouped_swiglu,
+    cpu_grouped_swiglu_w4a4,
     grouped_mm_runs,
     quantize_fused,
 )
@@ -141,7 +142,8 @@ class ExpertBank:
                 else quantize_fused(x)
             if self.device.type == "cuda":
                 y = self._triton_w4a4(layer, q, tokens_per_expert, spans)
-            else:
+            elif (y := cpu_grouped_swiglu_w4a4(q, tokens_per_expert, self.w_gate_up[layer],
+                                               self.w_down[layer], spans)) is None:
                 y = grouped_swiglu_w4a4(q, tokens_per_expert, self.w_gate_up[layer],
                                         self.w_down[layer], spans)
             y = y.to(self.dtype)

@@ -1,0 +1,32 @@
+// The CPU kernels of `moe_kernels.cpu_kernels`: what each source file defines, for module.cpp.
+#pragma once
+#include <torch/extension.h>
+
+#include <chrono>
+#include <tuple>
+#include <vector>
+
+// CLOCK_MONOTONIC, as Python's time.perf_counter_ns on Linux: each expert's start and end.
+inline int64_t monotonic_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// Checks `counts` (one per local expert, >= 0) sums to `rows`.
+void check_counts(const std::vector<int64_t>& counts, int64_t experts, int64_t rows);
+
+// f32_cpu.cpp
+std::tuple<torch::Tensor, std::vector<int64_t>> grouped_swiglu_f32(
+    const torch::Tensor& x, const std::vector<int64_t>& counts, const torch::Tensor& w_gate_up,
+    const torch::Tensor& w_down);
+torch::Tensor linear_f32(const torch::Tensor& x, const torch::Tensor& w);
+
+// w4a4_cpu.cpp
+std::tuple<torch::Tensor, std::vector<int64_t>> grouped_swiglu_w4a4(
+    const torch::Tensor& x_packed, const torch::Tensor& x_scales,
+    const std::vector<int64_t>& counts, const torch::Tensor& gu_packed,
+    const torch::Tensor& gu_scales, const torch::Tensor& down_packed,
+    const torch::Tensor& down_scales);
+torch::Tensor mxfp4_linear(const torch::Tensor& x_packed, const torch::Tensor& x_scales,
+                           const torch::Tensor& w_packed, const torch::Tensor& w_scales);
+std::tuple<torch::Tensor, torch::Tensor> quantize_mxfp4(const torch::Tensor& x);

@@ -1,0 +1,22 @@
+// The Python module of the CPU kernels (`moe_kernels.cpu_kernels`).
+#include "kernels.h"
+
+void check_counts(const std::vector<int64_t>& counts, int64_t experts, int64_t rows) {
+  TORCH_CHECK(static_cast<int64_t>(counts.size()) == experts, "one count per local expert");
+  int64_t total = 0;
+  for (int64_t c : counts) {
+    TORCH_CHECK(c >= 0, "negative count");
+    total += c;
+  }
+  TORCH_CHECK(total == rows, "the counts do not sum to the rows");
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("grouped_swiglu_f32", &grouped_swiglu_f32,
+        "float32 grouped SwiGLU over every local expert of one layer");
+  m.def("linear_f32", &linear_f32, "float32 x [M, K] @ w [N, K]^T for small M");
+  m.def("grouped_swiglu_w4a4", &grouped_swiglu_w4a4,
+        "MXFP4 x MXFP4 grouped SwiGLU over every local expert of one layer");
+  m.def("mxfp4_linear", &mxfp4_linear, "MXFP4 x [M, K] @ MXFP4 w [N, K]^T -> float32");
+  m.def("quantize_mxfp4", &quantize_mxfp4, "float32 [M, K] -> MXFP4 (packed, scales)");
+}

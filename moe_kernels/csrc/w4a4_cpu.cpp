@@ -1,0 +1,324 @@
+// The W4A4 grouped SwiGLU of `moe_kernels.grouped_gemm.grouped_swiglu_w4a4` for the CPU, in
+// one call per layer over every local expert, reading the MXFP4 bytes as they are stored
+// (4.25 bits per weight) and never writing a float copy of the weights.
+//
+// The products are exact integers. An E2M1 value doubled is one of 0, 1, 2, 3, 4, 6, 8, 12
+// (with its sign), so the dot product of two 32-value blocks is an integer sum of at most
+// 32 * 144 in magnitude, exact in int32 and in float32, which then takes both blocks' scales:
+// 2^(x scale - 127) * 2^(w scale - 127) / 4. Only the float sum over the blocks of a row
+// rounds, which is the summation order of the torch path's float32 matmul.
+//
+// On AVX2: one 16-byte load gives a block's 32 codes (low nibbles, then high nibbles: the
+// activations are decoded in the same order, and a dot product does not care), `vpshufb`
+// maps them to magnitudes and signs, and `vpmaddubsw` + `vpmaddwd` multiply and add them
+// in 16 and 32 bits (llama.cpp's Q4 kernels do the same). Elsewhere, a scalar loop.
+#include <cmath>
+#include <cstring>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#include "kernels.h"
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr uint8_t kNanScale = 0xFF;
+constexpr int8_t kDoubled[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+constexpr int64_t kTileRows = 64;  // rows of x per pass over an expert's weights
+
+// 2^(byte - 128) per E8M0 byte, the scale of a doubled value (NaN for 0xFF).
+struct ScaleTable {
+  float v[256];
+  ScaleTable() {
+    for (int b = 0; b < 256; ++b) v[b] = std::ldexp(1.f, b - 128);
+    v[kNanScale] = NAN;
+  }
+};
+const ScaleTable kScales;
+
+// Activation rows, decoded once per expert: per row, K int8 doubled values in block order
+// (each block's low nibbles, then its high nibbles) and K / 32 float scales.
+struct Decoded {
+  std::vector<int8_t> values;
+  std::vector<float> scales;
+  int64_t k = 0;
+  void resize(int64_t rows, int64_t k_len) {
+    k = k_len;
+    values.resize(rows * k_len);
+    scales.resize(rows * (k_len / kBlock));
+  }
+  const int8_t* row(int64_t m) const { return values.data() + m * k; }
+  const float* row_scales(int64_t m) const { return scales.data() + m * (k / kBlock); }
+};
+
+// MXFP4 rows (packed [M, K/2], scales [M, K/32]) -> d's first M rows.
+void decode(const uint8_t* packed, const uint8_t* scales, int64_t m_len, int64_t k_len,
+            Decoded& d) {
+  const int64_t blocks = k_len / kBlock;
+  for (int64_t m = 0; m < m_len; ++m) {
+    int8_t* v = d.values.data() + m * k_len;
+    const uint8_t* p = packed + m * k_len / 2;
+    for (int64_t b = 0; b < blocks; ++b)
+      for (int64_t i = 0; i < kBlock / 2; ++i) {
+        const uint8_t byte = p[b * kBlock / 2 + i];
+        v[b * kBlock + i] = kDoubled[byte & 0xF];
+        v[b * kBlock + kBlock / 2 + i] = kDoubled[byte >> 4];
+      }
+    for (int64_t b = 0; b < blocks; ++b) d.scales[m * blocks + b] = kScales.v[scales[m * blocks + b]];
+  }
+}
+
+// One float32 row [K] -> MXFP4 by the rules of `moe_kernels.mxfp4.quantize` (OCP MX v1.0:
+// X = floor(log2(amax)) - 2 clamped to [-127, 127], round to nearest E2M1 with ties to even,
+// saturate at 6, NaN scale for a block with NaN or inf, the sign of zero kept).
+void quantize_row(const float* x, int64_t k_len, uint8_t* packed, uint8_t* scales) {
+  for (int64_t b = 0; b < k_len / kBlock; ++b) {
+    const float* v = x + b * kBlock;
+    float amax = 0.f;
+    bool special = false;
+    for (int64_t i = 0; i < kBlock; ++i) {
+      special |= !std::isfinite(v[i]);
+      amax = std::max(amax, std::fabs(v[i]));
+    }
+    int exp = -127;
+    if (!special && amax > 0.f) {
+      int e;
+      std::frexp(amax, &e);  // amax = m 2^e, m in [0.5, 1): floor(log2(amax)) = e - 1
+      exp = std::min(127, std::max(-127, e - 1 - 2));
+    }
+    scales[b] = special ? kNanScale : static_cast<uint8_t>(exp + 127);
+    const float inv = std::ldexp(1.f, -exp);  // exact: a power of two
+    uint8_t codes[kBlock];
+    for (int64_t i = 0; i < kBlock; ++i) {
+      const float s = v[i] * inv, mag = std::fabs(s);
+      uint8_t c = (mag > 0.25f) + (mag >= 0.75f) + (mag > 1.25f) + (mag >= 1.75f) +
+                  (mag > 2.5f) + (mag >= 3.5f) + (mag > 5.f);
+      c |= std::signbit(s) << 3;
+      codes[i] = special ? 0 : c;
+    }
+    for (int64_t i = 0; i < kBlock / 2; ++i)
+      packed[b * kBlock / 2 + i] = codes[2 * i] | (codes[2 * i + 1] << 4);
+  }
+}
+
+// One float row -> its decoded form (quantize, then decode: what the down GEMM reads).
+void quantize_decoded(const float* x, int64_t k_len, Decoded& d, int64_t m) {
+  std::vector<uint8_t> packed(k_len / 2), scales(k_len / kBlock);
+  quantize_row(x, k_len, packed.data(), scales.data());
+  const int64_t blocks = k_len / kBlock;
+  int8_t* v = d.values.data() + m * k_len;
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t i = 0; i < kBlock / 2; ++i) {
+      const uint8_t byte = packed[b * kBlock / 2 + i];
+      v[b * kBlock + i] = kDoubled[byte & 0xF];
+      v[b * kBlock + kBlock / 2 + i] = kDoubled[byte >> 4];
+    }
+    d.scales[m * blocks + b] = kScales.v[scales[b]];
+  }
+}
+
+#ifdef __AVX2__
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// y[m, n] for m < MM, n < nn <= NN over x's decoded rows and NN weight rows of packed codes.
+template <int MM, int NN>
+inline void block(const Decoded& x, int64_t m0, const uint8_t* wp, const uint8_t* ws,
+                  int64_t nn, float* y, int64_t ldy) {
+  const int64_t k_len = x.k, blocks = k_len / kBlock;
+  const __m256i mags = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, 1, 2, 3, 4, 6, 8, 12,
+                                        0, 1, 2, 3, 4, 6, 8, 12, 0, 1, 2, 3, 4, 6, 8, 12);
+  const __m256i signs = _mm256_setr_epi8(1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                         1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1);
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[MM][NN];
+  for (int i = 0; i < MM; ++i)
+    for (int j = 0; j < NN; ++j) acc[i][j] = _mm256_setzero_ps();
+  const uint8_t* wr[NN];
+  const uint8_t* sr[NN];
+  for (int j = 0; j < NN; ++j) {
+    const int64_t n = std::min<int64_t>(j, nn - 1);  // repeat the last
+    wr[j] = wp + n * k_len / 2;
+    sr[j] = ws + n * blocks;
+  }
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256i wmag[NN], wsign[NN];
+    float wscale[NN];
+    for (int j = 0; j < NN; ++j) {
+      __builtin_prefetch(wr[j] + b * 16 + 512);
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr[j] + b * 16));
+      const __m256i codes = _mm256_and_si256(
+          _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low);
+      wmag[j] = _mm256_shuffle_epi8(mags, codes);
+      wsign[j] = _mm256_shuffle_epi8(signs, codes);
+      wscale[j] = kScales.v[sr[j][b]];
+    }
+    for (int i = 0; i < MM; ++i) {
+      const __m256i xv = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(x.row(m0 + i) + b * kBlock));
+      const float xscale = x.row_scales(m0 + i)[b];
+      for (int j = 0; j < NN; ++j) {
+        const __m256i prod = _mm256_madd_epi16(
+            _mm256_maddubs_epi16(wmag[j], _mm256_sign_epi8(xv, wsign[j])), ones);  // 8 x int32
+        acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(prod), _mm256_set1_ps(xscale * wscale[j]),
+                                    acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < MM; ++i)
+    for (int j = 0; j < nn; ++j) y[i * ldy + j] = hsum(acc[i][j]);
+}
+#endif
+
+// y [c, N] (row stride ldy) = x's decoded rows [m0, m0 + c) @ w [N, K]^T, w as packed codes
+// [N, K/2] and scale bytes [N, K/32]; both cores split the columns.
+void linear(const Decoded& x, int64_t m0, int64_t c, const uint8_t* wp, const uint8_t* ws,
+            int64_t n_len, float* y, int64_t ldy) {
+  const int64_t k_len = x.k, blocks = k_len / kBlock;
+  for (int64_t t0 = 0; t0 < c; t0 += kTileRows) {  // x's tile stays in cache per pass
+    const int64_t t_len = std::min(kTileRows, c - t0);
+#pragma omp parallel for schedule(static)
+    for (int64_t n0 = 0; n0 < n_len; n0 += 4) {
+      const int64_t nn = std::min<int64_t>(4, n_len - n0);
+      const uint8_t* wpn = wp + n0 * k_len / 2;
+      const uint8_t* wsn = ws + n0 * blocks;
+#ifdef __AVX2__
+      for (int64_t m = t0; m < t0 + t_len; m += 4) {
+        const int64_t mm = std::min<int64_t>(4, t0 + t_len - m);
+        float* ym = y + m * ldy + n0;
+        const int64_t row = m0 + m;
+        if (mm == 1) {
+          block<1, 4>(x, row, wpn, wsn, nn, ym, ldy);
+        } else {
+          for (int64_t j = 0; j < nn; j += 2) {
+            const int64_t n2 = std::min<int64_t>(2, nn - j);
+            const uint8_t* wpj = wpn + j * k_len / 2;
+            const uint8_t* wsj = wsn + j * blocks;
+            if (mm == 2) block<2, 2>(x, row, wpj, wsj, n2, ym + j, ldy);
+            else if (mm == 3) block<3, 2>(x, row, wpj, wsj, n2, ym + j, ldy);
+            else block<4, 2>(x, row, wpj, wsj, n2, ym + j, ldy);
+          }
+        }
+      }
+#else
+      for (int64_t m = t0; m < t0 + t_len; ++m)
+        for (int64_t j = 0; j < nn; ++j) {
+          const uint8_t* wrow = wpn + j * k_len / 2;
+          const int8_t* xv = x.row(m0 + m);
+          float acc = 0.f;
+          for (int64_t b = 0; b < blocks; ++b) {
+            int32_t sum = 0;
+            for (int64_t i = 0; i < kBlock / 2; ++i) {
+              const uint8_t byte = wrow[b * kBlock / 2 + i];
+              sum += kDoubled[byte & 0xF] * xv[b * kBlock + i] +
+                     kDoubled[byte >> 4] * xv[b * kBlock + kBlock / 2 + i];
+            }
+            acc += static_cast<float>(sum) * (x.row_scales(m0 + m)[b] * kScales.v[wsn[j * blocks + b]]);
+          }
+          y[m * ldy + n0 + j] = acc;
+        }
+#endif
+    }
+  }
+}
+
+void check_mxfp4(const torch::Tensor& packed, const torch::Tensor& scales, int64_t dims,
+                 const char* what) {
+  TORCH_CHECK(packed.dtype() == torch::kUInt8 && scales.dtype() == torch::kUInt8, what,
+              ": MXFP4 bytes are uint8");
+  TORCH_CHECK(packed.dim() == dims && scales.dim() == dims, what, ": bad rank");
+  TORCH_CHECK(packed.is_contiguous() && scales.is_contiguous(), what, ": contiguous only");
+  TORCH_CHECK(packed.size(-1) % (kBlock / 2) == 0 &&
+                  scales.size(-1) * kBlock == packed.size(-1) * 2, what,
+              ": packed [..., K/2] and scales [..., K/32] disagree");
+}
+
+}  // namespace
+
+// x: MXFP4 rows grouped by local expert, packed [N, H/2], scales [N, H/32] uint8; counts:
+// E_local ints summing to N; gate/up: packed [E_local, 2I, H/2], scales [E_local, 2I, H/32]
+// (gate first); down: packed [E_local, H, I/2], scales [E_local, H, I/32] -> ([N, H]
+// float32, not weighted by the router; each expert's start and end, monotonic ns, 0 0 if
+// empty). The SwiGLU output is re-quantized to MXFP4 per row, as in the torch path.
+std::tuple<torch::Tensor, std::vector<int64_t>> grouped_swiglu_w4a4(
+    const torch::Tensor& x_packed, const torch::Tensor& x_scales,
+    const std::vector<int64_t>& counts, const torch::Tensor& gu_packed,
+    const torch::Tensor& gu_scales, const torch::Tensor& down_packed,
+    const torch::Tensor& down_scales) {
+  check_mxfp4(x_packed, x_scales, 2, "x");
+  check_mxfp4(gu_packed, gu_scales, 3, "w_gate_up");
+  check_mxfp4(down_packed, down_scales, 3, "w_down");
+  const int64_t n = x_packed.size(0), hidden = 2 * x_packed.size(1);
+  const int64_t experts = gu_packed.size(0), inter = gu_packed.size(1) / 2;
+  TORCH_CHECK(2 * gu_packed.size(2) == hidden && down_packed.size(1) == hidden &&
+                  2 * down_packed.size(2) == inter && down_packed.size(0) == experts,
+              "weights do not match the rows");
+  check_counts(counts, experts, n);
+  torch::Tensor out = torch::empty({n, hidden}, torch::kFloat32);
+  std::vector<int64_t> marks(2 * experts, 0);
+  const int64_t most = n ? *std::max_element(counts.begin(), counts.end()) : 0;
+  Decoded xd, act;
+  xd.resize(n, hidden);
+  act.resize(most, inter);
+  decode(x_packed.data_ptr<uint8_t>(), x_scales.data_ptr<uint8_t>(), n, hidden, xd);
+  std::vector<float> gate_up(most * 2 * inter), swi(most * inter);
+  const uint8_t *gp = gu_packed.data_ptr<uint8_t>(), *gs = gu_scales.data_ptr<uint8_t>();
+  const uint8_t *dp = down_packed.data_ptr<uint8_t>(), *ds = down_scales.data_ptr<uint8_t>();
+  int64_t start = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t c = counts[e];
+    if (c == 0) continue;
+    marks[2 * e] = monotonic_ns();
+    linear(xd, start, c, gp + e * 2 * inter * hidden / 2, gs + e * 2 * inter * (hidden / kBlock),
+           2 * inter, gate_up.data(), 2 * inter);
+#pragma omp parallel for schedule(static) if (c >= 4)
+    for (int64_t m = 0; m < c; ++m) {
+      const float* g = gate_up.data() + m * 2 * inter;
+      float* a = swi.data() + m * inter;
+      for (int64_t i = 0; i < inter; ++i) a[i] = g[i] / (1.f + std::exp(-g[i])) * g[inter + i];
+      quantize_decoded(a, inter, act, m);
+    }
+    linear(act, 0, c, dp + e * hidden * inter / 2, ds + e * hidden * (inter / kBlock), hidden,
+           out.data_ptr<float>() + start * hidden, hidden);
+    start += c;
+    marks[2 * e + 1] = monotonic_ns();
+  }
+  return {out, marks};
+}
+
+// MXFP4 x (packed [M, K/2], scales [M, K/32]) @ MXFP4 w (packed [N, K/2], scales [N, K/32])^T
+// -> [M, N] float32: one GEMM of the grouped kernel, on its own (the tests' exact checks).
+torch::Tensor mxfp4_linear(const torch::Tensor& x_packed, const torch::Tensor& x_scales,
+                           const torch::Tensor& w_packed, const torch::Tensor& w_scales) {
+  check_mxfp4(x_packed, x_scales, 2, "x");
+  check_mxfp4(w_packed, w_scales, 2, "w");
+  TORCH_CHECK(x_packed.size(1) == w_packed.size(1), "x and w disagree on K");
+  const int64_t m_len = x_packed.size(0), n_len = w_packed.size(0), k_len = 2 * x_packed.size(1);
+  Decoded xd;
+  xd.resize(m_len, k_len);
+  decode(x_packed.data_ptr<uint8_t>(), x_scales.data_ptr<uint8_t>(), m_len, k_len, xd);
+  torch::Tensor y = torch::empty({m_len, n_len}, torch::kFloat32);
+  linear(xd, 0, m_len, w_packed.data_ptr<uint8_t>(), w_scales.data_ptr<uint8_t>(), n_len,
+         y.data_ptr<float>(), n_len);
+  return y;
+}
+
+// float32 x [M, K] -> MXFP4 (packed [M, K/2], scales [M, K/32] uint8), the kernel's quantizer
+// on its own (checked bit for bit against `moe_kernels.mxfp4.quantize`).
+std::tuple<torch::Tensor, torch::Tensor> quantize_mxfp4(const torch::Tensor& x) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "float32 [M, K] only");
+  TORCH_CHECK(x.size(1) % kBlock == 0, "K must be a multiple of 32");
+  const torch::Tensor xc = x.contiguous();
+  const int64_t m_len = x.size(0), k_len = x.size(1);
+  torch::Tensor packed = torch::empty({m_len, k_len / 2}, torch::kUInt8);
+  torch::Tensor scales = torch::empty({m_len, k_len / kBlock}, torch::kUInt8);
+  for (int64_t m = 0; m < m_len; ++m)
+    quantize_row(xc.data_ptr<float>() + m * k_len, k_len, packed.data_ptr<uint8_t>() + m * k_len / 2,
+                 scales.data_ptr<uint8_t>() + m * (k_len / kBlock));
+  return {packed, scales};
+}

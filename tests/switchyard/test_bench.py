@@ -1,0 +1,152 @@
+"""`switchyard bench` against a fake OpenAI-compatible server: output tokens are counted
+from `token_ids` where the server sends them (Switchyard), else from the final usage chunk
+of `stream_options.include_usage`, else one per text chunk (as `vllm bench serve` does)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import socket
+import threading
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from switchyard import bench
+from tests.support.tools import wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+INPUT_LEN, OUTPUT_LEN, PROMPTS = 5, 6, 4
+
+
+@dataclass
+class FakeServer:
+    """Streams `max_tokens` tokens in chunks of `per_chunk` tokens (cycled), as text and,
+    with `token_ids`, as ids; with `usage` (and include_usage asked) a final usage chunk
+    reports `max_tokens + usage_error` completion tokens."""
+
+    per_chunk: tuple[int, ...]
+    token_ids: bool = False
+    usage: bool = True
+    usage_error: int = 0
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+
+    def app(self) -> Starlette:
+        return Starlette(routes=[
+            Route("/v1/models", self.models),
+            Route("/v1/completions", self.completions, methods=["POST"])])
+
+    async def models(self, request: Request) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [{"id": "fake", "object": "model"}]})
+
+    async def completions(self, request: Request) -> StreamingResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        return StreamingResponse(self.events(body), media_type="text/event-stream")
+
+    async def events(self, body: dict[str, Any]) -> AsyncIterator[str]:
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+            return "data: " + json.dumps({"id": "cmpl-1", "object": "text_completion",
+                                          "model": "fake", "choices": choices,
+                                          "usage": usage}) + "\n\n"
+
+        left, sizes = body["max_tokens"], itertools.cycle(self.per_chunk)
+        while left:
+            await asyncio.sleep(0.002)  # the time a token takes: TPOT and ITL are > 0
+            n = min(next(sizes), left)
+            left -= n
+            choice = {"index": 0, "text": " tok" * n, "finish_reason": None}
+            if self.token_ids:
+                choice["token_ids"] = list(range(n))
+            yield chunk([choice])
+        yield chunk([{"index": 0, "text": "", "finish_reason": "length"}])  # as vLLM ends
+        if self.usage and (body.get("stream_options") or {}).get("include_usage"):
+            done = body["max_tokens"] + self.usage_error
+            yield chunk([], {"prompt_tokens": len(body["prompt"]), "completion_tokens": done,
+                             "total_tokens": len(body["prompt"]) + done})
+        yield "data: [DONE]\n\n"
+
+
+@contextmanager
+def serving(fake: FakeServer) -> Iterator[str]:
+    """`fake` on a loopback port (its socket bound here: no race for it), in a thread."""
+    sock = socket.create_server(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(fake.app(), log_level="warning",
+                                           timeout_graceful_shutdown=1))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: server.started or not thread.is_alive(), 30, lambda: "uvicorn up")
+        assert server.started, "the fake server did not start"
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+        assert not thread.is_alive(), "the fake server did not stop"
+
+
+def run_bench(url: str, tmp_path: Path) -> tuple[int, list[dict[str, Any]]]:
+    """`switchyard bench --url URL ...` by its entry point: exit status and JSON reports."""
+    out = tmp_path / "reports.json"
+    status = bench.main(["--url", url, "--concurrency", "1", "2", "--num-prompts",
+                         str(PROMPTS), "--input-len", str(INPUT_LEN), "--output-len",
+                         str(OUTPUT_LEN), "--client-processes", "2", "--json", str(out)])
+    return status, json.loads(out.read_text()) if out.exists() else []
+
+
+@pytest.mark.parametrize("fake", [
+    # vLLM, SGLang, OpenAI: text only, several tokens in some chunks; the usage chunk counts
+    FakeServer(per_chunk=(1, 3, 2)),
+    # no usage chunk: one token per text chunk, which is right where each chunk holds one
+    FakeServer(per_chunk=(1,), usage=False),
+    # Switchyard: token ids in the chunks, with and without the usage chunk
+    FakeServer(per_chunk=(2, 1, 3), token_ids=True),
+    FakeServer(per_chunk=(2, 1, 3), token_ids=True, usage=False),
+], ids=["text+usage", "text-one-per-chunk", "token_ids+usage", "token_ids"])
+def test_output_tokens_are_counted_with_or_without_token_ids(fake: FakeServer,
+                                                             tmp_path: Path) -> None:
+    with serving(fake) as url:
+        status, reports = run_bench(url, tmp_path)
+    assert status == 0, reports
+    assert len(fake.bodies) == 1 + 2 * PROMPTS  # the warm-up, then two levels
+    assert all(b["stream_options"] == {"include_usage": True} and b["stream"]
+               and b["max_tokens"] == OUTPUT_LEN for b in fake.bodies)
+    for r in reports:
+        assert (r["completed"], r["failed"], r["errors"]) == (PROMPTS, 0, [])
+        duration = r["duration_s"]
+        assert r["output_throughput"] == pytest.approx(PROMPTS * OUTPUT_LEN / duration)
+        assert r["total_token_throughput"] == pytest.approx(
+            PROMPTS * (INPUT_LEN + OUTPUT_LEN) / duration)
+        # TPOT = (e2e - TTFT) / (output tokens - 1) per request: the counted tokens, not
+        # the chunks (3 of them for 6 tokens in the text+usage case)
+        assert r["tpot"]["mean_ms"] > 0
+        assert r["tpot"]["mean_ms"] == pytest.approx(
+            (r["e2e"]["mean_ms"] - r["ttft"]["mean_ms"]) / (OUTPUT_LEN - 1))
+
+
+@pytest.mark.parametrize(("fake", "got"), [
+    # no usage chunk and several tokens a chunk: the 3 chunks are all that can be counted
+    (FakeServer(per_chunk=(1, 3, 2), usage=False), 3),
+    # the usage chunk has the last word, over the ids counted in the chunks
+    (FakeServer(per_chunk=(1,), token_ids=True, usage_error=-1), OUTPUT_LEN - 1),
+], ids=["text-no-usage", "usage-says-fewer"])
+def test_a_short_count_fails_the_request_saying_what_it_got(
+        fake: FakeServer, got: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+        ) -> None:
+    with serving(fake) as url:
+        status, reports = run_bench(url, tmp_path)
+    assert (status, reports) == (1, [])  # the warm-up request stops the run
+    assert (f"the warm-up request failed: got {got} of {OUTPUT_LEN} tokens"
+            in capsys.readouterr().err)
