@@ -76,6 +76,30 @@ def cpu_grouped_swiglu_w4a4(x: MXFP4Tensor, tokens_per_expert: list[int],
     return y  # [N, H] float32
 
 
+def cpu_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slots: torch.Tensor, mask: torch.Tensor, scale: float
+                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One query token per sequence over the paged KV cache, read in place, by the compiled
+    kernel (`csrc/attention_cpu.cpp`); None where it does not apply (not float32 on the
+    CPU, or not built): the caller gathers K and V and runs torch's attention.
+
+    Args:
+        q: [B, H, D] the decode tokens' queries.
+        k_cache, v_cache: [S, KVH, D] one layer's cache, slot-major (H a multiple of KVH).
+        slots: [B, L] int64, each sequence's key slots (padding anywhere the mask hides).
+        mask: [B, L] bool, True where the query sees the key.
+        scale: the softmax scale.
+
+    Returns:
+        out [B, H, D] float32 (0 where no key is visible) and lse [B, H] float32, the
+        visible scores' log-sum-exp (-inf where none), as `dcp.merge.partial_attention`.
+    """
+    if q.device.type != "cpu" or q.dtype != torch.float32 or k_cache.dtype != torch.float32 \
+            or not k_cache.is_contiguous() or (kernels := cpu_kernels()) is None:
+        return None
+    return kernels.decode_attention(q, k_cache, v_cache, slots, mask, scale)
+
+
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """`F.linear(x, w)` without a bias, for the dense projections and lm_head: x [M, K] @
     w [N, K]^T. On the CPU in float32 the compiled kernel (`linear_f32`), which streams w

@@ -20,7 +20,7 @@ constexpr int64_t kLanes = 16;
 #else
 constexpr int64_t kLanes = 8;  // AVX2's 256 bits, or two NEON registers
 #endif
-constexpr int64_t kSmallRows = 16;  // rows per expert up to which the streaming kernel runs
+constexpr int64_t kSmallRows = 64;  // rows per expert up to which the streaming kernel runs
 constexpr int64_t kLinearRows = 64;  // rows up to which `linear_f32` streams
 typedef float vec __attribute__((vector_size(kLanes * sizeof(float))));
 

@@ -30,3 +30,8 @@ std::tuple<torch::Tensor, std::vector<int64_t>> grouped_swiglu_w4a4(
 torch::Tensor mxfp4_linear(const torch::Tensor& x_packed, const torch::Tensor& x_scales,
                            const torch::Tensor& w_packed, const torch::Tensor& w_scales);
 std::tuple<torch::Tensor, torch::Tensor> quantize_mxfp4(const torch::Tensor& x);
+
+// attention_cpu.cpp
+std::tuple<torch::Tensor, torch::Tensor> decode_attention(
+    const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+    const torch::Tensor& slots, const torch::Tensor& mask, double scale);

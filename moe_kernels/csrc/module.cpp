@@ -18,5 +18,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grouped_swiglu_w4a4", &grouped_swiglu_w4a4,
         "MXFP4 x MXFP4 grouped SwiGLU over every local expert of one layer");
   m.def("mxfp4_linear", &mxfp4_linear, "MXFP4 x [M, K] @ MXFP4 w [N, K]^T -> float32");
+  m.def("decode_attention", &decode_attention,
+        "one query token per sequence over the paged KV cache -> (out, lse)");
   m.def("quantize_mxfp4", &quantize_mxfp4, "float32 [M, K] -> MXFP4 (packed, scales)");
 }

@@ -10,6 +10,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dcp.batch import StepBatch
 from dcp.merge import partial_attention
+from moe_kernels.selection import cpu_decode_attention
 from services.model.config import ModelConfig
 
 
@@ -60,12 +61,17 @@ class KVCache:
 
     def _attend(self, layer: int, q: torch.Tensor, batch: StepBatch, kernel: Kernel
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`kernel` over the decodes as one padded batch, then each prefill chunk."""
+        """The decodes as one batch (on the CPU in float32 the compiled kernel, which reads
+        the keys in place; else `kernel` over a padded copy), then each prefill chunk."""
         k_all, v_all = self.k[layer], self.v[layer]
         scale = q.shape[-1] ** -0.5
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-        if batch.decode_rows.numel():
+        if batch.decode_rows.numel() and (cpu := cpu_decode_attention(
+                q[batch.decode_rows], k_all, v_all, batch.decode_kv_slots, batch.decode_mask,
+                scale)) is not None:
+            out[batch.decode_rows], lse[batch.decode_rows] = cpu
+        elif batch.decode_rows.numel():
             qd = q[batch.decode_rows].unsqueeze(2)  # [B, heads, 1, D]
             k = k_all[batch.decode_kv_slots].transpose(1, 2)  # [B, kv_heads, L, D]
             v = v_all[batch.decode_kv_slots].transpose(1, 2)

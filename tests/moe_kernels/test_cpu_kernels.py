@@ -36,7 +36,7 @@ def weights(experts: int, hidden: int, inter: int, seed: int) -> tuple[torch.Ten
 @pytest.mark.parametrize(("counts", "hidden", "inter"), [
     ([1], 64, 48),  # a decode of one token
     ([0, 1, 3, 0, 2, 4, 0, 1], 64, 48),  # uneven, with empty experts
-    ([5, 16, 17, 0, 40], 128, 32),  # either side of the streaming kernel's 16-row limit
+    ([5, 64, 65, 0, 40], 128, 32),  # either side of the streaming kernel's 64-row limit
     ([0, 0, 0], 64, 16),  # no rows at all
     ([2, 7, 1, 9], 1024, 768),  # the benchmarks' mid-size shapes
 ])
