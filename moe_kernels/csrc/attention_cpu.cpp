@@ -1,14 +1,49 @@
 // Decode attention over the paged KV cache, for the CPU: each sequence's one query token
 // against its cached keys, read in place through the slot table. The torch path gathers
 // every sequence's K and V into a padded copy first (`k_all[slots]`), which at 64
-// sequences costs more than the attention itself; this reads each key once, per KV head
-// for all the query heads that share it (GQA), both cores splitting the (sequence, KV
-// head) pairs. Returns the log-sum-exp as well, so a DCP shard's partial attention is the
-// same call (`dcp.merge`).
+// sequences costs more than the attention itself. This reads each key's slot (every KV
+// head, contiguous) once for all the query heads (GQA), both cores splitting the
+// sequences, and returns the log-sum-exp as well, so that a DCP shard's partial attention
+// is the same call (`dcp.merge`).
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 #include "kernels.h"
+
+namespace {
+
+typedef float vec8 __attribute__((vector_size(8 * sizeof(float))));
+
+inline vec8 load8(const float* p) {
+  vec8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// a . b over n floats (8 at a time where n allows)
+inline float dot(const float* a, const float* b, int64_t n) {
+  vec8 acc = {};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc += load8(a + i) * load8(b + i);
+  float sum = 0.f;
+  for (int64_t k = 0; k < 8; ++k) sum += acc[k];
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// y += p * x over n floats
+inline void axpy(float p, const float* x, float* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const vec8 r = load8(y + i) + p * load8(x + i);
+    std::memcpy(y + i, &r, sizeof r);
+  }
+  for (; i < n; ++i) y[i] += p * x[i];
+}
+
+}  // namespace
 
 // q [B, H, D] float32; k_cache, v_cache [S, KVH, D] float32 (slot-major, contiguous);
 // slots [B, L] int64 (into S); mask [B, L] bool, True where the query sees that key;
@@ -42,46 +77,38 @@ std::tuple<torch::Tensor, torch::Tensor> decode_attention(
     TORCH_CHECK(!mp[i] || (sp[i] >= 0 && sp[i] < num_slots), "a visible key's slot is out "
                 "of the cache");
   const float s = static_cast<float>(scale), neg_inf = -std::numeric_limits<float>::infinity();
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t b = 0; b < batch; ++b)
-    for (int64_t kh = 0; kh < kv_heads; ++kh) {
-      std::vector<float> scores(group * length, neg_inf);  // [G, L]
-      const float* qb = qp + (b * heads + kh * group) * dim;  // [G, D]
-      for (int64_t l = 0; l < length; ++l) {
-        if (!mp[b * length + l]) continue;
-        const float* key = kp + (sp[b * length + l] * kv_heads + kh) * dim;
-        for (int64_t j = 0; j < group; ++j) {
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < dim; ++d) dot += qb[j * dim + d] * key[d];
-          scores[j * length + l] = dot * s;
-        }
-      }
-      for (int64_t j = 0; j < group; ++j) {
-        float* row = scores.data() + j * length;
-        float top = neg_inf;
-        for (int64_t l = 0; l < length; ++l) top = std::max(top, row[l]);
-        const int64_t h = kh * group + j;
-        if (top == neg_inf) {  // no visible key: out stays 0
-          lp[b * heads + h] = neg_inf;
-          continue;
-        }
-        float total = 0.f;
-        for (int64_t l = 0; l < length; ++l) total += row[l] = std::exp(row[l] - top);
-        lp[b * heads + h] = top + std::log(total);
-        const float inv = 1.f / total;
-        for (int64_t l = 0; l < length; ++l) row[l] *= inv;
-      }
-      float* ob = op + (b * heads + kh * group) * dim;  // [G, D]
-      for (int64_t l = 0; l < length; ++l) {
-        if (!mp[b * length + l]) continue;
-        const float* value = vp + (sp[b * length + l] * kv_heads + kh) * dim;
-        for (int64_t j = 0; j < group; ++j) {
-          const float p = scores[j * length + l];
-#pragma omp simd
-          for (int64_t d = 0; d < dim; ++d) ob[j * dim + d] += p * value[d];
-        }
-      }
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < batch; ++b) {
+    std::vector<float> scores(heads * length, neg_inf);  // [H, L]
+    const float* qb = qp + b * heads * dim;  // [H, D]
+    for (int64_t l = 0; l < length; ++l) {
+      if (!mp[b * length + l]) continue;
+      const float* key = kp + sp[b * length + l] * kv_heads * dim;  // [KVH, D], one read
+      for (int64_t h = 0; h < heads; ++h)
+        scores[h * length + l] = dot(qb + h * dim, key + (h / group) * dim, dim) * s;
     }
+    for (int64_t h = 0; h < heads; ++h) {
+      float* row = scores.data() + h * length;
+      float top = neg_inf;
+      for (int64_t l = 0; l < length; ++l) top = std::max(top, row[l]);
+      if (top == neg_inf) {  // no visible key: out stays 0
+        lp[b * heads + h] = neg_inf;
+        std::fill(row, row + length, 0.f);
+        continue;
+      }
+      float total = 0.f;
+      for (int64_t l = 0; l < length; ++l) total += row[l] = std::exp(row[l] - top);
+      lp[b * heads + h] = top + std::log(total);
+      const float inv = 1.f / total;
+      for (int64_t l = 0; l < length; ++l) row[l] *= inv;
+    }
+    float* ob = op + b * heads * dim;  // [H, D]
+    for (int64_t l = 0; l < length; ++l) {
+      if (!mp[b * length + l]) continue;
+      const float* value = vp + sp[b * length + l] * kv_heads * dim;  // [KVH, D]
+      for (int64_t h = 0; h < heads; ++h)
+        axpy(scores[h * length + l], value + (h / group) * dim, ob + h * dim, dim);
+    }
+  }
   return {out, lse};
 }
