@@ -6,6 +6,7 @@ the torch path, and says why once; `SWITCHYARD_CPU_KERNELS=0` chooses the torch 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -44,13 +45,24 @@ def set_enabled(enabled: bool) -> None:
         _loaded, _failed = (None, False) if enabled else (None, True)
 
 
+def build_name() -> str:
+    """The extension's name, one per torch installation: its build directory in torch's
+    cache holds a ninja file with that installation's include paths, so two venvs sharing
+    one name would rebuild it for each other in turn (and race while they do)."""
+    import torch
+
+    where = hashlib.sha1(f"{torch.__path__[0]} {torch.__version__}".encode()).hexdigest()
+    return f"switchyard_cpu_kernels_{where[:12]}"
+
+
 def _build() -> ModuleType | None:
     from torch.utils.cpp_extension import load
 
     start = time.monotonic()
-    log.info("loading the CPU kernels (built once per machine, about 1 min) ...")
+    log.info("loading the CPU kernels (built once per machine and torch install, about "
+             "1 min) ...")
     try:
-        module = load("switchyard_cpu_kernels", [str(s) for s in SOURCES],
+        module = load(build_name(), [str(s) for s in SOURCES],
                       extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
                       extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, no ninja, an unsupported machine, ...
