@@ -59,8 +59,8 @@ def _build() -> ModuleType | None:
     from torch.utils.cpp_extension import load
 
     start = time.monotonic()
-    log.info("loading the CPU kernels (built once per machine and torch install, about "
-             "1 min) ...")
+    log.info("loading the CPU kernels (built once per machine and torch install: 1-3 min "
+             "on 2 cores) ...")
     try:
         module = load(build_name(), [str(s) for s in SOURCES],
                       extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
