@@ -15,16 +15,9 @@ import torch
 from moe_kernels import cpu_kernels
 from moe_kernels.grouped_gemm import grouped_swiglu
 from moe_kernels.selection import cpu_grouped_swiglu
+from tests.support.kernels import assert_expert_spans
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture(scope="module")
-def kernel() -> object:
-    module = cpu_kernels.cpu_kernels()
-    if module is None:
-        pytest.fail("the CPU kernel did not build on this machine (gcc and ninja are there)")
-    return module
 
 
 def weights(experts: int, hidden: int, inter: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -49,11 +42,7 @@ def test_the_kernel_equals_the_torch_path(kernel: object, counts: list[int], hid
     got = cpu_grouped_swiglu(x, counts, w_gate_up, w_down, spans)
     assert got is not None and got.shape == want.shape and got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # float32: summation order
-    assert len(spans) == len(counts)
-    for (start, end), count in zip(spans, counts, strict=True):
-        assert (start, end) == (0, 0) if count == 0 else 0 < start <= end, (spans, counts)
-    ran = [span for span, count in zip(spans, counts, strict=True) if count]
-    assert ran == sorted(ran)  # one after another, in expert order
+    assert_expert_spans(spans, counts)
 
 
 def test_bad_input_is_refused_with_its_reason(kernel: object) -> None:

@@ -22,16 +22,9 @@ from moe_kernels import cpu_kernels
 from moe_kernels.grouped_gemm import grouped_swiglu_w4a4
 from moe_kernels.mxfp4 import MXFP4Tensor, dequantize, quantize
 from moe_kernels.selection import cpu_grouped_swiglu_w4a4, linear
+from tests.support.kernels import assert_expert_spans
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture(scope="module")
-def kernel() -> object:
-    module = cpu_kernels.cpu_kernels()
-    if module is None:
-        pytest.fail("the CPU kernels did not build on this machine (gcc and ninja are there)")
-    return module
 
 
 def cpp_quantize(kernel: object, x: torch.Tensor) -> MXFP4Tensor:
@@ -111,11 +104,7 @@ def test_the_grouped_kernel_equals_the_torch_path(kernel: object, counts: list[i
     # Summation order only. (A SwiGLU output within an ulp of an E2M1 rounding boundary
     # could re-quantize to the neighbouring code; these fixed inputs have none.)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert len(spans) == len(counts)
-    for (start, end), count in zip(spans, counts, strict=True):
-        assert (start, end) == (0, 0) if count == 0 else 0 < start <= end, (spans, counts)
-    ran = [span for span, count in zip(spans, counts, strict=True) if count]
-    assert ran == sorted(ran)  # one after another, in expert order
+    assert_expert_spans(spans, counts)
 
 
 def test_nan_in_a_row_stays_in_that_row(kernel: object) -> None:
