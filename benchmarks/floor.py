@@ -21,6 +21,7 @@ dense weights stay float32), one engine each, alternating too.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -31,6 +32,7 @@ from benchmarks.generate import add_workdir_flag, build_checkpoint, make_prompts
 from benchmarks.timing import timed
 from common.messages import GenerateRequest, SamplingParams
 from moe_kernels.cpu_kernels import set_enabled
+from moe_kernels.panels import PanelWeights
 from services.attention.builder import build_engine
 from services.attention.config import AttentionConfig
 from services.attention.engine import Engine
@@ -58,7 +60,8 @@ def dense_bytes(engine: Engine) -> int:
     for w in model.layers:
         tensors += [t for t in (w.input_norm, w.post_attn_norm, w.qkv, w.o, w.q_norm, w.k_norm,
                                 w.gate, w.mlp_gate_up, w.mlp_down) if t is not None]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(t.nbytes() if isinstance(t, PanelWeights) else t.numel() * t.element_size()
+               for t in tensors)
 
 
 def expert_bytes(engine: Engine) -> int:
@@ -81,9 +84,9 @@ def step_flops(engine: Engine) -> int:
     each token's top-k experts (three projections), and attention over each context."""
     cfg, model = engine.model_config, engine.model
     running = engine.scheduler.running
-    dense = model.lm_head.numel() + sum(
-        t.numel() for w in model.layers for t in (w.qkv, w.o, w.gate, w.mlp_gate_up,
-                                                  w.mlp_down) if t is not None)
+    dense = math.prod(model.lm_head.shape) + sum(
+        math.prod(t.shape) for w in model.layers for t in (w.qkv, w.o, w.gate, w.mlp_gate_up,
+                                                           w.mlp_down) if t is not None)
     experts = len(cfg.moe_layer_ids) * cfg.top_k * 3 * cfg.hidden_size * \
         cfg.moe_intermediate_size
     attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * \
@@ -179,20 +182,22 @@ def main() -> None:
           f"float32 matmul {m['matmul_gflops']:.0f} GFLOP/s", flush=True)
     engines = {}
     for quantization in args.quantization:
-        print(f"loading the engine, experts {quantization} ...", flush=True)
-        engine = build_engine(AttentionConfig(
-            model=path, dtype="float32", quantization=quantization, kv_cache_memory=1 << 30,
-            max_num_batched_tokens=2048))
-        engines[quantization] = (engine, StepParts(engine))
+        for kernels in args.cpu_kernels:  # at load: the kernels' weight layout, or torch's
+            set_enabled(kernels == "on")
+            print(f"loading the engine, experts {quantization}, CPU kernels {kernels} ...",
+                  flush=True)
+            engine = build_engine(AttentionConfig(
+                model=path, dtype="float32", quantization=quantization,
+                kv_cache_memory=1 << 30, max_num_batched_tokens=2048))
+            engines[quantization, kernels] = (engine, StepParts(engine))
     rows = []
     for batch in args.batch_sizes:
-        for quantization, (engine, parts) in engines.items():
-            for kernels in args.cpu_kernels:
-                set_enabled(kernels == "on")
-                print(f"batch {batch}, experts {quantization}, CPU kernels {kernels} ...",
-                      flush=True)
-                steps = decode_steps(engine, parts, batch, args.input_len, args.steps)
-                rows.append((batch, f"{quantization}, {kernels}", steps))
+        for (quantization, kernels), (engine, parts) in engines.items():
+            set_enabled(kernels == "on")
+            print(f"batch {batch}, experts {quantization}, CPU kernels {kernels} ...",
+                  flush=True)
+            steps = decode_steps(engine, parts, batch, args.input_len, args.steps)
+            rows.append((batch, f"{quantization}, {kernels}", steps))
     print("\n| batch | experts, CPU kernels | median step ms | MB read | GFLOP | floor ms "
           "(bytes, FLOPs) | step / floor | " + " | ".join(f"{p} ms" for p in PARTS) + " |")
     print("|---:|---|---:|---:|---:|---:|---:|" + "---:|" * len(PARTS))

@@ -16,6 +16,7 @@ from moe_kernels.cpu_kernels import cpu_kernels
 from moe_kernels.grouped_gemm import ExpertTimer, grouped_swiglu, grouped_swiglu_mm
 from moe_kernels.kernel_configs import KernelConfig, load_configs, tuned_config
 from moe_kernels.mxfp4 import MXFP4Tensor, quantize
+from moe_kernels.panels import PANEL, PanelWeights, to_panels
 
 log = logging.getLogger("switchyard.expert")
 FALLBACK_KERNEL = KernelConfig(inner="decode")  # where a tuned W4A4 config does not run
@@ -37,20 +38,32 @@ def quantize_fused(x: torch.Tensor) -> MXFP4Tensor:
     return quantize_mxfp4(x)
 
 
-def cpu_grouped_swiglu(x: torch.Tensor, tokens_per_expert: list[int], w_gate_up: torch.Tensor,
-                       w_down: torch.Tensor, spans: list[tuple[int, int]] | None
+def panels_for_cpu(w: torch.Tensor) -> torch.Tensor | PanelWeights:
+    """A float32 weight [..., N, K] as the CPU kernels read it (`PanelWeights`, re-ordered
+    once at load), where they run: on the CPU, float32, N a multiple of 16, the kernels
+    built. Else w as it is, for torch's matmuls (and the GPU)."""
+    if w.device.type != "cpu" or w.dtype != torch.float32 or w.shape[-2] % PANEL \
+            or cpu_kernels() is None:
+        return w
+    return to_panels(w)
+
+
+def cpu_grouped_swiglu(x: torch.Tensor, tokens_per_expert: list[int],
+                       w_gate_up: torch.Tensor | PanelWeights,
+                       w_down: torch.Tensor | PanelWeights, spans: list[tuple[int, int]] | None
                        ) -> torch.Tensor | None:
-    """`grouped_swiglu` through the compiled CPU kernel (`cpu_kernels`: one call for every
-    local expert, each timed on its own), where it applies: float32 on the CPU, H and I
-    multiples of 16, the kernel built. None where it does not: the caller runs torch's."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or w_gate_up.dtype != torch.float32 \
-            or x.shape[1] % 16 or w_down.shape[-1] % 16:
+    """`grouped_swiglu` through the compiled CPU kernel (`csrc/f32_cpu.cpp`: one call for
+    every local expert, gate, up and SwiGLU fused, each expert timed on its own), where it
+    applies: float32 x on the CPU, weights in panels (`panels_for_cpu`), the kernel built.
+    None where it does not: the caller runs torch's."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 \
+            or not isinstance(w_gate_up, PanelWeights) or not isinstance(w_down, PanelWeights):
         return None
     if (kernels := cpu_kernels()) is None:
         return None
     timer = ExpertTimer(spans, x.device)
-    y, marks = kernels.grouped_swiglu_f32(x.contiguous(), tokens_per_expert,
-                                          w_gate_up.contiguous(), w_down.contiguous())
+    y, marks = kernels.grouped_swiglu_f32(x.contiguous(), tokens_per_expert, w_gate_up.panels,
+                                          w_down.panels)
     for start, end in zip(marks[::2], marks[1::2], strict=True):
         timer.marks.append((start, end) if end else None)
     timer.close()
@@ -100,14 +113,15 @@ def cpu_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     return kernels.decode_attention(q, k_cache, v_cache, slots, mask, scale)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """`F.linear(x, w)` without a bias, for the dense projections and lm_head: x [M, K] @
-    w [N, K]^T. On the CPU in float32 the compiled kernel (`linear_f32`), which streams w
-    from memory once for the 1 to 64 rows of a decode step, where torch's matmul reads it
-    at a fraction of the bandwidth; torch's matmul otherwise."""
-    if x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype == torch.float32 \
-            and x.dim() == 2 and (kernels := cpu_kernels()) is not None:
-        return kernels.linear_f32(x, w)
+def linear(x: torch.Tensor, w: torch.Tensor | PanelWeights) -> torch.Tensor:
+    """`F.linear(x, w)` without a bias, for the dense projections, router gates and lm_head:
+    x [M, K] @ w [N, K]^T -> [M, N]. Weights in panels (`panels_for_cpu`) run the compiled
+    kernel, which streams them from memory once for a decode step's few rows and is
+    compute-bound beyond; torch's matmul otherwise."""
+    if isinstance(w, PanelWeights):
+        if x.dtype == torch.float32 and x.dim() == 2 and (kernels := cpu_kernels()) is not None:
+            return kernels.linear_f32(x, w.panels)
+        w = w.unpack()  # the kernels were switched off after load (benchmarks): slow
     return F.linear(x, w)
 
 

@@ -1,13 +1,17 @@
 // The float32 kernels: the grouped SwiGLU of `moe_kernels.grouped_gemm.grouped_swiglu` in one
-// call per layer over every local expert, and a linear for the dense projections and
-// lm_head. Decode gives a matmul 1 to 64 rows, where a BLAS call reads the weights at a
-// fraction of the memory's bandwidth: these kernels stream each weight row from memory
-// once (4 rows of x at a time in registers, the rest from L1), both cores splitting the
-// output columns. An expert with more rows (a prefill) goes to torch's matmul, which is
-// compute-bound there anyway.
+// call per layer over every local expert, and a linear for the dense projections, router
+// gates and lm_head, both over weights in the panel layout of `moe_kernels.panels`.
 //
-// Vectors are GCC's vector extension at the machine's width (AVX-512, AVX2, NEON); the
-// extension is built with -march=native on the machine that runs it.
+// A weight w [N, K] is stored as panels [N/16, K, 16]: panel p holds columns 16p..16p+15 of
+// y = x @ w^T, k-major. A tile of up to kRows rows of x and kPanels panels then runs as
+// outer products: per k one vector load per panel, one broadcast per row of x, and
+// kRows x kPanels FMAs into accumulators that never leave the registers (the BLAS
+// micro-kernel's shape). Each task reads its panels as one sequential stream, which the
+// prefetchers follow at the memory's bandwidth for the 1 to 16 rows of a decode step, and
+// reuses them from L1/L2 across row tiles where there are more rows (compute-bound).
+//
+// Vectors are GCC's vector extension: a panel row is one AVX-512 register, two AVX2 or four
+// NEON ones; the extension is built with -march=native on the machine that runs it.
 #include <cmath>
 #include <cstring>
 
@@ -15,152 +19,181 @@
 
 namespace {
 
+constexpr int64_t kPanel = 16;  // columns per panel: the layout, on any machine
+typedef float pvec __attribute__((vector_size(kPanel * sizeof(float))));
 #ifdef __AVX512F__
-constexpr int64_t kLanes = 16;
+constexpr int kRows = 6, kPanels = 4;  // 24 accumulators + 4 panels + 1 broadcast of 32
 #else
-constexpr int64_t kLanes = 8;  // AVX2's 256 bits, or two NEON registers
+constexpr int kRows = 2, kPanels = 2;  // a panel row is 2 AVX2 registers: 12 of 16
 #endif
-constexpr int64_t kSmallRows = 64;  // rows per expert up to which the streaming kernel runs
-constexpr int64_t kLinearRows = 64;  // rows up to which `linear_f32` streams
-typedef float vec __attribute__((vector_size(kLanes * sizeof(float))));
+constexpr int64_t kChunk = 48;  // rows a task takes at once (a multiple of kRows)
 
-inline vec load(const float* p) {
-  vec v;
+inline pvec load(const float* p) {
+  pvec v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 
-inline float total(vec v) {
-  float s = 0.f;
-  for (int64_t i = 0; i < kLanes; ++i) s += v[i];
-  return s;
-}
+inline void store(float* p, pvec v) { std::memcpy(p, &v, sizeof v); }
 
-// y[m, n] = sum_k x[m, k] * w[n, k] for m < MM, n < nn <= NN: one register block of MM x NN
-// accumulators (MM * NN + NN + 1 vectors: within AVX2's 16 registers).
-template <int64_t MM, int64_t NN>
-inline void block(const float* x, const float* w, float* y, int64_t nn, int64_t ldy,
-                  int64_t k_len) {
-  vec acc[MM][NN] = {};
-  const float* wr[NN];
-  for (int64_t j = 0; j < NN; ++j) wr[j] = w + std::min(j, nn - 1) * k_len;  // repeat the last
-  for (int64_t k = 0; k < k_len; k += kLanes) {
-    vec wv[NN];
-    for (int64_t j = 0; j < NN; ++j) {
-      __builtin_prefetch(wr[j] + k + 16 * kLanes);
-      wv[j] = load(wr[j] + k);
-    }
-    for (int64_t i = 0; i < MM; ++i) {
-      const vec xv = load(x + i * k_len + k);
-      for (int64_t j = 0; j < NN; ++j) acc[i][j] += wv[j] * xv;
+// y[i, 16j + l] = sum_k x[i, k] * w[j][k][l] for i < MR, j < NP: one register tile.
+template <int MR, int NP>
+inline void tile(const float* x, int64_t ldx, const float* w, int64_t k_len, float* y,
+                 int64_t ldy) {
+  pvec acc[MR][NP] = {};
+  for (int64_t k = 0; k < k_len; ++k) {
+    pvec wv[NP];
+    for (int j = 0; j < NP; ++j) wv[j] = load(w + (j * k_len + k) * kPanel);
+    for (int i = 0; i < MR; ++i) {
+      const float xi = x[i * ldx + k];
+      for (int j = 0; j < NP; ++j) acc[i][j] += xi * wv[j];
     }
   }
-  for (int64_t i = 0; i < MM; ++i)
-    for (int64_t j = 0; j < nn; ++j) y[i * ldy + j] = total(acc[i][j]);
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NP; ++j) store(y + i * ldy + j * kPanel, acc[i][j]);
 }
 
-constexpr int64_t kCols = 4;  // columns per task: 4 x 1 and 2 x 2 register blocks
-
-// Columns [n0, n0 + nn) of every row: the weight rows stream in once, then stay in L1
-// while the rest of x's rows pass them.
-inline void columns(const float* x, const float* w, float* y, int64_t m_len, int64_t nn,
-                    int64_t ldy, int64_t k_len) {
-  for (int64_t m0 = 0; m0 < m_len; m0 += 4) {
-    const int64_t mm = std::min<int64_t>(4, m_len - m0);
-    const float* xm = x + m0 * k_len;
+// Rows [0, m_len) of x against NP panels starting at w, kRows at a time.
+template <int NP>
+void rows(const float* x, int64_t ldx, int64_t m_len, const float* w, int64_t k_len, float* y,
+          int64_t ldy) {
+  for (int64_t m0 = 0; m0 < m_len; m0 += kRows) {
+    const float* xm = x + m0 * ldx;
     float* ym = y + m0 * ldy;
-    switch (mm) {
-      case 1: block<1, 4>(xm, w, ym, nn, ldy, k_len); break;
-      case 2:
-        block<2, 2>(xm, w, ym, std::min<int64_t>(nn, 2), ldy, k_len);
-        if (nn > 2) block<2, 2>(xm, w + 2 * k_len, ym + 2, nn - 2, ldy, k_len);
-        break;
-      default:
-        for (int64_t j = 0; j < nn; j += 2) {
-          const int64_t n2 = std::min<int64_t>(2, nn - j);
-          if (mm == 3) block<3, 2>(xm, w + j * k_len, ym + j, n2, ldy, k_len);
-          else block<4, 2>(xm, w + j * k_len, ym + j, n2, ldy, k_len);
-        }
+    switch (std::min<int64_t>(kRows, m_len - m0)) {
+#ifdef __AVX512F__
+      case 6: tile<6, NP>(xm, ldx, w, k_len, ym, ldy); break;
+      case 5: tile<5, NP>(xm, ldx, w, k_len, ym, ldy); break;
+      case 4: tile<4, NP>(xm, ldx, w, k_len, ym, ldy); break;
+      case 3: tile<3, NP>(xm, ldx, w, k_len, ym, ldy); break;
+#endif
+      case 2: tile<2, NP>(xm, ldx, w, k_len, ym, ldy); break;
+      default: tile<1, NP>(xm, ldx, w, k_len, ym, ldy);
     }
   }
 }
 
-// y [M, N] = x [M, K] @ w [N, K]^T, all contiguous; K a multiple of kLanes.
-void linear_small(const float* x, const float* w, float* y, int64_t m_len, int64_t n_len,
-                  int64_t k_len) {
-#pragma omp parallel for schedule(static)
-  for (int64_t n0 = 0; n0 < n_len; n0 += kCols)
-    columns(x, w + n0 * k_len, y + n0, m_len, std::min<int64_t>(kCols, n_len - n0), n_len,
-            k_len);
+// y [m_len, 16 np] = x [m_len, K] @ np panels from w (np <= kPanels).
+void panels(const float* x, int64_t ldx, int64_t m_len, const float* w, int64_t np,
+            int64_t k_len, float* y, int64_t ldy) {
+  switch (np) {
+#ifdef __AVX512F__
+    case 4: rows<4>(x, ldx, m_len, w, k_len, y, ldy); break;
+    case 3: rows<3>(x, ldx, m_len, w, k_len, y, ldy); break;
+#endif
+    case 2: rows<2>(x, ldx, m_len, w, k_len, y, ldy); break;
+    default: rows<1>(x, ldx, m_len, w, k_len, y, ldy);
+  }
 }
 
-// act [M, I] = silu(gate_up[:, :I]) * gate_up[:, I:]
-void swiglu(const float* gate_up, float* act, int64_t m_len, int64_t inter) {
-  for (int64_t m = 0; m < m_len; ++m) {
-    const float* g = gate_up + m * 2 * inter;
-    float* a = act + m * inter;
-#pragma omp simd
-    for (int64_t i = 0; i < inter; ++i) a[i] = g[i] / (1.f + std::exp(-g[i])) * g[inter + i];
+// y [M, N] = x [M, K] @ w^T, w as panels [N/16, K, 16]: the threads of the enclosing
+// parallel region share the (panel group, row chunk) tasks, panel-major so that a
+// thread's consecutive tasks reuse its panels from cache. Ends in the loop's barrier.
+void gemm(const float* x, int64_t ldx, int64_t m_len, const float* w, int64_t n_len,
+          int64_t k_len, float* y, int64_t ldy) {
+  const int64_t groups = (n_len / kPanel + kPanels - 1) / kPanels;
+  const int64_t chunks = (m_len + kChunk - 1) / kChunk;
+#pragma omp for schedule(static)
+  for (int64_t task = 0; task < groups * chunks; ++task) {
+    const int64_t p0 = task / chunks * kPanels, m0 = task % chunks * kChunk;
+    panels(x + m0 * ldx, ldx, std::min(kChunk, m_len - m0), w + p0 * k_len * kPanel,
+           std::min<int64_t>(kPanels, n_len / kPanel - p0), k_len, y + m0 * ldy + p0 * kPanel,
+           ldy);
   }
+}
+
+// act [M, I] = silu(x @ gate^T) * (x @ up^T), gate and up the first and second I/16
+// panels of w: each task computes the same columns of both and multiplies them at once,
+// so the [M, 2I] product is never written. Ends in the loop's barrier.
+void gate_up_swiglu(const float* x, int64_t ldx, int64_t m_len, const float* w, int64_t inter,
+                    int64_t k_len, float* act) {
+  const int64_t groups = (inter / kPanel + kPanels - 1) / kPanels;
+  const int64_t chunks = (m_len + kChunk - 1) / kChunk;
+  const int64_t width = kPanels * kPanel;
+  const float* up = w + inter * k_len;  // the up projection's panels
+#pragma omp for schedule(static)
+  for (int64_t task = 0; task < groups * chunks; ++task) {
+    const int64_t p0 = task / chunks * kPanels, m0 = task % chunks * kChunk;
+    const int64_t np = std::min<int64_t>(kPanels, inter / kPanel - p0);
+    const int64_t mm = std::min(kChunk, m_len - m0);
+    float g[kChunk * width], u[kChunk * width];
+    panels(x + m0 * ldx, ldx, mm, w + p0 * k_len * kPanel, np, k_len, g, width);
+    panels(x + m0 * ldx, ldx, mm, up + p0 * k_len * kPanel, np, k_len, u, width);
+    for (int64_t i = 0; i < mm; ++i) {
+      float* a = act + (m0 + i) * inter + p0 * kPanel;
+      const float *gi = g + i * width, *ui = u + i * width;
+#pragma omp simd
+      for (int64_t c = 0; c < np * kPanel; ++c) a[c] = gi[c] / (1.f + std::exp(-gi[c])) * ui[c];
+    }
+  }
+}
+
+void check_panels(const torch::Tensor& w, int64_t dims) {
+  TORCH_CHECK(w.dtype() == torch::kFloat32 && w.is_contiguous() && w.dim() == dims &&
+                  w.size(-1) == kPanel,
+              "weights must be contiguous float32 panels [..., N/16, K, 16]");
 }
 
 }  // namespace
 
 // x [N, H] float32 rows grouped by local expert; counts: E_local ints summing to N;
-// w_gate_up [E_local, 2I, H] (gate first); w_down [E_local, H, I] -> ([N, H] float32, not
-// weighted by the router; each local expert's start and end, monotonic ns, 0 0 if empty).
+// w_gate_up [E_local, 2I/16, H, 16] and w_down [E_local, H/16, I, 16] in panels (gate's
+// panels first) -> ([N, H] float32, not weighted by the router; each local expert's start
+// and end, monotonic ns, 0 0 if empty).
 std::tuple<torch::Tensor, std::vector<int64_t>> grouped_swiglu_f32(
     const torch::Tensor& x, const std::vector<int64_t>& counts, const torch::Tensor& w_gate_up,
     const torch::Tensor& w_down) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && w_gate_up.dtype() == torch::kFloat32 &&
-                  w_down.dtype() == torch::kFloat32, "float32 tensors only");
-  TORCH_CHECK(x.is_contiguous() && w_gate_up.is_contiguous() && w_down.is_contiguous(),
-              "contiguous tensors only");
-  TORCH_CHECK(x.dim() == 2 && w_gate_up.dim() == 3 && w_down.dim() == 3, "bad ranks");
-  const int64_t hidden = x.size(1), experts = w_gate_up.size(0);
-  const int64_t inter = w_gate_up.size(1) / 2;
-  TORCH_CHECK(w_gate_up.size(2) == hidden && w_down.size(1) == hidden &&
-                  w_down.size(2) == inter && w_down.size(0) == experts,
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2,
+              "x must be contiguous float32 [N, H]");
+  check_panels(w_gate_up, 4);
+  check_panels(w_down, 4);
+  const int64_t n = x.size(0), hidden = x.size(1), experts = w_gate_up.size(0);
+  const int64_t inter = w_down.size(2);
+  TORCH_CHECK(w_gate_up.size(1) * kPanel == 2 * inter && w_gate_up.size(2) == hidden &&
+                  w_down.size(1) * kPanel == hidden && w_down.size(0) == experts,
               "weights do not match the rows");
-  TORCH_CHECK(hidden % 16 == 0 && inter % 16 == 0, "H and I must be multiples of 16");
-  check_counts(counts, experts, x.size(0));
+  TORCH_CHECK(inter % kPanel == 0, "I must be a multiple of 16");
+  check_counts(counts, experts, n);
   torch::Tensor out = torch::empty_like(x);
-  std::vector<float> gate_up(kSmallRows * 2 * inter), act(kSmallRows * inter);
+  const int64_t most = n ? *std::max_element(counts.begin(), counts.end()) : 0;
+  std::vector<float> act(most * inter);
   std::vector<int64_t> marks(2 * experts, 0);
-  int64_t start = 0;
-  for (int64_t e = 0; e < experts; ++e) {
-    const int64_t c = counts[e];
-    if (c == 0) continue;
-    marks[2 * e] = monotonic_ns();
-    if (c > kSmallRows) {  // a prefill's rows: torch's matmul
-      const auto xs = x.narrow(0, start, c);
-      const auto gu = torch::linear(xs, w_gate_up[e]).chunk(2, -1);
-      out.narrow(0, start, c).copy_(torch::linear(torch::silu(gu[0]) * gu[1], w_down[e]));
-    } else {
-      const float* wg = w_gate_up.data_ptr<float>() + e * 2 * inter * hidden;
-      const float* wd = w_down.data_ptr<float>() + e * hidden * inter;
-      linear_small(x.data_ptr<float>() + start * hidden, wg, gate_up.data(), c, 2 * inter,
-                   hidden);
-      swiglu(gate_up.data(), act.data(), c, inter);
-      linear_small(act.data(), wd, out.data_ptr<float>() + start * hidden, c, hidden, inter);
+  const float *xp = x.data_ptr<float>(), *gu = w_gate_up.data_ptr<float>();
+  const float* down = w_down.data_ptr<float>();
+  float* yp = out.data_ptr<float>();
+#pragma omp parallel
+  {
+    int64_t start = 0;
+    for (int64_t e = 0; e < experts; ++e) {
+      const int64_t c = counts[e];
+      if (c == 0) continue;
+#pragma omp master
+      marks[2 * e] = monotonic_ns();
+      gate_up_swiglu(xp + start * hidden, hidden, c, gu + e * 2 * inter * hidden, inter,
+                     hidden, act.data());
+      gemm(act.data(), inter, c, down + e * hidden * inter, hidden, inter,
+           yp + start * hidden, hidden);
+#pragma omp master
+      marks[2 * e + 1] = monotonic_ns();
+      start += c;
     }
-    start += c;
-    marks[2 * e + 1] = monotonic_ns();
   }
   return {out, marks};
 }
 
-// x [M, K] float32 @ w [N, K]^T float32 -> [M, N] float32: streamed for M up to 64 rows,
-// torch's matmul beyond (and for K not a multiple of 16).
+// x [M, K] float32 @ w^T, w as panels [N/16, K, 16] -> [M, N] float32.
 torch::Tensor linear_f32(const torch::Tensor& x, const torch::Tensor& w) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && w.dtype() == torch::kFloat32,
-              "float32 tensors only");
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [M, K], w [N, K]");
-  const int64_t m_len = x.size(0), n_len = w.size(0), k_len = x.size(1);
-  if (m_len > kLinearRows || k_len % 16 || !w.is_contiguous()) return torch::linear(x, w);
-  const torch::Tensor xc = x.contiguous();
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "x must be float32 [M, K]");
+  check_panels(w, 3);
+  TORCH_CHECK(x.size(1) == w.size(1), "x [M, K] and panels [N/16, K, 16] differ in K");
+  const int64_t m_len = x.size(0), n_len = w.size(0) * kPanel, k_len = x.size(1);
+  const torch::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();  // rows may be strided
   torch::Tensor y = torch::empty({m_len, n_len}, x.options());
-  if (m_len) linear_small(xc.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), m_len,
-                          n_len, k_len);
+  if (m_len == 0) return y;
+  const float *xp = xc.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t ldx = xc.stride(0);
+#pragma omp parallel
+  gemm(xp, ldx, m_len, wp, n_len, k_len, yp, n_len);
   return y;
 }

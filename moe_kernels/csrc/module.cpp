@@ -13,8 +13,8 @@ void check_counts(const std::vector<int64_t>& counts, int64_t experts, int64_t r
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grouped_swiglu_f32", &grouped_swiglu_f32,
-        "float32 grouped SwiGLU over every local expert of one layer");
-  m.def("linear_f32", &linear_f32, "float32 x [M, K] @ w [N, K]^T for small M");
+        "float32 grouped SwiGLU over every local expert of one layer (weights in panels)");
+  m.def("linear_f32", &linear_f32, "float32 x [M, K] @ w^T, w in panels [N/16, K, 16]");
   m.def("grouped_swiglu_w4a4", &grouped_swiglu_w4a4,
         "MXFP4 x MXFP4 grouped SwiGLU over every local expert of one layer");
   m.def("mxfp4_linear", &mxfp4_linear, "MXFP4 x [M, K] @ MXFP4 w [N, K]^T -> float32");

@@ -7,11 +7,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from dcp.batch import StepBatch
 from ep_dispatch.base import ExpertsClient
-from moe_kernels.grouped_gemm import swiglu_mlp
-from moe_kernels.selection import linear
+from moe_kernels.panels import PanelWeights
+from moe_kernels.selection import linear, panels_for_cpu
 from services.attention.kv_cache import KVCache
 from services.attention.router import route
 from services.model.checkpoint import Checkpoint
@@ -24,17 +25,23 @@ Attend = Callable[[KVCache, int, torch.Tensor, StepBatch], torch.Tensor]
 MoE = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+Weight = torch.Tensor | PanelWeights  # a linear's, in the layout its kernel reads
+
+
 @dataclass(frozen=True)
 class LayerWeights:
+    """One layer's weights; the linears' (float32 on the CPU: in panels, `panels_for_cpu`)
+    as [out, in]."""
+
     input_norm: torch.Tensor  # [H]
     post_attn_norm: torch.Tensor  # [H]
-    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * D, H], q, k, v stacked
-    o: torch.Tensor  # [H, heads * D]
+    qkv: Weight  # [(heads + 2 * kv_heads) * D, H], q, k, v stacked
+    o: Weight  # [H, heads * D]
     q_norm: torch.Tensor | None  # [D] (Qwen3)
     k_norm: torch.Tensor | None  # [D]
-    gate: torch.Tensor | None  # [E, H] router, for MoE layers
-    mlp_gate_up: torch.Tensor | None  # [2I, H], for dense layers
-    mlp_down: torch.Tensor | None  # [H, I]
+    gate: Weight | None  # [E, H] router, for MoE layers
+    mlp_gate_up: Weight | None  # [2I, H], for dense layers
+    mlp_down: Weight | None  # [H, I]
 
 
 def load_layer(ckpt: Checkpoint, cfg: ModelConfig, i: int, dtype: torch.dtype,
@@ -51,16 +58,18 @@ def load_layer(ckpt: Checkpoint, cfg: ModelConfig, i: int, dtype: torch.dtype,
     return LayerWeights(
         input_norm=get("input_layernorm.weight", h),
         post_attn_norm=get("post_attention_layernorm.weight", h),
-        qkv=torch.cat([get("self_attn.q_proj.weight", q_rows, h),
-                       get("self_attn.k_proj.weight", kv_rows, h),
-                       get("self_attn.v_proj.weight", kv_rows, h)]),
-        o=get("self_attn.o_proj.weight", h, q_rows),
+        qkv=panels_for_cpu(torch.cat([get("self_attn.q_proj.weight", q_rows, h),
+                                      get("self_attn.k_proj.weight", kv_rows, h),
+                                      get("self_attn.v_proj.weight", kv_rows, h)])),
+        o=panels_for_cpu(get("self_attn.o_proj.weight", h, q_rows)),
         q_norm=get("self_attn.q_norm.weight", d) if cfg.qk_norm else None,
         k_norm=get("self_attn.k_norm.weight", d) if cfg.qk_norm else None,
-        gate=None if dense else get(f"{cfg.expert_prefix}.gate.weight", cfg.num_experts, h),
-        mlp_gate_up=torch.cat([get("mlp.gate_proj.weight", inter, h),
-                               get("mlp.up_proj.weight", inter, h)]) if dense else None,
-        mlp_down=get("mlp.down_proj.weight", h, inter) if dense else None,
+        gate=None if dense else panels_for_cpu(
+            get(f"{cfg.expert_prefix}.gate.weight", cfg.num_experts, h)),
+        mlp_gate_up=panels_for_cpu(torch.cat([get("mlp.gate_proj.weight", inter, h),
+                                              get("mlp.up_proj.weight", inter, h)]))
+        if dense else None,
+        mlp_down=panels_for_cpu(get("mlp.down_proj.weight", h, inter)) if dense else None,
     )
 
 
@@ -82,7 +91,9 @@ class DenseModel:
         self.layers = [load_layer(ckpt, cfg, i, dtype, device) for i in range(cfg.num_layers)]
         self.norm = get("model.norm.weight", h)
         tied = cfg.tie_word_embeddings and "lm_head.weight" not in ckpt
-        self.lm_head = self.embed if tied else get("lm_head.weight", cfg.vocab_size, h)
+        # tied: on the CPU in float32 the panels are a second copy of the embeddings
+        self.lm_head = panels_for_cpu(self.embed if tied
+                                      else get("lm_head.weight", cfg.vocab_size, h))
         # Routed token copies per (layer, expert) since start: what operators balance on.
         # Counted on the device without a host sync; `publish_load()` reads it between steps.
         self._load = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.int64,
@@ -105,7 +116,8 @@ class DenseModel:
                                     cos, sin, batch, kv)
             x = rms_norm(h, w.post_attn_norm, self.cfg.rms_norm_eps)
             if w.gate is None:
-                h = h + swiglu_mlp(x, w.mlp_gate_up, w.mlp_down)
+                gate, up = linear(x, w.mlp_gate_up).chunk(2, dim=-1)  # 2 x [T, I]
+                h = h + linear(F.silu(gate) * up, w.mlp_down)
             else:
                 ids, weights = route(x, w.gate, self.cfg.top_k, self.cfg.norm_topk_prob)
                 if forced is not None:

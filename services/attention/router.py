@@ -5,11 +5,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moe_kernels.panels import PanelWeights
 from moe_kernels.selection import linear
 
 
 def route(
-    x: torch.Tensor, gate: torch.Tensor, top_k: int, normalize: bool
+    x: torch.Tensor, gate: torch.Tensor | PanelWeights, top_k: int, normalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick experts for x [T, H] with gate [E, H].
 

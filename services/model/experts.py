@@ -19,11 +19,13 @@ from moe_kernels.mxfp4 import (
     ScaledBlocks,
     quantize,
 )
+from moe_kernels.panels import PanelWeights, plain
 from moe_kernels.selection import (
     W4A4Kernels,
     cpu_grouped_swiglu,
     cpu_grouped_swiglu_w4a4,
     grouped_mm_runs,
+    panels_for_cpu,
     quantize_fused,
 )
 from services.model.checkpoint import Checkpoint
@@ -57,7 +59,8 @@ class ExpertBank:
     """Some experts of every MoE layer: `experts[layer]` lists global ids, ascending.
 
     Weights per MoE layer: w_gate_up [E_local, 2 * I, H] and w_down [E_local, H, I], in
-    `dtype`, or with quantization "w4a4" as MXFP4 (blocks along the reduction dimension).
+    `dtype` (float32 on the CPU: in the kernels' panel layout, `moe_kernels.panels`), or
+    with quantization "w4a4" as MXFP4 (blocks along the reduction dimension).
     Only these experts' tensors are read from the checkpoint, one at a time; a quantized
     checkpoint is read packed, never in full precision. Every layer call is recorded in
     the per-expert metrics of expert rank `rank`.
@@ -75,8 +78,8 @@ class ExpertBank:
         self._grouped_mm: bool | None = None  # torch._grouped_mm works here, once known
         self.hidden_size = config.hidden_size
         self.quantization = check_quantization(config, quantization)
-        self.w_gate_up: dict[int, torch.Tensor | MXFP4Tensor] = {}
-        self.w_down: dict[int, torch.Tensor | MXFP4Tensor] = {}
+        self.w_gate_up: dict[int, torch.Tensor | MXFP4Tensor | PanelWeights] = {}
+        self.w_down: dict[int, torch.Tensor | MXFP4Tensor | PanelWeights] = {}
         hidden, inter = config.hidden_size, config.moe_intermediate_size
         for layer, expert_ids in self.experts.items():
             if not expert_ids:
@@ -89,6 +92,9 @@ class ExpertBank:
                 down.append(self._load(checkpoint, config, d, (hidden, inter)))
             self.w_gate_up[layer] = self._stack(gate_up)
             self.w_down[layer] = self._stack(down)
+            if not self.quantization:  # float32 on the CPU: the kernels' panel layout
+                self.w_gate_up[layer] = panels_for_cpu(self.w_gate_up[layer])
+                self.w_down[layer] = panels_for_cpu(self.w_down[layer])
         # W4A4 on a GPU: its kernel configs and the weight layouts they read
         self.kernels = W4A4Kernels(self.device, self.w_gate_up, self.w_down) \
             if self.quantization else None  # type: ignore[arg-type]
@@ -163,6 +169,7 @@ class ExpertBank:
             return torch.zeros(0, self.hidden_size, dtype=self.dtype, device=self.device)
         w_gate_up, w_down = self.w_gate_up[layer], self.w_down[layer]
         if not self.quantization:
+            w_gate_up, w_down = plain(w_gate_up), plain(w_down)
             if self.device.type == "cuda" and self._grouped_mm is None:  # a graph's first
                 self._grouped_mm = grouped_mm_runs(  # warm-up, where a sync is allowed
                     x, counts.tolist(), w_gate_up, w_down)
@@ -184,7 +191,7 @@ class ExpertBank:
                                           max_rows).to(self.dtype)  # [N, H]
 
     def _float_ffn(self, x: torch.Tensor, tokens_per_expert: list[int],
-                   w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                   w_gate_up: torch.Tensor | PanelWeights, w_down: torch.Tensor | PanelWeights,
                    spans: list[tuple[int, int]]) -> torch.Tensor:
         """On the CPU, float32: the compiled kernel, one call per layer. On CUDA, two
         grouped GEMMs where `torch._grouped_mm` runs and agrees (its experts then share the
@@ -192,6 +199,7 @@ class ExpertBank:
         if self.device.type == "cpu" and (y := cpu_grouped_swiglu(
                 x, tokens_per_expert, w_gate_up, w_down, spans)) is not None:
             return y
+        w_gate_up, w_down = plain(w_gate_up), plain(w_down)  # kernels off since load
         if self._grouped_mm is None:  # once: can this torch group them here?
             self._grouped_mm = self.device.type == "cuda" and grouped_mm_runs(
                 x, tokens_per_expert, w_gate_up, w_down)
@@ -217,7 +225,8 @@ class ExpertBank:
     def nbytes(self) -> int:
         total = 0
         for w in [*self.w_gate_up.values(), *self.w_down.values()]:
-            total += w.nbytes() if isinstance(w, ScaledBlocks) else w.numel() * w.element_size()
+            total += w.nbytes() if isinstance(w, ScaledBlocks | PanelWeights) \
+                else w.numel() * w.element_size()
         return total + (self.kernels.layout_bytes() if self.kernels else 0)
 
 

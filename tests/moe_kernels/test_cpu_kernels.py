@@ -1,7 +1,9 @@
-"""The compiled CPU kernel for float32 experts (`moe_kernels/csrc/grouped_swiglu_cpu.cpp`)
-against the torch path (`grouped_swiglu`, expert by expert through torch's matmuls): the
-same outputs within float32 summation order, with uneven, empty and prefill-sized experts;
-each expert timed on its own; bad input refused; and the torch path where it is off."""
+"""The compiled CPU kernels for float32 (`moe_kernels/csrc/f32_cpu.cpp`) over weights in
+panels (`moe_kernels.panels`), against torch: the grouped SwiGLU against the torch path
+(`grouped_swiglu`, expert by expert through torch's matmuls) with uneven, empty and
+prefill-sized experts, each expert timed on its own; the linear against `F.linear` for any
+rows, remainders of every register tile, strided x; bad input refused; and the torch path
+where the kernels are off or cannot be built."""
 
 from __future__ import annotations
 
@@ -11,10 +13,12 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from moe_kernels import cpu_kernels
 from moe_kernels.grouped_gemm import grouped_swiglu
-from moe_kernels.selection import cpu_grouped_swiglu
+from moe_kernels.panels import PanelWeights, plain, to_panels
+from moe_kernels.selection import cpu_grouped_swiglu, linear, panels_for_cpu
 from tests.support.kernels import assert_expert_spans
 
 pytestmark = pytest.mark.timeout(300)
@@ -26,10 +30,20 @@ def weights(experts: int, hidden: int, inter: int, seed: int) -> tuple[torch.Ten
             torch.randn(experts, hidden, inter, generator=g) / inter**0.5)
 
 
+def test_panels_are_the_same_weight_reordered() -> None:
+    w = torch.randn(3, 48, 20)
+    p = to_panels(w)
+    assert p.panels.shape == (3, 3, 20, 16) and p.shape == (3, 48, 20)
+    assert p.panels[1, 2, 5, 7] == w[1, 2 * 16 + 7, 5]  # panel 2, k 5, column 7 of it
+    assert torch.equal(p.unpack(), w) and torch.equal(plain(p), w) and plain(w) is w
+    with pytest.raises(ValueError, match="multiple of 16"):
+        to_panels(torch.randn(40, 8))
+
+
 @pytest.mark.parametrize(("counts", "hidden", "inter"), [
-    ([1], 64, 48),  # a decode of one token
+    ([1], 64, 48),  # a decode of one token; I of 3 panels: a partial panel group
     ([0, 1, 3, 0, 2, 4, 0, 1], 64, 48),  # uneven, with empty experts
-    ([5, 64, 65, 0, 40], 128, 32),  # either side of the streaming kernel's 64-row limit
+    ([5, 47, 48, 49, 0, 100], 128, 32),  # either side of a task's 48-row chunk, and a prefill
     ([0, 0, 0], 64, 16),  # no rows at all
     ([2, 7, 1, 9], 1024, 768),  # the benchmarks' mid-size shapes
 ])
@@ -39,7 +53,7 @@ def test_the_kernel_equals_the_torch_path(kernel: object, counts: list[int], hid
     x = torch.randn(sum(counts), hidden, generator=torch.Generator().manual_seed(1))
     want = grouped_swiglu(x, counts, w_gate_up, w_down)
     spans: list[tuple[int, int]] = []
-    got = cpu_grouped_swiglu(x, counts, w_gate_up, w_down, spans)
+    got = cpu_grouped_swiglu(x, counts, to_panels(w_gate_up), to_panels(w_down), spans)
     assert got is not None and got.shape == want.shape and got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # float32: summation order
     assert_expert_spans(spans, counts)
@@ -47,21 +61,56 @@ def test_the_kernel_equals_the_torch_path(kernel: object, counts: list[int], hid
 
 def test_bad_input_is_refused_with_its_reason(kernel: object) -> None:
     w_gate_up, w_down = weights(2, 64, 16, seed=0)
+    gu, d = to_panels(w_gate_up).panels, to_panels(w_down).panels
     x = torch.randn(3, 64)
     for counts, reason in [([1, 1], "do not sum to the rows"), ([4, -1], "negative count"),
                            ([3], "one count per local expert")]:
         with pytest.raises(RuntimeError, match=reason):
-            kernel.grouped_swiglu_f32(x, counts, w_gate_up, w_down)  # type: ignore[attr-defined]
+            kernel.grouped_swiglu_f32(x, counts, gu, d)  # type: ignore[attr-defined]
     with pytest.raises(RuntimeError, match="float32"):
-        kernel.grouped_swiglu_f32(x.double(), [1, 2], w_gate_up, w_down)  # type: ignore[attr-defined]
+        kernel.grouped_swiglu_f32(x.double(), [1, 2], gu, d)  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="panels"):
+        kernel.grouped_swiglu_f32(x, [1, 2], w_gate_up, w_down)  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="do not match"):
+        kernel.grouped_swiglu_f32(x, [1, 2], d, gu)  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="differ in K"):
+        kernel.linear_f32(torch.randn(2, 32), gu[0])  # type: ignore[attr-defined]
 
 
 def test_where_it_does_not_apply_the_torch_path_runs(kernel: object) -> None:
-    w_gate_up, w_down = weights(2, 40, 24, seed=0)  # H, I not multiples of 16
-    assert cpu_grouped_swiglu(torch.randn(3, 40), [1, 2], w_gate_up, w_down, None) is None
     w_gate_up, w_down = weights(2, 64, 16, seed=0)
-    assert cpu_grouped_swiglu(torch.randn(3, 64).double(), [1, 2], w_gate_up.double(),
-                              w_down.double(), None) is None
+    x = torch.randn(3, 64)
+    assert cpu_grouped_swiglu(x, [1, 2], w_gate_up, w_down, None) is None  # not in panels
+    assert cpu_grouped_swiglu(x.double(), [1, 2], to_panels(w_gate_up), to_panels(w_down),
+                              None) is None
+    odd = torch.randn(40, 64)  # N not a multiple of 16: stays as it is, for torch's matmul
+    assert panels_for_cpu(odd) is odd and isinstance(panels_for_cpu(w_down), PanelWeights)
+    assert panels_for_cpu(w_down.double()).dtype == torch.float64
+    torch.testing.assert_close(linear(x, odd), F.linear(x, odd))
+
+
+@pytest.mark.parametrize("m", [0, 1, 2, 5, 6, 7, 16, 48, 49, 100])
+@pytest.mark.parametrize(("n", "k"), [(16, 7), (1008, 1024), (48, 33), (80, 48)])
+def test_the_linear_equals_torchs(kernel: object, m: int, n: int, k: int) -> None:
+    g = torch.Generator().manual_seed(m * n)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) / k**0.5
+    panels = panels_for_cpu(w)
+    assert isinstance(panels, PanelWeights)
+    got = linear(x, panels)
+    assert got.shape == (m, n)
+    torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5)
+    wide = torch.randn(m, 2 * k, generator=g)[:, :k]  # a strided view of x
+    torch.testing.assert_close(linear(wide, panels), F.linear(wide, w), rtol=1e-5, atol=1e-5)
+
+
+def test_panels_run_on_torch_once_the_kernels_are_off(kernel: object) -> None:
+    w = torch.randn(32, 64)
+    x = torch.randn(3, 64)
+    cpu_kernels.set_enabled(False)
+    try:
+        torch.testing.assert_close(linear(x, to_panels(w)), F.linear(x, w))
+    finally:
+        cpu_kernels.set_enabled(True)
 
 
 def test_a_machine_that_cannot_build_it_says_so_once(monkeypatch: pytest.MonkeyPatch,
@@ -77,7 +126,9 @@ def test_a_machine_that_cannot_build_it_says_so_once(monkeypatch: pytest.MonkeyP
     caplog.set_level(logging.INFO, logger="switchyard.expert")
     w_gate_up, w_down = weights(1, 64, 16, seed=0)
     for _ in range(3):
-        assert cpu_grouped_swiglu(torch.randn(2, 64), [2], w_gate_up, w_down, None) is None
+        gu, d = panels_for_cpu(w_gate_up), panels_for_cpu(w_down)
+        assert gu is w_gate_up and d is w_down  # torch's layout, for torch's matmuls
+        assert cpu_grouped_swiglu(torch.randn(2, 64), [2], gu, d, None) is None
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "could not be built" in warnings[0] and \
         "Ninja is required" in warnings[0] and "torch's matmuls" in warnings[0], warnings

@@ -1,27 +1,24 @@
-"""The compiled CPU kernels for W4A4 experts and small-M float32 linears
-(`moe_kernels/csrc/w4a4_cpu.cpp`, `f32_cpu.cpp`):
+"""The compiled CPU kernels for W4A4 experts (`moe_kernels/csrc/w4a4_cpu.cpp`):
 
 - the quantizer, bit for bit `moe_kernels.mxfp4.quantize` (itself checked against the OCP MX
   rules and torchao in test_mxfp4.py), on its edge cases and on fuzzed float32 bit patterns;
 - one MXFP4 GEMM against float64 products of the decoded values, and on a block worked out
   by hand from the spec's tables;
 - the grouped SwiGLU against the torch path (`grouped_swiglu_w4a4`) with uneven, empty and
-  prefill-sized experts, each expert timed on its own, and through `ExpertBank`;
-- the linear against torch's, either side of its 64-row limit."""
+  prefill-sized experts, each expert timed on its own, and through `ExpertBank`."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis.extra.numpy import arrays
 
 from moe_kernels import cpu_kernels
 from moe_kernels.grouped_gemm import grouped_swiglu_w4a4
 from moe_kernels.mxfp4 import MXFP4Tensor, dequantize, quantize
-from moe_kernels.selection import cpu_grouped_swiglu_w4a4, linear
+from moe_kernels.selection import cpu_grouped_swiglu_w4a4
 from tests.support.kernels import assert_expert_spans
 
 pytestmark = pytest.mark.timeout(300)
@@ -134,15 +131,3 @@ def test_bad_input_is_refused_with_its_reason(kernel: object) -> None:
                                    w_down.packed, w_down.scales)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         kernel.quantize_mxfp4(torch.randn(2, 48))  # type: ignore[attr-defined]
-
-
-@pytest.mark.parametrize("m", [0, 1, 3, 5, 16, 64, 65])
-@pytest.mark.parametrize(("n", "k"), [(7, 16), (1000, 1024), (33, 48)])
-def test_the_linear_equals_torchs(kernel: object, m: int, n: int, k: int) -> None:
-    g = torch.Generator().manual_seed(m * n)
-    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) / k**0.5
-    got = linear(x, w)
-    assert got.shape == (m, n)
-    torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5)
-    wide = torch.randn(m, 2 * k, generator=g)[:, :k]  # a strided view of x
-    torch.testing.assert_close(linear(wide, w), F.linear(wide, w), rtol=1e-5, atol=1e-5)
