@@ -23,6 +23,7 @@ from benchmarks.timing import timed
 from moe_kernels.cpu_kernels import cpu_kernels
 from moe_kernels.grouped_gemm import grouped_swiglu, grouped_swiglu_w4a4
 from moe_kernels.mxfp4 import quantize
+from moe_kernels.panels import to_panels
 from moe_kernels.selection import cpu_grouped_swiglu, cpu_grouped_swiglu_w4a4, quantize_fused
 
 
@@ -42,6 +43,7 @@ def main() -> None:
     w_gate_up = torch.randn(e, 2 * i, h, generator=g) / h**0.5
     w_down = torch.randn(e, h, i, generator=g) / i**0.5
     q_gate_up, q_down = quantize(w_gate_up), quantize(w_down)
+    p_gate_up, p_down = to_panels(w_gate_up), to_panels(w_down)  # the float32 kernel's layout
     w16 = (w_gate_up.bfloat16(), w_down.bfloat16())
     weight_bytes = {"float32": 4 * 3 * e * h * i, "bfloat16": 2 * 3 * e * h * i,
                     "w4a4": q_gate_up.nbytes() + q_down.nbytes()}
@@ -62,7 +64,7 @@ def main() -> None:
                     max(1, args.repeat // 5), statistics.median)
         w4 = timed(lambda x=x, c=counts: grouped_swiglu_w4a4(quantize(x), c, q_gate_up, q_down),
                    args.repeat, statistics.median)
-        f32k = timed(lambda x=x, c=counts: cpu_grouped_swiglu(x, c, w_gate_up, w_down, None),
+        f32k = timed(lambda x=x, c=counts: cpu_grouped_swiglu(x, c, p_gate_up, p_down, None),
                      args.repeat, statistics.median)
         w4k = timed(lambda x=x, c=counts: cpu_grouped_swiglu_w4a4(quantize_fused(x), c,
                                                                   q_gate_up, q_down, None),

@@ -8,7 +8,8 @@
 // 2^(x scale - 127) * 2^(w scale - 127) / 4. Only the float sum over the blocks of a row
 // rounds, which is the summation order of the torch path's float32 matmul.
 //
-// On AVX2: one 16-byte load gives a block's 32 codes (low nibbles, then high nibbles: the
+// On AVX-512 (BW, DQ) two blocks at a time, in the same way (`block_wide`). On AVX2: one
+// 16-byte load gives a block's 32 codes (low nibbles, then high nibbles: the
 // activations are decoded in the same order, and a dot product does not care), `vpshufb`
 // maps them to magnitudes and signs, and `vpmaddubsw` + `vpmaddwd` multiply and add them
 // in 16 and 32 bits (llama.cpp's Q4 kernels do the same). Elsewhere, a scalar loop.
@@ -173,6 +174,82 @@ inline void block(const Decoded& x, int64_t m0, const uint8_t* wp, const uint8_t
   for (int i = 0; i < MM; ++i)
     for (int j = 0; j < nn; ++j) y[i * ldy + j] = hsum(acc[i][j]);
 }
+
+#if defined(__AVX512BW__) && defined(__AVX512DQ__)
+constexpr bool kWide = true;
+
+// `block` two 32-blocks at a time in AVX-512 registers (K a multiple of 64): each weight
+// pair's 64 codes are decoded once (magnitudes by `vpshufb`, signs as a mask that negates
+// x's values), then per row one `vpmaddubsw` + `vpmaddwd` gives 16 int32 partial sums,
+// lanes 0-7 the first block's and 8-15 the second's, scaled by their blocks' powers of two.
+template <int MM, int NN>
+inline void block_wide(const Decoded& x, int64_t m0, const uint8_t* wp, const uint8_t* ws,
+                       int64_t nn, float* y, int64_t ldy) {
+  const int64_t k_len = x.k, blocks = k_len / kBlock;
+  const __m512i mags = _mm512_broadcast_i32x4(
+      _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, 1, 2, 3, 4, 6, 8, 12));
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m512i sign = _mm512_set1_epi8(8), ones = _mm512_set1_epi16(1);
+  const __m512i zero = _mm512_setzero_si512();
+  __m512 acc[MM][NN];
+  for (int i = 0; i < MM; ++i)
+    for (int j = 0; j < NN; ++j) acc[i][j] = _mm512_setzero_ps();
+  const uint8_t* wr[NN];
+  const uint8_t* sr[NN];
+  for (int j = 0; j < NN; ++j) {
+    const int64_t n = std::min<int64_t>(j, nn - 1);  // repeat the last
+    wr[j] = wp + n * k_len / 2;
+    sr[j] = ws + n * blocks;
+  }
+  for (int64_t b = 0; b < blocks; b += 2) {
+    __m512i wmag[NN];
+    __mmask64 wneg[NN];
+    __m512 wscale[NN];
+    for (int j = 0; j < NN; ++j) {
+      __builtin_prefetch(wr[j] + b * 16 + 512);
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[j] + b * 16));
+      const __m256i lo = _mm256_and_si256(raw, low);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+      // [lo b, lo b+1, hi b, hi b+1] -> [lo b, hi b, lo b+1, hi b+1]: x's decoded order
+      const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+      const __m512i codes = _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));
+      wmag[j] = _mm512_shuffle_epi8(mags, codes);
+      wneg[j] = _mm512_test_epi8_mask(codes, sign);
+      wscale[j] = _mm512_insertf32x8(_mm512_set1_ps(kScales.v[sr[j][b]]),
+                                     _mm256_set1_ps(kScales.v[sr[j][b + 1]]), 1);
+    }
+    for (int i = 0; i < MM; ++i) {
+      const __m512i xv = _mm512_loadu_si512(x.row(m0 + i) + b * kBlock);
+      const float* xs = x.row_scales(m0 + i) + b;
+      const __m512 xscale = _mm512_insertf32x8(_mm512_set1_ps(xs[0]), _mm256_set1_ps(xs[1]), 1);
+      for (int j = 0; j < NN; ++j) {
+        const __m512i signed_x = _mm512_mask_sub_epi8(xv, wneg[j], zero, xv);
+        const __m512i prod = _mm512_madd_epi16(_mm512_maddubs_epi16(wmag[j], signed_x), ones);
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(prod), _mm512_mul_ps(xscale, wscale[j]),
+                                    acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < MM; ++i)
+    for (int j = 0; j < nn; ++j) y[i * ldy + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+#else
+constexpr bool kWide = false;
+template <int MM, int NN>
+inline void block_wide(const Decoded& x, int64_t m0, const uint8_t* wp, const uint8_t* ws,
+                       int64_t nn, float* y, int64_t ldy) {
+  block<MM, NN>(x, m0, wp, ws, nn, y, ldy);
+}
+#endif
+
+// One register block of MM rows and up to NN columns: AVX-512's two blocks at a time where
+// K allows, else AVX2's one.
+template <int MM, int NN>
+inline void tile(const Decoded& x, int64_t m0, const uint8_t* wp, const uint8_t* ws,
+                 int64_t nn, float* y, int64_t ldy) {
+  if (kWide && x.k % (2 * kBlock) == 0) block_wide<MM, NN>(x, m0, wp, ws, nn, y, ldy);
+  else block<MM, NN>(x, m0, wp, ws, nn, y, ldy);
+}
 #endif
 
 // y [c, N] (row stride ldy) = x's decoded rows [m0, m0 + c) @ w [N, K]^T, w as packed codes
@@ -193,15 +270,15 @@ void linear(const Decoded& x, int64_t m0, int64_t c, const uint8_t* wp, const ui
         float* ym = y + m * ldy + n0;
         const int64_t row = m0 + m;
         if (mm == 1) {
-          block<1, 4>(x, row, wpn, wsn, nn, ym, ldy);
+          tile<1, 4>(x, row, wpn, wsn, nn, ym, ldy);
         } else {
           for (int64_t j = 0; j < nn; j += 2) {
             const int64_t n2 = std::min<int64_t>(2, nn - j);
             const uint8_t* wpj = wpn + j * k_len / 2;
             const uint8_t* wsj = wsn + j * blocks;
-            if (mm == 2) block<2, 2>(x, row, wpj, wsj, n2, ym + j, ldy);
-            else if (mm == 3) block<3, 2>(x, row, wpj, wsj, n2, ym + j, ldy);
-            else block<4, 2>(x, row, wpj, wsj, n2, ym + j, ldy);
+            if (mm == 2) tile<2, 2>(x, row, wpj, wsj, n2, ym + j, ldy);
+            else if (mm == 3) tile<3, 2>(x, row, wpj, wsj, n2, ym + j, ldy);
+            else tile<4, 2>(x, row, wpj, wsj, n2, ym + j, ldy);
           }
         }
       }
