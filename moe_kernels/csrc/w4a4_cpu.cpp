@@ -39,36 +39,55 @@ struct ScaleTable {
 };
 const ScaleTable kScales;
 
-// Activation rows, decoded once per expert: per row, K int8 doubled values in block order
-// (each block's low nibbles, then its high nibbles) and K / 32 float scales.
+#if defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
+constexpr bool kQuads = true;
+#else
+constexpr bool kQuads = false;
+#endif
+
+// Activation rows, decoded once per call: per row, K int8 doubled values and K / 32 float
+// scales. In block order (each block's 16 even elements, then its 16 odd ones: the low and
+// high nibbles of its bytes), or where the VNNI kernel runs (K a multiple of 128) in quad
+// order: per 4 blocks, their even elements (4 x 16), then their odd ones, each value + 12
+// so that it is an unsigned byte (`vpdpbusd` multiplies unsigned by signed bytes).
 struct Decoded {
   std::vector<int8_t> values;
   std::vector<float> scales;
   int64_t k = 0;
+  bool quads = false;
   void resize(int64_t rows, int64_t k_len) {
     k = k_len;
+    quads = kQuads && k_len % (4 * kBlock) == 0;
     values.resize(rows * k_len);
     scales.resize(rows * (k_len / kBlock));
   }
   const int8_t* row(int64_t m) const { return values.data() + m * k; }
   const float* row_scales(int64_t m) const { return scales.data() + m * (k / kBlock); }
+  // Row m's 32 values of block b from its 16 packed bytes, and the block's scale byte.
+  void put(int64_t m, int64_t b, const uint8_t* bytes, uint8_t scale) {
+    int8_t* v = values.data() + m * k;
+    for (int64_t i = 0; i < kBlock / 2; ++i) {
+      const int8_t even = kDoubled[bytes[i] & 0xF], odd = kDoubled[bytes[i] >> 4];
+      if (quads) {
+        int8_t* q = v + b / 4 * 4 * kBlock + b % 4 * (kBlock / 2) + i;
+        q[0] = static_cast<int8_t>(even + 12);
+        q[2 * kBlock] = static_cast<int8_t>(odd + 12);
+      } else {
+        v[b * kBlock + i] = even;
+        v[b * kBlock + kBlock / 2 + i] = odd;
+      }
+    }
+    scales[m * (k / kBlock) + b] = kScales.v[scale];
+  }
 };
 
 // MXFP4 rows (packed [M, K/2], scales [M, K/32]) -> d's first M rows.
 void decode(const uint8_t* packed, const uint8_t* scales, int64_t m_len, int64_t k_len,
             Decoded& d) {
   const int64_t blocks = k_len / kBlock;
-  for (int64_t m = 0; m < m_len; ++m) {
-    int8_t* v = d.values.data() + m * k_len;
-    const uint8_t* p = packed + m * k_len / 2;
+  for (int64_t m = 0; m < m_len; ++m)
     for (int64_t b = 0; b < blocks; ++b)
-      for (int64_t i = 0; i < kBlock / 2; ++i) {
-        const uint8_t byte = p[b * kBlock / 2 + i];
-        v[b * kBlock + i] = kDoubled[byte & 0xF];
-        v[b * kBlock + kBlock / 2 + i] = kDoubled[byte >> 4];
-      }
-    for (int64_t b = 0; b < blocks; ++b) d.scales[m * blocks + b] = kScales.v[scales[m * blocks + b]];
-  }
+      d.put(m, b, packed + m * k_len / 2 + b * kBlock / 2, scales[m * blocks + b]);
 }
 
 // One float32 row [K] -> MXFP4 by the rules of `moe_kernels.mxfp4.quantize` (OCP MX v1.0:
@@ -104,19 +123,12 @@ void quantize_row(const float* x, int64_t k_len, uint8_t* packed, uint8_t* scale
   }
 }
 
-// One float row -> its decoded form (quantize, then decode: what the down GEMM reads).
+// One float row -> row m of d (quantize, then decode: what the down GEMM reads).
 void quantize_decoded(const float* x, int64_t k_len, Decoded& d, int64_t m) {
-  std::vector<uint8_t> packed(k_len / 2), scales(k_len / kBlock);
-  quantize_row(x, k_len, packed.data(), scales.data());
-  const int64_t blocks = k_len / kBlock;
-  int8_t* v = d.values.data() + m * k_len;
-  for (int64_t b = 0; b < blocks; ++b) {
-    for (int64_t i = 0; i < kBlock / 2; ++i) {
-      const uint8_t byte = packed[b * kBlock / 2 + i];
-      v[b * kBlock + i] = kDoubled[byte & 0xF];
-      v[b * kBlock + kBlock / 2 + i] = kDoubled[byte >> 4];
-    }
-    d.scales[m * blocks + b] = kScales.v[scales[b]];
+  uint8_t packed[kBlock / 2], scale;
+  for (int64_t b = 0; b < k_len / kBlock; ++b) {
+    quantize_row(x + b * kBlock, kBlock, packed, &scale);
+    d.put(m, b, packed, scale);
   }
 }
 
@@ -242,24 +254,100 @@ inline void block_wide(const Decoded& x, int64_t m0, const uint8_t* wp, const ui
 }
 #endif
 
-// One register block of MM rows and up to NN columns: AVX-512's two blocks at a time where
-// K allows, else AVX2's one.
+#if defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
+// 16 floats: lanes 4t..4t+3 the scale of block b + t, for the 4 scale bytes at s.
+inline __m512 quad_scales(const uint8_t* s) {
+  const __m512i lanes = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  return _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(_mm_setr_ps(
+      kScales.v[s[0]], kScales.v[s[1]], kScales.v[s[2]], kScales.v[s[3]])));
+}
+
+// The same from 4 float scales.
+inline __m512 quad_scales_f(const float* s) {
+  const __m512i lanes = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  return _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(_mm_loadu_ps(s)));
+}
+
+// `block` four 32-blocks (one 64-byte load of codes) at a time with AVX512-VNNI, over x in
+// quad order (`Decoded`). The low nibbles of the 64 bytes are the 4 blocks' even elements,
+// the high ones their odd elements; `vpshufb` maps each to its signed doubled value.
+// `vpdpbusd` multiplies them by x + 12 (unsigned) and sums 4 products per int32 lane
+// (lanes 4t..4t+3 block b + t), starting from -12 x the weights' own lane sums, so each
+// lane ends exact: sum x * w. Then, as above, a convert and the blocks' powers of two.
+template <int MM, int NN>
+inline void block_quad(const Decoded& x, int64_t m0, const uint8_t* wp, const uint8_t* ws,
+                       int64_t nn, float* y, int64_t ldy) {
+  const int64_t k_len = x.k, blocks = k_len / kBlock;
+  const __m512i table = _mm512_broadcast_i32x4(
+      _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12));
+  const __m512i low = _mm512_set1_epi8(0x0F), twelve = _mm512_set1_epi8(12);
+  const __m512i zero = _mm512_setzero_si512();
+  __m512 acc[MM][NN];
+  for (int i = 0; i < MM; ++i)
+    for (int j = 0; j < NN; ++j) acc[i][j] = _mm512_setzero_ps();
+  const uint8_t* wr[NN];
+  const uint8_t* sr[NN];
+  for (int j = 0; j < NN; ++j) {
+    const int64_t n = std::min<int64_t>(j, nn - 1);  // repeat the last
+    wr[j] = wp + n * k_len / 2;
+    sr[j] = ws + n * blocks;
+  }
+  for (int64_t b = 0; b < blocks; b += 4) {
+    __m512i even[NN], odd[NN], start[NN];
+    __m512 wscale[NN];
+    for (int j = 0; j < NN; ++j) {
+      __builtin_prefetch(wr[j] + b * 16 + 512);
+      const __m512i raw = _mm512_loadu_si512(wr[j] + b * 16);
+      even[j] = _mm512_shuffle_epi8(table, _mm512_and_si512(raw, low));
+      odd[j] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low));
+      const __m512i sums = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, twelve, even[j]),
+                                               twelve, odd[j]);
+      start[j] = _mm512_sub_epi32(zero, sums);
+      wscale[j] = quad_scales(sr[j] + b);
+    }
+    for (int i = 0; i < MM; ++i) {
+      const int8_t* xr = x.row(m0 + i) + b * kBlock;
+      const __m512i xe = _mm512_loadu_si512(xr), xo = _mm512_loadu_si512(xr + 2 * kBlock);
+      const __m512 xscale = quad_scales_f(x.row_scales(m0 + i) + b);
+      for (int j = 0; j < NN; ++j) {
+        const __m512i prod = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start[j], xe, even[j]),
+                                                 xo, odd[j]);
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(prod), _mm512_mul_ps(xscale, wscale[j]),
+                                    acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < MM; ++i)
+    for (int j = 0; j < nn; ++j) y[i * ldy + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+#else
+template <int MM, int NN>
+inline void block_quad(const Decoded& x, int64_t m0, const uint8_t* wp, const uint8_t* ws,
+                       int64_t nn, float* y, int64_t ldy) {
+  block_wide<MM, NN>(x, m0, wp, ws, nn, y, ldy);  // never called: Decoded.quads is false
+}
+#endif
+
+// One register block of MM rows and up to NN columns: AVX512-VNNI's four blocks at a time
+// where K allows, AVX-512's two, else AVX2's one.
 template <int MM, int NN>
 inline void tile(const Decoded& x, int64_t m0, const uint8_t* wp, const uint8_t* ws,
                  int64_t nn, float* y, int64_t ldy) {
-  if (kWide && x.k % (2 * kBlock) == 0) block_wide<MM, NN>(x, m0, wp, ws, nn, y, ldy);
+  if (x.quads) block_quad<MM, NN>(x, m0, wp, ws, nn, y, ldy);
+  else if (kWide && x.k % (2 * kBlock) == 0) block_wide<MM, NN>(x, m0, wp, ws, nn, y, ldy);
   else block<MM, NN>(x, m0, wp, ws, nn, y, ldy);
 }
 #endif
 
 // y [c, N] (row stride ldy) = x's decoded rows [m0, m0 + c) @ w [N, K]^T, w as packed codes
-// [N, K/2] and scale bytes [N, K/32]; both cores split the columns.
+// [N, K/2] and scale bytes [N, K/32]: the threads of the enclosing parallel region split
+// the columns (ends in the loop's barrier).
 void linear(const Decoded& x, int64_t m0, int64_t c, const uint8_t* wp, const uint8_t* ws,
             int64_t n_len, float* y, int64_t ldy) {
   const int64_t k_len = x.k, blocks = k_len / kBlock;
   for (int64_t t0 = 0; t0 < c; t0 += kTileRows) {  // x's tile stays in cache per pass
     const int64_t t_len = std::min(kTileRows, c - t0);
-#pragma omp parallel for schedule(static)
+#pragma omp for schedule(static)
     for (int64_t n0 = 0; n0 < n_len; n0 += 4) {
       const int64_t nn = std::min<int64_t>(4, n_len - n0);
       const uint8_t* wpn = wp + n0 * k_len / 2;
@@ -346,24 +434,30 @@ std::tuple<torch::Tensor, std::vector<int64_t>> grouped_swiglu_w4a4(
   std::vector<float> gate_up(most * 2 * inter), swi(most * inter);
   const uint8_t *gp = gu_packed.data_ptr<uint8_t>(), *gs = gu_scales.data_ptr<uint8_t>();
   const uint8_t *dp = down_packed.data_ptr<uint8_t>(), *ds = down_scales.data_ptr<uint8_t>();
-  int64_t start = 0;
-  for (int64_t e = 0; e < experts; ++e) {
-    const int64_t c = counts[e];
-    if (c == 0) continue;
-    marks[2 * e] = monotonic_ns();
-    linear(xd, start, c, gp + e * 2 * inter * hidden / 2, gs + e * 2 * inter * (hidden / kBlock),
-           2 * inter, gate_up.data(), 2 * inter);
-#pragma omp parallel for schedule(static) if (c >= 4)
-    for (int64_t m = 0; m < c; ++m) {
-      const float* g = gate_up.data() + m * 2 * inter;
-      float* a = swi.data() + m * inter;
-      for (int64_t i = 0; i < inter; ++i) a[i] = g[i] / (1.f + std::exp(-g[i])) * g[inter + i];
-      quantize_decoded(a, inter, act, m);
+  float* yp = out.data_ptr<float>();
+#pragma omp parallel  // one region per layer: each expert's steps end in a barrier
+  {
+    int64_t start = 0;
+    for (int64_t e = 0; e < experts; ++e) {
+      const int64_t c = counts[e];
+      if (c == 0) continue;
+#pragma omp master
+      marks[2 * e] = monotonic_ns();
+      linear(xd, start, c, gp + e * 2 * inter * hidden / 2,
+             gs + e * 2 * inter * (hidden / kBlock), 2 * inter, gate_up.data(), 2 * inter);
+#pragma omp for schedule(static)
+      for (int64_t m = 0; m < c; ++m) {
+        const float* g = gate_up.data() + m * 2 * inter;
+        float* a = swi.data() + m * inter;
+        for (int64_t i = 0; i < inter; ++i) a[i] = g[i] / (1.f + std::exp(-g[i])) * g[inter + i];
+        quantize_decoded(a, inter, act, m);
+      }
+      linear(act, 0, c, dp + e * hidden * inter / 2, ds + e * hidden * (inter / kBlock),
+             hidden, yp + start * hidden, hidden);
+#pragma omp master
+      marks[2 * e + 1] = monotonic_ns();
+      start += c;
     }
-    linear(act, 0, c, dp + e * hidden * inter / 2, ds + e * hidden * (inter / kBlock), hidden,
-           out.data_ptr<float>() + start * hidden, hidden);
-    start += c;
-    marks[2 * e + 1] = monotonic_ns();
   }
   return {out, marks};
 }
@@ -380,6 +474,7 @@ torch::Tensor mxfp4_linear(const torch::Tensor& x_packed, const torch::Tensor& x
   xd.resize(m_len, k_len);
   decode(x_packed.data_ptr<uint8_t>(), x_scales.data_ptr<uint8_t>(), m_len, k_len, xd);
   torch::Tensor y = torch::empty({m_len, n_len}, torch::kFloat32);
+#pragma omp parallel
   linear(xd, 0, m_len, w_packed.data_ptr<uint8_t>(), w_scales.data_ptr<uint8_t>(), n_len,
          y.data_ptr<float>(), n_len);
   return y;
