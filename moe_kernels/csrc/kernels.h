@@ -35,3 +35,10 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_mxfp4(const torch::Tensor& x);
 std::tuple<torch::Tensor, torch::Tensor> decode_attention(
     const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
     const torch::Tensor& slots, const torch::Tensor& mask, double scale);
+
+// layers_cpu.cpp
+torch::Tensor rms_norm_f32(const torch::Tensor& x, const torch::Tensor& w, double eps);
+std::tuple<torch::Tensor, torch::Tensor> qk_norm_rope_f32(
+    const torch::Tensor& qkv, const c10::optional<torch::Tensor>& q_norm,
+    const c10::optional<torch::Tensor>& k_norm, const torch::Tensor& cos,
+    const torch::Tensor& sin, int64_t heads, int64_t kv_heads, double eps);

@@ -21,4 +21,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention,
         "one query token per sequence over the paged KV cache -> (out, lse)");
   m.def("quantize_mxfp4", &quantize_mxfp4, "float32 [M, K] -> MXFP4 (packed, scales)");
+  m.def("rms_norm_f32", &rms_norm_f32, "float32 RMSNorm of rows [R, H]");
+  m.def("qk_norm_rope_f32", &qk_norm_rope_f32,
+        "float32 q/k of stacked qkv rows: per-head RMSNorm, then rotary embedding");
 }

@@ -17,7 +17,7 @@ from services.attention.kv_cache import KVCache
 from services.attention.router import route
 from services.model.checkpoint import Checkpoint
 from services.model.config import ModelConfig
-from services.model.layers import apply_rope, rms_norm, rope_cos_sin
+from services.model.layers import qkv_heads, rms_norm, rope_cos_sin
 
 Attend = Callable[[KVCache, int, torch.Tensor, StepBatch], torch.Tensor]
 # (layer, x [T, H], topk_ids [T, K], topk_weights [T, K]) -> [T, H]: an `ExpertsClient`, or
@@ -132,17 +132,9 @@ class DenseModel:
         batch: StepBatch, kv: KVCache,
     ) -> torch.Tensor:
         cfg, t = self.cfg, x.shape[0]
-        q, k, v = linear(x, w.qkv).split(
-            [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
-             cfg.num_kv_heads * cfg.head_dim], dim=-1)
-        q = q.view(t, cfg.num_heads, cfg.head_dim)
-        k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
-        if w.q_norm is not None:
-            q = rms_norm(q, w.q_norm, cfg.rms_norm_eps)
-            k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        kv.write(i, k, v.view(t, cfg.num_kv_heads, cfg.head_dim), batch.slot_mapping,
-                 batch.foreign_slots)
+        q, k, v = qkv_heads(linear(x, w.qkv), w.q_norm, w.k_norm, cos, sin, cfg.num_heads,
+                            cfg.num_kv_heads, cfg.rms_norm_eps)  # [T, heads or kv_heads, D]
+        kv.write(i, k, v, batch.slot_mapping, batch.foreign_slots)
         out = self.attend(kv, i, q, batch)  # [T, heads, D]
         return linear(out.reshape(t, -1), w.o)
 

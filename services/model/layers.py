@@ -1,13 +1,26 @@
-"""Layer math shared by the attention and expert services (pure functions on tensors)."""
+"""Layer math shared by the attention and expert services (pure functions on tensors): on
+the CPU in float32 the compiled kernels (`moe_kernels.cpu_kernels`, one call each instead
+of 6 to 24 tensor operations), else torch's, which they match within float32 rounding."""
 
 from __future__ import annotations
 
 import torch
 
+from moe_kernels.cpu_kernels import cpu_kernels
+
+
+def _kernels_for(x: torch.Tensor) -> object | None:
+    """The compiled CPU kernels, where they take x (2-D float32 rows on the CPU)."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1:
+        return None
+    return cpu_kernels()
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of x [..., H] with weight [H] over the last dim, computed in float32 as
     transformers does; returns [..., H] in x's dtype (times the weight's)."""
+    if weight.dtype == torch.float32 and (kernels := _kernels_for(x)) is not None:
+        return kernels.rms_norm_f32(x, weight, eps)  # type: ignore[attr-defined]
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -32,3 +45,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
+
+def qkv_heads(
+    qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
+    cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The attention's q [T, heads, D], k and v [T, kv_heads, D] from the stacked
+    projection qkv [T, (heads + 2 kv_heads) D]: q and k RMSNorm'd per head (Qwen3's
+    q_norm/k_norm [D], where given) and rotated by cos/sin [T, D]."""
+    t, d = qkv.shape[0], cos.shape[-1]
+    v = qkv[:, (heads + kv_heads) * d:].view(t, kv_heads, d)
+    if cos.dtype == torch.float32 and (kernels := _kernels_for(qkv)) is not None:
+        q, k = kernels.qk_norm_rope_f32(  # type: ignore[attr-defined]
+            qkv, q_norm, k_norm, cos.contiguous(), sin.contiguous(), heads, kv_heads, eps)
+        return q, k, v
+    q = qkv[:, :heads * d].view(t, heads, d)
+    k = qkv[:, heads * d:(heads + kv_heads) * d].view(t, kv_heads, d)
+    if q_norm is not None and k_norm is not None:
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
