@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import anyio
 from anyio.abc import SocketAttribute, SocketStream
 
+from common.compute import ComputeThread
 from common.messages import ExpertBatch, ExpertInfo, ExpertResult, InfoRequest, Message
 from common.rpc import FrameStream, cancel_on_signal, serve_messages
 
@@ -23,8 +24,8 @@ class RpcListen:
     """Where an expert rank listens, and what answers there.
 
     answer: batches of one layer (from any attention ranks) -> one result each, in order;
-        run in a worker thread, one call at a time. It must answer every batch, a bad one
-        with its error, and never raise.
+        run on one worker thread (`common.compute`), one call at a time. It must answer
+        every batch, a bad one with its error, and never raise.
     info: the handshake's answer (`InfoRequest` -> `ExpertInfo`).
     """
 
@@ -39,6 +40,7 @@ class Coalescer:
 
     def __init__(self, answer: Callable[[list[ExpertBatch]], list[ExpertResult]]) -> None:
         self._answer = answer
+        self._compute = ComputeThread("expert-compute")  # every computation on one thread
         self._queue: list[tuple[ExpertBatch, FrameStream]] = []
         self._arrived = anyio.Event()
         self.num_coalesced = 0  # batches that shared a computation with an earlier one
@@ -57,7 +59,7 @@ class Coalescer:
             layer = self._queue[0][0].layer
             todo = [q for q in self._queue if q[0].layer == layer]
             self._queue = [q for q in self._queue if q[0].layer != layer]
-            results = await anyio.to_thread.run_sync(self._answer, [b for b, _ in todo])
+            results = await self._compute.run(self._answer, [b for b, _ in todo])
             self.num_coalesced += len(todo) - 1
             for (_, conn), result in zip(todo, results, strict=True):
                 with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):

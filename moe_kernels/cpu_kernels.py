@@ -47,6 +47,13 @@ def set_enabled(enabled: bool) -> None:
         _loaded, _failed = (None, False) if enabled else (None, True)
 
 
+def release_threads() -> None:
+    """Free the calling thread's OpenMP team, after loading on a thread that will not run
+    steps (`common.compute`); nothing where the kernels are not built."""
+    if (kernels := cpu_kernels()) is not None:
+        kernels.release_threads()
+
+
 def build_name() -> str:
     """The extension's name, one per torch installation: its build directory in torch's
     cache holds a ninja file with that installation's include paths, so two venvs sharing

@@ -1,4 +1,6 @@
 // The Python module of the CPU kernels (`moe_kernels.cpu_kernels`).
+#include <omp.h>
+
 #include "kernels.h"
 
 void check_counts(const std::vector<int64_t>& counts, int64_t experts, int64_t rows) {
@@ -11,6 +13,10 @@ void check_counts(const std::vector<int64_t>& counts, int64_t experts, int64_t r
   TORCH_CHECK(total == rows, "the counts do not sum to the rows");
 }
 
+// Frees the calling thread's OpenMP team (`common.compute`): libgomp then manages no more
+// threads than the compute thread's team, and keeps spinning between its regions.
+int release_threads() { return omp_pause_resource_all(omp_pause_soft); }
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grouped_swiglu_f32", &grouped_swiglu_f32,
         "float32 grouped SwiGLU over every local expert of one layer (weights in panels)");
@@ -21,6 +27,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention,
         "one query token per sequence over the paged KV cache -> (out, lse)");
   m.def("quantize_mxfp4", &quantize_mxfp4, "float32 [M, K] -> MXFP4 (packed, scales)");
+  m.def("release_threads", &release_threads, "free the calling thread's OpenMP team");
   m.def("rms_norm_f32", &rms_norm_f32, "float32 RMSNorm of rows [R, H]");
   m.def("qk_norm_rope_f32", &qk_norm_rope_f32,
         "float32 q/k of stacked qkv rows: per-head RMSNorm, then rotary embedding");

@@ -19,6 +19,7 @@ import anyio
 from anyio.abc import SocketAttribute, SocketStream
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from common.compute import ComputeThread
 from common.failures import root_causes
 from common.messages import (
     AbortRequest,
@@ -33,6 +34,7 @@ from common.rpc import FrameStream, cancel_on_signal, run_service, serve_message
 from common.tracing import setup_tracing
 from ep_dispatch.rpc_pool import ExpertRankError
 from ep_dispatch.torch_dist import RendezvousError
+from moe_kernels.cpu_kernels import release_threads
 from services.attention.builder import build_engine
 from services.attention.config import AttentionConfig
 from services.attention.engine import Engine, StepFailed
@@ -57,6 +59,7 @@ class AttentionServer:
         self._owners: dict[str, FrameStream] = {}
         self._outboxes: dict[FrameStream, MemoryObjectSendStream[TokenDelta]] = {}
         self._out_of_step = out_of_step or _exit_out_of_step
+        self._compute = ComputeThread("engine-step")  # every step on one thread
 
     def _post(self, work: _Work) -> None:
         self._inbox.append(work)
@@ -107,8 +110,7 @@ class AttentionServer:
             deltas = [d for work in inbox if (d := self._apply(work))]
             if lockstep or self.engine.has_work():
                 try:
-                    deltas += await anyio.to_thread.run_sync(self.engine.step,
-                                                             abandon_on_cancel=True)
+                    deltas += await self._compute.run(self.engine.step)
                 except Exception as exc:  # a bug must cost its batch, not the service
                     deltas += await self._step_failed(exc, deltas)
             for delta in deltas:
@@ -248,6 +250,7 @@ def main(config: AttentionConfig) -> int:
         # Before the engine: an rpc client's thread would keep a failed process alive.
         metrics_port = start_metrics_server(config.host, config.metrics_port)
         engine = build_engine(config)
+        release_threads()  # the loading thread's OpenMP team: steps run on another
     except (CheckpointError, ValueError, OSError, ExpertRankError, RendezvousError) as exc:
         print(f"switchyard attention: {exc}", file=sys.stderr)
         return 2

@@ -22,6 +22,7 @@ from ep_dispatch.registry import ExpertSide, WorldSettings, backend
 from ep_dispatch.rpc_server import RpcListen
 from ep_dispatch.torch_dist import RendezvousError, World
 from ep_dispatch.wire import from_wire, to_wire
+from moe_kernels.cpu_kernels import release_threads
 from services.expert.config import ExpertConfig
 from services.model.checkpoint import Checkpoint
 from services.model.config import CheckpointError, ModelConfig
@@ -161,6 +162,7 @@ def main(config: ExpertConfig) -> int:
     setup_tracing("switchyard-expert", config.otlp_traces_endpoint)
     try:
         server = ExpertServer(config)
+        release_threads()  # the loading thread's OpenMP team (`common.compute`)
         metrics_port = start_metrics_server(config.host, config.metrics_port)
         serve = server.backend.serve
         assert serve is not None  # (the expert flags offer only backends with an expert side)
