@@ -12,7 +12,10 @@ mid-size random checkpoint of benchmarks/generate.py, with the same fixed-seed p
 2. the engine in-process: median decode step at batch `c` and the bytes that step must
    read (experts actually hit, dense weights, KV), hence the floor;
 3. `switchyard serve` single-process and distributed (rpc, 2 expert services), loaded by
-   `switchyard bench`'s client at concurrency `c` through HTTP streaming.
+   `switchyard bench`'s client at concurrency `c` through HTTP streaming; the served
+   TPOT against the in-process step, and against the server's own mean decode step over
+   the same load (`switchyard:engine_step_seconds`, which includes a topology's exchanges
+   with its expert services): the serving overhead.
 
 Everything is float32 (torch's bf16 matmul is ~100x slower on CPUs without AVX-512 BF16).
 """
@@ -28,6 +31,7 @@ from pathlib import Path
 
 import httpx
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.floor import StepParts, decode_steps, machine
 from benchmarks.generate import add_workdir_flag, bench_transformers, build_checkpoint
@@ -78,8 +82,25 @@ def floor_rows(path: Path, levels: list[int], input_len: int, read_gbs: float
     return out
 
 
+def decode_steps_served(url: str) -> tuple[float, float]:
+    """(seconds, count) of the served engines' decode steps so far, from the gateway's
+    merged /metrics (`switchyard:engine_step_seconds`)."""
+    seconds = count = 0.0
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        if family.name == "switchyard:engine_step_seconds":
+            for sample in family.samples:
+                if sample.labels.get("kind") == "decode":
+                    if sample.name.endswith("_sum"):
+                        seconds += sample.value
+                    elif sample.name.endswith("_count"):
+                        count += sample.value
+    return seconds, count
+
+
 def served_rows(path: Path, flags: list[str], prompts: list[list[int]], levels: list[int],
                 output_len: int) -> dict[int, dict]:
+    """Each level's `summarize` figures, and `step_ms`: the server's own mean decode step
+    over the level (its exchanges with expert services included)."""
     out = {}
     with Served(["--model", str(path), "--kv-cache-memory", "1GiB", *flags],
                 timeout=900) as served:
@@ -88,9 +109,12 @@ def served_rows(path: Path, flags: list[str], prompts: list[list[int]], levels: 
         for c in levels:
             n = max(c, 4)
             log(f"  concurrency {c}: {n} requests ...")
+            seconds, count = decode_steps_served(served.url)
             records, duration = run_load(served.url, model, prompts[:n], output_len, c,
                                          None, min(4, c), 0)
             out[c] = summarize(records, duration, c, min(4, c))
+            after = decode_steps_served(served.url)
+            out[c]["step_ms"] = 1e3 * (after[0] - seconds) / max(after[1] - count, 1)
     return out
 
 
@@ -133,13 +157,17 @@ def main() -> None:
         print(f"| {c} | {hf[c]:.1f} | " if c in hf else f"| {c} | - | ", end="")
         print(" | ".join(f"{t:.1f}" for t in tps) + f" | {ratio} |")
     print("\n| concurrency | MB read per decode step | floor ms | engine step ms (x floor) | "
-          + " | ".join(f"{name} TPOT median ms (x floor; x step)" for name in served) + " |")
-    print("|---:|---:|---:|---:|" + "---:|" * len(served))
+          + " | ".join(f"{name} TPOT median ms (x floor; x step)" for name in served) + " | "
+          + " | ".join(f"{name}: its own decode step ms (TPOT / it)" for name in served)
+          + " |")
+    print("|---:|---:|---:|---:|" + "---:|" * 2 * len(served))
     for c in levels:
         f = floor[c]
         tpots = [s[c]["tpot"]["median_ms"] for s in served.values()]
         cells = [f"{t:.1f} ({t / f['floor_ms']:.2f}x; {t / f['step_ms']:.2f}x step)"
                  for t in tpots]
+        cells += [f"{s[c]['step_ms']:.1f} ({t / s[c]['step_ms']:.2f}x)"
+                  for t, s in zip(tpots, served.values(), strict=True)]
         print(f"| {c} | {f['mb_read']:.0f} | {f['floor_ms']:.1f} | "
               f"{f['step_ms']:.1f} ({f['step_ms'] / f['floor_ms']:.2f}x) | " + " | ".join(cells)
               + " |")

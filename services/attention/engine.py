@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 
 import msgspec
 import torch
+from prometheus_client import Histogram
 
 from common import tracing
 from common.failures import root_causes
@@ -39,6 +40,14 @@ from services.attention.warmup import warmup_prompt, warmup_routing
 from services.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
+# Served TPOT against this is the serving overhead (benchmarks.serving): the step's own
+# time, its exchanges with expert services included, and nothing of the server around it.
+_STEP_SECONDS = Histogram(
+    "switchyard:engine_step_seconds",
+    "One engine step with sequences scheduled (forward, exchanges, sampling); decode: "
+    "every sequence one new token, prefill: any prompt chunk.", ["kind"],
+    buckets=(1e-3, 2.5e-3, 5e-3, 1e-2, 2e-2, 3e-2, 5e-2, 7.5e-2, 0.1, 0.15, 0.25, 0.5, 1.0,
+             2.5, 5.0))
 
 
 class StepFailed(RuntimeError):
@@ -228,10 +237,16 @@ class Engine:
             if self._closed:
                 return []
             scheduled = self.scheduler.schedule()
+            start = time.perf_counter()
             try:
-                return self._step(scheduled)
+                deltas = self._step(scheduled)
             except Exception as exc:
                 raise StepFailed(exc, [item.seq.request_id for item in scheduled]) from exc
+            if scheduled:
+                decode = all(item.num_new_tokens == 1 for item in scheduled)
+                _STEP_SECONDS.labels("decode" if decode else "prefill").observe(
+                    time.perf_counter() - start)
+            return deltas
 
     def _step(self, scheduled: list[ScheduledSeq]) -> list[TokenDelta]:
         if not self.experts.begin_step(sum(item.num_new_tokens for item in scheduled)):

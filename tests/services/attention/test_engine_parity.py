@@ -34,3 +34,20 @@ def test_greedy_batched_with_chunked_prefill_and_late_arrivals(ckpt: tuple) -> N
                 9: [greedy("r3", ps[3])], 20: [greedy("r4", ps[4])]}
     assert run_to_completion(engine, arrivals) == expected
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_every_step_is_timed_by_its_kind(ckpt: tuple) -> None:
+    from prometheus_client import REGISTRY
+
+    def count(kind: str) -> float:
+        return REGISTRY.get_sample_value("switchyard:engine_step_seconds_count",
+                                         {"kind": kind}) or 0.0
+
+    path, _ = ckpt
+    engine = engine_for(path, max_num_batched_tokens=10)
+    before = {kind: count(kind) for kind in ("prefill", "decode")}
+    run_to_completion(engine, {0: [greedy("r0", prompts(lengths=(25,))[0], 4)]})
+    # a 25-token prompt in 3 chunks of at most 10 (the last samples the first token),
+    # then 3 decode steps for the other 3 tokens
+    assert count("prefill") - before["prefill"] == 3
+    assert count("decode") - before["decode"] == 3
