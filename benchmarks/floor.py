@@ -13,9 +13,11 @@ bytes at the measured read bandwidth and the FLOPs at the measured matmul rate; 
 gives the median step time as a multiple of it, and the step's median time in each part:
 attention, router, dispatch and combine, the experts, lm_head and sampling, the rest.
 With `--cpu-kernels on off` each batch size runs with the compiled CPU kernels (experts,
-dense projections, lm_head) and with torch's matmuls, alternating, in one run; with
-`--quantization none w4a4` both float32 and W4A4 experts (MXFP4, quantized at load; the
-dense weights stay float32), one engine each, alternating too.
+dense projections, lm_head, attention, the layer math) and with torch's, one engine each
+(the weights' layout is chosen at load); with `--quantization none w4a4` both float32 and
+W4A4 experts (MXFP4, quantized at load; the dense weights stay float32), one engine each.
+The engines' decode steps are taken in turn, one step of each per round, so that the
+shared host's drift falls on every column alike.
 """
 
 from __future__ import annotations
@@ -45,6 +47,29 @@ def _bandwidth() -> tuple[float, float]:
     read = a.numel() * 4 / timed(a.sum) / 1e9
     copy = 2 * a.numel() * 4 / timed(lambda: b.copy_(a)) / 1e9
     return read, copy
+
+
+class Probe:
+    """The machine's read bandwidth and matmul rate, sampled once per round beside the
+    steps (one 2 GiB `sum`, one 2048^3 matmul), so the floor is the machine as it was
+    while they ran."""
+
+    def __init__(self) -> None:
+        self.a, self.m = torch.randn(512 * 1024 * 1024), torch.randn(2048, 2048)
+        self.samples: list[tuple[float, float]] = []  # (read GB/s, matmul GFLOP/s)
+
+    def sample(self) -> None:
+        start = time.perf_counter()
+        self.a.sum()
+        read = self.a.numel() * 4 / (time.perf_counter() - start) / 1e9
+        start = time.perf_counter()
+        self.m @ self.m
+        self.samples.append((read, 2 * 2048**3 / (time.perf_counter() - start) / 1e9))
+
+    def median(self, since: int) -> tuple[float, float]:
+        """Median read GB/s and GFLOP/s of the samples from index `since` on."""
+        rows = self.samples[since:]
+        return statistics.median(r for r, _ in rows), statistics.median(g for _, g in rows)
 
 
 def machine() -> dict[str, float]:
@@ -139,27 +164,62 @@ class StepParts:
         return parts
 
 
-def decode_steps(engine: Engine, parts: StepParts, batch: int, input_len: int, steps: int
-                 ) -> list[tuple[float, int, int, dict[str, float]]]:
-    """(seconds, bytes read, FLOPs, seconds per part) of `steps` decode steps at `batch`
-    sequences."""
+Step = tuple[float, int, int, dict[str, float]]  # seconds, bytes read, FLOPs, part seconds
+
+
+def start_batch(engine: Engine, batch: int, input_len: int, steps: int) -> None:
+    """Add `batch` sequences and prefill them until every one decodes."""
     params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(make_prompts(batch, input_len, engine.model_config.vocab_size)):
         engine.add(GenerateRequest(f"floor-{batch}-{i}-{time.monotonic_ns()}", p, params))
     running = engine.scheduler.running
     while len(running) < batch or any(s.num_output_tokens == 0 for s in running):
-        engine.step()  # prefill until every sequence decodes
-    out = []
-    for _ in range(steps):
-        before = engine.model.expert_load.clone()
-        kv, flops = kv_bytes(engine), step_flops(engine)
-        times = parts.of(engine.step)
-        elapsed = sum(times.values())
-        hit = int(((engine.model.expert_load - before) > 0).sum())
-        out.append((elapsed, dense_bytes(engine) + hit * expert_bytes(engine) + kv, flops,
-                    times))
+        engine.step()
+
+
+def decode_step(engine: Engine, parts: StepParts) -> Step:
+    """One decode step of the running batch: its seconds, bytes read, FLOPs and parts."""
+    before = engine.model.expert_load.clone()
+    kv, flops = kv_bytes(engine), step_flops(engine)
+    times = parts.of(engine.step)
+    hit = int(((engine.model.expert_load - before) > 0).sum())
+    return sum(times.values()), dense_bytes(engine) + hit * expert_bytes(engine) + kv, flops, \
+        times
+
+
+def finish_batch(engine: Engine) -> None:
     while engine.has_work():
         engine.step()
+
+
+def decode_steps(engine: Engine, parts: StepParts, batch: int, input_len: int, steps: int
+                 ) -> list[Step]:
+    """`steps` decode steps at `batch` sequences, of one engine."""
+    start_batch(engine, batch, input_len, steps)
+    out = [decode_step(engine, parts) for _ in range(steps)]
+    finish_batch(engine)
+    return out
+
+
+def interleaved_steps(engines: dict[str, tuple[Engine, StepParts, bool]], batch: int,
+                      input_len: int, steps: int, probe: Probe) -> dict[str, list[Step]]:
+    """`steps` decode steps at `batch` sequences of every engine, taken in turn (one step
+    of each, then the next round, then one `probe` sample), so that the host's drift in
+    time falls on all alike. Each engine's value says whether the compiled CPU kernels
+    run for it."""
+    for name, (engine, _, kernels) in engines.items():
+        set_enabled(kernels)
+        print(f"batch {batch}, {name}: prefill ...", flush=True)
+        start_batch(engine, batch, input_len, steps)
+    out: dict[str, list[Step]] = {name: [] for name in engines}
+    for _ in range(steps):
+        for name, (engine, parts, kernels) in engines.items():
+            set_enabled(kernels)
+            out[name].append(decode_step(engine, parts))
+        probe.sample()
+    for engine, _, kernels in engines.values():
+        set_enabled(kernels)
+        finish_batch(engine)
     return out
 
 
@@ -189,30 +249,34 @@ def main() -> None:
             engine = build_engine(AttentionConfig(
                 model=path, dtype="float32", quantization=quantization,
                 kv_cache_memory=1 << 30, max_num_batched_tokens=2048))
-            engines[quantization, kernels] = (engine, StepParts(engine))
-    rows = []
+            engines[f"{quantization}, {kernels}"] = (engine, StepParts(engine), kernels == "on")
+    rows, probe = [], Probe()
     for batch in args.batch_sizes:
-        for (quantization, kernels), (engine, parts) in engines.items():
-            set_enabled(kernels == "on")
-            print(f"batch {batch}, experts {quantization}, CPU kernels {kernels} ...",
-                  flush=True)
-            steps = decode_steps(engine, parts, batch, args.input_len, args.steps)
-            rows.append((batch, f"{quantization}, {kernels}", steps))
-    print("\n| batch | experts, CPU kernels | median step ms | MB read | GFLOP | floor ms "
-          "(bytes, FLOPs) | step / floor | " + " | ".join(f"{p} ms" for p in PARTS) + " |")
-    print("|---:|---|---:|---:|---:|---:|---:|" + "---:|" * len(PARTS))
-    for batch, kernels, steps in rows:
+        print(f"batch {batch}: {args.steps} rounds of one decode step of each engine ...",
+              flush=True)
+        since = len(probe.samples)
+        for name, steps in interleaved_steps(engines, batch, args.input_len, args.steps,
+                                             probe).items():
+            rows.append((batch, name, steps, probe.median(since)))
+    print("\nfloor: at the machine's median over the batch's rounds (read GB/s, GFLOP/s); "
+          "the last column at the best-of-5 machine above")
+    print("\n| batch | experts, CPU kernels | median step ms | MB read | GFLOP | machine "
+          "(GB/s, GFLOP/s) | floor ms (bytes, FLOPs) | step / floor | "
+          + " | ".join(f"{p} ms" for p in PARTS) + " | step / best-case floor |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(PARTS) + "---:|")
+    for batch, kernels, steps, (read, gflops) in rows:
         med_time = statistics.median(t for t, *_ in steps)
         med_bytes = statistics.median(b for _, b, _, _ in steps)
         med_flops = statistics.median(f for _, _, f, _ in steps)
-        by_bytes = med_bytes / (m["read_gbs"] * 1e9)
-        by_flops = med_flops / (m["matmul_gflops"] * 1e9)
+        by_bytes, by_flops = med_bytes / (read * 1e9), med_flops / (gflops * 1e9)
         floor = max(by_bytes, by_flops)
+        best = max(med_bytes / (m["read_gbs"] * 1e9), med_flops / (m["matmul_gflops"] * 1e9))
         split = " | ".join(f"{1e3 * statistics.median(p[part] for *_, p in steps):.1f}"
                            for part in PARTS)
         print(f"| {batch} | {kernels} | {1e3 * med_time:.1f} | {med_bytes / 1e6:.0f} | "
-              f"{med_flops / 1e9:.2f} | {1e3 * floor:.1f} ({1e3 * by_bytes:.1f}, "
-              f"{1e3 * by_flops:.1f}) | {med_time / floor:.2f}x | {split} |", flush=True)
+              f"{med_flops / 1e9:.2f} | {read:.1f}, {gflops:.0f} | {1e3 * floor:.1f} "
+              f"({1e3 * by_bytes:.1f}, {1e3 * by_flops:.1f}) | {med_time / floor:.2f}x | "
+              f"{split} | {med_time / best:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":
