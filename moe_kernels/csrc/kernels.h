@@ -42,3 +42,5 @@ std::tuple<torch::Tensor, torch::Tensor> qk_norm_rope_f32(
     const torch::Tensor& qkv, const c10::optional<torch::Tensor>& q_norm,
     const c10::optional<torch::Tensor>& k_norm, const torch::Tensor& cos,
     const torch::Tensor& sin, int64_t heads, int64_t kv_heads, double eps);
+torch::Tensor combine_f32(const torch::Tensor& y, const torch::Tensor& src_token,
+                          const torch::Tensor& weights, int64_t num_tokens);

@@ -89,3 +89,31 @@ std::tuple<torch::Tensor, torch::Tensor> qk_norm_rope_f32(
   }
   return {q, k};
 }
+
+// out [T, H] = sum over rows r of weights[r] * y[r] into row src_token[r]: the MoE combine,
+// y [N, H] and weights [N] float32, src_token [N] int64 in [0, T); each token's rows summed
+// in their order (as `index_add_`), once, in float32.
+torch::Tensor combine_f32(const torch::Tensor& y, const torch::Tensor& src_token,
+                          const torch::Tensor& weights, int64_t num_tokens) {
+  check_rows(y, "y");
+  const int64_t n = y.size(0), h = y.size(1), ld = y.stride(0);
+  TORCH_CHECK(src_token.dtype() == torch::kInt64 && src_token.dim() == 1 &&
+                  src_token.size(0) == n, "src_token must be int64 [N]");
+  TORCH_CHECK(weights.dtype() == torch::kFloat32 && weights.dim() == 1 && weights.size(0) == n,
+              "weights must be float32 [N]");
+  const torch::Tensor src = src_token.contiguous(), w = weights.contiguous();
+  const int64_t* sp = src.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r)
+    TORCH_CHECK(sp[r] >= 0 && sp[r] < num_tokens, "src_token out of range");
+  torch::Tensor out = torch::zeros({num_tokens, h}, y.options());
+  const float *yp = y.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t r = 0; r < n; ++r) {
+    const float* row = yp + r * ld;
+    float* dst = op + sp[r] * h;
+    const float wr = wp[r];
+#pragma omp simd
+    for (int64_t i = 0; i < h; ++i) dst[i] += wr * row[i];
+  }
+  return out;
+}

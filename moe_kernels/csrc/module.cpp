@@ -28,6 +28,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "one query token per sequence over the paged KV cache -> (out, lse)");
   m.def("quantize_mxfp4", &quantize_mxfp4, "float32 [M, K] -> MXFP4 (packed, scales)");
   m.def("release_threads", &release_threads, "free the calling thread's OpenMP team");
+  m.def("combine_f32", &combine_f32, "float32 MoE combine: weighted rows into token order");
   m.def("rms_norm_f32", &rms_norm_f32, "float32 RMSNorm of rows [R, H]");
   m.def("qk_norm_rope_f32", &qk_norm_rope_f32,
         "float32 q/k of stacked qkv rows: per-head RMSNorm, then rotary embedding");

@@ -239,3 +239,28 @@ def test_combine_rounds_a_tokens_sum_once() -> None:
     assert got.dtype == torch.bfloat16
     mismatched = (got != want).float().mean().item()
     assert mismatched < 1e-3, mismatched  # float32's own error decides a rare tie
+
+
+def test_the_compiled_combine_is_torchs() -> None:
+    """Float32 on the CPU, combine is one compiled call: the same sums as `index_add_` in
+    the same order, and a row outside the tokens is refused, not written out of bounds."""
+    from ep_dispatch.layout import Layout
+    from moe_kernels import cpu_kernels
+
+    g = torch.Generator().manual_seed(1)
+    tokens, top_k, hidden = 9, 4, 96
+    y = torch.randn(tokens * top_k, 2 * hidden, generator=g)[:, :hidden]  # strided rows
+    weights = torch.rand(tokens * top_k, generator=g)
+    src = torch.randperm(tokens * top_k, generator=g) // top_k
+    layout = Layout(src, weights, torch.tensor([[tokens * top_k]]), [1], tokens)
+    got = combine(y, layout)
+    cpu_kernels.set_enabled(False)
+    try:
+        want = combine(y, layout)  # torch's index_add_
+    finally:
+        cpu_kernels.set_enabled(True)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    kernels = cpu_kernels.cpu_kernels()
+    assert kernels is not None
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels.combine_f32(y, src + tokens, weights, tokens)
