@@ -49,9 +49,10 @@ def set_enabled(enabled: bool) -> None:
 
 def release_threads() -> None:
     """Free the calling thread's OpenMP team, after loading on a thread that will not run
-    steps (`common.compute`); nothing where the kernels are not built."""
-    if (kernels := cpu_kernels()) is not None:
-        kernels.release_threads()
+    steps (`common.compute`); nothing where the kernels were not loaded (a GPU, or the
+    torch path): this never builds them."""
+    if _loaded is not None:
+        _loaded.release_threads()
 
 
 def build_name() -> str:

@@ -8,7 +8,8 @@
 // 2^(x scale - 127) * 2^(w scale - 127) / 4. Only the float sum over the blocks of a row
 // rounds, which is the summation order of the torch path's float32 matmul.
 //
-// On AVX-512 (BW, DQ) two blocks at a time, in the same way (`block_wide`). On AVX2: one
+// With AVX512-VNNI four blocks at a time (`block_quad`: `vpdpbusd`, the activations
+// decoded in their own order), with AVX-512 (BW, DQ) two (`block_wide`). On AVX2: one
 // 16-byte load gives a block's 32 codes (low nibbles, then high nibbles: the
 // activations are decoded in the same order, and a dot product does not care), `vpshufb`
 // maps them to magnitudes and signs, and `vpmaddubsw` + `vpmaddwd` multiply and add them
