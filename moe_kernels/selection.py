@@ -64,9 +64,7 @@ def cpu_grouped_swiglu(x: torch.Tensor, tokens_per_expert: list[int],
     timer = ExpertTimer(spans, x.device)
     y, marks = kernels.grouped_swiglu_f32(x.contiguous(), tokens_per_expert, w_gate_up.panels,
                                           w_down.panels)
-    for start, end in zip(marks[::2], marks[1::2], strict=True):
-        timer.marks.append((start, end) if end else None)
-    timer.close()
+    _record(timer, marks)
     return y  # [N, H]
 
 
@@ -83,10 +81,16 @@ def cpu_grouped_swiglu_w4a4(x: MXFP4Tensor, tokens_per_expert: list[int],
         x.packed.contiguous(), x.scales.contiguous(), tokens_per_expert,
         w_gate_up.packed.contiguous(), w_gate_up.scales.contiguous(),
         w_down.packed.contiguous(), w_down.scales.contiguous())
+    _record(timer, marks)
+    return y  # [N, H] float32
+
+
+def _record(timer: ExpertTimer, marks: list[int]) -> None:
+    """A compiled grouped kernel's per-expert (start, end) monotonic ns, 0 0 where an
+    expert had no rows, into `timer`'s spans."""
     for start, end in zip(marks[::2], marks[1::2], strict=True):
         timer.marks.append((start, end) if end else None)
     timer.close()
-    return y  # [N, H] float32
 
 
 def cpu_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

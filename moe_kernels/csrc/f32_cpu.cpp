@@ -162,22 +162,12 @@ std::tuple<torch::Tensor, std::vector<int64_t>> grouped_swiglu_f32(
   const float* down = w_down.data_ptr<float>();
   float* yp = out.data_ptr<float>();
 #pragma omp parallel
-  {
-    int64_t start = 0;
-    for (int64_t e = 0; e < experts; ++e) {
-      const int64_t c = counts[e];
-      if (c == 0) continue;
-#pragma omp master
-      marks[2 * e] = monotonic_ns();
-      gate_up_swiglu(xp + start * hidden, hidden, c, gu + e * 2 * inter * hidden, inter,
-                     hidden, act.data());
-      gemm(act.data(), inter, c, down + e * hidden * inter, hidden, inter,
-           yp + start * hidden, hidden);
-#pragma omp master
-      marks[2 * e + 1] = monotonic_ns();
-      start += c;
-    }
-  }
+  each_expert(counts, marks, [&](int64_t e, int64_t start, int64_t c) {
+    gate_up_swiglu(xp + start * hidden, hidden, c, gu + e * 2 * inter * hidden, inter,
+                   hidden, act.data());
+    gemm(act.data(), inter, c, down + e * hidden * inter, hidden, inter,
+         yp + start * hidden, hidden);
+  });
   return {out, marks};
 }
 

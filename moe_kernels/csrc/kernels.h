@@ -15,6 +15,26 @@ inline int64_t monotonic_ns() {
 // Checks `counts` (one per local expert, >= 0) sums to `rows`.
 void check_counts(const std::vector<int64_t>& counts, int64_t experts, int64_t rows);
 
+// Inside a parallel region, every thread: body(e, start, rows) for each local expert e
+// with rows, start its first row; the master thread marks each one's start and end
+// (monotonic ns) in marks[2e], marks[2e + 1]. body ends in a barrier (an `omp for`'s), so
+// an expert's end mark follows every thread's work on it.
+template <class Body>
+inline void each_expert(const std::vector<int64_t>& counts, std::vector<int64_t>& marks,
+                        Body body) {
+  int64_t start = 0;
+  for (int64_t e = 0; e < static_cast<int64_t>(counts.size()); ++e) {
+    const int64_t c = counts[e];
+    if (c == 0) continue;
+#pragma omp master
+    marks[2 * e] = monotonic_ns();
+    body(e, start, c);
+#pragma omp master
+    marks[2 * e + 1] = monotonic_ns();
+    start += c;
+  }
+}
+
 // f32_cpu.cpp
 std::tuple<torch::Tensor, std::vector<int64_t>> grouped_swiglu_f32(
     const torch::Tensor& x, const std::vector<int64_t>& counts, const torch::Tensor& w_gate_up,

@@ -133,6 +133,18 @@ void quantize_decoded(const float* x, int64_t k_len, Decoded& d, int64_t m) {
   }
 }
 
+// The codes (wr) and scale bytes (sr) of a register block's NN weight rows, of which nn
+// are real: the last real row repeated in the others (computed, never stored).
+template <int NN>
+inline void weight_rows(const uint8_t* wp, const uint8_t* ws, int64_t nn, int64_t k_len,
+                        const uint8_t** wr, const uint8_t** sr) {
+  for (int j = 0; j < NN; ++j) {
+    const int64_t n = std::min<int64_t>(j, nn - 1);
+    wr[j] = wp + n * k_len / 2;
+    sr[j] = ws + n * (k_len / kBlock);
+  }
+}
+
 #ifdef __AVX2__
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -155,11 +167,7 @@ inline void block(const Decoded& x, int64_t m0, const uint8_t* wp, const uint8_t
     for (int j = 0; j < NN; ++j) acc[i][j] = _mm256_setzero_ps();
   const uint8_t* wr[NN];
   const uint8_t* sr[NN];
-  for (int j = 0; j < NN; ++j) {
-    const int64_t n = std::min<int64_t>(j, nn - 1);  // repeat the last
-    wr[j] = wp + n * k_len / 2;
-    sr[j] = ws + n * blocks;
-  }
+  weight_rows<NN>(wp, ws, nn, k_len, wr, sr);
   for (int64_t b = 0; b < blocks; ++b) {
     __m256i wmag[NN], wsign[NN];
     float wscale[NN];
@@ -209,11 +217,7 @@ inline void block_wide(const Decoded& x, int64_t m0, const uint8_t* wp, const ui
     for (int j = 0; j < NN; ++j) acc[i][j] = _mm512_setzero_ps();
   const uint8_t* wr[NN];
   const uint8_t* sr[NN];
-  for (int j = 0; j < NN; ++j) {
-    const int64_t n = std::min<int64_t>(j, nn - 1);  // repeat the last
-    wr[j] = wp + n * k_len / 2;
-    sr[j] = ws + n * blocks;
-  }
+  weight_rows<NN>(wp, ws, nn, k_len, wr, sr);
   for (int64_t b = 0; b < blocks; b += 2) {
     __m512i wmag[NN];
     __mmask64 wneg[NN];
@@ -256,17 +260,10 @@ inline void block_wide(const Decoded& x, int64_t m0, const uint8_t* wp, const ui
 #endif
 
 #if defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
-// 16 floats: lanes 4t..4t+3 the scale of block b + t, for the 4 scale bytes at s.
-inline __m512 quad_scales(const uint8_t* s) {
+// 16 floats: lanes 4t..4t+3 the scale of block b + t, from the 4 blocks' scales.
+inline __m512 quad_scales(__m128 four) {
   const __m512i lanes = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-  return _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(_mm_setr_ps(
-      kScales.v[s[0]], kScales.v[s[1]], kScales.v[s[2]], kScales.v[s[3]])));
-}
-
-// The same from 4 float scales.
-inline __m512 quad_scales_f(const float* s) {
-  const __m512i lanes = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-  return _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(_mm_loadu_ps(s)));
+  return _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(four));
 }
 
 // `block` four 32-blocks (one 64-byte load of codes) at a time with AVX512-VNNI, over x in
@@ -288,11 +285,7 @@ inline void block_quad(const Decoded& x, int64_t m0, const uint8_t* wp, const ui
     for (int j = 0; j < NN; ++j) acc[i][j] = _mm512_setzero_ps();
   const uint8_t* wr[NN];
   const uint8_t* sr[NN];
-  for (int j = 0; j < NN; ++j) {
-    const int64_t n = std::min<int64_t>(j, nn - 1);  // repeat the last
-    wr[j] = wp + n * k_len / 2;
-    sr[j] = ws + n * blocks;
-  }
+  weight_rows<NN>(wp, ws, nn, k_len, wr, sr);
   for (int64_t b = 0; b < blocks; b += 4) {
     __m512i even[NN], odd[NN], start[NN];
     __m512 wscale[NN];
@@ -304,12 +297,14 @@ inline void block_quad(const Decoded& x, int64_t m0, const uint8_t* wp, const ui
       const __m512i sums = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, twelve, even[j]),
                                                twelve, odd[j]);
       start[j] = _mm512_sub_epi32(zero, sums);
-      wscale[j] = quad_scales(sr[j] + b);
+      const uint8_t* e8 = sr[j] + b;  // the 4 blocks' E8M0 bytes
+      wscale[j] = quad_scales(_mm_setr_ps(kScales.v[e8[0]], kScales.v[e8[1]],
+                                          kScales.v[e8[2]], kScales.v[e8[3]]));
     }
     for (int i = 0; i < MM; ++i) {
       const int8_t* xr = x.row(m0 + i) + b * kBlock;
       const __m512i xe = _mm512_loadu_si512(xr), xo = _mm512_loadu_si512(xr + 2 * kBlock);
-      const __m512 xscale = quad_scales_f(x.row_scales(m0 + i) + b);
+      const __m512 xscale = quad_scales(_mm_loadu_ps(x.row_scales(m0 + i) + b));
       for (int j = 0; j < NN; ++j) {
         const __m512i prod = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start[j], xe, even[j]),
                                                  xo, odd[j]);
@@ -437,29 +432,19 @@ std::tuple<torch::Tensor, std::vector<int64_t>> grouped_swiglu_w4a4(
   const uint8_t *dp = down_packed.data_ptr<uint8_t>(), *ds = down_scales.data_ptr<uint8_t>();
   float* yp = out.data_ptr<float>();
 #pragma omp parallel  // one region per layer: each expert's steps end in a barrier
-  {
-    int64_t start = 0;
-    for (int64_t e = 0; e < experts; ++e) {
-      const int64_t c = counts[e];
-      if (c == 0) continue;
-#pragma omp master
-      marks[2 * e] = monotonic_ns();
-      linear(xd, start, c, gp + e * 2 * inter * hidden / 2,
-             gs + e * 2 * inter * (hidden / kBlock), 2 * inter, gate_up.data(), 2 * inter);
+  each_expert(counts, marks, [&](int64_t e, int64_t start, int64_t c) {
+    linear(xd, start, c, gp + e * 2 * inter * hidden / 2,
+           gs + e * 2 * inter * (hidden / kBlock), 2 * inter, gate_up.data(), 2 * inter);
 #pragma omp for schedule(static)
-      for (int64_t m = 0; m < c; ++m) {
-        const float* g = gate_up.data() + m * 2 * inter;
-        float* a = swi.data() + m * inter;
-        for (int64_t i = 0; i < inter; ++i) a[i] = g[i] / (1.f + std::exp(-g[i])) * g[inter + i];
-        quantize_decoded(a, inter, act, m);
-      }
-      linear(act, 0, c, dp + e * hidden * inter / 2, ds + e * hidden * (inter / kBlock),
-             hidden, yp + start * hidden, hidden);
-#pragma omp master
-      marks[2 * e + 1] = monotonic_ns();
-      start += c;
+    for (int64_t m = 0; m < c; ++m) {
+      const float* g = gate_up.data() + m * 2 * inter;
+      float* a = swi.data() + m * inter;
+      for (int64_t i = 0; i < inter; ++i) a[i] = g[i] / (1.f + std::exp(-g[i])) * g[inter + i];
+      quantize_decoded(a, inter, act, m);
     }
-  }
+    linear(act, 0, c, dp + e * hidden * inter / 2, ds + e * hidden * (inter / kBlock), hidden,
+           yp + start * hidden, hidden);
+  });
   return {out, marks};
 }
 

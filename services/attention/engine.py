@@ -48,6 +48,7 @@ _STEP_SECONDS = Histogram(
     "every sequence one new token, prefill: any prompt chunk.", ["kind"],
     buckets=(1e-3, 2.5e-3, 5e-3, 1e-2, 2e-2, 3e-2, 5e-2, 7.5e-2, 0.1, 0.15, 0.25, 0.5, 1.0,
              2.5, 5.0))
+_STEP_KINDS = {True: _STEP_SECONDS.labels("decode"), False: _STEP_SECONDS.labels("prefill")}
 
 
 class StepFailed(RuntimeError):
@@ -242,9 +243,8 @@ class Engine:
                 deltas = self._step(scheduled)
             except Exception as exc:
                 raise StepFailed(exc, [item.seq.request_id for item in scheduled]) from exc
-            if scheduled:
-                decode = all(item.num_new_tokens == 1 for item in scheduled)
-                _STEP_SECONDS.labels("decode" if decode else "prefill").observe(
+            if scheduled:  # keyed by whether every sequence decoded one token
+                _STEP_KINDS[all(item.num_new_tokens == 1 for item in scheduled)].observe(
                     time.perf_counter() - start)
             return deltas
 
