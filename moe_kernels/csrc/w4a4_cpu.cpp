@@ -14,6 +14,9 @@
 // activations are decoded in the same order, and a dot product does not care), `vpshufb`
 // maps them to magnitudes and signs, and `vpmaddubsw` + `vpmaddwd` multiply and add them
 // in 16 and 32 bits (llama.cpp's Q4 kernels do the same). Elsewhere, a scalar loop.
+#include <omp.h>
+
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -46,49 +49,64 @@ constexpr bool kQuads = true;
 constexpr bool kQuads = false;
 #endif
 
-// Activation rows, decoded once per call: per row, K int8 doubled values and K / 32 float
-// scales. In block order (each block's 16 even elements, then its 16 odd ones: the low and
-// high nibbles of its bytes), or where the VNNI kernel runs (K a multiple of 128) in quad
-// order: per 4 blocks, their even elements (4 x 16), then their odd ones, each value + 12
-// so that it is an unsigned byte (`vpdpbusd` multiplies unsigned by signed bytes).
+// Activation rows, decoded once per call: per row, K int8 doubled values and their scales.
+// In block order (each block's 16 even elements, then its 16 odd ones: the low and high
+// nibbles of its bytes) with one float scale per block; or where the VNNI kernel runs (K a
+// multiple of 128) in quad order: per 4 blocks, their even elements (4 x 16), then their
+// odd ones. `block_quad`'s int32 lane l of a quad holds 4 even and 4 odd elements of block
+// l / 4, so a quad row also keeps, per lane, the block's scale and -12 x the lane's sum of
+// values: `vpdpbusd` multiplies unsigned by signed bytes, the weights are decoded as
+// w + 12 (unsigned), and sum (w + 12) x - 12 sum x = sum w x, exactly.
 struct Decoded {
-  std::vector<int8_t> values;
-  std::vector<float> scales;
+  std::vector<int8_t> values;   // [rows, K]
+  std::vector<float> scales;    // [rows, K / 32], or in quad order [rows, K / 32 * 4]
+  std::vector<int32_t> starts;  // quad order only: [rows, K / 32 * 4]
   int64_t k = 0;
+  int64_t lanes = 1;  // per block, in `scales` and `starts`: 4 in quad order
   bool quads = false;
   void resize(int64_t rows, int64_t k_len) {
     k = k_len;
     quads = kQuads && k_len % (4 * kBlock) == 0;
+    lanes = quads ? 4 : 1;
     values.resize(rows * k_len);
-    scales.resize(rows * (k_len / kBlock));
+    scales.resize(rows * (k_len / kBlock) * lanes);
+    if (quads) starts.resize(rows * (k_len / kBlock) * lanes);
   }
   const int8_t* row(int64_t m) const { return values.data() + m * k; }
-  const float* row_scales(int64_t m) const { return scales.data() + m * (k / kBlock); }
+  const float* row_scales(int64_t m) const { return scales.data() + m * (k / kBlock) * lanes; }
+  const int32_t* row_starts(int64_t m) const { return starts.data() + m * (k / kBlock) * lanes; }
   // Row m's 32 values of block b from its 16 packed bytes, and the block's scale byte.
   void put(int64_t m, int64_t b, const uint8_t* bytes, uint8_t scale) {
     int8_t* v = values.data() + m * k;
-    for (int64_t i = 0; i < kBlock / 2; ++i) {
-      const int8_t even = kDoubled[bytes[i] & 0xF], odd = kDoubled[bytes[i] >> 4];
-      if (quads) {
-        int8_t* q = v + b / 4 * 4 * kBlock + b % 4 * (kBlock / 2) + i;
-        q[0] = static_cast<int8_t>(even + 12);
-        q[2 * kBlock] = static_cast<int8_t>(odd + 12);
-      } else {
-        v[b * kBlock + i] = even;
-        v[b * kBlock + kBlock / 2 + i] = odd;
+    if (!quads) {
+      for (int64_t i = 0; i < kBlock / 2; ++i) {
+        v[b * kBlock + i] = kDoubled[bytes[i] & 0xF];
+        v[b * kBlock + kBlock / 2 + i] = kDoubled[bytes[i] >> 4];
       }
+      scales[m * (k / kBlock) + b] = kScales.v[scale];
+      return;
     }
-    scales[m * (k / kBlock) + b] = kScales.v[scale];
+    int8_t* q = v + b / 4 * 4 * kBlock + b % 4 * (kBlock / 2);
+    const int64_t lane0 = m * (k / kBlock) * 4 + b * 4;  // the block's 4 lanes of its quad
+    for (int64_t l = 0; l < 4; ++l) {
+      int32_t sum = 0;
+      for (int64_t i = 4 * l; i < 4 * l + 4; ++i) {
+        const int8_t even = kDoubled[bytes[i] & 0xF], odd = kDoubled[bytes[i] >> 4];
+        q[i] = even;
+        q[2 * kBlock + i] = odd;
+        sum += even + odd;
+      }
+      starts[lane0 + l] = -12 * sum;
+      scales[lane0 + l] = kScales.v[scale];
+    }
   }
 };
 
-// MXFP4 rows (packed [M, K/2], scales [M, K/32]) -> d's first M rows.
-void decode(const uint8_t* packed, const uint8_t* scales, int64_t m_len, int64_t k_len,
-            Decoded& d) {
-  const int64_t blocks = k_len / kBlock;
-  for (int64_t m = 0; m < m_len; ++m)
-    for (int64_t b = 0; b < blocks; ++b)
-      d.put(m, b, packed + m * k_len / 2 + b * kBlock / 2, scales[m * blocks + b]);
+// MXFP4 row m (packed [.., K/2], scales [.., K/32]) -> row m of d.
+void decode_row(const uint8_t* packed, const uint8_t* scales, int64_t m, Decoded& d) {
+  const int64_t blocks = d.k / kBlock;
+  for (int64_t b = 0; b < blocks; ++b)
+    d.put(m, b, packed + m * d.k / 2 + b * kBlock / 2, scales[m * blocks + b]);
 }
 
 // One float32 row [K] -> MXFP4 by the rules of `moe_kernels.mxfp4.quantize` (OCP MX v1.0:
@@ -121,15 +139,6 @@ void quantize_row(const float* x, int64_t k_len, uint8_t* packed, uint8_t* scale
     }
     for (int64_t i = 0; i < kBlock / 2; ++i)
       packed[b * kBlock / 2 + i] = codes[2 * i] | (codes[2 * i + 1] << 4);
-  }
-}
-
-// One float row -> row m of d (quantize, then decode: what the down GEMM reads).
-void quantize_decoded(const float* x, int64_t k_len, Decoded& d, int64_t m) {
-  uint8_t packed[kBlock / 2], scale;
-  for (int64_t b = 0; b < k_len / kBlock; ++b) {
-    quantize_row(x + b * kBlock, kBlock, packed, &scale);
-    d.put(m, b, packed, scale);
   }
 }
 
@@ -260,26 +269,40 @@ inline void block_wide(const Decoded& x, int64_t m0, const uint8_t* wp, const ui
 #endif
 
 #if defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
-// 16 floats: lanes 4t..4t+3 the scale of block b + t, from the 4 blocks' scales.
-inline __m512 quad_scales(__m128 four) {
-  const __m512i lanes = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-  return _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(four));
+// 16 floats: lanes 4t..4t+3 the scale 2^(byte - 128) of block b + t, from the 4 blocks'
+// E8M0 bytes (NaN for 0xFF), with no table: `vpshufb` spreads byte t over its lanes, then
+// `vscalefps` (exact, denormals included).
+inline __m512 quad_weight_scales(const uint8_t* e8) {
+  uint32_t u;
+  std::memcpy(&u, e8, 4);
+  const __m512i spread = _mm512_setr_epi32(  // lanes 4t..4t+3: byte t, then zero bytes
+      int(0x80808000), int(0x80808000), int(0x80808000), int(0x80808000),
+      int(0x80808001), int(0x80808001), int(0x80808001), int(0x80808001),
+      int(0x80808002), int(0x80808002), int(0x80808002), int(0x80808002),
+      int(0x80808003), int(0x80808003), int(0x80808003), int(0x80808003));
+  const __m512i bytes = _mm512_shuffle_epi8(_mm512_set1_epi32(int(u)), spread);
+  __m512 s = _mm512_scalef_ps(_mm512_set1_ps(1.f), _mm512_cvtepi32_ps(
+      _mm512_sub_epi32(bytes, _mm512_set1_epi32(128))));
+  if ((~u - 0x01010101u) & u & 0x80808080u)  // a 0xFF byte: that block's scale is NaN
+    s = _mm512_mask_mov_ps(s, _mm512_cmpeq_epi32_mask(bytes, _mm512_set1_epi32(kNanScale)),
+                           _mm512_set1_ps(NAN));
+  return s;
 }
 
 // `block` four 32-blocks (one 64-byte load of codes) at a time with AVX512-VNNI, over x in
 // quad order (`Decoded`). The low nibbles of the 64 bytes are the 4 blocks' even elements,
-// the high ones their odd elements; `vpshufb` maps each to its signed doubled value.
-// `vpdpbusd` multiplies them by x + 12 (unsigned) and sums 4 products per int32 lane
-// (lanes 4t..4t+3 block b + t), starting from -12 x the weights' own lane sums, so each
-// lane ends exact: sum x * w. Then, as above, a convert and the blocks' powers of two.
+// the high ones their odd elements; `vpshufb` maps each to its doubled value + 12 (0..24,
+// unsigned). `vpdpbusd` multiplies them by x's signed values and sums 4 products per int32
+// lane (lanes 4t..4t+3 block b + t), starting from x's -12 x lane sums, so each lane ends
+// exact: sum x * w. Then, as above, a convert and the blocks' powers of two. A weight's
+// decode is 4 instructions (6 without VBMI) and its scales 5, shared by the MM rows.
 template <int MM, int NN>
 inline void block_quad(const Decoded& x, int64_t m0, const uint8_t* wp, const uint8_t* ws,
                        int64_t nn, float* y, int64_t ldy) {
   const int64_t k_len = x.k, blocks = k_len / kBlock;
   const __m512i table = _mm512_broadcast_i32x4(
-      _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12));
-  const __m512i low = _mm512_set1_epi8(0x0F), twelve = _mm512_set1_epi8(12);
-  const __m512i zero = _mm512_setzero_si512();
+      _mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+  [[maybe_unused]] const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 acc[MM][NN];
   for (int i = 0; i < MM; ++i)
     for (int j = 0; j < NN; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -287,27 +310,28 @@ inline void block_quad(const Decoded& x, int64_t m0, const uint8_t* wp, const ui
   const uint8_t* sr[NN];
   weight_rows<NN>(wp, ws, nn, k_len, wr, sr);
   for (int64_t b = 0; b < blocks; b += 4) {
-    __m512i even[NN], odd[NN], start[NN];
+    __m512i even[NN], odd[NN];
     __m512 wscale[NN];
     for (int j = 0; j < NN; ++j) {
       __builtin_prefetch(wr[j] + b * 16 + 512);
       const __m512i raw = _mm512_loadu_si512(wr[j] + b * 16);
+#ifdef __AVX512VBMI__  // vpermb reads 6 index bits: the table repeats every 16, no mask
+      even[j] = _mm512_permutexvar_epi8(raw, table);
+      odd[j] = _mm512_permutexvar_epi8(_mm512_srli_epi16(raw, 4), table);
+#else
       even[j] = _mm512_shuffle_epi8(table, _mm512_and_si512(raw, low));
       odd[j] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low));
-      const __m512i sums = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, twelve, even[j]),
-                                               twelve, odd[j]);
-      start[j] = _mm512_sub_epi32(zero, sums);
-      const uint8_t* e8 = sr[j] + b;  // the 4 blocks' E8M0 bytes
-      wscale[j] = quad_scales(_mm_setr_ps(kScales.v[e8[0]], kScales.v[e8[1]],
-                                          kScales.v[e8[2]], kScales.v[e8[3]]));
+#endif
+      wscale[j] = quad_weight_scales(sr[j] + b);
     }
     for (int i = 0; i < MM; ++i) {
       const int8_t* xr = x.row(m0 + i) + b * kBlock;
       const __m512i xe = _mm512_loadu_si512(xr), xo = _mm512_loadu_si512(xr + 2 * kBlock);
-      const __m512 xscale = quad_scales(_mm_loadu_ps(x.row_scales(m0 + i) + b));
+      const __m512i start = _mm512_loadu_si512(x.row_starts(m0 + i) + b * 4);
+      const __m512 xscale = _mm512_loadu_ps(x.row_scales(m0 + i) + b * 4);
       for (int j = 0; j < NN; ++j) {
-        const __m512i prod = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start[j], xe, even[j]),
-                                                 xo, odd[j]);
+        const __m512i prod = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, even[j], xe),
+                                                 odd[j], xo);
         acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(prod), _mm512_mul_ps(xscale, wscale[j]),
                                     acc[i][j]);
       }
@@ -336,14 +360,12 @@ inline void tile(const Decoded& x, int64_t m0, const uint8_t* wp, const uint8_t*
 #endif
 
 // y [c, N] (row stride ldy) = x's decoded rows [m0, m0 + c) @ w [N, K]^T, w as packed codes
-// [N, K/2] and scale bytes [N, K/32]: the threads of the enclosing parallel region split
-// the columns (ends in the loop's barrier).
-void linear(const Decoded& x, int64_t m0, int64_t c, const uint8_t* wp, const uint8_t* ws,
-            int64_t n_len, float* y, int64_t ldy) {
+// [N, K/2] and scale bytes [N, K/32], on the calling thread: callers split the columns.
+void columns(const Decoded& x, int64_t m0, int64_t c, const uint8_t* wp, const uint8_t* ws,
+             int64_t n_len, float* y, int64_t ldy) {
   const int64_t k_len = x.k, blocks = k_len / kBlock;
   for (int64_t t0 = 0; t0 < c; t0 += kTileRows) {  // x's tile stays in cache per pass
     const int64_t t_len = std::min(kTileRows, c - t0);
-#pragma omp for schedule(static)
     for (int64_t n0 = 0; n0 < n_len; n0 += 4) {
       const int64_t nn = std::min<int64_t>(4, n_len - n0);
       const uint8_t* wpn = wp + n0 * k_len / 2;
@@ -399,18 +421,53 @@ void check_mxfp4(const torch::Tensor& packed, const torch::Tensor& scales, int64
               ": packed [..., K/2] and scales [..., K/32] disagree");
 }
 
+// One unit of a layer's work: an expert and its first column (of gate and up, or of down).
+struct Tile {
+  int64_t expert, column;
+};
+
+// The tiles of every expert with rows, `width` columns each, over `n_len` columns.
+std::vector<Tile> tiles(const std::vector<int64_t>& counts, int64_t n_len, int64_t width) {
+  std::vector<Tile> out;
+  for (int64_t e = 0; e < static_cast<int64_t>(counts.size()); ++e)
+    for (int64_t n = 0; counts[e] && n < n_len; n += width) out.push_back({e, n});
+  return out;
+}
+
+// Each expert's share of a call's compute, from the time every thread spent on its tiles:
+// one after another from the call's start, in expert order, each busy / threads long.
+void expert_marks(const std::vector<int64_t>& busy, int64_t threads, int64_t start,
+                  const std::vector<int64_t>& counts, std::vector<int64_t>& marks) {
+  const int64_t experts = static_cast<int64_t>(counts.size());
+  for (int64_t e = 0; e < experts; ++e) {
+    if (!counts[e]) continue;
+    int64_t spent = 0;
+    for (int64_t t = 0; t < threads; ++t) spent += busy[t * experts + e];
+    marks[2 * e] = start;
+    start += std::max<int64_t>(1, spent / threads);
+    marks[2 * e + 1] = start;
+  }
+}
+
 }  // namespace
 
 // x: MXFP4 rows grouped by local expert, packed [N, H/2], scales [N, H/32] uint8; counts:
 // E_local ints summing to N; gate/up: packed [E_local, 2I, H/2], scales [E_local, 2I, H/32]
 // (gate first); down: packed [E_local, H, I/2], scales [E_local, H, I/32] -> ([N, H]
 // float32, not weighted by the router; each expert's start and end, monotonic ns, 0 0 if
-// empty). The SwiGLU output is re-quantized to MXFP4 per row, as in the torch path.
+// empty: its share of the call, `expert_marks`). The SwiGLU output is re-quantized to MXFP4
+// per row, as in the torch path.
+//
+// Two parallel loops over every expert at once, with no barrier per expert (a decode step
+// gives most experts 1 to 4 rows, too little work to split between threads on its own):
+// tiles of 32 gate and 32 up columns, each ending in its SwiGLU and 32-block re-quantized;
+// then tiles of `kDownColumns` down columns.
 std::tuple<torch::Tensor, std::vector<int64_t>> grouped_swiglu_w4a4(
     const torch::Tensor& x_packed, const torch::Tensor& x_scales,
     const std::vector<int64_t>& counts, const torch::Tensor& gu_packed,
     const torch::Tensor& gu_scales, const torch::Tensor& down_packed,
     const torch::Tensor& down_scales) {
+  constexpr int64_t kDownColumns = 64;
   check_mxfp4(x_packed, x_scales, 2, "x");
   check_mxfp4(gu_packed, gu_scales, 3, "w_gate_up");
   check_mxfp4(down_packed, down_scales, 3, "w_down");
@@ -420,31 +477,68 @@ std::tuple<torch::Tensor, std::vector<int64_t>> grouped_swiglu_w4a4(
                   2 * down_packed.size(2) == inter && down_packed.size(0) == experts,
               "weights do not match the rows");
   check_counts(counts, experts, n);
+  const int64_t start_ns = monotonic_ns();
   torch::Tensor out = torch::empty({n, hidden}, torch::kFloat32);
-  std::vector<int64_t> marks(2 * experts, 0);
+  std::vector<int64_t> marks(2 * experts, 0), first(experts + 1, 0);
+  for (int64_t e = 0; e < experts; ++e) first[e + 1] = first[e] + counts[e];
   const int64_t most = n ? *std::max_element(counts.begin(), counts.end()) : 0;
+  const std::vector<Tile> up = tiles(counts, inter, kBlock), down = tiles(counts, hidden,
+                                                                           kDownColumns);
   Decoded xd, act;
   xd.resize(n, hidden);
-  act.resize(most, inter);
-  decode(x_packed.data_ptr<uint8_t>(), x_scales.data_ptr<uint8_t>(), n, hidden, xd);
-  std::vector<float> gate_up(most * 2 * inter), swi(most * inter);
+  act.resize(n, inter);
+  const int64_t hb = hidden / kBlock, ib = inter / kBlock;  // blocks per row
+  const uint8_t *xp = x_packed.data_ptr<uint8_t>(), *xs = x_scales.data_ptr<uint8_t>();
   const uint8_t *gp = gu_packed.data_ptr<uint8_t>(), *gs = gu_scales.data_ptr<uint8_t>();
   const uint8_t *dp = down_packed.data_ptr<uint8_t>(), *ds = down_scales.data_ptr<uint8_t>();
   float* yp = out.data_ptr<float>();
-#pragma omp parallel  // one region per layer: each expert's steps end in a barrier
-  each_expert(counts, marks, [&](int64_t e, int64_t start, int64_t c) {
-    linear(xd, start, c, gp + e * 2 * inter * hidden / 2,
-           gs + e * 2 * inter * (hidden / kBlock), 2 * inter, gate_up.data(), 2 * inter);
+  const int64_t threads = omp_get_max_threads();
+  std::vector<int64_t> busy(threads * experts, 0);  // [thread, expert] ns
+  int64_t team = 1;
+#pragma omp parallel
+  {
+    const int64_t me = omp_get_thread_num();
+#pragma omp master
+    team = omp_get_num_threads();
+    std::vector<float> gu(most * 2 * kBlock);  // [rows, 32 gate + 32 up]
+    float swi[kBlock];
+    uint8_t packed[kBlock / 2], scale;
 #pragma omp for schedule(static)
-    for (int64_t m = 0; m < c; ++m) {
-      const float* g = gate_up.data() + m * 2 * inter;
-      float* a = swi.data() + m * inter;
-      for (int64_t i = 0; i < inter; ++i) a[i] = g[i] / (1.f + std::exp(-g[i])) * g[inter + i];
-      quantize_decoded(a, inter, act, m);
+    for (int64_t m = 0; m < n; ++m) decode_row(xp, xs, m, xd);
+    int64_t last = monotonic_ns();
+    const auto spent = [&](int64_t e) {
+      const int64_t now = monotonic_ns();
+      busy[me * experts + e] += now - last;
+      last = now;
+    };
+#pragma omp for schedule(dynamic, 4)
+    for (size_t t = 0; t < up.size(); ++t) {
+      const int64_t e = up[t].expert, i0 = up[t].column, c = counts[e];
+      const uint8_t* gpe = gp + e * 2 * inter * hidden / 2;
+      const uint8_t* gse = gs + e * 2 * inter * hb;
+      columns(xd, first[e], c, gpe + i0 * hidden / 2, gse + i0 * hb, kBlock, gu.data(),
+              2 * kBlock);
+      columns(xd, first[e], c, gpe + (inter + i0) * hidden / 2, gse + (inter + i0) * hb,
+              kBlock, gu.data() + kBlock, 2 * kBlock);
+      for (int64_t m = 0; m < c; ++m) {
+        const float* g = gu.data() + m * 2 * kBlock;
+        for (int64_t i = 0; i < kBlock; ++i) swi[i] = g[i] / (1.f + std::exp(-g[i])) * g[kBlock + i];
+        quantize_row(swi, kBlock, packed, &scale);
+        act.put(first[e] + m, i0 / kBlock, packed, scale);
+      }
+      spent(e);
     }
-    linear(act, 0, c, dp + e * hidden * inter / 2, ds + e * hidden * (inter / kBlock), hidden,
-           yp + start * hidden, hidden);
-  });
+    last = monotonic_ns();  // not the barrier's wait
+#pragma omp for schedule(dynamic, 4)
+    for (size_t t = 0; t < down.size(); ++t) {
+      const int64_t e = down[t].expert, n0 = down[t].column;
+      columns(act, first[e], counts[e], dp + (e * hidden + n0) * inter / 2,
+              ds + (e * hidden + n0) * ib, std::min(kDownColumns, hidden - n0),
+              yp + first[e] * hidden + n0, hidden);
+      spent(e);
+    }
+  }
+  expert_marks(busy, team, start_ns, counts, marks);
   return {out, marks};
 }
 
@@ -458,11 +552,14 @@ torch::Tensor mxfp4_linear(const torch::Tensor& x_packed, const torch::Tensor& x
   const int64_t m_len = x_packed.size(0), n_len = w_packed.size(0), k_len = 2 * x_packed.size(1);
   Decoded xd;
   xd.resize(m_len, k_len);
-  decode(x_packed.data_ptr<uint8_t>(), x_scales.data_ptr<uint8_t>(), m_len, k_len, xd);
+  for (int64_t m = 0; m < m_len; ++m)
+    decode_row(x_packed.data_ptr<uint8_t>(), x_scales.data_ptr<uint8_t>(), m, xd);
   torch::Tensor y = torch::empty({m_len, n_len}, torch::kFloat32);
-#pragma omp parallel
-  linear(xd, 0, m_len, w_packed.data_ptr<uint8_t>(), w_scales.data_ptr<uint8_t>(), n_len,
-         y.data_ptr<float>(), n_len);
+  const uint8_t *wp = w_packed.data_ptr<uint8_t>(), *ws = w_scales.data_ptr<uint8_t>();
+#pragma omp parallel for schedule(static)
+  for (int64_t n0 = 0; n0 < n_len; n0 += 16)
+    columns(xd, 0, m_len, wp + n0 * k_len / 2, ws + n0 * (k_len / kBlock),
+            std::min<int64_t>(16, n_len - n0), y.data_ptr<float>() + n0, n_len);
   return y;
 }
 

@@ -51,18 +51,21 @@ def test_the_quantizer_matches_on_any_float32_bits(bits: np.ndarray) -> None:
     assert torch.equal(got.packed, want.packed) and torch.equal(got.scales, want.scales)
 
 
-def test_one_gemm_on_a_block_worked_out_from_the_spec(kernel: object) -> None:
+@pytest.mark.parametrize("blocks", [1, 2, 4])  # K = 32 (AVX2), 64 (AVX-512), 128 (VNNI)
+def test_one_gemm_on_a_block_worked_out_from_the_spec(kernel: object, blocks: int) -> None:
     # x: the E2M1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 (codes 0-7, summing to 18) three times,
     # then negated once (codes 8-15), at scale 2**1 (E8M0 byte 128); w: all 1.0 (code 2).
-    # x . w = (3 * 18 - 18) * 2**1 * (w's scale).
+    # x . w = (3 * 18 - 18) * 2**1 * (w's scale), per block.
     codes = torch.arange(8, dtype=torch.uint8)
     x_codes = torch.cat([codes, codes, codes, codes | 8])  # [32]
-    x = MXFP4Tensor((x_codes[0::2] | (x_codes[1::2] << 4))[None],
-                    torch.tensor([[128]], dtype=torch.uint8))
-    w = MXFP4Tensor(torch.full((3, 16), 0x22, dtype=torch.uint8),  # scales 2**-3, NaN, 2**-127
-                    torch.tensor([[124], [255], [0]], dtype=torch.uint8))
+    x = MXFP4Tensor((x_codes[0::2] | (x_codes[1::2] << 4))[None].repeat(1, blocks),
+                    torch.full((1, blocks), 128, dtype=torch.uint8))
+    w = MXFP4Tensor(torch.full((3, 16 * blocks), 0x22, dtype=torch.uint8),
+                    torch.tensor([[124], [255], [0]], dtype=torch.uint8).repeat(1, blocks))
     y = kernel.mxfp4_linear(x.packed, x.scales, w.packed, w.scales)  # type: ignore[attr-defined]
-    assert y[0, 0].item() == 9.0 and y[0, 1].isnan() and y[0, 2].item() == 72 * 2.0**-127
+    # scales 2**-3, NaN, 2**-127
+    assert y[0, 0].item() == 9.0 * blocks and y[0, 1].isnan()
+    assert y[0, 2].item() == 72 * blocks * 2.0**-127
 
 
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 5, 32), (7, 300, 1024), (70, 33, 96), (0, 4, 64)])
