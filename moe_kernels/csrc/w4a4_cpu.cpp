@@ -32,6 +32,11 @@ constexpr int64_t kBlock = 32;
 constexpr uint8_t kNanScale = 0xFF;
 constexpr int8_t kDoubled[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 constexpr int64_t kTileRows = 64;  // rows of x per pass over an expert's weights
+// How far ahead the VNNI kernel prefetches, in weight rows: a tile reads 2 or 4 rows at a
+// time, and a decode step's experts are cold in cache (16 against one row ahead: 0.84x the
+// time of a layer at 1 to 16 tokens, measured over 8 layers' weights in turn).
+constexpr int64_t kPrefetchRows = 16;
+
 
 // 2^(byte - 128) per E8M0 byte, the scale of a doubled value (NaN for 0xFF).
 struct ScaleTable {
@@ -313,7 +318,7 @@ inline void block_quad(const Decoded& x, int64_t m0, const uint8_t* wp, const ui
     __m512i even[NN], odd[NN];
     __m512 wscale[NN];
     for (int j = 0; j < NN; ++j) {
-      __builtin_prefetch(wr[j] + b * 16 + 512);
+      __builtin_prefetch(wr[j] + b * 16 + kPrefetchRows * k_len / 2);
       const __m512i raw = _mm512_loadu_si512(wr[j] + b * 16);
 #ifdef __AVX512VBMI__  // vpermb reads 6 index bits: the table repeats every 16, no mask
       even[j] = _mm512_permutexvar_epi8(raw, table);
