@@ -1,10 +1,15 @@
-"""Float32 weights in the panel layout that the CPU kernels read (`csrc/f32_cpu.cpp`).
+"""Weights in the panel layouts that the CPU kernels read, re-ordered once at load (the
+same weights, not a copy kept beside them).
 
-A weight w [..., N, K] (torch's linear layout: y = x @ w^T) is stored as panels
-[..., N/16, K, 16]: panel p holds output columns 16p to 16p + 15, k-major, so the kernel
-streams each panel once as one sequential read and multiplies it as outer products (one
-vector of 16 columns per k, broadcast against each row of x). It is the same weight
-re-ordered once at load, not a copy kept beside it.
+Float32 (`csrc/f32_cpu.cpp`): a weight w [..., N, K] (torch's linear layout: y = x @ w^T)
+is stored as panels [..., N/16, K, 16]: panel p holds output columns 16p to 16p + 15,
+k-major, so the kernel streams each panel once as one sequential read and multiplies it
+as outer products (one vector of 16 columns per k, broadcast against each row of x).
+
+MXFP4 (`csrc/w4a4_cpu.cpp`, its VNNI kernel, K a multiple of 128): codes
+[..., N/4, K/128, 4, 64], per quad of 4 blocks the 64 code bytes of 4 columns one after
+another, and scales [..., N/4, K/128, 4, 4], per quad its 4 blocks' scale bytes of the 4
+columns, block-major. A register block of 4 columns then reads one sequential stream.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from moe_kernels.mxfp4 import MXFP4Tensor
 
 PANEL = 16  # output columns per panel
 
@@ -44,6 +51,37 @@ def to_panels(w: torch.Tensor) -> PanelWeights:
                         .contiguous())
 
 
+@dataclass(frozen=True)
+class MXFP4Panels:
+    """MXFP4 weights [..., N, K] as the W4A4 CPU kernel's panels: codes packed
+    [..., N/4, K/128, 4, 64] and scales [..., N/4, K/128, 4, 4], uint8 (made by the kernel
+    module's `w4a4_panels`, `selection.panels_for_cpu`)."""
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The weights' shape, [..., N, K]."""
+        *lead, panels, quads, _, _ = self.packed.shape
+        return (*lead, 4 * panels, 128 * quads)
+
+    def unpack(self) -> MXFP4Tensor:
+        """The weights as stored (packed [..., N, K/2], scales [..., N, K/32]): for the
+        torch path (a copy made on every call)."""
+        *lead, n, k = self.shape
+        return MXFP4Tensor(self.packed.transpose(-3, -2).reshape(*lead, n, k // 2),
+                           self.scales.movedim(-1, -3).reshape(*lead, n, k // 32))
+
+    def nbytes(self) -> int:
+        return self.packed.numel() + self.scales.numel()
+
+
 def plain(w: torch.Tensor | PanelWeights) -> torch.Tensor:
     """w as torch's [..., N, K] tensor, whichever layout it is in."""
     return w.unpack() if isinstance(w, PanelWeights) else w
+
+
+def plain_mxfp4(w: MXFP4Tensor | MXFP4Panels) -> MXFP4Tensor:
+    """w as stored, whichever layout it is in."""
+    return w.unpack() if isinstance(w, MXFP4Panels) else w

@@ -16,7 +16,7 @@ from moe_kernels.cpu_kernels import cpu_kernels
 from moe_kernels.grouped_gemm import ExpertTimer, grouped_swiglu, grouped_swiglu_mm
 from moe_kernels.kernel_configs import KernelConfig, load_configs, tuned_config
 from moe_kernels.mxfp4 import MXFP4Tensor, quantize
-from moe_kernels.panels import PANEL, PanelWeights, to_panels
+from moe_kernels.panels import PANEL, MXFP4Panels, PanelWeights, plain_mxfp4, to_panels
 
 log = logging.getLogger("switchyard.expert")
 FALLBACK_KERNEL = KernelConfig(inner="decode")  # where a tuned W4A4 config does not run
@@ -38,10 +38,17 @@ def quantize_fused(x: torch.Tensor) -> MXFP4Tensor:
     return quantize_mxfp4(x)
 
 
-def panels_for_cpu(w: torch.Tensor) -> torch.Tensor | PanelWeights:
-    """A float32 weight [..., N, K] as the CPU kernels read it (`PanelWeights`, re-ordered
-    once at load), where they run: on the CPU, float32, N a multiple of 16, the kernels
-    built. Else w as it is, for torch's matmuls (and the GPU)."""
+def panels_for_cpu(w: torch.Tensor | MXFP4Tensor
+                   ) -> torch.Tensor | PanelWeights | MXFP4Tensor | MXFP4Panels:
+    """A weight [..., N, K] in the layout the CPU kernels read, re-ordered once at load,
+    where they run. Float32: `PanelWeights` (N a multiple of 16). MXFP4: `MXFP4Panels`
+    where the VNNI kernel runs (K a multiple of 128, N of 4). Else w as it is, for torch's
+    matmuls (and the GPU)."""
+    if isinstance(w, MXFP4Tensor):
+        if w.packed.device.type != "cpu" or w.shape[-2] % 4 or (kernels := cpu_kernels()) is None:
+            return w
+        packed, scales = kernels.w4a4_panels(w.packed.contiguous(), w.scales.contiguous())
+        return MXFP4Panels(packed, scales) if packed.dim() > w.packed.dim() else w
     if w.device.type != "cpu" or w.dtype != torch.float32 or w.shape[-2] % PANEL \
             or cpu_kernels() is None:
         return w
@@ -69,11 +76,13 @@ def cpu_grouped_swiglu(x: torch.Tensor, tokens_per_expert: list[int],
 
 
 def cpu_grouped_swiglu_w4a4(x: MXFP4Tensor, tokens_per_expert: list[int],
-                            w_gate_up: MXFP4Tensor, w_down: MXFP4Tensor,
+                            w_gate_up: MXFP4Tensor | MXFP4Panels,
+                            w_down: MXFP4Tensor | MXFP4Panels,
                             spans: list[tuple[int, int]] | None) -> torch.Tensor | None:
     """`grouped_swiglu_w4a4` through the compiled CPU kernel (`csrc/w4a4_cpu.cpp`: the MXFP4
-    bytes read as stored, exact integer products, one call for every local expert, each
-    timed on its own). None where it does not apply (not on the CPU, or not built)."""
+    bytes read as they are, in panels where given, exact integer products, one call for
+    every local expert, each given its share of the call's time). None where it does not
+    apply (not on the CPU, or not built)."""
     if x.packed.device.type != "cpu" or (kernels := cpu_kernels()) is None:
         return None
     timer = ExpertTimer(spans, x.packed.device)
@@ -150,11 +159,12 @@ class W4A4Kernels:
     the MXFP4 weights, which other entries read (a second copy), and freed once no config
     that reads it runs.
 
-    w_gate_up, w_down: per MoE layer, [E_local, 2I, H] and [E_local, H, I] MXFP4 weights.
+    w_gate_up, w_down: per MoE layer, [E_local, 2I, H] and [E_local, H, I] MXFP4 weights
+        (in the CPU kernel's panels on the CPU, read as stored by the Triton interpreter).
     """
 
-    def __init__(self, device: torch.device, w_gate_up: dict[int, MXFP4Tensor],
-                 w_down: dict[int, MXFP4Tensor]) -> None:
+    def __init__(self, device: torch.device, w_gate_up: dict[int, MXFP4Tensor | MXFP4Panels],
+                 w_down: dict[int, MXFP4Tensor | MXFP4Panels]) -> None:
         self.gpu = gpu_name(device)  # the tuned table's key, asked of CUDA once
         self.w_gate_up, self.w_down = w_gate_up, w_down
         self.runs: dict[KernelConfig, bool] = {}  # Triton configs tried here
@@ -180,7 +190,7 @@ class W4A4Kernels:
         """This layer's W4A4 weights in the layout `config` reads (`to_bf16x2` refuses
         weights it cannot scale: the config then does not run here)."""
         if not reads_bf16x2(config):
-            return self.w_gate_up[layer], self.w_down[layer]
+            return plain_mxfp4(self.w_gate_up[layer]), plain_mxfp4(self.w_down[layer])
         if self.bf16x2 == {}:
             self._convert_bf16x2()
         if self.bf16x2 is None:
@@ -191,7 +201,8 @@ class W4A4Kernels:
         """Every layer's weights in the bf16x2 layout too, or (logged) none: once that fails,
         `layout` refuses the layout without trying again."""
         try:
-            self.bf16x2 = {i: (to_bf16x2(self.w_gate_up[i]), to_bf16x2(self.w_down[i]))
+            self.bf16x2 = {i: (to_bf16x2(plain_mxfp4(self.w_gate_up[i])),
+                               to_bf16x2(plain_mxfp4(self.w_down[i])))
                            for i in self.w_gate_up}
         except (ValueError, torch.OutOfMemoryError) as exc:  # unscalable, or no room
             self.bf16x2 = None

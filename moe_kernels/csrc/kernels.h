@@ -50,6 +50,8 @@ std::tuple<torch::Tensor, std::vector<int64_t>> grouped_swiglu_w4a4(
 torch::Tensor mxfp4_linear(const torch::Tensor& x_packed, const torch::Tensor& x_scales,
                            const torch::Tensor& w_packed, const torch::Tensor& w_scales);
 std::tuple<torch::Tensor, torch::Tensor> quantize_mxfp4(const torch::Tensor& x);
+std::tuple<torch::Tensor, torch::Tensor> w4a4_panels(const torch::Tensor& packed,
+                                                     const torch::Tensor& scales);
 
 // attention_cpu.cpp
 std::tuple<torch::Tensor, torch::Tensor> decode_attention(

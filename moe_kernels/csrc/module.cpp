@@ -26,6 +26,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mxfp4_linear", &mxfp4_linear, "MXFP4 x [M, K] @ MXFP4 w [N, K]^T -> float32");
   m.def("decode_attention", &decode_attention,
         "one query token per sequence over the paged KV cache -> (out, lse)");
+  m.def("w4a4_panels", &w4a4_panels,
+        "MXFP4 weights -> the layout the W4A4 kernel reads (panels where it runs VNNI)");
   m.def("quantize_mxfp4", &quantize_mxfp4, "float32 [M, K] -> MXFP4 (packed, scales)");
   m.def("release_threads", &release_threads, "free the calling thread's OpenMP team");
   m.def("combine_f32", &combine_f32, "float32 MoE combine: weighted rows into token order");

@@ -32,9 +32,9 @@ constexpr int64_t kBlock = 32;
 constexpr uint8_t kNanScale = 0xFF;
 constexpr int8_t kDoubled[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 constexpr int64_t kTileRows = 64;  // rows of x per pass over an expert's weights
-// How far ahead the VNNI kernel prefetches, in weight rows: a tile reads 2 or 4 rows at a
-// time, and a decode step's experts are cold in cache (16 against one row ahead: 0.84x the
-// time of a layer at 1 to 16 tokens, measured over 8 layers' weights in turn).
+// How far ahead the VNNI kernel prefetches, in weight rows (4 per panel): a decode step's
+// experts are cold in cache (16 rows against 512 bytes ahead: 0.84x the time of a layer
+// at 1 to 16 tokens, measured over 8 layers' weights in turn, before panels).
 constexpr int64_t kPrefetchRows = 16;
 
 
@@ -274,52 +274,52 @@ inline void block_wide(const Decoded& x, int64_t m0, const uint8_t* wp, const ui
 #endif
 
 #if defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
-// 16 floats: lanes 4t..4t+3 the scale 2^(byte - 128) of block b + t, from the 4 blocks'
-// E8M0 bytes (NaN for 0xFF), with no table: `vpshufb` spreads byte t over its lanes, then
+// 16 floats, lane 4t + j the scale 2^(byte - 128) of column j's block t of a quad (NaN for
+// 0xFF), from a panel's 16 scale bytes (block-major: `as_panels`): widened, then
 // `vscalefps` (exact, denormals included).
 inline __m512 quad_weight_scales(const uint8_t* e8) {
-  uint32_t u;
-  std::memcpy(&u, e8, 4);
-  const __m512i spread = _mm512_setr_epi32(  // lanes 4t..4t+3: byte t, then zero bytes
-      int(0x80808000), int(0x80808000), int(0x80808000), int(0x80808000),
-      int(0x80808001), int(0x80808001), int(0x80808001), int(0x80808001),
-      int(0x80808002), int(0x80808002), int(0x80808002), int(0x80808002),
-      int(0x80808003), int(0x80808003), int(0x80808003), int(0x80808003));
-  const __m512i bytes = _mm512_shuffle_epi8(_mm512_set1_epi32(int(u)), spread);
-  __m512 s = _mm512_scalef_ps(_mm512_set1_ps(1.f), _mm512_cvtepi32_ps(
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(e8));
+  const __m512i bytes = _mm512_cvtepu8_epi32(raw);
+  const __m512 s = _mm512_scalef_ps(_mm512_set1_ps(1.f), _mm512_cvtepi32_ps(
       _mm512_sub_epi32(bytes, _mm512_set1_epi32(128))));
-  if ((~u - 0x01010101u) & u & 0x80808080u)  // a 0xFF byte: that block's scale is NaN
-    s = _mm512_mask_mov_ps(s, _mm512_cmpeq_epi32_mask(bytes, _mm512_set1_epi32(kNanScale)),
-                           _mm512_set1_ps(NAN));
-  return s;
+  const __mmask16 nan = _mm_cmpeq_epi8_mask(raw, _mm_set1_epi8(char(kNanScale)));
+  return nan ? _mm512_mask_mov_ps(s, nan, _mm512_set1_ps(NAN)) : s;
 }
 
-// `block` four 32-blocks (one 64-byte load of codes) at a time with AVX512-VNNI, over x in
-// quad order (`Decoded`). The low nibbles of the 64 bytes are the 4 blocks' even elements,
-// the high ones their odd elements; `vpshufb` maps each to its doubled value + 12 (0..24,
-// unsigned). `vpdpbusd` multiplies them by x's signed values and sums 4 products per int32
-// lane (lanes 4t..4t+3 block b + t), starting from x's -12 x lane sums, so each lane ends
-// exact: sum x * w. Then, as above, a convert and the blocks' powers of two. A weight's
-// decode is 4 instructions (6 without VBMI) and its scales 5, shared by the MM rows.
-template <int MM, int NN>
+// Per 128-bit lane t, [sum of p0's 4 int32, p1's, p2's, p3's]: lane 4t + j the sum of p_j's
+// lanes 4t..4t+3 (a block's products), exact.
+inline __m512i sum_lanes(const __m512i* p) {
+  const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(p[0], p[1]),
+                                       _mm512_unpackhi_epi32(p[0], p[1]));
+  const __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi32(p[2], p[3]),
+                                       _mm512_unpackhi_epi32(p[2], p[3]));
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));
+}
+
+// `block` for MM rows and one panel of 4 columns (`as_panels`: per quad of 4 blocks, the 4
+// columns' 64 bytes of codes one after another, so the panel is one sequential read),
+// with AVX512-VNNI, over x in quad order (`Decoded`). The low nibbles of a column's 64
+// bytes are its 4 blocks' even elements, the high ones their odd elements; `vpermb` maps
+// each to its doubled value + 12 (0..24, unsigned). `vpdpbusd` multiplies them by x's
+// signed values and sums 4 products per int32 lane (lanes 4t..4t+3 block t), starting
+// from x's -12 x lane sums, so each lane ends exact: sum x * w. The 4 columns' lanes are
+// then summed per block (`sum_lanes`, still exact), so one convert and one multiply by
+// the blocks' powers of two (x's times the weights') serve all 4 columns.
+template <int MM>
 inline void block_quad(const Decoded& x, int64_t m0, const uint8_t* wp, const uint8_t* ws,
                        int64_t nn, float* y, int64_t ldy) {
   const int64_t k_len = x.k, blocks = k_len / kBlock;
   const __m512i table = _mm512_broadcast_i32x4(
       _mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
   [[maybe_unused]] const __m512i low = _mm512_set1_epi8(0x0F);
-  __m512 acc[MM][NN];
-  for (int i = 0; i < MM; ++i)
-    for (int j = 0; j < NN; ++j) acc[i][j] = _mm512_setzero_ps();
-  const uint8_t* wr[NN];
-  const uint8_t* sr[NN];
-  weight_rows<NN>(wp, ws, nn, k_len, wr, sr);
+  __m512 acc[MM];  // lane 4t + j: column j, every quad's block t
+  for (int i = 0; i < MM; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; b += 4) {
-    __m512i even[NN], odd[NN];
-    __m512 wscale[NN];
-    for (int j = 0; j < NN; ++j) {
-      __builtin_prefetch(wr[j] + b * 16 + kPrefetchRows * k_len / 2);
-      const __m512i raw = _mm512_loadu_si512(wr[j] + b * 16);
+    const uint8_t* codes = wp + b * 64;  // the quad's 4 x 64 bytes
+    __m512i even[4], odd[4];
+    for (int j = 0; j < 4; ++j) {
+      __builtin_prefetch(codes + j * 64 + kPrefetchRows * k_len / 2);
+      const __m512i raw = _mm512_loadu_si512(codes + j * 64);
 #ifdef __AVX512VBMI__  // vpermb reads 6 index bits: the table repeats every 16, no mask
       even[j] = _mm512_permutexvar_epi8(raw, table);
       odd[j] = _mm512_permutexvar_epi8(_mm512_srli_epi16(raw, 4), table);
@@ -327,39 +327,43 @@ inline void block_quad(const Decoded& x, int64_t m0, const uint8_t* wp, const ui
       even[j] = _mm512_shuffle_epi8(table, _mm512_and_si512(raw, low));
       odd[j] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low));
 #endif
-      wscale[j] = quad_weight_scales(sr[j] + b);
     }
+    const __m512 wscale = quad_weight_scales(ws + b * 4);
     for (int i = 0; i < MM; ++i) {
       const int8_t* xr = x.row(m0 + i) + b * kBlock;
       const __m512i xe = _mm512_loadu_si512(xr), xo = _mm512_loadu_si512(xr + 2 * kBlock);
       const __m512i start = _mm512_loadu_si512(x.row_starts(m0 + i) + b * 4);
       const __m512 xscale = _mm512_loadu_ps(x.row_scales(m0 + i) + b * 4);
-      for (int j = 0; j < NN; ++j) {
-        const __m512i prod = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, even[j], xe),
-                                                 odd[j], xo);
-        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(prod), _mm512_mul_ps(xscale, wscale[j]),
-                                    acc[i][j]);
-      }
+      __m512i prod[4];
+      for (int j = 0; j < 4; ++j)
+        prod[j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, even[j], xe), odd[j], xo);
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum_lanes(prod)),
+                               _mm512_mul_ps(xscale, wscale), acc[i]);
     }
   }
-  for (int i = 0; i < MM; ++i)
-    for (int j = 0; j < nn; ++j) y[i * ldy + j] = _mm512_reduce_add_ps(acc[i][j]);
+  for (int i = 0; i < MM; ++i) {  // column j: the sum of lanes j, 4 + j, 8 + j, 12 + j
+    const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(acc[i]),
+                                      _mm512_extractf32x8_ps(acc[i], 1));
+    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+    alignas(16) float out[4];
+    _mm_store_ps(out, four);
+    for (int j = 0; j < nn; ++j) y[i * ldy + j] = out[j];
+  }
 }
 #else
-template <int MM, int NN>
+template <int MM>
 inline void block_quad(const Decoded& x, int64_t m0, const uint8_t* wp, const uint8_t* ws,
                        int64_t nn, float* y, int64_t ldy) {
-  block_wide<MM, NN>(x, m0, wp, ws, nn, y, ldy);  // never called: Decoded.quads is false
+  block_wide<MM, 4>(x, m0, wp, ws, nn, y, ldy);  // never called: Decoded.quads is false
 }
 #endif
 
-// One register block of MM rows and up to NN columns: AVX512-VNNI's four blocks at a time
-// where K allows, AVX-512's two, else AVX2's one.
+// One register block of MM rows and up to NN columns where the VNNI kernel does not run:
+// AVX-512's two blocks at a time where K allows, else AVX2's one.
 template <int MM, int NN>
 inline void tile(const Decoded& x, int64_t m0, const uint8_t* wp, const uint8_t* ws,
                  int64_t nn, float* y, int64_t ldy) {
-  if (x.quads) block_quad<MM, NN>(x, m0, wp, ws, nn, y, ldy);
-  else if (kWide && x.k % (2 * kBlock) == 0) block_wide<MM, NN>(x, m0, wp, ws, nn, y, ldy);
+  if (kWide && x.k % (2 * kBlock) == 0) block_wide<MM, NN>(x, m0, wp, ws, nn, y, ldy);
   else block<MM, NN>(x, m0, wp, ws, nn, y, ldy);
 }
 #endif
@@ -380,7 +384,12 @@ void columns(const Decoded& x, int64_t m0, int64_t c, const uint8_t* wp, const u
         const int64_t mm = std::min<int64_t>(4, t0 + t_len - m);
         float* ym = y + m * ldy + n0;
         const int64_t row = m0 + m;
-        if (mm == 1) {
+        if (x.quads) {
+          if (mm == 1) block_quad<1>(x, row, wpn, wsn, nn, ym, ldy);
+          else if (mm == 2) block_quad<2>(x, row, wpn, wsn, nn, ym, ldy);
+          else if (mm == 3) block_quad<3>(x, row, wpn, wsn, nn, ym, ldy);
+          else block_quad<4>(x, row, wpn, wsn, nn, ym, ldy);
+        } else if (mm == 1) {
           tile<1, 4>(x, row, wpn, wsn, nn, ym, ldy);
         } else {
           for (int64_t j = 0; j < nn; j += 2) {
@@ -424,6 +433,52 @@ void check_mxfp4(const torch::Tensor& packed, const torch::Tensor& scales, int64
   TORCH_CHECK(packed.size(-1) % (kBlock / 2) == 0 &&
                   scales.size(-1) * kBlock == packed.size(-1) * 2, what,
               ": packed [..., K/2] and scales [..., K/32] disagree");
+}
+
+// MXFP4 weights as the kernel reads them: N columns of K, codes and scale bytes. As stored
+// ([..., N, K/2], [..., N, K/32]), or where the VNNI kernel runs (K a multiple of 128) as
+// panels of 4 columns: codes [..., N/4, K/128, 4, 64], per quad of 4 blocks the 4 columns'
+// 64 bytes one after another, and scales [..., N/4, K/128, 4, 4], per quad its 4 blocks'
+// bytes of the 4 columns (block-major). A panel is one sequential read (as stored, a
+// register block's 4 columns are 4 interleaved reads 1 row apart, which the prefetchers
+// follow poorly: 1.35-1.4x the time of a decode step's experts, measured cold).
+struct Weights {
+  torch::Tensor packed, scales;
+  int64_t n, k;
+};
+
+// Plain weights [lead..., N, K/2] + [lead..., N, K/32] (lead: 0 or 1 dims) -> panels, N
+// padded to a multiple of 4 with zero columns; as they are where the VNNI kernel does not
+// run. Panels are taken as they are.
+Weights as_panels(const torch::Tensor& packed, const torch::Tensor& scales, int64_t lead,
+                  const char* what) {
+  if (packed.dim() == lead + 4) {
+    TORCH_CHECK(packed.dtype() == torch::kUInt8 && scales.dtype() == torch::kUInt8 &&
+                    packed.is_contiguous() && scales.is_contiguous(),
+                what, ": contiguous uint8 panels only");
+    TORCH_CHECK(kQuads, what, ": MXFP4 panels are read by the AVX512-VNNI kernel only");
+    TORCH_CHECK(scales.dim() == lead + 4 && packed.size(-2) == 4 && packed.size(-1) == 64 &&
+                    scales.size(-2) == 4 && scales.size(-1) == 4 &&
+                    packed.sizes().slice(0, lead + 2) == scales.sizes().slice(0, lead + 2),
+                what, ": panels [..., N/4, K/128, 4, 64] and [..., N/4, K/128, 4, 4] disagree");
+    return {packed, scales, 4 * packed.size(lead), 4 * kBlock * packed.size(lead + 1)};
+  }
+  check_mxfp4(packed, scales, lead + 2, what);
+  const int64_t n = packed.size(-2), k = 2 * packed.size(-1);
+  if (!kQuads || k % (4 * kBlock)) return {packed, scales, n, k};
+  const int64_t n4 = (n + 3) / 4 * 4, quads = k / (4 * kBlock);
+  const torch::Tensor p = torch::constant_pad_nd(packed, {0, 0, 0, n4 - n});
+  const torch::Tensor s = torch::constant_pad_nd(scales, {0, 0, 0, n4 - n});
+  std::vector<int64_t> pshape(packed.sizes().begin(), packed.sizes().begin() + lead);
+  std::vector<int64_t> sshape = pshape, order;
+  for (int64_t d = 0; d < lead; ++d) order.push_back(d);
+  pshape.insert(pshape.end(), {n4 / 4, 4, quads, 4 * kBlock / 2});  // [.., N/4, j, q, 64]
+  sshape.insert(sshape.end(), {n4 / 4, 4, quads, 4});               // [.., N/4, j, q, t]
+  std::vector<int64_t> porder = order, sorder = order;
+  porder.insert(porder.end(), {lead, lead + 2, lead + 1, lead + 3});  // -> [.., N/4, q, j, 64]
+  sorder.insert(sorder.end(), {lead, lead + 2, lead + 3, lead + 1});  // -> [.., N/4, q, t, j]
+  return {p.view(pshape).permute(porder).contiguous(),
+          s.view(sshape).permute(sorder).contiguous(), n4, k};
 }
 
 // One unit of a layer's work: an expert and its first column (of gate and up, or of down).
@@ -474,12 +529,12 @@ std::tuple<torch::Tensor, std::vector<int64_t>> grouped_swiglu_w4a4(
     const torch::Tensor& down_scales) {
   constexpr int64_t kDownColumns = 64;
   check_mxfp4(x_packed, x_scales, 2, "x");
-  check_mxfp4(gu_packed, gu_scales, 3, "w_gate_up");
-  check_mxfp4(down_packed, down_scales, 3, "w_down");
+  const Weights gu_w = as_panels(gu_packed, gu_scales, 1, "w_gate_up");
+  const Weights down_w = as_panels(down_packed, down_scales, 1, "w_down");
   const int64_t n = x_packed.size(0), hidden = 2 * x_packed.size(1);
-  const int64_t experts = gu_packed.size(0), inter = gu_packed.size(1) / 2;
-  TORCH_CHECK(2 * gu_packed.size(2) == hidden && down_packed.size(1) == hidden &&
-                  2 * down_packed.size(2) == inter && down_packed.size(0) == experts,
+  const int64_t experts = gu_w.packed.size(0), inter = gu_w.n / 2;
+  TORCH_CHECK(gu_w.k == hidden && down_w.n == hidden && down_w.k == inter &&
+                  down_w.packed.size(0) == experts && inter % kBlock == 0,
               "weights do not match the rows");
   check_counts(counts, experts, n);
   const int64_t start_ns = monotonic_ns();
@@ -494,8 +549,8 @@ std::tuple<torch::Tensor, std::vector<int64_t>> grouped_swiglu_w4a4(
   act.resize(n, inter);
   const int64_t hb = hidden / kBlock, ib = inter / kBlock;  // blocks per row
   const uint8_t *xp = x_packed.data_ptr<uint8_t>(), *xs = x_scales.data_ptr<uint8_t>();
-  const uint8_t *gp = gu_packed.data_ptr<uint8_t>(), *gs = gu_scales.data_ptr<uint8_t>();
-  const uint8_t *dp = down_packed.data_ptr<uint8_t>(), *ds = down_scales.data_ptr<uint8_t>();
+  const uint8_t *gp = gu_w.packed.data_ptr<uint8_t>(), *gs = gu_w.scales.data_ptr<uint8_t>();
+  const uint8_t *dp = down_w.packed.data_ptr<uint8_t>(), *ds = down_w.scales.data_ptr<uint8_t>();
   float* yp = out.data_ptr<float>();
   const int64_t threads = omp_get_max_threads();
   std::vector<int64_t> busy(threads * experts, 0);  // [thread, expert] ns
@@ -555,17 +610,29 @@ torch::Tensor mxfp4_linear(const torch::Tensor& x_packed, const torch::Tensor& x
   check_mxfp4(w_packed, w_scales, 2, "w");
   TORCH_CHECK(x_packed.size(1) == w_packed.size(1), "x and w disagree on K");
   const int64_t m_len = x_packed.size(0), n_len = w_packed.size(0), k_len = 2 * x_packed.size(1);
+  const Weights w = as_panels(w_packed, w_scales, 0, "w");
   Decoded xd;
   xd.resize(m_len, k_len);
   for (int64_t m = 0; m < m_len; ++m)
     decode_row(x_packed.data_ptr<uint8_t>(), x_scales.data_ptr<uint8_t>(), m, xd);
   torch::Tensor y = torch::empty({m_len, n_len}, torch::kFloat32);
-  const uint8_t *wp = w_packed.data_ptr<uint8_t>(), *ws = w_scales.data_ptr<uint8_t>();
+  const uint8_t *wp = w.packed.data_ptr<uint8_t>(), *ws = w.scales.data_ptr<uint8_t>();
 #pragma omp parallel for schedule(static)
   for (int64_t n0 = 0; n0 < n_len; n0 += 16)
     columns(xd, 0, m_len, wp + n0 * k_len / 2, ws + n0 * (k_len / kBlock),
             std::min<int64_t>(16, n_len - n0), y.data_ptr<float>() + n0, n_len);
   return y;
+}
+
+// MXFP4 weights (packed [..., N, K/2], scales [..., N, K/32], uint8) -> the layout the
+// kernels read: panels (`as_panels`) where the VNNI kernel runs and K is a multiple of
+// 128 (N a multiple of 4), else the same tensors. Made once at load (`moe_kernels.panels`).
+std::tuple<torch::Tensor, torch::Tensor> w4a4_panels(const torch::Tensor& packed,
+                                                     const torch::Tensor& scales) {
+  TORCH_CHECK(packed.dim() >= 2 && packed.dim() <= 3, "packed [N, K/2] or [E, N, K/2]");
+  TORCH_CHECK(packed.size(-2) % 4 == 0, "panels need N a multiple of 4");
+  const Weights w = as_panels(packed, scales, packed.dim() - 2, "w");
+  return {w.packed, w.scales};
 }
 
 // float32 x [M, K] -> MXFP4 (packed [M, K/2], scales [M, K/32] uint8), the kernel's quantizer

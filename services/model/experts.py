@@ -19,7 +19,7 @@ from moe_kernels.mxfp4 import (
     ScaledBlocks,
     quantize,
 )
-from moe_kernels.panels import PanelWeights, plain
+from moe_kernels.panels import MXFP4Panels, PanelWeights, plain, plain_mxfp4
 from moe_kernels.selection import (
     W4A4Kernels,
     cpu_grouped_swiglu,
@@ -60,7 +60,8 @@ class ExpertBank:
 
     Weights per MoE layer: w_gate_up [E_local, 2 * I, H] and w_down [E_local, H, I], in
     `dtype` (float32 on the CPU: in the kernels' panel layout, `moe_kernels.panels`), or
-    with quantization "w4a4" as MXFP4 (blocks along the reduction dimension).
+    with quantization "w4a4" as MXFP4 (blocks along the reduction dimension; on the CPU in
+    the W4A4 kernel's panels where it runs AVX512-VNNI).
     Only these experts' tensors are read from the checkpoint, one at a time; a quantized
     checkpoint is read packed, never in full precision. Every layer call is recorded in
     the per-expert metrics of expert rank `rank`.
@@ -78,8 +79,8 @@ class ExpertBank:
         self._grouped_mm: bool | None = None  # torch._grouped_mm works here, once known
         self.hidden_size = config.hidden_size
         self.quantization = check_quantization(config, quantization)
-        self.w_gate_up: dict[int, torch.Tensor | MXFP4Tensor | PanelWeights] = {}
-        self.w_down: dict[int, torch.Tensor | MXFP4Tensor | PanelWeights] = {}
+        self.w_gate_up: dict[int, torch.Tensor | MXFP4Tensor | PanelWeights | MXFP4Panels] = {}
+        self.w_down: dict[int, torch.Tensor | MXFP4Tensor | PanelWeights | MXFP4Panels] = {}
         hidden, inter = config.hidden_size, config.moe_intermediate_size
         for layer, expert_ids in self.experts.items():
             if not expert_ids:
@@ -92,9 +93,9 @@ class ExpertBank:
                 down.append(self._load(checkpoint, config, d, (hidden, inter)))
             self.w_gate_up[layer] = self._stack(gate_up)
             self.w_down[layer] = self._stack(down)
-            if not self.quantization:  # float32 on the CPU: the kernels' panel layout
-                self.w_gate_up[layer] = panels_for_cpu(self.w_gate_up[layer])
-                self.w_down[layer] = panels_for_cpu(self.w_down[layer])
+            # on the CPU: the kernels' panel layouts (float32, or MXFP4 where VNNI runs)
+            self.w_gate_up[layer] = panels_for_cpu(self.w_gate_up[layer])
+            self.w_down[layer] = panels_for_cpu(self.w_down[layer])
         # W4A4 on a GPU: its kernel configs and the weight layouts they read
         self.kernels = W4A4Kernels(self.device, self.w_gate_up, self.w_down) \
             if self.quantization else None  # type: ignore[arg-type]
@@ -150,8 +151,8 @@ class ExpertBank:
                 y = self._triton_w4a4(layer, q, tokens_per_expert, spans)
             elif (y := cpu_grouped_swiglu_w4a4(q, tokens_per_expert, self.w_gate_up[layer],
                                                self.w_down[layer], spans)) is None:
-                y = grouped_swiglu_w4a4(q, tokens_per_expert, self.w_gate_up[layer],
-                                        self.w_down[layer], spans)
+                y = grouped_swiglu_w4a4(q, tokens_per_expert, plain_mxfp4(self.w_gate_up[layer]),
+                                        plain_mxfp4(self.w_down[layer]), spans)
             y = y.to(self.dtype)
         self.metrics.observe(layer, self.experts[layer], tokens_per_expert, spans)
         return y
@@ -225,7 +226,7 @@ class ExpertBank:
     def nbytes(self) -> int:
         total = 0
         for w in [*self.w_gate_up.values(), *self.w_down.values()]:
-            total += w.nbytes() if isinstance(w, ScaledBlocks | PanelWeights) \
+            total += w.nbytes() if isinstance(w, ScaledBlocks | PanelWeights | MXFP4Panels) \
                 else w.numel() * w.element_size()
         return total + (self.kernels.layout_bytes() if self.kernels else 0)
 

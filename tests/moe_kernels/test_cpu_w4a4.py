@@ -18,7 +18,8 @@ from hypothesis.extra.numpy import arrays
 from moe_kernels import cpu_kernels
 from moe_kernels.grouped_gemm import grouped_swiglu_w4a4
 from moe_kernels.mxfp4 import MXFP4Tensor, dequantize, quantize
-from moe_kernels.selection import cpu_grouped_swiglu_w4a4
+from moe_kernels.panels import MXFP4Panels, plain_mxfp4
+from moe_kernels.selection import cpu_grouped_swiglu_w4a4, panels_for_cpu
 from tests.support.kernels import assert_expert_spans
 
 pytestmark = pytest.mark.timeout(300)
@@ -105,6 +106,25 @@ def test_the_grouped_kernel_equals_the_torch_path(kernel: object, counts: list[i
     # could re-quantize to the neighbouring code; these fixed inputs have none.)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert_expert_spans(spans, counts)
+
+
+def test_panels_are_the_same_weights_and_give_the_same_outputs(kernel: object) -> None:
+    counts = [3, 0, 1, 6]
+    w_gate_up, w_down = mxfp4_experts(len(counts), 256, 128, seed=5)
+    w_gate_up.scales[0, 7, 2] = 255  # a NaN block travels with its column
+    x = quantize(torch.randn(sum(counts), 256, generator=torch.Generator().manual_seed(2)))
+    p_gate_up, p_down = panels_for_cpu(w_gate_up), panels_for_cpu(w_down)
+    if not isinstance(p_gate_up, MXFP4Panels):
+        pytest.skip("this CPU has no AVX512-VNNI: the kernel reads MXFP4 as stored")
+    assert isinstance(p_down, MXFP4Panels) and p_gate_up.shape == w_gate_up.shape
+    for panels, w in ((p_gate_up, w_gate_up), (p_down, w_down)):
+        assert panels.nbytes() == w.nbytes()  # re-ordered, not grown
+        back = plain_mxfp4(panels)
+        assert torch.equal(back.packed, w.packed) and torch.equal(back.scales, w.scales)
+    got = cpu_grouped_swiglu_w4a4(x, counts, p_gate_up, p_down, None)
+    want = cpu_grouped_swiglu_w4a4(x, counts, w_gate_up, w_down, None)  # panels made per call
+    assert got is not None and want is not None and got[:3].isnan().all()
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)  # bit for bit
 
 
 def test_nan_in_a_row_stays_in_that_row(kernel: object) -> None:
