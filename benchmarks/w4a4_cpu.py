@@ -3,7 +3,8 @@ the torch paths (W4A4 decoded to float32, float32, bfloat16).
 
     .venv/bin/python -m benchmarks.w4a4_cpu [--experts 8] [--hidden 1024] [--inter 768]
 
-Eight local experts of the mid-size checkpoint's shape; every expert gets the same number
+Eight local experts of the mid-size checkpoint's shape, each kernel's weights in its panel
+layout (`moe_kernels.panels`, as the experts hold them); every expert gets the same number
 of tokens: decode shapes (1 to 64 tokens per expert) and a prefill shape (512). The W4A4
 time includes quantizing the activations (what the attention side does before dispatch)
 and re-quantizing the SwiGLU output; weights are quantized once, outside the timing.
@@ -24,7 +25,12 @@ from moe_kernels.cpu_kernels import cpu_kernels
 from moe_kernels.grouped_gemm import grouped_swiglu, grouped_swiglu_w4a4
 from moe_kernels.mxfp4 import quantize
 from moe_kernels.panels import to_panels
-from moe_kernels.selection import cpu_grouped_swiglu, cpu_grouped_swiglu_w4a4, quantize_fused
+from moe_kernels.selection import (
+    cpu_grouped_swiglu,
+    cpu_grouped_swiglu_w4a4,
+    panels_for_cpu,
+    quantize_fused,
+)
 
 
 def main() -> None:
@@ -44,6 +50,7 @@ def main() -> None:
     w_down = torch.randn(e, h, i, generator=g) / i**0.5
     q_gate_up, q_down = quantize(w_gate_up), quantize(w_down)
     p_gate_up, p_down = to_panels(w_gate_up), to_panels(w_down)  # the float32 kernel's layout
+    mp_gate_up, mp_down = panels_for_cpu(q_gate_up), panels_for_cpu(q_down)  # the W4A4 one's
     w16 = (w_gate_up.bfloat16(), w_down.bfloat16())
     weight_bytes = {"float32": 4 * 3 * e * h * i, "bfloat16": 2 * 3 * e * h * i,
                     "w4a4": q_gate_up.nbytes() + q_down.nbytes()}
@@ -67,7 +74,7 @@ def main() -> None:
         f32k = timed(lambda x=x, c=counts: cpu_grouped_swiglu(x, c, p_gate_up, p_down, None),
                      args.repeat, statistics.median)
         w4k = timed(lambda x=x, c=counts: cpu_grouped_swiglu_w4a4(quantize_fused(x), c,
-                                                                  q_gate_up, q_down, None),
+                                                                  mp_gate_up, mp_down, None),
                     args.repeat, statistics.median)
         print(f"| {t} | {1e3 * f32k:.2f} | {1e3 * w4k:.2f} | {w4k / f32k:.2f}x | "
               f"{1e3 * f32:.1f} | {1e3 * b16:.1f} | {1e3 * w4:.1f} | {w4 / f32:.2f}x |",
