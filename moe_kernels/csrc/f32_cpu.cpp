@@ -12,6 +12,8 @@
 //
 // Vectors are GCC's vector extension: a panel row is one AVX-512 register, two AVX2 or four
 // NEON ones; the extension is built with -march=native on the machine that runs it.
+#include <omp.h>
+
 #include <cmath>
 #include <cstring>
 
@@ -102,29 +104,20 @@ void gemm(const float* x, int64_t ldx, int64_t m_len, const float* w, int64_t n_
   }
 }
 
-// act [M, I] = silu(x @ gate^T) * (x @ up^T), gate and up the first and second I/16
-// panels of w: each task computes the same columns of both and multiplies them at once,
-// so the [M, 2I] product is never written. Ends in the loop's barrier.
-void gate_up_swiglu(const float* x, int64_t ldx, int64_t m_len, const float* w, int64_t inter,
-                    int64_t k_len, float* act) {
-  const int64_t groups = (inter / kPanel + kPanels - 1) / kPanels;
-  const int64_t chunks = (m_len + kChunk - 1) / kChunk;
-  const int64_t width = kPanels * kPanel;
-  const float* up = w + inter * k_len;  // the up projection's panels
-#pragma omp for schedule(static)
-  for (int64_t task = 0; task < groups * chunks; ++task) {
-    const int64_t p0 = task / chunks * kPanels, m0 = task % chunks * kChunk;
-    const int64_t np = std::min<int64_t>(kPanels, inter / kPanel - p0);
-    const int64_t mm = std::min(kChunk, m_len - m0);
-    float g[kChunk * width], u[kChunk * width];
-    panels(x + m0 * ldx, ldx, mm, w + p0 * k_len * kPanel, np, k_len, g, width);
-    panels(x + m0 * ldx, ldx, mm, up + p0 * k_len * kPanel, np, k_len, u, width);
-    for (int64_t i = 0; i < mm; ++i) {
-      float* a = act + (m0 + i) * inter + p0 * kPanel;
-      const float *gi = g + i * width, *ui = u + i * width;
+// act [mm, 16 np] = silu(x @ gate^T) * (x @ up^T) for np panels of gate from g and the
+// same columns of up from u: one task computes both and multiplies them at once, so the
+// [mm, 2I] product is never written. act's rows are I apart.
+void gate_up_swiglu(const float* x, int64_t ldx, int64_t mm, const float* g, const float* u,
+                    int64_t np, int64_t k_len, float* act, int64_t inter) {
+  constexpr int64_t width = kPanels * kPanel;
+  float gv[kChunk * width], uv[kChunk * width];
+  panels(x, ldx, mm, g, np, k_len, gv, width);
+  panels(x, ldx, mm, u, np, k_len, uv, width);
+  for (int64_t i = 0; i < mm; ++i) {
+    float* a = act + i * inter;
+    const float *gi = gv + i * width, *ui = uv + i * width;
 #pragma omp simd
-      for (int64_t c = 0; c < np * kPanel; ++c) a[c] = gi[c] / (1.f + std::exp(-gi[c])) * ui[c];
-    }
+    for (int64_t c = 0; c < np * kPanel; ++c) a[c] = gi[c] / (1.f + std::exp(-gi[c])) * ui[c];
   }
 }
 
@@ -139,7 +132,11 @@ void check_panels(const torch::Tensor& w, int64_t dims) {
 // x [N, H] float32 rows grouped by local expert; counts: E_local ints summing to N;
 // w_gate_up [E_local, 2I/16, H, 16] and w_down [E_local, H/16, I, 16] in panels (gate's
 // panels first) -> ([N, H] float32, not weighted by the router; each local expert's start
-// and end, monotonic ns, 0 0 if empty).
+// and end, monotonic ns, 0 0 if empty: its share of the call, `ExpertTimes`).
+//
+// Two parallel loops over every expert at once, with no barrier per expert (a decode step
+// gives most experts 1 to 4 rows): tasks of kPanels gate and up panels by kChunk rows,
+// then of kPanels down panels by kChunk rows.
 std::tuple<torch::Tensor, std::vector<int64_t>> grouped_swiglu_f32(
     const torch::Tensor& x, const std::vector<int64_t>& counts, const torch::Tensor& w_gate_up,
     const torch::Tensor& w_down) {
@@ -154,21 +151,46 @@ std::tuple<torch::Tensor, std::vector<int64_t>> grouped_swiglu_f32(
               "weights do not match the rows");
   TORCH_CHECK(inter % kPanel == 0, "I must be a multiple of 16");
   check_counts(counts, experts, n);
+  ExpertTimes times(experts, omp_get_max_threads());
   torch::Tensor out = torch::empty_like(x);
-  const int64_t most = n ? *std::max_element(counts.begin(), counts.end()) : 0;
-  std::vector<float> act(most * inter);
-  std::vector<int64_t> marks(2 * experts, 0);
+  std::vector<int64_t> first(experts + 1, 0);
+  for (int64_t e = 0; e < experts; ++e) first[e + 1] = first[e] + counts[e];
+  constexpr int64_t width = kPanels * kPanel;
+  const std::vector<Tile> up = expert_tiles(counts, inter, width, kChunk);
+  const std::vector<Tile> down = expert_tiles(counts, hidden, width, kChunk);
+  std::vector<float> act(n * inter);  // [N, I]
   const float *xp = x.data_ptr<float>(), *gu = w_gate_up.data_ptr<float>();
-  const float* down = w_down.data_ptr<float>();
+  const float* dw = w_down.data_ptr<float>();
   float* yp = out.data_ptr<float>();
+  int64_t team = 1;
 #pragma omp parallel
-  each_expert(counts, marks, [&](int64_t e, int64_t start, int64_t c) {
-    gate_up_swiglu(xp + start * hidden, hidden, c, gu + e * 2 * inter * hidden, inter,
-                   hidden, act.data());
-    gemm(act.data(), inter, c, down + e * hidden * inter, hidden, inter,
-         yp + start * hidden, hidden);
-  });
-  return {out, marks};
+  {
+    const int64_t me = omp_get_thread_num();
+#pragma omp master
+    team = omp_get_num_threads();
+    int64_t last = monotonic_ns();
+#pragma omp for schedule(static)
+    for (size_t t = 0; t < up.size(); ++t) {
+      const int64_t e = up[t].expert, p0 = up[t].column / kPanel, m0 = first[e] + up[t].row;
+      const float* g = gu + (e * 2 * inter + p0 * kPanel) * hidden;
+      gate_up_swiglu(xp + m0 * hidden, hidden, std::min(kChunk, first[e + 1] - m0), g,
+                     g + inter * hidden, std::min<int64_t>(kPanels, inter / kPanel - p0),
+                     hidden, act.data() + m0 * inter + p0 * kPanel, inter);
+      times.spent(me, e, last);
+    }
+    last = monotonic_ns();  // not the barrier's wait
+#pragma omp for schedule(static)
+    for (size_t t = 0; t < down.size(); ++t) {
+      const int64_t e = down[t].expert, p0 = down[t].column / kPanel;
+      const int64_t m0 = first[e] + down[t].row;
+      panels(act.data() + m0 * inter, inter, std::min(kChunk, first[e + 1] - m0),
+             dw + (e * hidden + p0 * kPanel) * inter,
+             std::min<int64_t>(kPanels, hidden / kPanel - p0), inter, yp + m0 * hidden + p0 * kPanel,
+             hidden);
+      times.spent(me, e, last);
+    }
+  }
+  return {out, times.marks(counts, team)};
 }
 
 // x [M, K] float32 @ w^T, w as panels [N/16, K, 16] -> [M, N] float32.

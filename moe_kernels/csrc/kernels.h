@@ -2,6 +2,7 @@
 #pragma once
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <chrono>
 #include <tuple>
 #include <vector>
@@ -15,25 +16,57 @@ inline int64_t monotonic_ns() {
 // Checks `counts` (one per local expert, >= 0) sums to `rows`.
 void check_counts(const std::vector<int64_t>& counts, int64_t experts, int64_t rows);
 
-// Inside a parallel region, every thread: body(e, start, rows) for each local expert e
-// with rows, start its first row; the master thread marks each one's start and end
-// (monotonic ns) in marks[2e], marks[2e + 1]. body ends in a barrier (an `omp for`'s), so
-// an expert's end mark follows every thread's work on it.
-template <class Body>
-inline void each_expert(const std::vector<int64_t>& counts, std::vector<int64_t>& marks,
-                        Body body) {
-  int64_t start = 0;
-  for (int64_t e = 0; e < static_cast<int64_t>(counts.size()); ++e) {
-    const int64_t c = counts[e];
-    if (c == 0) continue;
-#pragma omp master
-    marks[2 * e] = monotonic_ns();
-    body(e, start, c);
-#pragma omp master
-    marks[2 * e + 1] = monotonic_ns();
-    start += c;
-  }
+// One unit of a grouped call's work: a local expert, its first column (of gate and up, or
+// of down) and its first row (of the expert's rows).
+struct Tile {
+  int64_t expert, column, row;
+};
+
+// The tiles of every expert with rows: `width` columns of n_len by `chunk` rows of the
+// expert's, column-major per expert (a thread's consecutive tiles reuse its weights).
+inline std::vector<Tile> expert_tiles(const std::vector<int64_t>& counts, int64_t n_len,
+                                      int64_t width, int64_t chunk) {
+  std::vector<Tile> out;
+  for (int64_t e = 0; e < static_cast<int64_t>(counts.size()); ++e)
+    for (int64_t n = 0; counts[e] && n < n_len; n += width)
+      for (int64_t r = 0; r < counts[e]; r += chunk) out.push_back({e, n, r});
+  return out;
 }
+
+// Each thread's time on each expert's tiles, and from it each expert's share of a call:
+// a grouped call runs every expert's tiles in two parallel loops (gate/up, then down)
+// with no barrier per expert, so an expert has no start and end of its own.
+class ExpertTimes {
+ public:
+  ExpertTimes(int64_t experts, int64_t threads)
+      : experts_(experts), busy_(threads * experts, 0), start_(monotonic_ns()) {}
+  // Thread `me` finished a tile of expert e; `last` is its previous mark (updated).
+  void spent(int64_t me, int64_t e, int64_t& last) {
+    const int64_t now = monotonic_ns();
+    busy_[me * experts_ + e] += now - last;
+    last = now;
+  }
+  // Per expert with rows, marks[2e], marks[2e + 1]: one after another from the call's
+  // start, in expert order, each its threads' time over `team` long (0 0 without rows).
+  std::vector<int64_t> marks(const std::vector<int64_t>& counts, int64_t team) const {
+    std::vector<int64_t> out(2 * experts_, 0);
+    int64_t t = start_;
+    for (int64_t e = 0; e < experts_; ++e) {
+      if (!counts[e]) continue;
+      int64_t spent = 0;
+      for (int64_t i = 0; i < team; ++i) spent += busy_[i * experts_ + e];
+      out[2 * e] = t;
+      t += std::max<int64_t>(1, spent / team);
+      out[2 * e + 1] = t;
+    }
+    return out;
+  }
+
+ private:
+  int64_t experts_;
+  std::vector<int64_t> busy_;  // [thread, expert] ns
+  int64_t start_;
+};
 
 // f32_cpu.cpp
 std::tuple<torch::Tensor, std::vector<int64_t>> grouped_swiglu_f32(

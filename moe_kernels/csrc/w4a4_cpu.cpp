@@ -481,41 +481,13 @@ Weights as_panels(const torch::Tensor& packed, const torch::Tensor& scales, int6
           s.view(sshape).permute(sorder).contiguous(), n4, k};
 }
 
-// One unit of a layer's work: an expert and its first column (of gate and up, or of down).
-struct Tile {
-  int64_t expert, column;
-};
-
-// The tiles of every expert with rows, `width` columns each, over `n_len` columns.
-std::vector<Tile> tiles(const std::vector<int64_t>& counts, int64_t n_len, int64_t width) {
-  std::vector<Tile> out;
-  for (int64_t e = 0; e < static_cast<int64_t>(counts.size()); ++e)
-    for (int64_t n = 0; counts[e] && n < n_len; n += width) out.push_back({e, n});
-  return out;
-}
-
-// Each expert's share of a call's compute, from the time every thread spent on its tiles:
-// one after another from the call's start, in expert order, each busy / threads long.
-void expert_marks(const std::vector<int64_t>& busy, int64_t threads, int64_t start,
-                  const std::vector<int64_t>& counts, std::vector<int64_t>& marks) {
-  const int64_t experts = static_cast<int64_t>(counts.size());
-  for (int64_t e = 0; e < experts; ++e) {
-    if (!counts[e]) continue;
-    int64_t spent = 0;
-    for (int64_t t = 0; t < threads; ++t) spent += busy[t * experts + e];
-    marks[2 * e] = start;
-    start += std::max<int64_t>(1, spent / threads);
-    marks[2 * e + 1] = start;
-  }
-}
-
 }  // namespace
 
 // x: MXFP4 rows grouped by local expert, packed [N, H/2], scales [N, H/32] uint8; counts:
 // E_local ints summing to N; gate/up: packed [E_local, 2I, H/2], scales [E_local, 2I, H/32]
 // (gate first); down: packed [E_local, H, I/2], scales [E_local, H, I/32] -> ([N, H]
 // float32, not weighted by the router; each expert's start and end, monotonic ns, 0 0 if
-// empty: its share of the call, `expert_marks`). The SwiGLU output is re-quantized to MXFP4
+// empty: its share of the call, `ExpertTimes`). The SwiGLU output is re-quantized to MXFP4
 // per row, as in the torch path.
 //
 // Two parallel loops over every expert at once, with no barrier per expert (a decode step
@@ -537,13 +509,12 @@ std::tuple<torch::Tensor, std::vector<int64_t>> grouped_swiglu_w4a4(
                   down_w.packed.size(0) == experts && inter % kBlock == 0,
               "weights do not match the rows");
   check_counts(counts, experts, n);
-  const int64_t start_ns = monotonic_ns();
   torch::Tensor out = torch::empty({n, hidden}, torch::kFloat32);
-  std::vector<int64_t> marks(2 * experts, 0), first(experts + 1, 0);
+  std::vector<int64_t> first(experts + 1, 0);
   for (int64_t e = 0; e < experts; ++e) first[e + 1] = first[e] + counts[e];
   const int64_t most = n ? *std::max_element(counts.begin(), counts.end()) : 0;
-  const std::vector<Tile> up = tiles(counts, inter, kBlock), down = tiles(counts, hidden,
-                                                                           kDownColumns);
+  const std::vector<Tile> up = expert_tiles(counts, inter, kBlock, n + 1);
+  const std::vector<Tile> down = expert_tiles(counts, hidden, kDownColumns, n + 1);
   Decoded xd, act;
   xd.resize(n, hidden);
   act.resize(n, inter);
@@ -552,8 +523,7 @@ std::tuple<torch::Tensor, std::vector<int64_t>> grouped_swiglu_w4a4(
   const uint8_t *gp = gu_w.packed.data_ptr<uint8_t>(), *gs = gu_w.scales.data_ptr<uint8_t>();
   const uint8_t *dp = down_w.packed.data_ptr<uint8_t>(), *ds = down_w.scales.data_ptr<uint8_t>();
   float* yp = out.data_ptr<float>();
-  const int64_t threads = omp_get_max_threads();
-  std::vector<int64_t> busy(threads * experts, 0);  // [thread, expert] ns
+  ExpertTimes times(experts, omp_get_max_threads());
   int64_t team = 1;
 #pragma omp parallel
   {
@@ -566,11 +536,6 @@ std::tuple<torch::Tensor, std::vector<int64_t>> grouped_swiglu_w4a4(
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < n; ++m) decode_row(xp, xs, m, xd);
     int64_t last = monotonic_ns();
-    const auto spent = [&](int64_t e) {
-      const int64_t now = monotonic_ns();
-      busy[me * experts + e] += now - last;
-      last = now;
-    };
 #pragma omp for schedule(dynamic, 4)
     for (size_t t = 0; t < up.size(); ++t) {
       const int64_t e = up[t].expert, i0 = up[t].column, c = counts[e];
@@ -586,7 +551,7 @@ std::tuple<torch::Tensor, std::vector<int64_t>> grouped_swiglu_w4a4(
         quantize_row(swi, kBlock, packed, &scale);
         act.put(first[e] + m, i0 / kBlock, packed, scale);
       }
-      spent(e);
+      times.spent(me, e, last);
     }
     last = monotonic_ns();  // not the barrier's wait
 #pragma omp for schedule(dynamic, 4)
@@ -595,11 +560,10 @@ std::tuple<torch::Tensor, std::vector<int64_t>> grouped_swiglu_w4a4(
       columns(act, first[e], counts[e], dp + (e * hidden + n0) * inter / 2,
               ds + (e * hidden + n0) * ib, std::min(kDownColumns, hidden - n0),
               yp + first[e] * hidden + n0, hidden);
-      spent(e);
+      times.spent(me, e, last);
     }
   }
-  expert_marks(busy, team, start_ns, counts, marks);
-  return {out, marks};
+  return {out, times.marks(counts, team)};
 }
 
 // MXFP4 x (packed [M, K/2], scales [M, K/32]) @ MXFP4 w (packed [N, K/2], scales [N, K/32])^T
