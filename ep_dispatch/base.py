@@ -53,10 +53,41 @@ class ExpertsClient(Protocol):
         ...
 
 
+class Exchange(Protocol):
+    """A MoE layer call in flight (`PointToPoint.start`)."""
+
+    def finish(self) -> torch.Tensor:
+        """The MoE output [T, H], once the experts answered."""
+        ...
+
+
+class Done:
+    """An exchange that finished as it started: a backend with nothing to overlap."""
+
+    def __init__(self, y: torch.Tensor) -> None:
+        self.y = y
+
+    def finish(self) -> torch.Tensor:
+        return self.y
+
+
 class PointToPoint:
     """Defaults for backends where each attention rank steps on its own."""
 
     lockstep = False
+    overlaps = False  # whether `start` returns before the experts answer
+
+    def __call__(
+        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def start(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
+              topk_weights: torch.Tensor) -> Exchange:
+        """A layer call whose output `finish()` gives: where the backend can, the rows go
+        out now and the answers are read by `finish`, so that the caller computes another
+        micro-batch meanwhile; here, the whole call at once."""
+        return Done(self(layer, x, topk_ids, topk_weights))
 
     def begin_step(self, num_tokens: int) -> bool:
         return num_tokens > 0

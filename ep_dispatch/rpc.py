@@ -29,6 +29,8 @@ FRAME_MARGIN = 4096  # a frame's bytes besides its rows (message fields, msgpack
 
 
 class RpcExperts(PointToPoint):
+    overlaps = True  # `start` returns while the expert ranks compute
+
     def __init__(self, placement: Placement, addresses: list[tuple[str, int]],
                  call_timeout: float = 30.0, connect_timeout: float = 30.0,
                  quantization: str | None = None) -> None:
@@ -43,49 +45,25 @@ class RpcExperts(PointToPoint):
     def __call__(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> torch.Tensor:
         with phase("dispatch", "rpc", layer, x.shape[0]):
-            rows = activation_rows(x, self.quantization)  # [T, H], or MXFP4 rows
-            if self.pool.empty_call is None:
-                self.pool.empty_call = to_wire(rows[:0])
-            trace = tracing.inject() if tracing.detailed() else {}
-            turn = self._turns(layer)
-            while True:  # again without each lost rank, while its experts have replicas
-                layout = compute_layout(topk_ids, topk_weights, self.pool.routing(), layer,
-                                        turn)
-                # per rank [n_r, width], copied to the host once for the wire
-                parts = rows[layout.src_token].cpu().split(layout.rank_counts)
-                try:
-                    ys = self._exchange(layer, parts, layout.expert_counts, trace)
-                    break
-                except ExpertRankError as exc:
-                    if not self.pool.route_around(exc):
-                        raise
+            exchange = self.start(layer, x, topk_ids, topk_weights)
+            ys = exchange.receive()
         with phase("combine", "rpc", layer, x.shape[0]):
-            ys = [y.to(x.device) if y.shape[0] else x[:0] for y in ys]  # [n_r, H] each
-            return combine(torch.cat(ys).to(x.dtype) if ys else x[:0], layout)
+            return exchange.combine(ys)
 
-    def _exchange(self, layer: int, parts: tuple[torch.Tensor, ...], counts: list[list[int]],
-                  trace: dict[str, str]) -> list[torch.Tensor]:
-        """Send every rank its rows (grouped by its local experts: `counts`), then read
-        every answer. A rank that fails is named; the others' calls finish, keeping
-        their connections."""
-        ys: list[torch.Tensor] = list(parts)  # empty parts stay as they are
-        errors: list[ExpertRankError] = []
-        sent: dict[int, tuple[list[int], float]] = {}  # rank -> its call ids, deadline
-        for rank, part in enumerate(parts):
-            if part.shape[0]:
-                try:
-                    sent[rank] = self._send(rank, layer, part, counts[rank], trace)
-                except ExpertRankError as exc:
-                    errors.append(exc)
-        for rank, (call_ids, deadline) in sent.items():
-            try:
-                ys[rank] = self._receive(rank, layer, call_ids, deadline)
-            except ExpertRankError as exc:
-                errors.append(exc)
-        if errors:
-            first = min(errors, key=str)  # the lowest rank's message
-            raise ExpertRankError(str(first), frozenset().union(*(e.lost for e in errors)))
-        return ys
+    def start(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
+              topk_weights: torch.Tensor) -> RpcExchange:
+        """`__call__`'s first half: the rows sent to the expert ranks now, their answers
+        read by the returned exchange's `finish`, so that a caller can compute another
+        micro-batch meanwhile (the ping-pong pipeline). Exchanges finish in the order
+        they started: each rank answers its connection's calls in turn."""
+        rows = activation_rows(x, self.quantization)  # [T, H], or MXFP4 rows
+        if self.pool.empty_call is None:
+            self.pool.empty_call = to_wire(rows[:0])
+        trace = tracing.inject() if tracing.detailed() else {}
+        exchange = RpcExchange(self, layer, x, rows, topk_ids, topk_weights, trace,
+                            self._turns(layer))
+        exchange.send()
+        return exchange
 
     def _send(self, rank: int, layer: int, x: torch.Tensor, counts: list[int],
               trace: dict[str, str]) -> tuple[list[int], float]:
@@ -111,7 +89,9 @@ class RpcExperts(PointToPoint):
                  ) -> torch.Tensor:
         """The outputs [n, H] of `rank`'s calls, in order."""
         conn = self.pool.conns[rank]
-        assert conn is not None  # (`_send` made its calls on it)
+        if conn is None:  # dropped since the calls were sent (another exchange failed)
+            raise ExpertRankError(f"{self.pool.name(rank)} was lost before layer {layer} "
+                                  "answered", frozenset({rank}))
         results = []
         try:
             for call_id in call_ids:
@@ -147,6 +127,70 @@ class RpcExperts(PointToPoint):
 
     def close(self) -> None:
         self.pool.close()
+
+
+class RpcExchange:
+    """One layer call of `RpcExperts`: its layout, the calls sent to each rank, and then
+    the answers read back and combined. A lost rank's rows are sent again to replicas of
+    its experts (while they have some), and waited for at once."""
+
+    def __init__(self, client: RpcExperts, layer: int, x: torch.Tensor, rows: torch.Tensor,
+                 topk_ids: torch.Tensor, topk_weights: torch.Tensor, trace: dict[str, str],
+                 turn: int) -> None:
+        self.client, self.layer, self.x, self.rows = client, layer, x, rows
+        self.topk_ids, self.topk_weights = topk_ids, topk_weights
+        self.trace, self.turn = trace, turn
+        self.sent: dict[int, tuple[list[int], float]] = {}  # rank -> its call ids, deadline
+        self.errors: list[ExpertRankError] = []
+
+    def send(self) -> None:
+        """Lay the rows out over the ranks reachable now and send each rank its own."""
+        self.layout = compute_layout(self.topk_ids, self.topk_weights,
+                                     self.client.pool.routing(), self.layer, self.turn)
+        # per rank [n_r, width], copied to the host once for the wire
+        self.parts = self.rows[self.layout.src_token].cpu().split(self.layout.rank_counts)
+        self.sent, self.errors = {}, []
+        for rank, part in enumerate(self.parts):
+            if part.shape[0]:
+                try:
+                    self.sent[rank] = self.client._send(rank, self.layer, part,
+                                                        self.layout.expert_counts[rank],
+                                                        self.trace)
+                except ExpertRankError as exc:
+                    self.errors.append(exc)
+
+    def receive(self) -> list[torch.Tensor]:
+        """Every rank's outputs [n_r, H], once each answered (sent again around lost
+        ranks while their experts have replicas). A rank that fails is named; the others'
+        calls finish, keeping their connections."""
+        while True:
+            ys: list[torch.Tensor] = list(self.parts)  # empty parts stay as they are
+            for rank, (call_ids, deadline) in self.sent.items():
+                try:
+                    ys[rank] = self.client._receive(rank, self.layer, call_ids, deadline)
+                except ExpertRankError as exc:
+                    self.errors.append(exc)
+            if not self.errors:
+                return ys
+            first = min(self.errors, key=str)  # the lowest rank's message
+            exc = ExpertRankError(str(first), frozenset().union(*(e.lost for e in self.errors)))
+            if not self.client.pool.route_around(exc):
+                raise exc
+            self.send()
+
+    def combine(self, ys: list[torch.Tensor]) -> torch.Tensor:
+        """The MoE output [T, H]: the answers weighted into token order."""
+        x = self.x
+        ys = [y.to(x.device) if y.shape[0] else x[:0] for y in ys]  # [n_r, H] each
+        return combine(torch.cat(ys).to(x.dtype) if ys else x[:0], self.layout)
+
+    def finish(self) -> torch.Tensor:
+        """`receive`, then `combine`, each timed as `__call__` times them."""
+        tokens = self.x.shape[0]
+        with phase("dispatch", "rpc", self.layer, tokens):
+            ys = self.receive()
+        with phase("combine", "rpc", self.layer, tokens):
+            return self.combine(ys)
 
 
 def _row_bytes(x: torch.Tensor) -> int:

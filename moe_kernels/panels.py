@@ -25,30 +25,39 @@ PANEL = 16  # output columns per panel
 
 @dataclass(frozen=True)
 class PanelWeights:
-    """One float32 weight w [..., N, K] as panels [..., N/16, K, 16] (`panels`)."""
+    """One float32 weight w [..., N, K] as panels [..., N/16, K, 16] (`panels`); where N
+    is no multiple of 16, its first `columns` are w's and the rest zeros (`to_panels`)."""
 
     panels: torch.Tensor
+    columns: int | None = None  # w's N where the panels were padded
 
     @property
     def shape(self) -> tuple[int, ...]:
         """w's shape, [..., N, K]."""
         *lead, groups, k, _ = self.panels.shape
-        return (*lead, groups * PANEL, k)
+        return (*lead, self.columns or groups * PANEL, k)
 
     def unpack(self) -> torch.Tensor:
         """w [..., N, K], contiguous: for the torch path (a copy made on every call)."""
-        return self.panels.transpose(-2, -1).flatten(-3, -2).contiguous()
+        w = self.panels.transpose(-2, -1).flatten(-3, -2)
+        return (w if self.columns is None else w[..., :self.columns, :]).contiguous()
 
     def nbytes(self) -> int:
         return self.panels.numel() * self.panels.element_size()
 
 
-def to_panels(w: torch.Tensor) -> PanelWeights:
-    """w [..., N, K] (N a multiple of 16) re-ordered as panels [..., N/16, K, 16]."""
-    if w.shape[-2] % PANEL:
-        raise ValueError(f"panels need N a multiple of {PANEL}, not {w.shape[-2]}")
+def to_panels(w: torch.Tensor, pad: bool = False) -> PanelWeights:
+    """w [..., N, K] re-ordered as panels [..., N/16, K, 16]: N a multiple of 16, or with
+    `pad` any N, the last panel's extra columns zeros (the dense linears: router gates of
+    8 experts, for one, take the kernel too rather than torch's matmul, whose sums differ
+    with the number of rows)."""
+    n = w.shape[-2]
+    if n % PANEL and not pad:
+        raise ValueError(f"panels need N a multiple of {PANEL}, not {n}")
+    if n % PANEL:
+        w = torch.cat([w, w.new_zeros(*w.shape[:-2], -n % PANEL, w.shape[-1])], dim=-2)
     return PanelWeights(w.unflatten(-2, (w.shape[-2] // PANEL, PANEL)).transpose(-2, -1)
-                        .contiguous())
+                        .contiguous(), n if n % PANEL else None)
 
 
 @dataclass(frozen=True)

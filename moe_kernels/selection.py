@@ -38,21 +38,21 @@ def quantize_fused(x: torch.Tensor) -> MXFP4Tensor:
     return quantize_mxfp4(x)
 
 
-def panels_for_cpu(w: torch.Tensor | MXFP4Tensor
+def panels_for_cpu(w: torch.Tensor | MXFP4Tensor, pad: bool = False
                    ) -> torch.Tensor | PanelWeights | MXFP4Tensor | MXFP4Panels:
     """A weight [..., N, K] in the layout the CPU kernels read, re-ordered once at load,
-    where they run. Float32: `PanelWeights` (N a multiple of 16). MXFP4: `MXFP4Panels`
-    where the VNNI kernel runs (K a multiple of 128, N of 4). Else w as it is, for torch's
-    matmuls (and the GPU)."""
+    where they run. Float32: `PanelWeights` (N a multiple of 16, or any N with `pad`: a
+    dense linear's). MXFP4: `MXFP4Panels` where the VNNI kernel runs (K a multiple of
+    128, N of 4). Else w as it is, for torch's matmuls (and the GPU)."""
     if isinstance(w, MXFP4Tensor):
         if w.packed.device.type != "cpu" or w.shape[-2] % 4 or (kernels := cpu_kernels()) is None:
             return w
         packed, scales = kernels.w4a4_panels(w.packed.contiguous(), w.scales.contiguous())
         return MXFP4Panels(packed, scales) if packed.dim() > w.packed.dim() else w
-    if w.device.type != "cpu" or w.dtype != torch.float32 or w.shape[-2] % PANEL \
+    if w.device.type != "cpu" or w.dtype != torch.float32 or (w.shape[-2] % PANEL and not pad) \
             or cpu_kernels() is None:
         return w
-    return to_panels(w)
+    return to_panels(w, pad)
 
 
 def cpu_grouped_swiglu(x: torch.Tensor, tokens_per_expert: list[int],
@@ -64,7 +64,8 @@ def cpu_grouped_swiglu(x: torch.Tensor, tokens_per_expert: list[int],
     applies: float32 x on the CPU, weights in panels (`panels_for_cpu`), the kernel built.
     None where it does not: the caller runs torch's."""
     if x.device.type != "cpu" or x.dtype != torch.float32 \
-            or not isinstance(w_gate_up, PanelWeights) or not isinstance(w_down, PanelWeights):
+            or not isinstance(w_gate_up, PanelWeights) or not isinstance(w_down, PanelWeights) \
+            or w_gate_up.columns is not None or w_down.columns is not None:
         return None
     if (kernels := cpu_kernels()) is None:
         return None
@@ -133,7 +134,8 @@ def linear(x: torch.Tensor, w: torch.Tensor | PanelWeights) -> torch.Tensor:
     compute-bound beyond; torch's matmul otherwise."""
     if isinstance(w, PanelWeights):
         if x.dtype == torch.float32 and x.dim() == 2 and (kernels := cpu_kernels()) is not None:
-            return kernels.linear_f32(x, w.panels)
+            y = kernels.linear_f32(x, w.panels)  # [M, N rounded up to 16]
+            return y if w.columns is None else y[:, :w.columns]
         w = w.unpack()  # the kernels were switched off after load (benchmarks): slow
     return F.linear(x, w)
 

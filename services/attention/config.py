@@ -21,6 +21,7 @@ from common.flags import (
 from common.units import parse_size
 from ep_dispatch.deepep_config import DeepEPSettings, add_deepep_flags, deepep_settings
 from ep_dispatch.registry import backend as dispatch_backend
+from services.attention.micro_batches import PIPELINE_MIN_TOKENS
 
 if TYPE_CHECKING:
     import torch
@@ -61,6 +62,7 @@ class AttentionConfig:
     deepep: DeepEPSettings = field(default_factory=DeepEPSettings)
     cuda_graph_max_batch: int = 0  # decode steps of up to this many sequences replay graphs
     cuda_graph_max_len: int = 4096  # ... whose longest has up to this many keys
+    micro_batches: str = "auto"  # auto, 1, 2 or 3: a step's ping-pong micro-batches
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -126,6 +128,12 @@ def add_engine_flags(p: argparse.ArgumentParser, default_backend: str = "local"
         add("--cuda-graph-max-len", type=int, default=int(env("CUDA_GRAPH_MAX_LEN", "4096")),
             help="... when no sequence has more keys than this (longer steps run eagerly: a "
                  "graph attends over its whole padded length)"),
+        add("--micro-batches", choices=["auto", "1", "2", "3"],
+            default=env("MICRO_BATCHES", "auto"),
+            help="split each step into this many micro-batches and pipeline them with the "
+                 "expert services (ping-pong: one's attention while the experts compute "
+                 "another's layer; rpc backend, one rank per attention group); auto: 2 "
+                 f"from {PIPELINE_MIN_TOKENS} tokens a step where the experts run elsewhere"),
         add("--dispatch-backend", default=env("DISPATCH_BACKEND", default_backend),
             help="ep_dispatch backend between attention and experts: local (experts in the "
                  "attention process), rpc (expert services over TCP), torch "
@@ -193,6 +201,7 @@ def from_args(args: argparse.Namespace) -> AttentionConfig:
         kv_cache_memory=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         dispatch_backend=args.dispatch_backend, num_threads=args.num_threads,
+        micro_batches=args.micro_batches,
         expert_addresses=tuple(parse_addresses(getattr(args, "expert_addresses", None) or "")),
         placement=Path(args.placement) if args.placement else None,
         expert_replicas=args.expert_replicas,

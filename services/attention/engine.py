@@ -31,6 +31,7 @@ from services.attention.config import AttentionConfig
 from services.attention.grammar import Grammars
 from services.attention.graphs import DecodeGraphs
 from services.attention.kv_cache import KVCache
+from services.attention.micro_batches import micro_batch_count, split
 from services.attention.model import DenseModel
 from services.attention.sampler import sample, sampling_error, token_logprobs
 from services.attention.scheduler import ScheduledSeq, Scheduler
@@ -259,11 +260,7 @@ class Engine:
             if item.seq.first_scheduled_time is None:
                 item.seq.first_scheduled_time = now
         with step_span(scheduled):
-            batch = self._batch(scheduled)
-            if self.graphs and batch.forced_routing is None and self.graphs.fits(batch):
-                hidden = self.graphs.forward(batch)
-            else:
-                hidden = self.model.forward(batch, self.kv, self.experts)
+            hidden, logits_rows = self._forward(scheduled)
         self.model.publish_load()  # for stats(), which must not wait on the device
         self._score_prompts(scheduled, hidden)
         sampling = [s.seq for s in scheduled
@@ -273,10 +270,34 @@ class Engine:
             self.block_manager.cache_computed(item.seq)
         if not sampling:
             return []
-        sampled = sample(self.model.logits(hidden[batch.logits_rows]), sampling,
+        sampled = sample(self.model.logits(hidden[logits_rows]), sampling,
                          self.model_config.eos_token_ids)
         return [self._append(seq, token, logprobs) for seq, token, logprobs
                 in zip(sampling, sampled.tokens, sampled.logprobs, strict=True)]
+
+    def _forward(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's hidden states [T, H] and the rows of it that sample [S]: in one
+        batch, or as a pipeline of micro-batches (`micro_batches`) where the experts'
+        backend can overlap its exchanges with this rank's computation."""
+        groups = split(scheduled, self._micro_batches(scheduled))
+        if len(groups) == 1:
+            batch = self._batch(scheduled)
+            if self.graphs and batch.forced_routing is None and self.graphs.fits(batch):
+                return self.graphs.forward(batch), batch.logits_rows
+            return self.model.forward(batch, self.kv, self.experts), batch.logits_rows
+        hidden = self.model.forward_pipelined([self._batch(g) for g in groups], self.kv,
+                                              self.experts.start)  # type: ignore[attr-defined]
+        rows = torch.tensor(plan_step(scheduled)[1], dtype=torch.int64, device=self.device)
+        return torch.cat(hidden), rows
+
+    def _micro_batches(self, scheduled: list[ScheduledSeq]) -> int:
+        """How many micro-batches this step takes: `--micro-batches` where the backend
+        overlaps (`rpc`), the group is one rank (no DCP peers to keep in step) and no
+        warm-up forces its routing; else 1."""
+        overlaps = getattr(self.experts, "overlaps", False) and self.config.dcp_size == 1 \
+            and not any(item.seq.warmup for item in scheduled)
+        return micro_batch_count(self.config.micro_batches,
+                                 sum(item.num_new_tokens for item in scheduled), overlaps)
 
     def _score_prompts(self, scheduled: list[ScheduledSeq], hidden: torch.Tensor) -> None:
         """Prompt logprobs: for each sequence that asks, the log-probability of every prompt

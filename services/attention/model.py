@@ -3,16 +3,18 @@ dense MLPs, lm_head. Expert FFNs are reached through an `ExpertsClient`."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from dcp.batch import StepBatch
-from ep_dispatch.base import ExpertsClient
+from ep_dispatch.base import Exchange, ExpertsClient
 from moe_kernels.panels import PanelWeights
-from moe_kernels.selection import linear, panels_for_cpu
+from moe_kernels.selection import linear
+from moe_kernels.selection import panels_for_cpu as _panels_for_cpu
 from services.attention.kv_cache import KVCache
 from services.attention.router import route
 from services.model.checkpoint import Checkpoint
@@ -26,6 +28,14 @@ MoE = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 Weight = torch.Tensor | PanelWeights  # a linear's, in the layout its kernel reads
+
+
+def panels_for_cpu(w: torch.Tensor) -> Weight:
+    """A dense linear's weight in the CPU kernel's panels, whatever its N (padded): every
+    float32 linear of a step then runs the one kernel, whose sums per row do not depend on
+    the other rows (torch's matmul's do), so a micro-batch's outputs are the whole
+    batch's bit for bit."""
+    return _panels_for_cpu(w, pad=True)  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -104,6 +114,47 @@ class DenseModel:
     def forward(self, batch: StepBatch, kv: KVCache, experts: ExpertsClient | MoE
                 ) -> torch.Tensor:
         """Hidden states [T, H] after the final norm, for the batch's T tokens."""
+        run = self._layers(batch, kv)
+        try:
+            call = next(run)
+            while True:
+                call = run.send(experts(*call))
+        except StopIteration as done:
+            return done.value
+
+    @torch.inference_mode()
+    def forward_pipelined(self, batches: list[StepBatch], kv: KVCache,
+                          start: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor],
+                                          Exchange]) -> list[torch.Tensor]:
+        """`forward` of several micro-batches (disjoint sequences) as a ping-pong pipeline:
+        each runs its layers up to its next MoE layer, starts that exchange (`start`:
+        rows out to the experts) and gives way to the next, so that one micro-batch's
+        attention runs while the experts compute another's layer. Exchanges finish in the
+        order they started. Returns each batch's hidden states [T_j, H]."""
+        runs = [self._layers(b, kv) for b in batches]
+        out: list[torch.Tensor | None] = [None] * len(runs)
+        waiting: deque[tuple[int, Exchange]] = deque()
+
+        def advance(j: int, moe: torch.Tensor | None) -> None:
+            try:
+                call = next(runs[j]) if moe is None else runs[j].send(moe)
+                waiting.append((j, start(*call)))
+            except StopIteration as done:
+                out[j] = done.value
+
+        for j in range(len(runs)):
+            advance(j, None)
+        while waiting:
+            j, exchange = waiting.popleft()
+            advance(j, exchange.finish())
+        return [h for h in out if h is not None]
+
+    def _layers(self, batch: StepBatch, kv: KVCache
+                ) -> Generator[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor],
+                               torch.Tensor, torch.Tensor]:
+        """The layers over one batch: yields each MoE layer's call (layer, x [T, H],
+        topk_ids [T, K], topk_weights [T, K]) and takes its output [T, H] back; returns
+        the hidden states [T, H] after the final norm."""
         cos, sin = rope_cos_sin(batch.positions, self.cfg.head_dim, self.cfg.rope_theta,
                                 self.dtype)
         h = self.embed[batch.input_ids]  # [T, H]
@@ -124,7 +175,7 @@ class DenseModel:
                     ids = ids.index_put((forced[0],), forced[1])
                 flat = ids.reshape(-1)  # [T*K]
                 self._load[i].index_add_(0, flat, counted)
-                h = h + experts(i, x, ids, weights)
+                h = h + (yield i, x, ids, weights)
         return rms_norm(h, self.norm, self.cfg.rms_norm_eps)
 
     def _attention(

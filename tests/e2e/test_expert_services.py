@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 import torch
 
@@ -113,6 +114,50 @@ def test_logits_and_greedy_through_expert_processes(qwen3_ckpt: tuple,
         engine.close()
     assert got == {rid: reference_greedy(model, p, 32) for rid, p in zip("abcd", ps,
                                                                           strict=True)}
+
+
+def test_micro_batches_pipeline_to_the_same_bits(qwen3_ckpt: tuple,
+                                                qwen3_experts: list) -> None:
+    """`--micro-batches 2` and `3` (the ping-pong pipeline over the expert services):
+    every step's logits bit for bit those of `--micro-batches 1`, on decodes and on prefill
+    chunks, and greedy outputs transformers'."""
+    path, model = qwen3_ckpt
+    ps = prompts(seed=5, lengths=(12, 3, 30, 21, 7))
+    arrivals = {0: [greedy("a", ps[0]), greedy("b", ps[1]), greedy("c", ps[2])],
+                3: [greedy("d", ps[3])], 9: [greedy("e", ps[4])]}
+    logits: dict[str, list[torch.Tensor]] = {}
+    outputs: dict[str, dict] = {}
+    pipelined: dict[str, int] = {}
+    for setting in ("1", "2", "3"):
+        engine = rpc_engine(path, qwen3_experts, micro_batches=setting, max_num_seqs=8)
+        seen = logits.setdefault(setting, [])
+        pipelined[setting] = 0
+        forward, logits_of = engine.model.forward_pipelined, engine.model.logits
+
+        def count(*args: object, forward: object = forward, setting: str = setting) -> object:
+            pipelined[setting] += 1
+            return forward(*args)  # type: ignore[operator]
+
+        def record(hidden: torch.Tensor, logits_of: object = logits_of,
+                   seen: list = seen) -> torch.Tensor:
+            seen.append(logits_of(hidden))  # type: ignore[operator]
+            return seen[-1]
+
+        engine.model.forward_pipelined = count  # type: ignore[method-assign]
+        engine.model.logits = record  # type: ignore[method-assign]
+        try:
+            outputs[setting] = run_to_completion(
+                engine, {k: [msgspec.structs.replace(r) for r in v] for k, v in arrivals.items()})
+        finally:
+            engine.close()
+    assert pipelined["1"] == 0 and pipelined["2"] > 10 and pipelined["3"] > 10
+    for setting in ("2", "3"):
+        assert len(logits[setting]) == len(logits["1"])
+        for got, want in zip(logits[setting], logits["1"], strict=True):
+            assert torch.equal(got, want)
+        assert outputs[setting] == outputs["1"]
+    assert outputs["1"] == {rid: reference_greedy(model, p, 32)
+                            for rid, p in zip("abcde", ps, strict=True)}
 
 
 def test_replicated_placement_from_a_file(mixtral_ckpt: tuple, tmp_path: Path) -> None:

@@ -1,0 +1,35 @@
+"""How a step splits into micro-batches for the ping-pong pipeline with the expert
+services (`DenseModel.forward_pipelined`): how many, and which sequences each takes."""
+
+from __future__ import annotations
+
+from services.attention.scheduler import ScheduledSeq
+
+# `--micro-batches auto` pipelines steps of at least this many tokens (SGLang's two-batch
+# overlap starts to pay at about 64 tokens per device; this is the CPU's break-even).
+PIPELINE_MIN_TOKENS = 32
+
+
+def micro_batch_count(setting: str, num_tokens: int, overlaps: bool) -> int:
+    """Micro-batches for a step of `num_tokens`: `setting` (auto, 1, 2, 3), where the
+    experts' backend `overlaps` exchanges with computation (else 1: nothing to hide)."""
+    if not overlaps:
+        return 1
+    if setting == "auto":
+        return 2 if num_tokens >= PIPELINE_MIN_TOKENS else 1
+    return int(setting)
+
+
+def split(scheduled: list[ScheduledSeq], parts: int) -> list[list[ScheduledSeq]]:
+    """`scheduled` in at most `parts` contiguous groups of about equal tokens, none empty,
+    in order (so their hidden states, concatenated, are the whole step's)."""
+    total = sum(item.num_new_tokens for item in scheduled)
+    groups: list[list[ScheduledSeq]] = [[]]
+    done = 0
+    for item in scheduled:
+        # start the next group once this one holds its share of the tokens
+        if groups[-1] and len(groups) < parts and done >= total * len(groups) / parts:
+            groups.append([])
+        groups[-1].append(item)
+        done += item.num_new_tokens
+    return groups
