@@ -133,7 +133,8 @@ def add_engine_flags(p: argparse.ArgumentParser, default_backend: str = "local"
             help="split each step into this many micro-batches and pipeline them with the "
                  "expert services (ping-pong: one's attention while the experts compute "
                  "another's layer; rpc backend, one rank per attention group); auto: 2 "
-                 f"from {PIPELINE_MIN_TOKENS} tokens a step where the experts run elsewhere"),
+                 f"from {PIPELINE_MIN_TOKENS} tokens a step on a GPU, 1 on the CPU (where "
+                 "both sides share the host's cores, it did not pay)"),
         add("--dispatch-backend", default=env("DISPATCH_BACKEND", default_backend),
             help="ep_dispatch backend between attention and experts: local (experts in the "
                  "attention process), rpc (expert services over TCP), torch "

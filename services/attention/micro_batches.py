@@ -5,18 +5,23 @@ from __future__ import annotations
 
 from services.attention.scheduler import ScheduledSeq
 
-# `--micro-batches auto` pipelines steps of at least this many tokens (SGLang's two-batch
-# overlap starts to pay at about 64 tokens per device; this is the CPU's break-even).
-PIPELINE_MIN_TOKENS = 32
+# `--micro-batches auto` pipelines steps of at least this many tokens on a GPU (SGLang's
+# two-batch overlap starts to pay at about 64 tokens per device; not measured here).
+PIPELINE_MIN_TOKENS = 64
 
 
-def micro_batch_count(setting: str, num_tokens: int, overlaps: bool) -> int:
+def micro_batch_count(setting: str, num_tokens: int, overlaps: bool, device: str) -> int:
     """Micro-batches for a step of `num_tokens`: `setting` (auto, 1, 2, 3), where the
-    experts' backend `overlaps` exchanges with computation (else 1: nothing to hide)."""
+    experts' backend `overlaps` exchanges with computation (else 1: nothing to hide).
+
+    `auto` is 1 on the CPU: there the attention and expert services share the host's
+    cores and memory bus, so while one side computes the other has nothing to run on
+    (measured on 2 cores: 0.86-0.96x the tokens/s of one batch a step at concurrency 16
+    and 64, docs/benchmarks.md); 2 from `PIPELINE_MIN_TOKENS` on a GPU."""
     if not overlaps:
         return 1
     if setting == "auto":
-        return 2 if num_tokens >= PIPELINE_MIN_TOKENS else 1
+        return 2 if device != "cpu" and num_tokens >= PIPELINE_MIN_TOKENS else 1
     return int(setting)
 
 
