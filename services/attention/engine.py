@@ -298,7 +298,7 @@ class Engine:
             and not any(item.seq.warmup for item in scheduled)
         return micro_batch_count(self.config.micro_batches,
                                  sum(item.num_new_tokens for item in scheduled), overlaps,
-                                 self.device.type)
+                                 torch.device(self.device).type)
 
     def _score_prompts(self, scheduled: list[ScheduledSeq], hidden: torch.Tensor) -> None:
         """Prompt logprobs: for each sequence that asks, the log-probability of every prompt

@@ -3,6 +3,7 @@ dense MLPs, lm_head. Expert FFNs are reached through an `ExpertsClient`."""
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
@@ -142,11 +143,17 @@ class DenseModel:
             except StopIteration as done:
                 out[j] = done.value
 
-        for j in range(len(runs)):
-            advance(j, None)
-        while waiting:
-            j, exchange = waiting.popleft()
-            advance(j, exchange.finish())
+        try:
+            for j in range(len(runs)):
+                advance(j, None)
+            while waiting:
+                j, exchange = waiting.popleft()
+                advance(j, exchange.finish())
+        except BaseException:
+            for _, exchange in waiting:  # read the calls in flight: the connections stay
+                with contextlib.suppress(Exception):  # in step for the next one
+                    exchange.finish()
+            raise
         return [h for h in out if h is not None]
 
     def _layers(self, batch: StepBatch, kv: KVCache
