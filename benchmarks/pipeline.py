@@ -7,9 +7,11 @@ step), and one process, served through HTTP on the mid-size checkpoint.
 
 Each configuration is a `switchyard serve` loaded by `switchyard bench`'s client at each
 concurrency, the same fixed-seed prompts for all; float32, greedy, exactly
-`--output-len` tokens a request. Reports output tokens/s, the median TPOT, and the
-server's own mean decode step (`switchyard:engine_step_seconds`), with the ratios the
-issue asks for: pipelined over unpipelined, and each over one process.
+`--output-len` tokens a request. Reports output tokens/s, the median TPOT, the server's
+own mean decode step (`switchyard:engine_step_seconds`), each side's busy fraction
+(`switchyard:busy_seconds_total` over the load's wall time, per process: in one process
+the experts' time is the attention service's), and the ratios the issue asks for:
+pipelined over unpipelined, and each over one process.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from benchmarks.serving import served_rows
 from switchyard.bench import make_prompts
 
 ONE_PROCESS = ["--dispatch-backend", "local"]
-DEFAULT_TOPOLOGY = ["--dispatch-backend", "rpc", "--expert-services", "2"]
+EXPERT_SERVICES = 2
+DEFAULT_TOPOLOGY = ["--dispatch-backend", "rpc", "--expert-services", str(EXPERT_SERVICES)]
 
 
 def main() -> None:
@@ -53,8 +56,8 @@ def main() -> None:
           f"{m['matmul_gflops']:.0f} GFLOP/s; {args.input_len} input + {args.output_len} "
           "output tokens, float32\n")
     print("| concurrency | configuration | out tok/s | TPOT median ms | own decode step ms "
-          "| vs 1 process | vs --micro-batches 1 |")
-    print("|---:|---|---:|---:|---:|---:|---:|")
+          "| attention busy | each expert service busy | vs 1 process | vs --micro-batches 1 |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     one, unpiped = configs[0][0], configs[1][0]
     for c in levels:
         for name, _ in configs:
@@ -62,9 +65,13 @@ def main() -> None:
             tps = r["output_throughput"]
             vs_one = tps / rows[one][c]["output_throughput"]
             vs_unpiped = tps / rows[unpiped][c]["output_throughput"]
+            wall = r["duration_s"]
+            attention = r["busy_s"].get("attention", 0.0) / wall
+            experts = r["busy_s"].get("expert", 0.0) / wall / EXPERT_SERVICES
             print(f"| {c} | {name} | {tps:.1f} | {r['tpot']['median_ms']:.1f} | "
-                  f"{r['step_ms']:.1f} | {vs_one:.2f}x | "
-                  + (f"{vs_unpiped:.2f}x |" if name != one else "- |"))
+                  f"{r['step_ms']:.1f} | {attention:.0%} | "
+                  + (f"{experts:.0%}" if name != one else "-")
+                  + f" | {vs_one:.2f}x | " + (f"{vs_unpiped:.2f}x |" if name != one else "- |"))
 
 
 if __name__ == "__main__":

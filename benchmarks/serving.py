@@ -97,10 +97,24 @@ def decode_steps_served(url: str) -> tuple[float, float]:
     return seconds, count
 
 
+def busy_seconds(url: str) -> dict[str, float]:
+    """Seconds each kind of service (attention, expert) has computed so far, summed over
+    its processes, from the gateway's merged /metrics (`switchyard:busy_seconds_total`)."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        if family.name == "switchyard:busy_seconds":
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    kind = sample.labels.get("service", "")
+                    out[kind] = out.get(kind, 0.0) + sample.value
+    return out
+
+
 def served_rows(path: Path, flags: list[str], prompts: list[list[int]], levels: list[int],
                 output_len: int) -> dict[int, dict]:
-    """Each level's `summarize` figures, and `step_ms`: the server's own mean decode step
-    over the level (its exchanges with expert services included)."""
+    """Each level's `summarize` figures, `step_ms`: the server's own mean decode step
+    over the level (its exchanges with expert services included), and `busy_s`: each
+    kind of service's computing seconds over the level (`busy_seconds`)."""
     out = {}
     with Served(["--model", str(path), "--kv-cache-memory", "1GiB", *flags],
                 timeout=900) as served:
@@ -110,11 +124,14 @@ def served_rows(path: Path, flags: list[str], prompts: list[list[int]], levels: 
             n = max(c, 4)
             log(f"  concurrency {c}: {n} requests ...")
             seconds, count = decode_steps_served(served.url)
+            busy = busy_seconds(served.url)
             records, duration = run_load(served.url, model, prompts[:n], output_len, c,
                                          None, min(4, c), 0)
             out[c] = summarize(records, duration, c, min(4, c))
             after = decode_steps_served(served.url)
             out[c]["step_ms"] = 1e3 * (after[0] - seconds) / max(after[1] - count, 1)
+            out[c]["busy_s"] = {kind: s - busy.get(kind, 0.0)
+                                for kind, s in busy_seconds(served.url).items()}
     return out
 
 

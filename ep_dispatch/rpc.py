@@ -16,6 +16,7 @@ import time
 import torch
 
 from common import tracing
+from common.compute import waiting
 from common.messages import ExpertBatch, ExpertResult
 from common.rpc import MAX_FRAME_BYTES
 from ep_dispatch.base import PointToPoint
@@ -41,6 +42,8 @@ class RpcExperts(PointToPoint):
         self.dispatch_bytes = 0  # activation bytes sent to expert ranks, for accounting
         self._ids = itertools.count()
         self._turns = ReplicaTurns()  # rotates each layer's first replica
+        self._pending: dict[int, set[int]] = {}  # per rank, call ids sent and not yet read
+        self._early: dict[int, dict[int, ExpertResult]] = {}  # per rank, answers read early
 
     def __call__(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> torch.Tensor:
@@ -80,6 +83,7 @@ class RpcExperts(PointToPoint):
         try:
             for batch in batches:
                 conn.send(batch, deadline)
+                self._pending.setdefault(rank, set()).add(batch.call_id)
                 self.dispatch_bytes += len(batch.x.data)
         except BaseException as exc:
             self._lost(rank, layer, exc)
@@ -87,17 +91,29 @@ class RpcExperts(PointToPoint):
 
     def _receive(self, rank: int, layer: int, call_ids: list[int], deadline: float
                  ) -> torch.Tensor:
-        """The outputs [n, H] of `rank`'s calls, in order."""
+        """The outputs [n, H] of `rank`'s calls, in order. A rank answers its
+        connection's calls in turn, and exchanges in flight share that connection (a
+        micro-batch's exchange sent again to replicas queues behind another's calls):
+        answers to another exchange's calls are kept for it (`_early`)."""
         conn = self.pool.conns[rank]
         if conn is None:  # dropped since the calls were sent (another exchange failed)
             raise ExpertRankError(f"{self.pool.name(rank)} was lost before layer {layer} "
                                   "answered", frozenset({rank}))
+        pending, early = self._pending.setdefault(rank, set()), self._early.setdefault(rank, {})
         results = []
         try:
             for call_id in call_ids:
-                result = conn.receive(deadline)
-                if not isinstance(result, ExpertResult) or result.call_id != call_id:
-                    raise ExpertRankError(f"{self.pool.name(rank)} answered out of turn")
+                result = early.pop(call_id, None)
+                while result is None:
+                    with waiting():  # the attention service's bubble, not its work
+                        got = conn.receive(deadline)
+                    if not isinstance(got, ExpertResult) or got.call_id not in pending:
+                        raise ExpertRankError(f"{self.pool.name(rank)} answered out of turn")
+                    pending.discard(got.call_id)
+                    if got.call_id == call_id:
+                        result = got
+                    else:
+                        early[got.call_id] = got
                 results.append(result)
         except BaseException as exc:
             self._lost(rank, layer, exc)
@@ -114,6 +130,8 @@ class RpcExperts(PointToPoint):
         hold a late answer now, so it is never used again; the rank is lost (an
         interruption is raised as it is)."""
         self.pool.drop(rank)
+        self._pending.pop(rank, None)  # its calls in flight will never be answered
+        self._early.pop(rank, None)
         if isinstance(exc, Exception):
             raise ExpertRankError(f"{self.pool.name(rank)} failed on layer {layer}: {exc!r}",
                                   frozenset({rank})) from exc
@@ -174,7 +192,10 @@ class RpcExchange:
                 return ys
             first = min(self.errors, key=str)  # the lowest rank's message
             exc = ExpertRankError(str(first), frozenset().union(*(e.lost for e in self.errors)))
-            if not self.client.pool.route_around(exc):
+            # ranks another exchange in flight found lost meanwhile are routed around
+            # already: this one's next layout leaves them out
+            stale = bool(exc.lost) and exc.lost <= self.client.pool.lost
+            if not (stale or self.client.pool.route_around(exc)):
                 raise exc
             self.send()
 

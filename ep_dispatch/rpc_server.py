@@ -40,7 +40,7 @@ class Coalescer:
 
     def __init__(self, answer: Callable[[list[ExpertBatch]], list[ExpertResult]]) -> None:
         self._answer = answer
-        self._compute = ComputeThread("expert-compute")  # every computation on one thread
+        self._compute = ComputeThread("expert-compute", "expert")  # every computation on one thread
         self._queue: list[tuple[ExpertBatch, FrameStream]] = []
         self._arrived = anyio.Event()
         self.num_coalesced = 0  # batches that shared a computation with an earlier one

@@ -3,7 +3,10 @@ services (`DenseModel.forward_pipelined`): how many, and which sequences each ta
 
 from __future__ import annotations
 
-from services.attention.scheduler import ScheduledSeq
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the flags read this module; `serve` and the gateway never load torch
+    from services.attention.scheduler import ScheduledSeq
 
 # `--micro-batches auto` pipelines steps of at least this many tokens on a GPU (SGLang's
 # two-batch overlap starts to pay at about 64 tokens per device; not measured here).

@@ -59,7 +59,7 @@ class AttentionServer:
         self._owners: dict[str, FrameStream] = {}
         self._outboxes: dict[FrameStream, MemoryObjectSendStream[TokenDelta]] = {}
         self._out_of_step = out_of_step or _exit_out_of_step
-        self._compute = ComputeThread("engine-step")  # every step on one thread
+        self._compute = ComputeThread("engine-step", "attention")  # every step on one thread
 
     def _post(self, work: _Work) -> None:
         self._inbox.append(work)

@@ -11,6 +11,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Link, NonRecordingSpan, set_span_in_context
 
 from common import tracing
+from common.compute import waited
 from services.attention.scheduler import ScheduledSeq
 from services.attention.sequence import Sequence
 
@@ -42,7 +43,9 @@ def trace_request(seq: Sequence, reason: str) -> None:
 def step_span(scheduled: list[ScheduledSeq]) -> Iterator[None]:
     """A span around one scheduler step, linked to each sampled request it serves. A step
     serves many requests, so it is a root of its own: sampled like any root, and recorded
-    without per-layer detail when only a request it serves is (`tracing._follow_links`)."""
+    without per-layer detail when only a request it serves is (`tracing._follow_links`).
+    It ends with the step's busy and waiting seconds (`switchyard.busy_s`,
+    `switchyard.wait_s`: blocked on the expert services, `common.compute.waiting`)."""
     if not tracing.enabled():
         yield
         return
@@ -55,5 +58,10 @@ def step_span(scheduled: list[ScheduledSeq]) -> Iterator[None]:
     with tracing.tracer().start_as_current_span("step", context=Context(), links=links,
                                                 attributes=attributes) as span:
         recorded = getattr(span, "attributes", None) or {}
+        start, before = time.perf_counter(), waited()
         with tracing.detail(recorded.get("switchyard.detail", True)):
             yield
+        # the step's bubbles: its time blocked on the expert services' answers
+        wait = waited() - before
+        span.set_attribute("switchyard.wait_s", wait)
+        span.set_attribute("switchyard.busy_s", max(0.0, time.perf_counter() - start - wait))

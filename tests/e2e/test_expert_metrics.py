@@ -36,6 +36,7 @@ def test_per_expert_series_follow_the_load(qwen3_ckpt: tuple, flags: list[str]) 
     backend = "rpc" if "--expert-services" in flags else "local"
     with Served(["--model", str(path), *flags]) as served:
         before = scrape(f"{served.url}/metrics")
+        busy_before = before.get("switchyard:busy_seconds_total", {})
         warmup = per_expert(before, TOKENS)  # the warm-up alone so far: every expert ran
         assert warmup == routed(served.url)
         assert set(warmup) == set(per_expert(before, CALLS)) == {
@@ -71,3 +72,14 @@ def test_per_expert_series_follow_the_load(qwen3_ckpt: tuple, flags: list[str]) 
         assert sum(more.values()) > sum(tokens.values())
         assert all(more[k] >= v for k, v in tokens.items())
         assert second["switchyard:dispatch_seconds_count"][(("backend", backend),)] > dispatches
+
+        # Busy time: each service's compute thread; with rpc the attention service also
+        # waited on its expert services' answers, and each expert service computed.
+        busy = second["switchyard:busy_seconds_total"]
+        waits = second["switchyard:wait_seconds_total"]
+        assert busy[(("service", "attention"),)] > busy_before.get((("service", "attention"),), 0)
+        if backend == "rpc":
+            assert busy[(("service", "expert"),)] > 0 and waits[(("service", "attention"),)] > 0
+        for o in own:
+            fractions = o["switchyard:busy_fraction"]
+            assert len(fractions) == 1 and 0 < next(iter(fractions.values())) <= 1

@@ -247,6 +247,50 @@ def test_a_lost_expert_rank_is_routed_around_while_its_experts_have_replicas(
         restarted.stop()
 
 
+def test_an_expert_rank_killed_mid_pipeline_loses_no_request(qwen3_ckpt: tuple,
+                                                              tmp_path: Path) -> None:
+    """`--micro-batches 2` with each expert on 2 of 3 expert services: one killed while
+    both micro-batches' exchanges are in flight, every request still ends with
+    transformers' greedy tokens (its rows sent again to the replicas)."""
+    path, model = qwen3_ckpt
+    cfg = ModelConfig.from_dir(path)
+    placement = tmp_path / "placement.json"
+    placement.write_text(Placement.balanced(cfg.moe_layer_ids, cfg.num_experts, 3,
+                                            replicas=2).to_json())
+    ps = prompts(seed=13, lengths=(9, 14, 5, 22))
+    children = Children()
+    try:
+        ports = children.start_all([(f"expert {r}", expert_command(path, r, 3, placement))
+                                    for r in range(3)], timeout=120)
+        engine = rpc_engine(path, [("127.0.0.1", p) for p, *_ in ports], placement=placement,
+                            expert_timeout=10, micro_batches="2")
+        client: RpcExperts = engine.experts  # type: ignore[assignment]
+        starts = 0
+        start = client.start
+
+        def kill_once_in_flight(*args: object) -> object:
+            nonlocal starts
+            starts += 1
+            exchange = start(*args)  # type: ignore[arg-type]
+            if starts == 40:  # mid-generation, the other micro-batch's calls sent too
+                lost = children.procs[1][1]
+                lost.kill()
+                lost.wait()
+            return exchange
+
+        client.start = kill_once_in_flight  # type: ignore[method-assign]
+        try:
+            got = run_to_completion(engine, {0: [greedy(rid, p) for rid, p
+                                                 in zip("abcd", ps, strict=True)]})
+            assert starts > 40 and client.pool.lost == {1}
+        finally:
+            engine.close()
+    finally:
+        children.stop()
+    assert got == {rid: reference_greedy(model, p, 32) for rid, p in zip("abcd", ps,
+                                                                          strict=True)}
+
+
 def test_serve_starts_a_lost_expert_service_again(qwen3_ckpt: tuple) -> None:
     """`serve` (rpc) restarts an expert service that dies, on its ports, as compose's
     restart policy does; with every expert on two services no request fails meanwhile."""
