@@ -11,7 +11,8 @@ exactly), every dense weight (attention, norms, router gates, lm_head), and the 
 of the batch; and the FLOPs of its matmuls and attention. The floor is the larger of the
 bytes at the measured read bandwidth and the FLOPs at the measured matmul rate; the table
 gives the median step time as a multiple of it, and the step's median time in each part:
-attention, router, dispatch and combine, the experts, lm_head and sampling, the rest.
+the attention blocks (norms, qkv, rotary, KV write, attention, o), router, dispatch and
+combine, the experts, lm_head and sampling, the rest.
 With `--cpu-kernels on off` each batch size runs with the compiled CPU kernels (experts,
 dense projections, lm_head, attention, the layer math) and with torch's, one engine each
 (the weights' layout is chosen at load); with `--quantization none w4a4` both float32 and
@@ -119,7 +120,7 @@ def step_flops(engine: Engine) -> int:
     return 2 * len(running) * (dense + experts) + attention
 
 
-PARTS = ("attention", "router", "dispatch + combine", "experts", "lm_head + sampling",
+PARTS = ("attention block", "router", "dispatch + combine", "experts", "lm_head + sampling",
          "rest")
 
 
@@ -135,7 +136,8 @@ class StepParts:
 
         self.seconds = dict.fromkeys(PARTS, 0.0)
         experts, model = engine.experts, engine.model
-        model.attend = self._timed("attention", model.attend)
+        model.attention_block = self._timed("attention block",  # type: ignore[method-assign]
+                                            model.attention_block)
         model_module.route = self._timed("router", model_module.route)
         experts.expert_fn = self._timed("experts", experts.expert_fn)  # type: ignore[attr-defined]
         call = type(experts).__call__

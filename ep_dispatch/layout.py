@@ -89,9 +89,16 @@ def sort_rows(key: torch.Tensor, topk_weights: torch.Tensor, num_local: list[int
     """The layout of the rows of topk_weights [T, K] whose destination slots are key
     [T*K] int64 (rank * E + local expert), all on the device: no host synchronisation."""
     num_tokens, top_k = topk_weights.shape
+    slots = len(num_local) * num_experts
+    if key.device.type == "cpu" and topk_weights.dtype == torch.float32 \
+            and (kernels := cpu_kernels()) is not None:  # one call for the seven below
+        src, weights, counts = kernels.sort_rows_cpu(key, topk_weights, slots)
+        return Layout(src_token=src, weights=weights,
+                      counts=counts.view(len(num_local), num_experts), num_local=num_local,
+                      num_tokens=num_tokens)
     order = torch.argsort(key, stable=True)  # [T*K]
     # not bincount: on a GPU it synchronises twice to size its output
-    counts = torch.zeros(len(num_local) * num_experts, dtype=torch.int64,
+    counts = torch.zeros(slots, dtype=torch.int64,
                          device=key.device).index_add_(0, key, torch.ones_like(key))
     return Layout(src_token=order // top_k, weights=topk_weights.reshape(-1)[order],
                   counts=counts.view(len(num_local), num_experts), num_local=num_local,

@@ -1,6 +1,7 @@
 """The CPU's compiled kernels (`csrc/`: float32 experts and linears, W4A4 experts and their
 quantizer, decode attention over the paged KV cache, RMSNorm and q/k norm + rotary
-embedding), built once per machine
+embedding, the router and the dispatch layout's sort, a decode step's whole attention
+block), built once per machine
 with torch's cpp_extension (gcc, ninja) into torch's extension cache, and loaded on first
 use. A machine that cannot build them runs
 the torch path, and says why once; `SWITCHYARD_CPU_KERNELS=0` chooses the torch path."""
@@ -18,7 +19,7 @@ from types import ModuleType
 log = logging.getLogger("switchyard.expert")
 SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("module.cpp", "f32_cpu.cpp", "w4a4_cpu.cpp", "attention_cpu.cpp",
-                         "layers_cpu.cpp")]
+                         "layers_cpu.cpp", "decode_layer_cpu.cpp")]
 _lock = threading.Lock()
 _loaded: ModuleType | None = None
 _failed = False

@@ -97,5 +97,21 @@ std::tuple<torch::Tensor, torch::Tensor> qk_norm_rope_f32(
     const torch::Tensor& qkv, const c10::optional<torch::Tensor>& q_norm,
     const c10::optional<torch::Tensor>& k_norm, const torch::Tensor& cos,
     const torch::Tensor& sin, int64_t heads, int64_t kv_heads, double eps);
+std::tuple<torch::Tensor, torch::Tensor> route_f32(const torch::Tensor& x,
+                                                   const torch::Tensor& gate_panels,
+                                                   int64_t experts, int64_t top_k,
+                                                   bool normalize);
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> sort_rows_cpu(
+    const torch::Tensor& key, const torch::Tensor& weights, int64_t slots);
 torch::Tensor combine_f32(const torch::Tensor& y, const torch::Tensor& src_token,
                           const torch::Tensor& weights, int64_t num_tokens);
+
+// decode_layer_cpu.cpp
+std::tuple<torch::Tensor, torch::Tensor> attention_block_f32(
+    const torch::Tensor& h, const torch::Tensor& input_norm, const torch::Tensor& qkv_panels,
+    int64_t qkv_columns, const c10::optional<torch::Tensor>& q_norm,
+    const c10::optional<torch::Tensor>& k_norm, const torch::Tensor& cos,
+    const torch::Tensor& sin, torch::Tensor k_cache, torch::Tensor v_cache,
+    const torch::Tensor& slot_mapping, const torch::Tensor& kv_slots, const torch::Tensor& mask,
+    const torch::Tensor& o_panels, int64_t o_columns, const torch::Tensor& post_norm,
+    int64_t heads, int64_t kv_heads, double eps, double scale);

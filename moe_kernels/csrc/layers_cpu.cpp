@@ -117,3 +117,79 @@ torch::Tensor combine_f32(const torch::Tensor& y, const torch::Tensor& src_token
   }
   return out;
 }
+
+// The router: x [T, H] float32 against gate panels [E'/16, H, 16] (the first `experts`
+// columns real) -> (topk_ids [T, K] int64, topk_weights [T, K] float32): a softmax over
+// the experts in float32, the K largest (the lower expert first on a tie), renormalised
+// to sum to 1 with `normalize`. In torch that is six operations a layer.
+std::tuple<torch::Tensor, torch::Tensor> route_f32(const torch::Tensor& x,
+                                                   const torch::Tensor& gate_panels,
+                                                   int64_t experts, int64_t top_k,
+                                                   bool normalize) {
+  const torch::Tensor logits = linear_f32(x, gate_panels);  // [T, E' >= E]
+  const int64_t t = logits.size(0), ld = logits.size(1);
+  TORCH_CHECK(experts > 0 && experts <= ld && top_k > 0 && top_k <= experts,
+              "need 0 < top_k <= experts <= the gate's columns");
+  torch::Tensor ids = torch::empty({t, top_k}, x.options().dtype(torch::kInt64));
+  torch::Tensor weights = torch::empty({t, top_k}, x.options());
+  const float* lp = logits.data_ptr<float>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  float* wp = weights.data_ptr<float>();
+  std::vector<float> probs(experts);
+  std::vector<int64_t> order(experts);
+  for (int64_t r = 0; r < t; ++r) {
+    const float* row = lp + r * ld;
+    const float top = *std::max_element(row, row + experts);
+    float total = 0.f;
+    for (int64_t e = 0; e < experts; ++e) total += probs[e] = std::exp(row[e] - top);
+    for (int64_t e = 0; e < experts; ++e) {
+      probs[e] /= total;
+      order[e] = e;
+    }
+    std::partial_sort(order.begin(), order.begin() + top_k, order.end(),
+                      [&](int64_t a, int64_t b) {
+                        return probs[a] > probs[b] || (probs[a] == probs[b] && a < b);
+                      });
+    float kept = 0.f;
+    for (int64_t k = 0; k < top_k; ++k) kept += probs[order[k]];
+    for (int64_t k = 0; k < top_k; ++k) {
+      ip[r * top_k + k] = order[k];
+      wp[r * top_k + k] = normalize ? probs[order[k]] / kept : probs[order[k]];
+    }
+  }
+  return {ids, weights};
+}
+
+// The dispatch layout's sort (`ep_dispatch.layout.sort_rows`): the T*K rows of the router's
+// top-k, with destination slots key [T*K] int64 in [0, slots) and weights [T, K] float32
+// -> (each row's source token, rows in slot order [T*K] int64; their weights in that
+// order [T*K]; rows per slot [slots] int64). A counting sort: the order of a stable
+// argsort, in one pass.
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> sort_rows_cpu(
+    const torch::Tensor& key, const torch::Tensor& weights, int64_t slots) {
+  TORCH_CHECK(key.dtype() == torch::kInt64 && key.dim() == 1, "key must be int64 [T*K]");
+  TORCH_CHECK(weights.dtype() == torch::kFloat32 && weights.dim() == 2 &&
+                  weights.numel() == key.numel(), "weights must be float32 [T, K]");
+  const int64_t n = key.numel(), top_k = std::max<int64_t>(1, weights.size(1));
+  const torch::Tensor kc = key.contiguous(), wc = weights.contiguous();
+  const int64_t* kp = kc.data_ptr<int64_t>();
+  const float* wp = wc.data_ptr<float>();
+  torch::Tensor counts = torch::zeros({slots}, key.options());
+  int64_t* cp = counts.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r) {
+    TORCH_CHECK(kp[r] >= 0 && kp[r] < slots, "a row's slot is out of range");
+    ++cp[kp[r]];
+  }
+  std::vector<int64_t> next(slots + 1, 0);
+  for (int64_t s = 0; s < slots; ++s) next[s + 1] = next[s] + cp[s];
+  torch::Tensor src = torch::empty({n}, key.options());
+  torch::Tensor sorted = torch::empty({n}, weights.options());
+  int64_t* op = src.data_ptr<int64_t>();
+  float* sp = sorted.data_ptr<float>();
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t at = next[kp[r]]++;
+    op[at] = r / top_k;
+    sp[at] = wp[r];
+  }
+  return {src, sorted, counts};
+}

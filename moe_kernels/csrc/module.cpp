@@ -34,4 +34,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_f32", &rms_norm_f32, "float32 RMSNorm of rows [R, H]");
   m.def("qk_norm_rope_f32", &qk_norm_rope_f32,
         "float32 q/k of stacked qkv rows: per-head RMSNorm, then rotary embedding");
+  m.def("route_f32", &route_f32,
+        "float32 router: gate logits, softmax, top-k, renormalised: (ids, weights)");
+  m.def("sort_rows_cpu", &sort_rows_cpu,
+        "dispatch layout: rows ordered by slot (stable), their weights, rows per slot");
+  m.def("attention_block_f32", &attention_block_f32,
+        "float32 decode attention block: norm, qkv, rope, KV write, attention, o, add, norm");
 }

@@ -7,12 +7,14 @@ import contextlib
 from collections import deque
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from dcp.batch import StepBatch
 from ep_dispatch.base import Exchange, ExpertsClient
+from moe_kernels.cpu_kernels import cpu_kernels
 from moe_kernels.panels import PanelWeights
 from moe_kernels.selection import linear
 from moe_kernels.selection import panels_for_cpu as _panels_for_cpu
@@ -92,6 +94,7 @@ class DenseModel:
         self.cfg = cfg
         # Paged attention over this process's KV cache, or a DCP group's sharded one.
         self.attend: Attend = attend or (lambda kv, layer, q, batch: kv.attend(layer, q, batch))
+        self._own_cache = attend is None  # every key here: the compiled block may run
         self.dtype = dtype
         h = cfg.hidden_size
 
@@ -110,6 +113,8 @@ class DenseModel:
         self._load = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.int64,
                                  device=device)
         self.expert_load = self._load.cpu()
+        self._panels = all(isinstance(w.qkv, PanelWeights) and isinstance(w.o, PanelWeights)
+                           for w in self.layers)
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch, kv: KVCache, experts: ExpertsClient | MoE
@@ -169,10 +174,9 @@ class DenseModel:
         rows = torch.ones_like(batch.input_ids) if batch.real_rows is None else batch.real_rows
         counted = rows.repeat_interleave(self.cfg.top_k)  # [T*K] int64
         forced = batch.forced_routing  # a warm-up's (its rows count as load: they ran)
+        compiled = self._compiled_block(h, batch)
         for i, w in enumerate(self.layers):
-            h = h + self._attention(i, w, rms_norm(h, w.input_norm, self.cfg.rms_norm_eps),
-                                    cos, sin, batch, kv)
-            x = rms_norm(h, w.post_attn_norm, self.cfg.rms_norm_eps)
+            h, x = self.attention_block(i, w, h, cos, sin, batch, kv, compiled)
             if w.gate is None:
                 gate, up = linear(x, w.mlp_gate_up).chunk(2, dim=-1)  # 2 x [T, I]
                 h = h + linear(F.silu(gate) * up, w.mlp_down)
@@ -185,16 +189,38 @@ class DenseModel:
                 h = h + (yield i, x, ids, weights)
         return rms_norm(h, self.norm, self.cfg.rms_norm_eps)
 
-    def _attention(
-        self, i: int, w: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        batch: StepBatch, kv: KVCache,
-    ) -> torch.Tensor:
-        cfg, t = self.cfg, x.shape[0]
-        q, k, v = qkv_heads(linear(x, w.qkv), w.q_norm, w.k_norm, cos, sin, cfg.num_heads,
-                            cfg.num_kv_heads, cfg.rms_norm_eps)  # [T, heads or kv_heads, D]
+    def attention_block(
+        self, i: int, w: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        batch: StepBatch, kv: KVCache, compiled: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's attention block over the residual stream h [T, H]: (h plus the
+        attention's output [T, H], that sum RMSNorm'd for the MLP or MoE [T, H]). One
+        compiled call where `compiled` (`_compiled_block`) is given, the same bits."""
+        cfg, t, eps = self.cfg, h.shape[0], self.cfg.rms_norm_eps
+        if compiled is not None:
+            assert isinstance(w.qkv, PanelWeights) and isinstance(w.o, PanelWeights)
+            return compiled.attention_block_f32(
+                h, w.input_norm, w.qkv.panels, w.qkv.shape[0], w.q_norm, w.k_norm, cos, sin,
+                kv.k[i], kv.v[i], batch.slot_mapping, batch.decode_kv_slots,
+                batch.decode_mask, w.o.panels, w.o.shape[0], w.post_attn_norm,
+                cfg.num_heads, cfg.num_kv_heads, eps, cfg.head_dim ** -0.5)
+        q, k, v = qkv_heads(linear(rms_norm(h, w.input_norm, eps), w.qkv), w.q_norm, w.k_norm,
+                            cos, sin, cfg.num_heads, cfg.num_kv_heads, eps)  # [T, heads|kv, D]
         kv.write(i, k, v, batch.slot_mapping, batch.foreign_slots)
         out = self.attend(kv, i, q, batch)  # [T, heads, D]
-        return linear(out.reshape(t, -1), w.o)
+        h = h + linear(out.reshape(t, -1), w.o)
+        return h, rms_norm(h, w.post_attn_norm, eps)
+
+    def _compiled_block(self, h: torch.Tensor, batch: StepBatch) -> Any:
+        """The CPU kernels, where a step's attention blocks may run as one call each (a
+        decode step over this process's own cache, float32 weights in panels; else None).
+        At a decode step's few rows the Python between the kernels costs more than their
+        arithmetic."""
+        if not self._own_cache or h.device.type != "cpu" or h.dtype != torch.float32 \
+                or batch.prefills or batch.foreign_slots \
+                or batch.decode_rows.numel() != h.shape[0] or not self._panels:
+            return None
+        return cpu_kernels()
 
     def publish_load(self) -> None:
         """Copy the routing counts to the host (`expert_load`), after a step synchronised."""

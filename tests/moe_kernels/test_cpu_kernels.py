@@ -142,3 +142,45 @@ def test_switched_off_it_is_never_built() -> None:
         env={"SWITCHYARD_CPU_KERNELS": "0", "PATH": "/usr/bin:/bin"},
         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "off", out.stderr
+
+
+@pytest.mark.parametrize(("tokens", "experts", "top_k", "normalize"),
+                         [(1, 8, 2, True), (7, 64, 4, True), (33, 60, 8, False), (5, 128, 8, True)])
+def test_the_router_picks_torchs_experts(kernel: object, tokens: int, experts: int,
+                                          top_k: int, normalize: bool) -> None:
+    """`route_f32` against torch's softmax and topk on the same gate logits (the panel
+    linear's): the same experts in the same order, weights within float32 rounding."""
+    g = torch.Generator().manual_seed(tokens + experts)
+    x, gate = torch.randn(tokens, 256, generator=g), torch.randn(experts, 256, generator=g)
+    panels = panels_for_cpu(gate, pad=True)
+    probs = F.softmax(linear(x, panels), dim=-1, dtype=torch.float32)
+    want_w, want_ids = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        want_w = want_w / want_w.sum(dim=-1, keepdim=True)
+    ids, w = kernel.route_f32(x, panels.panels, experts, top_k, normalize)  # type: ignore[attr-defined]
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(w, want_w, rtol=1e-6, atol=1e-7)
+
+
+def test_the_router_breaks_ties_to_the_lower_expert(kernel: object) -> None:
+    panels = panels_for_cpu(torch.zeros(6, 32), pad=True)  # every logit 0: all tied
+    ids, w = kernel.route_f32(torch.randn(2, 32), panels.panels, 6, 3, True)  # type: ignore[attr-defined]
+    assert ids.tolist() == [[0, 1, 2], [0, 1, 2]]
+    torch.testing.assert_close(w, torch.full((2, 3), 1 / 3))
+    with pytest.raises(RuntimeError, match="top_k <= experts"):
+        kernel.route_f32(torch.randn(2, 32), panels.panels, 6, 7, True)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("tokens", "top_k", "slots"), [(0, 2, 4), (1, 4, 64), (37, 8, 130)])
+def test_the_layout_sort_is_a_stable_argsort(kernel: object, tokens: int, top_k: int,
+                                             slots: int) -> None:
+    g = torch.Generator().manual_seed(tokens)
+    key = torch.randint(0, slots, (tokens * top_k,), generator=g)
+    weights = torch.rand(tokens, top_k, generator=g)
+    src, sorted_w, counts = kernel.sort_rows_cpu(key, weights, slots)  # type: ignore[attr-defined]
+    order = torch.argsort(key, stable=True)
+    assert torch.equal(src, order // top_k)
+    assert torch.equal(sorted_w, weights.reshape(-1)[order])
+    assert torch.equal(counts, torch.bincount(key, minlength=slots))
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernel.sort_rows_cpu(torch.tensor([0, slots]), torch.rand(1, 2), slots)  # type: ignore[attr-defined]

@@ -51,3 +51,48 @@ def test_every_step_is_timed_by_its_kind(ckpt: tuple) -> None:
     # then 3 decode steps for the other 3 tokens
     assert count("prefill") - before["prefill"] == 3
     assert count("decode") - before["decode"] == 3
+
+
+def test_decode_steps_through_the_compiled_attention_block_are_the_same_bits(
+        ckpt: tuple) -> None:
+    """The compiled attention block (one call a layer at decode steps) against the Python
+    path over the same kernels: every step's logits equal, and the block did run."""
+    path, _ = ckpt
+    ps = prompts(seed=4, lengths=(6, 11, 3))
+    logits: dict[bool, list[torch.Tensor]] = {True: [], False: []}
+    compiled_steps = 0
+    for compiled in (True, False):
+        engine = engine_for(path, max_num_batched_tokens=32)
+        model = engine.model
+        model._own_cache = compiled  # False: the path a DCP group's ranks take
+        if compiled:
+            assert model._compiled_block(*_decode_probe(model)) is not None
+        forward_logits, block = model.logits, model.attention_block
+
+        def record(hidden: torch.Tensor, into: list = logits[compiled],
+                   fn: object = forward_logits) -> torch.Tensor:
+            out = fn(hidden)  # type: ignore[operator]
+            into.append(out.clone())
+            return out
+
+        def counted(*args: object, fn: object = block) -> object:
+            nonlocal compiled_steps
+            compiled_steps += args[-1] is not None
+            return fn(*args)  # type: ignore[operator]
+
+        model.logits, model.attention_block = record, counted  # type: ignore[method-assign]
+        run_to_completion(engine, {0: [greedy(f"r{i}", p, 12) for i, p in enumerate(ps)]})
+    assert compiled_steps >= 11 * engine.model_config.num_layers
+    assert len(logits[True]) == len(logits[False])
+    for got, want in zip(logits[True], logits[False], strict=True):
+        assert torch.equal(got, want)
+
+
+def _decode_probe(model: object) -> tuple[torch.Tensor, object]:
+    """A one-row decode batch's shape, for `_compiled_block`'s checks."""
+    from dcp.batch import StepBatch
+
+    one = torch.zeros(1, dtype=torch.int64)
+    batch = StepBatch(one, one, one, one, one[None], torch.ones(1, 1, dtype=torch.bool), [],
+                      one)
+    return torch.zeros(1, model.cfg.hidden_size), batch  # type: ignore[attr-defined]
