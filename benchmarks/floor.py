@@ -34,7 +34,7 @@ import torch
 from benchmarks.generate import add_workdir_flag, build_checkpoint, make_prompts
 from benchmarks.timing import timed
 from common.messages import GenerateRequest, SamplingParams
-from moe_kernels.cpu_kernels import set_enabled
+from moe_kernels.cpu_kernels import cpu_kernels, set_enabled
 from moe_kernels.panels import PanelWeights
 from services.attention.builder import build_engine
 from services.attention.config import AttentionConfig
@@ -122,6 +122,7 @@ def step_flops(engine: Engine) -> int:
 
 PARTS = ("attention block", "router", "dispatch + combine", "experts", "lm_head + sampling",
          "rest")
+KERNELS = "in compiled kernels"  # across the parts: the rest of the step is host work
 
 
 class StepParts:
@@ -144,6 +145,19 @@ class StepParts:
         type(experts).__call__ = self._timed("dispatch + combine", call)  # type: ignore[method-assign]
         model.logits = self._timed("lm_head + sampling", model.logits)  # type: ignore[method-assign]
         engine_module.sample = self._timed("lm_head + sampling", engine_module.sample)
+        self._time_kernels()
+
+    def _time_kernels(self) -> None:
+        """Wrap each function of the compiled CPU kernels' module (once per process: every
+        engine's steps call the same module), timing into `StepParts.kernel_seconds`."""
+        module = cpu_kernels()
+        if module is None or getattr(module, "_timed_by_floor", False):
+            return
+        for name in dir(module):
+            fn = getattr(module, name)
+            if callable(fn) and not name.startswith("_"):
+                setattr(module, name, _timed_kernel(fn))
+        module._timed_by_floor = True  # type: ignore[attr-defined]
 
     def _timed(self, part: str, fn: object) -> object:
         def run(*args: object, **kwargs: object) -> object:
@@ -155,15 +169,30 @@ class StepParts:
         return run
 
     def of(self, step: Callable[[], object]) -> dict[str, float]:
-        """Run one step; the seconds of each part of it."""
+        """Run one step; the seconds of each part of it, and of its compiled kernels."""
         self.seconds = dict.fromkeys(PARTS, 0.0)
+        _kernel_seconds[0] = 0.0
         start = time.perf_counter()
         step()
         total = time.perf_counter() - start
         parts = dict(self.seconds)
         parts["dispatch + combine"] -= parts["experts"]  # the experts run inside the call
         parts["rest"] = total - sum(parts.values())
+        parts[KERNELS] = _kernel_seconds[0]
         return parts
+
+
+_kernel_seconds = [0.0]  # in the compiled kernels' calls since the step began
+
+
+def _timed_kernel(fn: Callable[..., object]) -> Callable[..., object]:
+    def run(*args: object, **kwargs: object) -> object:
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _kernel_seconds[0] += time.perf_counter() - start
+    return run
 
 
 Step = tuple[float, int, int, dict[str, float]]  # seconds, bytes read, FLOPs, part seconds
@@ -264,8 +293,9 @@ def main() -> None:
           "the last column at the best-of-5 machine above")
     print("\n| batch | experts, CPU kernels | median step ms | MB read | GFLOP | machine "
           "(GB/s, GFLOP/s) | floor ms (bytes, FLOPs) | step / floor | "
-          + " | ".join(f"{p} ms" for p in PARTS) + " | step / best-case floor |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(PARTS) + "---:|")
+          + " | ".join(f"{p} ms" for p in PARTS) + f" | {KERNELS} ms (host: the rest of "
+          "the step) | step / best-case floor |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(PARTS) + "---:|---:|")
     for batch, kernels, steps, (read, gflops) in rows:
         med_time = statistics.median(t for t, *_ in steps)
         med_bytes = statistics.median(b for _, b, _, _ in steps)
@@ -275,10 +305,13 @@ def main() -> None:
         best = max(med_bytes / (m["read_gbs"] * 1e9), med_flops / (m["matmul_gflops"] * 1e9))
         split = " | ".join(f"{1e3 * statistics.median(p[part] for *_, p in steps):.1f}"
                            for part in PARTS)
+        kernel_ms = 1e3 * statistics.median(p[KERNELS] for *_, p in steps)
+        host_ms = 1e3 * statistics.median(t - p[KERNELS] for t, *_, p in steps)
         print(f"| {batch} | {kernels} | {1e3 * med_time:.1f} | {med_bytes / 1e6:.0f} | "
               f"{med_flops / 1e9:.2f} | {read:.1f}, {gflops:.0f} | {1e3 * floor:.1f} "
               f"({1e3 * by_bytes:.1f}, {1e3 * by_flops:.1f}) | {med_time / floor:.2f}x | "
-              f"{split} | {med_time / best:.2f}x |", flush=True)
+              f"{split} | {kernel_ms:.1f} ({host_ms:.1f}) | {med_time / best:.2f}x |",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ SOURCES = [Path(__file__).parent / "csrc" / name
 _lock = threading.Lock()
 _loaded: ModuleType | None = None
 _failed = False
+_built: ModuleType | None = None  # kept across `set_enabled`: switching back costs nothing
 
 
 def cpu_kernels() -> ModuleType | None:
@@ -35,7 +36,7 @@ def cpu_kernels() -> ModuleType | None:
             if os.environ.get("SWITCHYARD_CPU_KERNELS", "1") in ("", "0", "false"):
                 _failed = True
             else:
-                _loaded = _build()
+                _loaded = _built or _build()
                 _failed = _loaded is None
     return _loaded
 
@@ -43,9 +44,10 @@ def cpu_kernels() -> ModuleType | None:
 def set_enabled(enabled: bool) -> None:
     """Choose the kernel (built on the next use) or the torch path, for this process: what
     `SWITCHYARD_CPU_KERNELS` does at start-up (benchmarks compare the two in one run)."""
-    global _loaded, _failed
+    global _loaded, _failed, _built
     with _lock:
-        _loaded, _failed = (None, False) if enabled else (None, True)
+        _built = _loaded or _built
+        _loaded, _failed = (_built, False) if enabled else (None, True)
 
 
 def release_threads() -> None:

@@ -122,6 +122,7 @@ def test_a_machine_that_cannot_build_it_says_so_once(monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr(cpp, "load", no_compiler)
     monkeypatch.setattr(cpu_kernels, "_loaded", None)
+    monkeypatch.setattr(cpu_kernels, "_built", None)
     monkeypatch.setattr(cpu_kernels, "_failed", False)
     caplog.set_level(logging.INFO, logger="switchyard.expert")
     w_gate_up, w_down = weights(1, 64, 16, seed=0)
