@@ -108,7 +108,8 @@ def cpu_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """One query token per sequence over the paged KV cache, read in place, by the compiled
     kernel (`csrc/attention_cpu.cpp`); None where it does not apply (not float32 on the
-    CPU, or not built): the caller gathers K and V and runs torch's attention.
+    CPU, a head_dim no multiple of 16, or not built): the caller gathers K and V and runs
+    torch's attention.
 
     Args:
         q: [B, H, D] the decode tokens' queries.
@@ -122,7 +123,8 @@ def cpu_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         visible scores' log-sum-exp (-inf where none), as `dcp.merge.partial_attention`.
     """
     if q.device.type != "cpu" or q.dtype != torch.float32 or k_cache.dtype != torch.float32 \
-            or not k_cache.is_contiguous() or (kernels := cpu_kernels()) is None:
+            or not k_cache.is_contiguous() or q.shape[-1] % 16 \
+            or (kernels := cpu_kernels()) is None:
         return None
     return kernels.decode_attention(q, k_cache, v_cache, slots, mask, scale)
 

@@ -218,7 +218,8 @@ class DenseModel:
         arithmetic."""
         if not self._own_cache or h.device.type != "cpu" or h.dtype != torch.float32 \
                 or batch.prefills or batch.foreign_slots \
-                or batch.decode_rows.numel() != h.shape[0] or not self._panels:
+                or batch.decode_rows.numel() != h.shape[0] or not self._panels \
+                or self.cfg.head_dim % 16:  # (the compiled attention's vectors)
             return None
         return cpu_kernels()
 
