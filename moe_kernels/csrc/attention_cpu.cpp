@@ -1,10 +1,11 @@
 // Decode attention over the paged KV cache, for the CPU: each sequence's one query token
 // against its cached keys, read in place through the slot table. The torch path gathers
 // every sequence's K and V into a padded copy first (`k_all[slots]`), which at 64
-// sequences costs more than the attention itself. This reads each visible key once for
-// the query heads that share its KV head (GQA), the cores splitting the (sequence, KV
-// head) pairs, with the exponentials 16 at a time, and returns the log-sum-exp as well, so
-// that a DCP shard's partial attention is the same call (`dcp.merge`).
+// sequences costs more than the attention itself. This reads each visible key and value
+// row once for every query head (GQA), the cores splitting the sequences; it folds 16
+// keys' scores at once (a transpose-sum, not a serial sum of 16 lanes per score), takes
+// the exponentials 16 at a time, and returns the log-sum-exp as well, so that a DCP
+// shard's partial attention is the same call (`dcp.merge`).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -66,78 +67,69 @@ inline vec16 exp16(vec16 x) {
   return y * scale;
 }
 
-// out[t, c0 + 16u ...] = sum over the n value rows of p[t, i] * V_i[c0 + 16u ...] for 4
-// heads t (the first `live` written) and U column blocks: 4U sums in registers.
-template <int U>
-inline void values_tile(const float* p, int64_t stride, const float* vp, const int64_t* rows,
-                        int64_t n, int64_t c0, int64_t live, float* out, int64_t dim) {
-  vec16 a[4][U] = {};
-  for (int64_t i = 0; i < n; ++i) {
-    const float* value = vp + rows[i] + c0;
-    if (i + 8 < n) __builtin_prefetch(vp + rows[i + 8] + c0);
-    vec16 v[U];
-    for (int u = 0; u < U; ++u) v[u] = load16(value + 16 * u);
-    for (int t = 0; t < 4; ++t) {
-      const float pt = p[t * stride + i];
-      for (int u = 0; u < U; ++u) a[t][u] += pt * v[u];
-    }
-  }
-  for (int t = 0; t < 4 && t < live; ++t)
-    for (int u = 0; u < U; ++u) std::memcpy(out + t * dim + c0 + 16 * u, &a[t][u], sizeof(vec16));
-}
-
-// One (sequence, KV head) pair: the `group` query heads q [group, D] against the n visible
-// keys' K and V rows (`rows[i]` floats into the caches) -> out [group, D], lse [group].
-// Each key and value row is read once for the whole group, and every sum runs in several
-// registers at once (one FMA chain would wait out its latency at every step).
-void attend_group(const float* q, const float* kp, const float* vp, const int64_t* rows,
-                  int64_t n, int64_t group, int64_t dim, float scale, float* out,
-                  float* lse) {
-  const int64_t stride = (n + 15) / 16 * 16, heads = (group + 3) / 4 * 4;
-  std::vector<float> p(heads * stride, 0.f);  // scores, then probabilities [heads, n]
-  std::vector<vec16> acc(group * 16);  // [group, 16 keys]: each key's products to sum
+// One sequence: its query heads q [H, D] against its n visible keys' K and V rows
+// (`rows[i]` floats into the caches, [KVH, D] each) -> out [H, D], lse [H]. Each key and
+// value row is read whole and once, for every head (a KV head's slice at a time would
+// read each row in four strided pieces, at four times).
+void attend_sequence(const float* q, const float* kp, const float* vp, const int64_t* rows,
+                     int64_t n, int64_t heads, int64_t kv_heads, int64_t dim, float scale,
+                     float* out, float* lse) {
+  const int64_t group = heads / kv_heads, width = kv_heads * dim;
+  const int64_t stride = (n + 15) / 16 * 16;
+  std::vector<float> p(heads * stride);  // scores, then probabilities [H, n]
+  std::vector<vec16> acc(heads * 16);  // [H, 16 keys]: each key's products, to sum
   for (int64_t i0 = 0; i0 < n; i0 += 16) {  // 16 keys' scores at a time
     const int64_t keys = std::min<int64_t>(16, n - i0);
     for (int64_t m = i0 + 16; m < std::min<int64_t>(n, i0 + 32); ++m)  // the next 16 keys
-      for (int64_t c = 0; c < dim; c += 16) __builtin_prefetch(kp + rows[m] + c);
+      for (int64_t c = 0; c < width; c += 16) __builtin_prefetch(kp + rows[m] + c);
     std::fill(acc.begin(), acc.end(), vec16{});
     for (int64_t m = 0; m < keys; ++m) {
       const float* key = kp + rows[i0 + m];
-      for (int64_t j = 0; j < group; ++j) {
-        vec16 a = {};
-        for (int64_t c = 0; c < dim; c += 16) a += load16(q + j * dim + c) * load16(key + c);
-        acc[j * 16 + m] = a;
+      for (int64_t h = 0; h < heads; ++h) {
+        const float *kh = key + h / group * dim, *qh = q + h * dim;
+        vec16 a = {}, b = {};  // two chains
+        int64_t c = 0;
+        for (; c + 32 <= dim; c += 32) {
+          a += load16(qh + c) * load16(kh + c);
+          b += load16(qh + c + 16) * load16(kh + c + 16);
+        }
+        if (c < dim) a += load16(qh + c) * load16(kh + c);
+        acc[h * 16 + m] = a + b;
       }
     }
-    for (int64_t j = 0; j < group; ++j) {
-      const vec16 scores = sum_lanes16(acc.data() + j * 16) * scale;
-      std::memcpy(p.data() + j * stride + i0, &scores, sizeof scores);
+    for (int64_t h = 0; h < heads; ++h) {
+      const vec16 scores = sum_lanes16(acc.data() + h * 16) * scale;
+      std::memcpy(p.data() + h * stride + i0, &scores, sizeof scores);
     }
   }
-  for (int64_t j = 0; j < group; ++j) {
-    float* row = p.data() + j * stride;
+  for (int64_t h = 0; h < heads; ++h) {
+    float* row = p.data() + h * stride;
     const float top = *std::max_element(row, row + n);
-    float total = 0.f;
-    for (int64_t i = 0; i < stride; i += 16) {  // lanes past n are computed, then zeroed
+    for (int64_t i = 0; i < stride; i += 16) {  // lanes past n are computed, not summed
       const vec16 e = exp16(load16(row + i) - top);
       std::memcpy(row + i, &e, sizeof e);
     }
-    std::fill(row + n, row + stride, 0.f);
+    float total = 0.f;
     for (int64_t i = 0; i < n; ++i) total += row[i];
-    lse[j] = top + std::log(total);
+    lse[h] = top + std::log(total);
     const float inv = 1.f / total;
     for (int64_t i = 0; i < n; ++i) row[i] *= inv;
   }
-  for (int64_t c0 = 0; c0 < dim; c0 += 64)  // a tile of 4 heads x 64 columns in 16
-    for (int64_t j = 0; j < heads; j += 4) {  // registers, over every value row once
-      const float* pj = p.data() + j * stride;
-      switch ((dim - c0) / 16) {
-        case 1: values_tile<1>(pj, stride, vp, rows, n, c0, group - j, out + j * dim, dim); break;
-        case 2: values_tile<2>(pj, stride, vp, rows, n, c0, group - j, out + j * dim, dim); break;
-        case 3: values_tile<3>(pj, stride, vp, rows, n, c0, group - j, out + j * dim, dim); break;
-        default: values_tile<4>(pj, stride, vp, rows, n, c0, group - j, out + j * dim, dim);
+  std::fill(out, out + heads * dim, 0.f);
+  for (int64_t i = 0; i < n; ++i) {
+    const float* value = vp + rows[i];
+    if (i + 2 < n)
+      for (int64_t c = 0; c < width; c += 16) __builtin_prefetch(vp + rows[i + 2] + c);
+    for (int64_t h = 0; h < heads; ++h) {
+      const float ph = p[h * stride + i];
+      const float* vh = value + h / group * dim;
+      float* oh = out + h * dim;
+      for (int64_t c = 0; c < dim; c += 16) {
+        const vec16 r = load16(oh + c) + ph * load16(vh + c);
+        std::memcpy(oh + c, &r, sizeof r);
       }
     }
+  }
 }
 
 }  // namespace
@@ -177,19 +169,18 @@ std::tuple<torch::Tensor, torch::Tensor> decode_attention(
                 "of the cache");
   const float s = static_cast<float>(scale);
 #pragma omp parallel for schedule(static)
-  for (int64_t task = 0; task < batch * kv_heads; ++task) {
-    const int64_t b = task / kv_heads, kvh = task % kv_heads;
-    std::vector<int64_t> rows;  // the visible keys' rows of this KV head, in floats
+  for (int64_t b = 0; b < batch; ++b) {
+    std::vector<int64_t> rows;  // the visible keys' rows, in floats
     rows.reserve(length);
     for (int64_t l = 0; l < length; ++l)
-      if (mp[b * length + l]) rows.push_back((sp[b * length + l] * kv_heads + kvh) * dim);
-    const int64_t first = b * heads + kvh * group;  // head h reads KV head h / group
+      if (mp[b * length + l]) rows.push_back(sp[b * length + l] * kv_heads * dim);
     if (rows.empty()) {  // no visible key: out stays 0
-      std::fill(lp + first, lp + first + group, -std::numeric_limits<float>::infinity());
+      std::fill(lp + b * heads, lp + (b + 1) * heads, -std::numeric_limits<float>::infinity());
       continue;
     }
-    attend_group(qp + first * dim, kp, vp, rows.data(), static_cast<int64_t>(rows.size()),
-                 group, dim, s, op + first * dim, lp + first);
+    attend_sequence(qp + b * heads * dim, kp, vp, rows.data(),
+                    static_cast<int64_t>(rows.size()), heads, kv_heads, dim, s,
+                    op + b * heads * dim, lp + b * heads);
   }
   return {out, lse};
 }
