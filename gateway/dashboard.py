@@ -1,4 +1,5 @@
-"""`/dashboard`: per-expert latency and load over a recent window, per-service health.
+"""`/dashboard`: per-expert latency and load over a recent window, per-service health and
+busy share.
 
 The page (static files shipped with the package, no CDN) polls `/dashboard/data`. Each
 poll uses the services' latest scrape (`gateway.service_metrics`, shared with `/metrics`)
@@ -26,6 +27,7 @@ from gateway.serving import Serving, json_response
 
 STATIC = Path(__file__).parent / "static"
 SLOWEST = 10
+BUSY = "switchyard:busy_fraction"
 
 
 class Dashboard:
@@ -47,7 +49,8 @@ class Dashboard:
             "moe_layers": info.moe_layers if info else [],
             "num_experts": info.num_experts if info else 0,
             **stats,
-            "services": [{"url": s.url, "up": s.up, "error": s.error} for s in scrapes],
+            "services": [{"url": s.url, "up": s.up, "error": s.error, "busy": busy(s)}
+                         for s in scrapes],
             "engines": self.serving.engine.status(),
         }
 
@@ -68,6 +71,14 @@ class Dashboard:
                   for k, h in sorted(recent.items()) if k[0] in STAGES]
         # window_s None: everything since the services started
         return {"window_s": age, "experts": experts, "slowest": slowest, "stages": stages}
+
+
+def busy(scrape: Scrape) -> dict[str, float]:
+    """A service's busy share of its last seconds, per compute thread (`service` label:
+    attention, expert), from its `switchyard:busy_fraction`: both sides of a ping-pong
+    pipeline busy at once is what disaggregation is for."""
+    return {sample.labels.get("service", ""): sample.value for family in scrape.families
+            if family.name == BUSY for sample in family.samples}
 
 
 async def dashboard_page(_: Request) -> Response:

@@ -98,12 +98,14 @@ function render(d) {
     [3, 4, 5])));
   $("stages").tBodies[0].replaceChildren(...d.stages.map((x) => row(
     [x.stage, x.backend, x.calls, seconds(x.p50_s), seconds(x.p99_s)], [2, 3, 4])));
+  const busy = (b) => Object.entries(b || {})
+    .map(([side, f]) => `${side} ${Math.round(100 * f)}%`).join(", ");
   const services = [
-    ...d.engines.map((e) => [`attention ${e.address}`, e.ready, e.dispatch_backend || ""]),
-    ...d.services.map((s) => [s.url, s.up, s.error || "metrics scraped"]),
+    ...d.engines.map((e) => [`attention ${e.address}`, e.ready, e.dispatch_backend || "", ""]),
+    ...d.services.map((s) => [s.url, s.up, s.error || "metrics scraped", busy(s.busy)]),
   ];
-  $("services").tBodies[0].replaceChildren(...services.map(([name, ok, detail]) => {
-    const tr = row([name, ok ? "up" : "down", detail], []);
+  $("services").tBodies[0].replaceChildren(...services.map(([name, ok, detail, share]) => {
+    const tr = row([name, ok ? "up" : "down", detail, share], [3]);
     tr.children[1].className = ok ? "up" : "down";
     return tr;
   }));

@@ -1,10 +1,12 @@
 """/dashboard in a real headless Chromium: it loads with no network but loopback, draws a
-cell for every (MoE layer, expert), its numbers agree with /metrics, and it follows new
-load. SWITCHYARD_DASHBOARD_SCREENSHOT=PATH saves what it showed (docs/dashboard.png)."""
+cell for every (MoE layer, expert), its numbers agree with /metrics, each service's busy
+share shows, and it follows new load. SWITCHYARD_DASHBOARD_SCREENSHOT=PATH saves what it
+showed (docs/dashboard.png)."""
 
 from __future__ import annotations
 
 import os
+import re
 from itertools import product
 from urllib.parse import urlsplit
 
@@ -92,6 +94,12 @@ def test_dashboard_in_chromium(qwen3_ckpt: tuple) -> None:
         p99 = {k: float(c["p99S"]) for k, c in zip(keys, cells, strict=True) if c["p99S"]}
         assert p99[(layer, expert)] == max(p99.values())
         assert [row[1] for row in states] == ["up"] * 4  # attention, its /metrics, 2 experts
+        # each service's busy share of its last 10 s, by compute thread
+        assert states[0][3] == "" and re.fullmatch(r"attention \d+%", states[1][3])
+        assert all(re.fullmatch(r"expert \d+%", row[3]) for row in states[2:]), states
+        shares = [s["busy"] for s in httpx.get(f"{served.url}/dashboard/data").json()["services"]]
+        assert [list(b) for b in shares] == [["attention"], ["expert"], ["expert"]]
+        assert all(0.0 <= f <= 1.0 for b in shares for f in b.values())
 
         if shot := os.environ.get("SWITCHYARD_DASHBOARD_SCREENSHOT"):
             browser.save_screenshot(shot)
