@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 
 import msgspec
 import torch
-from prometheus_client import Histogram
+from prometheus_client import Counter, Histogram
 
 from common import tracing
 from common.failures import root_causes
@@ -50,6 +50,9 @@ _STEP_SECONDS = Histogram(
     buckets=(1e-3, 2.5e-3, 5e-3, 1e-2, 2e-2, 3e-2, 5e-2, 7.5e-2, 0.1, 0.15, 0.25, 0.5, 1.0,
              2.5, 5.0))
 _STEP_KINDS = {True: _STEP_SECONDS.labels("decode"), False: _STEP_SECONDS.labels("prefill")}
+# Over engine_step_seconds_count: the mean micro-batches a step, so 1 where none pipelines.
+_MICRO_BATCHES = Counter("switchyard:micro_batches", "Micro-batches the engine's forward "
+                         "passes ran as (one per step that is not pipelined).")
 
 
 class StepFailed(RuntimeError):
@@ -280,6 +283,7 @@ class Engine:
         batch, or as a pipeline of micro-batches (`micro_batches`) where the experts'
         backend can overlap its exchanges with this rank's computation."""
         groups = split(scheduled, self._micro_batches(scheduled))
+        _MICRO_BATCHES.inc(len(groups))
         if len(groups) == 1:
             batch = self._batch(scheduled)
             if self.graphs and batch.forced_routing is None and self.graphs.fits(batch):

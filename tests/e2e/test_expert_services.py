@@ -35,6 +35,7 @@ from tests.support.engines import (
     run_to_completion,
     start_experts,
 )
+from tests.support.metrics_text import scrape
 from tests.support.serving import concurrent_greedy
 from tests.support.tools import wait_until
 
@@ -390,6 +391,8 @@ def test_serve_rejects_an_unknown_backend(qwen3_ckpt: tuple) -> None:
 
 @pytest.mark.parametrize("flags", [
     ["--expert-services", "3", "--attention-groups", "2"],  # rpc, the default backend
+    # both groups' ping-pong pipelines through the same expert services at once
+    ["--expert-services", "2", "--attention-groups", "2", "--micro-batches", "2"],
     ["--dispatch-backend", "torch", "--expert-services", "3", "--attention-groups", "2"],
     ["--dispatch-backend", "local"]])
 def test_serve_topologies_match_transformers(ckpt: tuple, flags: list[str]) -> None:
@@ -402,13 +405,20 @@ def test_serve_topologies_match_transformers(ckpt: tuple, flags: list[str]) -> N
         name = httpx.get(f"{served.url}/v1/models").json()["data"][0]["id"]
         got = concurrent_greedy(served.url, name, ps, max_tokens=16)
         health = httpx.get(f"{served.url}/health").json()
+        samples = scrape(f"{served.url}/metrics")  # summed over the groups
         if dist:  # attention rank 0 hosts the store there (it used to pick its own port)
             socket.create_connection(("127.0.0.1", rendezvous), timeout=5).close()
     assert got == [reference_greedy(model, p, 16) for p in ps]
     groups = 2 if "--attention-groups" in flags else 1
     assert len(health["attention"]) == groups and all(a["ready"] for a in health["attention"])
     experts = health["attention"][0]["experts"]
-    assert len(experts) == (1 if "local" in flags else 3)
+    assert len(experts) == (1 if "local" in flags else 3 - ("--micro-batches" in flags))
+    steps = sum(samples["switchyard:engine_step_seconds_count"].values())
+    micro = sum(samples["switchyard:micro_batches_total"].values())
+    if "--micro-batches" in flags:  # most steps hold 2 or more of a group's 3 sequences
+        assert steps < micro <= 2 * steps
+    else:
+        assert micro == steps
     assert all("expert rank" in e or "in-process" in e for e in experts)
 
 
