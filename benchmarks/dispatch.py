@@ -26,8 +26,8 @@ from ep_dispatch.torch_dist import (
     TorchCollective,
     TorchExperts,
     World,
-    _any_work,
     _serve_layer,
+    agree_rounds,
     join,
 )
 from ep_dispatch.wire import RowFormat
@@ -97,7 +97,7 @@ def _attention_iteration(placement: Placement, world: World, tokens: int, hidden
 
 
 def _expert_iteration(placement: Placement, world: World, tokens: int, hidden: int) -> None:
-    _any_work(False, torch.device("cpu"))  # the step's work flag (untimed on attention)
+    agree_rounds(0, torch.device("cpu"))  # the step's rounds (untimed on attention)
     dist.barrier()
     rank = world.rank - world.num_attention
     _serve_layer(world, 0, _identity, RowFormat(hidden, torch.float32), torch.device("cpu"),

@@ -90,8 +90,9 @@ class GroupExperts(PointToPoint):
     def __init__(self, group: DcpGroup, inner: ExpertsClient | None) -> None:
         self.group, self.inner = group, inner
 
-    def begin_step(self, num_tokens: int) -> bool:
-        return self.inner.begin_step(num_tokens) if self.inner else num_tokens > 0
+    def begin_step(self, num_tokens: int, micro_batches: int = 1) -> bool:
+        return self.inner.begin_step(num_tokens, micro_batches) if self.inner \
+            else num_tokens > 0
 
     def __call__(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> torch.Tensor:

@@ -25,9 +25,11 @@ class ExpertsClient(Protocol):
 
     lockstep: bool
 
-    def begin_step(self, num_tokens: int) -> bool:
-        """Whether any rank has work this step, given this rank's token count (collective
-        for lockstep backends; `deepep` also picks its kernels from the largest count)."""
+    def begin_step(self, num_tokens: int, micro_batches: int = 1) -> bool:
+        """Whether any rank has work this step, given this rank's token count and the
+        micro-batches it runs them as (collective for lockstep backends, whose ranks
+        agree on the step's rounds; `deepep` also picks its kernels from the largest
+        count)."""
         ...
 
     def idle_step(self) -> None:
@@ -89,7 +91,7 @@ class PointToPoint:
         micro-batch meanwhile; here, the whole call at once."""
         return Done(self(layer, x, topk_ids, topk_weights))
 
-    def begin_step(self, num_tokens: int) -> bool:
+    def begin_step(self, num_tokens: int, micro_batches: int = 1) -> bool:
         return num_tokens > 0
 
     def idle_step(self) -> None:

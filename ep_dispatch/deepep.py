@@ -288,8 +288,8 @@ class DeepEPExperts:
                  settings: DeepEPSettings, device: torch.device | None = None) -> None:
         self.rank = DeepEPRank(world, placement, hidden, top_k, settings, device=device)
 
-    def begin_step(self, num_tokens: int) -> bool:
-        return self.rank.begin_round(num_tokens)
+    def begin_step(self, num_tokens: int, micro_batches: int = 1) -> bool:
+        return self.rank.begin_round(num_tokens)  # (no `start`: one micro-batch a step)
 
     def idle_step(self) -> None:
         for layer in self.rank.layers:

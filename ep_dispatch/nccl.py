@@ -75,11 +75,11 @@ class CupyNccl:
     def _stream() -> int:
         return torch.cuda.current_stream().cuda_stream
 
-    def any_work(self, has_work: bool, device: torch.device) -> bool:
-        flag = torch.tensor([int(has_work)], dtype=torch.int32, device=device)
-        self.comm.allReduce(flag.data_ptr(), flag.data_ptr(), 1, self.nccl.NCCL_INT32,
+    def agree_rounds(self, rounds: int, device: torch.device) -> int:
+        most = torch.tensor([rounds], dtype=torch.int32, device=device)
+        self.comm.allReduce(most.data_ptr(), most.data_ptr(), 1, self.nccl.NCCL_INT32,
                             self.nccl.NCCL_MAX, self._stream())
-        return bool(flag.item())
+        return int(most.item())
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor,
                    out_splits: list[int] | None = None,

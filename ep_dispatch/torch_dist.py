@@ -2,9 +2,16 @@
 
 One process group spans G attention ranks (world ranks 0..G-1) and N expert ranks
 (world ranks G..G+N-1); gloo on CPU, the same calls with NCCL on GPU. Collectives need
-every rank, so the ranks move in lockstep: each round starts with an all-reduce of "does
-anyone have work"; if so every attention rank runs a step (an idle one joins each MoE
-layer's exchange with zero rows) and every expert rank serves each MoE layer once.
+every rank, so the ranks move in lockstep: each round starts with an all-reduce (max) of
+the micro-batches each attention rank runs its step as, 0 for none; if any, every
+attention rank runs a step and every expert rank serves each MoE layer that many times,
+layer by layer. An attention rank with fewer micro-batches (or none: an idle one) joins
+the extra exchanges of each layer with zero rows, right after its own.
+
+Over torch.distributed the attention side issues a layer's three collectives at once,
+asynchronously (`start`), and waits on them in `finish`: a ping-pong pipeline computes
+one micro-batch while the expert ranks serve another's layer, the collectives running in
+the order they were issued on every rank.
 
 Per MoE layer, three collectives: the per-expert row counts (`all_to_all_single`, fixed
 size), the rows themselves (`all_to_all_single` with the counts as splits), and the expert
@@ -23,8 +30,9 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from common.compute import waiting
 from ep_dispatch.base import ExpertFn
-from ep_dispatch.layout import ReplicaTurns, combine, compute_layout
+from ep_dispatch.layout import Layout, ReplicaTurns, combine, compute_layout
 from ep_dispatch.metrics import phase
 from ep_dispatch.placement import Placement
 from ep_dispatch.wire import RowFormat
@@ -120,8 +128,9 @@ def join(world: World, timeout: float, backend: str = "gloo",
 class Collective(Protocol):
     """The two collectives the lockstep exchange needs, over every rank of the world."""
 
-    def any_work(self, has_work: bool, device: torch.device) -> bool:
-        """Whether any rank has work (an all-reduce of a flag)."""
+    def agree_rounds(self, rounds: int, device: torch.device) -> int:
+        """The most `rounds` of any rank (an all-reduce, max): the step's micro-batches,
+        0 where no rank has work."""
         ...
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor,
@@ -142,14 +151,22 @@ class Collective(Protocol):
 class TorchCollective:
     """The collectives of the torch.distributed process group (`join`)."""
 
-    def any_work(self, has_work: bool, device: torch.device) -> bool:
-        return _any_work(has_work, device)
+    def agree_rounds(self, rounds: int, device: torch.device) -> int:
+        return agree_rounds(rounds, device)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor,
                    out_splits: list[int] | None = None,
                    in_splits: list[int] | None = None) -> None:
         dist.all_to_all_single(out, inp, output_split_sizes=out_splits,
                                input_split_sizes=in_splits)
+
+    def start_all_to_all(self, out: torch.Tensor, inp: torch.Tensor,
+                         out_splits: list[int] | None = None,
+                         in_splits: list[int] | None = None) -> dist.Work:
+        """`all_to_all` issued now and waited on by the returned work's `wait()` (the
+        tensors must live until then)."""
+        return dist.all_to_all_single(out, inp, output_split_sizes=out_splits,
+                                      input_split_sizes=in_splits, async_op=True)
 
     def ready(self) -> bool:
         return dist.is_initialized()
@@ -159,10 +176,11 @@ class TorchCollective:
             dist.destroy_process_group()
 
 
-def _any_work(has_work: bool, device: torch.device) -> bool:
-    flag = torch.tensor([int(has_work)], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+def agree_rounds(rounds: int, device: torch.device) -> int:
+    """The most `rounds` of any rank of the process group (0: no rank has work)."""
+    most = torch.tensor([rounds], device=device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return int(most.item())
 
 
 class TorchExperts:
@@ -183,35 +201,75 @@ class TorchExperts:
         self.coll = collective or TorchCollective()
         self.backend = backend
         self._turns = ReplicaTurns(world.rank)  # each layer's first replica; ranks apart
+        self._mine = self._rounds = 1  # this step's micro-batches: this rank's, the world's
+        self._issued: dict[int, int] = {}  # this step's exchanges so far, per layer
 
-    def begin_step(self, num_tokens: int) -> bool:
-        return self.coll.any_work(num_tokens > 0, self.device)
+    @property
+    def overlaps(self) -> bool:
+        """Whether `start` returns before the expert ranks answer (asynchronous
+        collectives: torch.distributed's, not a CuPy communicator's)."""
+        return hasattr(self.coll, "start_all_to_all")
+
+    def begin_step(self, num_tokens: int, micro_batches: int = 1) -> bool:
+        self._mine = micro_batches if num_tokens > 0 else 0
+        self._rounds = self.coll.agree_rounds(self._mine, self.device)
+        self._issued = {}
+        return self._rounds > 0
 
     def idle_step(self) -> None:
-        empty_ids = torch.zeros(0, 1, dtype=torch.int64, device=self.device)
-        x = self.format.empty_outputs(0, self.device)  # [0, H]
         for layer in sorted(self.placement.replicas):
-            self(layer, x, empty_ids, torch.zeros(0, 1, dtype=x.dtype, device=self.device))
+            for _ in range(self._rounds):
+                self._exchange(layer, *self._nothing()).finish()
 
     def __call__(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> torch.Tensor:
+        return self.start(layer, x, topk_ids, topk_weights).finish()
+
+    def start(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
+              topk_weights: torch.Tensor) -> TorchExchange:
+        """A layer call in flight (its collectives issued; `finish` waits on them). After
+        this rank's last micro-batch of the layer, the rounds that other ranks' extra
+        micro-batches take are joined with zero rows, so the layer's rounds end before
+        any rank's next layer begins."""
+        exchange = self._exchange(layer, x, topk_ids, topk_weights)
+        issued = self._issued[layer] = self._issued.get(layer, 0) + 1
+        if issued == self._mine:
+            for _ in range(self._rounds - issued):
+                self._exchange(layer, *self._nothing()).finish()
+        return exchange
+
+    def _nothing(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x = self.format.empty_outputs(0, self.device)  # [0, H]
+        return (x, torch.zeros(0, 1, dtype=torch.int64, device=self.device),
+                torch.zeros(0, 1, dtype=x.dtype, device=self.device))
+
+    def _exchange(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
+                  topk_weights: torch.Tensor) -> TorchExchange:
+        """Issue one round of the layer: the row counts (so the expert ranks can size
+        their buffers), the rows, and the outputs back, whose splits are this rank's own.
+        Asynchronously where the collective can, else each in turn."""
+        layout = compute_layout(topk_ids, topk_weights, self.placement, layer,
+                                self._turns(layer))
+        g = self.world.num_attention
+        counts = torch.zeros(self.world.size, self.width, dtype=torch.int64)
+        for r, c in enumerate(layout.expert_counts):
+            counts[g + r, :len(c)] = torch.tensor(c, dtype=torch.int64)
+        counts = counts.to(x.device)
+        splits = [0] * g + layout.rank_counts
+        rows = self.format.rows(x)[layout.src_token].contiguous()  # [N, width] to send
+        none = [0] * self.world.size
+        y = self.format.empty_outputs(rows.shape[0], x.device)  # [N, H]
+        calls = [(torch.empty_like(counts), counts, None, None),  # experts learn the layout
+                 (self.format.empty_rows(0, x.device), rows, none, splits),
+                 (y, self.format.empty_outputs(0, x.device), splits, none)]
+        start = getattr(self.coll, "start_all_to_all", None)
+        if start is not None:
+            return TorchExchange(self.backend, layer, x, layout, y,
+                                 [start(*call) for call in calls], calls)
         with phase("dispatch", self.backend, layer, x.shape[0]):
-            layout = compute_layout(topk_ids, topk_weights, self.placement, layer,
-                                    self._turns(layer))
-            g = self.world.num_attention
-            counts = torch.zeros(self.world.size, self.width, dtype=torch.int64)
-            for r, c in enumerate(layout.expert_counts):
-                counts[g + r, :len(c)] = torch.tensor(c, dtype=torch.int64)
-            counts = counts.to(x.device)
-            self.coll.all_to_all(torch.empty_like(counts), counts)  # experts learn layout
-            splits = [0] * g + layout.rank_counts
-            rows = self.format.rows(x)[layout.src_token].contiguous()  # [N, width] to send
-            none = [0] * self.world.size
-            self.coll.all_to_all(self.format.empty_rows(0, x.device), rows, none, splits)
-            y = self.format.empty_outputs(rows.shape[0], x.device)  # [N, H]
-            self.coll.all_to_all(y, self.format.empty_outputs(0, x.device), splits, none)
-        with phase("combine", self.backend, layer, x.shape[0]):
-            return combine(y, layout)
+            for call in calls:
+                self.coll.all_to_all(*call)
+        return TorchExchange(self.backend, layer, x, layout, y, [], calls)
 
     def describe(self) -> list[str]:
         return [f"{self.world.describe(self.world.num_attention + r)} (world rank "
@@ -228,16 +286,36 @@ class TorchExperts:
         self.coll.close()
 
 
+class TorchExchange:
+    """One round of a layer's exchange in flight: `finish` waits on its collectives (the
+    attention service's bubble, `common.compute.waiting`) and combines the outputs y
+    [N, H] into token order. `calls` keeps the collectives' tensors alive until then."""
+
+    def __init__(self, backend: str, layer: int, x: torch.Tensor, layout: Layout,
+                 y: torch.Tensor, works: list[dist.Work], calls: list[tuple]) -> None:
+        self.backend, self.layer, self.x, self.layout = backend, layer, x, layout
+        self.y, self.works, self.calls = y, works, calls
+
+    def finish(self) -> torch.Tensor:
+        tokens = self.x.shape[0]
+        if self.works:
+            with phase("dispatch", self.backend, self.layer, tokens), waiting():
+                for work in self.works:
+                    work.wait()
+        with phase("combine", self.backend, self.layer, tokens):
+            return combine(self.y, self.layout)
+
+
 def serve_round(world: World, placement: Placement, expert_fn: ExpertFn, rows: RowFormat,
                 device: torch.device, coll: Collective) -> None:
-    """One lockstep round on an expert rank: the work flag, then every MoE layer if any
-    attention rank has work."""
-    if not coll.any_work(False, device):
-        return
+    """One lockstep round on an expert rank: the step's micro-batches, then every MoE
+    layer that many times (none if no attention rank has work)."""
+    rounds = coll.agree_rounds(0, device)
     rank, width = world.rank - world.num_attention, placement.most_local
-    for layer in sorted(placement.replicas):
-        _serve_layer(world, layer, expert_fn, rows, device, width,
-                     placement.table(layer).num_local[rank], coll)
+    for layer in sorted(placement.replicas) if rounds else []:
+        for _ in range(rounds):  # one per micro-batch, in the order they were issued
+            _serve_layer(world, layer, expert_fn, rows, device, width,
+                         placement.table(layer).num_local[rank], coll)
 
 
 def serve_experts(world: World, placement: Placement, expert_fn: ExpertFn, rows: RowFormat,

@@ -253,7 +253,10 @@ class Engine:
             return deltas
 
     def _step(self, scheduled: list[ScheduledSeq]) -> list[TokenDelta]:
-        if not self.experts.begin_step(sum(item.num_new_tokens for item in scheduled)):
+        groups = split(scheduled, self._micro_batches(scheduled)) if scheduled else []
+        # a lockstep backend's ranks agree on the step's rounds: the most micro-batches
+        if not self.experts.begin_step(sum(item.num_new_tokens for item in scheduled),
+                                       max(1, len(groups))):
             return []
         if not scheduled:  # others have work: join their exchanges with zero rows
             self.experts.idle_step()
@@ -263,7 +266,7 @@ class Engine:
             if item.seq.first_scheduled_time is None:
                 item.seq.first_scheduled_time = now
         with step_span(scheduled):
-            hidden, logits_rows = self._forward(scheduled)
+            hidden, logits_rows = self._forward(scheduled, groups)
         self.model.publish_load()  # for stats(), which must not wait on the device
         self._score_prompts(scheduled, hidden)
         sampling = [s.seq for s in scheduled
@@ -278,11 +281,11 @@ class Engine:
         return [self._append(seq, token, logprobs) for seq, token, logprobs
                 in zip(sampling, sampled.tokens, sampled.logprobs, strict=True)]
 
-    def _forward(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, scheduled: list[ScheduledSeq], groups: list[list[ScheduledSeq]]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's hidden states [T, H] and the rows of it that sample [S]: in one
-        batch, or as a pipeline of micro-batches (`micro_batches`) where the experts'
-        backend can overlap its exchanges with this rank's computation."""
-        groups = split(scheduled, self._micro_batches(scheduled))
+        batch, or as a pipeline of the micro-batches `groups` (`micro_batches.split`)
+        where the experts' backend overlaps its exchanges with this rank's computation."""
         _MICRO_BATCHES.inc(len(groups))
         if len(groups) == 1:
             batch = self._batch(scheduled)
@@ -296,8 +299,8 @@ class Engine:
 
     def _micro_batches(self, scheduled: list[ScheduledSeq]) -> int:
         """How many micro-batches this step takes: `--micro-batches` where the backend
-        overlaps (`rpc`), the group is one rank (no DCP peers to keep in step) and no
-        warm-up forces its routing; else 1."""
+        overlaps (`rpc`, `torch` over torch.distributed), the group is one rank (no DCP
+        peers to keep in step) and no warm-up forces its routing; else 1."""
         overlaps = getattr(self.experts, "overlaps", False) and self.config.dcp_size == 1 \
             and not any(item.seq.warmup for item in scheduled)
         return micro_batch_count(self.config.micro_batches,

@@ -394,6 +394,9 @@ def test_serve_rejects_an_unknown_backend(qwen3_ckpt: tuple) -> None:
     # both groups' ping-pong pipelines through the same expert services at once
     ["--expert-services", "2", "--attention-groups", "2", "--micro-batches", "2"],
     ["--dispatch-backend", "torch", "--expert-services", "3", "--attention-groups", "2"],
+    # lockstep: the groups agree on each step's rounds, a group with fewer joins with none
+    ["--dispatch-backend", "torch", "--expert-services", "2", "--attention-groups", "2",
+     "--micro-batches", "2"],
     ["--dispatch-backend", "local"]])
 def test_serve_topologies_match_transformers(ckpt: tuple, flags: list[str]) -> None:
     path, model = ckpt
