@@ -214,10 +214,12 @@ class DcpSeqPlan(msgspec.Struct, frozen=True, array_like=True):
 
 class DcpPlan(msgspec.Struct, frozen=True, tag=True):
     """DCP leader -> its peers, every step: the sequences to run, in batch order (`stop`
-    ends the peers)."""
+    ends the peers); `micro_batches`: how many of them each micro-batch of a pipelined
+    step takes, in order (empty: one batch)."""
 
     seqs: list[DcpSeqPlan]
     stop: bool = False
+    micro_batches: list[int] = msgspec.field(default_factory=list)
 
 
 class NcclUniqueId(msgspec.Struct, frozen=True):

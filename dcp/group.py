@@ -18,7 +18,7 @@ import torch.distributed as dist
 from common.messages import DcpPlan
 from dcp.batch import StepBatch
 from dcp.merge import merge
-from ep_dispatch.base import ExpertsClient, PointToPoint
+from ep_dispatch.base import Done, Exchange, ExpertsClient, PointToPoint
 from ep_dispatch.wire import tensor_bytes
 
 # Peers wait in a broadcast while the leader idles: no timeout short of a year.
@@ -94,26 +94,29 @@ class GroupExperts(PointToPoint):
         return self.inner.begin_step(num_tokens, micro_batches) if self.inner \
             else num_tokens > 0
 
+    @property
+    def overlaps(self) -> bool:
+        """The leader pipelines where its experts client does; a peer runs whatever split
+        the leader's plan names."""
+        return getattr(self.inner, "overlaps", False) if self.inner else True
+
     def __call__(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(x.shape[0] + 1, x.shape[1], dtype=x.dtype, device=x.device)
+        return self.start(layer, x, topk_ids, topk_weights).finish()
+
+    def start(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
+              topk_weights: torch.Tensor) -> GroupExchange:
+        """The leader's call started (`inner.start`, or the whole call where the client
+        cannot start one); the broadcast to the peers, and a peer's receive, happen in
+        `finish`, in the order the exchanges started on every rank of the group."""
         if self.inner is None:  # a peer
-            dist.broadcast(out, src=0)  # [T + 1, H]
-            # a host read per layer: the peer waits for the leader's experts here anyway
-            if out[-1, 0].item() != 1:
-                raise StepAborted(f"the leader's expert call failed on layer {layer}")
-            return out[:-1]
+            return GroupExchange(layer, x, None)
+        start = getattr(self.inner, "start", None)
         try:
-            out[:-1] = self.inner(layer, x, topk_ids, topk_weights)  # [T, H]
-        except BaseException as exc:
-            out[-1] = 0
-            dist.broadcast(out, src=0)
-            if isinstance(exc, Exception):  # (DCP's experts are never lockstep ones)
-                raise StepAborted(str(exc)) from exc  # told the peers: still in step
-            raise
-        out[-1] = 1
-        dist.broadcast(out, src=0)
-        return out[:-1]
+            return GroupExchange(layer, x, start(layer, x, topk_ids, topk_weights) if start
+                                 else Done(self.inner(layer, x, topk_ids, topk_weights)))
+        except Exception as exc:  # failed to start: the peers still get this call's status
+            return GroupExchange(layer, x, Failed(exc))
 
     def describe(self) -> list[str]:
         return self.inner.describe() if self.inner else []
@@ -124,3 +127,45 @@ class GroupExperts(PointToPoint):
     def close(self) -> None:
         if self.inner:
             self.inner.close()
+
+
+class Failed:
+    """An exchange that could not start: `finish` raises what stopped it."""
+
+    def __init__(self, exc: Exception) -> None:
+        self.exc = exc
+
+    def finish(self) -> torch.Tensor:
+        raise self.exc
+
+
+class GroupExchange:
+    """One MoE call of a DCP group in flight. The leader finishes its experts' exchange
+    (`inner`) and broadcasts the outputs with one more row, the call's status; a peer
+    (`inner` None) receives them. A failed call reaches the peers as `StepAborted`
+    instead of leaving them waiting for outputs while the leader moves on (its next
+    broadcast would then be misread)."""
+
+    def __init__(self, layer: int, x: torch.Tensor, inner: Exchange | None) -> None:
+        self.layer, self.x, self.inner = layer, x, inner
+
+    def finish(self) -> torch.Tensor:
+        x = self.x
+        out = torch.empty(x.shape[0] + 1, x.shape[1], dtype=x.dtype, device=x.device)
+        if self.inner is None:  # a peer
+            dist.broadcast(out, src=0)  # [T + 1, H]
+            # a host read per layer: the peer waits for the leader's experts here anyway
+            if out[-1, 0].item() != 1:
+                raise StepAborted(f"the leader's expert call failed on layer {self.layer}")
+            return out[:-1]
+        try:
+            out[:-1] = self.inner.finish()  # [T, H]
+        except BaseException as exc:
+            out[-1] = 0
+            dist.broadcast(out, src=0)
+            if isinstance(exc, Exception):  # (DCP's experts are never lockstep ones)
+                raise StepAborted(str(exc)) from exc  # told the peers: still in step
+            raise
+        out[-1] = 1
+        dist.broadcast(out, src=0)
+        return out[:-1]

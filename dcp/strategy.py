@@ -31,6 +31,10 @@ class SingleRank:
         return build_rank_batch(seqs, 0, self.sharding, self._block_size, self._window,
                                 logits_rows)
 
+    def batches(self, plans: list[tuple[list[DcpSeqPlan], list[int]]]) -> list[StepBatch]:
+        """A pipelined step's micro-batches (each its sequences and sampled rows)."""
+        return [self.batch(seqs, rows) for seqs, rows in plans]
+
     def experts(self, client: ExpertsClient) -> ExpertsClient:
         """The MoE seam the model calls, given the dispatch backend's client."""
         return client
@@ -57,6 +61,13 @@ class DcpLeader(SingleRank):
     def batch(self, seqs: list[DcpSeqPlan], logits_rows: list[int]) -> StepBatch:
         self.group.send_plan(DcpPlan(seqs))
         return super().batch(seqs, logits_rows)
+
+    def batches(self, plans: list[tuple[list[DcpSeqPlan], list[int]]]) -> list[StepBatch]:
+        """One plan for the whole step, its split with it: the peers run the same
+        pipeline, so the group's collectives come in the same order on every rank."""
+        self.group.send_plan(DcpPlan([s for seqs, _ in plans for s in seqs],
+                                     micro_batches=[len(seqs) for seqs, _ in plans]))
+        return [SingleRank.batch(self, seqs, rows) for seqs, rows in plans]
 
     def experts(self, client: ExpertsClient) -> ExpertsClient:
         return GroupExperts(self.group, client)

@@ -132,7 +132,7 @@ def add_engine_flags(p: argparse.ArgumentParser, default_backend: str = "local"
             default=env("MICRO_BATCHES", "auto"),
             help="split each step into this many micro-batches and pipeline them with the "
                  "expert services (ping-pong: one's attention while the experts compute "
-                 "another's layer; rpc and torch backends, one rank per attention group); auto: 2 "
+                 "another's layer; rpc and torch backends, DCP groups too); auto: 2 "
                  f"from {PIPELINE_MIN_TOKENS} tokens a step on a GPU, 1 on the CPU (where "
                  "both sides share the host's cores, it did not pay)"),
         add("--dispatch-backend", default=env("DISPATCH_BACKEND", default_backend),

@@ -4,6 +4,7 @@ each step its leader plans, over its share of the KV cache, until told to stop."
 from __future__ import annotations
 
 import logging
+from itertools import accumulate, pairwise
 
 import torch
 
@@ -44,10 +45,15 @@ def run_peer(config: AttentionConfig) -> None:
     report_ready(config.ready_fd, 0, None)
     try:
         while not (plan := group.receive_plan()).stop:
-            batch = build_rank_batch(plan.seqs, config.dcp_rank, sharding, config.block_size,
-                                     cfg.sliding_window, []).to(device)
-            try:
-                model.forward(batch, kv, experts)
+            cuts = list(accumulate(plan.micro_batches or [len(plan.seqs)], initial=0))
+            batches = [build_rank_batch(plan.seqs[a:b], config.dcp_rank, sharding,
+                                        config.block_size, cfg.sliding_window, []).to(device)
+                       for a, b in pairwise(cuts)]
+            try:  # the leader's split: the group's collectives in the same order
+                if len(batches) == 1:
+                    model.forward(batches[0], kv, experts)
+                else:
+                    model.forward_pipelined(batches, kv, experts.start)
             except StepAborted as exc:  # the leader fails the step's sequences
                 log.warning("step dropped: %s", exc)
     finally:

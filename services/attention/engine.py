@@ -292,16 +292,18 @@ class Engine:
             if self.graphs and batch.forced_routing is None and self.graphs.fits(batch):
                 return self.graphs.forward(batch), batch.logits_rows
             return self.model.forward(batch, self.kv, self.experts), batch.logits_rows
-        hidden = self.model.forward_pipelined([self._batch(g) for g in groups], self.kv,
+        batches = [b.to(self.device) for b in self.attention.batches(
+            [plan_step(g) for g in groups])]  # (a DCP group's peers get one plan)
+        hidden = self.model.forward_pipelined(batches, self.kv,
                                               self.experts.start)  # type: ignore[attr-defined]
         rows = torch.tensor(plan_step(scheduled)[1], dtype=torch.int64, device=self.device)
         return torch.cat(hidden), rows
 
     def _micro_batches(self, scheduled: list[ScheduledSeq]) -> int:
         """How many micro-batches this step takes: `--micro-batches` where the backend
-        overlaps (`rpc`, `torch` over torch.distributed), the group is one rank (no DCP
-        peers to keep in step) and no warm-up forces its routing; else 1."""
-        overlaps = getattr(self.experts, "overlaps", False) and self.config.dcp_size == 1 \
+        overlaps (`rpc`, `torch` over torch.distributed; a DCP group's peers run the
+        leader's split) and no warm-up forces its routing; else 1."""
+        overlaps = getattr(self.experts, "overlaps", False) \
             and not any(item.seq.warmup for item in scheduled)
         return micro_batch_count(self.config.micro_batches,
                                  sum(item.num_new_tokens for item in scheduled), overlaps,

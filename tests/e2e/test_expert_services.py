@@ -397,6 +397,8 @@ def test_serve_rejects_an_unknown_backend(qwen3_ckpt: tuple) -> None:
     # lockstep: the groups agree on each step's rounds, a group with fewer joins with none
     ["--dispatch-backend", "torch", "--expert-services", "2", "--attention-groups", "2",
      "--micro-batches", "2"],
+    # a DCP group's peers run the leader's split: its collectives in the same order
+    ["--dcp-size", "2", "--expert-services", "2", "--micro-batches", "2"],
     ["--dispatch-backend", "local"]])
 def test_serve_topologies_match_transformers(ckpt: tuple, flags: list[str]) -> None:
     path, model = ckpt
