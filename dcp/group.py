@@ -83,9 +83,7 @@ class StepAborted(RuntimeError):
 
 class GroupExperts(PointToPoint):
     """The MoE seam of a DCP rank: the leader calls the real experts client and broadcasts
-    the outputs; peers receive them. The broadcast carries one more row, the call's status,
-    so a failed call reaches the peers as `StepAborted` instead of leaving them waiting for
-    outputs while the leader moves on (its next broadcast would then be misread)."""
+    the outputs; peers receive them (`GroupExchange`)."""
 
     def __init__(self, group: DcpGroup, inner: ExpertsClient | None) -> None:
         self.group, self.inner = group, inner

@@ -7,7 +7,7 @@ import contextlib
 from collections import deque
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import Any
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -191,18 +191,18 @@ class DenseModel:
 
     def attention_block(
         self, i: int, w: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        batch: StepBatch, kv: KVCache, compiled: Any,
+        batch: StepBatch, kv: KVCache, compiled: ModuleType | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's attention block over the residual stream h [T, H]: (h plus the
         attention's output [T, H], that sum RMSNorm'd for the MLP or MoE [T, H]). One
         compiled call where `compiled` (`_compiled_block`) is given, the same bits."""
         cfg, t, eps = self.cfg, h.shape[0], self.cfg.rms_norm_eps
-        if compiled is not None:
-            assert isinstance(w.qkv, PanelWeights) and isinstance(w.o, PanelWeights)
+        if compiled is not None:  # (every qkv and o in panels: `_compiled_block`)
             return compiled.attention_block_f32(
-                h, w.input_norm, w.qkv.panels, w.qkv.shape[0], w.q_norm, w.k_norm, cos, sin,
-                kv.k[i], kv.v[i], batch.slot_mapping, batch.decode_kv_slots,
-                batch.decode_mask, w.o.panels, w.o.shape[0], w.post_attn_norm,
+                h, w.input_norm, w.qkv.panels, w.qkv.shape[0],  # type: ignore[union-attr]
+                w.q_norm, w.k_norm, cos, sin, kv.k[i], kv.v[i], batch.slot_mapping,
+                batch.decode_kv_slots, batch.decode_mask, w.o.panels,  # type: ignore[union-attr]
+                w.o.shape[0], w.post_attn_norm,
                 cfg.num_heads, cfg.num_kv_heads, eps, cfg.head_dim ** -0.5)
         q, k, v = qkv_heads(linear(rms_norm(h, w.input_norm, eps), w.qkv), w.q_norm, w.k_norm,
                             cos, sin, cfg.num_heads, cfg.num_kv_heads, eps)  # [T, heads|kv, D]
@@ -211,7 +211,7 @@ class DenseModel:
         h = h + linear(out.reshape(t, -1), w.o)
         return h, rms_norm(h, w.post_attn_norm, eps)
 
-    def _compiled_block(self, h: torch.Tensor, batch: StepBatch) -> Any:
+    def _compiled_block(self, h: torch.Tensor, batch: StepBatch) -> ModuleType | None:
         """The CPU kernels, where a step's attention blocks may run as one call each (a
         decode step over this process's own cache, float32 weights in panels; else None).
         At a decode step's few rows the Python between the kernels costs more than their
