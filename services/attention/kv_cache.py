@@ -15,12 +15,16 @@ from services.model.config import ModelConfig
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim
+    per_token = config.num_layers * config.kv_elements_per_token
     return per_token * block_size * torch.empty(0, dtype=dtype).element_size()
 
 
 class KVCache:
-    """Per layer, K and V of shape [num_blocks * block_size, kv_heads, head_dim] (slot-major)."""
+    """Per layer, K and V of shape [num_blocks * block_size, kv_heads, head_dim] (slot-major).
+
+    With MLA, one tensor per layer [slots, 1, kv_lora_rank + qk_rope_head_dim] of latent
+    rows is both K and V (`services.attention.mla`): `v[layer] is k[layer]`.
+    """
 
     def __init__(
         self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
@@ -29,18 +33,21 @@ class KVCache:
         shape = (num_blocks * block_size, config.num_kv_heads, config.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device)
                   for _ in range(config.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device)
-                  for _ in range(config.num_layers)]
+        self.v = self.k if config.mla else [torch.zeros(shape, dtype=dtype, device=device)
+                                            for _ in range(config.num_layers)]
+        self.scale = config.attention_scale
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor | None, slots: torch.Tensor,
               foreign: bool = False) -> None:
-        """Store k, v [T, kv_heads, head_dim] at `slots` [T]; with `foreign`, slots -1 (a
-        token another DCP rank stores) are skipped."""
+        """Store k, v [T, kv_heads, head_dim] at `slots` [T] (v None: MLA's rows, k only);
+        with `foreign`, slots -1 (a token another DCP rank stores) are skipped."""
         if foreign:
             keep = slots >= 0
-            k, v, slots = k[keep], v[keep], slots[keep]
+            k, slots = k[keep], slots[keep]
+            v = None if v is None else v[keep]
         self.k[layer][slots] = k
-        self.v[layer][slots] = v
+        if v is not None:
+            self.v[layer][slots] = v
 
     def attend(self, layer: int, q: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """Attention of q [T, heads, head_dim] over each sequence's cached keys -> same shape.
@@ -64,7 +71,7 @@ class KVCache:
         """The decodes as one batch (on the CPU in float32 the compiled kernel, which reads
         the keys in place; else `kernel` over a padded copy), then each prefill chunk."""
         k_all, v_all = self.k[layer], self.v[layer]
-        scale = q.shape[-1] ** -0.5
+        scale = self.scale
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         if batch.decode_rows.numel() and (cpu := cpu_decode_attention(

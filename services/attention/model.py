@@ -19,6 +19,7 @@ from moe_kernels.panels import PanelWeights
 from moe_kernels.selection import linear
 from moe_kernels.selection import panels_for_cpu as _panels_for_cpu
 from services.attention.kv_cache import KVCache
+from services.attention.mla import MLAWeights, load_mla, mla_queries, mla_values
 from services.attention.router import route
 from services.model.checkpoint import Checkpoint
 from services.model.config import ModelConfig
@@ -48,13 +49,19 @@ class LayerWeights:
 
     input_norm: torch.Tensor  # [H]
     post_attn_norm: torch.Tensor  # [H]
-    qkv: Weight  # [(heads + 2 * kv_heads) * D, H], q, k, v stacked
-    o: Weight  # [H, heads * D]
+    qkv: Weight | None  # [(heads + 2 * kv_heads) * D, H], q, k, v stacked (None: MLA)
+    qkv_bias: torch.Tensor | None  # [(heads + 2 * kv_heads) * D] (Qwen2-MoE)
+    mla: MLAWeights | None  # DeepSeek's latent attention, instead of qkv
+    o: Weight  # [H, heads * D] (MLA: [H, heads * v_head_dim])
     q_norm: torch.Tensor | None  # [D] (Qwen3)
     k_norm: torch.Tensor | None  # [D]
     gate: Weight | None  # [E, H] router, for MoE layers
+    gate_bias: torch.Tensor | None  # [E] float32, DeepSeek-V3's e_score_correction_bias
     mlp_gate_up: Weight | None  # [2I, H], for dense layers
     mlp_down: Weight | None  # [H, I]
+    shared_gate_up: Weight | None  # [2 I_s, H], a MoE layer's shared experts
+    shared_down: Weight | None  # [H, I_s]
+    shared_gate: Weight | None  # [1, H], Qwen2-MoE's sigmoid gate on them
 
 
 def load_layer(ckpt: Checkpoint, cfg: ModelConfig, i: int, dtype: torch.dtype,
@@ -63,27 +70,65 @@ def load_layer(ckpt: Checkpoint, cfg: ModelConfig, i: int, dtype: torch.dtype,
     h, d = cfg.hidden_size, cfg.head_dim
     q_rows, kv_rows = cfg.num_heads * d, cfg.num_kv_heads * d
 
-    def get(name: str, *shape: int) -> torch.Tensor:
-        return ckpt.get(f"{p}.{name}", shape, dtype).to(device)
+    def get(name: str, *shape: int, as_dtype: torch.dtype = dtype) -> torch.Tensor:
+        return ckpt.get(f"{p}.{name}", shape, as_dtype).to(device)
 
-    dense = not cfg.moe_layers[i]
-    inter = cfg.intermediate_size
+    def mlp(prefix: str, inter: int) -> tuple[Weight, Weight]:
+        return (panels_for_cpu(torch.cat([get(f"{prefix}.gate_proj.weight", inter, h),
+                                          get(f"{prefix}.up_proj.weight", inter, h)])),
+                panels_for_cpu(get(f"{prefix}.down_proj.weight", h, inter)))
+
+    dense, mla = not cfg.moe_layers[i], cfg.mla
+    gate_up, down = mlp("mlp", cfg.intermediate_size) if dense else (None, None)
+    shared = cfg.shared_experts if not dense else None
+    name = "shared_experts" if cfg.mla else "shared_expert"  # DeepSeek's; Qwen2-MoE's
+    s_gate_up, s_down = mlp(f"mlp.{name}", shared.intermediate_size) if shared else (None, None)
+    # DeepSeek's router runs in float32 whatever the model's dtype (transformers' too)
+    gate_dtype = torch.float32 if cfg.routing and cfg.routing.scoring == "sigmoid" else dtype
     return LayerWeights(
         input_norm=get("input_layernorm.weight", h),
         post_attn_norm=get("post_attention_layernorm.weight", h),
-        qkv=panels_for_cpu(torch.cat([get("self_attn.q_proj.weight", q_rows, h),
-                                      get("self_attn.k_proj.weight", kv_rows, h),
-                                      get("self_attn.v_proj.weight", kv_rows, h)])),
-        o=panels_for_cpu(get("self_attn.o_proj.weight", h, q_rows)),
+        qkv=None if mla else panels_for_cpu(torch.cat([
+            get("self_attn.q_proj.weight", q_rows, h), get("self_attn.k_proj.weight", kv_rows, h),
+            get("self_attn.v_proj.weight", kv_rows, h)])),
+        qkv_bias=torch.cat([get("self_attn.q_proj.bias", q_rows),
+                            get("self_attn.k_proj.bias", kv_rows),
+                            get("self_attn.v_proj.bias", kv_rows)]) if cfg.qkv_bias else None,
+        mla=load_mla(get, cfg) if mla else None,
+        o=panels_for_cpu(get("self_attn.o_proj.weight", h,
+                             cfg.num_heads * mla.v_head_dim if mla else q_rows)),
         q_norm=get("self_attn.q_norm.weight", d) if cfg.qk_norm else None,
         k_norm=get("self_attn.k_norm.weight", d) if cfg.qk_norm else None,
         gate=None if dense else panels_for_cpu(
-            get(f"{cfg.expert_prefix}.gate.weight", cfg.num_experts, h)),
-        mlp_gate_up=panels_for_cpu(torch.cat([get("mlp.gate_proj.weight", inter, h),
-                                              get("mlp.up_proj.weight", inter, h)]))
-        if dense else None,
-        mlp_down=panels_for_cpu(get("mlp.down_proj.weight", h, inter)) if dense else None,
+            get(f"{cfg.expert_prefix}.gate.weight", cfg.num_experts, h, as_dtype=gate_dtype)),
+        gate_bias=get("mlp.gate.e_score_correction_bias", cfg.num_experts,
+                      as_dtype=torch.float32)
+        if not dense and cfg.routing and cfg.routing.method == "noaux_tc" else None,
+        mlp_gate_up=gate_up,
+        mlp_down=down,
+        shared_gate_up=s_gate_up,
+        shared_down=s_down,
+        shared_gate=panels_for_cpu(get("mlp.shared_expert_gate.weight", 1, h))
+        if shared and shared.gated else None,
     )
+
+
+def _swiglu(x: torch.Tensor, gate_up: Weight, down: Weight) -> torch.Tensor:
+    """A SwiGLU MLP of x [T, H] -> [T, H] (gate_up [2I, H], down [H, I])."""
+    gate, up = linear(x, gate_up).chunk(2, dim=-1)  # 2 x [T, I]
+    return linear(F.silu(gate) * up, down)
+
+
+def _shared_experts(w: LayerWeights, x: torch.Tensor) -> torch.Tensor | None:
+    """The layer's shared experts over x [T, H] -> [T, H] (None: it has none). They run
+    here, not on the expert services: every token needs them, so dispatching them would
+    send each row once more per layer and balance nothing (docs/architecture.md)."""
+    if w.shared_gate_up is None or w.shared_down is None:
+        return None
+    y = _swiglu(x, w.shared_gate_up, w.shared_down)
+    if w.shared_gate is not None:  # Qwen2-MoE
+        y = torch.sigmoid(linear(x, w.shared_gate)) * y
+    return y
 
 
 class DenseModel:
@@ -114,7 +159,7 @@ class DenseModel:
                                  device=device)
         self.expert_load = self._load.cpu()
         self._panels = all(isinstance(w.qkv, PanelWeights) and isinstance(w.o, PanelWeights)
-                           for w in self.layers)
+                           and w.qkv_bias is None for w in self.layers)
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch, kv: KVCache, experts: ExpertsClient | MoE
@@ -167,26 +212,28 @@ class DenseModel:
         """The layers over one batch: yields each MoE layer's call (layer, x [T, H],
         topk_ids [T, K], topk_weights [T, K]) and takes its output [T, H] back; returns
         the hidden states [T, H] after the final norm."""
-        cos, sin = rope_cos_sin(batch.positions, self.cfg.head_dim, self.cfg.rope_theta,
-                                self.dtype)
+        cos, sin = rope_cos_sin(batch.positions, self.cfg.rope_dim, self.cfg.rope_theta,
+                                self.dtype, self.cfg.rope)
         h = self.embed[batch.input_ids]  # [T, H]
         # what each routed copy adds to the load counts: 1, or 0 for a graph's padding rows
         rows = torch.ones_like(batch.input_ids) if batch.real_rows is None else batch.real_rows
         counted = rows.repeat_interleave(self.cfg.top_k)  # [T*K] int64
         forced = batch.forced_routing  # a warm-up's (its rows count as load: they ran)
         compiled = self._compiled_block(h, batch)
+        routing = self.cfg.routing_spec
         for i, w in enumerate(self.layers):
             h, x = self.attention_block(i, w, h, cos, sin, batch, kv, compiled)
             if w.gate is None:
-                gate, up = linear(x, w.mlp_gate_up).chunk(2, dim=-1)  # 2 x [T, I]
-                h = h + linear(F.silu(gate) * up, w.mlp_down)
+                h = h + _swiglu(x, w.mlp_gate_up, w.mlp_down)  # type: ignore[arg-type]
             else:
-                ids, weights = route(x, w.gate, self.cfg.top_k, self.cfg.norm_topk_prob)
+                ids, weights = route(x, w.gate, routing, w.gate_bias)
                 if forced is not None:
                     ids = ids.index_put((forced[0],), forced[1])
                 flat = ids.reshape(-1)  # [T*K]
                 self._load[i].index_add_(0, flat, counted)
-                h = h + (yield i, x, ids, weights)
+                shared = _shared_experts(w, x)  # [T, H] or None
+                routed = yield i, x, ids, weights
+                h = h + (routed if shared is None else routed + shared)
         return rms_norm(h, self.norm, self.cfg.rms_norm_eps)
 
     def attention_block(
@@ -203,12 +250,20 @@ class DenseModel:
                 w.q_norm, w.k_norm, cos, sin, kv.k[i], kv.v[i], batch.slot_mapping,
                 batch.decode_kv_slots, batch.decode_mask, w.o.panels,  # type: ignore[union-attr]
                 w.o.shape[0], w.post_attn_norm,
-                cfg.num_heads, cfg.num_kv_heads, eps, cfg.head_dim ** -0.5)
-        q, k, v = qkv_heads(linear(rms_norm(h, w.input_norm, eps), w.qkv), w.q_norm, w.k_norm,
-                            cos, sin, cfg.num_heads, cfg.num_kv_heads, eps)  # [T, heads|kv, D]
-        kv.write(i, k, v, batch.slot_mapping, batch.foreign_slots)
-        out = self.attend(kv, i, q, batch)  # [T, heads, D]
-        h = h + linear(out.reshape(t, -1), w.o)
+                cfg.num_heads, cfg.num_kv_heads, eps, cfg.attention_scale)
+        x = rms_norm(h, w.input_norm, eps)
+        if w.mla is not None:
+            q, rows = mla_queries(cfg, w.mla, x, cos, sin)  # [T, heads, C + R], [T, 1, C + R]
+            kv.write(i, rows, None, batch.slot_mapping, batch.foreign_slots)
+            values = mla_values(cfg, w.mla, self.attend(kv, i, q, batch))  # [T, heads * V]
+        else:
+            qkv = linear(x, w.qkv)  # type: ignore[arg-type]
+            qkv = qkv if w.qkv_bias is None else qkv + w.qkv_bias
+            q, k, v = qkv_heads(qkv, w.q_norm, w.k_norm, cos, sin, cfg.num_heads,
+                                cfg.num_kv_heads, eps)  # [T, heads|kv, D]
+            kv.write(i, k, v, batch.slot_mapping, batch.foreign_slots)
+            values = self.attend(kv, i, q, batch).reshape(t, -1)  # [T, heads * D]
+        h = h + linear(values, w.o)
         return h, rms_norm(h, w.post_attn_norm, eps)
 
     def _compiled_block(self, h: torch.Tensor, batch: StepBatch) -> ModuleType | None:

@@ -8,23 +8,73 @@ import torch.nn.functional as F
 from moe_kernels.cpu_kernels import cpu_kernels
 from moe_kernels.panels import PanelWeights
 from moe_kernels.selection import linear
+from services.model.config import Routing
 
 
 def route(
-    x: torch.Tensor, gate: torch.Tensor | PanelWeights, top_k: int, normalize: bool
+    x: torch.Tensor, gate: torch.Tensor | PanelWeights, routing: Routing,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick experts for x [T, H] with gate [E, H].
+    """Pick experts for x [T, H] with gate [E, H], as transformers' router of the model
+    (`Routing`; bias [E] float32 is DeepSeek-V3's `e_score_correction_bias`).
 
-    Returns topk_ids [T, K] int64 and topk_weights [T, K] in x's dtype: softmax over all
-    experts (in float32), top-k, renormalised to sum to 1 when `normalize`. On the CPU in
-    float32 with the gate in panels, one compiled call (`route_f32`; its softmax may
+    Returns topk_ids [T, K] int64 and topk_weights [T, K] in x's dtype. The plain case
+    (softmax over all experts in float32, top-k, renormalised where asked) runs on the CPU
+    in float32 with the gate in panels as one compiled call (`route_f32`; its softmax may
     differ from torch's in the last bit).
     """
-    if isinstance(gate, PanelWeights) and x.dtype == torch.float32 and x.dim() == 2 \
-            and x.device.type == "cpu" and (kernels := cpu_kernels()) is not None:
-        return kernels.route_f32(x, gate.panels, gate.shape[0], top_k, normalize)
-    probs = F.softmax(linear(x, gate), dim=-1, dtype=torch.float32)  # [T, E]
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if normalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+    plain = routing.method == "greedy" and routing.scoring == "softmax" \
+        and routing.scaling == 1.0
+    if plain and isinstance(gate, PanelWeights) and x.dtype == torch.float32 \
+            and x.dim() == 2 and x.device.type == "cpu" and (kernels := cpu_kernels()) is not None:
+        return kernels.route_f32(x, gate.panels, gate.shape[0], routing.top_k,
+                                 routing.normalize)
+    dtype = gate.dtype if isinstance(gate, torch.Tensor) else torch.float32
+    logits = linear(x.to(dtype), gate).float()  # [T, E] (DeepSeek's gate is float32)
+    if routing.scoring == "sigmoid":
+        scores = logits.sigmoid()
+    else:
+        scores = F.softmax(logits, dim=-1, dtype=torch.float32)
+    if routing.method == "noaux_tc":
+        weights, ids = _noaux_tc(scores, routing, bias)
+    elif routing.method == "group_limited_greedy":
+        weights, ids = _group_limited_greedy(scores, routing)
+    else:
+        weights, ids = torch.topk(scores, routing.top_k, dim=-1)
+    if routing.normalize:  # transformers' V3 router adds 1e-20; Qwen's and Mixtral's do not
+        eps = 1e-20 if routing.scoring == "sigmoid" else 0.0
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + eps)
+    if routing.scaling != 1.0:
+        weights = weights * routing.scaling
     return ids, weights.to(x.dtype)
+
+
+def _group_mask(group_scores: torch.Tensor, routing: Routing, experts: int) -> torch.Tensor:
+    """[T, E] bool: the experts of each token's top `topk_group` groups (group_scores
+    [T, n_group]); ties between groups go the way torch's unsorted topk takes them, as in
+    transformers."""
+    chosen = torch.topk(group_scores, k=routing.topk_group, dim=-1, sorted=False)[1]
+    mask = torch.zeros_like(group_scores).scatter_(1, chosen, 1).bool()  # [T, n_group]
+    return mask.repeat_interleave(experts // routing.n_group, dim=1)
+
+
+def _group_limited_greedy(scores: torch.Tensor, routing: Routing
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V2: a group scores its best expert; the other groups' scores become 0.0
+    (not -inf: transformers' and DeepSeek's V2 router)."""
+    t, e = scores.shape
+    group_scores = scores.view(t, routing.n_group, -1).max(dim=-1).values
+    masked = scores.masked_fill(~_group_mask(group_scores, routing, e), 0.0)
+    return torch.topk(masked, k=routing.top_k, dim=-1, sorted=False)
+
+
+def _noaux_tc(scores: torch.Tensor, routing: Routing, bias: torch.Tensor | None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3: the biased scores choose (a group scores the sum of its top two, the
+    other groups' experts are masked to -inf); the weights are the unbiased scores."""
+    t, e = scores.shape
+    choice = scores if bias is None else scores + bias  # [T, E]
+    group_scores = choice.view(t, routing.n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)
+    choice = choice.masked_fill(~_group_mask(group_scores, routing, e), float("-inf"))
+    ids = torch.topk(choice, k=routing.top_k, dim=-1, sorted=False)[1]
+    return scores.gather(1, ids), ids

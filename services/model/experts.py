@@ -33,16 +33,15 @@ from services.model.config import ModelConfig, check_quantization
 from services.model.expert_metrics import ExpertMetrics
 
 # Per-architecture names of (gate, up, down) inside one expert.
-_PROJ_NAMES = {
-    "Qwen3MoeForCausalLM": ("gate_proj", "up_proj", "down_proj"),
-    "MixtralForCausalLM": ("w1", "w3", "w2"),
-}
+_PROJ_NAMES = {"MixtralForCausalLM": ("w1", "w3", "w2")}
+_GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")  # Qwen's and DeepSeek's
 log = logging.getLogger("switchyard.expert")
 
 
 def expert_tensor_names(config: ModelConfig, layer: int, expert: int) -> tuple[str, str, str]:
     base = f"model.layers.{layer}.{config.expert_prefix}.experts.{expert}"
-    return tuple(f"{base}.{proj}.weight" for proj in _PROJ_NAMES[config.architecture])
+    return tuple(f"{base}.{proj}.weight" for proj in _PROJ_NAMES.get(config.architecture,
+                                                                  _GATE_UP_DOWN))
 
 
 def packed_names(weight_name: str) -> tuple[str, str]:

@@ -4,9 +4,12 @@ of 6 to 24 tensor operations), else torch's, which they match within float32 rou
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from moe_kernels.cpu_kernels import cpu_kernels
+from services.model.config import Rope, yarn_mscale
 
 
 def _kernels_for(x: torch.Tensor) -> object | None:
@@ -26,21 +29,62 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def rope_inv_freq(rope: Rope, dim: int, device: torch.device | str = "cpu"
+                  ) -> tuple[torch.Tensor, float]:
+    """The rotary inverse frequencies [dim / 2] float32 and the factor cos and sin are
+    scaled by (1, or YaRN's attention factor), as transformers' rope init functions."""
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+    if rope.kind == "default":
+        return 1.0 / (rope.theta ** exponents), 1.0
+    pos_freqs = rope.theta ** exponents
+    factor = rope.factor
+    attention = rope.attention_factor
+    if attention is None:
+        attention = yarn_mscale(factor, rope.mscale) / yarn_mscale(factor, rope.mscale_all_dim) \
+            if rope.mscale and rope.mscale_all_dim else yarn_mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(rope.original_max_position_embeddings
+                              / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # (transformers': no division by zero)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low)
+            / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # [dim / 2]: 1 where a dim keeps its frequency
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) \
+        + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention)
+
+
 def rope_cos_sin(
-    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
+    rope: Rope | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables for `positions` [T] -> two [T, head_dim] tensors (computed in float32)."""
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device)
-                  .float() / head_dim)
-    )
+    """cos/sin tables for `positions` [T] -> two [T, head_dim] tensors (computed in float32):
+    the default rotary of `theta`, or `rope`'s (YaRN's scaled frequencies and factor)."""
+    inv_freq, scale = rope_inv_freq(rope or Rope(theta), head_dim, positions.device)
     freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, head_dim / 2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    if scale == 1.0:
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, heads, head_dim] by the per-token tables cos/sin [T, head_dim]."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               interleaved: bool = False) -> torch.Tensor:
+    """Rotate x [T, heads, head_dim] by the per-token tables cos/sin [T, head_dim]: halves
+    (x_i, x_{i + D/2}) by default, or pairs (x_{2i}, x_{2i+1}) where `interleaved` (DeepSeek's
+    layout; the output then holds the pairs' first parts, then their second parts, as
+    transformers' `apply_rotary_pos_emb_interleave`: scores are the same either way)."""
+    if interleaved:
+        c, s = cos[:, None, : cos.shape[-1] // 2], sin[:, None, : sin.shape[-1] // 2]
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]

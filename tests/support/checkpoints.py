@@ -51,3 +51,45 @@ def build(config: PretrainedConfig, out_dir: Path, seed: int = 0,
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, **kwargs)
     return model
+
+
+def qwen2_moe_config(**overrides: object) -> PretrainedConfig:
+    """Qwen2-MoE: q/k/v biases and one shared expert behind a sigmoid gate."""
+    from transformers import Qwen2MoeConfig
+
+    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+              shared_expert_intermediate_size=80, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+              mlp_only_layers=[1], max_position_embeddings=512, eos_token_id=VOCAB - 1)
+    kw.update(overrides)
+    return Qwen2MoeConfig(**kw)
+
+
+def deepseek_v3_config(**overrides: object) -> PretrainedConfig:
+    """DeepSeek-V3: MLA with q_lora_rank, a dense first layer, 2 shared experts, sigmoid
+    routing with a score-correction bias over 4 groups of which 2 compete."""
+    from transformers import DeepseekV3Config
+
+    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+              num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+              n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=2, n_group=4,
+              topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1,
+              q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16,
+              v_head_dim=24, max_position_embeddings=512, eos_token_id=VOCAB - 1)
+    kw.update(overrides)
+    return DeepseekV3Config(**kw)
+
+
+def deepseek_v2_config(**overrides: object) -> PretrainedConfig:
+    """DeepSeek-V2-Lite's layout: MLA without q_lora_rank, softmax routing (greedy; pass
+    topk_method="group_limited_greedy" with n_group/topk_group for V2's)."""
+    from transformers import DeepseekV2Config
+
+    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+              num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+              n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+              first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
+              qk_rope_head_dim=16, v_head_dim=16, max_position_embeddings=512,
+              eos_token_id=VOCAB - 1)
+    kw.update(overrides)
+    return DeepseekV2Config(**kw)
