@@ -23,6 +23,44 @@ def mixtral_ckpt(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object
                                    max_shard_size="200KB")
 
 
+# Qwen2-MoE and the DeepSeek family: name -> (config builder, its overrides)
+FAMILIES = {
+    "qwen2_moe": ("qwen2_moe_config", {}),
+    "deepseek_v2": ("deepseek_v2_config", {}),  # no q_lora_rank, greedy softmax routing
+    "deepseek_v2_grouped": ("deepseek_v2_config", dict(
+        topk_method="group_limited_greedy", n_group=4, topk_group=2, q_lora_rank=16,
+        routed_scaling_factor=1.5)),
+    "deepseek_v3": ("deepseek_v3_config", {}),  # q_lora_rank, 4 groups of which 2 compete
+    "deepseek_v3_yarn": ("deepseek_v3_config", dict(  # YaRN, rotate-half rotary, 2 groups
+        q_lora_rank=None, n_group=2, topk_group=1, num_experts_per_tok=2,
+        rope_interleave=False, max_position_embeddings=512, rope_parameters=dict(
+            rope_type="yarn", rope_theta=10000.0, factor=4.0,
+            original_max_position_embeddings=128, mscale=1.0, mscale_all_dim=0.707,
+            beta_fast=32, beta_slow=1))),
+}
+
+
+def _family_fixture(name: str) -> object:
+    builder, overrides = FAMILIES[name]
+
+    @pytest.fixture(scope="session", name=f"{name}_ckpt")
+    def fixture(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
+        path = tmp_path_factory.mktemp(name)
+        config = getattr(checkpoints, builder)(**overrides)
+        return path, checkpoints.build(config, path, seed=len(name))
+
+    return fixture
+
+
+for _name in FAMILIES:
+    globals()[f"{_name}_ckpt"] = _family_fixture(_name)
+
+
+@pytest.fixture(params=list(FAMILIES))
+def family_ckpt(request: pytest.FixtureRequest) -> tuple[Path, object]:
+    return request.getfixturevalue(f"{request.param}_ckpt")
+
+
 @pytest.fixture(params=["qwen3", "mixtral"])
 def ckpt(request: pytest.FixtureRequest) -> tuple[Path, object]:
     return request.getfixturevalue(f"{request.param}_ckpt")

@@ -48,6 +48,9 @@ def build(config: PretrainedConfig, out_dir: Path, seed: int = 0,
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             else:
                 p.normal_(0.0, 0.08)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # (zeros) so that it flips choices
+                b.normal_(0.0, 0.1)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, **kwargs)
     return model
