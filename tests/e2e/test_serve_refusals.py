@@ -81,6 +81,19 @@ def test_serve_reports_a_bad_checkpoint_without_opening_ports(qwen3_ckpt: tuple,
     assert "exited with status" in proc.stderr and "Switchyard is serving" not in proc.stdout
 
 
+def test_serve_names_the_config_field_it_cannot_serve(deepseek_v3_ckpt: tuple,
+                                                      tmp_path: Path) -> None:
+    d = copy(deepseek_v3_ckpt[0], tmp_path / "m")
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(config | {"topk_method": "greedy"}))
+    proc = subprocess.run([sys.executable, "-m", "switchyard", "serve", "--model", str(d),
+                           "--port", "0"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "field 'topk_method' 'greedy' is not supported for DeepseekV3ForCausalLM" \
+        in proc.stderr
+    assert "Switchyard is serving" not in proc.stdout
+
+
 @pytest.mark.parametrize(("generation", "error"), [
     ({"temperature": -1}, "temperature -1.0 is out of range"),
     ({"max_new_tokens": 0}, "max_new_tokens 0 is out of range"),

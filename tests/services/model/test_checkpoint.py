@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import re
 import shutil
 from pathlib import Path
 
@@ -12,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from services.attention.builder import build_engine
 from services.attention.config import AttentionConfig
-from services.model.config import CheckpointError, ModelConfig
+from services.model.config import MLA, CheckpointError, ModelConfig, Rope, Routing, SharedExperts
 
 
 def copy(src: Path, dst: Path) -> Path:
@@ -28,6 +30,57 @@ def test_translates_qwen3_and_mixtral(qwen3_ckpt: tuple, mixtral_ckpt: tuple) ->
     m = ModelConfig.from_dir(mixtral_ckpt[0])
     assert (m.num_experts, m.top_k, m.norm_topk_prob, m.qk_norm) == (6, 3, True, False)
     assert (mixtral_ckpt[0] / "model.safetensors.index.json").is_file()
+
+
+def test_translates_qwen2_moe_and_the_deepseek_family(
+        qwen2_moe_ckpt: tuple, deepseek_v2_grouped_ckpt: tuple, deepseek_v3_ckpt: tuple,
+        deepseek_v3_yarn_ckpt: tuple) -> None:
+    q = ModelConfig.from_dir(qwen2_moe_ckpt[0])
+    assert (q.qkv_bias, q.shared_experts, q.moe_layers) == (
+        True, SharedExperts(80, gated=True), (True, False, True))
+    v2 = ModelConfig.from_dir(deepseek_v2_grouped_ckpt[0])
+    assert v2.routing == Routing(2, False, "softmax", "group_limited_greedy", 4, 2, 1.5)
+    assert v2.mla == MLA(16, 32, 16, 16, 16, rope_interleave=True)
+    assert (v2.num_kv_heads, v2.head_dim, v2.moe_layers) == (1, 48, (False, True, True))
+    v3 = ModelConfig.from_dir(deepseek_v3_ckpt[0])
+    assert v3.routing == Routing(3, True, "sigmoid", "noaux_tc", 4, 2, 2.5)
+    assert v3.shared_experts == SharedExperts(64, gated=False)  # 2 x moe_intermediate_size
+    assert v3.mtp_layers == 1  # transformers' config says 1; its model builds none
+    yarn = ModelConfig.from_dir(deepseek_v3_yarn_ckpt[0])
+    assert yarn.rope == Rope(10000.0, "yarn", 4.0, 128, 32.0, 1.0, 1.0, 0.707)
+    assert not yarn.mla.rope_interleave  # type: ignore[union-attr]
+    assert yarn.attention_scale == pytest.approx(32 ** -0.5 * (0.0707 * math.log(4) + 1) ** 2)
+
+
+V3 = {"architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 256, "hidden_size": 64,
+      "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 3,
+      "num_attention_heads": 4, "n_routed_experts": 8, "num_experts_per_tok": 2,
+      "n_group": 4, "topk_group": 2, "kv_lora_rank": 32, "q_lora_rank": 24,
+      "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16,
+      "max_position_embeddings": 512}
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"topk_method": "greedy"}, "'topk_method' 'greedy' is not supported"),
+    ({"scoring_func": "softmax"}, "'scoring_func' 'softmax' is not supported"),
+    ({"n_group": 3}, "'n_group' 3 must divide n_routed_experts"),
+    ({"topk_group": 0}, "'topk_group' 0 must be in 1..n_group"),
+    ({"n_group": 8, "topk_group": 1, "num_experts_per_tok": 1}, "each group needs 2 experts"),
+    ({"kv_lora_rank": None}, "'kv_lora_rank' must be an integer"),
+    ({"q_lora_rank": "24"}, "'q_lora_rank' must be an integer or null"),
+    ({"attention_bias": True}, "'attention_bias'"),
+    ({"hidden_act": "gelu"}, "'hidden_act' 'gelu' is not supported"),
+    ({"rope_scaling": {"type": "longrope"}}, "rope type 'longrope' is not supported"),
+    ({"rope_scaling": {"type": "yarn", "factor": 4}}, "'original_max_position_embeddings'"),
+    ({"architectures": ["DeepseekV2ForCausalLM"], "topk_method": "noaux_tc"},
+     "'topk_method' 'noaux_tc' is not supported for DeepseekV2ForCausalLM"),
+    ({"architectures": ["DeepseekV2ForCausalLM"], "norm_topk_prob": True}, "'norm_topk_prob'"),
+])
+def test_a_deepseek_option_not_built_is_refused_naming_its_field(change: dict, field: str
+                                                                 ) -> None:
+    assert ModelConfig.from_hf(V3).mla is not None  # the unchanged config translates
+    with pytest.raises(CheckpointError, match=re.escape(field)):
+        ModelConfig.from_hf(V3 | change)
 
 
 @pytest.mark.parametrize(("generation_eos", "want"), [
