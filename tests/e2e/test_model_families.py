@@ -4,13 +4,20 @@ and torch, DCP groups, one process), greedy outputs equal to transformers'."""
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from common.ports import free_port
+from services.attention.builder import build_engine
+from services.attention.config import AttentionConfig
+from services.attention.engine import Engine
+from services.expert.quantize import main as quantize_main
+from services.model.config import ModelConfig
 from switchyard.serve_process import Served
-from tests.support.engines import prompts, reference_greedy
+from tests.support.engines import greedy, prompts, reference_greedy, run_to_completion
 from tests.support.serving import concurrent_greedy
 
 pytestmark = pytest.mark.timeout(300)
@@ -42,3 +49,30 @@ def test_serve_topologies_match_transformers(family: str, flags: list[str],
             socket.create_connection(("127.0.0.1", rendezvous), timeout=5).close()
     assert got == [reference_greedy(model, p, 16) for p in ps]
     assert all(a["ready"] for a in health["attention"])
+
+
+def test_w4a4_experts_of_deepseek_v3_quantized_and_served(deepseek_v3_ckpt: tuple,
+                                                          tmp_path: Path) -> None:
+    """`switchyard quantize` writes the routed experts as MXFP4 (shared experts and dense
+    layers stay in the checkpoint's dtype, on the attention service); the packed copy
+    serves what quantizing at load serves, in one process and over expert services."""
+    path, _ = deepseek_v3_ckpt
+    out = tmp_path / "w4a4"
+    assert quantize_main(["--model", str(path), "--out", str(out)]) == 0
+    assert ModelConfig.from_dir(out).quantization == "w4a4"
+    ps = prompts(seed=6, lengths=(5, 23))
+
+    def engine(p: Path, **kw: object) -> Engine:
+        return build_engine(AttentionConfig(model=p, max_num_batched_tokens=16,
+                                            kv_cache_memory=1 << 22, **kw))  # type: ignore
+
+    full, packed = engine(path), engine(out)
+    assert torch.equal(packed.score(ps[1]), engine(path, quantization="w4a4").score(ps[1]))
+    want, got = full.score(ps[1]), packed.score(ps[1])
+    assert float((got - want).norm() / want.norm()) < 0.25  # 4-bit experts, not garbage
+    reqs = {0: [greedy(f"r{i}", p, 12) for i, p in enumerate(ps)]}
+    local = run_to_completion(packed, reqs)
+    with Served(["--model", str(out), "--expert-services", "2"]) as served:
+        name = httpx.get(f"{served.url}/v1/models").json()["data"][0]["id"]
+        assert concurrent_greedy(served.url, name, ps, max_tokens=12) == [
+            local[f"r{i}"] for i in range(len(ps))]

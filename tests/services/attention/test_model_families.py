@@ -54,7 +54,7 @@ def test_preempted_and_prefix_cached_sequences_generate_what_transformers_does(
     assert got == {f"r{i}": reference_greedy(model, p, 24) for i, p in enumerate(ps)}
 
     system = prompts(seed=61, lengths=(37,))[0]
-    shared = {"a": system + [7, 8], "b": system + [9], "c": system + [7, 8]}
+    shared = {"a": [*system, 7, 8], "b": [*system, 9], "c": [*system, 7, 8]}
     cached: dict[str, int | None] = {}
     engine = engine_for(path, block_size=16, max_num_batched_tokens=12)
     out = run_to_completion(engine, {0: [greedy("a", shared["a"], 12)]})
