@@ -2,17 +2,19 @@
 must do, and where the step's time goes.
 
     .venv/bin/python -m benchmarks.floor [--batch-sizes 1 16 64] [--cpu-kernels on off]
+        [--quantization none w4a4] [--checkpoint qwen3-moe-mid|deepseek-v3-mid]
 
 Measures this machine once (read bandwidth: `sum` over 2 GiB; copy bandwidth; float32
-matmul GFLOP/s), then runs the engine in-process (`local` backend) on the mid-size
-checkpoint of benchmarks/generate.py and, for each decode step, counts the bytes that step
-had to read: the experts its tokens were routed to (from the engine's routing counters,
-exactly), every dense weight (attention, norms, router gates, lm_head), and the KV cache
-of the batch; and the FLOPs of its matmuls and attention. The floor is the larger of the
-bytes at the measured read bandwidth and the FLOPs at the measured matmul rate; the table
-gives the median step time as a multiple of it, and the step's median time in each part:
+matmul GFLOP/s), then runs the engine in-process (`local` backend) on a mid-size
+checkpoint of benchmarks/generate.py (Qwen3-MoE, or DeepSeek-V3-shaped) and, for each
+decode step, counts the bytes that step had to read: the experts its tokens were routed
+to (from the engine's routing counters, exactly), every dense weight (attention, norms,
+router gates, shared experts, dense layers, lm_head), and the KV cache of the batch; and
+the FLOPs of its matmuls and attention. The floor is the larger of the bytes at the
+measured read bandwidth and the FLOPs at the measured matmul rate; the table gives the
+median step time as a multiple of it, and the step's median time in each part:
 the attention blocks (norms, qkv, rotary, KV write, attention, o), router, dispatch and
-combine, the experts, lm_head and sampling, the rest.
+combine, the experts, the shared experts, lm_head and sampling, the rest.
 With `--cpu-kernels on off` each batch size runs with the compiled CPU kernels (experts,
 dense projections, lm_head, attention, the layer math) and with torch's, one engine each
 (the weights' layout is chosen at load); with `--quantization none w4a4` both float32 and
@@ -24,6 +26,7 @@ shared host's drift falls on every column alike.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import statistics
 import time
@@ -31,7 +34,7 @@ from collections.abc import Callable
 
 import torch
 
-from benchmarks.generate import add_workdir_flag, build_checkpoint, make_prompts
+from benchmarks.generate import CHECKPOINTS, add_workdir_flag, build_checkpoint, make_prompts
 from benchmarks.timing import timed
 from common.messages import GenerateRequest, SamplingParams
 from moe_kernels.cpu_kernels import cpu_kernels, set_enabled
@@ -80,12 +83,21 @@ def machine() -> dict[str, float]:
     return {"read_gbs": read, "copy_gbs": copy, "matmul_gflops": gflops}
 
 
+def layer_weights(w: object) -> list[torch.Tensor | PanelWeights]:
+    """Every weight of a layer (`LayerWeights`, with MLA's and the shared experts')."""
+    out: list[torch.Tensor | PanelWeights] = []
+    for field in dataclasses.fields(w):  # type: ignore[arg-type]
+        value = getattr(w, field.name)
+        if isinstance(value, torch.Tensor | PanelWeights):
+            out.append(value)
+        elif dataclasses.is_dataclass(value):
+            out += layer_weights(value)
+    return out
+
+
 def dense_bytes(engine: Engine) -> int:
     model = engine.model
-    tensors = [model.norm, model.lm_head]
-    for w in model.layers:
-        tensors += [t for t in (w.input_norm, w.post_attn_norm, w.qkv, w.o, w.q_norm, w.k_norm,
-                                w.gate, w.mlp_gate_up, w.mlp_down) if t is not None]
+    tensors = [model.norm, model.lm_head, *(t for w in model.layers for t in layer_weights(w))]
     return sum(t.nbytes() if isinstance(t, PanelWeights) else t.numel() * t.element_size()
                for t in tensors)
 
@@ -101,7 +113,7 @@ def expert_bytes(engine: Engine) -> int:
 
 def kv_bytes(engine: Engine) -> int:
     cfg = engine.model_config
-    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * engine.dtype.itemsize
+    per_token = cfg.num_layers * cfg.kv_elements_per_token * engine.dtype.itemsize
     return per_token * sum(s.num_computed_tokens for s in engine.scheduler.running)
 
 
@@ -110,9 +122,8 @@ def step_flops(engine: Engine) -> int:
     each token's top-k experts (three projections), and attention over each context."""
     cfg, model = engine.model_config, engine.model
     running = engine.scheduler.running
-    dense = math.prod(model.lm_head.shape) + sum(
-        math.prod(t.shape) for w in model.layers for t in (w.qkv, w.o, w.gate, w.mlp_gate_up,
-                                                           w.mlp_down) if t is not None)
+    dense = math.prod(model.lm_head.shape) + sum(  # every matrix (not the norms)
+        math.prod(t.shape) for w in model.layers for t in layer_weights(w) if len(t.shape) > 1)
     experts = len(cfg.moe_layer_ids) * cfg.top_k * 3 * cfg.hidden_size * \
         cfg.moe_intermediate_size
     attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * \
@@ -120,8 +131,8 @@ def step_flops(engine: Engine) -> int:
     return 2 * len(running) * (dense + experts) + attention
 
 
-PARTS = ("attention block", "router", "dispatch + combine", "experts", "lm_head + sampling",
-         "rest")
+PARTS = ("attention block", "router", "dispatch + combine", "experts", "shared experts",
+         "lm_head + sampling", "rest")
 KERNELS = "in compiled kernels"  # across the parts: the rest of the step is host work
 
 
@@ -140,6 +151,8 @@ class StepParts:
         model.attention_block = self._timed("attention block",  # type: ignore[method-assign]
                                             model.attention_block)
         model_module.route = self._timed("router", model_module.route)
+        model_module._shared_experts = self._timed("shared experts",
+                                                   model_module._shared_experts)
         experts.expert_fn = self._timed("experts", experts.expert_fn)  # type: ignore[attr-defined]
         call = type(experts).__call__
         type(experts).__call__ = self._timed("dispatch + combine", call)  # type: ignore[method-assign]
@@ -264,9 +277,11 @@ def main() -> None:
                     help="the compiled CPU kernels, torch's matmuls, or both in turn")
     ap.add_argument("--quantization", nargs="+", choices=["none", "w4a4"], default=["none"],
                     help="float32 experts, W4A4 experts, or both in turn (one engine each)")
+    ap.add_argument("--checkpoint", choices=CHECKPOINTS, default=CHECKPOINTS[0],
+                    help="the random mid-size Qwen3-MoE, or a DeepSeek-V3-shaped one (MLA)")
     add_workdir_flag(ap)
     args = ap.parse_args()
-    path = build_checkpoint(args.workdir)
+    path = build_checkpoint(args.workdir, args.checkpoint)
     print("measuring the machine ...", flush=True)
     m = machine()
     print(f"read {m['read_gbs']:.1f} GB/s, copy {m['copy_gbs']:.1f} GB/s (read + write), "

@@ -32,15 +32,35 @@ def add_workdir_flag(ap: argparse.ArgumentParser) -> None:
                     help="where the benchmark checkpoint is built once and cached")
 
 
-def build_checkpoint(workdir: Path) -> Path:
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+# DeepSeek-V3's shape at about 0.46B parameters: MLA (with q_lora_rank), a dense first
+# layer, 64 routed experts of which 6 per token, in 8 groups of which 4 compete, 2 shared.
+DEEPSEEK_MID = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
+                    moe_intermediate_size=256, num_hidden_layers=8, first_k_dense_replace=1,
+                    num_attention_heads=16, num_key_value_heads=16, q_lora_rank=384,
+                    kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32,
+                    v_head_dim=64, n_routed_experts=64, num_experts_per_tok=6,
+                    n_shared_experts=2, n_group=8, topk_group=4, routed_scaling_factor=2.5,
+                    max_position_embeddings=4096)
+CHECKPOINTS = ("qwen3-moe-mid", "deepseek-v3-mid")
 
-    path = workdir / "qwen3-moe-mid"
+
+def build_checkpoint(workdir: Path, name: str = "qwen3-moe-mid") -> Path:
+    """The random benchmark checkpoint `name` (CHECKPOINTS), built once in `workdir`."""
+    from transformers import AutoModelForCausalLM, DeepseekV3Config, Qwen3MoeConfig
+
+    path = workdir / name
     if (path / "config.json").is_file():
         return path
-    print(f"building the random mid-size checkpoint in {path} ...", flush=True)
+    print(f"building the random checkpoint {name} in {path} ...", flush=True)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(Qwen3MoeConfig(**MID_SIZE), dtype=torch.float32)
+    config = DeepseekV3Config(**DEEPSEEK_MID) if name == "deepseek-v3-mid" \
+        else Qwen3MoeConfig(**MID_SIZE)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if name == "deepseek-v3-mid":  # a score-correction bias that matters (it is 0 at init)
+        with torch.no_grad():
+            for buffer_name, b in model.named_buffers():
+                if buffer_name.endswith("e_score_correction_bias"):
+                    b.normal_(0.0, 0.02)
     model.save_pretrained(path)
     return path
 
