@@ -209,3 +209,32 @@ torch::Tensor linear_f32(const torch::Tensor& x, const torch::Tensor& w) {
   gemm(xp, ldx, m_len, wp, n_len, k_len, yp, n_len);
   return y;
 }
+
+// x [T, heads, K] float32 (rows and heads may be strided) against one weight per head,
+// w as panels [heads, N/16, K, 16] -> [T, heads, N]: MLA's absorbed projections, each
+// head's rows through its own matrix, as one parallel loop over (head, panel group, row
+// chunk) tasks.
+torch::Tensor head_linear_f32(const torch::Tensor& x, const torch::Tensor& w) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 3 && x.stride(2) == 1,
+              "x must be float32 [T, heads, K] with contiguous K");
+  check_panels(w, 4);
+  TORCH_CHECK(x.size(1) == w.size(0) && x.size(2) == w.size(2),
+              "x [T, heads, K] and panels [heads, N/16, K, 16] differ in heads or K");
+  const int64_t t = x.size(0), heads = x.size(1), k_len = x.size(2), n_len = w.size(1) * kPanel;
+  torch::Tensor y = torch::empty({t, heads, n_len}, x.options());
+  if (t == 0) return y;
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t ldx = x.stride(0), hx = x.stride(1), ldy = heads * n_len;
+  const int64_t groups = (n_len / kPanel + kPanels - 1) / kPanels, chunks = (t + kChunk - 1) / kChunk;
+#pragma omp parallel for schedule(static)
+  for (int64_t task = 0; task < heads * groups * chunks; ++task) {
+    const int64_t head = task / (groups * chunks), rest = task % (groups * chunks);
+    const int64_t p0 = rest / chunks * kPanels, m0 = rest % chunks * kChunk;
+    panels(xp + m0 * ldx + head * hx, ldx, std::min(kChunk, t - m0),
+           wp + (head * n_len / kPanel + p0) * k_len * kPanel,
+           std::min<int64_t>(kPanels, n_len / kPanel - p0), k_len,
+           yp + m0 * ldy + head * n_len + p0 * kPanel, ldy);
+  }
+  return y;
+}

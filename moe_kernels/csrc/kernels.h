@@ -73,6 +73,7 @@ std::tuple<torch::Tensor, std::vector<int64_t>> grouped_swiglu_f32(
     const torch::Tensor& x, const std::vector<int64_t>& counts, const torch::Tensor& w_gate_up,
     const torch::Tensor& w_down);
 torch::Tensor linear_f32(const torch::Tensor& x, const torch::Tensor& w);
+torch::Tensor head_linear_f32(const torch::Tensor& x, const torch::Tensor& w);
 
 // w4a4_cpu.cpp
 std::tuple<torch::Tensor, std::vector<int64_t>> grouped_swiglu_w4a4(
@@ -103,6 +104,8 @@ std::tuple<torch::Tensor, torch::Tensor> route_f32(const torch::Tensor& x,
                                                    bool normalize);
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> sort_rows_cpu(
     const torch::Tensor& key, const torch::Tensor& weights, int64_t slots);
+torch::Tensor rope_f32(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                       bool interleaved);
 torch::Tensor combine_f32(const torch::Tensor& y, const torch::Tensor& src_token,
                           const torch::Tensor& weights, int64_t num_tokens);
 
@@ -115,3 +118,15 @@ std::tuple<torch::Tensor, torch::Tensor> attention_block_f32(
     const torch::Tensor& slot_mapping, const torch::Tensor& kv_slots, const torch::Tensor& mask,
     const torch::Tensor& o_panels, int64_t o_columns, const torch::Tensor& post_norm,
     int64_t heads, int64_t kv_heads, double eps, double scale);
+
+// mla_cpu.cpp
+std::tuple<torch::Tensor, torch::Tensor> mla_block_f32(
+    const torch::Tensor& h, const torch::Tensor& input_norm, const torch::Tensor& qkv_a_panels,
+    int64_t qkv_a_columns, const c10::optional<torch::Tensor>& q_a_norm,
+    const c10::optional<torch::Tensor>& q_b_panels, int64_t q_b_columns,
+    const torch::Tensor& kv_a_norm, const torch::Tensor& w_uk_panels,
+    const torch::Tensor& w_uv_panels, const torch::Tensor& cos, const torch::Tensor& sin,
+    bool interleaved, torch::Tensor cache, const torch::Tensor& slot_mapping,
+    const torch::Tensor& kv_slots, const torch::Tensor& mask, const torch::Tensor& o_panels,
+    int64_t o_columns, const torch::Tensor& post_norm, int64_t heads, int64_t q_lora,
+    int64_t nope, double eps, double scale);

@@ -90,6 +90,41 @@ std::tuple<torch::Tensor, torch::Tensor> qk_norm_rope_f32(
   return {q, k};
 }
 
+// x [T, n, D] float32 (rows and heads may be strided, D contiguous), rotated by cos, sin
+// [T, D] -> [T, n, D]: halves (x_i, x_{i + D/2}) as rotate_half, or with `interleaved`
+// pairs (x_{2i}, x_{2i+1}), written as the pairs' first parts then their second parts
+// (transformers' apply_rotary_pos_emb_interleave): MLA's decoupled rotary key and queries.
+torch::Tensor rope_f32(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                       bool interleaved) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 3 && x.stride(2) == 1,
+              "x must be float32 [T, n, D] with contiguous D");
+  const int64_t t = x.size(0), n = x.size(1), d = x.size(2), half = d / 2;
+  for (const auto* table : {&cos, &sin})
+    TORCH_CHECK(table->dtype() == torch::kFloat32 && table->is_contiguous() &&
+                    table->size(0) == t && table->size(1) == d,
+                "cos and sin must be float32 [T, D]");
+  TORCH_CHECK(d % 2 == 0, "the rotary dims must be even");
+  torch::Tensor out = torch::empty({t, n, d}, x.options());
+  const float *xp = x.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t ld = x.stride(0), hs = x.stride(1);
+  for (int64_t i = 0; i < t * n; ++i) {
+    const int64_t tok = i / n;
+    const float *v = xp + tok * ld + (i % n) * hs, *c = cp + tok * d, *s = sp + tok * d;
+    float* o = op + i * d;
+    if (interleaved) {
+      for (int64_t j = 0; j < half; ++j) {
+        o[j] = v[2 * j] * c[j] - v[2 * j + 1] * s[j];
+        o[half + j] = v[2 * j + 1] * c[j] + v[2 * j] * s[j];
+      }
+    } else {
+      for (int64_t j = 0; j < half; ++j) o[j] = v[j] * c[j] - v[j + half] * s[j];
+      for (int64_t j = half; j < d; ++j) o[j] = v[j] * c[j] + v[j - half] * s[j];
+    }
+  }
+  return out;
+}
+
 // out [T, H] = sum over rows r of weights[r] * y[r] into row src_token[r]: the MoE combine,
 // y [N, H] and weights [N] float32, src_token [N] int64 in [0, T); each token's rows summed
 // in their order (as `index_add_`), once, in float32.

@@ -38,6 +38,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "float32 router: gate logits, softmax, top-k, renormalised: (ids, weights)");
   m.def("sort_rows_cpu", &sort_rows_cpu,
         "dispatch layout: rows ordered by slot (stable), their weights, rows per slot");
+  m.def("head_linear_f32", &head_linear_f32,
+        "float32 x [T, heads, K] through one weight per head (panels) -> [T, heads, N]");
+  m.def("rope_f32", &rope_f32, "float32 rotary embedding of [T, n, D], halves or pairs");
+  m.def("mla_block_f32", &mla_block_f32,
+        "float32 decode MLA block: norm, q/kv_a, q_b, rope, W_UK, cache write, attention, "
+        "W_UV, o, add, norm");
   m.def("attention_block_f32", &attention_block_f32,
         "float32 decode attention block: norm, qkv, rope, KV write, attention, o, add, norm");
 }

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_kernels.cpu_kernels import cpu_kernels
 from moe_kernels.panels import PanelWeights
 from moe_kernels.selection import linear
 from moe_kernels.selection import panels_for_cpu as _panels
@@ -37,8 +38,8 @@ class MLAWeights:
     q_a_norm: torch.Tensor | None  # [q_lora_rank]
     q_b: Weight | None  # [heads * qk_head_dim, q_lora_rank]
     kv_a_norm: torch.Tensor  # [kv_lora]
-    w_uk: torch.Tensor  # [heads, qk_nope, kv_lora]: kv_b_proj's key rows, folded into q
-    w_uv_t: torch.Tensor  # [heads, kv_lora, v_head]: kv_b_proj's value rows, transposed
+    w_uk: Weight  # [heads, kv_lora, qk_nope]: kv_b_proj's key rows (transposed), folded into q
+    w_uv: Weight  # [heads, v_head, kv_lora]: kv_b_proj's value rows
 
 
 def load_mla(get: Callable[..., torch.Tensor], cfg: ModelConfig) -> MLAWeights:
@@ -57,8 +58,8 @@ def load_mla(get: Callable[..., torch.Tensor], cfg: ModelConfig) -> MLAWeights:
         q_b=_panels(get("self_attn.q_b_proj.weight", heads * m.qk_head_dim, m.q_lora_rank),
                     pad=True) if m.q_lora_rank else None,
         kv_a_norm=get("self_attn.kv_a_layernorm.weight", m.kv_lora_rank),
-        w_uk=kv_b[:, : m.qk_nope_head_dim].contiguous(),
-        w_uv_t=kv_b[:, m.qk_nope_head_dim:].transpose(1, 2).contiguous(),
+        w_uk=_panels(kv_b[:, : m.qk_nope_head_dim].transpose(1, 2).contiguous()),
+        w_uv=_panels(kv_b[:, m.qk_nope_head_dim:].contiguous()),
     )
 
 
@@ -73,13 +74,13 @@ def mla_queries(cfg: ModelConfig, w: MLAWeights, x: torch.Tensor, cos: torch.Ten
     split = m.q_lora_rank or cfg.num_heads * m.qk_head_dim
     q = a[:, :split]
     if w.q_b is not None:
-        q = linear(rms_norm(q.contiguous(), w.q_a_norm, eps), w.q_b)  # type: ignore[arg-type]
+        q = linear(rms_norm(q, w.q_a_norm, eps), w.q_b)  # type: ignore[arg-type]
     q = q.reshape(t, cfg.num_heads, m.qk_head_dim)
-    latent = rms_norm(a[:, split:split + m.kv_lora_rank].contiguous(), w.kv_a_norm, eps)
-    k_pe = apply_rope(a[:, None, split + m.kv_lora_rank:], cos, sin, m.rope_interleave)
-    q_pe = apply_rope(q[..., m.qk_nope_head_dim:], cos, sin, m.rope_interleave)
-    q_latent = torch.bmm(q[..., : m.qk_nope_head_dim].transpose(0, 1), w.w_uk)  # [heads, T, C]
-    queries = torch.cat([q_latent.transpose(0, 1), q_pe], dim=-1)  # [T, heads, C + rope]
+    latent = rms_norm(a[:, split:split + m.kv_lora_rank], w.kv_a_norm, eps)  # [T, C]
+    k_pe = _rope(a[:, None, split + m.kv_lora_rank:], cos, sin, m.rope_interleave)
+    q_pe = _rope(q[..., m.qk_nope_head_dim:], cos, sin, m.rope_interleave)  # [T, heads, R]
+    q_latent = head_linear(q[..., : m.qk_nope_head_dim], w.w_uk)  # [T, heads, C]
+    queries = torch.cat([q_latent, q_pe], dim=-1)  # [T, heads, C + rope]
     return queries, torch.cat([latent[:, None], k_pe], dim=-1)  # [T, 1, C + rope]
 
 
@@ -88,5 +89,24 @@ def mla_values(cfg: ModelConfig, w: MLAWeights, out: torch.Tensor) -> torch.Tens
     out [T, heads, kv_lora + rope] (its rotary dims dropped)."""
     m, t = cfg.mla, out.shape[0]
     assert m is not None
-    o = torch.bmm(out[..., : m.kv_lora_rank].transpose(0, 1), w.w_uv_t)  # [heads, T, V]
-    return o.transpose(0, 1).reshape(t, cfg.num_heads * m.v_head_dim)
+    return head_linear(out[..., : m.kv_lora_rank], w.w_uv).reshape(t, -1)  # [T, heads * V]
+
+
+def head_linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
+    """x [T, heads, K] through one matrix per head, w [heads, N, K] -> [T, heads, N]: the
+    compiled kernel where w is in panels (and x float32 on the CPU), else torch's bmm."""
+    if isinstance(w, PanelWeights) and x.dtype == torch.float32 and x.stride(-1) == 1 \
+            and (kernels := cpu_kernels()) is not None:
+        return kernels.head_linear_f32(x, w.panels)
+    w = w.unpack() if isinstance(w, PanelWeights) else w
+    return torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool
+          ) -> torch.Tensor:
+    """`apply_rope` of x [T, n, R]; the compiled kernel's on the CPU in float32 (the one
+    the compiled block runs: the same bits)."""
+    if x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1 \
+            and cos.dtype == torch.float32 and (kernels := cpu_kernels()) is not None:
+        return kernels.rope_f32(x, cos.contiguous(), sin.contiguous(), interleaved)
+    return apply_rope(x, cos, sin, interleaved)

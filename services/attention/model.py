@@ -113,6 +113,25 @@ def load_layer(ckpt: Checkpoint, cfg: ModelConfig, i: int, dtype: torch.dtype,
     )
 
 
+def _in_panels(w: LayerWeights) -> bool:
+    """Whether the layer's attention weights are all in the CPU kernels' panels (and it
+    has no q/k/v bias), as the compiled attention block reads them."""
+    if w.mla is not None:
+        m = w.mla
+        return all(isinstance(x, PanelWeights) for x in (m.qkv_a, m.w_uk, m.w_uv, w.o)) \
+            and (m.q_b is None or isinstance(m.q_b, PanelWeights))
+    return isinstance(w.qkv, PanelWeights) and isinstance(w.o, PanelWeights) \
+        and w.qkv_bias is None
+
+
+def _panel_args(w: Weight | None) -> tuple[torch.Tensor | None, int]:
+    """A linear in panels as the compiled block takes it: (panels, real columns)."""
+    if w is None:
+        return None, 0
+    assert isinstance(w, PanelWeights)
+    return w.panels, w.shape[-2]
+
+
 def _swiglu(x: torch.Tensor, gate_up: Weight, down: Weight) -> torch.Tensor:
     """A SwiGLU MLP of x [T, H] -> [T, H] (gate_up [2I, H], down [H, I])."""
     gate, up = linear(x, gate_up).chunk(2, dim=-1)  # 2 x [T, I]
@@ -158,8 +177,7 @@ class DenseModel:
         self._load = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.int64,
                                  device=device)
         self.expert_load = self._load.cpu()
-        self._panels = all(isinstance(w.qkv, PanelWeights) and isinstance(w.o, PanelWeights)
-                           and w.qkv_bias is None for w in self.layers)
+        self._panels = all(_in_panels(w) for w in self.layers)
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch, kv: KVCache, experts: ExpertsClient | MoE
@@ -244,6 +262,15 @@ class DenseModel:
         attention's output [T, H], that sum RMSNorm'd for the MLP or MoE [T, H]). One
         compiled call where `compiled` (`_compiled_block`) is given, the same bits."""
         cfg, t, eps = self.cfg, h.shape[0], self.cfg.rms_norm_eps
+        if compiled is not None and w.mla is not None:  # (in panels: `_compiled_block`)
+            m, p = w.mla, _panel_args
+            return compiled.mla_block_f32(
+                h, w.input_norm, *p(m.qkv_a), m.q_a_norm, *p(m.q_b), m.kv_a_norm,
+                m.w_uk.panels, m.w_uv.panels, cos, sin,  # type: ignore[union-attr]
+                cfg.mla.rope_interleave, kv.k[i], batch.slot_mapping,  # type: ignore[union-attr]
+                batch.decode_kv_slots, batch.decode_mask, *p(w.o), w.post_attn_norm,
+                cfg.num_heads, cfg.mla.q_lora_rank or 0,  # type: ignore[union-attr]
+                cfg.mla.qk_nope_head_dim, eps, cfg.attention_scale)  # type: ignore[union-attr]
         if compiled is not None:  # (every qkv and o in panels: `_compiled_block`)
             return compiled.attention_block_f32(
                 h, w.input_norm, w.qkv.panels, w.qkv.shape[0],  # type: ignore[union-attr]
