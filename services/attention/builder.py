@@ -65,6 +65,7 @@ def build_engine(config: AttentionConfig, graph_capture: Capture | None = None) 
     attention = _attention(config, cfg)
     with Checkpoint(config.model) as checkpoint:  # closed before waiting on any peer
         model = DenseModel(cfg, checkpoint, dtype, attention.attend, device)
+        _skip_mtp(cfg, checkpoint)
         # `local` is the only backend that holds the experts in-process
         bank = ExpertBank(cfg, checkpoint, all_experts(cfg), dtype, quantization or "none",
                           device=device) if dispatch.in_process else None
@@ -118,6 +119,20 @@ def _max_replicas(config: AttentionConfig, cfg: ModelConfig) -> int:
     if config.placement is None:
         return config.expert_replicas
     return Placement.load(config.placement, cfg.moe_layer_ids, cfg.num_experts).max_replicas
+
+
+def _skip_mtp(cfg: ModelConfig, checkpoint: Checkpoint) -> None:
+    """DeepSeek's multi-token-prediction layers follow the decoder's in the checkpoint
+    (model.layers.{num_layers}.* on): they are for speculative decoding, not built yet,
+    so their weights stay unread; one log line says so."""
+    if not cfg.mtp_layers:
+        return
+    skipped = [name for name in checkpoint.names() if name.startswith("model.layers.")
+               and int(name.split(".")[2]) >= cfg.num_layers]
+    if skipped:
+        log.info("skipping %d multi-token-prediction layer(s) of the checkpoint (%d tensors "
+                 "from model.layers.%d.*): speculative decoding is not built yet",
+                 cfg.mtp_layers, len(skipped), cfg.num_layers)
 
 
 def _num_blocks(config: AttentionConfig, cfg: ModelConfig, dtype: torch.dtype,

@@ -59,6 +59,10 @@ class Checkpoint:
     def __contains__(self, name: str) -> bool:
         return name in self._files
 
+    def names(self) -> list[str]:
+        """Every tensor's name."""
+        return list(self._files)
+
     def file_of(self, name: str) -> Path:
         if name not in self._files:
             raise CheckpointError(f"{self.dir}: tensor {name!r} is missing from the checkpoint")

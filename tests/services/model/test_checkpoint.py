@@ -52,6 +52,26 @@ def test_translates_qwen2_moe_and_the_deepseek_family(
     assert yarn.attention_scale == pytest.approx(32 ** -0.5 * (0.0707 * math.log(4) + 1) ** 2)
 
 
+def test_deepseek_mtp_layers_are_skipped_with_one_log_line(
+        deepseek_v3_ckpt: tuple, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A checkpoint with the multi-token-prediction layer after the decoder's (as
+    DeepSeek-V3's model.layers.61.*) loads, serves the same logits, and says what it left."""
+    path, model = deepseek_v3_ckpt
+    d = copy(path, tmp_path / "m")
+    tensors = load_file(d / "model.safetensors")
+    n = model.config.num_hidden_layers
+    tensors[f"model.layers.{n}.eh_proj.weight"] = torch.zeros(64, 128)
+    tensors[f"model.layers.{n}.enorm.weight"] = torch.ones(64)
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    prompt = [5, 9, 2, 77]
+    with caplog.at_level("INFO", logger="services.attention.builder"):
+        got = build_engine(AttentionConfig(model=d, kv_cache_memory=1 << 20)).score(prompt)
+    assert "skipping 1 multi-token-prediction layer(s) of the checkpoint (2 tensors from " \
+        f"model.layers.{n}.*)" in caplog.text
+    with torch.no_grad():
+        assert (got - model(torch.tensor([prompt])).logits[0]).abs().max() < 1e-4
+
+
 V3 = {"architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 256, "hidden_size": 64,
       "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 3,
       "num_attention_heads": 4, "n_routed_experts": 8, "num_experts_per_tok": 2,
