@@ -117,6 +117,18 @@ def kv_bytes(engine: Engine) -> int:
     return per_token * sum(s.num_computed_tokens for s in engine.scheduler.running)
 
 
+def kv_per_token(engine: Engine) -> str:
+    """The KV cache's bytes per token, and with MLA those of the same model's heads in
+    multi-head attention (each head's key, qk_head_dim, and value, v_head_dim)."""
+    cfg, size = engine.model_config, engine.dtype.itemsize
+    own = cfg.num_layers * cfg.kv_elements_per_token * size
+    if cfg.mla is None:
+        return f"KV cache: {own} bytes per token"
+    mha = cfg.num_layers * cfg.num_heads * (cfg.mla.qk_head_dim + cfg.mla.v_head_dim) * size
+    return (f"KV cache: {own} bytes per token (MLA's latent and rotary key); multi-head "
+            f"attention with the same heads: {mha} ({mha / own:.1f}x)")
+
+
 def step_flops(engine: Engine) -> int:
     """FLOPs of one decode step of the running batch: every dense matmul for each token,
     each token's top-k experts (three projections), and attention over each context."""
@@ -296,6 +308,7 @@ def main() -> None:
                 model=path, dtype="float32", quantization=quantization,
                 kv_cache_memory=1 << 30, max_num_batched_tokens=2048))
             engines[f"{quantization}, {kernels}"] = (engine, StepParts(engine), kernels == "on")
+    print(kv_per_token(next(iter(engines.values()))[0]), flush=True)
     rows, probe = [], Probe()
     for batch in args.batch_sizes:
         print(f"batch {batch}: {args.steps} rounds of one decode step of each engine ...",

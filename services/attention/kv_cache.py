@@ -58,7 +58,7 @@ class KVCache:
         """
         if q.device.type == "cpu":
             return self.attend_partial(layer, q, batch)[0]
-        return self._attend(layer, q, batch, _sdpa)[0]
+        return self._attend(layer, q, batch, sdpa)[0]
 
     def attend_partial(self, layer: int, q: torch.Tensor, batch: StepBatch
                        ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,7 +105,7 @@ Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float
 _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Full attention by torch's SDPA; the lse is not computed (NaN), as `attend` drops it.
     Every query sees at least its own key here, so no row is fully masked.

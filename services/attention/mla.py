@@ -18,11 +18,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
+from dcp.batch import StepBatch
+from dcp.merge import partial_attention, reference_partial_attention
 from moe_kernels.cpu_kernels import cpu_kernels
 from moe_kernels.panels import PanelWeights
-from moe_kernels.selection import linear
+from moe_kernels.selection import cpu_decode_attention, linear
 from moe_kernels.selection import panels_for_cpu as _panels
+from services.attention.kv_cache import Kernel, KVCache, sdpa
 from services.model.config import ModelConfig
 from services.model.layers import apply_rope, rms_norm
 
@@ -40,6 +44,7 @@ class MLAWeights:
     kv_a_norm: torch.Tensor  # [kv_lora]
     w_uk: Weight  # [heads, kv_lora, qk_nope]: kv_b_proj's key rows (transposed), folded into q
     w_uv: Weight  # [heads, v_head, kv_lora]: kv_b_proj's value rows
+    kv_b: Weight  # [heads (qk_nope + v_head), kv_lora]: kv_b_proj, to expand prefill's keys
 
 
 def load_mla(get: Callable[..., torch.Tensor], cfg: ModelConfig) -> MLAWeights:
@@ -60,14 +65,22 @@ def load_mla(get: Callable[..., torch.Tensor], cfg: ModelConfig) -> MLAWeights:
         kv_a_norm=get("self_attn.kv_a_layernorm.weight", m.kv_lora_rank),
         w_uk=_panels(kv_b[:, : m.qk_nope_head_dim].transpose(1, 2).contiguous()),
         w_uv=_panels(kv_b[:, m.qk_nope_head_dim:].contiguous()),
+        kv_b=_panels(kv_b.reshape(-1, m.kv_lora_rank), pad=True),
     )
 
 
+@dataclass(frozen=True)
+class MLAQueries:
+    """A step's queries, split as the two forms of MLA attention take them."""
+
+    nope: torch.Tensor  # [T, heads, qk_nope]
+    pe: torch.Tensor  # [T, heads, rope], rotated
+
+
 def mla_queries(cfg: ModelConfig, w: MLAWeights, x: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The absorbed queries [T, heads, kv_lora + rope] and the tokens' cache rows
-    [T, 1, kv_lora + rope] for x [T, H] (the input-normed hidden states), rotated by
-    cos/sin [T, rope]."""
+                sin: torch.Tensor) -> tuple[MLAQueries, torch.Tensor]:
+    """The queries and the tokens' cache rows [T, 1, kv_lora + rope] for x [T, H] (the
+    input-normed hidden states), rotated by cos/sin [T, rope]."""
     m, t, eps = cfg.mla, x.shape[0], cfg.rms_norm_eps
     assert m is not None
     a = linear(x, w.qkv_a)  # [T, Q + kv_lora + rope]
@@ -79,17 +92,95 @@ def mla_queries(cfg: ModelConfig, w: MLAWeights, x: torch.Tensor, cos: torch.Ten
     latent = rms_norm(a[:, split:split + m.kv_lora_rank], w.kv_a_norm, eps)  # [T, C]
     k_pe = _rope(a[:, None, split + m.kv_lora_rank:], cos, sin, m.rope_interleave)
     q_pe = _rope(q[..., m.qk_nope_head_dim:], cos, sin, m.rope_interleave)  # [T, heads, R]
-    q_latent = head_linear(q[..., : m.qk_nope_head_dim], w.w_uk)  # [T, heads, C]
-    queries = torch.cat([q_latent, q_pe], dim=-1)  # [T, heads, C + rope]
-    return queries, torch.cat([latent[:, None], k_pe], dim=-1)  # [T, 1, C + rope]
+    rows = torch.cat([latent[:, None], k_pe], dim=-1)  # [T, 1, C + rope]
+    return MLAQueries(q[..., : m.qk_nope_head_dim], q_pe), rows
 
 
-def mla_values(cfg: ModelConfig, w: MLAWeights, out: torch.Tensor) -> torch.Tensor:
-    """The heads' values [T, heads * v_head] from the attention's output over cache rows
-    out [T, heads, kv_lora + rope] (its rotary dims dropped)."""
-    m, t = cfg.mla, out.shape[0]
-    assert m is not None
-    return head_linear(out[..., : m.kv_lora_rank], w.w_uv).reshape(t, -1)  # [T, heads * V]
+class MLACache:
+    """One layer's latent cache as MLA attends over it, giving values [T, heads, V].
+
+    - Decode rows: the absorbed queries [q_nope W_UK, q_pe] over the latent rows read in
+      place (one KV head whose values are the rows' latents), then W_UV.
+    - Prefill chunks: keys [k_nope, k_pe] and values expanded from their context's
+      latents by kv_b_proj, and the queries as they are (DeepSeek's and vLLM's prefill:
+      per (query, key) pair qk_head_dim + v_head_dim products, not 2 (kv_lora + rope)).
+
+    Both forms give the softmax's log-sum-exp too, so a DCP rank's partial results over
+    its shard merge as any attention's (`dcp.merge`), in V's dims.
+    """
+
+    def __init__(self, kv: KVCache, cfg: ModelConfig, w: MLAWeights) -> None:
+        assert cfg.mla is not None
+        self.kv, self.cfg, self.mla, self.w = kv, cfg, cfg.mla, w
+
+    def attend(self, layer: int, q: MLAQueries, batch: StepBatch) -> torch.Tensor:
+        """Attention over every key of this cache: values [T, heads, V] (off the CPU by
+        torch's SDPA, which needs no log-sum-exp)."""
+        return self._attend(layer, q, batch, sdpa if q.nope.device.type != "cpu" else None)[0]
+
+    def attend_partial(self, layer: int, q: MLAQueries, batch: StepBatch
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(values [T, heads, V], lse [T, heads] float32) over the keys this cache holds."""
+        return self._attend(layer, q, batch, None)
+
+    def _attend(self, layer: int, q: MLAQueries, batch: StepBatch, kernel: Kernel | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        m, cache, scale = self.mla, self.kv.k[layer], self.kv.scale
+        t, heads = q.nope.shape[:2]
+        out = q.nope.new_empty(t, heads, m.v_head_dim)
+        lse = torch.empty(t, heads, dtype=torch.float32, device=q.nope.device)
+        if batch.decode_rows.numel():
+            rows = batch.decode_rows
+            absorbed = torch.cat([head_linear(q.nope[rows], self.w.w_uk), q.pe[rows]], dim=-1)
+            o, s = _decode(absorbed, cache, batch, scale, kernel)  # [B, heads, C + R]
+            out[rows], lse[rows] = head_linear(o[..., : m.kv_lora_rank], self.w.w_uv), s
+        for p in batch.prefills:
+            rows = slice(p.start, p.start + p.length)
+            k, v = self._expand(cache[p.kv_slots])  # [L, heads, N + R], [L, heads, V]
+            qp = torch.cat([q.nope[rows], q.pe[rows]], dim=-1)  # [n, heads, N + R]
+            o, s = _full(qp.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                         v.transpose(0, 1)[None], p.mask[None, None], scale, kernel)
+            out[rows], lse[rows] = o[0].transpose(0, 1), s[0].transpose(0, 1)
+        return out, lse
+
+    def _expand(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys [L, heads, N + R] and values [L, heads, V] of cache rows [L, 1, C + R]."""
+        m, heads = self.mla, self.cfg.num_heads
+        kv = linear(rows[:, 0, : m.kv_lora_rank], self.w.kv_b).view(
+            -1, heads, m.qk_nope_head_dim + m.v_head_dim)  # [L, heads, N + V]
+        k_pe = rows[:, :, m.kv_lora_rank:].expand(-1, heads, -1)  # [L, heads, R]
+        return torch.cat([kv[..., : m.qk_nope_head_dim], k_pe], dim=-1), \
+            kv[..., m.qk_nope_head_dim:]
+
+
+def _decode(q: torch.Tensor, cache: torch.Tensor, batch: StepBatch, scale: float,
+            kernel: Kernel | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode queries q [B, heads, C + R] over the latent rows cache [S, 1, C + R] as
+    both keys and values -> (out [B, heads, C + R], lse [B, heads])."""
+    slots, mask = batch.decode_kv_slots, batch.decode_mask
+    if (cpu := cpu_decode_attention(q, cache, cache, slots, mask, scale)) is not None:
+        return cpu
+    rows = cache[slots].transpose(1, 2)  # [B, 1, L, C + R]
+    o, s = _full(q.unsqueeze(2), rows, rows, mask[:, None, None, :], scale, kernel)
+    return o.squeeze(2), s.squeeze(2)
+
+
+def _full(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+          scale: float, kernel: Kernel | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kernel` (default `partial_attention`) where v's head dim may differ from q's and
+    k's: the CPU's fused kernel takes one head dim, so the narrower side is padded with
+    zeros (which add nothing to a score or a value) and the output cut back to v's."""
+    d, dv = q.shape[-1], v.shape[-1]
+    if kernel is not None:  # SDPA: any v head dim
+        return kernel(q, k, v, mask, scale)
+    if dv == d:
+        return partial_attention(q, k, v, mask, scale)
+    if q.device.type != "cpu":
+        return reference_partial_attention(q, k, v, mask, scale)
+    width = max(d, dv)
+    q, k, v = F.pad(q, (0, width - d)), F.pad(k, (0, width - d)), F.pad(v, (0, width - dv))
+    out, lse = partial_attention(q, k, v, mask, scale)
+    return out[..., :dv], lse
 
 
 def head_linear(x: torch.Tensor, w: Weight) -> torch.Tensor:

@@ -19,7 +19,7 @@ from moe_kernels.panels import PanelWeights
 from moe_kernels.selection import linear
 from moe_kernels.selection import panels_for_cpu as _panels_for_cpu
 from services.attention.kv_cache import KVCache
-from services.attention.mla import MLAWeights, load_mla, mla_queries, mla_values
+from services.attention.mla import MLACache, MLAWeights, load_mla, mla_queries
 from services.attention.router import route
 from services.model.checkpoint import Checkpoint
 from services.model.config import ModelConfig
@@ -280,9 +280,10 @@ class DenseModel:
                 cfg.num_heads, cfg.num_kv_heads, eps, cfg.attention_scale)
         x = rms_norm(h, w.input_norm, eps)
         if w.mla is not None:
-            q, rows = mla_queries(cfg, w.mla, x, cos, sin)  # [T, heads, C + R], [T, 1, C + R]
+            q, rows = mla_queries(cfg, w.mla, x, cos, sin)  # rows [T, 1, C + R]
             kv.write(i, rows, None, batch.slot_mapping, batch.foreign_slots)
-            values = mla_values(cfg, w.mla, self.attend(kv, i, q, batch))  # [T, heads * V]
+            latent = MLACache(kv, cfg, w.mla)
+            values = self.attend(latent, i, q, batch).reshape(t, -1)  # type: ignore[arg-type]
         else:
             qkv = linear(x, w.qkv)  # type: ignore[arg-type]
             qkv = qkv if w.qkv_bias is None else qkv + w.qkv_bias

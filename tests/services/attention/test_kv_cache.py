@@ -98,11 +98,12 @@ def test_the_gpu_attention_kernel_matches_the_cpu_one() -> None:
     from dcp.merge import partial_attention
     from dcp.sharding import Sharding
     from services.attention.batch import plan_step
-    from services.attention.kv_cache import KVCache, _sdpa
+    from services.attention.kv_cache import KVCache, sdpa
     from services.attention.scheduler import ScheduledSeq
 
     torch.manual_seed(0)
-    cfg = SimpleNamespace(num_layers=1, num_kv_heads=2, head_dim=16)
+    cfg = SimpleNamespace(num_layers=1, num_kv_heads=2, head_dim=16, mla=None,
+                          attention_scale=16 ** -0.5)
     kv = KVCache(cfg, num_blocks=17, block_size=4, dtype=torch.float32)
     kv.k[0].normal_()
     kv.v[0].normal_()
@@ -117,8 +118,8 @@ def test_the_gpu_attention_kernel_matches_the_cpu_one() -> None:
         batch = build_rank_batch(plan, 0, Sharding(1, 1), 4, window, rows)
         q = torch.randn(batch.input_ids.shape[0], 4, 16)
         ours, _ = kv._attend(0, q, batch, partial_attention)
-        sdpa, _ = kv._attend(0, q, batch, _sdpa)
-        torch.testing.assert_close(sdpa, ours, rtol=1e-5, atol=1e-5)
+        full, _ = kv._attend(0, q, batch, sdpa)
+        torch.testing.assert_close(full, ours, rtol=1e-5, atol=1e-5)
 
 
 def test_every_running_sequence_decodes_every_step_even_with_a_small_budget() -> None:
