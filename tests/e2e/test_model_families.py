@@ -17,7 +17,13 @@ from services.attention.engine import Engine
 from services.expert.quantize import main as quantize_main
 from services.model.config import ModelConfig
 from switchyard.serve_process import Served
-from tests.support.engines import greedy, prompts, reference_greedy, run_to_completion
+from tests.support.engines import (
+    dcp_engine,
+    greedy,
+    prompts,
+    reference_greedy,
+    run_to_completion,
+)
 from tests.support.serving import concurrent_greedy
 
 pytestmark = pytest.mark.timeout(300)
@@ -76,3 +82,21 @@ def test_w4a4_experts_of_deepseek_v3_quantized_and_served(deepseek_v3_ckpt: tupl
         name = httpx.get(f"{served.url}/v1/models").json()["data"][0]["id"]
         assert concurrent_greedy(served.url, name, ps, max_tokens=12) == [
             local[f"r{i}"] for i in range(len(ps))]
+
+
+@pytest.mark.parametrize(("family", "size"), [("deepseek_v3", 2), ("deepseek_v2", 3)])
+def test_dcp_over_the_latent_cache_matches_transformers_logits(
+        family: str, size: int, request: pytest.FixtureRequest) -> None:
+    """Each rank holds its interleaved share of the latent rows; decodes (absorbed) and
+    prefill chunks (expanded) merge their partial values: logits within 1e-4 of
+    transformers', greedy outputs equal, batched with a late arrival."""
+    path, model = request.getfixturevalue(f"{family}_ckpt")
+    ps = prompts(seed=51, lengths=(40, 5, 23))
+    with dcp_engine(path, size) as engine:
+        for prompt in ps:
+            with torch.no_grad():
+                want = model(torch.tensor([prompt])).logits[0]
+            assert (engine.score(prompt) - want).abs().max() < 1e-4
+        got = run_to_completion(engine, {0: [greedy("a", ps[0], 16), greedy("b", ps[1], 16)],
+                                         5: [greedy("c", ps[2], 16)]})
+    assert got == {k: reference_greedy(model, p, 16) for k, p in zip("abc", ps, strict=True)}
