@@ -4,6 +4,7 @@ and torch, DCP groups, one process), greedy outputs equal to transformers'."""
 from __future__ import annotations
 
 import socket
+import time
 from pathlib import Path
 
 import httpx
@@ -16,6 +17,7 @@ from services.attention.config import AttentionConfig
 from services.attention.engine import Engine
 from services.expert.quantize import main as quantize_main
 from services.model.config import ModelConfig
+from switchyard.children import Children
 from switchyard.serve_process import Served
 from tests.support.engines import (
     dcp_engine,
@@ -100,3 +102,44 @@ def test_dcp_over_the_latent_cache_matches_transformers_logits(
         got = run_to_completion(engine, {0: [greedy("a", ps[0], 16), greedy("b", ps[1], 16)],
                                          5: [greedy("c", ps[2], 16)]})
     assert got == {k: reference_greedy(model, p, 16) for k, p in zip("abc", ps, strict=True)}
+
+
+@pytest.mark.parametrize("backend", ["rpc", "torch"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen2_moe"])
+def test_expert_services_give_transformers_logits(family: str, backend: str,
+                                                  request: pytest.FixtureRequest) -> None:
+    """This process is the attention service (shared experts and dense layers in it),
+    3 expert service processes hold the routed experts, over `rpc` or a gloo world."""
+    path, model = request.getfixturevalue(f"{family}_ckpt")
+    port = free_port()
+    dist = ["--dispatch-backend", "torch", "--dist-init", f"127.0.0.1:{port}"] \
+        if backend == "torch" else []
+    children = Children()
+    # Over torch, expert ranks report ready only once this rank has joined the world too.
+    pending = [children.spawn(f"expert {r}", [
+        "expert", "--model", str(path), "--rank", str(r), "--num-ranks", "3",
+        "--num-threads", "1", *dist]) for r in range(3)]
+    try:
+        deadline = time.monotonic() + 120
+        if backend == "rpc":
+            ports = [children.wait_ports(p, deadline)[0] for p in pending]
+            config = AttentionConfig(model=path, dispatch_backend="rpc", expert_addresses=tuple(
+                ("127.0.0.1", p) for p in ports), max_num_batched_tokens=8,
+                kv_cache_memory=1 << 22)
+        else:
+            config = AttentionConfig(model=path, dispatch_backend="torch",
+                                     dist_init=("127.0.0.1", port), expert_ranks=3,
+                                     max_num_batched_tokens=8, kv_cache_memory=1 << 22,
+                                     expert_timeout=120)
+        engine = build_engine(config)
+        try:
+            if backend == "torch":
+                assert [children.wait_ports(p, deadline) for p in pending] == [(0,)] * 3
+            for prompt in prompts(seed=9, lengths=(29, 3)):
+                with torch.no_grad():
+                    want = model(torch.tensor([prompt])).logits[0]
+                assert (engine.score(prompt) - want).abs().max() < 1e-4
+        finally:
+            engine.close()
+    finally:
+        children.stop()

@@ -80,6 +80,15 @@ V3 = {"architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 256, "hidden_siz
       "max_position_embeddings": 512}
 
 
+def test_deepseek_dense_layers_follow_first_k_dense_replace_and_moe_layer_freq() -> None:
+    # DeepSeek's own modeling code: MoE where i >= first_k_dense_replace and
+    # i % moe_layer_freq == 0 (transformers' reads only the first)
+    layers = dict(V3, num_hidden_layers=6, first_k_dense_replace=1)
+    assert ModelConfig.from_hf(layers).moe_layers == (False,) + (True,) * 5
+    assert ModelConfig.from_hf(layers | {"moe_layer_freq": 2}).moe_layers == (
+        False, False, True, False, True, False)
+
+
 @pytest.mark.parametrize(("change", "field"), [
     ({"topk_method": "greedy"}, "'topk_method' 'greedy' is not supported"),
     ({"scoring_func": "softmax"}, "'scoring_func' 'softmax' is not supported"),
