@@ -5,6 +5,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ep_dispatch.placement import Placement
+    from services.model.config import ModelConfig
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -34,11 +39,22 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
 def _placement_parser(sub: argparse._SubParsersAction) -> None:
     from common.flags import add_replicas_flag
 
-    p = sub.add_parser("placement", help="print which expert service holds which experts")
+    p = sub.add_parser("placement", help="print which expert service holds which experts, "
+                       "or balance them by measured load (DeepSeek's EPLB)")
     p.add_argument("--model", required=True, help="HF checkpoint directory")
     p.add_argument("--expert-services", type=int, default=2)
     p.add_argument("--placement", default=None, help="check and print this placement file")
     add_replicas_flag(p)
+    p.add_argument("--load", default=None, metavar="URL|FILE",
+                   help="balance by this routing load: a running server's URL (its /stats), "
+                        "or a JSON file holding /stats' expert_load (per layer, per expert)")
+    p.add_argument("--num-redundant-experts", type=int, default=0,
+                   help="with --load: copies beyond one per expert, given to the heaviest")
+    p.add_argument("--num-groups", type=int, default=None,
+                   help="with --load: expert groups kept together (default: the model's "
+                        "n_group where it routes by group, else 1)")
+    p.add_argument("--num-nodes", type=int, default=1,
+                   help="with --load: nodes the expert services span (EPLB's hierarchy)")
     p.add_argument("--json", action="store_true", help="print the JSON form (to edit and load)")
 
 
@@ -48,13 +64,42 @@ def _placement(args: argparse.Namespace) -> int:
 
     try:
         cfg = ModelConfig.from_dir(args.model)
-        placement = make_placement(cfg.moe_layer_ids, cfg.num_experts, args.expert_services,
-                                   args.placement, args.expert_replicas)
-    except (CheckpointError, PlacementError, OSError) as exc:
+        if args.load:
+            placement = _balanced_by_load(args, cfg)
+        else:
+            placement = make_placement(cfg.moe_layer_ids, cfg.num_experts,
+                                       args.expert_services, args.placement,
+                                       args.expert_replicas)
+    except (CheckpointError, PlacementError, OSError, ValueError) as exc:
         print(f"switchyard placement: {exc}", file=sys.stderr)
         return 2
     print(placement.to_json() if args.json else placement.describe())
     return 0
+
+
+def _balanced_by_load(args: argparse.Namespace, cfg: ModelConfig) -> Placement:
+    """EPLB's placement for the routing load at `--load` (`ep_dispatch.eplb`)."""
+    import json
+    from pathlib import Path
+
+    import httpx
+    import torch
+
+    from ep_dispatch.eplb import placement_from_load
+
+    if args.load.startswith(("http://", "https://")):
+        stats = httpx.get(f"{args.load.rstrip('/')}/stats", timeout=30).raise_for_status().json()
+    else:
+        stats = json.loads(Path(args.load).read_text())
+    rows = stats.get("expert_load") if isinstance(stats, dict) else None
+    if not isinstance(rows, list) or len(rows) != cfg.num_layers:
+        raise ValueError(f"{args.load}: no expert_load of {cfg.num_layers} layers (as the "
+                         f"gateway's /stats gives it)")
+    load = torch.tensor([rows[i] for i in cfg.moe_layer_ids], dtype=torch.float64)
+    routing = cfg.routing_spec
+    groups = args.num_groups or (routing.n_group if routing.method != "greedy" else 1)
+    return placement_from_load(load, cfg.moe_layer_ids, args.expert_services,
+                               args.num_redundant_experts, groups, args.num_nodes)
 
 
 # Subcommands with parsers of their own, run by module; imported only when chosen, so that

@@ -143,3 +143,4 @@ def test_expert_services_give_transformers_logits(family: str, backend: str,
             engine.close()
     finally:
         children.stop()
+
