@@ -1,5 +1,5 @@
-"""`/dashboard`: per-expert latency and load over a recent window, per-service health and
-busy share.
+"""`/dashboard`: per-expert latency and load over a recent window, the expert ranks' load
+and balancedness, per-service health and busy share.
 
 The page (static files shipped with the package, no CDN) polls `/dashboard/data`. Each
 poll uses the services' latest scrape (`gateway.service_metrics`, shared with `/metrics`)
@@ -21,7 +21,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from gateway.errors import GatewayError
-from gateway.expert_stats import MAX_WINDOW_S, STAGES, ExpertWindow
+from gateway.expert_stats import MAX_WINDOW_S, STAGES, ExpertWindow, balance
 from gateway.service_metrics import Scrape
 from gateway.serving import Serving, json_response
 
@@ -69,8 +69,11 @@ class Dashboard:
                          key=lambda e: (-(e["p99_s"] or 0), -(e["mean_s"] or 0)))[:SLOWEST]
         stages = [{"stage": k[0], "backend": k[1], **h.summary()}
                   for k, h in sorted(recent.items()) if k[0] in STAGES]
+        load = balance({(int(k[1]), int(k[2])): h.tokens for k, h in recent.items()
+                        if k[0] == "rank"})
         # window_s None: everything since the services started
-        return {"window_s": age, "experts": experts, "slowest": slowest, "stages": stages}
+        return {"window_s": age, "experts": experts, "slowest": slowest, "stages": stages,
+                "balance": load}
 
 
 def busy(scrape: Scrape) -> dict[str, float]:

@@ -24,7 +24,9 @@ EXPERT_TOKENS = "switchyard:expert_tokens"
 STAGES = {"dispatch": "switchyard:dispatch_seconds", "combine": "switchyard:combine_seconds"}
 MAX_WINDOW_S = 900.0
 KEEP_EVERY_S = 10.0  # totals are kept this far apart: at most 91 copies for 900 s
-Key = tuple[str, ...]  # ("expert", layer, expert) or ("dispatch" | "combine", backend)
+# ("expert", layer, expert), ("rank", layer, rank): its tokens, or ("dispatch" | "combine",
+# backend)
+Key = tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -120,14 +122,46 @@ def histograms(families: list[Metric]) -> tuple[dict[Key, Hist], dict[Key, set[s
                 acc.total_s += s.value
     for s in by_name[EXPERT_TOKENS].samples if EXPERT_TOKENS in by_name else []:
         sums[_expert(s.labels)].tokens += s.value
+        sums[("rank", s.labels["layer"], s.labels["rank"])].tokens += s.value
         ranks[_expert(s.labels)].add(s.labels["rank"])
     out = {}
     for key, acc in sums.items():
         bounds = tuple(sorted(acc.buckets))
-        if bounds:  # a token count without its histogram waits until both arrive
+        if bounds or key[0] == "rank":  # an expert's tokens wait for its histogram
             out[key] = Hist(bounds, tuple(acc.buckets[b] for b in bounds), acc.total_s,
                             acc.tokens)
     return out, ranks
+
+
+def rank_tokens(families: list[Metric]) -> dict[tuple[int, int], float]:
+    """(layer, expert rank) -> the rows its experts computed, from `switchyard:
+    expert_tokens` (since each rank started)."""
+    out: dict[tuple[int, int], float] = defaultdict(float)
+    for family in families:
+        if family.name == EXPERT_TOKENS:
+            for s in family.samples:
+                out[int(s.labels["layer"]), int(s.labels["rank"])] += s.value
+    return out
+
+
+def balance(tokens: dict[tuple[int, int], float]) -> dict[str, object]:
+    """How evenly the expert ranks shared the rows: per MoE layer, the mean over the max
+    of each rank's rows (1.0: perfectly even; the slowest rank sets a layer's pace), and
+    overall the layers' means summed over their maxima summed (vLLM's `balancedness`);
+    each rank's rows over every layer. Ranks seen in no layer are not known here."""
+    ranks = sorted({r for _, r in tokens})
+    layers = sorted({layer for layer, _ in tokens})
+    per_layer: dict[str, float] = {}
+    mean_sum = max_sum = 0.0
+    for layer in layers:
+        loads = [tokens.get((layer, r), 0.0) for r in ranks]
+        if max(loads) > 0:
+            per_layer[str(layer)] = sum(loads) / len(loads) / max(loads)
+            mean_sum, max_sum = mean_sum + sum(loads) / len(loads), max_sum + max(loads)
+    return {"balancedness": mean_sum / max_sum if max_sum else None,
+            "layers": per_layer,
+            "ranks": [{"rank": r, "tokens": sum(tokens.get((layer, r), 0.0) for layer in layers)}
+                      for r in ranks]}
 
 
 class ExpertWindow:

@@ -10,8 +10,10 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 
 from common.messages import EngineStats, TokenDelta
+from gateway.expert_stats import balance, rank_tokens
 from gateway.service_metrics import Families, Scrape, merge
 
 # vLLM's buckets, so dashboards built for it read ours the same way.
@@ -54,6 +56,11 @@ class Metrics:
         self.service_up = Gauge("switchyard:service_up",
                                 "1 if a service's /metrics answered the last scrape.",
                                 [*m, "service"], registry=r)
+        self.balancedness = Gauge(
+            "switchyard:expert_balancedness",
+            "Expert ranks' rows since they started, mean over max: per MoE layer, and "
+            "overall (layer=\"all\": the layers' means summed over their maxima summed).",
+            [*m, "layer"], registry=r)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...] = _REQUEST_BUCKETS
                       ) -> Histogram:
@@ -81,7 +88,17 @@ class Metrics:
                                                   / max(stats.num_kv_blocks, 1))
         for scrape in scrapes:
             self.service_up.labels(self._model, scrape.url).set(int(scrape.up))
+        self._balance([f for s in scrapes if s.up for f in s.families])
         return generate_latest(self.registry) + generate_latest(Families(merge(scrapes)))
+
+
+    def _balance(self, families: list[Metric]) -> None:
+        load = balance(rank_tokens(families))
+        self.balancedness.clear()
+        for layer, value in load["layers"].items():  # type: ignore[attr-defined]
+            self.balancedness.labels(self._model, layer).set(value)
+        if load["balancedness"] is not None:
+            self.balancedness.labels(self._model, "all").set(load["balancedness"])
 
 
 class RequestTimer:

@@ -96,6 +96,22 @@ function render(d) {
   $("slowest").tBodies[0].replaceChildren(...d.slowest.map((x) => row(
     [x.layer, x.expert, x.ranks.join(","), seconds(x.p50_s), seconds(x.p99_s), x.tokens],
     [3, 4, 5])));
+  const ranks = d.balance.ranks;
+  const total = ranks.reduce((sum, r) => sum + r.tokens, 0);
+  const fair = ranks.length ? total / ranks.length : 0;
+  $("balancedness").textContent = d.balance.balancedness === null ? ""
+    : `· balancedness ${d.balance.balancedness.toFixed(2)}`;
+  $("balancedness").title = "mean over max of the ranks' rows, layer by layer (1: even)";
+  $("ranks").tBodies[0].replaceChildren(...ranks.map((r) => {
+    const tr = row([r.rank, r.tokens, total ? `${Math.round(100 * r.tokens / total)}%` : "–",
+      ""], [1, 2]);
+    const bar = document.createElement("div");
+    bar.className = "bar";
+    bar.style.width = `${fair ? Math.min(100, 50 * r.tokens / fair) : 0}%`;
+    bar.title = fair ? `${(r.tokens / fair).toFixed(2)}x a fair share` : "";
+    tr.children[3].appendChild(bar);
+    return tr;
+  }));
   $("stages").tBodies[0].replaceChildren(...d.stages.map((x) => row(
     [x.stage, x.backend, x.calls, seconds(x.p50_s), seconds(x.p99_s)], [2, 3, 4])));
   const busy = (b) => Object.entries(b || {})

@@ -1,7 +1,7 @@
 """/dashboard in a real headless Chromium: it loads with no network but loopback, draws a
 cell for every (MoE layer, expert), its numbers agree with /metrics, each service's busy
-share shows, and it follows new load. SWITCHYARD_DASHBOARD_SCREENSHOT=PATH saves what it
-showed (docs/dashboard.png)."""
+share and each expert rank's load and balancedness show, and it follows new load.
+SWITCHYARD_DASHBOARD_SCREENSHOT=PATH saves what it showed (docs/dashboard.png)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(300)
 TOKENS = "switchyard:expert_tokens_total"
 COMPUTE = "switchyard:expert_compute_seconds"
 CELLS = "return [...document.querySelectorAll('#heatmap td.cell')].map(td => ({...td.dataset}))"
-TABLES = """return ['slowest', 'services'].map(id =>
+TABLES = """return ['slowest', 'services', 'ranks'].map(id =>
     [...document.getElementById(id).tBodies[0].rows].map(tr =>
         [...tr.cells].map(td => td.textContent)))"""
 
@@ -89,7 +89,7 @@ def test_dashboard_in_chromium(qwen3_ckpt: tuple) -> None:
         assert busy >= len(moe_layers) * 2  # top-2 routing of 40 tokens
 
         # The slowest list starts with the cell of the largest p99.
-        slowest, states = browser.execute_script(TABLES)  # read at once: it re-renders
+        slowest, states, ranks = browser.execute_script(TABLES)  # at once: it re-renders
         layer, expert = map(int, slowest[0][:2])
         p99 = {k: float(c["p99S"]) for k, c in zip(keys, cells, strict=True) if c["p99S"]}
         assert p99[(layer, expert)] == max(p99.values())
@@ -100,6 +100,24 @@ def test_dashboard_in_chromium(qwen3_ckpt: tuple) -> None:
         shares = [s["busy"] for s in httpx.get(f"{served.url}/dashboard/data").json()["services"]]
         assert [list(b) for b in shares] == [["attention"], ["expert"], ["expert"]]
         assert all(0.0 <= f <= 1.0 for b in shares for f in b.values())
+
+        # The expert ranks' rows (every layer), and their balancedness as /metrics has it:
+        # mean over max per layer, the layers' means summed over their maxima summed.
+        by_rank: dict[tuple[int, int], float] = {}
+        for labels, value in samples[TOKENS].items():
+            d = dict(labels)
+            key = (int(d["layer"]), int(d["rank"]))
+            by_rank[key] = by_rank.get(key, 0.0) + value
+        assert [(int(r[0]), float(r[1])) for r in ranks] == [
+            (rank, sum(v for (_, r), v in by_rank.items() if r == rank)) for rank in (0, 1)]
+        loads = {layer: [by_rank.get((layer, r), 0.0) for r in (0, 1)] for layer in moe_layers}
+        want = sum(sum(v) / 2 for v in loads.values()) / sum(max(v) for v in loads.values())
+        shown = browser.find_element("id", "balancedness").text
+        assert shown == f"· balancedness {want:.2f}", shown
+        gauge = scrape(f"{served.url}/metrics")["switchyard:expert_balancedness"]
+        assert abs(gauge[(("layer", "all"), ("model_name", dict(next(iter(gauge)))[
+            "model_name"]))] - want) < 1e-9
+        assert {dict(k)["layer"] for k in gauge} == {"all", *map(str, moe_layers)}
 
         if shot := os.environ.get("SWITCHYARD_DASHBOARD_SCREENSHOT"):
             browser.save_screenshot(shot)

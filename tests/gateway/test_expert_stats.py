@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.config import parse_args
-from gateway.expert_stats import ExpertWindow, Hist
+from gateway.expert_stats import ExpertWindow, Hist, balance
 from gateway.service_metrics import Scrape, parse
 from switchyard.demo_model import DEFAULT_MODEL
 
@@ -74,6 +74,25 @@ def test_windows_survive_restarts_and_failed_scrapes() -> None:
     h, age = expert(w, 40, 15)
     assert (h.counts, h.tokens, age) == ((0, 2), 8, 20)
     assert h.quantile(0.5) == pytest.approx(0.001)  # both in (0.001, +Inf]: the bound
+
+
+def test_balancedness_is_the_mean_over_the_max_of_the_ranks_rows() -> None:
+    """vLLM's balancedness: per layer mean / max over ranks; overall the means summed over
+    the maxima summed (the slowest rank of each layer sets its pace)."""
+    load = balance({(0, 0): 30.0, (0, 1): 10.0, (2, 0): 20.0, (2, 1): 20.0})
+    assert load["layers"] == {"0": pytest.approx(20 / 30), "2": 1.0}
+    assert load["balancedness"] == pytest.approx((20 + 20) / (30 + 20))
+    assert load["ranks"] == [{"rank": 0, "tokens": 50.0}, {"rank": 1, "tokens": 30.0}]
+    assert balance({})["balancedness"] is None  # no rows yet: nothing to say
+
+
+def test_a_ranks_rows_over_a_window() -> None:
+    w = ExpertWindow()
+    w.absorb([scrape("a", (2, 4), 40, rank="0"), scrape("b", (1, 1), 5, rank="1")], now=0)
+    w.absorb([scrape("a", (2, 5), 70, rank="0"), scrape("b", (1, 2), 15, rank="1")], now=20)
+    recent, _ = w.recent(20, 10)
+    assert {k: h.tokens for k, h in recent.items() if k[0] == "rank"} == {
+        ("rank", "0", "0"): 30, ("rank", "0", "1"): 10}
 
 
 def test_bad_gateway_settings_fail_at_start(capsys: pytest.CaptureFixture) -> None:
