@@ -220,13 +220,15 @@ torch::Tensor head_linear_f32(const torch::Tensor& x, const torch::Tensor& w) {
   check_panels(w, 4);
   TORCH_CHECK(x.size(1) == w.size(0) && x.size(2) == w.size(2),
               "x [T, heads, K] and panels [heads, N/16, K, 16] differ in heads or K");
-  const int64_t t = x.size(0), heads = x.size(1), k_len = x.size(2), n_len = w.size(1) * kPanel;
+  const int64_t t = x.size(0), heads = x.size(1), k_len = x.size(2);
+  const int64_t n_len = w.size(1) * kPanel;
   torch::Tensor y = torch::empty({t, heads, n_len}, x.options());
   if (t == 0) return y;
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t ldx = x.stride(0), hx = x.stride(1), ldy = heads * n_len;
-  const int64_t groups = (n_len / kPanel + kPanels - 1) / kPanels, chunks = (t + kChunk - 1) / kChunk;
+  const int64_t groups = (n_len / kPanel + kPanels - 1) / kPanels;
+  const int64_t chunks = (t + kChunk - 1) / kChunk;
 #pragma omp parallel for schedule(static)
   for (int64_t task = 0; task < heads * groups * chunks; ++task) {
     const int64_t head = task / (groups * chunks), rest = task % (groups * chunks);
