@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -181,6 +182,32 @@ def _full(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
     q, k, v = F.pad(q, (0, width - d)), F.pad(k, (0, width - d)), F.pad(v, (0, width - dv))
     out, lse = partial_attention(q, k, v, mask, scale)
     return out[..., :dv], lse
+
+
+def compiled_mla_block(kernels: ModuleType, cfg: ModelConfig, w: MLAWeights,
+                       around: tuple[torch.Tensor, Weight, torch.Tensor], h: torch.Tensor,
+                       cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor,
+                       batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step's MLA block as one compiled call (`mla_block_f32`; every weight in
+    panels): (h [T, H] plus the attention's output, that sum post-attention-normed).
+    `around`: the layer's input norm [H], o_proj and post-attention norm [H]."""
+    m = cfg.mla
+    assert m is not None
+    input_norm, o, post_norm = around
+    return kernels.mla_block_f32(
+        h, input_norm, *_panel_args(w.qkv_a), w.q_a_norm, *_panel_args(w.q_b), w.kv_a_norm,
+        _panel_args(w.w_uk)[0], _panel_args(w.w_uv)[0], cos, sin, m.rope_interleave, cache,
+        batch.slot_mapping, batch.decode_kv_slots, batch.decode_mask, *_panel_args(o),
+        post_norm, cfg.num_heads, m.q_lora_rank or 0, m.qk_nope_head_dim, cfg.rms_norm_eps,
+        cfg.attention_scale)
+
+
+def _panel_args(w: Weight | None) -> tuple[torch.Tensor | None, int]:
+    """A linear in panels as the compiled block takes it: (panels, real columns)."""
+    if w is None:
+        return None, 0
+    assert isinstance(w, PanelWeights)
+    return w.panels, w.shape[-2]
 
 
 def head_linear(x: torch.Tensor, w: Weight) -> torch.Tensor:

@@ -19,7 +19,13 @@ from moe_kernels.panels import PanelWeights
 from moe_kernels.selection import linear
 from moe_kernels.selection import panels_for_cpu as _panels_for_cpu
 from services.attention.kv_cache import KVCache
-from services.attention.mla import MLACache, MLAWeights, load_mla, mla_queries
+from services.attention.mla import (
+    MLACache,
+    MLAWeights,
+    compiled_mla_block,
+    load_mla,
+    mla_queries,
+)
 from services.attention.router import route
 from services.model.checkpoint import Checkpoint
 from services.model.config import ModelConfig
@@ -81,10 +87,10 @@ def load_layer(ckpt: Checkpoint, cfg: ModelConfig, i: int, dtype: torch.dtype,
     dense, mla = not cfg.moe_layers[i], cfg.mla
     gate_up, down = mlp("mlp", cfg.intermediate_size) if dense else (None, None)
     shared = cfg.shared_experts if not dense else None
-    name = "shared_experts" if cfg.mla else "shared_expert"  # DeepSeek's; Qwen2-MoE's
-    s_gate_up, s_down = mlp(f"mlp.{name}", shared.intermediate_size) if shared else (None, None)
-    # DeepSeek's router runs in float32 whatever the model's dtype (transformers' too)
-    gate_dtype = torch.float32 if cfg.routing and cfg.routing.scoring == "sigmoid" else dtype
+    s_gate_up, s_down = mlp(shared.prefix, shared.intermediate_size) if shared else (None, None)
+    # DeepSeek's routers (the only ones with a `Routing` of their own) run in float32
+    # whatever the model's dtype, as transformers' do
+    gate_dtype = torch.float32 if cfg.routing is not None else dtype
     return LayerWeights(
         input_norm=get("input_layernorm.weight", h),
         post_attn_norm=get("post_attention_layernorm.weight", h),
@@ -122,14 +128,6 @@ def _in_panels(w: LayerWeights) -> bool:
             and (m.q_b is None or isinstance(m.q_b, PanelWeights))
     return isinstance(w.qkv, PanelWeights) and isinstance(w.o, PanelWeights) \
         and w.qkv_bias is None
-
-
-def _panel_args(w: Weight | None) -> tuple[torch.Tensor | None, int]:
-    """A linear in panels as the compiled block takes it: (panels, real columns)."""
-    if w is None:
-        return None, 0
-    assert isinstance(w, PanelWeights)
-    return w.panels, w.shape[-2]
 
 
 def _swiglu(x: torch.Tensor, gate_up: Weight, down: Weight) -> torch.Tensor:
@@ -263,14 +261,9 @@ class DenseModel:
         compiled call where `compiled` (`_compiled_block`) is given, the same bits."""
         cfg, t, eps = self.cfg, h.shape[0], self.cfg.rms_norm_eps
         if compiled is not None and w.mla is not None:  # (in panels: `_compiled_block`)
-            m, p = w.mla, _panel_args
-            return compiled.mla_block_f32(
-                h, w.input_norm, *p(m.qkv_a), m.q_a_norm, *p(m.q_b), m.kv_a_norm,
-                m.w_uk.panels, m.w_uv.panels, cos, sin,  # type: ignore[union-attr]
-                cfg.mla.rope_interleave, kv.k[i], batch.slot_mapping,  # type: ignore[union-attr]
-                batch.decode_kv_slots, batch.decode_mask, *p(w.o), w.post_attn_norm,
-                cfg.num_heads, cfg.mla.q_lora_rank or 0,  # type: ignore[union-attr]
-                cfg.mla.qk_nope_head_dim, eps, cfg.attention_scale)  # type: ignore[union-attr]
+            return compiled_mla_block(compiled, cfg, w.mla, (w.input_norm, w.o,
+                                                             w.post_attn_norm),
+                                      h, cos, sin, kv.k[i], batch)
         if compiled is not None:  # (every qkv and o in panels: `_compiled_block`)
             return compiled.attention_block_f32(
                 h, w.input_norm, w.qkv.panels, w.qkv.shape[0],  # type: ignore[union-attr]

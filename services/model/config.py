@@ -83,6 +83,7 @@ class SharedExperts:
 
     intermediate_size: int
     gated: bool
+    prefix: str  # where the checkpoint keeps them: "mlp.shared_experts", "mlp.shared_expert"
 
 
 @dataclass(frozen=True)
@@ -209,7 +210,8 @@ class ModelConfig:
         if not mixtral and not raw.get("use_sliding_window", False):
             sliding = None
         qwen2 = arch == "Qwen2MoeForCausalLM"
-        shared = SharedExperts(_int(raw, "shared_expert_intermediate_size"), gated=True) \
+        shared = SharedExperts(_int(raw, "shared_expert_intermediate_size"), gated=True,
+                               prefix="mlp.shared_expert") \
             if qwen2 and raw.get("shared_expert_intermediate_size") else None
         return cls(
             **_common(raw, arch, rope),
@@ -376,7 +378,8 @@ def _deepseek(raw: dict[str, Any], arch: str, rope: Rope) -> ModelConfig:
         moe_layers=tuple(i >= first_dense and i % freq == 0 for i in range(num_layers)),
         routing=routing,
         mla=mla,
-        shared_experts=SharedExperts(moe_inter * shared, gated=False) if shared else None,
+        shared_experts=SharedExperts(moe_inter * shared, gated=False,
+                                     prefix="mlp.shared_experts") if shared else None,
         mtp_layers=int(raw.get("num_nextn_predict_layers") or 0),
     )
 

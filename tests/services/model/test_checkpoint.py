@@ -37,14 +37,14 @@ def test_translates_qwen2_moe_and_the_deepseek_family(
         deepseek_v3_yarn_ckpt: tuple) -> None:
     q = ModelConfig.from_dir(qwen2_moe_ckpt[0])
     assert (q.qkv_bias, q.shared_experts, q.moe_layers) == (
-        True, SharedExperts(80, gated=True), (True, False, True))
+        True, SharedExperts(80, True, "mlp.shared_expert"), (True, False, True))
     v2 = ModelConfig.from_dir(deepseek_v2_grouped_ckpt[0])
     assert v2.routing == Routing(2, False, "softmax", "group_limited_greedy", 4, 2, 1.5)
     assert v2.mla == MLA(16, 32, 16, 16, 16, rope_interleave=True)
     assert (v2.num_kv_heads, v2.head_dim, v2.moe_layers) == (1, 48, (False, True, True))
     v3 = ModelConfig.from_dir(deepseek_v3_ckpt[0])
     assert v3.routing == Routing(3, True, "sigmoid", "noaux_tc", 4, 2, 2.5)
-    assert v3.shared_experts == SharedExperts(64, gated=False)  # 2 x moe_intermediate_size
+    assert v3.shared_experts == SharedExperts(64, False, "mlp.shared_experts")  # 2 x 32
     assert v3.mtp_layers == 1  # transformers' config says 1; its model builds none
     yarn = ModelConfig.from_dir(deepseek_v3_yarn_ckpt[0])
     assert yarn.rope == Rope(10000.0, "yarn", 4.0, 128, 32.0, 1.0, 1.0, 0.707)
