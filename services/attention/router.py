@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from moe_kernels.cpu_kernels import cpu_kernels
 from moe_kernels.panels import PanelWeights
 from moe_kernels.selection import linear
-from services.model.config import Routing
+from services.model.families import Routing
 
 
 def route(

@@ -9,7 +9,7 @@ import math
 import torch
 
 from moe_kernels.cpu_kernels import cpu_kernels
-from services.model.config import Rope, yarn_mscale
+from services.model.families import Rope, yarn_mscale
 
 
 def _kernels_for(x: torch.Tensor) -> object | None:
