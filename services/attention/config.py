@@ -141,8 +141,9 @@ def add_engine_flags(p: argparse.ArgumentParser, default_backend: str = "local"
                  "(torch.distributed all-to-all: gloo, or NCCL with --device cuda), nccl "
                  "(NCCL through CuPy, --device cuda) or deepep (DeepEP's kernels, --device "
                  "cuda)"),
-        add("--placement", default=env("PLACEMENT"),
-            help="placement JSON file (default: balanced round-robin)"),
+        add("--placement", "--expert-placement", default=env("PLACEMENT"),
+            help="placement JSON file (default: balanced round-robin); `switchyard "
+                 "placement --load URL` makes one from measured load (DeepSeek's EPLB)"),
         add_replicas_flag(p),
         add("--expert-timeout", type=float, default=float(env("EXPERT_TIMEOUT", "30")),
             help="seconds an expert rank may take to answer one layer call, or to accept "

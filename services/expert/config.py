@@ -50,7 +50,7 @@ def add_expert_parser(sub: argparse._SubParsersAction) -> None:
                    help="this service's expert rank, 0..num-ranks-1")
     p.add_argument("--num-ranks", type=int, default=int(env("EXPERT_RANKS", "1")),
                    help="number of expert services")
-    p.add_argument("--placement", default=env("PLACEMENT"),
+    p.add_argument("--placement", "--expert-placement", default=env("PLACEMENT"),
                    help="placement JSON file (default: balanced round-robin)")
     add_replicas_flag(p)
     p.add_argument("--dtype", default=env("DTYPE", "auto"))

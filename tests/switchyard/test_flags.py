@@ -111,3 +111,16 @@ def test_attention_and_expert_services_take_their_model_from_the_environment(
     monkeypatch.delenv("SWITCHYARD_MODEL")
     with pytest.raises(SystemExit):
         parse(["attention"])  # neither: --model is required
+
+
+def test_expert_placement_is_placement_for_serve_and_the_services() -> None:
+    """SGLang's name for a placement file to start balanced with, as `--placement`."""
+    from services.expert.config import add_expert_parser
+
+    serve, attention = _parsers()
+    root = argparse.ArgumentParser()
+    add_expert_parser(root.add_subparsers(dest="command"))
+    given = ["--model", "m", "--expert-placement", "p.json"]
+    assert serve.parse_args(given).placement == "p.json"
+    assert attention.parse_args(given).placement == "p.json"
+    assert root.parse_args(["expert", *given]).placement == "p.json"
