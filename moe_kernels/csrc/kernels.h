@@ -102,6 +102,10 @@ std::tuple<torch::Tensor, torch::Tensor> route_f32(const torch::Tensor& x,
                                                    const torch::Tensor& gate_panels,
                                                    int64_t experts, int64_t top_k,
                                                    bool normalize);
+std::tuple<torch::Tensor, torch::Tensor> route_grouped_f32(
+    const torch::Tensor& x, const torch::Tensor& gate_panels, int64_t experts,
+    const c10::optional<torch::Tensor>& bias, bool noaux_tc, int64_t n_group,
+    int64_t topk_group, int64_t top_k, bool normalize, double scaling);
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> sort_rows_cpu(
     const torch::Tensor& key, const torch::Tensor& weights, int64_t slots);
 torch::Tensor rope_f32(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,

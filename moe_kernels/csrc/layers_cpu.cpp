@@ -3,6 +3,7 @@
 // tensor operations each, which at a decode step's few rows cost more in dispatch and
 // allocation (about 5 us each, some 300 a step) than in arithmetic.
 #include <cmath>
+#include <limits>
 
 #include "kernels.h"
 
@@ -151,6 +152,47 @@ torch::Tensor combine_f32(const torch::Tensor& y, const torch::Tensor& src_token
     for (int64_t i = 0; i < h; ++i) dst[i] += wr * row[i];
   }
   return out;
+}
+
+// DeepSeek's group-limited routers, on x [T, H] float32 against gate panels [E'/16, H, 16]
+// (the first `experts` columns real) -> (topk_ids [T, K] int64, topk_weights [T, K]
+// float32), as `services.attention.router` spells them in torch, operation for operation
+// (the same ATen calls, so the same experts on ties and the same bits), without the
+// interpreter between them: `noaux_tc` (V3: sigmoid scores plus `bias` [E] choose, a group
+// scores its top two, the other groups masked to -inf, the weights the unbiased scores)
+// or else V2's `group_limited_greedy` (softmax, a group scores its best, the others
+// masked to 0.0); renormalised with `normalize` (+1e-20 for sigmoid), times `scaling`.
+std::tuple<torch::Tensor, torch::Tensor> route_grouped_f32(
+    const torch::Tensor& x, const torch::Tensor& gate_panels, int64_t experts,
+    const c10::optional<torch::Tensor>& bias, bool noaux_tc, int64_t n_group,
+    int64_t topk_group, int64_t top_k, bool normalize, double scaling) {
+  const torch::Tensor logits = linear_f32(x, gate_panels).narrow(1, 0, experts);  // [T, E]
+  const int64_t t = logits.size(0);
+  TORCH_CHECK(n_group > 0 && experts % n_group == 0 && topk_group > 0 &&
+                  topk_group <= n_group && top_k > 0 && top_k <= experts,
+              "bad group routing sizes");
+  const torch::Tensor scores = noaux_tc ? logits.sigmoid() : logits.softmax(-1);
+  torch::Tensor choice = noaux_tc && bias.has_value() && bias->defined()
+                             ? scores + *bias : scores;  // [T, E]
+  const torch::Tensor grouped = choice.view({t, n_group, -1});
+  const torch::Tensor group_scores = noaux_tc
+      ? std::get<0>(grouped.topk(2, -1)).sum(-1) : std::get<0>(grouped.max(-1));
+  const torch::Tensor chosen = std::get<1>(group_scores.topk(topk_group, -1, true, false));
+  const torch::Tensor mask = torch::zeros_like(group_scores).scatter_(1, chosen, 1)
+      .to(torch::kBool).repeat_interleave(experts / n_group, 1);  // [T, E]
+  torch::Tensor ids, weights;
+  if (noaux_tc) {
+    choice = choice.masked_fill(mask.logical_not(),
+                                -std::numeric_limits<float>::infinity());
+    ids = std::get<1>(choice.topk(top_k, -1, true, false));
+    weights = scores.gather(1, ids);
+  } else {
+    std::tie(weights, ids) = scores.masked_fill(mask.logical_not(), 0.0)
+        .topk(top_k, -1, true, false);
+  }
+  if (normalize) weights = weights / (weights.sum(-1, true) + (noaux_tc ? 1e-20 : 0.0));
+  if (scaling != 1.0) weights = weights * scaling;
+  return {ids, weights};
 }
 
 // The router: x [T, H] float32 against gate panels [E'/16, H, 16] (the first `experts`

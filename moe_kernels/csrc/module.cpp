@@ -36,6 +36,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "float32 q/k of stacked qkv rows: per-head RMSNorm, then rotary embedding");
   m.def("route_f32", &route_f32,
         "float32 router: gate logits, softmax, top-k, renormalised: (ids, weights)");
+  m.def("route_grouped_f32", &route_grouped_f32,
+        "float32 DeepSeek router: group-limited top-k (V3 noaux_tc or V2): (ids, weights)");
   m.def("sort_rows_cpu", &sort_rows_cpu,
         "dispatch layout: rows ordered by slot (stable), their weights, rows per slot");
   m.def("head_linear_f32", &head_linear_f32,

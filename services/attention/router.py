@@ -21,7 +21,8 @@ def route(
     Returns topk_ids [T, K] int64 and topk_weights [T, K] in x's dtype. The plain case
     (softmax over all experts in float32, top-k, renormalised where asked) runs on the CPU
     in float32 with the gate in panels as one compiled call (`route_f32`; its softmax may
-    differ from torch's in the last bit).
+    differ from torch's in the last bit); DeepSeek's group-limited ones there too, by the
+    same torch operations called from C++ (`route_grouped_f32`: the same bits).
     """
     plain = routing.method == "greedy" and routing.scoring == "softmax" \
         and routing.scaling == 1.0
@@ -29,6 +30,13 @@ def route(
             and x.dim() == 2 and x.device.type == "cpu" and (kernels := cpu_kernels()) is not None:
         return kernels.route_f32(x, gate.panels, gate.shape[0], routing.top_k,
                                  routing.normalize)
+    if routing.method != "greedy" and isinstance(gate, PanelWeights) \
+            and x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu" \
+            and (kernels := cpu_kernels()) is not None:  # DeepSeek's: the same operations
+        return kernels.route_grouped_f32(x, gate.panels, gate.shape[0], bias,
+                                         routing.method == "noaux_tc", routing.n_group,
+                                         routing.topk_group, routing.top_k, routing.normalize,
+                                         routing.scaling)
     dtype = gate.dtype if isinstance(gate, torch.Tensor) else torch.float32
     logits = linear(x.to(dtype), gate).float()  # [T, E] (DeepSeek's gate is float32)
     if routing.scoring == "sigmoid":

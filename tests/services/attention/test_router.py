@@ -3,6 +3,7 @@ and across group boundaries, and score-correction biases that flip a choice."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -99,3 +100,31 @@ def test_fuzzed_scores_with_ties_route_as_transformers(
         _check("v2", logits, None, topk_method="group_limited_greedy", n_group=n_group,
                topk_group=topk_group, num_experts_per_tok=top_k)
     _check("v2", logits, None, num_experts_per_tok=top_k)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.sampled_from([-1.0, 0.0, 0.25, 1.0]), min_size=5 * E, max_size=5 * E),
+       st.lists(st.sampled_from([-0.5, 0.0, 0.5]), min_size=E, max_size=E),
+       st.sampled_from([(2, 1), (4, 2), (8, 3)]), st.integers(1, 4), st.booleans())
+def test_the_compiled_group_router_is_the_torch_one_bit_for_bit(
+        values: list[float], bias: list[float], groups: tuple[int, int], top_k: int,
+        v3: bool) -> None:
+    """On the CPU in float32 with the gate in panels the group-limited routers run as one
+    compiled call of the same torch operations: the same experts in the same order, the
+    same weights, ties included."""
+    from moe_kernels.cpu_kernels import cpu_kernels
+    from moe_kernels.panels import PanelWeights
+    from moe_kernels.selection import panels_for_cpu
+
+    if cpu_kernels() is None:
+        pytest.skip("the CPU kernels are not built here")
+    n_group, topk_group = groups
+    top_k = min(top_k, topk_group * E // n_group)
+    routing = Routing(top_k, v3, "sigmoid" if v3 else "softmax",
+                      "noaux_tc" if v3 else "group_limited_greedy", n_group, topk_group, 2.5)
+    x = torch.tensor(values).view(5, E)
+    panels = panels_for_cpu(torch.eye(E), pad=True)
+    assert isinstance(panels, PanelWeights)
+    b = torch.tensor(bias) if v3 else None
+    got, want = route(x, panels, routing, b), route(x, torch.eye(E), routing, b)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
