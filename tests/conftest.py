@@ -61,6 +61,12 @@ def family_ckpt(request: pytest.FixtureRequest) -> tuple[Path, object]:
     return request.getfixturevalue(f"{request.param}_ckpt")
 
 
+@pytest.fixture(params=["qwen3", "mixtral", *FAMILIES])
+def every_ckpt(request: pytest.FixtureRequest) -> tuple[Path, object]:
+    """Every architecture's checkpoint: Qwen3-MoE, Mixtral and the FAMILIES."""
+    return request.getfixturevalue(f"{request.param}_ckpt")
+
+
 @pytest.fixture(params=["qwen3", "mixtral"])
 def ckpt(request: pytest.FixtureRequest) -> tuple[Path, object]:
     return request.getfixturevalue(f"{request.param}_ckpt")

@@ -9,15 +9,6 @@
 
 #include "kernels.h"
 
-namespace {
-
-// y's first `columns` (a padded linear's real ones), or y whole.
-torch::Tensor first_columns(const torch::Tensor& y, int64_t columns) {
-  return columns == y.size(1) ? y : y.narrow(1, 0, columns);
-}
-
-}  // namespace
-
 // h [T, H] float32: the residual stream, one decode token per row; input_norm, post_norm
 // [H]; qkv_panels [N/16, H, 16] (q, k, v stacked, first qkv_columns of N real); q_norm,
 // k_norm [D] or undefined; cos, sin [T, D]; k_cache, v_cache [S, KVH, D] (written at

@@ -13,6 +13,11 @@ inline int64_t monotonic_ns() {
              std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
+// y's first `columns` (a padded linear's real ones), or y whole.
+inline torch::Tensor first_columns(const torch::Tensor& y, int64_t columns) {
+  return columns == y.size(1) ? y : y.narrow(1, 0, columns);
+}
+
 // Checks `counts` (one per local expert, >= 0) sums to `rows`.
 void check_counts(const std::vector<int64_t>& counts, int64_t experts, int64_t rows);
 

@@ -8,14 +8,6 @@
 
 #include "kernels.h"
 
-namespace {
-
-torch::Tensor first_columns(const torch::Tensor& y, int64_t columns) {
-  return columns == y.size(1) ? y : y.narrow(1, 0, columns);
-}
-
-}  // namespace
-
 // h [T, H] float32, one decode token per row; input_norm, post_norm [H]; qkv_a_panels
 // [(Q + C + R)/16, H, 16] (q_a or q, stacked on kv_a; first qkv_a_columns real); q_a_norm
 // [Q] and q_b_panels [heads (N + R)/16, Q, 16] (first q_b_columns real), or undefined

@@ -35,8 +35,7 @@ from tests.support.engines import (
     run_to_completion,
     start_experts,
 )
-from tests.support.metrics_text import scrape
-from tests.support.serving import concurrent_greedy
+from tests.support.serving import concurrent_greedy, served_greedy
 from tests.support.tools import wait_until
 
 pytestmark = pytest.mark.timeout(300)
@@ -403,16 +402,7 @@ def test_serve_rejects_an_unknown_backend(qwen3_ckpt: tuple) -> None:
 def test_serve_topologies_match_transformers(ckpt: tuple, flags: list[str]) -> None:
     path, model = ckpt
     ps = prompts(seed=31, lengths=(2, 37, 15, 8, 26, 11))
-    rendezvous = free_port()  # serve's --dist-init, where the torch backend meets
-    dist = ["--dist-init", f"127.0.0.1:{rendezvous}"] if "torch" in flags else []
-    with Served(["--model", str(path), "--max-num-batched-tokens", "16", *flags, *dist]
-                ) as served:
-        name = httpx.get(f"{served.url}/v1/models").json()["data"][0]["id"]
-        got = concurrent_greedy(served.url, name, ps, max_tokens=16)
-        health = httpx.get(f"{served.url}/health").json()
-        samples = scrape(f"{served.url}/metrics")  # summed over the groups
-        if dist:  # attention rank 0 hosts the store there (it used to pick its own port)
-            socket.create_connection(("127.0.0.1", rendezvous), timeout=5).close()
+    got, health, samples = served_greedy(path, flags, ps, max_tokens=16)
     assert got == [reference_greedy(model, p, 16) for p in ps]
     groups = 2 if "--attention-groups" in flags else 1
     assert len(health["attention"]) == groups and all(a["ready"] for a in health["attention"])

@@ -3,7 +3,6 @@ and torch, DCP groups, one process), greedy outputs equal to transformers'."""
 
 from __future__ import annotations
 
-import socket
 import time
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from tests.support.engines import (
     reference_greedy,
     run_to_completion,
 )
-from tests.support.serving import concurrent_greedy
+from tests.support.serving import concurrent_greedy, served_greedy
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -46,15 +45,7 @@ def test_serve_topologies_match_transformers(family: str, flags: list[str],
                                              request: pytest.FixtureRequest) -> None:
     path, model = request.getfixturevalue(f"{family}_ckpt")
     ps = prompts(seed=31, lengths=(2, 37, 15, 26))
-    rendezvous = free_port()  # serve's --dist-init, where the torch backend meets
-    dist = ["--dist-init", f"127.0.0.1:{rendezvous}"] if "torch" in flags else []
-    with Served(["--model", str(path), "--max-num-batched-tokens", "16", *flags, *dist]
-                ) as served:
-        name = httpx.get(f"{served.url}/v1/models").json()["data"][0]["id"]
-        got = concurrent_greedy(served.url, name, ps, max_tokens=16)
-        health = httpx.get(f"{served.url}/health").json()
-        if dist:  # attention rank 0 hosts the store there
-            socket.create_connection(("127.0.0.1", rendezvous), timeout=5).close()
+    got, health, _ = served_greedy(path, flags, ps, max_tokens=16)
     assert got == [reference_greedy(model, p, 16) for p in ps]
     assert all(a["ready"] for a in health["attention"])
 

@@ -1,14 +1,18 @@
-"""Clients of a served gateway: the official `openai` client, the served model's id, and
-concurrent greedy requests."""
+"""Clients of a served gateway: the official `openai` client, the served model's id,
+concurrent greedy requests, and a topology served for them."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
+from pathlib import Path
 
 import httpx
 import openai
 
+from common.ports import free_port
 from switchyard.serve_process import Served
+from tests.support.metrics_text import Labels, scrape
 
 
 def client(served: Served) -> openai.OpenAI:
@@ -36,3 +40,20 @@ def concurrent_greedy(url: str, model: str, ps: list[list[int]], max_tokens: int
             return await asyncio.gather(*(one(c, p) for p in ps))
 
     return asyncio.run(all_at_once())
+
+
+def served_greedy(path: Path, flags: list[str], ps: list[list[int]], max_tokens: int
+                  ) -> tuple[list[list[int]], dict, dict[str, dict[Labels, float]]]:
+    """`switchyard serve` of `path` with `flags` (a torch backend's --dist-init added),
+    every prompt at once: (their greedy outputs, /health, /metrics' samples) read while
+    it serves."""
+    rendezvous = free_port()  # serve's --dist-init, where the torch backend meets
+    dist = ["--dist-init", f"127.0.0.1:{rendezvous}"] if "torch" in flags else []
+    with Served(["--model", str(path), "--max-num-batched-tokens", "16", *flags, *dist]
+                ) as served:
+        got = concurrent_greedy(served.url, model_id(served), ps, max_tokens)
+        health = httpx.get(f"{served.url}/health").json()
+        samples = scrape(f"{served.url}/metrics")  # summed over the groups
+        if dist:  # attention rank 0 hosts the store there (it used to pick its own port)
+            socket.create_connection(("127.0.0.1", rendezvous), timeout=5).close()
+    return got, health, samples

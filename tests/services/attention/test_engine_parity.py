@@ -1,4 +1,5 @@
-"""Logits and greedy continuations equal transformers' on tiny random Qwen3-MoE and Mixtral."""
+"""Logits and greedy continuations equal transformers' on tiny random Qwen3-MoE, Mixtral,
+Qwen2-MoE and DeepSeek-V2/V3 checkpoints."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from tests.support.engines import (
 )
 
 
-def test_prompt_logits_match_transformers(ckpt: tuple) -> None:
-    path, model = ckpt
+def test_prompt_logits_match_transformers(every_ckpt: tuple) -> None:
+    path, model = every_ckpt
     engine = engine_for(path, max_num_batched_tokens=7)  # chunks smaller than the prompts
     for prompt in prompts():
         with torch.no_grad():
@@ -25,8 +26,8 @@ def test_prompt_logits_match_transformers(ckpt: tuple) -> None:
         assert (got - ref).abs().max().item() < 1e-4
 
 
-def test_greedy_batched_with_chunked_prefill_and_late_arrivals(ckpt: tuple) -> None:
-    path, model = ckpt
+def test_greedy_batched_with_chunked_prefill_and_late_arrivals(every_ckpt: tuple) -> None:
+    path, model = every_ckpt
     ps = prompts(seed=3, lengths=(12, 3, 30, 21, 9))
     expected = {f"r{i}": reference_greedy(model, p, 32) for i, p in enumerate(ps)}
     engine = engine_for(path, max_num_batched_tokens=10)
