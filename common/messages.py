@@ -137,6 +137,8 @@ class EngineInfo(msgspec.Struct, frozen=True, tag=True):
     expert_services: list[str] = []  # one line per expert rank, for /health
     moe_layers: list[int] = []  # decoder layers with routed experts
     num_experts: int = 0  # routed experts per MoE layer
+    expert_groups: int = 1  # the router's expert groups (DeepSeek's n_group), else 1
+    placement: str | None = None  # which expert rank holds which experts (its JSON; rpc)
 
 
 class StatsRequest(msgspec.Struct, frozen=True, tag=True):
@@ -160,6 +162,29 @@ class EngineStats(msgspec.Struct, frozen=True, tag=True):
     experts_ready: bool = True  # every layer call can be served (ranks reachable or routed
     # around)
     expert_services: list[str] = []  # each expert rank's state now (`EngineInfo`'s lines)
+    num_steps: int = 0  # engine steps that ran sequences
+    placement_version: int = 0  # the placement the experts are routed by (`Rebalance`)
+
+
+class Rebalance(msgspec.Struct, frozen=True, tag=True):
+    """Gateway -> attention leader: move the experts to `placement` (its JSON) as version
+    `version`: the expert ranks load their shares while serving, then this service
+    routes by it from one step to the next. Answered by `Rebalanced`."""
+
+    version: int
+    placement: str
+
+
+class Rebalanced(msgspec.Struct, frozen=True, tag=True):
+    """Attention leader -> gateway: routing by placement `version` since a step boundary
+    (`load_s`: the expert ranks' slowest load, `prepare_s` until all were ready, `switch_s`
+    the switch itself), or `error` (the old placement still routes)."""
+
+    version: int
+    load_s: float = 0.0
+    prepare_s: float = 0.0
+    switch_s: float = 0.0
+    error: str | None = None
 
 
 class Tensor(msgspec.Struct, frozen=True):
@@ -174,7 +199,8 @@ class ExpertBatch(msgspec.Struct, frozen=True, tag=True):
     """Attention rank -> expert rank: the rows of one MoE layer call routed to this rank.
 
     `x` is [N, H], grouped by the rank's local experts in ascending expert order;
-    `tokens_per_expert[i]` rows belong to its i-th local expert of `layer`.
+    `tokens_per_expert[i]` rows belong to its i-th local expert of `layer`, in the share
+    of placement `version` (0: the one the services started with; `PlacementUpdate`).
     """
 
     call_id: int
@@ -182,6 +208,7 @@ class ExpertBatch(msgspec.Struct, frozen=True, tag=True):
     tokens_per_expert: list[int]
     x: Tensor
     trace_context: dict[str, str] = {}
+    version: int = 0
 
 
 class ExpertResult(msgspec.Struct, frozen=True, tag=True):
@@ -198,9 +225,40 @@ class ExpertInfo(msgspec.Struct, frozen=True, tag=True):
 
     rank: int
     num_ranks: int
-    experts: dict[int, list[int]]  # MoE layer -> global expert ids held
+    experts: dict[int, list[int]]  # MoE layer -> global expert ids held (newest placement)
     weight_bytes: int
     quantization: str | None = None  # "w4a4": MXFP4 weights, takes MXFP4 activation rows
+    shares: dict[int, dict[int, list[int]]] = {}  # placement version -> its `experts`, for
+    # every placement held (an old one until no connection uses it)
+
+
+class PlacementUpdate(msgspec.Struct, frozen=True, tag=True):
+    """Attention rank -> expert rank (a rebalance): load your share of `placement` (a
+    placement's JSON, `Placement.to_json`) as version `version`, beside what you serve.
+    Answered by `PlacementReady` once loaded (at once if it already is)."""
+
+    version: int
+    placement: str
+
+
+class PlacementReady(msgspec.Struct, frozen=True, tag=True):
+    """Expert rank -> attention rank: placement `version` is loaded (`experts`: this
+    rank's share, `weight_bytes` held for it, `load_s` to read it), or `error`."""
+
+    version: int
+    rank: int
+    experts: dict[int, list[int]] = {}
+    weight_bytes: int = 0
+    load_s: float = 0.0
+    error: str | None = None
+
+
+class UsePlacement(msgspec.Struct, frozen=True, tag=True):
+    """Attention rank -> expert rank, on a connection that sends layer calls: its calls
+    are laid out by placement `version` from now on (sent on connecting and on each
+    switch). A placement older than the newest that no connection uses is freed."""
+
+    version: int
 
 
 class DcpSeqPlan(msgspec.Struct, frozen=True, array_like=True):
@@ -233,5 +291,6 @@ class NcclUniqueId(msgspec.Struct, frozen=True):
 
 Message = (
     GenerateRequest | AbortRequest | TokenDelta | InfoRequest | EngineInfo | StatsRequest
-    | EngineStats | ExpertBatch | ExpertResult | ExpertInfo | DcpPlan
+    | EngineStats | ExpertBatch | ExpertResult | ExpertInfo | DcpPlan | Rebalance | Rebalanced
+    | PlacementUpdate | PlacementReady | UsePlacement
 )

@@ -76,7 +76,8 @@ class RpcExperts(PointToPoint):
         margin = FRAME_MARGIN + 9 * len(counts)  # the message; each count at most 9 bytes
         rows = max(1, (MAX_FRAME_BYTES - margin) // _row_bytes(x))
         chunks = [counts] if x.shape[0] <= rows else chunk_counts(counts, rows)
-        batches = [ExpertBatch(next(self._ids), layer, chunk, to_wire(part), trace)
+        version = self.pool.version
+        batches = [ExpertBatch(next(self._ids), layer, chunk, to_wire(part), trace, version)
                    for part, chunk in zip(x.split([sum(c) for c in chunks]), chunks,
                                           strict=True)]  # (a failure here is no rank's)
         conn = self.pool.conn(rank)
@@ -136,6 +137,29 @@ class RpcExperts(PointToPoint):
             raise ExpertRankError(f"{self.pool.name(rank)} failed on layer {layer}: {exc!r}",
                                   frozenset({rank})) from exc
         raise exc
+
+    def prepare(self, version: int, placement_json: str) -> float:
+        """A rebalance's first half, off the step thread: every expert rank loads its
+        share of the placement (JSON) as `version`; the slowest rank's load seconds.
+        Raises `PlacementError` (not a placement of this model) or `ExpertRankError`."""
+        current = self.pool.placement
+        placement = Placement.from_json(placement_json, sorted(current.replicas),
+                                        current.num_experts, f"placement version {version}")
+        return max(r.load_s for r in self.pool.prepare(version, placement))
+
+    def switch(self, version: int) -> Placement:
+        """Its second half, on the step thread between two steps: the calls from now on
+        are laid out by prepared placement `version` (returned)."""
+        self.pool.switch(version)
+        return self.pool.placement
+
+    @property
+    def placement_version(self) -> int:
+        return self.pool.version
+
+    @property
+    def placement_json(self) -> str:
+        return self.pool.placement.to_json()
 
     def ready(self) -> bool:
         return self.pool.ready()

@@ -18,12 +18,22 @@ import threading
 import time
 from collections.abc import Callable
 
-from common.messages import ExpertBatch, ExpertInfo, ExpertResult, InfoRequest, Tensor
+from common.messages import (
+    ExpertBatch,
+    ExpertInfo,
+    ExpertResult,
+    InfoRequest,
+    PlacementReady,
+    PlacementUpdate,
+    Tensor,
+    UsePlacement,
+)
 from common.rpc import SocketFrames
 from ep_dispatch.placement import Placement
 
 log = logging.getLogger("switchyard.rpc_experts")
 PROBE_EVERY_S = 1.0  # how often a lost rank that is routed around is tried again
+PREPARE_TIMEOUT_S = 600.0  # for every expert rank to load a rebalanced placement's share
 
 
 class ExpertRankError(RuntimeError):
@@ -43,6 +53,8 @@ class ExpertPool:
             raise ValueError(f"{len(addresses)} expert addresses for a placement of "
                              f"{placement.num_ranks} ranks")
         self.placement = placement
+        self.version = 0  # of the placement, as the expert ranks know it (`switch`)
+        self._prepared: dict[int, tuple[Placement, list[PlacementReady]]] = {}
         self.addresses = addresses
         self.call_timeout = call_timeout
         self.quantization = quantization
@@ -72,10 +84,12 @@ class ExpertPool:
         host, port = self.addresses[rank]
         return f"expert rank {rank} at {host}:{port}"
 
-    def _handshake(self, rank: int, deadline: float, retry: bool
+    def _handshake(self, rank: int, deadline: float, retry: bool, load: bool = False
                    ) -> tuple[SocketFrames, ExpertInfo]:
         """A connection to `rank` (`retry`: until it listens) that holds the placement's
-        share; a connection that does not is closed."""
+        share; a connection that does not is closed. `load` (off the step thread): a
+        rank that does not hold the placement version routed by (restarted since a
+        rebalance) loads it first."""
         try:
             conn = SocketFrames.connect(*self.addresses[rank], deadline, retry)
         except (OSError, TimeoutError) as exc:
@@ -87,17 +101,106 @@ class ExpertPool:
         except BaseException:
             conn.close()
             raise
-        want = self.placement.local_experts(rank)
+        with self._lock:  # (a switch on the step thread, while a probe connects)
+            version, placement = self.version, self.placement
+        want = placement.local_experts(rank)
+        if load and version and isinstance(info, ExpertInfo) and version not in info.shares:
+            try:
+                info = self._load_share(conn, rank, version, placement)
+            except BaseException:
+                conn.close()
+                raise
         problem = None
-        if not isinstance(info, ExpertInfo) or info.rank != rank or info.experts != want:
-            problem = f"holds a different share than the placement expects: {info}"
+        if not isinstance(info, ExpertInfo) or info.rank != rank or \
+                (info.shares.get(version) if info.shares else info.experts) != want:
+            problem = (f"holds a different share than placement version {version} "
+                       f"expects: {info}")
         elif info.quantization != self.quantization:
             problem = (f"serves quantization {info.quantization}, this attention service "
                        f"{self.quantization}: start both with the same --quantization")
         if problem:
             conn.close()
             raise ExpertRankError(f"{self.name(rank)} {problem}")
+        try:
+            conn.send(UsePlacement(version), deadline)
+        except BaseException:
+            conn.close()
+            raise
         return conn, info
+
+    def _load_share(self, conn: SocketFrames, rank: int, version: int, placement: Placement
+                    ) -> ExpertInfo:
+        """Have `rank` load its share of `placement` as `version` on `conn`; its info."""
+        log.warning("%s does not hold placement version %d (restarted?): loading it",
+                    self.name(rank), version)
+        deadline = time.monotonic() + PREPARE_TIMEOUT_S
+        conn.send(PlacementUpdate(version, placement.to_json()), deadline)
+        ready = conn.receive(deadline)
+        if not isinstance(ready, PlacementReady) or ready.error is not None:
+            raise ExpertRankError(f"{self.name(rank)} could not load placement version "
+                                  f"{version}: {getattr(ready, 'error', ready)}")
+        conn.send(InfoRequest(), deadline)
+        return conn.receive(deadline)
+
+    def prepare(self, version: int, placement: Placement) -> list[PlacementReady]:
+        """Have every expert rank load its share of `placement` as `version`, on
+        connections of this call's own (blocking, off the step thread; the ranks load at
+        once, each while it serves). Raises `ExpertRankError` naming a rank that is lost,
+        cannot be reached, or could not load it; then the old placement serves on."""
+        if placement.num_ranks != len(self.addresses):
+            raise ExpertRankError(f"placement version {version} places experts on "
+                                  f"{placement.num_ranks} ranks; there are "
+                                  f"{len(self.addresses)}")
+        if lost := sorted(self.lost):
+            raise ExpertRankError(f"{self.name(lost[0])} is lost: it cannot load placement "
+                                  f"version {version}", frozenset(lost))
+        deadline = time.monotonic() + PREPARE_TIMEOUT_S
+        conns: list[SocketFrames] = []
+        try:
+            update = PlacementUpdate(version, placement.to_json())
+            for rank in range(len(self.addresses)):
+                try:
+                    conns.append(SocketFrames.connect(*self.addresses[rank], deadline, False))
+                    conns[-1].send(update, deadline)
+                except (OSError, TimeoutError) as exc:
+                    raise ExpertRankError(f"cannot reach {self.name(rank)} to load "
+                                          f"placement version {version}: {exc!r}") from exc
+            readies = []
+            for rank, conn in enumerate(conns):
+                ready = conn.receive(deadline)
+                if not isinstance(ready, PlacementReady) or ready.version != version:
+                    raise ExpertRankError(f"{self.name(rank)} answered out of turn")
+                if ready.error is not None or ready.experts != placement.local_experts(rank):
+                    raise ExpertRankError(f"{self.name(rank)} could not load placement "
+                                          f"version {version}: {ready.error}")
+                readies.append(ready)
+        finally:
+            for conn in conns:
+                conn.close()
+        self._prepared[version] = (placement, readies)
+        return readies
+
+    def switch(self, version: int) -> None:
+        """Lay the calls out by the prepared placement `version` from now on (on the step
+        thread, between steps: no call is in flight), and tell each connected rank so."""
+        if version not in self._prepared:
+            raise ValueError(f"placement version {version} was not prepared")
+        placement, readies = self._prepared.pop(version)
+        with self._lock:
+            if self.lost and placement.excluding(frozenset(self.lost)) is None:
+                raise ExpertRankError(f"placement version {version} puts an expert only on "
+                                      f"lost ranks {sorted(self.lost)}", frozenset(self.lost))
+            self.placement, self.version, self._routes = placement, version, {}
+            self._prepared = {v: p for v, p in self._prepared.items() if v > version}
+        self.infos = [ExpertInfo(i.rank, i.num_ranks, r.experts, r.weight_bytes, i.quantization)
+                      for i, r in zip(self.infos, readies, strict=True)]
+        deadline = time.monotonic() + self.call_timeout
+        for rank, conn in enumerate(self.conns):
+            if conn is not None:
+                try:
+                    conn.send(UsePlacement(version), deadline)
+                except (OSError, TimeoutError):
+                    self.drop(rank)  # connected again, with this version, at its next call
 
     def conn(self, rank: int) -> SocketFrames:
         """`rank`'s connection, connected again (once, without retrying) if it was
@@ -169,7 +272,7 @@ class ExpertPool:
             while not self._closing.is_set():
                 started = time.monotonic()
                 try:
-                    conn = self._answers_a_call(rank)
+                    conn = self._answers_a_call(rank)  # (loading a rebalanced share)
                     with self._lock:
                         self.conns[rank] = conn
                         self.lost.discard(rank)
@@ -189,16 +292,17 @@ class ExpertPool:
         """A new connection to `rank` that answered an empty layer call within the call
         timeout: it waits behind whatever that rank computes, as a real call would."""
         deadline = time.monotonic() + self.call_timeout
-        conn, _ = self._handshake(rank, deadline, retry=False)  # (the probe loop retries)
-        experts = self.placement.local_experts(rank)
+        conn, _ = self._handshake(rank, deadline, retry=False, load=True)  # (probes retry)
+        with self._lock:
+            version, experts = self.version, self.placement.local_experts(rank)
         if self.empty_call is None or not experts:
             return conn  # no call was made yet: nothing to be stuck behind
         layer = min(experts)
         with self._lock:
             self._probe_conns.add(conn)
         try:
-            conn.send(ExpertBatch(-1, layer, [0] * len(experts[layer]), self.empty_call),
-                      deadline)
+            conn.send(ExpertBatch(-1, layer, [0] * len(experts[layer]), self.empty_call,
+                                  version=version), deadline)
             result = conn.receive(deadline)
             if not isinstance(result, ExpertResult) or result.call_id != -1:
                 raise ExpertRankError(f"{self.name(rank)} answered out of turn")
@@ -231,7 +335,7 @@ class ExpertPool:
                     continue
                 try:  # still down: the next check tries again
                     new, _info = self._handshake(rank, time.monotonic() + self.call_timeout,
-                                                 retry=False)
+                                                 retry=False, load=True)
                 except Exception:
                     continue
                 with self._lock:  # a layer call may have connected it meanwhile

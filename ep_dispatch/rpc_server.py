@@ -1,6 +1,11 @@
 """The `rpc` backend's expert side: a TCP listener that any number of attention ranks
 connect to (M:N). Batches of one layer that arrive while the last computation runs are
-answered together by the next: one grouped GEMM for M attention ranks' rows."""
+answered together by the next: one grouped GEMM for M attention ranks' rows.
+
+A rebalance's `PlacementUpdate` is loaded on a thread of its own, one at a time, while
+layer calls go on; each connection says which placement version it lays rows out by
+(`UsePlacement`, and every batch's version), and the versions no connection uses any
+more are released."""
 
 from __future__ import annotations
 
@@ -13,7 +18,16 @@ import anyio
 from anyio.abc import SocketAttribute, SocketStream
 
 from common.compute import ComputeThread
-from common.messages import ExpertBatch, ExpertInfo, ExpertResult, InfoRequest, Message
+from common.messages import (
+    ExpertBatch,
+    ExpertInfo,
+    ExpertResult,
+    InfoRequest,
+    Message,
+    PlacementReady,
+    PlacementUpdate,
+    UsePlacement,
+)
 from common.rpc import FrameStream, cancel_on_signal, serve_messages
 
 log = logging.getLogger("switchyard.expert")
@@ -27,12 +41,17 @@ class RpcListen:
         run on one worker thread (`common.compute`), one call at a time. It must answer
         every batch, a bad one with its error, and never raise.
     info: the handshake's answer (`InfoRequest` -> `ExpertInfo`).
+    prepare: a rebalance's load (`PlacementUpdate` -> `PlacementReady`), blocking; it must
+        answer, never raise.
+    release: told the placement versions the connections use now, whenever that changes.
     """
 
     host: str
     port: int
     answer: Callable[[list[ExpertBatch]], list[ExpertResult]]
     info: Callable[[], ExpertInfo]
+    prepare: Callable[[PlacementUpdate], PlacementReady]
+    release: Callable[[set[int]], None]
 
 
 class Coalescer:
@@ -50,20 +69,43 @@ class Coalescer:
         self._arrived.set()
 
     async def run(self) -> None:
-        """Whatever arrived for the first queued batch's layer goes into one `answer`."""
+        """Whatever arrived for the first queued batch's layer (and placement version)
+        goes into one `answer`."""
         while True:
             if not self._queue:
                 await self._arrived.wait()
                 self._arrived = anyio.Event()
                 continue
-            layer = self._queue[0][0].layer
-            todo = [q for q in self._queue if q[0].layer == layer]
-            self._queue = [q for q in self._queue if q[0].layer != layer]
+            first = self._queue[0][0]
+            key = (first.layer, first.version)
+            todo = [q for q in self._queue if (q[0].layer, q[0].version) == key]
+            self._queue = [q for q in self._queue if (q[0].layer, q[0].version) != key]
             results = await self._compute.run(self._answer, [b for b, _ in todo])
             self.num_coalesced += len(todo) - 1
             for (_, conn), result in zip(todo, results, strict=True):
                 with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
                     await conn.send(result)
+
+
+class Versions:
+    """The placement version each connection lays its rows out by, told to `release`
+    whenever the set of them changes."""
+
+    def __init__(self, release: Callable[[set[int]], None]) -> None:
+        self._release = release
+        self._by_conn: dict[FrameStream, int] = {}
+
+    def use(self, conn: FrameStream, version: int | None) -> None:
+        """`conn` uses `version` now (None: it closed)."""
+        if self._by_conn.get(conn) == version:
+            return
+        before = set(self._by_conn.values())
+        if version is None:
+            del self._by_conn[conn]
+        else:
+            self._by_conn[conn] = version
+        if (now := set(self._by_conn.values())) != before:
+            self._release(now)
 
 
 async def serve_rpc(listen: RpcListen, ready: Callable[[int], None]) -> None:
@@ -80,6 +122,13 @@ async def serve_rpc(listen: RpcListen, ready: Callable[[int], None]) -> None:
                       f"{exc.strerror or exc}") from exc
     ready(listener.extra(SocketAttribute.local_port))
     queue = Coalescer(listen.answer)
+    versions = Versions(listen.release)
+    loading = anyio.CapacityLimiter(1)  # one placement loads at a time
+
+    async def prepare(update: PlacementUpdate, conn: FrameStream) -> None:
+        ready = await anyio.to_thread.run_sync(listen.prepare, update, limiter=loading)
+        with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+            await conn.send(ready)
 
     async def on_connect(stream: SocketStream) -> None:
         conn = FrameStream(stream)
@@ -88,11 +137,19 @@ async def serve_rpc(listen: RpcListen, ready: Callable[[int], None]) -> None:
             if isinstance(msg, InfoRequest):
                 await conn.send(listen.info())
             elif isinstance(msg, ExpertBatch):
+                versions.use(conn, msg.version)
                 queue.submit(msg, conn)
+            elif isinstance(msg, UsePlacement):
+                versions.use(conn, msg.version)
+            elif isinstance(msg, PlacementUpdate):
+                tg.start_soon(prepare, msg, conn)  # this connection's next message goes on
             else:
                 log.warning("ignoring unexpected %s", type(msg).__name__)
 
-        await serve_messages(conn, on_message, log)
+        try:
+            await serve_messages(conn, on_message, log)
+        finally:
+            versions.use(conn, None)
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(cancel_on_signal, tg.cancel_scope)

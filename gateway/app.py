@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -16,6 +18,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from common import tracing
+from ep_dispatch.placement import Placement, PlacementError
 from gateway.chat import create_chat_completion
 from gateway.completions import create_completion
 from gateway.config import GatewayConfig
@@ -80,6 +83,45 @@ async def metrics(serving: Serving, _: Request) -> Response:
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
+async def eplb(serving: Serving, _: Request) -> Response:
+    """GET /eplb: expert load balancing's settings and its last rebalances."""
+    rebalancer = serving.rebalancer
+    return json_response({"enabled": rebalancer.config.enabled,
+                          "interval_steps": rebalancer.config.interval,
+                          "window_steps": rebalancer.config.window,
+                          "num_redundant_experts": rebalancer.config.num_redundant,
+                          "rebalances": [dataclasses.asdict(r) for r in rebalancer.history]})
+
+
+async def eplb_rebalance(serving: Serving, request: Request) -> Response:
+    """POST /eplb/rebalance: move the experts now, to EPLB's placement of the window's
+    load, or to the body's `{"placement": {...}}` (a placement file's JSON). Answers
+    the rebalance's record once every group routes by it (an `error` in it: the old
+    placement still routes), or `{"rebalance": null}` where the load's placement is
+    the one routed by already."""
+    rebalancer = serving.rebalancer
+    if not rebalancer.config.enabled:
+        raise GatewayError(400, "expert load balancing is off: start with --enable-eplb")
+    body = await serving.read_body(request)
+    placement = None
+    if body.strip():
+        try:
+            raw = json.loads(body)
+            info = serving.engine.info
+            if info is None:
+                raise engine_unavailable("not connected to any attention service")
+            placement = Placement.from_json(json.dumps(raw["placement"]), info.moe_layers,
+                                            info.num_experts)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise GatewayError(400, f"the body must be {{\"placement\": PLACEMENT}}: {exc}",
+                               param="placement") from None
+    try:
+        record = await rebalancer.rebalance(placement)
+    except (ValueError, PlacementError) as exc:
+        raise GatewayError(400, str(exc)) from None
+    return json_response({"rebalance": dataclasses.asdict(record) if record else None})
+
+
 async def stats(serving: Serving, _: Request) -> Response:
     """GET /stats: the engine's counters (running/waiting, KV blocks, per-expert load)."""
     return json_response(await serving.engine.stats())
@@ -94,6 +136,8 @@ def build_app(config: GatewayConfig, engine_client: EnginePool,
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
         async with anyio.create_task_group() as tg:
             tg.start_soon(engine_client.run)
+            if config.eplb.enabled and config.eplb.interval:
+                tg.start_soon(serving.rebalancer.run)
             yield
             tg.cancel_scope.cancel()
         tracing.shutdown()  # uvicorn re-raises SIGTERM after serving: atexit would not run
@@ -104,6 +148,8 @@ def build_app(config: GatewayConfig, engine_client: EnginePool,
         Route("/v1/models", partial(list_models, serving), methods=["GET"]),
         Route("/health", partial(health, serving), methods=["GET"]),
         Route("/stats", partial(stats, serving), methods=["GET"]),
+        Route("/eplb", partial(eplb, serving), methods=["GET"]),
+        Route("/eplb/rebalance", partial(eplb_rebalance, serving), methods=["POST"]),
         Route("/tokenize", partial(tokenize, serving), methods=["POST"]),
         Route("/detokenize", partial(detokenize, serving), methods=["POST"]),
         Route("/version", show_version, methods=["GET"]),

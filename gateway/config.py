@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.flags import env, env_switch, optional_int
@@ -17,6 +17,7 @@ from common.units import parse_size
 from gateway.expert_stats import MAX_WINDOW_S
 from gateway.generation_config import NEUTRAL, SamplingDefaults
 from gateway.prefix_affinity import POLICIES
+from gateway.rebalancer import EplbConfig
 from gateway.service_metrics import check_url
 from gateway.tools import TOOL_PARSERS
 
@@ -50,6 +51,7 @@ class GatewayConfig:
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details (vLLM's)
     routing_policy: str = "prefix-affinity"  # which attention group takes a request
     routing_balance: int = 16  # requests in flight a group may have above the least busy
+    eplb: EplbConfig = field(default_factory=EplbConfig)  # expert load balancing (EPLB)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -119,6 +121,52 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                    default=int(env("ROUTING_BALANCE") or 16),
                    help="prefix-affinity: requests in flight a group may have beyond the "
                         "least busy one and still be chosen for its cached prefix")
+    add_eplb_flags(p)
+
+
+def add_eplb_flags(p: argparse.ArgumentParser) -> None:
+    """Expert load balancing while serving (vLLM's and SGLang's EPLB flags)."""
+    p.add_argument("--enable-eplb", action="store_true", default=env_switch("ENABLE_EPLB"),
+                   help="move experts between the expert services by their measured load "
+                        "while serving (rpc dispatch backend): every --eplb-interval steps, "
+                        "and on POST /eplb/rebalance")
+    p.add_argument("--eplb-interval", type=int, default=int(env("EPLB_INTERVAL") or 3000),
+                   help="engine steps (over all attention groups) between rebalances; 0: "
+                        "only when asked (POST /eplb/rebalance)")
+    p.add_argument("--eplb-window", type=int, default=int(env("EPLB_WINDOW") or 1000),
+                   help="engine steps of routing load a rebalance balances")
+    p.add_argument("--num-redundant-experts", type=int,
+                   default=int(env("NUM_REDUNDANT_EXPERTS") or 0),
+                   help="extra copies of the heaviest experts a rebalance places (experts + "
+                        "this must divide evenly over the expert services)")
+    p.add_argument("--eplb-num-groups", type=int, default=optional_int(env("EPLB_NUM_GROUPS")),
+                   help="expert groups for EPLB's hierarchical packing (default: the "
+                        "router's n_group, else 1)")
+    p.add_argument("--eplb-num-nodes", type=int, default=int(env("EPLB_NUM_NODES") or 1),
+                   help="nodes the expert services are spread over (EPLB packs groups "
+                        "onto nodes first where they divide)")
+
+
+def eplb_config(args: argparse.Namespace) -> EplbConfig:
+    """The EPLB flags as one config (a ValueError for a value out of range)."""
+    if args.eplb_interval < 0 or args.eplb_window < 1 or args.num_redundant_experts < 0 \
+            or args.eplb_num_nodes < 1 or (args.eplb_num_groups or 1) < 1:
+        raise ValueError("--eplb-interval and --num-redundant-experts must not be negative; "
+                         "--eplb-window, --eplb-num-groups and --eplb-num-nodes must be "
+                         "positive")
+    return EplbConfig(args.enable_eplb, args.eplb_interval, args.eplb_window,
+                      args.num_redundant_experts, args.eplb_num_groups, args.eplb_num_nodes)
+
+
+def eplb_flags(args: argparse.Namespace) -> list[str]:
+    """The EPLB flags as given, for a launcher to pass on."""
+    eplb_config(args)
+    return [*["--enable-eplb"] * args.enable_eplb,
+            "--eplb-interval", str(args.eplb_interval), "--eplb-window", str(args.eplb_window),
+            "--num-redundant-experts", str(args.num_redundant_experts),
+            *(["--eplb-num-groups", str(args.eplb_num_groups)] if args.eplb_num_groups
+              else []),
+            "--eplb-num-nodes", str(args.eplb_num_nodes)]
 
 
 def serve_flags(args: argparse.Namespace) -> list[str]:
@@ -132,7 +180,8 @@ def serve_flags(args: argparse.Namespace) -> list[str]:
             "--generation-config", args.generation_config,
             *["--enable-prompt-tokens-details"] * args.enable_prompt_tokens_details,
             "--routing-policy", args.routing_policy,
-            "--routing-balance", str(args.routing_balance)]
+            "--routing-balance", str(args.routing_balance),
+            *eplb_flags(args)]
 
 
 def add_tool_call_flags(p: argparse.ArgumentParser) -> None:
@@ -212,4 +261,5 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         routing_policy=args.routing_policy, routing_balance=args.routing_balance,
+        eplb=eplb_config(args),
     )

@@ -28,6 +28,8 @@ from common.messages import (
     GenerateRequest,
     InfoRequest,
     Message,
+    Rebalance,
+    Rebalanced,
     SamplingParams,
     StatsRequest,
     TokenDelta,
@@ -91,6 +93,7 @@ class EngineClient:
         self._ready = anyio.Event()
         self._stats_lock = anyio.Lock()
         self._stats: MemoryObjectSendStream[EngineStats] | None = None
+        self._rebalances: dict[int, MemoryObjectSendStream[Rebalanced]] = {}  # by version
         self._down = anyio.Event()  # set when the current connection is lost
         self._warmed = anyio.Event()  # set once its warm-up came back (one per connection)
         self.warmup_error: str | None = None  # the last warm-up's error, until one works
@@ -154,6 +157,10 @@ class EngineClient:
         if isinstance(message, EngineStats) and self._stats is not None:
             self._stats.send_nowait(message)
             return
+        if isinstance(message, Rebalanced):
+            if (waiter := self._rebalances.pop(message.version, None)) is not None:
+                waiter.send_nowait(message)
+            return
         if not isinstance(message, TokenDelta):
             log.warning("ignoring unexpected %s from the engine", type(message).__name__)
             return
@@ -178,6 +185,9 @@ class EngineClient:
         self._pending.clear()
         if self._stats is not None:
             self._stats.close()
+        for waiter in self._rebalances.values():
+            waiter.close()
+        self._rebalances.clear()
 
     async def keep_warm(self, retry_s: float = 2.0) -> None:
         """Warm up each connection once it is made; a failed warm-up again every
@@ -246,6 +256,26 @@ class EngineClient:
             finally:
                 self._stats = None
                 send.close()
+
+    async def rebalance(self, request: Rebalance, timeout: float) -> Rebalanced:
+        """Have the group move its experts to `request`'s placement; its answer (an
+        `error` in it: the old placement still routes). A 503 `GatewayError` if the
+        group is not connected or does not answer within `timeout`."""
+        frames = self._frames
+        if frames is None:
+            raise engine_unavailable("not connected to the engine")
+        send, receive = anyio.create_memory_object_stream[Rebalanced](1)
+        self._rebalances[request.version] = send
+        try:
+            with anyio.fail_after(timeout), receive:
+                with anyio.CancelScope(shield=True):
+                    await frames.send(request)
+                return await receive.receive()
+        except (TimeoutError, anyio.EndOfStream, *_CONNECTION_ERRORS) as exc:
+            raise engine_unavailable(f"no answer to the rebalance ({exc!r})") from exc
+        finally:
+            self._rebalances.pop(request.version, None)
+            send.close()
 
     def release(self, request_id: str) -> bool:
         """Stop routing deltas for a request; True if it was still registered."""

@@ -107,6 +107,8 @@ class EnginePool:
             num_preemptions=sum(s.num_preemptions for s in parts),
             num_aborted=sum(s.num_aborted for s in parts),
             experts_ready=all(s.experts_ready for s in parts),
+            num_steps=sum(s.num_steps for s in parts),
+            placement_version=min(s.placement_version for s in parts),  # every group's
             expert_load=[[sum(col) for col in zip(*rows, strict=True)]
                          for rows in zip(*(s.expert_load for s in parts), strict=True)],
         )

@@ -14,6 +14,7 @@ from prometheus_client.metrics_core import Metric
 
 from common.messages import EngineStats, TokenDelta
 from gateway.expert_stats import balance, rank_tokens
+from gateway.rebalancer import RebalanceRecord
 from gateway.service_metrics import Families, Scrape, merge
 
 # vLLM's buckets, so dashboards built for it read ours the same way.
@@ -23,6 +24,7 @@ _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
                     50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                 1.0, 2.5, 5.0, 10.0, 20.0, 80.0)
+_REBALANCE_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
 class Metrics:
@@ -62,6 +64,13 @@ class Metrics:
             "overall (layer=\"all\": the layers' means summed over their maxima summed).",
             [*m, "layer"], registry=r)
 
+        self.rebalances = Counter("switchyard:eplb_rebalances",
+                                  "Expert rebalances (EPLB) while serving, by outcome.",
+                                  [*m, "outcome"], registry=r)
+        self.placement_version = Gauge("switchyard:eplb_placement_version",
+                                       "The placement version the experts last moved to.",
+                                       m, registry=r)
+
         def histogram(name: str, doc: str, buckets: tuple[float, ...] = _REQUEST_BUCKETS
                       ) -> Histogram:
             return Histogram(f"switchyard:{name}_seconds", doc, m, buckets=buckets,
@@ -73,6 +82,14 @@ class Metrics:
         self.queue = histogram("request_queue_time", "Time waiting to be scheduled.")
         self.prefill = histogram("request_prefill_time", "First scheduled to first token.")
         self.decode = histogram("request_decode_time", "First token to last token.")
+        self.rebalance_time = histogram("eplb_rebalance", "One rebalance: the expert ranks' "
+                                        "load and every group's switch.", _REBALANCE_BUCKETS)
+
+    def rebalanced(self, record: RebalanceRecord) -> None:
+        self.rebalances.labels(self._model, "failed" if record.error else "ok").inc()
+        self.rebalance_time.labels(self._model).observe(record.duration_s)
+        if not record.error:
+            self.placement_version.labels(self._model).set(record.version)
 
     def render(self, stats: EngineStats | None, scrapes: list[Scrape]) -> bytes:
         """The text exposition: the gateway's series (engine gauges from `stats` when the

@@ -26,6 +26,7 @@ from gateway.generation_config import NEUTRAL
 from gateway.metrics import Metrics, RequestTimer
 from gateway.openai_protocol import SamplingFields, Usage, refuse_not_built
 from gateway.output import Output, StopStrings, collect, interleave, outputs
+from gateway.rebalancer import Rebalancer
 from gateway.sampling import ModelLimits, sampling_params
 from gateway.service_metrics import ServiceMetrics
 from gateway.sse import unless_disconnected
@@ -127,6 +128,7 @@ class Serving:
         self.engine = engine
         self.metrics = Metrics(config.served_model_name)
         self.services = ServiceMetrics(config.service_metrics)
+        self.rebalancer = Rebalancer(engine, config.eplb, self.metrics.rebalanced)
         self._tokenizer = tokenizer
         if config.sampling_defaults != NEUTRAL:
             log.warning("sampling defaults from the model's generation config: %s (start "

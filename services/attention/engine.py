@@ -109,6 +109,7 @@ class Engine:
         self._warmup_replicas = parts.warmup_replicas
         self._seqs: dict[str, Sequence] = {}
         self.num_aborted = 0
+        self.num_steps = 0  # that ran sequences (a rebalance's window counts them)
         self._stepping = threading.Lock()  # held by a step; close() waits for it
         self._closed = False  # then a step (a worker thread that started late) does nothing
 
@@ -151,6 +152,9 @@ class Engine:
             expert_services=self.experts.describe(),
             moe_layers=cfg.moe_layer_ids,
             num_experts=cfg.num_experts,
+            expert_groups=cfg.routing_spec.n_group if cfg.routing_spec.method != "greedy"
+            else 1,
+            placement=getattr(self.experts, "placement_json", None),  # (rpc's, movable)
         )
 
     def stats(self) -> EngineStats:
@@ -161,7 +165,25 @@ class Engine:
             num_preemptions=self.scheduler.num_preemptions,
             expert_load=self.model.expert_load.tolist(), num_aborted=self.num_aborted,
             experts_ready=self.experts.ready(), expert_services=self.experts.describe(),
+            num_steps=self.num_steps,
+            placement_version=getattr(self.experts, "placement_version", 0),
         )
+
+    def prepare_placement(self, version: int, placement_json: str) -> float:
+        """A rebalance's load (blocking; any thread but the step's): the expert ranks
+        load their shares of the placement; the slowest's seconds. A ValueError where
+        the dispatch backend cannot move experts while serving."""
+        prepare = getattr(self.experts, "prepare", None)
+        if prepare is None:
+            raise ValueError(f"moving experts while serving needs the rpc dispatch backend, "
+                             f"not {self.config.dispatch_backend}")
+        return prepare(version, placement_json)
+
+    def switch_placement(self, version: int) -> None:
+        """Route by prepared placement `version` from the next step on (between steps,
+        on the step thread)."""
+        placement = self.experts.switch(version)  # type: ignore[attr-defined]
+        self._warmup_replicas = placement.max_replicas
 
     def add(self, request: GenerateRequest) -> TokenDelta | None:
         """Queue a request; returns an error delta instead when it cannot be served."""
@@ -248,6 +270,7 @@ class Engine:
             except Exception as exc:
                 raise StepFailed(exc, [item.seq.request_id for item in scheduled]) from exc
             if scheduled:  # keyed by whether every sequence decoded one token
+                self.num_steps += 1
                 _STEP_KINDS[all(item.num_new_tokens == 1 for item in scheduled)].observe(
                     time.perf_counter() - start)
             return deltas

@@ -8,10 +8,12 @@ outbox and sender task: a connection that reads slowly delays only itself.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,6 +28,8 @@ from common.messages import (
     GenerateRequest,
     InfoRequest,
     Message,
+    Rebalance,
+    Rebalanced,
     StatsRequest,
     TokenDelta,
 )
@@ -51,10 +55,22 @@ class _Work:
     conn: FrameStream
 
 
+@dataclass
+class _Switch:
+    """A prepared placement to route by from the next step boundary on; `done` once it
+    does (`seconds` the switch took), or failed (`error`)."""
+
+    version: int
+    done: anyio.Event
+    seconds: float = 0.0
+    error: str | None = None
+
+
 class AttentionServer:
     def __init__(self, engine: Engine, out_of_step: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self._inbox: list[_Work] = []
+        self._switches: list[_Switch] = []
         self._wakeup = anyio.Event()
         self._owners: dict[str, FrameStream] = {}
         self._outboxes: dict[FrameStream, MemoryObjectSendStream[TokenDelta]] = {}
@@ -71,6 +87,8 @@ class AttentionServer:
                 await conn.send(self.engine.info())
             elif isinstance(msg, StatsRequest):
                 await conn.send(self.engine.stats())
+            elif isinstance(msg, Rebalance):
+                tg.start_soon(self._rebalance, msg, conn)  # loads while this connection goes on
             elif isinstance(msg, GenerateRequest | AbortRequest):
                 if isinstance(msg, GenerateRequest) and msg.sampling.grammar is not None:
                     # compiled here, off the loop; this connection's next message waits
@@ -108,6 +126,9 @@ class AttentionServer:
             self._wakeup = anyio.Event()
             inbox, self._inbox = self._inbox, []
             deltas = [d for work in inbox if (d := self._apply(work))]
+            switches, self._switches = self._switches, []
+            for switch in switches:  # between two steps, on the step's thread
+                await self._switch(switch)
             if lockstep or self.engine.has_work():
                 try:
                     deltas += await self._compute.run(self.engine.step)
@@ -115,6 +136,40 @@ class AttentionServer:
                     deltas += await self._step_failed(exc, deltas)
             for delta in deltas:
                 self._deliver(delta)
+
+    async def _rebalance(self, msg: Rebalance, conn: FrameStream) -> None:
+        """Move the experts to `msg`'s placement: the expert ranks load it (on a worker
+        thread, while steps go on), then the engine routes by it from one step to the
+        next; `Rebalanced` says how long each part took, or why the old one still routes."""
+        start = time.monotonic()
+        try:
+            load_s = await anyio.to_thread.run_sync(self.engine.prepare_placement,
+                                                    msg.version, msg.placement)
+        except Exception as exc:  # not a placement, or a rank that could not load it
+            log.warning("rebalance to placement version %d failed: %s", msg.version,
+                        root_causes(exc))
+            answer = Rebalanced(msg.version, error=root_causes(exc))
+        else:
+            prepare_s = time.monotonic() - start
+            switch = _Switch(msg.version, anyio.Event())
+            self._switches.append(switch)
+            self._wakeup.set()
+            await switch.done.wait()
+            answer = Rebalanced(msg.version, load_s, prepare_s, switch.seconds, switch.error)
+        with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+            await conn.send(answer)
+
+    async def _switch(self, switch: _Switch) -> None:
+        start = time.monotonic()
+        try:
+            await self._compute.run(self.engine.switch_placement, switch.version)
+            log.info("routing by placement version %d", switch.version)
+        except Exception as exc:
+            switch.error = f"switching to placement version {switch.version}: " \
+                           f"{root_causes(exc)}"
+            log.warning("%s", switch.error)
+        switch.seconds = time.monotonic() - start
+        switch.done.set()
 
     async def _step_failed(self, exc: Exception, deltas: list[TokenDelta]
                            ) -> list[TokenDelta]:

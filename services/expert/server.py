@@ -14,10 +14,16 @@ from opentelemetry.trace import set_span_in_context
 from common import tracing
 from common.device import check_device, resolve_dtype
 from common.failures import root_causes
-from common.messages import ExpertBatch, ExpertInfo, ExpertResult
+from common.messages import (
+    ExpertBatch,
+    ExpertInfo,
+    ExpertResult,
+    PlacementReady,
+    PlacementUpdate,
+)
 from common.metrics import report_ready, start_metrics_server
 from common.tracing import setup_tracing
-from ep_dispatch.placement import make_placement
+from ep_dispatch.placement import Placement, make_placement
 from ep_dispatch.registry import ExpertSide, WorldSettings, backend
 from ep_dispatch.rpc_server import RpcListen
 from ep_dispatch.torch_dist import RendezvousError, World
@@ -33,7 +39,12 @@ log = logging.getLogger("switchyard.expert")
 
 class ExpertServer:
     """One expert rank: its placement's share of every MoE layer's experts, loaded; each
-    layer's batches checked and answered with one grouped GEMM (`compute`)."""
+    layer's batches checked and answered with one grouped GEMM (`compute`).
+
+    A rebalance (`prepare`) loads the share of a new placement version beside the ones
+    served, sharing the layers whose experts stay; each batch names the version it was
+    laid out by, and a version older than the newest is freed once no connection uses it
+    (`release`)."""
 
     def __init__(self, config: ExpertConfig) -> None:
         if not 0 <= config.rank < config.num_ranks:
@@ -47,47 +58,103 @@ class ExpertServer:
         self.placement = make_placement(moe_layers, model_config.num_experts, config.num_ranks,
                                         config.placement, config.expert_replicas)
         checkpoint = Checkpoint(config.model)
-        self.bank = ExpertBank(model_config, checkpoint,
-                               self.placement.local_experts(config.rank),
-                               resolve_dtype(config.dtype, config.device), config.quantization,
-                               config.rank, config.device)
+        bank = ExpertBank(model_config, checkpoint, self.placement.local_experts(config.rank),
+                          resolve_dtype(config.dtype, config.device), config.quantization,
+                          config.rank, config.device)
         checkpoint.close()
-        self.backend = backend(config.dispatch_backend, config.device, self.bank.quantization)
+        self.versions: dict[int, ExpertBank] = {0: bank}  # placement version -> its share
+        self.backend = backend(config.dispatch_backend, config.device, bank.quantization)
+
+    @property
+    def bank(self) -> ExpertBank:
+        """The newest placement's share."""
+        return self.versions[max(self.versions)]
 
     def info(self) -> ExpertInfo:
-        return ExpertInfo(self.config.rank, self.config.num_ranks, self.bank.experts,
-                          self.bank.nbytes(), self.bank.quantization)
+        bank = self.bank
+        return ExpertInfo(self.config.rank, self.config.num_ranks, bank.experts, bank.nbytes(),
+                          bank.quantization,
+                          shares={v: b.experts for v, b in list(self.versions.items())})
 
-    def _check(self, batch: ExpertBatch) -> torch.Tensor:
+    def prepare(self, update: PlacementUpdate) -> PlacementReady:
+        """Load this rank's share of placement `update.version` beside the ones served
+        (blocking: run off the event loop and the computation, one at a time): the layers
+        whose experts change are read from the checkpoint, the others shared."""
+        rank, version = self.config.rank, update.version
+        if (bank := self.versions.get(version)) is not None:
+            return PlacementReady(version, rank, bank.experts, bank.nbytes())
+        try:
+            if version <= max(self.versions):
+                raise ValueError(f"placement version {version} is older than the newest "
+                                 f"held here ({max(self.versions)})")
+            cfg = self.model_config
+            placement = Placement.from_json(update.placement, cfg.moe_layer_ids,
+                                            cfg.num_experts, f"placement version {version}")
+            if placement.num_ranks != self.config.num_ranks:
+                raise ValueError(f"placement version {version} places experts on "
+                                 f"{placement.num_ranks} ranks, not {self.config.num_ranks}")
+            start = time.monotonic()
+            log.info("loading placement version %d's share ...", version)
+            checkpoint = Checkpoint(self.config.model)
+            try:
+                bank = self.bank.moved_to(placement.local_experts(rank), checkpoint, _progress)
+            finally:
+                checkpoint.close()
+            load_s = time.monotonic() - start
+        except Exception as exc:  # a bad placement or a failed read: the old ones serve on
+            log.warning("cannot load placement version %d: %s", version, root_causes(exc))
+            return PlacementReady(version, rank, error=root_causes(exc))
+        self.versions[version] = bank
+        log.info("placement version %d loaded in %.2f s: %.1f MB", version, load_s,
+                 bank.nbytes() / 1e6)
+        return PlacementReady(version, rank, bank.experts, bank.nbytes(), load_s)
+
+    def release(self, in_use: set[int]) -> None:
+        """Free every placement older than the newest that no connection uses."""
+        newest = max(self.versions)
+        for version in [v for v in self.versions if v != newest and v not in in_use]:
+            del self.versions[version]
+            log.info("placement version %d freed: no connection routes by it", version)
+
+    def _check(self, batch: ExpertBatch) -> tuple[ExpertBank, torch.Tensor]:
+        """The batch's rows [N, width] and the share they were laid out for."""
         x = from_wire(batch.x)
-        if batch.layer not in self.bank.experts:
+        bank = self.versions.get(batch.version)
+        if bank is None:
+            raise ValueError(f"placement version {batch.version} is not held here (held: "
+                             f"{sorted(self.versions)})")
+        if batch.layer not in bank.experts:
             raise ValueError(f"layer {batch.layer} is not an MoE layer")
-        if len(batch.tokens_per_expert) != len(self.bank.experts[batch.layer]) or \
+        if len(batch.tokens_per_expert) != len(bank.experts[batch.layer]) or \
                 min(batch.tokens_per_expert, default=0) < 0 or \
                 sum(batch.tokens_per_expert) != x.shape[0] or x.ndim != 2 or \
-                x.shape[1] != self.bank.rows.width or \
-                (x.dtype == torch.uint8) != (self.bank.quantization == "w4a4"):
+                x.shape[1] != bank.rows.width or \
+                (x.dtype == torch.uint8) != (bank.quantization == "w4a4"):
             raise ValueError("the batch does not match this rank's experts or hidden size")
-        return x
+        return bank, x
 
     def compute(self, batches: list[ExpertBatch]) -> list[ExpertResult]:
-        """Answer batches of one layer (from any attention ranks) with one grouped GEMM."""
+        """Answer batches of one layer and placement version (from any attention ranks)
+        with one grouped GEMM."""
         results: dict[int, ExpertResult] = {}
         valid: list[tuple[int, ExpertBatch, torch.Tensor]] = []
+        bank = None
         for i, batch in enumerate(batches):
             try:
-                valid.append((i, batch, self._check(batch)))
+                bank, x = self._check(batch)
+                valid.append((i, batch, x))
             except Exception as exc:  # a bad batch costs its caller, never the service
                 log.warning("rejecting batch %d: %s", batch.call_id, exc)
                 results[i] = ExpertResult(batch.call_id, error=str(exc))
         if valid:
+            assert bank is not None  # (the batches' version)
             start, spans = time.time_ns(), []
             try:
-                outputs = self._grouped([b.tokens_per_expert for _, b, _ in valid],
+                outputs = self._grouped(bank, [b.tokens_per_expert for _, b, _ in valid],
                                         [x for _, _, x in valid], valid[0][1].layer, spans)
                 for _, batch, _ in valid:
                     if batch.trace_context:  # sent only by a recording dispatch span
-                        self._trace(batch, start, spans)
+                        self._trace(bank, batch, start, spans)
                 for (i, batch, x), y in zip(valid, outputs, strict=True):
                     out = y.to(x.dtype) if x.is_floating_point() else y  # MXFP4 in, float out
                     results[i] = ExpertResult(batch.call_id, to_wire(out))
@@ -99,7 +166,8 @@ class ExpertServer:
                                                                    f"failed: {root_causes(exc)}")
         return [results[i] for i in range(len(batches))]
 
-    def _trace(self, batch: ExpertBatch, start: int, spans: list[tuple[int, int]]) -> None:
+    def _trace(self, bank: ExpertBank, batch: ExpertBatch, start: int,
+               spans: list[tuple[int, int]]) -> None:
         """The layer's span under the caller's dispatch span, and one span per local expert
         (the GEMM time is shared when batches were coalesced)."""
         tracer, rank = tracing.tracer(), self.config.rank
@@ -109,7 +177,7 @@ class ExpertServer:
                                           "switchyard.expert_rank": rank,
                                           "switchyard.tokens": sum(batch.tokens_per_expert)})
         context = set_span_in_context(layer_span)
-        experts = self.bank.experts[batch.layer]
+        experts = bank.experts[batch.layer]
         for expert, count, (t0, t1) in zip(experts, batch.tokens_per_expert, spans,
                                            strict=True):
             if count:
@@ -122,17 +190,17 @@ class ExpertServer:
                                       "switchyard.duration_s": (t1 - t0) / 1e9}).end(t1)
         layer_span.end()
 
-    def _grouped(self, counts: list[list[int]], xs: list[torch.Tensor], layer: int,
-                 spans: list[tuple[int, int]]) -> list[torch.Tensor]:
+    def _grouped(self, bank: ExpertBank, counts: list[list[int]], xs: list[torch.Tensor],
+                 layer: int, spans: list[tuple[int, int]]) -> list[torch.Tensor]:
         """Merge the batches expert by expert, run the FFN once, split the outputs back."""
         n, num_local = len(xs), len(counts[0])
-        device = self.bank.device
-        pieces = [(x if x.dtype == torch.uint8 else x.to(self.bank.dtype)).to(device).split(c)
+        device = bank.device
+        pieces = [(x if x.dtype == torch.uint8 else x.to(bank.dtype)).to(device).split(c)
                   for x, c in zip(xs, counts, strict=True)]
         merged = torch.cat([pieces[b][e] for e in range(num_local) for b in range(n)])
         totals = [sum(c[e] for c in counts) for e in range(num_local)]
         with torch.inference_mode():
-            y = self.bank.forward(layer, merged, totals, spans)
+            y = bank.forward(layer, merged, totals, spans)
         y_pieces = y.split([counts[b][e] for e in range(num_local) for b in range(n)])
         return [torch.cat([y_pieces[e * n + b] for e in range(num_local)]) for b in range(n)]
 
@@ -154,7 +222,13 @@ class ExpertServer:
             config.rendezvous_timeout, config.deepep)
         return ExpertSide(self.placement, bank.forward, bank.rows, config.device,
                           self.model_config.top_k, ready, world,
-                          RpcListen(config.host, config.port, self.compute, self.info))
+                          RpcListen(config.host, config.port, self.compute, self.info,
+                                    self.prepare, self.release))
+
+
+def _progress(done: int, total: int) -> None:
+    if done == total or done % max(1, total // 4) == 0:
+        log.info("  %d/%d layers moved", done, total)
 
 
 def main(config: ExpertConfig) -> int:

@@ -30,7 +30,8 @@ _TOKENS = "switchyard:expert_tokens"
 
 @dataclass
 class _Layer:
-    """One layer's series of one rank, by the local index of its experts."""
+    """One layer's series of one rank for one set of its experts (a placement's share),
+    by the local index of its experts."""
 
     experts: list[int]
     tokens: list[int] = field(default_factory=list)
@@ -48,15 +49,19 @@ class ExpertMetrics:
 
     def __init__(self, rank: int) -> None:
         self.rank = str(rank)
-        self._layers: dict[int, _Layer] = {}
+        self._layers: dict[int, _Layer] = {}  # per layer, the share observed last
+        self._shares: dict[tuple[int, tuple[int, ...]], _Layer] = {}  # every share seen
         _collector.add(self)
 
     def observe(self, layer: int, experts: list[int], tokens_per_expert: list[int],
                 spans: list[tuple[int, int]]) -> None:
         """Record one layer call: `spans[i]` is expert i's (start, end) wall-clock ns."""
         series = self._layers.get(layer)
-        if series is None:  # a bank's experts of a layer are fixed at load
-            series = self._layers[layer] = _Layer(list(experts))
+        if series is None or series.experts is not experts:  # a bank's lists are fixed;
+            key = (layer, tuple(experts))  # a rebalanced placement's bank has its own
+            if (series := self._shares.get(key)) is None:
+                series = self._shares[key] = _Layer(experts)
+            self._layers[layer] = series
         tokens, seconds, buckets = series.tokens, series.seconds, series.buckets
         for i, (count, (t0, t1)) in enumerate(zip(tokens_per_expert, spans, strict=True)):
             if count:
@@ -66,12 +71,18 @@ class ExpertMetrics:
                 buckets[i][bisect.bisect_left(EXPERT_BUCKETS, s)] += 1  # le: s <= bound
 
     def samples(self) -> Iterator[tuple[tuple[str, str, str], int, float, list[int]]]:
-        """Each expert that ran: its labels, tokens, seconds and non-cumulative buckets."""
-        for layer, series in list(self._layers.items()):
+        """Each expert that ran: its labels, tokens, seconds and non-cumulative buckets
+        (over every share of the placements it was in)."""
+        merged: dict[tuple[int, int], tuple[int, float, list[int]]] = {}
+        for (layer, _), series in list(self._shares.items()):
             for i, expert in enumerate(series.experts):
                 if any(series.buckets[i]):
-                    yield ((str(layer), str(expert), self.rank), series.tokens[i],
-                           series.seconds[i], list(series.buckets[i]))
+                    t, s, b = merged.get((layer, expert), (0, 0.0, [0] * len(series.buckets[i])))
+                    merged[layer, expert] = (t + series.tokens[i], s + series.seconds[i],
+                                             [x + y for x, y in zip(b, series.buckets[i],
+                                                                    strict=True)])
+        for (layer, expert), (tokens, seconds, buckets) in sorted(merged.items()):
+            yield (str(layer), str(expert), self.rank), tokens, seconds, buckets
 
 
 class _Collector(Collector):

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -36,6 +37,8 @@ from services.model.expert_metrics import ExpertMetrics
 _PROJ_NAMES = {"MixtralForCausalLM": ("w1", "w3", "w2")}
 _GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")  # Qwen's and DeepSeek's
 log = logging.getLogger("switchyard.expert")
+# One layer's stacked experts, as loaded (in the CPU kernels' panels where they run)
+Weights = torch.Tensor | MXFP4Tensor | PanelWeights | MXFP4Panels
 
 
 def expert_tensor_names(config: ModelConfig, layer: int, expert: int) -> tuple[str, str, str]:
@@ -78,26 +81,53 @@ class ExpertBank:
         self._grouped_mm: bool | None = None  # torch._grouped_mm works here, once known
         self.hidden_size = config.hidden_size
         self.quantization = check_quantization(config, quantization)
-        self.w_gate_up: dict[int, torch.Tensor | MXFP4Tensor | PanelWeights | MXFP4Panels] = {}
-        self.w_down: dict[int, torch.Tensor | MXFP4Tensor | PanelWeights | MXFP4Panels] = {}
-        hidden, inter = config.hidden_size, config.moe_intermediate_size
+        self.w_gate_up: dict[int, Weights] = {}
+        self.w_down: dict[int, Weights] = {}
+        self._config = config
         for layer, expert_ids in self.experts.items():
-            if not expert_ids:
-                continue
-            gate_up, down = [], []
-            for expert in expert_ids:
-                g, u, d = expert_tensor_names(config, layer, expert)
-                gate_up.append(self._cat([self._load(checkpoint, config, g, (inter, hidden)),
-                                          self._load(checkpoint, config, u, (inter, hidden))]))
-                down.append(self._load(checkpoint, config, d, (hidden, inter)))
-            self.w_gate_up[layer] = self._stack(gate_up)
-            self.w_down[layer] = self._stack(down)
-            # on the CPU: the kernels' panel layouts (float32, or MXFP4 where VNNI runs)
-            self.w_gate_up[layer] = panels_for_cpu(self.w_gate_up[layer])
-            self.w_down[layer] = panels_for_cpu(self.w_down[layer])
+            if expert_ids:
+                self.w_gate_up[layer], self.w_down[layer] = self._load_layer(checkpoint, layer,
+                                                                             expert_ids)
         # W4A4 on a GPU: its kernel configs and the weight layouts they read
         self.kernels = W4A4Kernels(self.device, self.w_gate_up, self.w_down) \
             if self.quantization else None  # type: ignore[arg-type]
+
+    def _load_layer(self, checkpoint: Checkpoint, layer: int, expert_ids: Sequence[int]
+                    ) -> tuple[Weights, Weights]:
+        """One layer's (w_gate_up, w_down) of these experts, read one tensor at a time; on
+        the CPU in the kernels' panel layouts (float32, or MXFP4 where VNNI runs)."""
+        config = self._config
+        hidden, inter = config.hidden_size, config.moe_intermediate_size
+        gate_up, down = [], []
+        for expert in expert_ids:
+            g, u, d = expert_tensor_names(config, layer, expert)
+            gate_up.append(self._cat([self._load(checkpoint, config, g, (inter, hidden)),
+                                      self._load(checkpoint, config, u, (inter, hidden))]))
+            down.append(self._load(checkpoint, config, d, (hidden, inter)))
+        return panels_for_cpu(self._stack(gate_up)), panels_for_cpu(self._stack(down))
+
+    def moved_to(self, experts: Mapping[int, Sequence[int]], checkpoint: Checkpoint,
+                 progress: Callable[[int, int], None] | None = None) -> ExpertBank:
+        """A bank of these experts (a new placement's share): each layer whose experts did
+        not change shares this bank's tensors; the others are read from the checkpoint,
+        one layer at a time (W4A4 weights with their scales). The metrics are this bank's.
+        `progress(done, total)` follows the layers read."""
+        new = copy.copy(self)
+        new.experts = {layer: list(ids) for layer, ids in experts.items()}
+        new.w_gate_up, new.w_down = dict(self.w_gate_up), dict(self.w_down)
+        moved = [layer for layer, ids in new.experts.items()
+                 if ids != self.experts.get(layer)]
+        for done, layer in enumerate(moved, 1):
+            new.w_gate_up.pop(layer, None)
+            new.w_down.pop(layer, None)
+            if new.experts[layer]:
+                new.w_gate_up[layer], new.w_down[layer] = new._load_layer(
+                    checkpoint, layer, new.experts[layer])
+            if progress is not None:
+                progress(done, len(moved))
+        new.kernels = W4A4Kernels(new.device, new.w_gate_up, new.w_down) \
+            if new.quantization else None  # type: ignore[arg-type]
+        return new
 
     def _load(self, ckpt: Checkpoint, config: ModelConfig, name: str,
               shape: tuple[int, int]) -> torch.Tensor | MXFP4Tensor:

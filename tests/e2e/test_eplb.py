@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
+import threading
 from pathlib import Path
 
 import httpx
@@ -13,6 +15,7 @@ from ep_dispatch.placement import Placement
 from services.model.config import ModelConfig
 from switchyard.serve_process import Served
 from tests.support.engines import prompts, reference_greedy
+from tests.support.metrics_text import scrape
 from tests.support.serving import concurrent_greedy
 
 pytestmark = pytest.mark.timeout(300)
@@ -44,3 +47,71 @@ def test_a_placement_balanced_by_measured_load_serves_the_same_tokens(
     with Served(["--model", str(path), "--expert-services", "2", "--placement", str(out)]
                 ) as served:
         assert concurrent_greedy(served.url, name, ps, max_tokens=12) == want
+
+
+def _moved(num_experts: int, moe_layers: list[int], shift: int, extra: int) -> Placement:
+    """Over 2 ranks: expert e on rank (e + shift) % 2, and expert `extra` on both."""
+    experts = tuple(((e + shift) % 2,) if e != extra else (0, 1) for e in range(num_experts))
+    return Placement(2, num_experts, dict.fromkeys(moe_layers, experts))
+
+
+def _stream(url: str, model: str, prompt: list[int], max_tokens: int,
+            first: threading.Event, out: list[list[int]]) -> None:
+    """Stream one greedy completion's token ids into `out[0]`; `first` once a few came."""
+    tokens: list[int] = []
+    out.append(tokens)
+    with httpx.stream("POST", f"{url}/v1/completions", timeout=120, json={
+            "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "return_token_ids": True}) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                tokens += json.loads(line[6:])["choices"][0].get("token_ids") or []
+                if len(tokens) >= 4:
+                    first.set()
+
+
+def test_greedy_tokens_stay_transformers_across_rebalances_mid_generation(
+        deepseek_v3_ckpt: tuple) -> None:
+    """Four greedy streams run while the experts move twice (to a placement with a
+    redundant copy, then to another): each rebalance starts after every stream has its
+    first tokens and ends (every group routing by the new placement) while they still
+    run. Their tokens are transformers' before, during and after."""
+    path, model = deepseek_v3_ckpt
+    cfg = ModelConfig.from_dir(path)
+    ps = prompts(seed=35, lengths=(30, 11, 19, 7))
+    n = 160
+    want = [reference_greedy(model, p, n) for p in ps]
+    placements = [_moved(cfg.num_experts, cfg.moe_layer_ids, 1, 3),
+                  _moved(cfg.num_experts, cfg.moe_layer_ids, 0, 6)]
+    with Served(["--model", str(path), "--expert-services", "2", "--enable-eplb",
+                 "--eplb-interval", "0", "--max-num-batched-tokens", "16"]) as served:
+        name = httpx.get(f"{served.url}/v1/models").json()["data"][0]["id"]
+        outs: list[list[list[int]]] = [[] for _ in ps]
+        firsts = [threading.Event() for _ in ps]
+        threads = [threading.Thread(target=_stream, args=(served.url, name, p, n, f, o))
+                   for p, f, o in zip(ps, firsts, outs, strict=True)]
+        for t in threads:
+            t.start()
+        try:
+            assert all(f.wait(60) for f in firsts)
+            records = []
+            for placement in placements:
+                r = httpx.post(f"{served.url}/eplb/rebalance", timeout=120,
+                               json={"placement": json.loads(placement.to_json())})
+                assert r.status_code == 200, r.text
+                records.append(r.json()["rebalance"])
+                stats = httpx.get(f"{served.url}/stats").json()
+                assert stats["num_running"] == len(ps)  # switched mid-generation
+                assert stats["placement_version"] == records[-1]["version"]
+        finally:
+            for t in threads:
+                t.join(120)
+        assert [o[0] for o in outs] == want
+        assert [(r["version"], r["error"]) for r in records] == [(1, None), (2, None)]
+        assert all(r["moved"] > 0 and r["load_s"] > 0 for r in records)
+        eplb = httpx.get(f"{served.url}/eplb").json()
+        assert [r["version"] for r in eplb["rebalances"]] == [1, 2]
+        samples = scrape(f"{served.url}/metrics")
+        assert samples["switchyard:eplb_rebalances_total"][
+            (("model_name", name), ("outcome", "ok"))] == 2

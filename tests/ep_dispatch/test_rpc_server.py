@@ -10,7 +10,15 @@ import anyio
 import pytest
 import torch
 
-from common.messages import ExpertBatch, ExpertInfo, ExpertResult, InfoRequest
+from common.messages import (
+    ExpertBatch,
+    ExpertInfo,
+    ExpertResult,
+    InfoRequest,
+    PlacementReady,
+    PlacementUpdate,
+    UsePlacement,
+)
 from common.rpc import connect
 from ep_dispatch.rpc_server import RpcListen, serve_rpc
 from ep_dispatch.wire import to_wire
@@ -23,8 +31,12 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-def _batch(call_id: int, layer: int) -> ExpertBatch:
-    return ExpertBatch(call_id, layer, [0], to_wire(torch.zeros(0, 4)))
+def _batch(call_id: int, layer: int, version: int = 0) -> ExpertBatch:
+    return ExpertBatch(call_id, layer, [0], to_wire(torch.zeros(0, 4)), version=version)
+
+
+def _no_load(update: PlacementUpdate) -> PlacementReady:
+    raise AssertionError("no placement is loaded here")
 
 
 async def test_batches_of_a_layer_that_queue_up_are_answered_by_one_call() -> None:
@@ -46,7 +58,8 @@ async def test_batches_of_a_layer_that_queue_up_are_answered_by_one_call() -> No
         ready.set()
 
     async with anyio.create_task_group() as tg:
-        tg.start_soon(serve_rpc, RpcListen("127.0.0.1", 0, answer, lambda: info), on_ready)
+        tg.start_soon(serve_rpc, RpcListen("127.0.0.1", 0, answer, lambda: info, _no_load,
+                                           lambda _: None), on_ready)
         await ready.wait()
         a, b = [await connect("127.0.0.1", bound[0]) for _ in range(2)]
         await a.send(InfoRequest())
@@ -74,5 +87,57 @@ async def test_a_taken_port_is_named() -> None:
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
         with pytest.raises(OSError, match=rf"cannot listen on 127.0.0.1:{port}: "):
-            await serve_rpc(RpcListen("127.0.0.1", port, list, lambda: None),  # type: ignore
-                            lambda _: None)
+            await serve_rpc(RpcListen("127.0.0.1", port, list, lambda: None,  # type: ignore
+                                      _no_load, lambda _: None), lambda _: None)
+
+
+async def test_placement_versions_load_beside_layer_calls_and_are_released() -> None:
+    """A rebalance's load runs while layer calls are answered; batches of one layer but
+    two placement versions are two calls; `release` hears the versions the connections
+    use whenever that set changes (a connection that closes uses none)."""
+    calls: list[list[tuple[int, int]]] = []
+    released: list[set[int]] = []
+    loading, loaded = threading.Event(), threading.Event()
+
+    def answer(batches: list[ExpertBatch]) -> list[ExpertResult]:
+        calls.append([(b.call_id, b.version) for b in batches])
+        return [ExpertResult(b.call_id) for b in batches]
+
+    def prepare(update: PlacementUpdate) -> PlacementReady:
+        loading.set()
+        loaded.wait(30)  # held until a layer call was answered meanwhile
+        return PlacementReady(update.version, 0, {0: [0, 1]})
+
+    info = ExpertInfo(0, 1, {0: [0]}, 0, None)
+    bound: list[int] = []
+    ready = anyio.Event()
+
+    def on_ready(port: int) -> None:
+        bound.append(port)
+        ready.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(serve_rpc, RpcListen("127.0.0.1", 0, answer, lambda: info, prepare,
+                                           released.append), on_ready)
+        await ready.wait()
+        a, b = [await connect("127.0.0.1", bound[0]) for _ in range(2)]
+        await a.send(UsePlacement(0))
+        await a.send(PlacementUpdate(1, "{}"))
+        await anyio.to_thread.run_sync(loading.wait, 30)
+        await a.send(_batch(1, 0))
+        assert await a.receive() == ExpertResult(1)  # answered while the load runs
+        loaded.set()
+        assert await a.receive() == PlacementReady(1, 0, {0: [0, 1]})
+        await b.send(_batch(2, 0, version=1))
+        assert await b.receive() == ExpertResult(2)
+        await a.send(UsePlacement(1))
+        await a.send(InfoRequest())  # (frames in order: the switch is handled by now)
+        assert await a.receive() == info
+        await b.aclose()
+        await a.aclose()
+        with anyio.fail_after(10):
+            while len(released) < 4:
+                await anyio.sleep(0.01)
+        tg.cancel_scope.cancel()
+    assert calls == [[(1, 0)], [(2, 1)]]
+    assert released == [{0}, {0, 1}, {1}, set()]

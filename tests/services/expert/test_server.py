@@ -4,6 +4,7 @@ callers."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 
@@ -74,3 +75,65 @@ def test_expert_server_answers_odd_batches_alone(qwen3_ckpt: tuple) -> None:
     empty = ExpertBatch(3, 0, [0] * 8, to_wire(x[:0]), traceparent)
     [answer] = server.compute([empty])
     assert answer.error is None and answer.y is not None and from_wire(answer.y).shape == (0, 64)
+
+
+@pytest.mark.parametrize(("ckpt", "quantization"), [("qwen3_ckpt", "none"),
+                                                    ("mixtral_ckpt", "w4a4")])
+def test_a_rebalanced_placement_loads_beside_the_served_one(
+        request: pytest.FixtureRequest, ckpt: str, quantization: str) -> None:
+    """`prepare` loads rank 0's share of a new placement version beside version 0: a
+    layer whose experts stay shares its tensors, a moved one computes as a bank loaded
+    afresh with that share (W4A4 weights with their scales); both versions answer until
+    `release` frees the one no connection uses; bad or stale placements are answered
+    with their error and change nothing."""
+    from common.messages import ExpertBatch, PlacementUpdate
+    from ep_dispatch.placement import Placement
+    from ep_dispatch.wire import from_wire, to_wire
+    from services.expert.config import ExpertConfig
+    from services.expert.server import ExpertServer
+    from services.model.checkpoint import Checkpoint
+    from services.model.experts import ExpertBank
+
+    path = request.getfixturevalue(ckpt)[0]
+    server = ExpertServer(ExpertConfig(model=path, rank=0, num_ranks=2,
+                                       quantization=quantization))
+    cfg = server.model_config
+    first, last = cfg.moe_layer_ids[0], cfg.moe_layer_ids[-1]
+    old = server.bank
+    assert old.experts[first] == list(range(0, cfg.num_experts, 2))
+    balanced = Placement.balanced(cfg.moe_layer_ids, cfg.num_experts, 2).replicas
+    moved = tuple((0, 1) if e in (1, 5) else (1,) if e in (0, 4) else ranks
+                  for e, ranks in enumerate(balanced[first]))  # 1, 5 added; 0, 4 gone
+    placement = Placement(2, cfg.num_experts, {**balanced, first: moved})
+    ready = server.prepare(PlacementUpdate(1, placement.to_json()))
+    assert ready.error is None and ready.load_s > 0
+    share = sorted(set(old.experts[first]) - {0, 4} | {1, 5})
+    assert ready.experts == {**old.experts, first: share}
+    assert server.info().shares == {0: old.experts, 1: ready.experts}
+    new = server.versions[1]
+    assert new.w_down[last] is old.w_down[last]  # kept, not read again
+    checkpoint = Checkpoint(path)
+    fresh = ExpertBank(cfg, checkpoint, ready.experts, torch.float32, quantization)
+    checkpoint.close()
+    g = torch.Generator().manual_seed(5)
+    counts = [3, 1, 0, 2][:len(share)]
+    rows = torch.randn(sum(counts), cfg.hidden_size, generator=g)
+    if fresh.quantization:
+        from moe_kernels.mxfp4 import quantize
+        rows = quantize(rows).to_rows()
+    batch = ExpertBatch(7, first, counts, to_wire(rows), version=1)
+    [got] = server.compute([batch])
+    want = fresh.forward(first, rows, counts)
+    assert got.error is None and torch.equal(from_wire(got.y), want)
+    [v0] = server.compute([ExpertBatch(8, first, counts, to_wire(rows))])
+    assert v0.error is None and not torch.equal(from_wire(v0.y), want)  # its own experts
+    assert "not a placement" in (server.prepare(PlacementUpdate(2, "{}")).error or "")
+    assert server.prepare(PlacementUpdate(1, "{}")).error is None  # held: answered at once
+    server.release({0, 1})
+    assert sorted(server.versions) == [0, 1]
+    server.release({1})
+    assert sorted(server.versions) == [1]
+    [gone] = server.compute([ExpertBatch(9, first, counts, to_wire(rows))])
+    assert "placement version 0 is not held here" in (gone.error or "")
+    stale = server.prepare(PlacementUpdate(0, placement.to_json()))
+    assert "older than the newest" in (stale.error or "") and sorted(server.versions) == [1]

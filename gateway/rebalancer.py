@@ -1,0 +1,217 @@
+"""Expert load balancing while serving (EPLB, `--enable-eplb`).
+
+Every `--eplb-interval` engine steps (summed over the attention groups, the source of
+truth for routing), the gateway takes the routing load of the last `--eplb-window` steps
+(per MoE layer and expert, from each group's counters), makes DeepSeek's EPLB placement of
+it with `--num-redundant-experts` extra copies (`ep_dispatch.eplb`), and sends it to every
+group as the next placement version. Each group has its expert ranks load their new
+shares while serving, then routes by it from one step to the next; the ranks free the old
+shares once no group uses them. `POST /eplb/rebalance` asks for one now (an operator's, or
+a test's), optionally with the placement to move to.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import anyio
+
+from common import tracing
+from common.messages import EngineStats, Rebalance, Rebalanced
+from ep_dispatch.placement import Placement, PlacementError
+from gateway.engine_pool import EnginePool
+
+if TYPE_CHECKING:  # only a rebalance needs torch (EPLB's tensors): imported then
+    import torch
+
+log = logging.getLogger(__name__)
+HISTORY = 32  # rebalances remembered for /eplb and the dashboard
+
+
+@dataclass(frozen=True)
+class EplbConfig:
+    """interval: engine steps between rebalances (0: only when asked); window: the steps
+    of routing load a placement is made from; num_redundant: extra expert copies (the
+    placement holds experts + num_redundant per layer, spread evenly over the ranks);
+    num_groups, num_nodes: EPLB's hierarchy (None: the model's expert groups, n_group);
+    poll_s: how often the groups' counters are read; timeout_s: for one rebalance."""
+
+    enabled: bool = False
+    interval: int = 3000
+    window: int = 1000
+    num_redundant: int = 0
+    num_groups: int | None = None
+    num_nodes: int = 1
+    poll_s: float = 1.0
+    timeout_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class RebalanceRecord:
+    """One rebalance: when it started (Unix seconds), how long it took in all, the slowest
+    expert rank's load, the slowest group's switch, the expert copies that moved (a copy
+    on a rank that did not hold it), what asked for it, and its error if it failed."""
+
+    version: int
+    started: float
+    duration_s: float
+    load_s: float
+    switch_s: float
+    moved: int
+    trigger: str
+    error: str | None = None
+
+
+class Rebalancer:
+    def __init__(self, pool: EnginePool, config: EplbConfig,
+                 on_record: Callable[[RebalanceRecord], None] = lambda _: None) -> None:
+        self.pool, self.config, self._on_record = pool, config, on_record
+        self.history: deque[RebalanceRecord] = deque(maxlen=HISTORY)
+        self.placement: Placement | None = None  # routed by now (known from a group)
+        self._snapshots: deque[tuple[int, list[list[int]]]] = deque()  # (steps, load)
+        self._last_steps: int | None = None  # at start, or at the last rebalance
+        self._moving = anyio.Lock()  # one rebalance at a time
+
+    async def run(self) -> None:
+        """Read the groups' counters every `poll_s`; rebalance every `interval` steps."""
+        while True:
+            await anyio.sleep(self.config.poll_s)
+            try:
+                stats = await self.pool.group_stats()
+            except Exception as exc:  # a group down: its counters come back with it
+                log.debug("eplb: no stats (%s)", exc)
+                continue
+            steps = self._observe(stats)
+            if self._last_steps is None:
+                self._last_steps = steps
+            if self.config.interval and steps - self._last_steps >= self.config.interval \
+                    and not self._moving.locked():
+                self._last_steps = steps
+                try:
+                    await self.rebalance(trigger="interval")
+                except (ValueError, PlacementError) as exc:
+                    log.warning("eplb: no rebalance: %s", exc)
+
+    def _observe(self, stats: list[EngineStats]) -> int:
+        """Keep the groups' summed step count and load; the steps. Snapshots older than
+        the window's start are dropped, but the newest of them (the window's base)."""
+        steps = sum(s.num_steps for s in stats)
+        load = [[sum(col) for col in zip(*rows, strict=True)]
+                for rows in zip(*(s.expert_load for s in stats), strict=True)]
+        if self._snapshots and steps < self._snapshots[-1][0]:
+            self._snapshots.clear()  # a group restarted: its counters began again
+        self._snapshots.append((steps, load))
+        while len(self._snapshots) > 1 and \
+                self._snapshots[1][0] <= steps - self.config.window:
+            self._snapshots.popleft()
+        return steps
+
+    def window_load(self, moe_layers: list[int]) -> torch.Tensor:
+        """[L_moe, E] routed token copies per MoE layer and expert over the last
+        `window` steps (all that was kept, where fewer ran)."""
+        import torch
+
+        if not self._snapshots:
+            raise ValueError("no routing load was read yet")
+        (_, base), (_, now) = self._snapshots[0], self._snapshots[-1]
+        if len(self._snapshots) == 1:
+            base = [[0] * len(row) for row in now]
+        return torch.tensor([[a - b for a, b in zip(now[i], base[i], strict=True)]
+                             for i in moe_layers], dtype=torch.float64)
+
+    def plan(self, num_ranks: int, moe_layers: list[int], routing_groups: int) -> Placement:
+        """EPLB's placement of the window's load."""
+        from ep_dispatch.eplb import placement_from_load
+
+        load = self.window_load(moe_layers)
+        if load.sum() == 0:
+            raise ValueError("no tokens were routed in the window")
+        return placement_from_load(load, moe_layers, num_ranks, self.config.num_redundant,
+                                   self.config.num_groups or routing_groups,
+                                   self.config.num_nodes)
+
+    async def rebalance(self, placement: Placement | None = None,
+                        trigger: str = "request") -> RebalanceRecord | None:
+        """Move every group's experts to `placement` (None: EPLB's of the window's
+        load); None where that is the placement routed by already. Raises ValueError
+        where nothing can move (no groups, a backend that cannot move experts, no load
+        yet); a group's failure is in the record."""
+        async with self._moving:
+            info = self.pool.info
+            if info is None:
+                raise ValueError("no attention service is connected")
+            if info.dispatch_backend != "rpc":
+                raise ValueError("moving experts while serving needs the rpc dispatch "
+                                 f"backend, not {info.dispatch_backend}")
+            stats = await self.pool.group_stats()
+            self._observe(stats)
+            num_ranks = len(info.expert_services)
+            if self.placement is None and info.placement:
+                self.placement = Placement.from_json(info.placement, info.moe_layers,
+                                                     info.num_experts)
+            if placement is None:
+                placement = self.plan(num_ranks, info.moe_layers, info.expert_groups)
+            else:
+                placement.validate(info.moe_layers, "the placement")
+                if placement.num_ranks != num_ranks:
+                    raise ValueError(f"the placement has {placement.num_ranks} ranks; "
+                                     f"there are {num_ranks} expert services")
+            if placement == self.placement:
+                log.info("eplb: the load's placement is the one routed by already")
+                return None
+            version = max(s.placement_version for s in stats) + 1
+            return await self._move(version, placement, trigger)
+
+    async def _move(self, version: int, placement: Placement, trigger: str) -> RebalanceRecord:
+        started, t0 = time.time(), time.monotonic()
+        answers: list[Rebalanced | Exception] = [Rebalanced(version)] * len(self.pool.clients)
+        moved = _moved(self.placement, placement)
+        with tracing.tracer().start_as_current_span(
+                "eplb rebalance", attributes={"switchyard.placement_version": version,
+                                              "switchyard.trigger": trigger,
+                                              "switchyard.moved_copies": moved}) as span:
+            async def ask(i: int) -> None:
+                try:
+                    answers[i] = await self.pool.clients[i].rebalance(
+                        Rebalance(version, placement.to_json()), self.config.timeout_s)
+                except Exception as exc:  # a group down: said in the record
+                    answers[i] = exc
+
+            async with anyio.create_task_group() as tg:
+                for i in range(len(self.pool.clients)):
+                    tg.start_soon(ask, i)
+            errors = [str(a) if isinstance(a, Exception) else a.error for a in answers]
+            error = next((e for e in errors if e), None)
+            done = [a for a in answers if isinstance(a, Rebalanced)]
+            record = RebalanceRecord(
+                version, started, time.monotonic() - t0,
+                max((a.load_s for a in done), default=0.0),
+                max((a.switch_s for a in done), default=0.0), moved, trigger, error)
+            span.set_attribute("switchyard.load_s", record.load_s)
+            if error:
+                span.set_attribute("error", error)
+        self.history.append(record)
+        self._on_record(record)
+        if error is None:
+            self.placement = placement
+            log.warning("eplb: placement version %d in %.2f s (%d expert copies moved, "
+                        "load %.2f s)", version, record.duration_s, moved, record.load_s)
+        else:
+            log.warning("eplb: placement version %d failed: %s", version, error)
+        return record
+
+
+def _moved(old: Placement | None, new: Placement) -> int:
+    """The copies `new` puts on a rank that did not hold that expert in `old` (every
+    copy where `old` is not known)."""
+    count = 0
+    for layer, experts in new.replicas.items():
+        before = old.replicas.get(layer) if old is not None else None
+        for e, ranks in enumerate(experts):
+            count += len(set(ranks) - (set(before[e]) if before else set()))
+    return count
