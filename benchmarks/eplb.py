@@ -1,28 +1,34 @@
-"""Issue 31's placement figures: each workload served over 4 expert services with the
-round-robin placement, then with the placement DeepSeek's EPLB makes from the routing
-load that run measured (`switchyard placement --load URL --num-redundant-experts R`), the
-same load again.
+"""Issue 31's figures: each workload served over 4 expert services, all in one server
+and one run. First with the round-robin placement; then the gateway rebalances while
+serving (`POST /eplb/rebalance`: DeepSeek's EPLB of the routing load it counted, with R
+redundant experts a layer) and the same load runs again; then the load runs once more
+while an operator moves the experts every few seconds (between EPLB's placement and
+round-robin, each a real move).
 
     .venv/bin/python -m benchmarks.eplb [--workloads demo skewed] [--concurrency 16]
-                                        [--requests 64] [--redundant 4]
+                                        [--requests 64] [--redundant 4] [--churn-every 3]
 
 Workloads: `demo`, the bundled demo model on its own task's questions (its trained
 routing); `skewed`, the DeepSeek-V3-shaped mid checkpoint of benchmarks/generate.py with
 a router bias (`e_score_correction_bias` + 0.5) on experts 0, 4, 8 and 12 of every layer,
 so that every token picks them: round-robin puts all four on expert rank 0. Each row
-gives, over the load alone (the counters' increase): balancedness (mean over max of the
+gives, over its load alone (the counters' increase): balancedness (mean over max of the
 ranks' rows, per layer, the layers summed: vLLM's), the busiest rank's share of the
-experts' compute seconds (1/4 is even), and output tokens/s.
+experts' compute seconds (1/4 is even), output tokens/s, failed requests, and the
+inter-token latency's p99 and maximum (a step that waited shows there); the churn row
+adds the rebalances' durations (each: every expert rank's load, and every group's switch
+between two steps).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
+import itertools
 import json
 import shutil
 import sys
+import threading
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -30,9 +36,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file, save_file
 
 from benchmarks.generate import add_workdir_flag, build_checkpoint
+from ep_dispatch.placement import Placement
 from gateway.expert_stats import balance, rank_tokens
+from services.model.config import ModelConfig
 from switchyard.bench import make_prompts, run_load, summarize
-from switchyard.cli import main as cli
 from switchyard.demo_model import DEFAULT_MODEL
 from switchyard.demo_task import problems
 from switchyard.serve_process import Served
@@ -88,31 +95,80 @@ def counters(url: str) -> tuple[dict[tuple[int, int], float], dict[int, float]]:
     return dict(rank_tokens(families)), seconds
 
 
-def measure(path: Path, flags: list[str], prompts: list[list[int]], output_len: int,
-            concurrency: int, redundant: int) -> tuple[dict, str]:
-    """Serve, warm up, run the load; its figures and the EPLB placement of its load."""
-    with Served(["--model", str(path), "--kv-cache-memory", "1GiB",
-                 "--expert-services", str(EXPERT_SERVICES), *flags], timeout=900) as served:
-        model = httpx.get(f"{served.url}/v1/models").json()["data"][0]["id"]
-        run_load(served.url, model, prompts[:4], 4, 4, None, 1, 0)  # warm-up
-        rows0, secs0 = counters(served.url)
-        records, duration = run_load(served.url, model, prompts, output_len, concurrency,
-                                     None, min(4, concurrency), 0)
-        rows1, secs1 = counters(served.url)
-        rows = {k: v - rows0.get(k, 0.0) for k, v in rows1.items()}
-        secs = {r: s - secs0.get(r, 0.0) for r, s in secs1.items()}
+class Phase:
+    """The counters' increase over one load, and what the clients saw."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.rows0, self.secs0 = counters(url)
+
+    def end(self, records: list, duration: float, concurrency: int) -> dict:
+        rows1, secs1 = counters(self.url)
+        rows = {k: v - self.rows0.get(k, 0.0) for k, v in rows1.items()}
+        secs = {r: s - self.secs0.get(r, 0.0) for r, s in secs1.items()}
         summary = summarize(records, duration, concurrency, min(4, concurrency))
-        with contextlib.redirect_stdout(io.StringIO()) as printed:
-            assert cli(["placement", "--model", str(path), "--expert-services",
-                        str(EXPERT_SERVICES), "--load", served.url,
-                        "--num-redundant-experts", str(redundant), "--json"]) == 0
-    load = balance(rows)
-    figures = {"balancedness": load["balancedness"],
-               "ranks": {r["rank"]: r["tokens"] for r in load["ranks"]},
-               "busiest_share": max(secs.values()) / sum(secs.values()),
-               "seconds": secs, "tok_s": summary["output_throughput"],
-               "failed": summary["failed"]}
-    return figures, printed.getvalue()
+        itls = [x for r in records if r.ok for x in r.itls]
+        load = balance(rows)
+        return {"balancedness": load["balancedness"],
+                "ranks": {r["rank"]: r["tokens"] for r in load["ranks"]},
+                "busiest_share": max(secs.values()) / sum(secs.values()),
+                "seconds": secs, "tok_s": summary["output_throughput"],
+                "failed": summary["failed"], "itl_p99_ms": summary["itl"]["p99_ms"],
+                "itl_max_ms": 1e3 * max(itls, default=0.0)}
+
+
+def rebalance(url: str, placement: str | None = None) -> dict:
+    body = {"placement": json.loads(placement)} if placement else None
+    r = httpx.post(f"{url}/eplb/rebalance", json=body, timeout=900)
+    r.raise_for_status()
+    record = r.json()["rebalance"]
+    if record is None or record["error"]:
+        raise RuntimeError(f"the rebalance did not move: {record}")
+    return record
+
+
+def measure(path: Path, prompts: list[list[int]], output_len: int, concurrency: int,
+            redundant: int, churn_every: float) -> dict[str, dict]:
+    """One server: round-robin, a rebalance by load, the same load; then under churn."""
+    flags = ["--model", str(path), "--kv-cache-memory", "1GiB", "--expert-services",
+             str(EXPERT_SERVICES), "--enable-eplb", "--eplb-interval", "0",
+             "--eplb-window", "1000000", "--num-redundant-experts", str(redundant)]
+    with Served(flags, timeout=900) as served:
+        url = served.url
+        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        run_load(url, model, prompts[:4], 4, 4, None, 1, 0)  # warm-up
+        load = partial(run_load, url, model, prompts, output_len, concurrency, None,
+                       min(4, concurrency), 0)
+        phase = Phase(url)
+        before = phase.end(*load(), concurrency)
+        log("rebalancing by the measured load ...")
+        first = rebalance(url)
+        phase = Phase(url)
+        after = phase.end(*load(), concurrency)
+        cfg = ModelConfig.from_dir(path)
+        placements = [json.dumps(httpx.get(f"{url}/eplb").json()["placement"]),
+                      Placement.balanced(cfg.moe_layer_ids, cfg.num_experts,
+                                         EXPERT_SERVICES).to_json()]
+        log(f"the same load, the experts moved every {churn_every:g} s ...")
+        stop, moves = threading.Event(), []
+
+        def operator() -> None:
+            for placement in itertools.cycle(placements[::-1]):  # round-robin first
+                if stop.wait(churn_every):
+                    return
+                moves.append(rebalance(url, placement))
+
+        thread = threading.Thread(target=operator, daemon=True)
+        phase = Phase(url)
+        thread.start()
+        try:
+            churn = phase.end(*load(), concurrency)
+        finally:
+            stop.set()
+            thread.join(900)
+        churn["rebalances"] = moves
+    return {"round-robin": before, "EPLB (live)": after, "churn": churn,
+            "first_rebalance": first}
 
 
 def main() -> None:
@@ -125,8 +181,10 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--redundant", type=int, default=4,
                     help="EPLB's redundant experts per layer (a multiple of 4 here)")
+    ap.add_argument("--churn-every", type=float, default=3.0,
+                    help="seconds between the operator's moves in the churn phase")
     args = ap.parse_args()
-    table = []
+    results = {}
     for workload in args.workloads:
         if workload == "demo":
             path, prompts, output_len = Path(DEFAULT_MODEL), demo_prompts(args.requests), 8
@@ -134,26 +192,31 @@ def main() -> None:
             path = skewed_checkpoint(args.workdir)
             prompts, output_len = make_prompts(args.requests, 128, 0.0, 200, seed=0), 32
         log(f"{workload}: round-robin placement ...")
-        before, placement = measure(path, [], prompts, output_len, args.concurrency,
-                                    args.redundant)
-        file = args.workdir / f"eplb-{workload}.json"
-        file.write_text(placement)
-        log(f"{workload}: EPLB's placement ({file}) ...")
-        after, _ = measure(path, ["--placement", str(file)], prompts, output_len,
-                           args.concurrency, args.redundant)
-        table.append((workload, before, after))
+        results[workload] = measure(path, prompts, output_len, args.concurrency,
+                                    args.redundant, args.churn_every)
     print(f"\n{EXPERT_SERVICES} expert services (rpc), concurrency {args.concurrency}, "
-          f"{args.requests} requests; EPLB with {args.redundant} redundant experts a layer\n")
-    print("| workload | placement | balancedness | rows per rank | busiest rank's share of "
-          "expert seconds | out tok/s | failed |")
-    print("|---|---|---:|---|---:|---:|---:|")
-    for workload, before, after in table:
-        for name, f in (("round-robin", before), ("EPLB", after)):
+          f"{args.requests} requests a phase; EPLB with {args.redundant} redundant experts "
+          f"a layer, moved while serving\n")
+    print("| workload | phase | balancedness | rows per rank | busiest rank's share of "
+          "expert seconds | out tok/s | failed | ITL p99 / max ms |")
+    print("|---|---|---:|---|---:|---:|---:|---:|")
+    for workload, phases in results.items():
+        for name in ("round-robin", "EPLB (live)", "churn"):
+            f = phases[name]
             ranks = ", ".join(f"{int(v)}" for _, v in sorted(f["ranks"].items()))
             print(f"| {workload} | {name} | {f['balancedness']:.2f} | {ranks} | "
-                  f"{100 * f['busiest_share']:.0f}% | {f['tok_s']:.1f} | {f['failed']} |")
-    print(json.dumps({w: {"round-robin": b, "EPLB": a} for w, b, a in table}, default=str),
-          file=sys.stderr)
+                  f"{100 * f['busiest_share']:.0f}% | {f['tok_s']:.1f} | {f['failed']} | "
+                  f"{f['itl_p99_ms']:.0f} / {f['itl_max_ms']:.0f} |")
+    print("\n| workload | rebalance | copies moved | expert ranks' load s | switch ms | "
+          "total s |")
+    print("|---|---|---:|---:|---:|---:|")
+    for workload, phases in results.items():
+        for name, r in [("by load", phases["first_rebalance"]),
+                        *((f"churn {i + 1}", r) for i, r in
+                          enumerate(phases["churn"]["rebalances"]))]:
+            print(f"| {workload} | {name} | {r['moved']} | {r['load_s']:.2f} | "
+                  f"{1e3 * r['switch_s']:.1f} | {r['duration_s']:.2f} |")
+    print(json.dumps(results, default=str), file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -84,12 +84,15 @@ async def metrics(serving: Serving, _: Request) -> Response:
 
 
 async def eplb(serving: Serving, _: Request) -> Response:
-    """GET /eplb: expert load balancing's settings and its last rebalances."""
+    """GET /eplb: expert load balancing's settings, the placement the last rebalance
+    moved to (None before one), and the last rebalances."""
     rebalancer = serving.rebalancer
     return json_response({"enabled": rebalancer.config.enabled,
                           "interval_steps": rebalancer.config.interval,
                           "window_steps": rebalancer.config.window,
                           "num_redundant_experts": rebalancer.config.num_redundant,
+                          "placement": json.loads(rebalancer.placement.to_json())
+                          if rebalancer.placement else None,
                           "rebalances": [dataclasses.asdict(r) for r in rebalancer.history]})
 
 
@@ -136,7 +139,7 @@ def build_app(config: GatewayConfig, engine_client: EnginePool,
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
         async with anyio.create_task_group() as tg:
             tg.start_soon(engine_client.run)
-            if config.eplb.enabled and config.eplb.interval:
+            if config.eplb.enabled:  # (its window, also for rebalances asked for)
                 tg.start_soon(serving.rebalancer.run)
             yield
             tg.cancel_scope.cancel()

@@ -1,5 +1,5 @@
 """`/dashboard`: per-expert latency and load over a recent window, the expert ranks' load
-and balancedness, per-service health and busy share.
+and balancedness, the last expert rebalance, per-service health and busy share.
 
 The page (static files shipped with the package, no CDN) polls `/dashboard/data`. Each
 poll uses the services' latest scrape (`gateway.service_metrics`, shared with `/metrics`)
@@ -9,6 +9,7 @@ Quantiles are Prometheus' `histogram_quantile` over the buckets of every rank su
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from functools import partial
@@ -52,6 +53,9 @@ class Dashboard:
             "services": [{"url": s.url, "up": s.up, "error": s.error, "busy": busy(s)}
                          for s in scrapes],
             "engines": self.serving.engine.status(),
+            "eplb": {"enabled": self.serving.rebalancer.config.enabled,
+                     "last": dataclasses.asdict(history[-1]) if (
+                         history := self.serving.rebalancer.history) else None},
         }
 
     def _stats(self, scrapes: list[Scrape], window: float) -> dict[str, object]:

@@ -112,6 +112,13 @@ function render(d) {
     tr.children[3].appendChild(bar);
     return tr;
   }));
+  const rebalance = d.eplb.last;
+  $("rebalance").textContent = !d.eplb.enabled ? "expert rebalancing: off (--enable-eplb)"
+    : !rebalance ? "expert rebalancing: on, none yet"
+    : `last rebalance: ${new Date(1000 * rebalance.started).toLocaleTimeString()}, `
+      + `${rebalance.duration_s.toFixed(2)} s (load ${rebalance.load_s.toFixed(2)} s), `
+      + `placement version ${rebalance.version}, ${rebalance.moved} copies moved`
+      + (rebalance.error ? `, failed: ${rebalance.error}` : "");
   $("stages").tBodies[0].replaceChildren(...d.stages.map((x) => row(
     [x.stage, x.backend, x.calls, seconds(x.p50_s), seconds(x.p99_s)], [2, 3, 4])));
   const busy = (b) => Object.entries(b || {})

@@ -1,6 +1,7 @@
 """/dashboard in a real headless Chromium: it loads with no network but loopback, draws a
 cell for every (MoE layer, expert), its numbers agree with /metrics, each service's busy
-share and each expert rank's load and balancedness show, and it follows new load.
+share and each expert rank's load and balancedness show, it follows new load, and the
+last expert rebalance shows.
 SWITCHYARD_DASHBOARD_SCREENSHOT=PATH saves what it showed (docs/dashboard.png)."""
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def test_dashboard_in_chromium(qwen3_ckpt: tuple) -> None:
     path, _ = qwen3_ckpt
     cfg = ModelConfig.from_dir(path)
     moe_layers = cfg.moe_layer_ids
-    with Served(["--model", str(path), "--expert-services", "2"]) as served, \
+    with Served(["--model", str(path), "--expert-services", "2", "--enable-eplb",
+                 "--eplb-interval", "0"]) as served, \
             chromium() as browser:
         generate(served.url, seed=81, lengths=(9, 14, 6, 11))
         samples = scrape(f"{served.url}/metrics")
@@ -119,8 +121,8 @@ def test_dashboard_in_chromium(qwen3_ckpt: tuple) -> None:
             "model_name"]))] - want) < 1e-9
         assert {dict(k)["layer"] for k in gauge} == {"all", *map(str, moe_layers)}
 
-        if shot := os.environ.get("SWITCHYARD_DASHBOARD_SCREENSHOT"):
-            browser.save_screenshot(shot)
+        assert browser.find_element("id", "rebalance").text == \
+            "expert rebalancing: on, none yet"
 
         # Live: more load shows up without reloading the page.
         generate(served.url, seed=82, lengths=(13,))
@@ -128,3 +130,16 @@ def test_dashboard_in_chromium(qwen3_ckpt: tuple) -> None:
         assert total > sum(tokens.values())
         WebDriverWait(browser, 30).until(lambda b: sum(
             float(c["tokens"]) for c in b.execute_script(CELLS)) == total)
+
+        # A rebalance (to EPLB's placement of the load so far) shows when and how long.
+        r = httpx.post(f"{served.url}/eplb/rebalance", timeout=60)
+        assert r.status_code == 200, r.text
+        record = r.json()["rebalance"]
+        assert record["version"] == 1 and record["error"] is None
+        shown = WebDriverWait(browser, 30).until(lambda b: re.fullmatch(
+            r"last rebalance: .+, ([\d.]+) s \(load ([\d.]+) s\), placement version 1, "
+            r"(\d+) copies moved", b.find_element("id", "rebalance").text))
+        assert [float(shown[1]), float(shown[2]), int(shown[3])] == [
+            round(record["duration_s"], 2), round(record["load_s"], 2), record["moved"]]
+        if shot := os.environ.get("SWITCHYARD_DASHBOARD_SCREENSHOT"):
+            browser.save_screenshot(shot)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import json
 import threading
 from pathlib import Path
@@ -115,3 +116,44 @@ def test_greedy_tokens_stay_transformers_across_rebalances_mid_generation(
         samples = scrape(f"{served.url}/metrics")
         assert samples["switchyard:eplb_rebalances_total"][
             (("model_name", name), ("outcome", "ok"))] == 2
+
+
+def test_no_request_fails_while_the_experts_move_every_few_steps(
+        deepseek_v3_ckpt: tuple) -> None:
+    """Rounds of concurrent greedy requests while the gateway rebalances by load every
+    24 steps (2 redundant copies a layer) and an operator forces placements besides:
+    every request answers transformers' tokens, every rebalance succeeds, several ran."""
+    path, model = deepseek_v3_ckpt
+    cfg = ModelConfig.from_dir(path)
+    ps = prompts(seed=36, lengths=(9, 23, 5, 17, 12, 30, 8, 14))
+    want = [reference_greedy(model, p, 24) for p in ps]
+    forced = [_moved(cfg.num_experts, cfg.moe_layer_ids, s, e) for s, e in
+              [(1, 2), (0, 5), (1, 7)]]
+    with Served(["--model", str(path), "--expert-services", "2", "--enable-eplb",
+                 "--eplb-interval", "24", "--eplb-window", "24", "--num-redundant-experts",
+                 "2", "--max-num-batched-tokens", "32"]) as served:
+        name = httpx.get(f"{served.url}/v1/models").json()["data"][0]["id"]
+        done = threading.Event()
+        answers: list[int] = []
+
+        def operator() -> None:
+            for placement in itertools.cycle(forced):
+                if done.wait(0.5):
+                    return
+                answers.append(httpx.post(
+                    f"{served.url}/eplb/rebalance", timeout=120,
+                    json={"placement": json.loads(placement.to_json())}).status_code)
+
+        thread = threading.Thread(target=operator)
+        thread.start()
+        try:
+            for _ in range(4):
+                assert concurrent_greedy(served.url, name, ps, max_tokens=24) == want
+        finally:
+            done.set()
+            thread.join(120)
+        records = httpx.get(f"{served.url}/eplb").json()["rebalances"]
+    assert answers and set(answers) == {200}
+    assert [r["error"] for r in records] == [None] * len(records)
+    assert {r["trigger"] for r in records} == {"interval", "request"}
+    assert [r["version"] for r in records] == list(range(1, len(records) + 1))
