@@ -15,7 +15,15 @@ from anyio.from_thread import start_blocking_portal
 from hypothesis import given
 from hypothesis import strategies as st
 
-from common.messages import ExpertBatch, ExpertInfo, ExpertResult, InfoRequest
+from common.messages import (
+    ExpertBatch,
+    ExpertInfo,
+    ExpertResult,
+    InfoRequest,
+    PlacementReady,
+    PlacementUpdate,
+    UsePlacement,
+)
 from common.rpc import FrameStream
 from ep_dispatch.placement import Placement
 from ep_dispatch.rpc import RpcExperts
@@ -30,18 +38,37 @@ Script = Callable[[int, int], str]
 
 
 @contextmanager
-def expert_servers(script: Script) -> Iterator[list[tuple[str, int]]]:
-    """Two scripted expert ranks in a thread of their own; their addresses."""
+def expert_servers(script: Script, seen: list[tuple[int, object]] | None = None
+                   ) -> Iterator[list[tuple[str, int]]]:
+    """Two scripted expert ranks in a thread of their own; their addresses. They load
+    any placement version asked for ("refuse": rank 1 refuses), and note in `seen` each
+    `UsePlacement` and batch (rank, (version, layer, tokens per local expert))."""
     batches = [0, 0]
+    shares = {0: {r: PLACEMENT.local_experts(r) for r in range(2)}}
 
     async def handle(rank: int, conn: FrameStream) -> None:
         try:
             while True:
                 msg = await conn.receive()
                 if isinstance(msg, InfoRequest):
-                    await conn.send(ExpertInfo(rank, 2, PLACEMENT.local_experts(rank), 0))
+                    await conn.send(ExpertInfo(rank, 2, PLACEMENT.local_experts(rank), 0,
+                                               shares={v: s[rank] for v, s in shares.items()}))
+                    continue
+                if isinstance(msg, UsePlacement):
+                    (seen if seen is not None else []).append((rank, msg))
+                    continue
+                if isinstance(msg, PlacementUpdate):
+                    placement = Placement.from_json(msg.placement, [0], 4)
+                    if rank == 1 and script(rank, -1) == "refuse":
+                        await conn.send(PlacementReady(msg.version, rank, error="no room"))
+                        continue
+                    shares.setdefault(msg.version, {})[rank] = placement.local_experts(rank)
+                    await conn.send(PlacementReady(msg.version, rank,
+                                                   placement.local_experts(rank), load_s=0.1))
                     continue
                 assert isinstance(msg, ExpertBatch)
+                if seen is not None:
+                    seen.append((rank, (msg.version, msg.layer, msg.tokens_per_expert)))
                 action, batches[rank] = script(rank, batches[rank]), batches[rank] + 1
                 if action == "drop":
                     return
@@ -88,6 +115,45 @@ def test_a_rejected_batch_costs_its_step_and_never_the_other_rank() -> None:
             for _ in range(3):
                 assert torch.equal(step(experts), x * 4)  # two experts, each 2x, weight 1
             assert experts.ready()
+        finally:
+            experts.close()
+
+
+def test_a_rebalance_is_prepared_off_the_step_and_switched_between_steps() -> None:
+    """`prepare` has every rank load the new placement (the steps meanwhile go on by the
+    old one); `switch` tells each connection, and the next steps' batches are laid out
+    by the new shares, under the new version: the same outputs. A rank that cannot load
+    fails the rebalance, naming it, and the old placement routes on."""
+    seen: list[tuple[int, object]] = []
+    moved = Placement(2, 4, {0: ((1,), (0, 1), (0,), (0,))})  # rank 0: 1, 2, 3; rank 1: 0, 1
+    x = torch.arange(4 * 8, dtype=torch.float32).view(4, 8)
+    with expert_servers(lambda rank, n: "ok", seen) as addresses:
+        experts = RpcExperts(PLACEMENT, addresses, call_timeout=5)
+        try:
+            assert experts.prepare(1, moved.to_json()) == 0.1
+            assert experts.placement_version == 0
+            assert torch.equal(step(experts), x * 4)
+            experts.switch(1)
+            assert experts.placement_version == 1 and experts.placement_json == moved.to_json()
+            assert torch.equal(step(experts), x * 4)
+            with pytest.raises(ValueError, match="was not prepared"):
+                experts.switch(2)
+        finally:
+            experts.close()
+    assert [(r, m) for r, m in seen if isinstance(m, UsePlacement)] == [
+        (0, UsePlacement(0)), (1, UsePlacement(0)), (0, UsePlacement(1)), (1, UsePlacement(1))]
+    batches = [(r, m) for r, m in seen if not isinstance(m, UsePlacement)]
+    assert sorted(batches) == [(0, (0, 0, [2, 2])), (0, (1, 0, [1, 2, 2])),
+                               (1, (0, 0, [2, 2])), (1, (1, 0, [2, 1]))]
+    with expert_servers(lambda rank, n: "refuse" if n < 0 else "ok") as addresses:
+        experts = RpcExperts(PLACEMENT, addresses, call_timeout=5)
+        try:
+            with pytest.raises(ExpertRankError, match=r"expert rank 1 .* could not load "
+                                                      r"placement version 1: no room"):
+                experts.prepare(1, moved.to_json())
+            with pytest.raises(ValueError, match="was not prepared"):
+                experts.switch(1)
+            assert torch.equal(step(experts), x * 4) and experts.placement_version == 0
         finally:
             experts.close()
 
