@@ -244,6 +244,7 @@ class Backend:
         and no rank restarts alone. in_process: the experts live in the attention process.
     cuda_only: moves CUDA tensors only. mxfp4_rows: moves W4A4's MXFP4 rows.
     deepep_settings: takes the `--deepep-*` settings (and DeepEP's limits on them).
+    movable: moves experts between its expert ranks while serving (EPLB's rebalances).
     """
 
     name: str
@@ -254,11 +255,12 @@ class Backend:
     cuda_only: bool = False
     mxfp4_rows: bool = True
     deepep_settings: bool = False
+    movable: bool = False
 
 
 _BACKENDS = {b.name: b for b in (
     Backend("local", _local, in_process=True),
-    Backend("rpc", _rpc, _serve_rpc),
+    Backend("rpc", _rpc, _serve_rpc, movable=True),
     Backend("torch", _torch, _serve_torch, collective=True),
     Backend("nccl", _nccl, _serve_nccl, collective=True, cuda_only=True),
     Backend("deepep", _deepep, _serve_deepep, collective=True, cuda_only=True,

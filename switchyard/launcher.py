@@ -27,8 +27,8 @@ from common.flags import as_flags
 from common.ports import free_port, http_url
 from ep_dispatch.deepep_config import deepep_flags, deepep_settings
 from ep_dispatch.placement import Placement, make_placement
-from ep_dispatch.registry import backend
-from gateway.config import serve_flags
+from ep_dispatch.registry import Backend, backend
+from gateway.config import eplb_config, serve_flags
 from gateway.engine_pool import WARMUP_FAILED
 from gateway.generation_config import SamplingDefaults
 from services.attention.config import add_engine_flags, check_cuda_graphs
@@ -234,6 +234,23 @@ def _gpus(args: argparse.Namespace, num_experts: int) -> int:
     return have
 
 
+def _check_eplb(args: argparse.Namespace, cfg: ModelConfig, dispatch: Backend,
+                num_experts: int) -> None:
+    """`--enable-eplb` needs expert services that can move (rpc), and EPLB's copies
+    (experts + redundant) spread evenly over them."""
+    eplb_config(args)  # its flags' own ranges first
+    if not args.enable_eplb:
+        return
+    if not dispatch.movable:
+        raise StartupError(f"--enable-eplb moves experts between rpc expert services; the "
+                           f"{args.dispatch_backend} dispatch backend cannot")
+    copies = cfg.num_experts + args.num_redundant_experts
+    if copies % num_experts:
+        raise StartupError(f"--num-redundant-experts {args.num_redundant_experts}: "
+                           f"{cfg.num_experts} experts + {args.num_redundant_experts} "
+                           f"copies do not spread evenly over {num_experts} expert services")
+
+
 def serve(args: argparse.Namespace) -> int:
     model = Path(args.model) if args.model else DEFAULT_MODEL
     name = args.served_model_name or (model.name if args.model else DEFAULT_MODEL_NAME)
@@ -250,6 +267,7 @@ def serve(args: argparse.Namespace) -> int:
                                        args.placement, args.expert_replicas)
             if dispatch.deepep_settings:  # (a collective backend: it has experts)
                 _check_deepep(args, cfg, placement)
+        _check_eplb(args, cfg, dispatch, num_experts)
         _check_generation_config(args.generation_config, model)
         serve_flags(args)
     except (CheckpointError, ValueError, StartupError, OSError) as exc:

@@ -111,3 +111,21 @@ def test_serve_refuses_generation_defaults_no_request_could_ask_for(
     assert proc.returncode == 2, proc.stderr
     assert f"switchyard serve: --generation-config: {d}/generation_config.json: {error}" \
         in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(("flags", "error"), [
+    (["--dispatch-backend", "torch"], "the torch dispatch backend cannot"),
+    (["--expert-services", "3", "--num-redundant-experts", "2"],
+     "8 experts + 2 copies do not spread evenly over 3 expert services"),
+    (["--num-redundant-experts", "-1"], "--num-redundant-experts must not be negative"),
+    (["--eplb-window", "0"], "--eplb-window, --eplb-num-groups and --eplb-num-nodes must "
+                             "be positive")])
+def test_serve_refuses_eplb_it_cannot_run(qwen3_ckpt: tuple, flags: list[str],
+                                          error: str) -> None:
+    """Before any service starts: expert load balancing needs movable (rpc) expert
+    services and EPLB's copies spread evenly over them."""
+    proc = subprocess.run([sys.executable, "-m", "switchyard", "serve", "--model",
+                           str(qwen3_ckpt[0]), "--port", "0", "--enable-eplb", *flags],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert error in proc.stderr and "Traceback" not in proc.stderr

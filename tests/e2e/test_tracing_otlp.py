@@ -1,7 +1,7 @@
 """Tracing into a real receiver: `switchyard serve --otlp-traces-endpoint` exports over
 OTLP/HTTP to Arize Phoenix, started here, and the spans are read back through Phoenix's
-own REST API: one request's trace across the gateway and the attention service, and the
-steps' traces down to each expert on both expert services.
+own REST API: one request's trace across the gateway and the attention service, the
+steps' traces down to each expert on both expert services, and an expert rebalance's.
 
 Phoenix drops span links and resource attributes on ingest, so the links from steps to
 requests and the service names are checked in tests/e2e/test_tracing.py instead."""
@@ -23,8 +23,8 @@ CLIENT_SPAN = "b7ad6b7169203331"
 def test_spans_reach_a_real_otlp_receiver(qwen3_ckpt: tuple) -> None:
     path, _ = qwen3_ckpt
     with phoenix() as receiver:
-        flags = ["--model", str(path), "--expert-services", "2",
-                 "--otlp-traces-endpoint", receiver.traces_url]
+        flags = ["--model", str(path), "--expert-services", "2", "--enable-eplb",
+                 "--eplb-interval", "0", "--otlp-traces-endpoint", receiver.traces_url]
         with Served(flags, env={"OTEL_BSP_SCHEDULE_DELAY": "100"}) as served:
             name = httpx.get(f"{served.url}/v1/models").json()["data"][0]["id"]
             r = httpx.post(f"{served.url}/v1/completions", timeout=60,
@@ -32,6 +32,8 @@ def test_spans_reach_a_real_otlp_receiver(qwen3_ckpt: tuple) -> None:
                            json={"model": name, "prompt": prompts(seed=91, lengths=(8,))[0],
                                  "max_tokens": 4, "ignore_eos": True})
             assert r.status_code == 200, r.text
+            moved = httpx.post(f"{served.url}/eplb/rebalance", timeout=60)
+            assert moved.status_code == 200, moved.text
 
             def arrived() -> list[dict] | None:
                 """Every span once the request's are in and each expert span's ancestors
@@ -48,7 +50,8 @@ def test_spans_reach_a_real_otlp_receiver(qwen3_ckpt: tuple) -> None:
                     return True
 
                 names = {s["name"] for s in spans}
-                done = {"decode", f"text_completion {name}"} <= names and experts and \
+                done = {"decode", f"text_completion {name}", "eplb rebalance"} <= names and \
+                    experts and \
                     all(rooted(s) for s in experts)
                 return spans if done else None
 
@@ -88,3 +91,12 @@ def test_spans_reach_a_real_otlp_receiver(qwen3_ckpt: tuple) -> None:
         assert a["switchyard.tokens"] > 0 and a["switchyard.duration_s"] > 0
         ranks.add(a["switchyard.expert_rank"])
     assert ranks == {0, 1}
+
+    # The expert rebalance is a span of its own, with what it moved.
+    [rebalance] = [s for s in spans if s["name"] == "eplb rebalance"]
+    record = moved.json()["rebalance"]
+    attrs = rebalance["attributes"]
+    assert attrs["switchyard.placement_version"] == record["version"] == 1
+    assert attrs["switchyard.moved_copies"] == record["moved"] > 0
+    assert attrs["switchyard.trigger"] == "request"
+    assert attrs["switchyard.load_s"] == record["load_s"]
