@@ -1,0 +1,38 @@
+"""The gateway's EPLB controller, apart from the services: which routing load a
+rebalance balances (the window of steps), and what counts as a moved copy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.messages import EngineStats
+from ep_dispatch.placement import Placement
+from gateway.rebalancer import EplbConfig, Rebalancer, _moved
+
+
+def stats(steps: int, load: list[list[int]]) -> EngineStats:
+    return EngineStats(0, 0, 0, 1, 0, load, num_steps=steps)
+
+
+def test_the_window_is_the_load_of_at_least_its_steps_summed_over_the_groups() -> None:
+    rebalancer = Rebalancer(None, EplbConfig(enabled=True, window=15))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="no routing load was read yet"):
+        rebalancer.window_load([0])
+    # two groups: layer 0 dense (zeros), layer 1 with 3 experts; cumulative counters
+    for steps, a, b in [(0, [0, 0, 0], [0, 0, 0]), (4, [1, 2, 3], [0, 0, 1]),
+                        (10, [2, 4, 6], [1, 0, 1]), (16, [9, 4, 6], [1, 5, 1])]:
+        rebalancer._observe([stats(steps, [[0, 0, 0], a]), stats(steps, [[0, 0, 0], b])])
+    # 32 steps summed; the newest snapshot at least 15 steps back is at 8 (4 + 4)
+    assert torch.equal(rebalancer.window_load([1]), torch.tensor([[9.0, 7.0, 3.0]],
+                                                                 dtype=torch.float64))
+    rebalancer._observe([stats(1, [[0, 0, 0], [1, 1, 1]])])  # a group restarted: anew
+    assert torch.equal(rebalancer.window_load([1]), torch.tensor([[1.0, 1.0, 1.0]],
+                                                                 dtype=torch.float64))
+
+
+def test_a_moved_copy_is_one_on_a_rank_that_did_not_hold_its_expert() -> None:
+    old = Placement(2, 3, {0: ((0,), (1,), (0,))})
+    new = Placement(2, 3, {0: ((0, 1), (0,), (0,))})
+    assert _moved(old, new) == 2  # expert 0 onto rank 1, expert 1 onto rank 0
+    assert _moved(None, new) == 4 and _moved(new, new) == 0
