@@ -2,8 +2,9 @@
 and one run. First with the round-robin placement; then the gateway rebalances while
 serving (`POST /eplb/rebalance`: DeepSeek's EPLB of the routing load it counted, with R
 redundant experts a layer) and the same load runs again; then the load runs once more
-while an operator moves the experts every few seconds (between EPLB's placement and
-round-robin, each a real move).
+while an operator moves the experts every few seconds, between EPLB's placement and the
+same with every copy one rank on (as balanced, and every copy moves). Prefix caching is
+off: the phases' prompts are the same, and each phase computes them.
 
     .venv/bin/python -m benchmarks.eplb [--workloads demo skewed] [--concurrency 16]
                                         [--requests 64] [--redundant 4] [--churn-every 3]
@@ -15,9 +16,9 @@ so that every token picks them: round-robin puts all four on expert rank 0. Each
 gives, over its load alone (the counters' increase): balancedness (mean over max of the
 ranks' rows, per layer, the layers summed: vLLM's), the busiest rank's share of the
 experts' compute seconds (1/4 is even), output tokens/s, failed requests, and the
-inter-token latency's p99 and maximum (a step that waited shows there); the churn row
-adds the rebalances' durations (each: every expert rank's load, and every group's switch
-between two steps).
+inter-token latency's p99 and maximum, and the bucket of the slowest decode step (a step
+that waited shows in these); the second table gives each rebalance's duration (every
+expert rank's load, and every group's switch between two steps).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import shutil
 import sys
 import threading
@@ -82,17 +84,30 @@ def demo_prompts(n: int) -> list[list[int]]:
                              add_special_tokens=False).ids for p in problems(7, n)]
 
 
-def counters(url: str) -> tuple[dict[tuple[int, int], float], dict[int, float]]:
-    """(layer, rank) -> rows, and rank -> expert compute seconds, from /metrics."""
+def counters(url: str) -> tuple[dict[tuple[int, int], float], dict[int, float],
+                                dict[float, float]]:
+    """(layer, rank) -> rows, rank -> expert compute seconds, and the decode steps'
+    cumulative histogram (upper bound -> steps), from /metrics."""
     families = list(text_string_to_metric_families(httpx.get(f"{url}/metrics").text))
     seconds: dict[int, float] = {}
+    steps: dict[float, float] = {}
     for family in families:
-        if family.name == "switchyard:expert_compute_seconds":
-            for s in family.samples:
-                if s.name.endswith("_sum"):
-                    rank = int(s.labels["rank"])
-                    seconds[rank] = seconds.get(rank, 0.0) + s.value
-    return dict(rank_tokens(families)), seconds
+        for s in family.samples:
+            if family.name == "switchyard:expert_compute_seconds" and s.name.endswith("_sum"):
+                rank = int(s.labels["rank"])
+                seconds[rank] = seconds.get(rank, 0.0) + s.value
+            elif s.name == "switchyard:engine_step_seconds_bucket" and \
+                    s.labels["kind"] == "decode":
+                bound = float(s.labels["le"])
+                steps[bound] = steps.get(bound, 0.0) + s.value
+    return dict(rank_tokens(families)), seconds, steps
+
+
+def slowest_step(before: dict[float, float], after: dict[float, float]) -> float:
+    """The upper bound of the histogram bucket that holds the slowest decode step taken
+    between the two readings: the least bound that every new step is under."""
+    new = {b: after[b] - before.get(b, 0.0) for b in after}  # cumulative, per bound
+    return min(b for b in sorted(new) if new[b] == new[math.inf])
 
 
 class Phase:
@@ -100,10 +115,10 @@ class Phase:
 
     def __init__(self, url: str) -> None:
         self.url = url
-        self.rows0, self.secs0 = counters(url)
+        self.rows0, self.secs0, self.steps0 = counters(url)
 
     def end(self, records: list, duration: float, concurrency: int) -> dict:
-        rows1, secs1 = counters(self.url)
+        rows1, secs1, steps1 = counters(self.url)
         rows = {k: v - self.rows0.get(k, 0.0) for k, v in rows1.items()}
         secs = {r: s - self.secs0.get(r, 0.0) for r, s in secs1.items()}
         summary = summarize(records, duration, concurrency, min(4, concurrency))
@@ -114,7 +129,16 @@ class Phase:
                 "busiest_share": max(secs.values()) / sum(secs.values()),
                 "seconds": secs, "tok_s": summary["output_throughput"],
                 "failed": summary["failed"], "itl_p99_ms": summary["itl"]["p99_ms"],
-                "itl_max_ms": 1e3 * max(itls, default=0.0)}
+                "itl_max_ms": 1e3 * max(itls, default=0.0),
+                "slowest_step_s": slowest_step(self.steps0, steps1)}
+
+
+def rotated(placement: Placement) -> Placement:
+    """The placement with every copy one rank on: as balanced, and every copy moves."""
+    n = placement.num_ranks
+    return Placement(n, placement.num_experts, {
+        layer: tuple(tuple((r + 1) % n for r in ranks) for ranks in experts)
+        for layer, experts in placement.replicas.items()})
 
 
 def rebalance(url: str, placement: str | None = None) -> dict:
@@ -130,7 +154,8 @@ def rebalance(url: str, placement: str | None = None) -> dict:
 def measure(path: Path, prompts: list[list[int]], output_len: int, concurrency: int,
             redundant: int, churn_every: float) -> dict[str, dict]:
     """One server: round-robin, a rebalance by load, the same load; then under churn."""
-    flags = ["--model", str(path), "--kv-cache-memory", "1GiB", "--expert-services",
+    flags = ["--model", str(path), "--kv-cache-memory", "1GiB", "--no-enable-prefix-caching",
+             "--expert-services",
              str(EXPERT_SERVICES), "--enable-eplb", "--eplb-interval", "0",
              "--eplb-window", "1000000", "--num-redundant-experts", str(redundant)]
     with Served(flags, timeout=900) as served:
@@ -146,14 +171,14 @@ def measure(path: Path, prompts: list[list[int]], output_len: int, concurrency: 
         phase = Phase(url)
         after = phase.end(*load(), concurrency)
         cfg = ModelConfig.from_dir(path)
-        placements = [json.dumps(httpx.get(f"{url}/eplb").json()["placement"]),
-                      Placement.balanced(cfg.moe_layer_ids, cfg.num_experts,
-                                         EXPERT_SERVICES).to_json()]
+        eplb = Placement.from_json(json.dumps(httpx.get(f"{url}/eplb").json()["placement"]),
+                                   cfg.moe_layer_ids, cfg.num_experts)
+        placements = [eplb.to_json(), rotated(eplb).to_json()]
         log(f"the same load, the experts moved every {churn_every:g} s ...")
         stop, moves = threading.Event(), []
 
         def operator() -> None:
-            for placement in itertools.cycle(placements[::-1]):  # round-robin first
+            for placement in itertools.cycle(placements[::-1]):  # rotated first
                 if stop.wait(churn_every):
                     return
                 moves.append(rebalance(url, placement))
@@ -198,15 +223,16 @@ def main() -> None:
           f"{args.requests} requests a phase; EPLB with {args.redundant} redundant experts "
           f"a layer, moved while serving\n")
     print("| workload | phase | balancedness | rows per rank | busiest rank's share of "
-          "expert seconds | out tok/s | failed | ITL p99 / max ms |")
-    print("|---|---|---:|---|---:|---:|---:|---:|")
+          "expert seconds | out tok/s | failed | ITL p99 / max ms | slowest decode step |")
+    print("|---|---|---:|---|---:|---:|---:|---:|---:|")
     for workload, phases in results.items():
         for name in ("round-robin", "EPLB (live)", "churn"):
             f = phases[name]
             ranks = ", ".join(f"{int(v)}" for _, v in sorted(f["ranks"].items()))
             print(f"| {workload} | {name} | {f['balancedness']:.2f} | {ranks} | "
                   f"{100 * f['busiest_share']:.0f}% | {f['tok_s']:.1f} | {f['failed']} | "
-                  f"{f['itl_p99_ms']:.0f} / {f['itl_max_ms']:.0f} |")
+                  f"{f['itl_p99_ms']:.0f} / {f['itl_max_ms']:.0f} | "
+                  f"≤ {f['slowest_step_s']:g} s |")
     print("\n| workload | rebalance | copies moved | expert ranks' load s | switch ms | "
           "total s |")
     print("|---|---|---:|---:|---:|---:|")

@@ -4,8 +4,11 @@ answering each layer's batches; the lockstep backends: their world's rounds)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import sys
+import threading
 import time
 
 import torch
@@ -94,6 +97,7 @@ class ExpertServer:
                 raise ValueError(f"placement version {version} places experts on "
                                  f"{placement.num_ranks} ranks, not {self.config.num_ranks}")
             start = time.monotonic()
+            _yield_to_computation()
             log.info("loading placement version %d's share ...", version)
             checkpoint = Checkpoint(self.config.model)
             try:
@@ -224,6 +228,16 @@ class ExpertServer:
                           self.model_config.top_k, ready, world,
                           RpcListen(config.host, config.port, self.compute, self.info,
                                     self.prepare, self.release))
+
+
+def _yield_to_computation() -> None:
+    """Give this (loading) thread the lowest CPU priority, so that the layer calls (and
+    the other services on these cores) run first: a load takes longer, a step does not
+    wait for it. Linux only, where a thread's niceness is its own; threads it starts
+    (its OpenMP team) inherit it."""
+    if sys.platform == "linux":
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 def _progress(done: int, total: int) -> None:

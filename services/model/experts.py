@@ -52,6 +52,25 @@ def packed_names(weight_name: str) -> tuple[str, str]:
     return f"{weight_name}_packed", f"{weight_name}_scale"
 
 
+def _components(w: torch.Tensor | MXFP4Tensor) -> tuple[torch.Tensor, ...]:
+    return (w.packed, w.scales) if isinstance(w, MXFP4Tensor) else (w,)
+
+
+def _empty_stack(like: torch.Tensor | MXFP4Tensor, n: int, rows: int,
+                 device: torch.device) -> torch.Tensor | MXFP4Tensor:
+    """[n, rows, ...] uninitialised, of `like`'s kind (MXFP4: its codes and scales)."""
+    parts = [torch.empty((n, rows, *c.shape[1:]), dtype=c.dtype, device=device)
+             for c in _components(like)]
+    return MXFP4Tensor(*parts) if isinstance(like, MXFP4Tensor) else parts[0]
+
+
+def _put(stack: torch.Tensor | MXFP4Tensor, i: int, row: int,
+         w: torch.Tensor | MXFP4Tensor) -> None:
+    """Copy one weight [r, ...] into `stack[i, row:row + r]`."""
+    for out, part in zip(_components(stack), _components(w), strict=True):
+        out[i, row:row + part.shape[0]].copy_(part)
+
+
 def all_experts(config: ModelConfig) -> dict[int, list[int]]:
     """Every expert of every MoE layer (what the in-process `local` backend holds)."""
     return {layer: list(range(config.num_experts)) for layer in config.moe_layer_ids}
@@ -94,17 +113,26 @@ class ExpertBank:
 
     def _load_layer(self, checkpoint: Checkpoint, layer: int, expert_ids: Sequence[int]
                     ) -> tuple[Weights, Weights]:
-        """One layer's (w_gate_up, w_down) of these experts, read one tensor at a time; on
-        the CPU in the kernels' panel layouts (float32, or MXFP4 where VNNI runs)."""
+        """One layer's (w_gate_up, w_down) of these experts, each tensor read once into
+        its place in the layer's stack; on the CPU then in the kernels' panel layouts
+        (float32, or MXFP4 where VNNI runs)."""
         config = self._config
         hidden, inter = config.hidden_size, config.moe_intermediate_size
-        gate_up, down = [], []
-        for expert in expert_ids:
+        n = len(expert_ids)
+        gate_up = down = None
+        for i, expert in enumerate(expert_ids):
             g, u, d = expert_tensor_names(config, layer, expert)
-            gate_up.append(self._cat([self._load(checkpoint, config, g, (inter, hidden)),
-                                      self._load(checkpoint, config, u, (inter, hidden))]))
-            down.append(self._load(checkpoint, config, d, (hidden, inter)))
-        return panels_for_cpu(self._stack(gate_up)), panels_for_cpu(self._stack(down))
+            w_gate = self._load(checkpoint, config, g, (inter, hidden))
+            if gate_up is None:
+                gate_up = _empty_stack(w_gate, n, 2 * inter, self.device)  # [E, 2I, H]
+            _put(gate_up, i, 0, w_gate)
+            _put(gate_up, i, inter, self._load(checkpoint, config, u, (inter, hidden)))
+            w_down = self._load(checkpoint, config, d, (hidden, inter))
+            if down is None:
+                down = _empty_stack(w_down, n, hidden, self.device)  # [E, H, I]
+            _put(down, i, 0, w_down)
+        assert gate_up is not None and down is not None  # (callers skip empty shares)
+        return panels_for_cpu(gate_up), panels_for_cpu(down)
 
     def moved_to(self, experts: Mapping[int, Sequence[int]], checkpoint: Checkpoint,
                  progress: Callable[[int, int], None] | None = None) -> ExpertBank:
@@ -141,16 +169,6 @@ class ExpertBank:
         # From float32 (exact for any stored float dtype), as `switchyard quantize` does: a
         # bf16 serving dtype first would round twice (a value just past a tie lands on it).
         return quantize(ckpt.get(name, shape, torch.float32).to(self.device))
-
-    def _cat(self, parts: list) -> torch.Tensor | MXFP4Tensor:
-        return MXFP4Tensor.cat(parts) if self.quantization else torch.cat(parts)
-
-    def _stack(self, parts: list) -> torch.Tensor | MXFP4Tensor:
-        """One layer's experts as one tensor, on the bank's device."""
-        if self.quantization:
-            return MXFP4Tensor(torch.stack([p.packed for p in parts]).to(self.device),
-                               torch.stack([p.scales for p in parts]).to(self.device))
-        return torch.stack(parts).to(self.device)
 
     @property
     def rows(self) -> RowFormat:
