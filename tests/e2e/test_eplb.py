@@ -157,3 +157,52 @@ def test_no_request_fails_while_the_experts_move_every_few_steps(
     assert [r["error"] for r in records] == [None] * len(records)
     assert {r["trigger"] for r in records} == {"interval", "request"}
     assert [r["version"] for r in records] == list(range(1, len(records) + 1))
+
+
+def test_an_expert_service_restarted_after_a_rebalance_is_given_the_new_share(
+        deepseek_v3_ckpt: tuple) -> None:
+    """After a move to placement version 1 (every expert on both services), expert rank
+    1 is killed: its experts' rows go to rank 0's copies; `serve` starts it again, with
+    the share it was started with (version 0), and the probe that finds it has it load
+    version 1 before routing to it again. Transformers' tokens throughout."""
+    import os
+    import signal
+
+    from switchyard.serve_process import child_pids
+    from tests.support.tools import wait_until
+
+    path, model = deepseek_v3_ckpt
+    cfg = ModelConfig.from_dir(path)
+    ps = prompts(seed=37, lengths=(9, 14, 21))
+    want = [reference_greedy(model, p, 8) for p in ps]
+    both = Placement(2, cfg.num_experts, dict.fromkeys(cfg.moe_layer_ids,
+                                                       ((0, 1),) * cfg.num_experts))
+    with Served(["--model", str(path), "--expert-services", "2", "--enable-eplb",
+                 "--eplb-interval", "0"]) as served:
+        name = httpx.get(f"{served.url}/v1/models").json()["data"][0]["id"]
+        r = httpx.post(f"{served.url}/eplb/rebalance", timeout=60,
+                       json={"placement": json.loads(both.to_json())})
+        assert r.status_code == 200 and r.json()["rebalance"]["error"] is None, r.text
+
+        def rank_of(pid: int) -> int | None:  # from its command line: --rank R
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+            return int(args[args.index("--rank") + 1]) if "expert" in args else None
+
+        rank_1 = next(pid for pid in served.children if rank_of(pid) == 1)
+        os.kill(rank_1, signal.SIGKILL)
+        assert concurrent_greedy(served.url, name, ps, 8) == want  # on rank 0's copies
+
+        def back() -> bool:
+            lines = httpx.get(f"{served.url}/health", timeout=30).json()["attention"][0][
+                "experts"]
+            return len(child_pids(served.proc.pid)) == len(served.children) and all(
+                line.endswith(", connected") for line in lines)
+
+        wait_until(back, 120, lambda: f"expert rank 1 back: {served.stderr()[-2000:]}")
+        assert "does not hold placement version 1 (restarted?): loading it" in \
+            served.stderr()
+        lines = httpx.get(f"{served.url}/health").json()["attention"][0]["experts"]
+        held = f": {cfg.num_experts * len(cfg.moe_layer_ids)} experts over "  # all, each
+        assert all(held in line for line in lines), lines
+        assert concurrent_greedy(served.url, name, ps, 8) == want
+        assert httpx.get(f"{served.url}/stats").json()["placement_version"] == 1
