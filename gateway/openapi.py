@@ -69,6 +69,12 @@ OPERATIONS = (
               errors=(503,)),
     Operation("/stats", "get", "Engine counters summed over the attention groups",
               response=EngineStats, errors=(503,)),
+    Operation("/eplb", "get", "Expert load balancing: its settings, the placement the last "
+              "rebalance moved to, and the last rebalances"),
+    Operation("/eplb/rebalance", "post", "Move the experts now: to EPLB's placement of the "
+              "recent routing load, or to the body's {\"placement\": PLACEMENT}; answers "
+              "the rebalance's record once every attention group routes by it",
+              errors=(400, 503)),
     Operation("/version", "get", "The Switchyard version", response=VersionResponse),
     Operation("/metrics", "get", "Prometheus metrics", media_type="text/plain"),
     Operation("/openapi.json", "get", "This document"),

@@ -23,7 +23,7 @@ import anyio
 
 from common import tracing
 from common.messages import EngineStats, Rebalance, Rebalanced
-from ep_dispatch.placement import Placement, PlacementError
+from ep_dispatch.placement import Placement
 from gateway.engine_pool import EnginePool
 
 if TYPE_CHECKING:  # only a rebalance needs torch (EPLB's tensors): imported then
@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # only a rebalance needs torch (EPLB's tensors): imported the
 
 log = logging.getLogger(__name__)
 HISTORY = 32  # rebalances remembered for /eplb and the dashboard
+KEEP = 64  # readings kept across a window: its start is known to 1/64 of it
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,8 @@ class Rebalancer:
         self.pool, self.config, self._on_record = pool, config, on_record
         self.history: deque[RebalanceRecord] = deque(maxlen=HISTORY)
         self.placement: Placement | None = None  # routed by now (known from a group)
-        self._snapshots: deque[tuple[int, list[list[int]]]] = deque()  # (steps, load)
+        self._latest: tuple[int, list[list[int]]] | None = None  # (steps, load), the last
+        self._kept: deque[tuple[int, list[list[int]]]] = deque()  # readings for the window
         self._last_steps: int | None = None  # at start, or at the last rebalance
         self._moving = anyio.Lock()  # one rebalance at a time
 
@@ -94,32 +96,35 @@ class Rebalancer:
                 self._last_steps = steps
                 try:
                     await self.rebalance(trigger="interval")
-                except (ValueError, PlacementError) as exc:
+                except Exception as exc:  # no load yet, a group gone: the next interval's
                     log.warning("eplb: no rebalance: %s", exc)
 
     def _observe(self, stats: list[EngineStats]) -> int:
-        """Keep the groups' summed step count and load; the steps. Snapshots older than
-        the window's start are dropped, but the newest of them (the window's base)."""
+        """Take in the groups' counters (steps and load summed over them); the steps.
+        Readings are kept at least 1/KEEP of the window apart, and only back to the
+        newest one at or before the window's start: at most KEEP + 1 of them."""
         steps = sum(s.num_steps for s in stats)
         load = [[sum(col) for col in zip(*rows, strict=True)]
                 for rows in zip(*(s.expert_load for s in stats), strict=True)]
-        if self._snapshots and steps < self._snapshots[-1][0]:
-            self._snapshots.clear()  # a group restarted: its counters began again
-        self._snapshots.append((steps, load))
-        while len(self._snapshots) > 1 and \
-                self._snapshots[1][0] <= steps - self.config.window:
-            self._snapshots.popleft()
+        if self._latest is not None and steps < self._latest[0]:
+            self._kept.clear()  # a group restarted: its counters began again
+        self._latest = (steps, load)
+        if not self._kept or steps - self._kept[-1][0] >= max(1, self.config.window // KEEP):
+            self._kept.append((steps, load))
+        while len(self._kept) > 1 and self._kept[1][0] <= steps - self.config.window:
+            self._kept.popleft()
         return steps
 
     def window_load(self, moe_layers: list[int]) -> torch.Tensor:
-        """[L_moe, E] routed token copies per MoE layer and expert over the last
-        `window` steps (all that was kept, where fewer ran)."""
+        """[L_moe, E] routed token copies per MoE layer and expert over at least the last
+        `window` steps (everything counted, where fewer were seen)."""
         import torch
 
-        if not self._snapshots:
+        if self._latest is None:
             raise ValueError("no routing load was read yet")
-        (_, base), (_, now) = self._snapshots[0], self._snapshots[-1]
-        if len(self._snapshots) == 1:
+        steps, now = self._latest
+        base_steps, base = self._kept[0]
+        if base_steps > steps - self.config.window:
             base = [[0] * len(row) for row in now]
         return torch.tensor([[a - b for a, b in zip(now[i], base[i], strict=True)]
                              for i in moe_layers], dtype=torch.float64)

@@ -36,3 +36,19 @@ def test_a_moved_copy_is_one_on_a_rank_that_did_not_hold_its_expert() -> None:
     new = Placement(2, 3, {0: ((0, 1), (0,), (0,))})
     assert _moved(old, new) == 2  # expert 0 onto rank 1, expert 1 onto rank 0
     assert _moved(None, new) == 4 and _moved(new, new) == 0
+
+
+def test_readings_kept_for_a_window_stay_few_whatever_the_steps() -> None:
+    """A reading a second, for hours of slow steps, keeps about KEEP of them: a window's
+    start known to 1/KEEP of it, its load at least the window's."""
+    from gateway.rebalancer import KEEP
+
+    rebalancer = Rebalancer(None, EplbConfig(enabled=True, window=640))  # type: ignore[arg-type]
+    for steps in range(5000):  # one step a reading; every step routes 1 token to expert 0
+        rebalancer._observe([stats(steps, [[steps, 0]])])
+    assert len(rebalancer._kept) <= KEEP + 1
+    window = rebalancer.window_load([0])[0, 0].item()
+    assert 640 <= window <= 640 + 640 // KEEP
+    for _ in range(100):  # idle: the readings do not grow
+        rebalancer._observe([stats(4999, [[4999, 0]])])
+    assert len(rebalancer._kept) <= KEEP + 1
