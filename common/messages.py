@@ -65,7 +65,12 @@ class GenerateRequest(msgspec.Struct, frozen=True, tag=True):
 
     `warmup`: the gateway's readiness check. The engine makes the prompt itself (the one
     given is ignored) and routes its rows to every replica of every expert, so one step
-    goes through every expert rank; its KV is never shared."""
+    goes through every expert rank; its KV is never shared.
+
+    `resumed`: a failover's resubmission. The last `resumed` of `prompt_token_ids` are
+    tokens this request already generated (on an attention group that died): they count
+    as its output (max_tokens, min_tokens, penalties, grammars, and the position each
+    seeded draw is made at), and only the tokens after them are sent back."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -73,6 +78,7 @@ class GenerateRequest(msgspec.Struct, frozen=True, tag=True):
     trace_context: dict[str, str] = {}
     cache_salt: str | None = None
     warmup: bool = False
+    resumed: int = 0
 
 
 class AbortRequest(msgspec.Struct, frozen=True, tag=True):

@@ -51,6 +51,7 @@ class GatewayConfig:
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details (vLLM's)
     routing_policy: str = "prefix-affinity"  # which attention group takes a request
     routing_balance: int = 16  # requests in flight a group may have above the least busy
+    failover_timeout_s: float = 60.0  # for a group to take over a dead group's request
     eplb: EplbConfig = field(default_factory=EplbConfig)  # expert load balancing (EPLB)
 
 
@@ -121,6 +122,11 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                    default=int(env("ROUTING_BALANCE") or 16),
                    help="prefix-affinity: requests in flight a group may have beyond the "
                         "least busy one and still be chosen for its cached prefix")
+    p.add_argument("--failover-timeout", type=float,
+                   default=float(env("FAILOVER_TIMEOUT") or 60),
+                   help="seconds a request whose attention group died waits for a group "
+                        "to take it over (another one, or the same one restarted) before "
+                        "it fails with 503")
     add_eplb_flags(p)
 
 
@@ -172,8 +178,8 @@ def eplb_flags(args: argparse.Namespace) -> list[str]:
 def serve_flags(args: argparse.Namespace) -> list[str]:
     """`add_serve_flags`' flags as given (a ValueError as `tool_call_flags`, or for a
     negative balance)."""
-    if args.routing_balance < 0:
-        raise ValueError("--routing-balance must not be negative")
+    if args.routing_balance < 0 or args.failover_timeout < 0:
+        raise ValueError("--routing-balance and --failover-timeout must not be negative")
     return [*tool_call_flags(args),
             "--max-request-body-size", str(args.max_request_body_size),
             "--max-queued-requests", str(args.max_queued_requests),
@@ -181,6 +187,7 @@ def serve_flags(args: argparse.Namespace) -> list[str]:
             *["--enable-prompt-tokens-details"] * args.enable_prompt_tokens_details,
             "--routing-policy", args.routing_policy,
             "--routing-balance", str(args.routing_balance),
+            "--failover-timeout", str(args.failover_timeout),
             *eplb_flags(args)]
 
 
@@ -262,4 +269,5 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         routing_policy=args.routing_policy, routing_balance=args.routing_balance,
         eplb=eplb_config(args),
+        failover_timeout_s=args.failover_timeout,
     )

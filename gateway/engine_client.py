@@ -55,6 +55,7 @@ class Generation:
         self._client = client
         self._deltas = deltas
         self.finished = False
+        self.lost = False  # its group's connection died before its last delta
         self.arrived: float | None = None  # time.monotonic() the last delta came in
 
     def __aiter__(self) -> Generation:
@@ -67,7 +68,7 @@ class Generation:
             delta, self.arrived = await self._deltas.receive()
         except anyio.EndOfStream:
             # The reader closes the stream without a final delta only when the connection died.
-            self.finished = True
+            self.finished = self.lost = True
             raise engine_unavailable("lost the connection to the engine") from None
         self.finished = delta.finish_reason is not None
         return delta

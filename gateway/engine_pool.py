@@ -1,27 +1,38 @@
 """Several attention groups behind one gateway: a request goes to the group whose prefix
 cache most likely holds its prompt's start, within a balance of load (`prefix_affinity`),
-or with `least-busy` routing to the one with the fewest requests in flight."""
+or with `least-busy` routing to the one with the fewest requests in flight.
+
+A request whose group dies is resubmitted (`FailoverGeneration`): to a group that is up,
+or the same one once it is back, as its prompt and the tokens it had generated, which
+count as its output there (`GenerateRequest.resumed`), so the stream goes on unbroken."""
 
 from __future__ import annotations
 
-import anyio
+import logging
+import time
 
-from common.messages import EngineInfo, EngineStats, GenerateRequest
+import anyio
+import msgspec
+
+from common.messages import EngineInfo, EngineStats, GenerateRequest, TokenDelta
 from gateway.engine_client import EngineClient, Generation
-from gateway.errors import engine_unavailable
+from gateway.errors import GatewayError, engine_unavailable
 from gateway.prefix_affinity import POLICIES, PrefixAffinity, block_keys
 
 WARMUP_FAILED = "warm-up failed"  # how /health begins to say it (`switchyard serve` reads it)
+log = logging.getLogger(__name__)
 
 
 class EnginePool:
     """The same interface as one `EngineClient`, over one client per attention group."""
 
     def __init__(self, addresses: list[tuple[str, int]], retry_interval_s: float = 1.0,
-                 routing: str = "prefix-affinity", balance: int = 16) -> None:
+                 routing: str = "prefix-affinity", balance: int = 16,
+                 failover_timeout_s: float = 60.0) -> None:
         if routing not in POLICIES:
             raise ValueError(f"routing policy {routing!r} is not one of {', '.join(POLICIES)}")
         self.addresses = addresses
+        self.failover_timeout_s = failover_timeout_s
         self.clients = [EngineClient(host, port, retry_interval_s) for host, port in addresses]
         self._affinity = PrefixAffinity(len(addresses), balance) \
             if routing == "prefix-affinity" and len(addresses) > 1 else None
@@ -73,12 +84,27 @@ class EnginePool:
         infos = [await client.wait_ready() for client in self.clients]
         return infos[0]
 
+    async def any_ready(self) -> None:
+        """Until some group is connected (callers bound this)."""
+        async with anyio.create_task_group() as tg:
+            async def one(client: EngineClient) -> None:
+                await client.wait_ready()
+                tg.cancel_scope.cancel()
+
+            for client in self.clients:
+                tg.start_soon(one, client)
+
     async def wait_warm(self) -> None:
         """Wait until every group is warm (callers bound this)."""
         for client in self.clients:
             await client.wait_warm()
 
-    async def start(self, request: GenerateRequest) -> Generation:
+    async def start(self, request: GenerateRequest) -> FailoverGeneration:
+        """Send to a connected group, chosen by the routing policy; resubmitted should
+        that group die before it ends."""
+        return FailoverGeneration(self, request, await self.send(request))
+
+    async def send(self, request: GenerateRequest) -> Generation:
         """Send to a connected group, chosen by the routing policy."""
         loads = {g: c.num_in_flight for g, c in enumerate(self.clients) if c.info is not None}
         if not loads:
@@ -112,3 +138,67 @@ class EnginePool:
             expert_load=[[sum(col) for col in zip(*rows, strict=True)]
                          for rows in zip(*(s.expert_load for s in parts), strict=True)],
         )
+
+
+class FailoverGeneration:
+    """One request's deltas, across the death of the groups that run it: when a group's
+    connection goes before the request's last delta, the request is sent again, within
+    the pool's failover timeout, to a group that is up (the same one once it is back),
+    as its prompt plus the tokens generated so far, which count as its output there
+    (`GenerateRequest.resumed`: max_tokens and min_tokens, penalties, the grammar, and
+    each seeded draw's position). The deltas go on with the next token: none is missed
+    or repeated, and the resumed request's own first-delta fields (queue and prefill
+    times, prompt logprobs, cached tokens) are not its."""
+
+    def __init__(self, pool: EnginePool, request: GenerateRequest,
+                 generation: Generation) -> None:
+        self.request_id = request.request_id
+        self._pool, self._request, self._generation = pool, request, generation
+        self._generated: list[int] = []  # every token sent back so far
+
+    @property
+    def finished(self) -> bool:
+        return self._generation.finished
+
+    @property
+    def arrived(self) -> float | None:
+        return self._generation.arrived
+
+    def __aiter__(self) -> FailoverGeneration:
+        return self
+
+    async def __anext__(self) -> TokenDelta:
+        while True:
+            try:
+                delta = await self._generation.__anext__()
+            except GatewayError:
+                if not self._generation.lost:
+                    raise
+                await self._resume()
+                continue
+            self._generated += delta.token_ids
+            return delta
+
+    async def _resume(self) -> None:
+        """Send the request again (the first group up takes it), or raise the 503 once
+        none is up within the failover timeout."""
+        original, generated = self._request, self._generated
+        request = msgspec.structs.replace(
+            original, prompt_token_ids=[*original.prompt_token_ids, *generated],
+            sampling=msgspec.structs.replace(original.sampling, prompt_logprobs=None),
+            resumed=len(generated))
+        deadline = time.monotonic() + self._pool.failover_timeout_s
+        log.warning("request %s lost its attention group after %d tokens: resubmitting",
+                    self.request_id, len(generated))
+        while True:
+            try:
+                self._generation = await self._pool.send(request)
+                return
+            except GatewayError:
+                if time.monotonic() >= deadline:
+                    raise
+            with anyio.move_on_after(deadline - time.monotonic()):
+                await self._pool.any_ready()
+
+    async def aclose(self) -> None:
+        await self._generation.aclose()

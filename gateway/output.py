@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from common.messages import TokenLogprobs
 from gateway.detokenizer import IncrementalDetokenizer
-from gateway.engine_client import Generation
+from gateway.engine_pool import FailoverGeneration
 from gateway.errors import bad_request, engine_unavailable
 from gateway.metrics import RequestTimer
 
@@ -68,7 +68,7 @@ class StopStrings:
         return 0
 
 
-async def outputs(generation: Generation, detokenizer: IncrementalDetokenizer,
+async def outputs(generation: FailoverGeneration, detokenizer: IncrementalDetokenizer,
                   stop_token_ids: Collection[int], stops: StopStrings | None,
                   timer: RequestTimer, min_tokens: int = 0, keep_stop_token: bool = False,
                   reason_ids: Collection[int] = ()) -> AsyncIterator[Output]:

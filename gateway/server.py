@@ -42,7 +42,8 @@ def uvicorn_server(config: GatewayConfig) -> uvicorn.Server:
     if tokenizer is None:
         log.warning("no tokenizer.json in %s: only token-id prompts will work", config.model_dir)
     engine = EnginePool(list(config.engines), routing=config.routing_policy,
-                        balance=config.routing_balance)
+                        balance=config.routing_balance,
+                        failover_timeout_s=config.failover_timeout_s)
     app = build_app(config, engine, tokenizer)
     return uvicorn.Server(uvicorn.Config(
         app,

@@ -19,8 +19,7 @@ from common import tracing
 from common.messages import EngineInfo, GenerateRequest, SamplingParams
 from gateway.config import GatewayConfig
 from gateway.detokenizer import IncrementalDetokenizer
-from gateway.engine_client import Generation
-from gateway.engine_pool import EnginePool
+from gateway.engine_pool import EnginePool, FailoverGeneration
 from gateway.errors import GatewayError, bad_request, engine_unavailable
 from gateway.generation_config import NEUTRAL
 from gateway.metrics import Metrics, RequestTimer
@@ -43,7 +42,7 @@ class Choice:
     """One of a request's `n` independent generations."""
 
     index: int
-    generation: Generation
+    generation: FailoverGeneration
     steps: AsyncIterator[Output]
     timer: RequestTimer
 

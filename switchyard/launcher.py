@@ -143,7 +143,7 @@ def _start_services(args: argparse.Namespace, model: Path, name: str,
                                      *expert_flags, *_expert_ports(args)])
                for r in range(num_experts)]
     groups = [(f"attention group {g}", ["attention", *shared, *_engine_args(args),
-                                        "--metrics-port", "0"])
+                                        *_attention_ports(args)])
               for g in range(args.attention_groups)]
     peers = _dcp_peers(groups, args.dcp_size)
     if backend(args.dispatch_backend).collective:
@@ -180,6 +180,29 @@ def _start_services(args: argparse.Namespace, model: Path, name: str,
     url = http_url(args.host, http_port)
     _wait_healthy(f"{url}/health", children, timeout)
     return url
+
+
+def _attention_ports(args: argparse.Namespace) -> list[str]:
+    """An attention group that can be restarted alone (`_restartable`) listens on ports of
+    its own, so that the gateway finds it again where it was."""
+    if not _restartable_groups(args):
+        return ["--metrics-port", "0"]
+    return ["--port", str(free_port()), "--metrics-port", str(free_port())]
+
+
+def _restartable_groups(args: argparse.Namespace) -> bool:
+    """Whether an attention group may restart alone: not in a collective backend's world
+    (whose ranks start together) nor a DCP group (whose ranks rendezvous together)."""
+    return not backend(args.dispatch_backend).collective and args.dcp_size == 1
+
+
+def _restartable(args: argparse.Namespace, child: str) -> bool:
+    """Whether `serve` starts `child` again when it dies: rpc expert services, and the
+    attention groups that can restart alone (their requests fail over meanwhile)."""
+    if backend(args.dispatch_backend).collective:
+        return False
+    return child.startswith("expert rank") or (
+        _restartable_groups(args) and child.startswith("attention group"))
 
 
 def _expert_ports(args: argparse.Namespace) -> list[str]:
@@ -282,9 +305,9 @@ def serve(args: argparse.Namespace) -> int:
         try:
             url = _start_services(args, model, name, children)
             print(f"Switchyard is serving {name!r} at {url}/v1", flush=True)
-            # rpc expert services may be restarted; a collective rank never alone
-            supervise(children, lambda child: not backend(args.dispatch_backend).collective
-                      and child.startswith("expert rank"))
+            # rpc expert services and attention groups may be restarted; a collective rank
+            # never alone
+            supervise(children, lambda child: _restartable(args, child))
         except StartupError as exc:
             print(f"switchyard serve: {exc}", file=sys.stderr)
             return 1

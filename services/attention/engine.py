@@ -194,11 +194,15 @@ class Engine:
         error, matcher = self._validate(request), None
         if error is None and request.sampling.grammar is not None:
             matcher, error = self.grammars.matcher(request.sampling.grammar)
+            resumed = request.prompt_token_ids[len(request.prompt_token_ids)
+                                               - request.resumed:]
+            if matcher is not None and not all(map(matcher.consume_token, resumed)):
+                error = "structured outputs: the resumed tokens do not follow the grammar"
         if error:
             return TokenDelta(request.request_id, [], "error", len(request.prompt_token_ids),
                               error)
         seq = Sequence(request.request_id, list(request.prompt_token_ids),
-                       len(request.prompt_token_ids), request.sampling,
+                       len(request.prompt_token_ids) - request.resumed, request.sampling,
                        torch.Generator(self.device),
                        trace_parent=tracing.sampled_span(request.trace_context),
                        matcher=matcher, cache_salt=request.cache_salt,
@@ -208,10 +212,13 @@ class Engine:
         return None
 
     def _validate(self, request: GenerateRequest) -> str | None:
-        n, vocab = len(request.prompt_token_ids), self.model_config.vocab_size
+        vocab, resumed = self.model_config.vocab_size, request.resumed
+        n = len(request.prompt_token_ids) - resumed  # the prompt's own tokens
         if request.request_id in self._seqs:
             return f"request id {request.request_id!r} is already running"
-        if n == 0:
+        if not 0 <= resumed < request.sampling.max_tokens:
+            return "resumed must be at least 0 and less than max_tokens"
+        if n <= 0:
             return "the prompt is empty"
         if any(not 0 <= t < vocab for t in request.prompt_token_ids):
             return f"prompt token ids must be in [0, {vocab})"
@@ -221,7 +228,7 @@ class Engine:
             return "min_tokens must be between 0 and max_tokens"
         if error := sampling_error(request.sampling, vocab):
             return error
-        if n + request.sampling.max_tokens > self.max_model_len:
+        if n + request.sampling.max_tokens > self.max_model_len:  # (resumed within)
             return (f"this model's maximum context length is {self.max_model_len} tokens; "
                     f"the request has {n} prompt tokens and asks for "
                     f"{request.sampling.max_tokens} more")

@@ -84,7 +84,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: tuple[int,
                 probs.dtype)
         for i, seq in enumerate(seqs):
             if not greedy[i]:
-                tokens[i] = torch.multinomial(probs[i], 1, generator=seq.generator)[0]
+                tokens[i] = torch.multinomial(probs[i], 1, generator=seq.next_draw())[0]
     chosen = tokens.tolist()
     return Sampled(chosen, _logprobs(raw, params, chosen))
 

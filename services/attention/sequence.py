@@ -13,6 +13,9 @@ from opentelemetry.trace import SpanContext
 
 from common.messages import FinishReason, SamplingParams, TokenLogprobs
 
+_GOLDEN = 0x9E3779B97F4A7C15  # spreads consecutive positions over the seed's bits
+_MASK63 = (1 << 63) - 1
+
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
@@ -62,6 +65,15 @@ class Sequence:
         # else is in the batch; an unseeded request gets a fresh random seed.
         seed = self.sampling.seed
         self.generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8)))
+
+    def next_draw(self) -> torch.Generator:
+        """The generator to draw this sequence's next token with. A seeded request's is
+        seeded from its seed and that token's position among its outputs only, so a
+        request resumed elsewhere (`GenerateRequest.resumed`) draws what it would have
+        drawn; an unseeded one's goes on with its own random stream."""
+        if (seed := self.sampling.seed) is not None:
+            self.generator.manual_seed((seed ^ (self.num_output_tokens * _GOLDEN)) & _MASK63)
+        return self.generator
 
     @property
     def num_tokens(self) -> int:
