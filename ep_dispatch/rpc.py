@@ -11,6 +11,7 @@ failover around a lost rank (routed to replicas, probed until back), are `rpc_po
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 
 import torch
@@ -27,6 +28,7 @@ from ep_dispatch.rpc_pool import ExpertPool, ExpertRankError
 from ep_dispatch.wire import activation_rows, from_wire, to_wire
 
 FRAME_MARGIN = 4096  # a frame's bytes besides its rows (message fields, msgpack)
+log = logging.getLogger("switchyard.rpc_experts")
 
 
 class RpcExperts(PointToPoint):
@@ -184,6 +186,7 @@ class RpcExchange:
         self.trace, self.turn = trace, turn
         self.sent: dict[int, tuple[list[int], float]] = {}  # rank -> its call ids, deadline
         self.errors: list[ExpertRankError] = []
+        self.hold_until: float | None = None  # waiting for lost ranks to come back, till
 
     def send(self) -> None:
         """Lay the rows out over the ranks reachable now and send each rank its own."""
@@ -203,8 +206,9 @@ class RpcExchange:
 
     def receive(self) -> list[torch.Tensor]:
         """Every rank's outputs [n_r, H], once each answered (sent again around lost
-        ranks while their experts have replicas). A rank that fails is named; the others'
-        calls finish, keeping their connections."""
+        ranks while their experts have replicas, else to those ranks once they are back
+        within the call timeout). A rank that fails is named; the others' calls finish,
+        keeping their connections."""
         while True:
             ys: list[torch.Tensor] = list(self.parts)  # empty parts stay as they are
             for rank, (call_ids, deadline) in self.sent.items():
@@ -219,9 +223,21 @@ class RpcExchange:
             # ranks another exchange in flight found lost meanwhile are routed around
             # already: this one's next layout leaves them out
             stale = bool(exc.lost) and exc.lost <= self.client.pool.lost
-            if not (stale or self.client.pool.route_around(exc)):
+            if not (stale or self.client.pool.route_around(exc) or self._held(exc)):
                 raise exc
             self.send()
+
+    def _held(self, exc: ExpertRankError) -> bool:
+        """Whether the ranks `exc` lost, which no replica can stand in for, came back
+        within the call timeout of the first loss (the step held meanwhile): then this
+        layer call is sent again, and the step goes on as if nothing had happened."""
+        if not exc.lost:
+            return False  # a rank that answered with an error: not to be waited for
+        if self.hold_until is None:
+            self.hold_until = time.monotonic() + self.client.call_timeout
+            log.warning("holding the step for layer %d: %s; waiting up to %.0f s for it "
+                        "to come back", self.layer, exc, self.client.call_timeout)
+        return self.client.pool.wait_back(exc.lost, self.hold_until)
 
     def combine(self, ys: list[torch.Tensor]) -> torch.Tensor:
         """The MoE output [T, H]: the answers weighted into token order."""

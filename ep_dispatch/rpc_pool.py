@@ -258,6 +258,28 @@ class ExpertPool:
             self.lost = lost
         return True
 
+    def wait_back(self, ranks: frozenset[int], deadline: float) -> bool:
+        """Hold the calling step until each of `ranks` (lost, with experts no replica
+        holds) is connected again: a service restarted in time, which loads the placement
+        routed by if it has another (`_handshake`). Whether all were, by `deadline`."""
+        for rank in sorted(ranks):
+            if self.conns[rank] is not None:  # (back already, for another exchange)
+                continue
+            if time.monotonic() >= deadline or self._closing.is_set():
+                return False
+            try:  # retrying until it listens again, within the deadline
+                conn, _ = self._handshake(rank, deadline, retry=True, load=True)
+            except Exception as exc:  # not back in time, or back wrong: the call fails
+                log.warning("%s did not come back within the wait: %s", self.name(rank), exc)
+                return False
+            with self._lock:  # a readiness reconnection may have connected it meanwhile
+                if self.conns[rank] is None:
+                    self.conns[rank], conn = conn, None
+            if conn is not None:
+                conn.close()
+            log.warning("%s is back: the held layer call is sent again", self.name(rank))
+        return True
+
     def _start(self, name: str, target: Callable[..., None], *args: object) -> None:
         thread = threading.Thread(target=target, args=args, daemon=True, name=name)
         self._threads = [t for t in self._threads if t.is_alive()] + [thread]

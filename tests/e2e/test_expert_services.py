@@ -338,7 +338,7 @@ def test_without_a_replica_a_lost_rank_fails_the_call(qwen3_ckpt: tuple,
         ports = children.start_all([(f"expert {r}", expert_command(path, r, 2, placement))
                                     for r in range(2)], timeout=120)
         client = RpcExperts(Placement.load(placement, cfg.moe_layer_ids, cfg.num_experts),
-                            [("127.0.0.1", p) for p, *_ in ports], call_timeout=10)
+                            [("127.0.0.1", p) for p, *_ in ports], call_timeout=2)
         try:
             lost = children.procs[1][1]
             lost.kill()

@@ -23,14 +23,15 @@ pytestmark = pytest.mark.timeout(300)
 N = 96  # tokens a stream: long enough to be cut in the middle
 
 
-def an_attention_group(served: Served) -> int:
-    """The process of one attention group (with least-busy routing, each of two runs
-    half the streams)."""
+def a_service(served: Served, kind: str, rank: int | None = None) -> int:
+    """The process of one service of `kind` ("attention", "expert"; an expert's
+    `rank`), by its command line. With least-busy routing, each of two attention groups
+    runs half the streams."""
     for pid in served.children:
         args = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
-        if "attention" in args:
+        if kind in args and (rank is None or args[args.index("--rank") + 1] == str(rank)):
             return pid
-    raise AssertionError(f"no attention group among {served.children}")
+    raise AssertionError(f"no {kind} service among {served.children}")
 
 
 def stream(url: str, model: str, prompt: list[int], sampling: dict, first: threading.Event,
@@ -57,9 +58,9 @@ def stream(url: str, model: str, prompt: list[int], sampling: dict, first: threa
                 first.set()
 
 
-def run(served: Served, ps: list[list[int]], sampling: dict, kill: bool) -> list[dict]:
-    """Stream every prompt at once; with `kill`, SIGKILL an attention group once every
-    stream has its first tokens."""
+def run(served: Served, ps: list[list[int]], sampling: dict, kill: int | None) -> list[dict]:
+    """Stream every prompt at once; SIGKILL process `kill` once every stream has its
+    first tokens."""
     model = httpx.get(f"{served.url}/v1/models").json()["data"][0]["id"]
     outs: list[dict] = [{} for _ in ps]
     firsts = [threading.Event() for _ in ps]
@@ -69,8 +70,8 @@ def run(served: Served, ps: list[list[int]], sampling: dict, kill: bool) -> list
         t.start()
     try:
         assert all(f.wait(60) for f in firsts)
-        if kill:
-            os.kill(an_attention_group(served), signal.SIGKILL)
+        if kill is not None:
+            os.kill(kill, signal.SIGKILL)
     finally:
         for t in threads:
             t.join(180)
@@ -91,7 +92,7 @@ def test_greedy_streams_outlive_their_attention_group(qwen3_ckpt: tuple, groups:
     want = [reference_greedy(model, p, N) for p in ps]
     with Served(["--model", str(path), "--attention-groups", str(groups),
                  "--routing-policy", "least-busy"]) as served:
-        outs = run(served, ps, {"temperature": 0}, kill=True)
+        outs = run(served, ps, {"temperature": 0}, kill=a_service(served, "attention"))
         assert [o["tokens"] for o in outs] == want
         assert re.search(r"attention group \d exited with status -9; starting it again",
                          served.stderr())
@@ -106,7 +107,24 @@ def test_seeded_sampling_draws_the_same_tokens_across_a_failover(qwen3_ckpt: tup
     with Served(["--model", str(path), "--attention-groups", "2",
                  "--routing-policy", "least-busy"]) as served:
         sampling = {"temperature": 1.0, "top_p": 0.9, "seed": 1234}
-        undisturbed = run(served, ps, sampling, kill=False)
-        moved = run(served, ps, sampling, kill=True)
+        undisturbed = run(served, ps, sampling, kill=None)
+        moved = run(served, ps, sampling, kill=a_service(served, "attention"))
         assert "resubmitting" in served.stderr()
     assert [o["tokens"] for o in moved] == [o["tokens"] for o in undisturbed]
+
+
+def test_no_request_fails_while_an_expert_service_without_replicas_restarts(
+        qwen3_ckpt: tuple) -> None:
+    """SIGKILL an expert service whose experts have no replica while greedy streams run:
+    the attention service holds its step until `serve` has started the service again
+    (within --expert-timeout), sends the held layer call again, and every stream is
+    transformers' tokens, whole."""
+    path, model = qwen3_ckpt
+    ps = prompts(seed=43, lengths=(9, 23, 5, 17))
+    want = [reference_greedy(model, p, N) for p in ps]
+    with Served(["--model", str(path), "--expert-services", "2"]) as served:
+        outs = run(served, ps, {"temperature": 0}, kill=a_service(served, "expert", rank=1))
+        assert [o["tokens"] for o in outs] == want
+        log = served.stderr()
+        assert "expert rank 1 exited with status -9; starting it again" in log
+        assert "holding the step" in log and "the held layer call is sent again" in log

@@ -4,6 +4,7 @@ others, and a rank that comes back is used again."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -158,17 +159,32 @@ def test_a_rebalance_is_prepared_off_the_step_and_switched_between_steps() -> No
             experts.close()
 
 
-def test_a_rank_that_drops_its_connection_is_reconnected_at_the_next_step() -> None:
+def test_a_rank_that_drops_its_connection_is_reconnected_and_the_call_sent_again() -> None:
+    """Rank 1 (whose experts have no replica) hangs up on its first batch: the step is
+    held, the rank connected again (it listens still), and the layer call sent again;
+    the step's outputs are whole."""
     script = {(1, 0): "drop"}
     with expert_servers(lambda rank, n: script.get((rank, n), "ok")) as addresses:
         experts = RpcExperts(PLACEMENT, addresses, call_timeout=5)
         try:
-            with pytest.raises(ExpertRankError, match=r"expert rank 1 .* failed on layer 0"):
-                step(experts)
-            assert not experts.ready()
             x = torch.arange(4 * 8, dtype=torch.float32).view(4, 8)
             assert torch.equal(step(experts), x * 4)
+            assert torch.equal(step(experts), x * 4)
             assert experts.ready()
+        finally:
+            experts.close()
+
+
+def test_a_rank_that_stays_away_fails_the_held_step_after_the_call_timeout() -> None:
+    """Rank 1 hangs up on every batch: the step is held for the call timeout at most,
+    then fails naming the rank."""
+    with expert_servers(lambda rank, n: "drop" if rank == 1 else "ok") as addresses:
+        experts = RpcExperts(PLACEMENT, addresses, call_timeout=1)
+        try:
+            start = time.monotonic()
+            with pytest.raises(ExpertRankError, match=r"expert rank 1 .* failed on layer 0"):
+                step(experts)
+            assert time.monotonic() - start < 5
         finally:
             experts.close()
 

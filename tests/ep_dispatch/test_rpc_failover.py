@@ -231,13 +231,14 @@ def test_a_rank_answering_garbage_is_routed_around() -> None:
 
 
 def test_a_dropped_rank_without_replicas_is_ready_again_without_traffic() -> None:
-    """No replica: the call fails, as its step does. Readiness then connects the rank
+    """No replica, and the rank is not back when the held step tries it (its first
+    handshake fails): the call fails, as its step does. Readiness then connects the rank
     again in the background, so /health (503 meanwhile) recovers without a request, which
     a load balancer that saw the 503 would not send."""
     from ep_dispatch.rpc_pool import ExpertRankError
 
     ranks = [FakeRank(0, die_mid_answer)]
-    ranks[0].revive_after = 0  # its handshakes work again at once
+    ranks[0].revive_after = 1  # the held step's handshake fails; the next ones work
     experts = RpcExperts(Placement.balanced([0], 4, 1), [ranks[0].address], call_timeout=10)
     try:
         with pytest.raises(ExpertRankError):

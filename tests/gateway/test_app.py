@@ -67,7 +67,8 @@ async def serve_gateway(model_dir: Path, engine: FakeEngine, *more: FakeEngine,
     config = GatewayConfig(model_dir=model_dir, served_model_name=model_dir.name,
                            engines=tuple(("127.0.0.1", e.port) for e in (engine, *more)),
                            port=0, **settings)
-    client = EnginePool(list(config.engines), retry_interval_s=0.01)
+    client = EnginePool(list(config.engines), retry_interval_s=0.01,
+                        failover_timeout_s=config.failover_timeout_s)
     app = build_app(config, client, Tokenizer.load(model_dir))
     sock = bind(config.host, config.port)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -401,7 +402,17 @@ async def test_client_disconnect_during_non_streamed_request_aborts(stack: Stack
     assert stack.engine.aborts == [stack.engine.requests[0].request_id]
 
 
-async def test_engine_loss_fails_requests_and_health_until_reconnected(stack: Stack) -> None:
+async def test_engine_loss_fails_requests_and_health_until_reconnected(
+        model_dir: Path, tokenizer: Tokenizer) -> None:
+    """With no failover wait (`--failover-timeout 0`), a request whose only group is
+    lost fails with 503 at once, as /health and new requests do until it is back."""
+    eos = tokenizer.backend.token_to_id("<|im_end|>")
+    async with FakeEngine(tokenizer.encode(REPLY), eos).running() as engine, \
+            serve_gateway(model_dir, engine, failover_timeout_s=0.0) as stack:
+        await _engine_loss(stack)
+
+
+async def _engine_loss(stack: Stack) -> None:
     assert (await stack.http.get("/health")).status_code == 200
     request = {"model": MODEL, "prompt": [HANG, 5], "stream": True}
     async with stack.http.stream("POST", "/v1/completions", json=request) as r:
