@@ -100,9 +100,23 @@ class EnginePool:
             await client.wait_warm()
 
     async def start(self, request: GenerateRequest) -> FailoverGeneration:
-        """Send to a connected group, chosen by the routing policy; resubmitted should
+        """Send to a connected group, chosen by the routing policy (waiting up to the
+        failover timeout for one, while none is: a group restarting); resubmitted should
         that group die before it ends."""
-        return FailoverGeneration(self, request, await self.send(request))
+        return FailoverGeneration(self, request, await self.send_when_up(request))
+
+    async def send_when_up(self, request: GenerateRequest) -> Generation:
+        """`send`, once a group is connected, within the failover timeout (past it, the
+        503 that no group is)."""
+        deadline = time.monotonic() + self.failover_timeout_s
+        while True:
+            try:
+                return await self.send(request)
+            except GatewayError:
+                if time.monotonic() >= deadline:
+                    raise
+            with anyio.move_on_after(deadline - time.monotonic()):
+                await self.any_ready()
 
     async def send(self, request: GenerateRequest) -> Generation:
         """Send to a connected group, chosen by the routing policy."""
@@ -187,18 +201,9 @@ class FailoverGeneration:
             original, prompt_token_ids=[*original.prompt_token_ids, *generated],
             sampling=msgspec.structs.replace(original.sampling, prompt_logprobs=None),
             resumed=len(generated))
-        deadline = time.monotonic() + self._pool.failover_timeout_s
         log.warning("request %s lost its attention group after %d tokens: resubmitting",
                     self.request_id, len(generated))
-        while True:
-            try:
-                self._generation = await self._pool.send(request)
-                return
-            except GatewayError:
-                if time.monotonic() >= deadline:
-                    raise
-            with anyio.move_on_after(deadline - time.monotonic()):
-                await self._pool.any_ready()
+        self._generation = await self._pool.send_when_up(request)
 
     async def aclose(self) -> None:
         await self._generation.aclose()

@@ -91,9 +91,8 @@ class Rebalancer:
             steps = self._observe(stats)
             if self._last_steps is None:
                 self._last_steps = steps
-            if self.config.interval and steps - self._last_steps >= self.config.interval \
-                    and not self._moving.locked():
-                self._last_steps = steps
+            if self.config.interval and steps - self._last_steps >= self.config.interval:
+                self._last_steps = steps  # (after a rebalance asked for meanwhile, if any)
                 try:
                     await self.rebalance(trigger="interval")
                 except Exception as exc:  # no load yet, a group gone: the next interval's
