@@ -181,6 +181,27 @@ class Rebalance(msgspec.Struct, frozen=True, tag=True):
     placement: str
 
 
+class PlanPlacement(msgspec.Struct, frozen=True, tag=True):
+    """Gateway -> attention leader: DeepSeek's EPLB placement of this routing load
+    (`load[i][e]`: token copies routed to expert e of MoE layer `moe_layers[i]`) over
+    `num_ranks` expert ranks, with `num_redundant` extra copies a layer (EPLB's groups
+    and nodes as given). Answered by `PlacementPlan`; the gateway has no torch."""
+
+    load: list[list[int]]
+    moe_layers: list[int]
+    num_ranks: int
+    num_redundant: int = 0
+    num_groups: int = 1
+    num_nodes: int = 1
+
+
+class PlacementPlan(msgspec.Struct, frozen=True, tag=True):
+    """Attention leader -> gateway: the placement's JSON, or why there is none."""
+
+    placement: str | None = None
+    error: str | None = None
+
+
 class Rebalanced(msgspec.Struct, frozen=True, tag=True):
     """Attention leader -> gateway: routing by placement `version` since a step boundary
     (`load_s`: the expert ranks' slowest load, `prepare_s` until all were ready, `switch_s`
@@ -298,5 +319,5 @@ class NcclUniqueId(msgspec.Struct, frozen=True):
 Message = (
     GenerateRequest | AbortRequest | TokenDelta | InfoRequest | EngineInfo | StatsRequest
     | EngineStats | ExpertBatch | ExpertResult | ExpertInfo | DcpPlan | Rebalance | Rebalanced
-    | PlacementUpdate | PlacementReady | UsePlacement
+    | PlacementUpdate | PlacementReady | UsePlacement | PlanPlacement | PlacementPlan
 )

@@ -18,7 +18,6 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from common import tracing
-from ep_dispatch.placement import Placement, PlacementError
 from gateway.chat import create_chat_completion
 from gateway.completions import create_completion
 from gateway.config import GatewayConfig
@@ -91,8 +90,7 @@ async def eplb(serving: Serving, _: Request) -> Response:
                           "interval_steps": rebalancer.config.interval,
                           "window_steps": rebalancer.config.window,
                           "num_redundant_experts": rebalancer.config.num_redundant,
-                          "placement": json.loads(rebalancer.placement.to_json())
-                          if rebalancer.placement else None,
+                          "placement": rebalancer.placement,
                           "rebalances": [dataclasses.asdict(r) for r in rebalancer.history]})
 
 
@@ -100,8 +98,8 @@ async def eplb_rebalance(serving: Serving, request: Request) -> Response:
     """POST /eplb/rebalance: move the experts now, to EPLB's placement of the window's
     load, or to the body's `{"placement": {...}}` (a placement file's JSON). Answers
     the rebalance's record once every group routes by it (an `error` in it: the old
-    placement still routes), or `{"rebalance": null}` where the load's placement is
-    the one routed by already."""
+    placement still routes, e.g. one that does not fit the model), or
+    `{"rebalance": null}` where it is the one routed by already."""
     rebalancer = serving.rebalancer
     if not rebalancer.config.enabled:
         raise GatewayError(400, "expert load balancing is off: start with --enable-eplb")
@@ -109,18 +107,16 @@ async def eplb_rebalance(serving: Serving, request: Request) -> Response:
     placement = None
     if body.strip():
         try:
-            raw = json.loads(body)
-            info = serving.engine.info
-            if info is None:
-                raise engine_unavailable("not connected to any attention service")
-            placement = Placement.from_json(json.dumps(raw["placement"]), info.moe_layers,
-                                            info.num_experts)
+            placement = json.loads(body)["placement"]
+            if not isinstance(placement, dict) or not isinstance(placement.get("layers"),
+                                                                 dict):
+                raise TypeError("not a placement (num_ranks and layers)")
         except (ValueError, KeyError, TypeError) as exc:
             raise GatewayError(400, f"the body must be {{\"placement\": PLACEMENT}}: {exc}",
                                param="placement") from None
     try:
         record = await rebalancer.rebalance(placement)
-    except (ValueError, PlacementError) as exc:
+    except ValueError as exc:
         raise GatewayError(400, str(exc)) from None
     return json_response({"rebalance": dataclasses.asdict(record) if record else None})
 

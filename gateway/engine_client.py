@@ -28,6 +28,8 @@ from common.messages import (
     GenerateRequest,
     InfoRequest,
     Message,
+    PlacementPlan,
+    PlanPlacement,
     Rebalance,
     Rebalanced,
     SamplingParams,
@@ -95,6 +97,8 @@ class EngineClient:
         self._stats_lock = anyio.Lock()
         self._stats: MemoryObjectSendStream[EngineStats] | None = None
         self._rebalances: dict[int, MemoryObjectSendStream[Rebalanced]] = {}  # by version
+        self._plan_lock = anyio.Lock()
+        self._plan: MemoryObjectSendStream[PlacementPlan] | None = None
         self._down = anyio.Event()  # set when the current connection is lost
         self._warmed = anyio.Event()  # set once its warm-up came back (one per connection)
         self.warmup_error: str | None = None  # the last warm-up's error, until one works
@@ -158,6 +162,9 @@ class EngineClient:
         if isinstance(message, EngineStats) and self._stats is not None:
             self._stats.send_nowait(message)
             return
+        if isinstance(message, PlacementPlan) and self._plan is not None:
+            self._plan.send_nowait(message)
+            return
         if isinstance(message, Rebalanced):
             if (waiter := self._rebalances.pop(message.version, None)) is not None:
                 waiter.send_nowait(message)
@@ -186,6 +193,8 @@ class EngineClient:
         self._pending.clear()
         if self._stats is not None:
             self._stats.close()
+        if self._plan is not None:
+            self._plan.close()
         for waiter in self._rebalances.values():
             waiter.close()
         self._rebalances.clear()
@@ -256,6 +265,24 @@ class EngineClient:
                 raise engine_unavailable(f"no stats from the engine ({exc!r})") from exc
             finally:
                 self._stats = None
+                send.close()
+
+    async def plan(self, request: PlanPlacement, timeout: float) -> PlacementPlan:
+        """The group's EPLB placement of a load (one question at a time)."""
+        async with self._plan_lock:
+            frames = self._frames
+            if frames is None:
+                raise engine_unavailable("not connected to the engine")
+            send, receive = anyio.create_memory_object_stream[PlacementPlan](1)
+            self._plan = send
+            try:
+                with anyio.fail_after(timeout), receive:
+                    await frames.send(request)
+                    return await receive.receive()
+            except (TimeoutError, anyio.EndOfStream, *_CONNECTION_ERRORS) as exc:
+                raise engine_unavailable(f"no placement plan ({exc!r})") from exc
+            finally:
+                self._plan = None
                 send.close()
 
     async def rebalance(self, request: Rebalance, timeout: float) -> Rebalanced:

@@ -3,8 +3,9 @@
 Every `--eplb-interval` engine steps (summed over the attention groups, the source of
 truth for routing), the gateway takes the routing load of the last `--eplb-window` steps
 (per MoE layer and expert, from each group's counters), makes DeepSeek's EPLB placement of
-it with `--num-redundant-experts` extra copies (`ep_dispatch.eplb`), and sends it to every
-group as the next placement version. Each group has its expert ranks load their new
+it with `--num-redundant-experts` extra copies (`ep_dispatch.eplb`, run by an attention
+group: the gateway has no torch), and sends it to every group as the next placement
+version. Each group has its expert ranks load their new
 shares while serving, then routes by it from one step to the next; the ranks free the old
 shares once no group uses them. `POST /eplb/rebalance` asks for one now (an operator's, or
 a test's), optionally with the placement to move to.
@@ -12,22 +13,19 @@ a test's), optionally with the placement to move to.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import anyio
 
 from common import tracing
-from common.messages import EngineStats, Rebalance, Rebalanced
-from ep_dispatch.placement import Placement
+from common.messages import EngineStats, PlanPlacement, Rebalance, Rebalanced
 from gateway.engine_pool import EnginePool
-
-if TYPE_CHECKING:  # only a rebalance needs torch (EPLB's tensors): imported then
-    import torch
 
 log = logging.getLogger(__name__)
 HISTORY = 32  # rebalances remembered for /eplb and the dashboard
@@ -73,7 +71,9 @@ class Rebalancer:
                  on_record: Callable[[RebalanceRecord], None] = lambda _: None) -> None:
         self.pool, self.config, self._on_record = pool, config, on_record
         self.history: deque[RebalanceRecord] = deque(maxlen=HISTORY)
-        self.placement: Placement | None = None  # routed by now (known from a group)
+        # routed by now (known from a group): a placement's JSON ({"num_ranks": N,
+        # "layers": {"3": [[ranks of expert 0], ...], ...}}), as `Placement.to_json`
+        self.placement: dict[str, Any] | None = None
         self._latest: tuple[int, list[list[int]]] | None = None  # (steps, load), the last
         self._kept: deque[tuple[int, list[list[int]]]] = deque()  # readings for the window
         self._last_steps: int | None = None  # at start, or at the last rebalance
@@ -114,37 +114,41 @@ class Rebalancer:
             self._kept.popleft()
         return steps
 
-    def window_load(self, moe_layers: list[int]) -> torch.Tensor:
-        """[L_moe, E] routed token copies per MoE layer and expert over at least the last
+    def window_load(self, moe_layers: list[int]) -> list[list[int]]:
+        """[L_moe][E] routed token copies per MoE layer and expert over at least the last
         `window` steps (everything counted, where fewer were seen)."""
-        import torch
-
         if self._latest is None:
             raise ValueError("no routing load was read yet")
         steps, now = self._latest
         base_steps, base = self._kept[0]
         if base_steps > steps - self.config.window:
             base = [[0] * len(row) for row in now]
-        return torch.tensor([[a - b for a, b in zip(now[i], base[i], strict=True)]
-                             for i in moe_layers], dtype=torch.float64)
+        return [[a - b for a, b in zip(now[i], base[i], strict=True)] for i in moe_layers]
 
-    def plan(self, num_ranks: int, moe_layers: list[int], routing_groups: int) -> Placement:
-        """EPLB's placement of the window's load."""
-        from ep_dispatch.eplb import placement_from_load
-
+    async def plan(self, num_ranks: int, moe_layers: list[int], routing_groups: int
+                   ) -> dict[str, Any]:
+        """EPLB's placement of the window's load (made by a connected group)."""
         load = self.window_load(moe_layers)
-        if load.sum() == 0:
+        if not any(map(any, load)):
             raise ValueError("no tokens were routed in the window")
-        return placement_from_load(load, moe_layers, num_ranks, self.config.num_redundant,
-                                   self.config.num_groups or routing_groups,
-                                   self.config.num_nodes)
+        group = next((c for c in self.pool.clients if c.info is not None), None)
+        if group is None:
+            raise ValueError("no attention service is connected")
+        plan = await group.plan(PlanPlacement(
+            load, moe_layers, num_ranks, self.config.num_redundant,
+            self.config.num_groups or routing_groups, self.config.num_nodes),
+            self.config.timeout_s)
+        if plan.placement is None:
+            raise ValueError(f"EPLB cannot place this load: {plan.error}")
+        return json.loads(plan.placement)
 
-    async def rebalance(self, placement: Placement | None = None,
+    async def rebalance(self, placement: dict[str, Any] | None = None,
                         trigger: str = "request") -> RebalanceRecord | None:
-        """Move every group's experts to `placement` (None: EPLB's of the window's
-        load); None where that is the placement routed by already. Raises ValueError
-        where nothing can move (no groups, a backend that cannot move experts, no load
-        yet); a group's failure is in the record."""
+        """Move every group's experts to `placement` (a placement's JSON; None: EPLB's
+        of the window's load); None where that is the placement routed by already.
+        Raises ValueError where nothing can move (no groups, a backend that cannot move
+        experts, no load yet); a group's failure (a placement that does not fit the
+        model, an expert rank that could not load it) is in the record."""
         async with self._moving:
             info = self.pool.info
             if info is None:
@@ -156,22 +160,17 @@ class Rebalancer:
             self._observe(stats)
             num_ranks = len(info.expert_services)
             if self.placement is None and info.placement:
-                self.placement = Placement.from_json(info.placement, info.moe_layers,
-                                                     info.num_experts)
+                self.placement = json.loads(info.placement)
             if placement is None:
-                placement = self.plan(num_ranks, info.moe_layers, info.expert_groups)
-            else:
-                placement.validate(info.moe_layers, "the placement")
-                if placement.num_ranks != num_ranks:
-                    raise ValueError(f"the placement has {placement.num_ranks} ranks; "
-                                     f"there are {num_ranks} expert services")
+                placement = await self.plan(num_ranks, info.moe_layers, info.expert_groups)
             if placement == self.placement:
                 log.info("eplb: the load's placement is the one routed by already")
                 return None
             version = max(s.placement_version for s in stats) + 1
             return await self._move(version, placement, trigger)
 
-    async def _move(self, version: int, placement: Placement, trigger: str) -> RebalanceRecord:
+    async def _move(self, version: int, placement: dict[str, Any], trigger: str
+                    ) -> RebalanceRecord:
         started, t0 = time.time(), time.monotonic()
         answers: list[Rebalanced | Exception] = [Rebalanced(version)] * len(self.pool.clients)
         moved = _moved(self.placement, placement)
@@ -182,7 +181,7 @@ class Rebalancer:
             async def ask(i: int) -> None:
                 try:
                     answers[i] = await self.pool.clients[i].rebalance(
-                        Rebalance(version, placement.to_json()), self.config.timeout_s)
+                        Rebalance(version, json.dumps(placement)), self.config.timeout_s)
                 except Exception as exc:  # a group down: said in the record
                     answers[i] = exc
 
@@ -210,12 +209,13 @@ class Rebalancer:
         return record
 
 
-def _moved(old: Placement | None, new: Placement) -> int:
+def _moved(old: dict[str, Any] | None, new: dict[str, Any]) -> int:
     """The copies `new` puts on a rank that did not hold that expert in `old` (every
-    copy where `old` is not known)."""
+    copy where `old` is not known); both placements' JSON."""
     count = 0
-    for layer, experts in new.replicas.items():
-        before = old.replicas.get(layer) if old is not None else None
+    before = old["layers"] if old is not None else {}
+    for layer, experts in new["layers"].items():
+        held = before.get(layer)
         for e, ranks in enumerate(experts):
-            count += len(set(ranks) - (set(before[e]) if before else set()))
+            count += len(set(ranks) - (set(held[e]) if held else set()))
     return count

@@ -28,6 +28,8 @@ from common.messages import (
     GenerateRequest,
     InfoRequest,
     Message,
+    PlacementPlan,
+    PlanPlacement,
     Rebalance,
     Rebalanced,
     StatsRequest,
@@ -89,6 +91,8 @@ class AttentionServer:
                 await conn.send(self.engine.stats())
             elif isinstance(msg, Rebalance):
                 tg.start_soon(self._rebalance, msg, conn)  # loads while this connection goes on
+            elif isinstance(msg, PlanPlacement):
+                await conn.send(await anyio.to_thread.run_sync(plan_placement, msg))
             elif isinstance(msg, GenerateRequest | AbortRequest):
                 if isinstance(msg, GenerateRequest) and msg.sampling.grammar is not None:
                     # compiled here, off the loop; this connection's next message waits
@@ -246,6 +250,22 @@ class AttentionServer:
 
         while any(busy(o) for o in self._outboxes.values()):
             await anyio.sleep(0.01)
+
+
+def plan_placement(msg: PlanPlacement) -> PlacementPlan:
+    """EPLB's placement of `msg`'s load (for the gateway, which has no torch), or the
+    error that says why there is none."""
+    import torch
+
+    from ep_dispatch.eplb import placement_from_load
+
+    try:
+        load = torch.tensor(msg.load, dtype=torch.float64)
+        placement = placement_from_load(load, msg.moe_layers, msg.num_ranks,
+                                        msg.num_redundant, msg.num_groups, msg.num_nodes)
+    except (ValueError, RuntimeError) as exc:  # a load of the wrong shape; one that EPLB
+        return PlacementPlan(error=str(exc))  # cannot spread (PlacementError)
+    return PlacementPlan(placement.to_json())
 
 
 def _exit_out_of_step() -> None:
