@@ -74,7 +74,8 @@ class Soak:
     correct: int = 0
     errors: list[str] = field(default_factory=list)
     kills: list[dict] = field(default_factory=list)  # what, when, recovery seconds
-    rss: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # name: (t, MB)
+    # (service name, pid): its (seconds into the soak, RSS MB) samples
+    rss: dict[tuple[str, int], list[tuple[float, float]]] = field(default_factory=dict)
 
 
 async def clients(url: str, n: int, until: float, soak: Soak, seed: int) -> None:
@@ -132,15 +133,25 @@ def sampler(served: Served, soak: Soak, start: float, stop: threading.Event) -> 
     while not stop.wait(RSS_EVERY_S):
         for name, pid in services(served).items():
             if (mb := rss_mb(pid)) is not None:
-                soak.rss.setdefault(name, []).append((time.monotonic() - start, mb))
+                soak.rss.setdefault((name, pid), []).append((time.monotonic() - start, mb))
 
 
-def growth(samples: list[tuple[float, float]], warm_s: float) -> tuple[float, float]:
-    """The service's RSS at the end of warm-up (its first sample after `warm_s`) and its
-    largest after: a restarted service starts small and grows back, so its largest is
-    compared, not its last."""
-    after = [mb for t, mb in samples if t >= warm_s]
-    return (after[0], max(after)) if after else (0.0, 0.0)
+def growth(rss: dict[tuple[str, int], list[tuple[float, float]]], warm_s: float
+           ) -> dict[str, dict[str, float]]:
+    """Per service, its longest-lived process's RSS once warm (its first sample at least
+    `warm_s` into the soak and into its own life: a restarted process starts small and
+    grows back) and its largest after; with how long that process was watched, and the
+    largest RSS any of the service's processes had."""
+    out: dict[str, dict[str, float]] = {}
+    for (name, _), samples in rss.items():
+        born = samples[0][0]
+        warm = [(t, mb) for t, mb in samples if t >= warm_s and t - born >= warm_s]
+        entry = out.setdefault(name, {"largest_mb": 0.0, "watched_s": 0.0})
+        entry["largest_mb"] = max(entry["largest_mb"], max(mb for _, mb in samples))
+        if warm and warm[-1][0] - warm[0][0] >= entry["watched_s"]:
+            entry.update(watched_s=warm[-1][0] - warm[0][0], warm_mb=warm[0][1],
+                         peak_mb=max(mb for _, mb in warm))
+    return out
 
 
 def main() -> None:
@@ -180,17 +191,25 @@ def main() -> None:
               "running_at_end": stats["num_running"],
               "kills": [{k: round(v, 2) if isinstance(v, float) else v
                          for k, v in kill.items() if k != "at_s"} for kill in soak.kills],
-              "rss_mb": {name: [round(mb, 1) for mb in growth(samples, args.warm_up)]
-                         for name, samples in sorted(soak.rss.items())},
+              "rss": growth(soak.rss, args.warm_up),
+              "rss_samples": {f"{name} {pid}": samples
+                              for (name, pid), samples in sorted(soak.rss.items())},
               "errors": soak.errors[:10]}
     print(json.dumps(report, indent=1))
     print(f"\n{args.duration:g} s, {args.clients} clients, a kill every {args.kill_every:g} s: "
           f"{soak.ok} ok, {soak.failed} failed, accuracy {100 * report['accuracy']:.1f}%, "
           f"KV blocks in use at the end {kv_used}")
-    print("\n| service | RSS MB after warm-up | largest after | growth |\n|---|---:|---:|---:|")
-    for name, (first, peak) in report["rss_mb"].items():
-        print(f"| {name} | {first:.0f} | {peak:.0f} | "
-              f"{100 * (peak / first - 1) if first else 0:+.1f}% |")
+    print("\n| service | its longest-lived process: RSS MB once warm | largest after | "
+          "growth | over s | largest RSS MB of any of its processes |\n"
+          "|---|---:|---:|---:|---:|---:|")
+    for name, g in sorted(report["rss"].items()):
+        if "warm_mb" in g:
+            print(f"| {name} | {g['warm_mb']:.0f} | {g['peak_mb']:.0f} | "
+                  f"{100 * (g['peak_mb'] / g['warm_mb'] - 1):+.1f}% | {g['watched_s']:.0f} | "
+                  f"{g['largest_mb']:.0f} |")
+        else:
+            print(f"| {name} | (no process lived past warm-up) | | | | "
+                  f"{g['largest_mb']:.0f} |")
     print("\n| kill | service | recovery s |\n|---:|---|---:|")
     for i, kill in enumerate(report["kills"], 1):
         print(f"| {i} | {kill['service']} | {kill['recovery_s']:.1f} |")
