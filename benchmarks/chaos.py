@@ -166,6 +166,8 @@ def main() -> None:
     ap.add_argument("--check", action="store_true",
                     help="exit 1 on a failed request, a KV block left in use, or a kill "
                          "not recovered from")
+    ap.add_argument("--out", type=Path, help="write the report, every RSS sample with it, "
+                    "to this JSON file")
     ap.add_argument("serve_flags", nargs="*", help="after --: flags for switchyard serve")
     args = ap.parse_args()
     soak, rng, stop = Soak(), random.Random(args.seed), threading.Event()
@@ -192,10 +194,11 @@ def main() -> None:
               "kills": [{k: round(v, 2) if isinstance(v, float) else v
                          for k, v in kill.items() if k != "at_s"} for kill in soak.kills],
               "rss": growth(soak.rss, args.warm_up),
-              "rss_samples": {f"{name} {pid}": samples
-                              for (name, pid), samples in sorted(soak.rss.items())},
               "errors": soak.errors[:10]}
     print(json.dumps(report, indent=1))
+    if args.out is not None:  # with every RSS sample, per process
+        args.out.write_text(json.dumps({**report, "rss_samples": {
+            f"{name} {pid}": samples for (name, pid), samples in sorted(soak.rss.items())}}))
     print(f"\n{args.duration:g} s, {args.clients} clients, a kill every {args.kill_every:g} s: "
           f"{soak.ok} ok, {soak.failed} failed, accuracy {100 * report['accuracy']:.1f}%, "
           f"KV blocks in use at the end {kv_used}")
