@@ -29,7 +29,7 @@ from pathlib import Path
 
 import httpx
 
-from switchyard.demo_task import is_correct, problems
+from switchyard.demo_task import draw, held_out, is_correct
 from switchyard.serve_process import Served, child_pids
 
 RSS_EVERY_S = 5.0
@@ -80,7 +80,8 @@ class Soak:
 
 async def clients(url: str, n: int, until: float, soak: Soak, seed: int) -> None:
     """`n` clients, each asking the next question as soon as the last is answered."""
-    pool = iter(problems(seed, 1_000_000))
+    rng = random.Random(seed)
+    pool = (p for p in iter(lambda: draw(rng), None) if held_out(p))  # held-out, endless
     async with httpx.AsyncClient(base_url=url, timeout=300) as http:
         model = (await http.get("/v1/models")).json()["data"][0]["id"]
 

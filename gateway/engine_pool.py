@@ -197,10 +197,12 @@ class FailoverGeneration:
         """Send the request again (the first group up takes it), or raise the 503 once
         none is up within the failover timeout."""
         original, generated = self._request, self._generated
+        sampling = original.sampling  # prompt logprobs came with the first token, if any
+        if generated:
+            sampling = msgspec.structs.replace(sampling, prompt_logprobs=None)
         request = msgspec.structs.replace(
             original, prompt_token_ids=[*original.prompt_token_ids, *generated],
-            sampling=msgspec.structs.replace(original.sampling, prompt_logprobs=None),
-            resumed=len(generated))
+            sampling=sampling, resumed=len(generated))
         log.warning("request %s lost its attention group after %d tokens: resubmitting",
                     self.request_id, len(generated))
         self._generation = await self._pool.send_when_up(request)

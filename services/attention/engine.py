@@ -199,8 +199,8 @@ class Engine:
             if matcher is not None and not all(map(matcher.consume_token, resumed)):
                 error = "structured outputs: the resumed tokens do not follow the grammar"
         if error:
-            return TokenDelta(request.request_id, [], "error", len(request.prompt_token_ids),
-                              error)
+            return TokenDelta(request.request_id, [], "error",
+                              len(request.prompt_token_ids) - request.resumed, error)
         seq = Sequence(request.request_id, list(request.prompt_token_ids),
                        len(request.prompt_token_ids) - request.resumed, request.sampling,
                        torch.Generator(self.device),

@@ -71,13 +71,14 @@ class ExpertServer:
     @property
     def bank(self) -> ExpertBank:
         """The newest placement's share."""
-        return self.versions[max(self.versions)]
+        versions = dict(self.versions)  # (a copy: `release` runs on another thread)
+        return versions[max(versions)]
 
     def info(self) -> ExpertInfo:
         bank = self.bank
         return ExpertInfo(self.config.rank, self.config.num_ranks, bank.experts, bank.nbytes(),
                           bank.quantization,
-                          shares={v: b.experts for v, b in list(self.versions.items())})
+                          shares={v: b.experts for v, b in dict(self.versions).items()})
 
     def prepare(self, update: PlacementUpdate) -> PlacementReady:
         """Load this rank's share of placement `update.version` beside the ones served
@@ -87,9 +88,9 @@ class ExpertServer:
         if (bank := self.versions.get(version)) is not None:
             return PlacementReady(version, rank, bank.experts, bank.nbytes())
         try:
-            if version <= max(self.versions):
+            if version <= (newest := max(list(self.versions))):
                 raise ValueError(f"placement version {version} is older than the newest "
-                                 f"held here ({max(self.versions)})")
+                                 f"held here ({newest})")
             cfg = self.model_config
             placement = Placement.from_json(update.placement, cfg.moe_layer_ids,
                                             cfg.num_experts, f"placement version {version}")
@@ -115,8 +116,9 @@ class ExpertServer:
 
     def release(self, in_use: set[int]) -> None:
         """Free every placement older than the newest that no connection uses."""
-        newest = max(self.versions)
-        for version in [v for v in self.versions if v != newest and v not in in_use]:
+        held = list(self.versions)  # (a copy: a load may add one meanwhile)
+        newest = max(held)
+        for version in [v for v in held if v != newest and v not in in_use]:
             del self.versions[version]
             log.info("placement version %d freed: no connection routes by it", version)
 
