@@ -1,7 +1,8 @@
 """Issue 32's chaos soak: `switchyard serve` of the demo model under a steady load of
 clients asking its task's questions back to back, while every `--kill-every` seconds a
-random service (an attention group or an expert service; never the gateway) is killed
-with SIGKILL and `serve` starts it again.
+random service (an attention group, a DCP peer with `-- --dcp-size 2`, or an expert
+service; never the gateway) is killed with SIGKILL and `serve` starts it again (with its
+unit: a DCP group's ranks together).
 
     .venv/bin/python -m benchmarks.chaos [--duration 600] [--kill-every 30] [--clients 8]
                                          [--check] [-- SERVE FLAGS]
@@ -30,31 +31,13 @@ from pathlib import Path
 import httpx
 
 from switchyard.demo_task import draw, held_out, is_correct
-from switchyard.serve_process import Served, child_pids
+from switchyard.serve_process import Served
 
 RSS_EVERY_S = 5.0
 
 
 def log(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
-
-
-def services(served: Served) -> dict[str, int]:
-    """Each service `serve` runs now, by name ("gateway", "attention group", "expert rank
-    R"), to its process id; by their command lines."""
-    out = {}
-    for pid in child_pids(served.proc.pid):
-        try:
-            args = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
-        except OSError:
-            continue  # gone meanwhile
-        if "gateway" in args:
-            out["gateway"] = pid
-        elif "expert" in args:
-            out[f"expert rank {args[args.index('--rank') + 1]}"] = pid
-        elif "attention" in args:
-            out["attention group"] = pid
-    return out
 
 
 def rss_mb(pid: int) -> float | None:
@@ -112,13 +95,13 @@ def killer(served: Served, every: float, until: float, soak: Soak, rng: random.R
     """Every `every` s, SIGKILL a random service but the gateway; then time until /health
     answers 200 again."""
     while not stop.wait(every) and time.monotonic() < until:
-        victims = {k: v for k, v in services(served).items() if k != "gateway"}
+        victims = {k: v for k, v in served.services().items() if k != "gateway"}
         name = rng.choice(sorted(victims))
         killed = time.monotonic()
         os.kill(victims[name], signal.SIGKILL)
         log(f"killed {name} (pid {victims[name]})")
         while not stop.is_set():  # until started again, and /health says all is well
-            again = services(served).get(name)
+            again = served.services().get(name)
             try:
                 if again not in (None, victims[name]) and \
                         httpx.get(f"{served.url}/health", timeout=5).status_code == 200:
@@ -132,7 +115,7 @@ def killer(served: Served, every: float, until: float, soak: Soak, rng: random.R
 
 def sampler(served: Served, soak: Soak, start: float, stop: threading.Event) -> None:
     while not stop.wait(RSS_EVERY_S):
-        for name, pid in services(served).items():
+        for name, pid in served.services().items():
             if (mb := rss_mb(pid)) is not None:
                 soak.rss.setdefault((name, pid), []).append((time.monotonic() - start, mb))
 

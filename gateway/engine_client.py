@@ -90,6 +90,7 @@ class EngineClient:
         self._retry_interval_s = retry_interval_s
         self._frames: FrameStream | None = None
         self._info: EngineInfo | None = None
+        self.last_info: EngineInfo | None = None  # kept across connections
         # per request: its deltas, each with when it arrived (latencies are the engine's,
         # not how soon a client reads them)
         self._pending: dict[str, MemoryObjectSendStream[tuple[TokenDelta, float]]] = {}
@@ -153,6 +154,7 @@ class EngineClient:
             raise ValueError(f"expected EngineInfo, got {type(info).__name__}")
         self._down = anyio.Event()
         self._frames, self._info = frames, info
+        self.last_info = info
         self._ready.set()
         log.info("connected to engine %s:%d (%s)", self._host, self._port, info.architecture)
         while True:

@@ -20,6 +20,9 @@ from gateway.errors import GatewayError, engine_unavailable
 from gateway.prefix_affinity import POLICIES, PrefixAffinity, block_keys
 
 WARMUP_FAILED = "warm-up failed"  # how /health begins to say it (`switchyard serve` reads it)
+# A request whose group dies this many times in a row without a token in between fails
+# (a 503) rather than being resubmitted again: it may be what kills them.
+MAX_FRUITLESS_RESUMES = 3
 log = logging.getLogger(__name__)
 
 
@@ -40,8 +43,11 @@ class EnginePool:
     @property
     def info(self) -> EngineInfo | None:
         """The served model's description from a connected group (every group serves the
-        same model), else None: requests go to the groups that are up."""
-        return next((c.info for c in self.clients if c.info is not None), None)
+        same model); while none is (every group restarting), the last one seen, so that
+        requests are checked and wait for a group (`send_when_up`); None before any."""
+        infos = [c.info for c in self.clients if c.info is not None] or \
+            [c.last_info for c in self.clients if c.last_info is not None]
+        return infos[0] if infos else None
 
     @property
     def all_connected(self) -> bool:
@@ -162,13 +168,15 @@ class FailoverGeneration:
     (`GenerateRequest.resumed`: max_tokens and min_tokens, penalties, the grammar, and
     each seeded draw's position). The deltas go on with the next token: none is missed
     or repeated, and the resumed request's own first-delta fields (queue and prefill
-    times, prompt logprobs, cached tokens) are not its."""
+    times, prompt logprobs, cached tokens) are not its. A request that outlives
+    `MAX_FRUITLESS_RESUMES` groups in a row without a token fails with a 503."""
 
     def __init__(self, pool: EnginePool, request: GenerateRequest,
                  generation: Generation) -> None:
         self.request_id = request.request_id
         self._pool, self._request, self._generation = pool, request, generation
         self._generated: list[int] = []  # every token sent back so far
+        self._fruitless = 0  # groups lost in a row with no token in between
 
     @property
     def finished(self) -> bool:
@@ -191,11 +199,16 @@ class FailoverGeneration:
                 await self._resume()
                 continue
             self._generated += delta.token_ids
+            self._fruitless = 0 if delta.token_ids else self._fruitless
             return delta
 
     async def _resume(self) -> None:
         """Send the request again (the first group up takes it), or raise the 503 once
         none is up within the failover timeout."""
+        self._fruitless += 1
+        if self._fruitless > MAX_FRUITLESS_RESUMES:
+            raise engine_unavailable(f"request {self.request_id} lost its attention group "
+                                     f"{self._fruitless} times in a row without a token")
         original, generated = self._request, self._generated
         sampling = original.sampling  # prompt logprobs came with the first token, if any
         if generated:

@@ -144,6 +144,16 @@ class Children:
             if (name := next((n for n, p in self.procs if p.pid == pid), None)) is not None:
                 exited.append((name, os.waitstatus_to_exitcode(status)))
 
+    def kill(self, names: list[str]) -> None:
+        """SIGKILL the children `names` and wait for them: the partners of one that died,
+        stuck in a rendezvous or a collective with it (a graceful stop would wait on it)."""
+        procs = [p for n, p in self.procs if n in names]
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in procs:
+            proc.wait()
+
     def stop(self, timeout: float = 10.0) -> None:
         for _, proc in self.procs:
             if proc.poll() is None:

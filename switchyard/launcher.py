@@ -35,7 +35,7 @@ from services.attention.config import add_engine_flags, check_cuda_graphs
 from services.model.config import CheckpointError, ModelConfig, check_quantization
 from switchyard.children import Children, StartupError
 from switchyard.demo_model import DEFAULT_MODEL, DEFAULT_MODEL_NAME
-from switchyard.supervisor import supervise
+from switchyard.supervisor import Unit, supervise
 
 
 def _wait_healthy(url: str, children: Children, timeout: float) -> None:
@@ -101,7 +101,8 @@ def _dcp_peers(groups: list[tuple[str, list[str]]], size: int
     for name, cmd in groups:
         if size > 1:
             cmd += ["--dcp-init", f"127.0.0.1:{free_port()}"]
-            peers += [(f"{name} DCP rank {r}", [*cmd, "--dcp-rank", str(r)])
+            peers += [(f"{name} DCP rank {r}", [*cmd, "--dcp-rank", str(r), "--metrics-port",
+                                                str(free_port())])
                       for r in range(1, size)]
     return peers
 
@@ -143,7 +144,7 @@ def _start_services(args: argparse.Namespace, model: Path, name: str,
                                      *expert_flags, *_expert_ports(args)])
                for r in range(num_experts)]
     groups = [(f"attention group {g}", ["attention", *shared, *_engine_args(args),
-                                        *_attention_ports(args)])
+                                        *_attention_ports()])
               for g in range(args.attention_groups)]
     peers = _dcp_peers(groups, args.dcp_size)
     if backend(args.dispatch_backend).collective:
@@ -182,35 +183,33 @@ def _start_services(args: argparse.Namespace, model: Path, name: str,
     return url
 
 
-def _attention_ports(args: argparse.Namespace) -> list[str]:
-    """An attention group that can be restarted alone (`_restartable`) listens on ports of
-    its own, so that the gateway finds it again where it was."""
-    if not _restartable_groups(args):
-        return ["--metrics-port", "0"]
+def _attention_ports() -> list[str]:
+    """An attention group listens on ports of its own, so that the gateway finds it again
+    where it was after a restart."""
     return ["--port", str(free_port()), "--metrics-port", str(free_port())]
 
 
-def _restartable_groups(args: argparse.Namespace) -> bool:
-    """Whether an attention group may restart alone: not in a collective backend's world
-    (whose ranks start together) nor a DCP group (whose ranks rendezvous together)."""
-    return not backend(args.dispatch_backend).collective and args.dcp_size == 1
-
-
-def _restartable(args: argparse.Namespace, child: str) -> bool:
-    """Whether `serve` starts `child` again when it dies: rpc expert services, and the
-    attention groups that can restart alone (their requests fail over meanwhile)."""
+def _restart_units(args: argparse.Namespace, names: list[str]) -> dict[str, Unit]:
+    """Which children `serve` starts again together when one of them dies: a rendezvous
+    needs all its members, so a collective backend's world (every attention and expert
+    rank) restarts whole, and a DCP group with all its ranks; an `rpc` expert service and
+    a group without DCP alone. The gateway is not restarted (a container's restart
+    policy is)."""
+    services = [n for n in names if n != "gateway"]
     if backend(args.dispatch_backend).collective:
-        return False
-    return child.startswith("expert rank") or (
-        _restartable_groups(args) and child.startswith("attention group"))
+        return dict.fromkeys(services, tuple(services))
+    group = {n: n.split(" DCP rank ")[0] for n in services}  # a DCP peer: its leader's name
+    return {n: tuple(m for m in services if group[m] == group[n]) for n in services}
 
 
 def _expert_ports(args: argparse.Namespace) -> list[str]:
-    """An `rpc` expert service listens on ports of its own, so that a restart is found
-    where it was (by the attention services, and the gateway's /metrics scrape)."""
+    """An expert service listens on ports of its own, so that a restart is found where it
+    was (by the attention services, and the gateway's /metrics scrape). A collective
+    backend's expert rank serves no port but /metrics."""
+    metrics = ["--metrics-port", str(free_port())]
     if backend(args.dispatch_backend).collective:
-        return ["--metrics-port", "0"]
-    return ["--port", str(free_port()), "--metrics-port", str(free_port())]
+        return metrics
+    return ["--port", str(free_port()), *metrics]
 
 
 def _check_generation_config(source: str, model: Path) -> None:
@@ -305,9 +304,8 @@ def serve(args: argparse.Namespace) -> int:
         try:
             url = _start_services(args, model, name, children)
             print(f"Switchyard is serving {name!r} at {url}/v1", flush=True)
-            # rpc expert services and attention groups may be restarted; a collective rank
-            # never alone
-            supervise(children, lambda child: _restartable(args, child))
+            units = _restart_units(args, [n for n, _ in children.procs])
+            supervise(children, lambda child: units.get(child, ()))
         except StartupError as exc:
             print(f"switchyard serve: {exc}", file=sys.stderr)
             return 1

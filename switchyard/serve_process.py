@@ -31,6 +31,41 @@ def child_pids(pid: int) -> list[int]:
     return out
 
 
+def service_name(args: list[str]) -> str | None:
+    """What a child of `serve` is, from its command line (`python -m switchyard ROLE
+    FLAGS`), named so that a restarted child has its old name: "gateway", "expert rank
+    R", "attention group :PORT" (the port its gateway connects to) and "attention group
+    :PORT DCP rank R" for a DCP peer; None for another process."""
+    if "gateway" in args:
+        return "gateway"
+    if "expert" in args:
+        return f"expert rank {_flag(args, '--rank')}"
+    if "attention" not in args:
+        return None
+    peer = f" DCP rank {rank}" if (rank := _flag(args, "--dcp-rank")) not in (None, "0") \
+        else ""
+    return f"attention group :{_flag(args, '--port')}{peer}"
+
+
+def _flag(args: list[str], flag: str) -> str | None:
+    """The last value given to `flag` (argparse's rule), or None."""
+    at = [i for i, a in enumerate(args[:-1]) if a == flag]
+    return args[at[-1] + 1] if at else None
+
+
+def services(pid: int) -> dict[str, int]:
+    """The services (`service_name`) among the children of `pid`, to their process ids."""
+    out = {}
+    for child in child_pids(pid):
+        try:
+            args = Path(f"/proc/{child}/cmdline").read_bytes().decode().split("\0")
+        except OSError:
+            continue  # gone meanwhile
+        if (name := service_name(args)) is not None:
+            out[name] = child
+    return out
+
+
 def _stat(pid: int) -> list[str] | None:
     """/proc/PID/stat fields after the command name (field 3 onwards), or None."""
     try:
@@ -74,6 +109,18 @@ class Served:
         self.url = self._wait_for_url(timeout)
         self.children = child_pids(self.proc.pid)
         self._started = {pid: start_time(pid) for pid in self.children}
+
+    def services(self) -> dict[str, int]:
+        """Each service running now (`service_name`) to its process id."""
+        return services(self.proc.pid)
+
+    def service(self, prefix: str) -> int:
+        """The process id of the first service (by name) that starts with `prefix`."""
+        running = self.services()
+        found = sorted(n for n in running if n.startswith(prefix))
+        if not found:
+            raise LookupError(f"no service {prefix!r} among {sorted(running)}")
+        return running[found[0]]
 
     def children_alive(self) -> list[bool]:
         """For each child the launcher started, whether that very process still runs."""

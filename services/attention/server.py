@@ -178,8 +178,9 @@ class AttentionServer:
     async def _step_failed(self, exc: Exception, deltas: list[TokenDelta]
                            ) -> list[TokenDelta]:
         """The error deltas of a step that raised: its own sequences' (`StepFailed`), or
-        every sequence's (a failure outside a step, or a rank now out of step, whose
-        sequences all end here: then it answers them, with `deltas`, and exits)."""
+        every sequence's (a failure outside a step). A rank now out of step with its
+        peers answers none: it sends `deltas` and exits, and the gateway resubmits its
+        requests once its unit is back (or to another group)."""
         cause = exc.__cause__ if isinstance(exc, StepFailed) else exc
         assert isinstance(cause, Exception)
         log.error("engine step failed: %s", root_causes(cause), exc_info=cause)
@@ -188,7 +189,7 @@ class AttentionServer:
             if isinstance(exc, StepFailed):
                 return self.engine.fail(exc.request_ids, error)
             return self.engine.fail_all(error)
-        for delta in [*deltas, *self.engine.fail_all(error)]:
+        for delta in deltas:
             self._deliver(delta)
         with anyio.move_on_after(5):  # a gateway that stopped reading
             await self._flushed()  # must not keep the peers waiting

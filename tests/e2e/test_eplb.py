@@ -18,7 +18,7 @@ from services.model.config import ModelConfig
 from switchyard.serve_process import Served
 from tests.support.engines import prompts, reference_greedy
 from tests.support.metrics_text import scrape
-from tests.support.serving import concurrent_greedy
+from tests.support.serving import concurrent_greedy, stream_tokens
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -57,22 +57,6 @@ def _moved(num_experts: int, moe_layers: list[int], shift: int, extra: int) -> P
     return Placement(2, num_experts, dict.fromkeys(moe_layers, experts))
 
 
-def _stream(url: str, model: str, prompt: list[int], max_tokens: int,
-            first: threading.Event, out: list[list[int]]) -> None:
-    """Stream one greedy completion's token ids into `out[0]`; `first` once a few came."""
-    tokens: list[int] = []
-    out.append(tokens)
-    with httpx.stream("POST", f"{url}/v1/completions", timeout=120, json={
-            "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "return_token_ids": True}) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                tokens += json.loads(line[6:])["choices"][0].get("token_ids") or []
-                if len(tokens) >= 4:
-                    first.set()
-
-
 def test_greedy_tokens_stay_transformers_across_rebalances_mid_generation(
         deepseek_v3_ckpt: tuple) -> None:
     """Four greedy streams run while the experts move twice (to a placement with a
@@ -89,9 +73,11 @@ def test_greedy_tokens_stay_transformers_across_rebalances_mid_generation(
     with Served(["--model", str(path), "--expert-services", "2", "--enable-eplb",
                  "--eplb-interval", "0", "--max-num-batched-tokens", "16"]) as served:
         name = httpx.get(f"{served.url}/v1/models").json()["data"][0]["id"]
-        outs: list[list[list[int]]] = [[] for _ in ps]
+        outs: list[dict] = [{} for _ in ps]
         firsts = [threading.Event() for _ in ps]
-        threads = [threading.Thread(target=_stream, args=(served.url, name, p, n, f, o))
+        body = {"max_tokens": n, "temperature": 0, "ignore_eos": True}
+        threads = [threading.Thread(target=stream_tokens,
+                                    args=(served.url, name, p, body, f, o))
                    for p, f, o in zip(ps, firsts, outs, strict=True)]
         for t in threads:
             t.start()
@@ -109,7 +95,8 @@ def test_greedy_tokens_stay_transformers_across_rebalances_mid_generation(
         finally:
             for t in threads:
                 t.join(120)
-        assert [o[0] for o in outs] == want
+        assert all(o["status"] == 200 for o in outs), outs
+        assert [o["tokens"] for o in outs] == want
         assert [(r["version"], r["error"]) for r in records] == [(1, None), (2, None)]
         assert all(r["moved"] > 0 and r["load_s"] > 0 for r in records)
         eplb = httpx.get(f"{served.url}/eplb").json()
@@ -191,12 +178,7 @@ def test_an_expert_service_restarted_after_a_rebalance_is_given_the_new_share(
                        json={"placement": json.loads(both.to_json())})
         assert r.status_code == 200 and r.json()["rebalance"]["error"] is None, r.text
 
-        def rank_of(pid: int) -> int | None:  # from its command line: --rank R
-            args = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
-            return int(args[args.index("--rank") + 1]) if "expert" in args else None
-
-        rank_1 = next(pid for pid in served.children if rank_of(pid) == 1)
-        os.kill(rank_1, signal.SIGKILL)
+        os.kill(served.services()["expert rank 1"], signal.SIGKILL)
         assert concurrent_greedy(served.url, name, ps, 8) == want  # on rank 0's copies
 
         def back() -> bool:

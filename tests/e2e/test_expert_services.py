@@ -305,11 +305,7 @@ def test_serve_starts_a_lost_expert_service_again(qwen3_ckpt: tuple) -> None:
     with Served(["--model", str(path), "--expert-services", "3", "--expert-replicas",
                  "2"]) as served:
         name = httpx.get(f"{served.url}/v1/models").json()["data"][0]["id"]
-        def rank_of(pid: int) -> int | None:  # from its command line: --rank R
-            args = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
-            return int(args[args.index("--rank") + 1]) if "expert" in args else None
-
-        rank_1 = next(pid for pid in served.children if rank_of(pid) == 1)
+        rank_1 = served.services()["expert rank 1"]
         assert concurrent_greedy(served.url, name, ps, 6) == want
         os.kill(rank_1, signal.SIGKILL)
         assert concurrent_greedy(served.url, name, ps, 6) == want  # on the replicas

@@ -1,61 +1,27 @@
-"""No request lost when an attention group dies: `serve` starts the group again, and the
-gateway resubmits each of its requests (to another group, or to the same one once it is
-back) as its prompt plus the tokens it had streamed. Each stream goes on unbroken, with
-the tokens an undisturbed run gives: transformers' for greedy, the same draws for seeded
-sampling."""
+"""No request lost when a service dies. When an attention group dies (or a rank it meets
+in a rendezvous: a DCP peer, a collective backend's expert rank), `serve` starts the
+group again with its partners, and the gateway resubmits each of its requests (to another
+group, or to the same one once it is back) as its prompt plus the tokens it had streamed.
+Each stream goes on unbroken, with the tokens an undisturbed run gives: transformers' for
+greedy, the same draws for seeded sampling. An `rpc` expert service that dies is waited
+for, its layer call held."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
 import threading
-from pathlib import Path
 
 import httpx
 import pytest
 
 from switchyard.serve_process import Served
 from tests.support.engines import prompts, reference_greedy
+from tests.support.serving import concurrent_greedy, model_id, stream_tokens
 
 pytestmark = pytest.mark.timeout(300)
 N = 96  # tokens a stream: long enough to be cut in the middle
-
-
-def a_service(served: Served, kind: str, rank: int | None = None) -> int:
-    """The process of one service of `kind` ("attention", "expert"; an expert's
-    `rank`), by its command line. With least-busy routing, each of two attention groups
-    runs half the streams."""
-    for pid in served.children:
-        args = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
-        if kind in args and (rank is None or args[args.index("--rank") + 1] == str(rank)):
-            return pid
-    raise AssertionError(f"no {kind} service among {served.children}")
-
-
-def stream(url: str, model: str, prompt: list[int], sampling: dict, first: threading.Event,
-           out: dict) -> None:
-    """One streamed completion: its token ids, finish reason and usage into `out`;
-    `first` set once a few tokens came."""
-    tokens: list[int] = []
-    out["tokens"] = tokens
-    with httpx.stream("POST", f"{url}/v1/completions", timeout=120, json={
-            "model": model, "prompt": prompt, "max_tokens": N, "ignore_eos": True,
-            "stream": True, "return_token_ids": True,
-            "stream_options": {"include_usage": True}, **sampling}) as r:
-        out["status"] = r.status_code
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                out["usage"] = chunk["usage"]
-            for choice in chunk["choices"]:
-                tokens += choice.get("token_ids") or []
-                out["finish"] = choice.get("finish_reason") or out.get("finish")
-            if len(tokens) >= 4:
-                first.set()
 
 
 def run(served: Served, ps: list[list[int]], sampling: dict, kill: int | None) -> list[dict]:
@@ -64,7 +30,8 @@ def run(served: Served, ps: list[list[int]], sampling: dict, kill: int | None) -
     model = httpx.get(f"{served.url}/v1/models").json()["data"][0]["id"]
     outs: list[dict] = [{} for _ in ps]
     firsts = [threading.Event() for _ in ps]
-    threads = [threading.Thread(target=stream, args=(served.url, model, p, sampling, f, o))
+    body = {"max_tokens": N, "ignore_eos": True, **sampling}
+    threads = [threading.Thread(target=stream_tokens, args=(served.url, model, p, body, f, o))
                for p, f, o in zip(ps, firsts, outs, strict=True)]
     for t in threads:
         t.start()
@@ -92,7 +59,7 @@ def test_greedy_streams_outlive_their_attention_group(qwen3_ckpt: tuple, groups:
     want = [reference_greedy(model, p, N) for p in ps]
     with Served(["--model", str(path), "--attention-groups", str(groups),
                  "--routing-policy", "least-busy"]) as served:
-        outs = run(served, ps, {"temperature": 0}, kill=a_service(served, "attention"))
+        outs = run(served, ps, {"temperature": 0}, kill=served.service("attention group"))
         assert [o["tokens"] for o in outs] == want
         assert re.search(r"attention group \d exited with status -9; starting it again",
                          served.stderr())
@@ -108,7 +75,7 @@ def test_seeded_sampling_draws_the_same_tokens_across_a_failover(qwen3_ckpt: tup
                  "--routing-policy", "least-busy"]) as served:
         sampling = {"temperature": 1.0, "top_p": 0.9, "seed": 1234}
         undisturbed = run(served, ps, sampling, kill=None)
-        moved = run(served, ps, sampling, kill=a_service(served, "attention"))
+        moved = run(served, ps, sampling, kill=served.service("attention group"))
         assert "resubmitting" in served.stderr()
     assert [o["tokens"] for o in moved] == [o["tokens"] for o in undisturbed]
 
@@ -123,8 +90,45 @@ def test_no_request_fails_while_an_expert_service_without_replicas_restarts(
     ps = prompts(seed=43, lengths=(9, 23, 5, 17))
     want = [reference_greedy(model, p, N) for p in ps]
     with Served(["--model", str(path), "--expert-services", "2"]) as served:
-        outs = run(served, ps, {"temperature": 0}, kill=a_service(served, "expert", rank=1))
+        outs = run(served, ps, {"temperature": 0}, kill=served.services()["expert rank 1"])
         assert [o["tokens"] for o in outs] == want
         log = served.stderr()
         assert "expert rank 1 exited with status -9; starting it again" in log
         assert "holding the step" in log and "the held layer call is sent again" in log
+
+
+@pytest.mark.parametrize("victim", ["leader", "peer"])
+def test_greedy_streams_outlive_a_dcp_rank(qwen3_ckpt: tuple, victim: str) -> None:
+    """A DCP group's leader or peer SIGKILLed mid-stream: `serve` kills its partner and
+    starts the group again, both ranks (they rendezvous together); the gateway resubmits
+    the group's streams to it once back, and every stream is transformers' tokens,
+    whole. A request sent while the group is down waits for it."""
+    path, model = qwen3_ckpt
+    ps = prompts(seed=44, lengths=(9, 23, 5, 17))
+    want = [reference_greedy(model, p, N) for p in ps]
+    with Served(["--model", str(path), "--dcp-size", "2"]) as served:
+        pid = next(pid for name, pid in served.services().items()
+                   if name.startswith("attention") and ("DCP" in name) == (victim == "peer"))
+        outs = run(served, ps, {"temperature": 0}, kill=pid)
+        assert [o["tokens"] for o in outs] == want
+        log = served.stderr()
+        assert re.search(r"attention group \d( DCP rank 1)? exited with status -9; starting "
+                         r"it \(and with it attention group \d( DCP rank 1)?\) again", log), log
+        assert "resubmitting" in log
+        os.kill(served.service("attention group"), signal.SIGKILL)  # and at once a request:
+        assert concurrent_greedy(served.url, model_id(served), ps[:1], N) == want[:1]
+
+
+def test_greedy_streams_outlive_a_collective_worlds_rank(qwen3_ckpt: tuple) -> None:
+    """The torch (gloo) backend: an expert rank SIGKILLed mid-stream takes its world
+    down; `serve` starts every attention and expert rank again, together, and every
+    stream is transformers' tokens, whole."""
+    path, model = qwen3_ckpt
+    ps = prompts(seed=45, lengths=(9, 23, 5))
+    want = [reference_greedy(model, p, N) for p in ps]
+    with Served(["--model", str(path), "--dispatch-backend", "torch"]) as served:
+        outs = run(served, ps, {"temperature": 0}, kill=served.services()["expert rank 1"])
+        assert [o["tokens"] for o in outs] == want
+        log = served.stderr()
+        assert re.search(r"expert rank 1 exited with status -9; starting it \(and with it "
+                         r"expert rank 0, attention group 0\) again", log), log

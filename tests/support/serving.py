@@ -1,10 +1,13 @@
 """Clients of a served gateway: the official `openai` client, the served model's id,
-concurrent greedy requests, and a topology served for them."""
+concurrent greedy requests, one streamed completion's tokens, and a topology served for
+them."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
+import threading
 from pathlib import Path
 
 import httpx
@@ -57,3 +60,30 @@ def served_greedy(path: Path, flags: list[str], ps: list[list[int]], max_tokens:
         if dist:  # attention rank 0 hosts the store there (it used to pick its own port)
             socket.create_connection(("127.0.0.1", rendezvous), timeout=5).close()
     return got, health, samples
+
+
+def stream_tokens(url: str, model: str, prompt: list[int], body: dict,
+                  first: threading.Event, out: dict) -> None:
+    """One streamed completion of the token ids `prompt` (`body`: its other fields): its
+    status, token ids, finish reason, usage and error if any into `out`; `first` set once
+    4 tokens came (a test's cue to disturb the server mid-stream)."""
+    tokens: list[int] = []
+    out["tokens"] = tokens
+    with httpx.stream("POST", f"{url}/v1/completions", timeout=120, json={
+            "model": model, "prompt": prompt, "stream": True, "return_token_ids": True,
+            "stream_options": {"include_usage": True}, **body}) as r:
+        out["status"] = r.status_code
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:  # the stream's end, as vLLM reports it
+                out["error"] = chunk["error"]
+                continue
+            if chunk.get("usage"):
+                out["usage"] = chunk["usage"]
+            for choice in chunk["choices"]:
+                tokens += choice.get("token_ids") or []
+                out["finish"] = choice.get("finish_reason") or out.get("finish")
+            if len(tokens) >= 4:
+                first.set()

@@ -21,6 +21,7 @@ class ScriptedChildren:
     def __init__(self, on_respawn: Callable[[str, int], None]) -> None:
         self.steps: list[tuple[Callable[[], bool], list[tuple[str, int]]]] = []
         self.on_respawn, self.respawned = on_respawn, []
+        self.killed: list[list[str]] = []
 
     def then(self, *exits: tuple[str, int], once: Callable[[], bool] = lambda: True
              ) -> ScriptedChildren:
@@ -32,6 +33,9 @@ class ScriptedChildren:
             return self.steps.pop(0)[1]
         return []
 
+    def kill(self, names: list[str]) -> None:
+        self.killed.append(names)
+
     def respawn(self, name: str) -> int:
         self.respawned.append(name)
         read_fd, write_fd = os.pipe()
@@ -39,8 +43,8 @@ class ScriptedChildren:
         return read_fd
 
 
-def experts_only(name: str) -> bool:
-    return name.startswith("expert rank")
+def experts_only(name: str) -> tuple[str, ...]:
+    return (name,) if name.startswith("expert rank") else ()
 
 
 def write_ready(name: str, fd: int) -> None:
@@ -53,7 +57,7 @@ def write_ready(name: str, fd: int) -> None:
 def test_what_is_not_restarted_ends_the_topology(exit_: tuple[str, int], why: str) -> None:
     children = ScriptedChildren(write_ready).then(exit_)
     with pytest.raises(StartupError, match=f"{exit_[0]} exited with status {exit_[1]}"):
-        supervise(children, experts_only)  # type: ignore[arg-type]
+        supervise(children, experts_only)
     assert children.respawned == [], why
 
 
@@ -62,10 +66,11 @@ def test_a_failed_expert_service_is_started_again_and_the_rest_still_watched(
     children = ScriptedChildren(write_ready).then(("expert rank 1", -9))
     children.then(("attention group 0", 1), once=lambda: bool(children.respawned))
     with pytest.raises(StartupError, match="attention group 0 exited with status 1"):
-        supervise(children, experts_only)  # type: ignore[arg-type]
+        supervise(children, experts_only)
     assert children.respawned == ["expert rank 1"]
     assert "expert rank 1 exited with status -9; starting it again in 0.1 s" in \
         capsys.readouterr().err
+    assert children.killed == [[]]  # no partners
 
 
 def test_a_gateway_exit_is_seen_while_an_expert_service_waits_to_restart() -> None:
@@ -73,7 +78,7 @@ def test_a_gateway_exit_is_seen_while_an_expert_service_waits_to_restart() -> No
     supervisor used to wait for the restarted child, blind to the others)."""
     children = ScriptedChildren(write_ready).then(("expert rank 0", 1)).then(("gateway", 1))
     with pytest.raises(StartupError, match="gateway exited with status 1"):
-        supervise(children, experts_only)  # type: ignore[arg-type]
+        supervise(children, experts_only)
     assert children.respawned == []
 
 
@@ -87,7 +92,7 @@ def test_a_gateway_exit_is_seen_while_a_restarted_service_is_still_loading() -> 
     children.then(("gateway", 1), once=lambda: bool(children.respawned))
     try:
         with pytest.raises(StartupError, match="gateway exited with status 1"):
-            supervise(children, experts_only)  # type: ignore[arg-type]
+            supervise(children, experts_only)
     finally:
         for fd in loading:
             os.close(fd)
@@ -102,7 +107,7 @@ def test_a_crash_loop_backs_off_doubling(capsys: pytest.CaptureFixture[str]) -> 
         children.then(("expert rank 0", 1), once=lambda n=n: len(children.respawned) == n)
     children.then(("gateway", 1), once=lambda: len(children.respawned) == 3)
     with pytest.raises(StartupError, match="gateway"):
-        supervise(children, experts_only)  # type: ignore[arg-type]
+        supervise(children, experts_only)
     err = capsys.readouterr().err
     assert [line.rsplit(" ", 2)[-2] for line in err.splitlines()] == ["0.1", "0.2", "0.4"]
 
@@ -118,7 +123,7 @@ def test_a_service_that_ran_long_enough_restarts_at_the_first_delay(
     children.then(("expert rank 0", 1), once=lambda: len(children.respawned) == 1)
     children.then(("gateway", 1), once=lambda: len(children.respawned) == 2)
     with pytest.raises(StartupError, match="gateway"):
-        supervise(children, experts_only)  # type: ignore[arg-type]
+        supervise(children, experts_only)
     err = capsys.readouterr().err
     assert [line.rsplit(" ", 2)[-2] for line in err.splitlines()] == ["0.1", "0.1"]
 
@@ -143,3 +148,85 @@ except ChildProcessError:
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=60)
     assert out.stdout.split() == ["[]", "reaped"], out.stderr
+
+
+DCP_GROUP = ("attention group 0", "attention group 0 DCP rank 1")
+
+
+def dcp_group(name: str) -> tuple[str, ...]:
+    return DCP_GROUP if name in DCP_GROUP else ()
+
+
+@pytest.mark.parametrize("dies", DCP_GROUP)
+def test_a_unit_restarts_together_when_one_of_its_members_dies(
+        dies: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A DCP group's leader or peer: its partner is killed (it would wait in their
+    collectives forever) and both start again, together (their rendezvous needs both)."""
+    children = ScriptedChildren(write_ready).then((dies, -9))
+    children.then(("gateway", 1), once=lambda: len(children.respawned) == 2)
+    with pytest.raises(StartupError, match="gateway"):
+        supervise(children, dcp_group)
+    partner = next(n for n in DCP_GROUP if n != dies)
+    assert children.killed == [[partner]]
+    assert children.respawned == list(DCP_GROUP)
+    assert f"{dies} exited with status -9; starting it (and with it {partner}) again" in \
+        capsys.readouterr().err
+
+
+def test_a_partner_that_dies_with_its_unit_does_not_restart_it_twice() -> None:
+    """Both ranks' exits in one round (the peer saw its leader go): one restart."""
+    children = ScriptedChildren(write_ready).then((DCP_GROUP[0], -9), (DCP_GROUP[1], 1))
+    children.then(("gateway", 1), once=lambda: len(children.respawned) >= 2)
+    with pytest.raises(StartupError, match="gateway"):
+        supervise(children, dcp_group)
+    assert children.respawned == list(DCP_GROUP) and len(children.killed) == 1
+
+
+def test_a_member_that_dies_while_its_unit_restarts_restarts_the_unit_again(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The peer dies before listening (its pipe closes; the leader still loads): the
+    leader is killed again and the unit waits the doubled delay."""
+    loading: list[int] = []
+
+    def respawn(name: str, fd: int) -> None:
+        if name == DCP_GROUP[1] and len(children.respawned) == 2:
+            os.close(fd)  # the first restart's peer dies before listening
+        elif len(children.respawned) > 2:
+            write_ready(name, fd)
+        else:
+            loading.append(fd)
+
+    children = ScriptedChildren(respawn).then((DCP_GROUP[1], -9))
+    children.then((DCP_GROUP[1], 1), once=lambda: len(children.respawned) == 2)
+    children.then(("gateway", 1), once=lambda: len(children.respawned) == 4)
+    try:
+        with pytest.raises(StartupError, match="gateway"):
+            supervise(children, dcp_group)
+    finally:
+        for fd in loading:
+            os.close(fd)
+    assert children.killed == [[DCP_GROUP[0]], [DCP_GROUP[0]]]
+    assert children.respawned == [*DCP_GROUP, *DCP_GROUP]
+    err = capsys.readouterr().err
+    assert [line.rsplit(" ", 2)[-2] for line in err.splitlines()] == ["0.1", "0.2"]
+
+
+def test_serve_restarts_what_meets_in_a_rendezvous_together() -> None:
+    """`serve`'s units: a DCP group's ranks together, the rest of an rpc topology alone,
+    a collective backend's world whole; never the gateway."""
+    from argparse import Namespace
+
+    from switchyard.launcher import _restart_units
+
+    names = ["expert rank 0", "expert rank 1", "attention group 0",
+             "attention group 0 DCP rank 1", "attention group 1",
+             "attention group 1 DCP rank 1", "gateway"]
+    rpc = _restart_units(Namespace(dispatch_backend="rpc"), names)
+    assert rpc["expert rank 1"] == ("expert rank 1",)
+    assert rpc["attention group 0 DCP rank 1"] == rpc["attention group 0"] == (
+        "attention group 0", "attention group 0 DCP rank 1")
+    assert rpc["attention group 1"] == ("attention group 1", "attention group 1 DCP rank 1")
+    assert "gateway" not in rpc
+    world = _restart_units(Namespace(dispatch_backend="torch"), [
+        "expert rank 0", "attention group 0", "attention group 1", "gateway"])
+    assert set(world.values()) == {("expert rank 0", "attention group 0", "attention group 1")}
