@@ -16,6 +16,7 @@ import logging
 import math
 import time
 import uuid
+from typing import Any, TypeVar
 
 import anyio
 import msgspec
@@ -40,6 +41,7 @@ from common.rpc import FrameStream, connect
 from gateway.errors import GatewayError, engine_unavailable
 
 log = logging.getLogger(__name__)
+A = TypeVar("A")  # the type of an answer from the engine
 
 # What a broken or misbehaving connection raises; any of them ends the connection.
 _CONNECTION_ERRORS = (
@@ -95,11 +97,10 @@ class EngineClient:
         # not how soon a client reads them)
         self._pending: dict[str, MemoryObjectSendStream[tuple[TokenDelta, float]]] = {}
         self._ready = anyio.Event()
-        self._stats_lock = anyio.Lock()
-        self._stats: MemoryObjectSendStream[EngineStats] | None = None
-        self._rebalances: dict[int, MemoryObjectSendStream[Rebalanced]] = {}  # by version
-        self._plan_lock = anyio.Lock()
-        self._plan: MemoryObjectSendStream[PlacementPlan] | None = None
+        # questions to the engine awaiting their answer, by the answer's type and key (a
+        # rebalance's version; None: one question of that type at a time, `_asking`)
+        self._answers: dict[tuple[type, int | None], MemoryObjectSendStream[Any]] = {}
+        self._asking: dict[type, anyio.Lock] = {}
         self._down = anyio.Event()  # set when the current connection is lost
         self._warmed = anyio.Event()  # set once its warm-up came back (one per connection)
         self.warmup_error: str | None = None  # the last warm-up's error, until one works
@@ -161,16 +162,11 @@ class EngineClient:
             self._route(await frames.receive())
 
     def _route(self, message: Message) -> None:
-        if isinstance(message, EngineStats) and self._stats is not None:
-            self._stats.send_nowait(message)
-            return
-        if isinstance(message, PlacementPlan) and self._plan is not None:
-            self._plan.send_nowait(message)
-            return
-        if isinstance(message, Rebalanced):
-            if (waiter := self._rebalances.pop(message.version, None)) is not None:
+        if isinstance(message, EngineStats | PlacementPlan | Rebalanced):
+            key = message.version if isinstance(message, Rebalanced) else None
+            if (waiter := self._answers.pop((type(message), key), None)) is not None:
                 waiter.send_nowait(message)
-            return
+            return  # (else an answer that came after its question's timeout)
         if not isinstance(message, TokenDelta):
             log.warning("ignoring unexpected %s from the engine", type(message).__name__)
             return
@@ -193,13 +189,9 @@ class EngineClient:
         for stream in self._pending.values():
             stream.close()
         self._pending.clear()
-        if self._stats is not None:
-            self._stats.close()
-        if self._plan is not None:
-            self._plan.close()
-        for waiter in self._rebalances.values():
+        for waiter in self._answers.values():
             waiter.close()
-        self._rebalances.clear()
+        self._answers.clear()
 
     async def keep_warm(self, retry_s: float = 2.0) -> None:
         """Warm up each connection once it is made; a failed warm-up again every
@@ -252,60 +244,43 @@ class EngineClient:
         return Generation(self, request.request_id, receive)
 
     async def stats(self, timeout: float = 10.0) -> EngineStats:
-        """Ask the engine for its counters (one question at a time on the connection)."""
-        async with self._stats_lock:
-            frames = self._frames
-            if frames is None:
-                raise engine_unavailable("not connected to the engine")
-            send, receive = anyio.create_memory_object_stream[EngineStats](1)
-            self._stats = send
-            try:
-                with anyio.fail_after(timeout), receive:
-                    await frames.send(StatsRequest())
-                    return await receive.receive()
-            except (TimeoutError, anyio.EndOfStream, *_CONNECTION_ERRORS) as exc:
-                raise engine_unavailable(f"no stats from the engine ({exc!r})") from exc
-            finally:
-                self._stats = None
-                send.close()
+        """Ask the engine for its counters."""
+        return await self._ask(StatsRequest(), EngineStats, None, timeout,
+                               "no stats from the engine")
 
     async def plan(self, request: PlanPlacement, timeout: float) -> PlacementPlan:
-        """The group's EPLB placement of a load (one question at a time)."""
-        async with self._plan_lock:
-            frames = self._frames
-            if frames is None:
-                raise engine_unavailable("not connected to the engine")
-            send, receive = anyio.create_memory_object_stream[PlacementPlan](1)
-            self._plan = send
-            try:
-                with anyio.fail_after(timeout), receive:
-                    await frames.send(request)
-                    return await receive.receive()
-            except (TimeoutError, anyio.EndOfStream, *_CONNECTION_ERRORS) as exc:
-                raise engine_unavailable(f"no placement plan ({exc!r})") from exc
-            finally:
-                self._plan = None
-                send.close()
+        """The group's EPLB placement of a load."""
+        return await self._ask(request, PlacementPlan, None, timeout, "no placement plan")
 
     async def rebalance(self, request: Rebalance, timeout: float) -> Rebalanced:
         """Have the group move its experts to `request`'s placement; its answer (an
-        `error` in it: the old placement still routes). A 503 `GatewayError` if the
+        `error` in it: the old placement still routes). Sent whole even if cancelled: a
+        half-sent frame would break the connection."""
+        return await self._ask(request, Rebalanced, request.version, timeout,
+                               "no answer to the rebalance", shield=True)
+
+    async def _ask(self, question: Message, answer: type[A], key: int | None,
+                   timeout: float, what: str, shield: bool = False) -> A:
+        """Send `question` and wait for its `answer` (matched by type and `key`; with key
+        None, one such question at a time). A 503 `GatewayError` saying `what` if the
         group is not connected or does not answer within `timeout`."""
-        frames = self._frames
-        if frames is None:
-            raise engine_unavailable("not connected to the engine")
-        send, receive = anyio.create_memory_object_stream[Rebalanced](1)
-        self._rebalances[request.version] = send
-        try:
-            with anyio.fail_after(timeout), receive:
-                with anyio.CancelScope(shield=True):
-                    await frames.send(request)
-                return await receive.receive()
-        except (TimeoutError, anyio.EndOfStream, *_CONNECTION_ERRORS) as exc:
-            raise engine_unavailable(f"no answer to the rebalance ({exc!r})") from exc
-        finally:
-            self._rebalances.pop(request.version, None)
-            send.close()
+        async with self._asking.setdefault(answer, anyio.Lock()) if key is None \
+                else contextlib.nullcontext():
+            frames = self._frames
+            if frames is None:
+                raise engine_unavailable("not connected to the engine")
+            send, receive = anyio.create_memory_object_stream[A](1)
+            self._answers[(answer, key)] = send
+            try:
+                with anyio.fail_after(timeout), receive:
+                    with anyio.CancelScope(shield=shield):
+                        await frames.send(question)
+                    return await receive.receive()
+            except (TimeoutError, anyio.EndOfStream, *_CONNECTION_ERRORS) as exc:
+                raise engine_unavailable(f"{what} ({exc!r})") from exc
+            finally:
+                self._answers.pop((answer, key), None)
+                send.close()
 
     def release(self, request_id: str) -> bool:
         """Stop routing deltas for a request; True if it was still registered."""

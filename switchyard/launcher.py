@@ -174,7 +174,8 @@ def _start_services(args: argparse.Namespace, model: Path, name: str,
         "gateway", "--model", str(model), "--served-model-name", name,
         "--engine", ",".join(f"127.0.0.1:{p}" for p, _ in engine_ports),
         "--service-metrics", scrape,
-        "--host", args.host, "--port", str(args.port),
+        # (port 0 chosen here: a restarted gateway must listen where the printed URL says)
+        "--host", args.host, "--port", str(args.port or free_port()),
         *serve_flags(args),
         *_tracing_args(args)])],
         timeout)
@@ -193,13 +194,14 @@ def _restart_units(args: argparse.Namespace, names: list[str]) -> dict[str, Unit
     """Which children `serve` starts again together when one of them dies: a rendezvous
     needs all its members, so a collective backend's world (every attention and expert
     rank) restarts whole, and a DCP group with all its ranks; an `rpc` expert service and
-    a group without DCP alone. The gateway is not restarted (a container's restart
-    policy is)."""
+    a group without DCP, and the gateway, alone."""
     services = [n for n in names if n != "gateway"]
+    gateway = {"gateway": ("gateway",)} if "gateway" in names else {}
     if backend(args.dispatch_backend).collective:
-        return dict.fromkeys(services, tuple(services))
+        return {**dict.fromkeys(services, tuple(services)), **gateway}
     group = {n: n.split(" DCP rank ")[0] for n in services}  # a DCP peer: its leader's name
-    return {n: tuple(m for m in services if group[m] == group[n]) for n in services}
+    return {**{n: tuple(m for m in services if group[m] == group[n]) for n in services},
+            **gateway}
 
 
 def _expert_ports(args: argparse.Namespace) -> list[str]:

@@ -6,9 +6,10 @@ failure and starts over once it has run 10 s (Docker's rule). Services restart b
 *unit*: the ones that meet in a rendezvous (a DCP group's ranks; a collective backend's
 whole world) cannot go on without the one that died, so its partners are killed and the
 unit starts again together. Meanwhile the gateway fails the unit's requests over, and
-experts go to their replicas or the attention services hold their steps. A child with
-no unit (the gateway), and any that exits cleanly, ends the topology. Every child keeps
-being watched while a unit restarts.
+experts go to their replicas or the attention services hold their steps (a gateway that
+dies loses its clients' connections, and comes back on its port). A child with no unit,
+and any that exits cleanly, ends the topology. Every child keeps being watched while a
+unit restarts.
 """
 
 from __future__ import annotations

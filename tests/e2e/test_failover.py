@@ -19,6 +19,7 @@ import pytest
 from switchyard.serve_process import Served
 from tests.support.engines import prompts, reference_greedy
 from tests.support.serving import concurrent_greedy, model_id, stream_tokens
+from tests.support.tools import wait_until
 
 pytestmark = pytest.mark.timeout(300)
 N = 96  # tokens a stream: long enough to be cut in the middle
@@ -132,3 +133,23 @@ def test_greedy_streams_outlive_a_collective_worlds_rank(qwen3_ckpt: tuple) -> N
         log = served.stderr()
         assert re.search(r"expert rank 1 exited with status -9; starting it \(and with it "
                          r"expert rank 0, attention group 0\) again", log), log
+
+
+def test_the_gateway_comes_back_where_it_was() -> None:
+    """SIGKILL the gateway: `serve` starts it again on the port its URL names (its
+    clients' connections went with it); the demo model answers there again."""
+    with Served([]) as served:
+        os.kill(served.services()["gateway"], signal.SIGKILL)
+
+        def answers() -> bool:
+            try:
+                return httpx.get(f"{served.url}/health", timeout=5).status_code == 200
+            except httpx.HTTPError:
+                return False  # not listening yet
+
+        wait_until(answers, timeout=120)
+        r = httpx.post(f"{served.url}/v1/chat/completions", timeout=60, json={
+            "model": model_id(served), "temperature": 0,
+            "messages": [{"role": "user", "content": "What is 123 + 456?"}]})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "579"
+        assert "gateway exited with status -9; starting it again" in served.stderr()

@@ -213,7 +213,7 @@ def test_a_member_that_dies_while_its_unit_restarts_restarts_the_unit_again(
 
 def test_serve_restarts_what_meets_in_a_rendezvous_together() -> None:
     """`serve`'s units: a DCP group's ranks together, the rest of an rpc topology alone,
-    a collective backend's world whole; never the gateway."""
+    a collective backend's world whole; the gateway alone."""
     from argparse import Namespace
 
     from switchyard.launcher import _restart_units
@@ -226,7 +226,8 @@ def test_serve_restarts_what_meets_in_a_rendezvous_together() -> None:
     assert rpc["attention group 0 DCP rank 1"] == rpc["attention group 0"] == (
         "attention group 0", "attention group 0 DCP rank 1")
     assert rpc["attention group 1"] == ("attention group 1", "attention group 1 DCP rank 1")
-    assert "gateway" not in rpc
+    assert rpc["gateway"] == ("gateway",)
     world = _restart_units(Namespace(dispatch_backend="torch"), [
         "expert rank 0", "attention group 0", "attention group 1", "gateway"])
-    assert set(world.values()) == {("expert rank 0", "attention group 0", "attention group 1")}
+    assert set(world.values()) == {("expert rank 0", "attention group 0", "attention group 1"),
+                                   ("gateway",)}
