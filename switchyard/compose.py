@@ -8,6 +8,13 @@ pinned to its own GPU, with healthchecks and start-up order; plus a `cpu` profil
 serves the bundled demo model in one container with no GPU. `--prometheus` writes the
 scrape configuration the layout needs. The committed `compose.yaml` and
 `deploy/prometheus.yml` are this command's output for the default layout.
+
+`--device cpu` renders the same services with no GPU (no reservations; started by a plain
+`docker compose up`, sharing one volume for the CPU kernels they build). `--network host`
+puts every service on the host's network (compose's `network_mode: host`): each listens
+on 127.0.0.1 on ports of its own, and finds the others there rather than by name; the
+gateway on `${SWITCHYARD_HOST:-0.0.0.0}`. Prometheus then scrapes the gateway whole (its
+/metrics merges every service's).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ JAEGER_IMAGE = "jaegertracing/jaeger:2.21.0"
 PROMETHEUS_IMAGE = "prom/prometheus:v3.5.0"
 HEADER = """\
 # Switchyard on one GPU host: rendered by `switchyard compose {args}`
-# (tests/switchyard/test_compose.py keeps this file equal to that output). Settings: .env.
+# (tests/switchyard/test_compose.py keeps the committed file equal to that). Settings: .env.
 #   docker compose up                  # the GPU services (COMPOSE_PROFILES=gpu in .env)
 #   docker compose --profile cpu up    # the bundled demo model on the CPU, no GPU
 # Chat: http://HOST:8000/v1   Jaeger: http://HOST:16686   Prometheus: http://HOST:9090
@@ -41,19 +48,23 @@ HEADER = """\
 @dataclass(frozen=True)
 class Layout:
     """Which GPU runs what: attention group g's DCP rank r on GPU g * D + r, then the
-    expert services, one GPU each."""
+    expert services, one GPU each; and where the services find each other."""
 
     gpus: int = 8
     expert_services: int = 6
     dcp_size: int = 2
     attention_groups: int = 1
+    device: str = "cuda"  # cpu: the same services, no GPU
+    network: str = "bridge"  # host: the host's network, services on loopback ports
 
     def check(self) -> None:
         if min(self.gpus, self.expert_services, self.dcp_size, self.attention_groups) < 1:
             raise ValueError("--gpus, --expert-services, --dcp-size and --attention-groups "
                              "must be at least 1")
+        if self.device not in ("cuda", "cpu") or self.network not in ("bridge", "host"):
+            raise ValueError("--device is cuda or cpu; --network is bridge or host")
         need = self.attention_groups * self.dcp_size + self.expert_services
-        if need > self.gpus:
+        if self.gpu and need > self.gpus:
             raise ValueError(f"{self.attention_groups} attention group(s) of {self.dcp_size} "
                              f"DCP rank(s) and {self.expert_services} expert services need "
                              f"{need} GPUs; --gpus is {self.gpus}")
@@ -65,47 +76,101 @@ class Layout:
         return self.attention_groups * self.dcp_size + rank
 
     def args(self) -> str:
-        return (f"--gpus {self.gpus} --expert-services {self.expert_services} "
-                f"--dcp-size {self.dcp_size} --attention-groups {self.attention_groups}")
+        out = (f"--gpus {self.gpus} --expert-services {self.expert_services} "
+               f"--dcp-size {self.dcp_size} --attention-groups {self.attention_groups}")
+        out += "" if self.gpu else f" --device {self.device}"
+        return out + ("" if self.network == "bridge" else f" --network {self.network}")
+
+    @property
+    def gpu(self) -> bool:
+        return self.device == "cuda"
+
+    @property
+    def host(self) -> bool:
+        """On the host's network: every service on 127.0.0.1, a port of its own each."""
+        return self.network == "host"
+
+    def bind(self) -> str:
+        return "127.0.0.1" if self.host else "0.0.0.0"
+
+    def address(self, service: str, port: int) -> str:
+        return f"127.0.0.1:{port}" if self.host else f"{service}:{port}"
+
+    def expert_port(self, rank: int) -> int:
+        return EXPERT_PORT + rank * self.host
+
+    def attention_port(self, group: int) -> int:
+        return ATTENTION_PORT + group * self.host
+
+    def dcp_init_port(self, group: int) -> int:
+        return DCP_INIT_PORT + group * self.host
+
+    def expert_metrics_port(self, rank: int) -> int:
+        return METRICS_PORT + rank * self.host
+
+    def attention_metrics_port(self, group: int, rank: int) -> int:
+        offset = self.expert_services + group * self.dcp_size + rank
+        return METRICS_PORT + offset * self.host
+
+    def otlp(self) -> str:
+        return "http://127.0.0.1:4318" if self.host else OTLP
 
 
 def _attention_name(group: int, rank: int) -> str:
     return f"attention-{group}" if rank == 0 else f"attention-{group}-dcp{rank}"
 
 
-def _common_env(service: str) -> dict[str, str]:
+def _common_env(service: str, layout: Layout) -> dict[str, str]:
     return {
-        "OTEL_EXPORTER_OTLP_ENDPOINT": OTLP,
+        "OTEL_EXPORTER_OTLP_ENDPOINT": layout.otlp(),
         "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
         "OTEL_TRACES_SAMPLER_ARG": "${SWITCHYARD_TRACE_SAMPLE_RATIO:-0.01}",
         "OTEL_RESOURCE_ATTRIBUTES": f"service.instance.id={service}",
     }
 
 
-def _gpu_service(name: str, gpu: int, command: list[str], health: str,
-                 depends: list[str]) -> dict:
+KERNELS_VOLUME = "cpu-kernels"  # --device cpu: the CPU kernels, built once for all services
+KERNELS_PATH = "/home/switchyard/.cache/torch_extensions"  # torch's extension cache
+
+
+def _service(layout: Layout, name: str, gpu: int, command: list[str], health: str,
+             depends: list[str]) -> dict:
+    """An expert or attention service; on its GPU with `--device cuda`."""
     service: dict = {
         "image": "${SWITCHYARD_IMAGE:-switchyard:latest}",
-        "profiles": ["gpu"],
+        **({"profiles": ["gpu"]} if layout.gpu else {}),
         "command": command,
-        "environment": _common_env(name),
+        "environment": _common_env(name, layout),
         "volumes": ["${SWITCHYARD_MODEL_DIR:-./model}:/model:ro"],
-        "ipc": "host",  # NCCL and CUDA IPC between the GPU services
-        "ulimits": {"memlock": -1, "stack": 67108864},
-        "deploy": {"resources": {"reservations": {"devices": [{
-            "driver": "nvidia", "device_ids": [str(gpu)], "capabilities": ["gpu"]}]}}},
+    }
+    if layout.gpu:
+        service.update({
+            "ipc": "host",  # NCCL and CUDA IPC between the GPU services
+            "ulimits": {"memlock": -1, "stack": 67108864},
+            "deploy": {"resources": {"reservations": {"devices": [{
+                "driver": "nvidia", "device_ids": [str(gpu)], "capabilities": ["gpu"]}]}}}})
+    else:
+        service["volumes"].append(f"{KERNELS_VOLUME}:{KERNELS_PATH}")
+    service.update(_network(layout))
+    service.update({
         "healthcheck": _health(health),
         # A crash, or a rank that left a lockstep world out of step (status 3): back up,
         # its peers too, and the world forms again.
         "restart": "on-failure",
-    }
+    })
     if depends:
         service["depends_on"] = {d: {"condition": "service_healthy"} for d in depends}
     return service
 
 
-def _device_flags() -> list[str]:
-    return ["--device", "${SWITCHYARD_DEVICE:-cuda}", "--dtype", "${SWITCHYARD_DTYPE:-auto}"]
+def _network(layout: Layout) -> dict:
+    return {"network_mode": "host"} if layout.host else {}
+
+
+def _device_flags(layout: Layout) -> list[str]:
+    dtype = "auto" if layout.gpu else "float32"  # (bf16 matmuls crawl on most CPUs)
+    return ["--device", f"${{SWITCHYARD_DEVICE:-{layout.device}}}",
+            "--dtype", f"${{SWITCHYARD_DTYPE:-{dtype}}}"]
 
 
 def _replicas_flag() -> list[str]:
@@ -113,11 +178,12 @@ def _replicas_flag() -> list[str]:
     return ["--expert-replicas", "${SWITCHYARD_EXPERT_REPLICAS:-1}"]
 
 
-def _engine_flags() -> list[str]:
-    return ["--model", "/model", "--host", "0.0.0.0", *_device_flags(),
-            "--kv-cache-memory", "${SWITCHYARD_KV_CACHE_MEMORY:-40GiB}",
+def _engine_flags(layout: Layout, metrics_port: int) -> list[str]:
+    kv = "40GiB" if layout.gpu else "1GiB"
+    return ["--model", "/model", "--host", layout.bind(), *_device_flags(layout),
+            "--kv-cache-memory", f"${{SWITCHYARD_KV_CACHE_MEMORY:-{kv}}}",
             "--max-num-seqs", "${SWITCHYARD_MAX_NUM_SEQS:-256}",
-            "--metrics-port", str(METRICS_PORT)]
+            "--metrics-port", str(metrics_port)]
 
 
 def render(layout: Layout) -> dict:
@@ -129,18 +195,22 @@ def render(layout: Layout) -> dict:
     for g in range(layout.attention_groups):
         services.update(_attention_group(layout, g, experts))
         leaders.append(_attention_name(g, 0))
-    services["gateway"] = _gateway(leaders, list(services))
-    services.update(_companions())
-    return {"services": services}
+    services["gateway"] = _gateway(layout, leaders, list(services))
+    services.update(_companions(layout))
+    doc: dict = {"services": services}
+    if not layout.gpu:
+        doc["volumes"] = {KERNELS_VOLUME: {}}
+    return doc
 
 
 def _expert_services(layout: Layout) -> dict[str, dict]:
     names = [f"expert-{r}" for r in range(layout.expert_services)]
-    return {name: _gpu_service(name, layout.expert_gpu(r), [
-        "switchyard", "expert", "--model", "/model", "--host", "0.0.0.0",
-        "--port", str(EXPERT_PORT), "--rank", str(r),
-        "--num-ranks", str(layout.expert_services), *_device_flags(), *_replicas_flag(),
-        "--metrics-port", str(METRICS_PORT)], f"127.0.0.1:{EXPERT_PORT}", [])
+    return {name: _service(layout, name, layout.expert_gpu(r), [
+        "switchyard", "expert", "--model", "/model", "--host", layout.bind(),
+        "--port", str(layout.expert_port(r)), "--rank", str(r),
+        "--num-ranks", str(layout.expert_services), *_device_flags(layout), *_replicas_flag(),
+        "--metrics-port", str(layout.expert_metrics_port(r))],
+        f"127.0.0.1:{layout.expert_port(r)}", [])
         for r, name in enumerate(names)}
 
 
@@ -148,43 +218,74 @@ def _attention_group(layout: Layout, g: int, experts: list[str]) -> dict[str, di
     """Group g's DCP ranks. They start together (their rendezvous needs all of them), once
     the experts answer; the leader is healthy when the whole group has joined."""
     leader = _attention_name(g, 0)
-    addresses = ",".join(f"{e}:{EXPERT_PORT}" for e in experts)
+    addresses = ",".join(layout.address(e, layout.expert_port(r))
+                         for r, e in enumerate(experts))
     dcp = ["--dcp-size", str(layout.dcp_size), "--dcp-init",
-           f"{leader}:{DCP_INIT_PORT}"] if layout.dcp_size > 1 else []
+           layout.address(leader, layout.dcp_init_port(g))] if layout.dcp_size > 1 else []
     services = {}
     for r in range(layout.dcp_size):
-        command = ["switchyard", "attention", *_engine_flags(), *_replicas_flag(),
-                   "--dispatch-backend", "rpc", "--expert-addresses", addresses, *dcp]
+        metrics = layout.attention_metrics_port(g, r)
+        command = ["switchyard", "attention", *_engine_flags(layout, metrics),
+                   *_replicas_flag(), "--dispatch-backend", "rpc",
+                   "--expert-addresses", addresses, *dcp]
         if r == 0:
-            command += ["--port", str(ATTENTION_PORT)]
-            health = f"127.0.0.1:{ATTENTION_PORT}"
+            command += ["--port", str(layout.attention_port(g))]
+            health = f"127.0.0.1:{layout.attention_port(g)}"
         else:
             command += ["--dcp-rank", str(r)]
-            health = f"http://127.0.0.1:{METRICS_PORT}/metrics"  # served once joined
+            health = f"http://127.0.0.1:{metrics}/metrics"  # served once joined
         name = _attention_name(g, r)
-        services[name] = _gpu_service(name, layout.attention_gpu(g, r), command, health,
-                                      experts)
+        services[name] = _service(layout, name, layout.attention_gpu(g, r), command, health,
+                                  experts)
         services[name]["environment"].update(_settings(ENGINE_SETTINGS))
     return services
 
 
-def _gateway(leaders: list[str], scraped: list[str]) -> dict:
+def _metrics_ports(layout: Layout) -> dict[str, int]:
+    """Each expert and attention service's /metrics port, by service name."""
+    ports = {f"expert-{r}": layout.expert_metrics_port(r)
+             for r in range(layout.expert_services)}
+    ports.update({_attention_name(g, r): layout.attention_metrics_port(g, r)
+                  for g in range(layout.attention_groups) for r in range(layout.dcp_size)})
+    return ports
+
+
+def _gateway(layout: Layout, leaders: list[str], scraped: list[str]) -> dict:
+    metrics = _metrics_ports(layout)
     return {
         "image": "${SWITCHYARD_IMAGE:-switchyard:latest}",
-        "profiles": ["gpu"],
+        **({"profiles": ["gpu"]} if layout.gpu else {}),
         "command": ["switchyard", "gateway", "--model", "/model",
                     "--served-model-name", SERVED_MODEL_NAME,
-                    "--host", "0.0.0.0", "--port", str(GATEWAY_PORT),
-                    "--engine", ",".join(f"{g}:{ATTENTION_PORT}" for g in leaders),
+                    *_front(layout),
+                    "--engine", ",".join(layout.address(name, layout.attention_port(g))
+                                         for g, name in enumerate(leaders)),
                     "--service-metrics",
-                    ",".join(f"http://{s}:{METRICS_PORT}/metrics" for s in scraped)],
-        "environment": {**_common_env("gateway"), **_settings(GATEWAY_SETTINGS)},
+                    ",".join(f"http://{layout.address(s, metrics[s])}/metrics"
+                             for s in scraped)],
+        "environment": {**_common_env("gateway", layout), **_settings(GATEWAY_SETTINGS)},
         "volumes": ["${SWITCHYARD_MODEL_DIR:-./model}:/model:ro"],
-        "ports": [f"${{SWITCHYARD_PORT:-{GATEWAY_PORT}}}:{GATEWAY_PORT}"],
+        **_published(layout, f"${{SWITCHYARD_PORT:-{GATEWAY_PORT}}}:{GATEWAY_PORT}"),
         "depends_on": {g: {"condition": "service_healthy"} for g in leaders},
-        "healthcheck": _health(f"http://127.0.0.1:{GATEWAY_PORT}/health"),
+        "healthcheck": _health(f"http://127.0.0.1:{_front_port(layout)}/health"),
         "restart": "on-failure",
     }
+
+
+def _front(layout: Layout) -> list[str]:
+    """Where a front door (the gateway, the CPU demo) listens."""
+    if layout.host:
+        return ["--host", "${SWITCHYARD_HOST:-0.0.0.0}", "--port", _front_port(layout)]
+    return ["--host", "0.0.0.0", "--port", str(GATEWAY_PORT)]
+
+
+def _front_port(layout: Layout) -> str:
+    return f"${{SWITCHYARD_PORT:-{GATEWAY_PORT}}}" if layout.host else str(GATEWAY_PORT)
+
+
+def _published(layout: Layout, *ports: str) -> dict:
+    """`ports`, or on the host's network none (the service is there already)."""
+    return {"network_mode": "host"} if layout.host else {"ports": list(ports)}
 
 
 # Settings of .env a service reads as its flags' SWITCHYARD_ variables (name without the
@@ -201,33 +302,35 @@ def _settings(names: tuple[tuple[str, str], ...]) -> dict[str, str]:
             for name, default in names}
 
 
-def _companions() -> dict[str, dict]:
+def _companions(layout: Layout) -> dict[str, dict]:
     """The CPU demo (profile `cpu`), Jaeger and Prometheus."""
+    otlp = "127.0.0.1:4318" if layout.host else "0.0.0.0:4318"
+    grpc = "127.0.0.1:4317" if layout.host else "0.0.0.0:4317"
     return {
         "cpu": {
             "image": "${SWITCHYARD_IMAGE:-switchyard:latest}",
             "profiles": ["cpu"],
-            "command": ["switchyard", "serve", "--host", "0.0.0.0", "--port",
-                        str(GATEWAY_PORT), "--otlp-traces-endpoint", f"{OTLP}/v1/traces",
+            "command": ["switchyard", "serve", *_front(layout), "--otlp-traces-endpoint",
+                        f"{layout.otlp()}/v1/traces",
                         "--served-model-name", SERVED_MODEL_NAME],
             "environment": {
                 "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
                 "OTEL_TRACES_SAMPLER_ARG": "${SWITCHYARD_TRACE_SAMPLE_RATIO:-0.01}",
                 **_settings(GATEWAY_SETTINGS + ENGINE_SETTINGS)},
-            "ports": [f"${{SWITCHYARD_PORT:-{GATEWAY_PORT}}}:{GATEWAY_PORT}"],
-            "healthcheck": _health(f"http://127.0.0.1:{GATEWAY_PORT}/health"),
+            **_published(layout, f"${{SWITCHYARD_PORT:-{GATEWAY_PORT}}}:{GATEWAY_PORT}"),
+            "healthcheck": _health(f"http://127.0.0.1:{_front_port(layout)}/health"),
             "restart": "on-failure",
         },
         "jaeger": {
             "image": JAEGER_IMAGE,
-            "command": ["--set", "receivers.otlp.protocols.http.endpoint=0.0.0.0:4318",
-                        "--set", "receivers.otlp.protocols.grpc.endpoint=0.0.0.0:4317"],
-            "ports": ["${SWITCHYARD_JAEGER_PORT:-16686}:16686"],
+            "command": ["--set", f"receivers.otlp.protocols.http.endpoint={otlp}",
+                        "--set", f"receivers.otlp.protocols.grpc.endpoint={grpc}"],
+            **_published(layout, "${SWITCHYARD_JAEGER_PORT:-16686}:16686"),
         },
         "prometheus": {
             "image": PROMETHEUS_IMAGE,
             "volumes": ["./deploy/prometheus.yml:/etc/prometheus/prometheus.yml:ro"],
-            "ports": ["${SWITCHYARD_PROMETHEUS_PORT:-9090}:9090"],
+            **_published(layout, "${SWITCHYARD_PROMETHEUS_PORT:-9090}:9090"),
         },
     }
 
@@ -241,10 +344,14 @@ def _health(target: str) -> dict:
 def prometheus_config(layout: Layout) -> dict:
     """Prometheus' scrape configuration: every service directly, and the gateway's own
     series (its copy of the services' series dropped: they would count twice). The CPU
-    demo's services are inside its one container, so its gateway is scraped whole."""
-    doc = render(layout)["services"]
-    targets = [f"{name}:{METRICS_PORT}" for name, s in doc.items()
-               if "--metrics-port" in s.get("command", [])]
+    demo's services are inside its one container, so its gateway is scraped whole. On
+    the host's network the gateway and the CPU demo share a port: the gateway (or the
+    demo) is scraped whole, its /metrics merging every service's."""
+    if layout.host:
+        return {"global": {"scrape_interval": "5s"},
+                "scrape_configs": [{"job_name": "gateway", "static_configs": [
+                    {"targets": [f"127.0.0.1:{GATEWAY_PORT}"]}]}]}
+    targets = [f"{name}:{port}" for name, port in _metrics_ports(layout).items()]
     merged = {"source_labels": ["__name__"], "action": "drop",
               "regex": "switchyard:(expert|dispatch|combine)_.*"}
     return {"global": {"scrape_interval": "5s"},
@@ -277,11 +384,16 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--expert-services", type=int, default=6)
     ap.add_argument("--dcp-size", type=int, default=2)
     ap.add_argument("--attention-groups", type=int, default=1)
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                    help="cpu: the same services with no GPU (default: cuda)")
+    ap.add_argument("--network", choices=["bridge", "host"], default="bridge",
+                    help="host: every service on the host's network, on loopback ports")
     ap.add_argument("--out", type=Path, help="write the compose file here (default: stdout)")
     ap.add_argument("--prometheus", type=Path,
                     help="also write the Prometheus scrape configuration here")
     args = ap.parse_args(argv)
-    layout = Layout(args.gpus, args.expert_services, args.dcp_size, args.attention_groups)
+    layout = Layout(args.gpus, args.expert_services, args.dcp_size, args.attention_groups,
+                    args.device, args.network)
     try:
         text = dump(render(layout), HEADER.format(args=layout.args()))
     except ValueError as exc:

@@ -87,18 +87,53 @@ def test_too_few_gpus_is_an_error() -> None:
 
 
 def test_the_dockerfile_installs_as_the_readme_does() -> None:
+    """On a base of the builder's choice (CUDA's by default), through scripts/bootstrap.sh,
+    dependencies before the source (a layer that survives a source change). Built for
+    real on a local Debian base: tests/e2e/test_docker.py."""
     text = (ROOT / "Dockerfile").read_text()
-    stages = re.findall(r"^FROM (\S+)", text, re.M)
-    assert len(stages) == 2 and all(s.startswith("nvidia/cuda:") for s in stages)
-    runs = " ".join(re.findall(r"^RUN (.*(?:\\\n.*)*)", text, re.M))
-    assert "scripts/bootstrap.sh gpu" in runs
-    assert "pip install" not in runs.replace("pip install --no-build-isolation .", "")
+    assert re.search(r"^ARG BASE_IMAGE=nvidia/cuda:\S+$", text, re.M)
+    assert re.findall(r"^FROM (\S+)", text, re.M) == ["${BASE_IMAGE}", "${BASE_IMAGE}"]
+    runs = re.findall(r"^RUN (.*(?:\\\n.*)*)", text, re.M)
+    boot = [i for i, r in enumerate(runs) if 'scripts/bootstrap.sh "$EXTRAS"' in r]
+    assert len(boot) == 2
+    assert "pip install" not in " ".join(runs).replace("pip install --no-build-isolation .",
+                                                      "")
+    lines = text.splitlines()
+    at = {key: next(i for i, line in enumerate(lines) if line.startswith(key))
+          for key in ("COPY pyproject.toml", "RUN scripts/bootstrap.sh", "COPY switchyard",
+                      "COPY common")}
+    assert at["COPY pyproject.toml"] < at["RUN scripts/bootstrap.sh"] < at["COPY switchyard"]
+    packages = re.findall(r'include = \[(.*)\]', (ROOT / "pyproject.toml").read_text())[0]
+    for package in re.findall(r'"(\w+)\*"', packages):  # every package is copied in
+        assert re.search(rf"^COPY {package} {package}$", text, re.M), package
     assert re.search(r"^USER switchyard$", text, re.M)
     assert "WITH_DEEPEP" in text
 
 
-
-
+def test_the_host_network_layout_puts_every_service_on_its_own_loopback_ports() -> None:
+    """`--network host --device cpu`: no published ports, no GPU, every address on
+    127.0.0.1, no two services on one port, and each reference points at a listener."""
+    doc = render(Layout(8, 3, 2, 2, device="cpu", network="host"))
+    services = doc["services"]
+    assert all(s["network_mode"] == "host" and "ports" not in s and "deploy" not in s
+               for s in services.values())
+    listens: list[str] = []
+    for name, s in services.items():
+        command = s.get("command", [])
+        if command[:1] != ["switchyard"] or name == "cpu":
+            continue
+        assert _flag(command, "--host") in ("127.0.0.1", "${SWITCHYARD_HOST:-0.0.0.0}")
+        for flag in ("--port", "--metrics-port"):
+            if (port := _flag(command, flag)) is not None:
+                listens.append(port)
+        if _flag(command, "--dcp-rank") is None and "--dcp-init" in command:
+            listens.append(_flag(command, "--dcp-init").split(":")[1])
+    assert len(listens) == len(set(listens)), listens
+    referenced = [a for s in services.values() for flag in ("--expert-addresses", "--engine")
+                  for a in (_flag(s.get("command", []), flag) or "").split(",") if a]
+    assert referenced and all(a.startswith("127.0.0.1:") and a.split(":")[1] in listens
+                              for a in referenced)
+    assert doc["volumes"] == {"cpu-kernels": {}}
 
 
 def test_probe_reports_what_is_wrong() -> None:
