@@ -292,7 +292,8 @@ def _published(layout: Layout, *ports: str) -> dict:
 # prefix, default).
 GATEWAY_SETTINGS = (("ENABLE_AUTO_TOOL_CHOICE", "false"), ("TOOL_CALL_PARSER", ""),
                     ("ENABLE_PROMPT_TOKENS_DETAILS", "false"),
-                    ("ROUTING_POLICY", "prefix-affinity"), ("ROUTING_BALANCE", "16"))
+                    ("ROUTING_POLICY", "prefix-affinity"), ("ROUTING_BALANCE", "16"),
+                    ("FAILOVER_TIMEOUT", "60"))
 ENGINE_SETTINGS = (("ENABLE_PREFIX_CACHING", "true"),)
 
 
