@@ -8,16 +8,40 @@ scrapes and merges them (`gateway.service_metrics`), and so can any Prometheus.
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Callable, Iterable
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import start_http_server
+from prometheus_client import make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:  # one line per scrape
+        pass
+
+
+def classic_text(app: Callable) -> Callable:
+    """`app` answering in the classic text format whatever the scraper asks: Prometheus
+    2 asks for OpenMetrics with `escaping=underscores`, under which prometheus_client
+    writes `switchyard:expert_tokens_total` as `switchyard_expert_tokens_total`; the text
+    format keeps every name as it is, for every Prometheus."""
+    def wrapped(environ: dict, start_response: Callable) -> Iterable[bytes]:
+        environ.pop("HTTP_ACCEPT", None)
+        return app(environ, start_response)
+
+    return wrapped
 
 
 def start_metrics_server(host: str, port: int | None) -> int | None:
-    """Serve `/metrics` on host:port (0 picks a free port); returns the bound port, or
-    None when no port is configured."""
+    """Serve `/metrics` on host:port (0 picks a free port), on a daemon thread; returns
+    the bound port, or None when no port is configured."""
     if port is None:
         return None
-    server, _ = start_http_server(port, addr=host)
+    server = make_server(host, port, classic_text(make_wsgi_app()), ThreadingWSGIServer,
+                         handler_class=_Quiet)
+    threading.Thread(target=server.serve_forever, daemon=True,
+                     name="metrics-server").start()
     return server.server_port
 
 

@@ -13,8 +13,8 @@ scrape configuration the layout needs. The committed `compose.yaml` and
 `docker compose up`, sharing one volume for the CPU kernels they build). `--network host`
 puts every service on the host's network (compose's `network_mode: host`): each listens
 on 127.0.0.1 on ports of its own, and finds the others there rather than by name; the
-gateway on `${SWITCHYARD_HOST:-0.0.0.0}`. Prometheus then scrapes the gateway whole (its
-/metrics merges every service's).
+gateway on `${SWITCHYARD_HOST:-0.0.0.0}`; Prometheus scrapes them there (the CPU demo,
+on the gateway's port, has no job of its own).
 """
 
 from __future__ import annotations
@@ -346,21 +346,18 @@ def prometheus_config(layout: Layout) -> dict:
     """Prometheus' scrape configuration: every service directly, and the gateway's own
     series (its copy of the services' series dropped: they would count twice). The CPU
     demo's services are inside its one container, so its gateway is scraped whole. On
-    the host's network the gateway and the CPU demo share a port: the gateway (or the
-    demo) is scraped whole, its /metrics merging every service's."""
-    if layout.host:
-        return {"global": {"scrape_interval": "5s"},
-                "scrape_configs": [{"job_name": "gateway", "static_configs": [
-                    {"targets": [f"127.0.0.1:{GATEWAY_PORT}"]}]}]}
-    targets = [f"{name}:{port}" for name, port in _metrics_ports(layout).items()]
+    the host's network the CPU demo listens where the gateway does, so it has no job of
+    its own: there its per-expert series are on its /metrics and dashboard only."""
+    targets = [layout.address(name, port) for name, port in _metrics_ports(layout).items()]
     merged = {"source_labels": ["__name__"], "action": "drop",
               "regex": "switchyard:(expert|dispatch|combine)_.*"}
-    return {"global": {"scrape_interval": "5s"},
-            "scrape_configs": [
-                {"job_name": "gateway", "metric_relabel_configs": [merged],
-                 "static_configs": [{"targets": [f"gateway:{GATEWAY_PORT}"]}]},
-                {"job_name": "services", "static_configs": [{"targets": targets}]},
-                {"job_name": "cpu", "static_configs": [{"targets": [f"cpu:{GATEWAY_PORT}"]}]}]}
+    jobs = [{"job_name": "gateway", "metric_relabel_configs": [merged],
+             "static_configs": [{"targets": [layout.address("gateway", GATEWAY_PORT)]}]},
+            {"job_name": "services", "static_configs": [{"targets": targets}]}]
+    if not layout.host:
+        jobs.append({"job_name": "cpu",
+                     "static_configs": [{"targets": [f"cpu:{GATEWAY_PORT}"]}]})
+    return {"global": {"scrape_interval": "5s"}, "scrape_configs": jobs}
 
 
 class _Dumper(yaml.SafeDumper):

@@ -167,13 +167,29 @@ def ask(client: httpx.Client, problem: Problem) -> tuple[int, bool]:
     return r.status_code, right
 
 
-def test_prometheus_returns_the_per_expert_series(services: Stack) -> None:
-    """A PromQL query over Prometheus' HTTP API: every expert's routed tokens, which grow
-    with the requests asked (beyond the warm-up's)."""
+def query(promql: str) -> list[dict]:
+    """A PromQL query over Prometheus' HTTP API: its result vector ([] until it answers)."""
+    try:
+        r = httpx.get(f"{PROMETHEUS}/api/v1/query", params={"query": promql}, timeout=10)
+    except httpx.TransportError:
+        return []
+    return r.json()["data"]["result"] if r.status_code == 200 else []
+
+
+def test_prometheus_scrapes_every_service_and_returns_the_per_expert_series(
+        services: Stack) -> None:
+    """Every service's target is up (the gateway and, directly, each expert and attention
+    service), and every expert's routed tokens grow with the requests asked (beyond the
+    warm-up's)."""
+    up = wait_until(lambda: (r := query("up")) and len(r) == 4 and
+                    all(s["value"][1] == "1" for s in r) and r, 60,
+                    lambda: f"not every target up: {query('up')}")
+    assert isinstance(up, list)
+    log("PromQL up: " + ", ".join(sorted(f"{s['metric']['job']} {s['metric']['instance']}"
+                                         for s in up)))
+
     def series() -> list[dict]:
-        r = httpx.get(f"{PROMETHEUS}/api/v1/query", timeout=10,
-                      params={"query": "sum by (expert) (switchyard:expert_tokens_total)"})
-        return r.json()["data"]["result"] if r.status_code == 200 else []
+        return query('sum by (expert) (switchyard:expert_tokens_total{job="services"})')
 
     def total(result: list[dict]) -> float:
         return sum(float(s["value"][1]) for s in result)
@@ -186,7 +202,7 @@ def test_prometheus_returns_the_per_expert_series(services: Stack) -> None:
     assert isinstance(result, list)
     experts = sorted(int(s["metric"]["expert"]) for s in result)
     assert experts == list(range(8)), result  # the demo model's 8 experts, each routed to
-    log("PromQL sum by (expert) (switchyard:expert_tokens_total): " + ", ".join(
+    log('PromQL sum by (expert) (switchyard:expert_tokens_total{job="services"}): ' + ", ".join(
         f"expert {s['metric']['expert']}: {s['value'][1]}" for s in
         sorted(result, key=lambda s: int(s["metric"]["expert"]))))
 
