@@ -20,8 +20,8 @@ from gateway.errors import GatewayError, engine_unavailable
 from gateway.prefix_affinity import POLICIES, PrefixAffinity, block_keys
 
 WARMUP_FAILED = "warm-up failed"  # how /health begins to say it (`switchyard serve` reads it)
-# A request whose group dies this many times in a row without a token in between fails
-# (a 503) rather than being resubmitted again: it may be what kills them.
+# A request is resubmitted at most this many times in a row without a token in between;
+# the next loss of its group fails it (a 503): it may be what kills them.
 MAX_FRUITLESS_RESUMES = 3
 log = logging.getLogger(__name__)
 
@@ -168,8 +168,9 @@ class FailoverGeneration:
     (`GenerateRequest.resumed`: max_tokens and min_tokens, penalties, the grammar, and
     each seeded draw's position). The deltas go on with the next token: none is missed
     or repeated, and the resumed request's own first-delta fields (queue and prefill
-    times, prompt logprobs, cached tokens) are not its. A request that outlives
-    `MAX_FRUITLESS_RESUMES` groups in a row without a token fails with a 503."""
+    times, prompt logprobs, cached tokens) are not its. A request resubmitted
+    `MAX_FRUITLESS_RESUMES` times in a row without a token fails with a 503 at the next
+    loss."""
 
     def __init__(self, pool: EnginePool, request: GenerateRequest,
                  generation: Generation) -> None:

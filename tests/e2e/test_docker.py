@@ -6,9 +6,10 @@ Phoenix) and Prometheus (Debian's).
 
 - The `cpu` profile (one container, `switchyard serve`) answers the README's curl.
 - The services on the CPU (`--device cpu`: gateway, attention, two expert services, each
-  expert on both) answer under load while an expert container, then the attention
-  container, is `docker kill`ed: no request fails, and the restart policy brings each
-  back. Prometheus returns the per-expert series to a PromQL query; Phoenix has the spans.
+  expert on both) answer under load while an expert container's process, then the
+  attention container's, is SIGKILLed: no request fails, and the restart policy brings
+  each back. Prometheus scrapes every service and returns the per-expert series to a
+  PromQL query; Phoenix has the spans.
 
 Each step is logged (stderr, and `$SWITCHYARD_DOCKER_LOG` when set: `.ci/run` prints it).
 Skipped without an engine and the images (`scripts/docker-prepare`, as root), unless
