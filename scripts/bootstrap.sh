@@ -26,10 +26,12 @@ if [ ! -f "$stamp" ]; then
       "${pip[@]}" install "torch>=2.5" >&2
     else
       # CPU machine: PyPI's Linux torch is the CUDA build (multi-GB of nvidia-* wheels);
-      # PyTorch's CPU index offers 2.13.0+cpu, which sorts above 2.13.0 and so is chosen
-      # (as it is from a local wheel directory where the index is out of reach).
-      "${pip[@]}" install "torch==2.13.0" \
-        --extra-index-url https://download.pytorch.org/whl/cpu >&2
+      # PyTorch's CPU index offers 2.13.0+cpu. A local wheel directory (pip's find-links)
+      # may hold it: asked first, without the index, whose every lookup would otherwise
+      # be retried where it is out of reach (minutes, a package at a time).
+      "${pip[@]}" install "torch==2.13.0+cpu" >&2 2>/dev/null ||
+        "${pip[@]}" install "torch==2.13.0" \
+          --extra-index-url https://download.pytorch.org/whl/cpu >&2
     fi
   fi
   # Pin whatever torch is installed so no dependency can swap it for another build.

@@ -20,11 +20,14 @@ on the gateway's port, has no job of its own).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+
+from switchyard.demo_model import DEFAULT_MODEL, DEFAULT_MODEL_NAME
 
 GATEWAY_PORT = 8000
 ATTENTION_PORT = 7000
@@ -32,7 +35,6 @@ EXPERT_PORT = 7100
 METRICS_PORT = 9400
 DCP_INIT_PORT = 29500
 OTLP = "http://jaeger:4318"
-SERVED_MODEL_NAME = "${SWITCHYARD_SERVED_MODEL_NAME:-switchyard}"  # clients send it (both profiles)
 # Third-party images, pinned; `switchyard` services use the image built from ./Dockerfile.
 JAEGER_IMAGE = "jaegertracing/jaeger:2.21.0"
 PROMETHEUS_IMAGE = "prom/prometheus:v3.5.0"
@@ -42,6 +44,17 @@ HEADER = """\
 #   docker compose up                  # the GPU services (COMPOSE_PROFILES=gpu in .env)
 #   docker compose --profile cpu up    # the bundled demo model on the CPU, no GPU
 # Chat: http://HOST:8000/v1   Jaeger: http://HOST:16686   Prometheus: http://HOST:9090
+"""
+CPU_HEADER = """\
+# Switchyard on one host's CPU: rendered by `switchyard compose {args}`
+# (tests/switchyard/test_compose.py keeps the committed deploy/compose.cpu.yaml equal to
+# that). The demo model by default; SWITCHYARD_MODEL_DIR and the other settings of ../.env
+# from the shell. Where Docker Hub cannot be reached, scripts/docker-prepare (root) makes
+# the engine and the images, and deploy/compose.local.yaml replaces Jaeger and Prometheus:
+#   docker-compose -f deploy/compose.cpu.yaml -f deploy/compose.local.yaml up -d
+#   (or the demo in one container: ... --profile cpu up -d cpu jaeger prometheus)
+# Chat: http://127.0.0.1:8000/v1   traces: http://127.0.0.1:16686 (Jaeger) or :4318
+# (Phoenix)   Prometheus: http://127.0.0.1:9090
 """
 
 
@@ -56,6 +69,9 @@ class Layout:
     attention_groups: int = 1
     device: str = "cuda"  # cpu: the same services, no GPU
     network: str = "bridge"  # host: the host's network, services on loopback ports
+    # the host paths the file mounts, relative to it (compose's project directory)
+    model_dir: str = "./model"  # SWITCHYARD_MODEL_DIR's default
+    prometheus_file: str = "./deploy/prometheus.yml"
 
     def check(self) -> None:
         if min(self.gpus, self.expert_services, self.dcp_size, self.attention_groups) < 1:
@@ -76,10 +92,23 @@ class Layout:
         return self.attention_groups * self.dcp_size + rank
 
     def args(self) -> str:
-        out = (f"--gpus {self.gpus} --expert-services {self.expert_services} "
-               f"--dcp-size {self.dcp_size} --attention-groups {self.attention_groups}")
-        out += "" if self.gpu else f" --device {self.device}"
+        out = f"--gpus {self.gpus} " if self.gpu else f"--device {self.device} "
+        out += (f"--expert-services {self.expert_services} --dcp-size {self.dcp_size} "
+                f"--attention-groups {self.attention_groups}")
         return out + ("" if self.network == "bridge" else f" --network {self.network}")
+
+    def image(self) -> str:
+        """The Switchyard image: `docker build -t switchyard:latest .` on GPU hosts,
+        scripts/docker-prepare's CPU image otherwise."""
+        return "${SWITCHYARD_IMAGE:-switchyard:%s}" % ("latest" if self.gpu else "cpu")
+
+    def served_model_name(self) -> str:
+        """What clients send; on the CPU, by default, the demo model's name."""
+        return "${SWITCHYARD_SERVED_MODEL_NAME:-%s}" % (
+            "switchyard" if self.gpu else DEFAULT_MODEL_NAME)
+
+    def model_volume(self) -> str:
+        return f"${{SWITCHYARD_MODEL_DIR:-{self.model_dir}}}:/model:ro"
 
     @property
     def gpu(self) -> bool:
@@ -137,11 +166,11 @@ def _service(layout: Layout, name: str, gpu: int, command: list[str], health: st
              depends: list[str]) -> dict:
     """An expert or attention service; on its GPU with `--device cuda`."""
     service: dict = {
-        "image": "${SWITCHYARD_IMAGE:-switchyard:latest}",
+        "image": layout.image(),
         **({"profiles": ["gpu"]} if layout.gpu else {}),
         "command": command,
         "environment": _common_env(name, layout),
-        "volumes": ["${SWITCHYARD_MODEL_DIR:-./model}:/model:ro"],
+        "volumes": [layout.model_volume()],
     }
     if layout.gpu:
         service.update({
@@ -253,10 +282,10 @@ def _metrics_ports(layout: Layout) -> dict[str, int]:
 def _gateway(layout: Layout, leaders: list[str], scraped: list[str]) -> dict:
     metrics = _metrics_ports(layout)
     return {
-        "image": "${SWITCHYARD_IMAGE:-switchyard:latest}",
+        "image": layout.image(),
         **({"profiles": ["gpu"]} if layout.gpu else {}),
         "command": ["switchyard", "gateway", "--model", "/model",
-                    "--served-model-name", SERVED_MODEL_NAME,
+                    "--served-model-name", layout.served_model_name(),
                     *_front(layout),
                     "--engine", ",".join(layout.address(name, layout.attention_port(g))
                                          for g, name in enumerate(leaders)),
@@ -264,7 +293,7 @@ def _gateway(layout: Layout, leaders: list[str], scraped: list[str]) -> dict:
                     ",".join(f"http://{layout.address(s, metrics[s])}/metrics"
                              for s in scraped)],
         "environment": {**_common_env("gateway", layout), **_settings(GATEWAY_SETTINGS)},
-        "volumes": ["${SWITCHYARD_MODEL_DIR:-./model}:/model:ro"],
+        "volumes": [layout.model_volume()],
         **_published(layout, f"${{SWITCHYARD_PORT:-{GATEWAY_PORT}}}:{GATEWAY_PORT}"),
         "depends_on": {g: {"condition": "service_healthy"} for g in leaders},
         "healthcheck": _health(f"http://127.0.0.1:{_front_port(layout)}/health"),
@@ -309,11 +338,11 @@ def _companions(layout: Layout) -> dict[str, dict]:
     grpc = "127.0.0.1:4317" if layout.host else "0.0.0.0:4317"
     return {
         "cpu": {
-            "image": "${SWITCHYARD_IMAGE:-switchyard:latest}",
+            "image": layout.image(),
             "profiles": ["cpu"],
             "command": ["switchyard", "serve", *_front(layout), "--otlp-traces-endpoint",
                         f"{layout.otlp()}/v1/traces",
-                        "--served-model-name", SERVED_MODEL_NAME],
+                        "--served-model-name", layout.served_model_name()],
             "environment": {
                 "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
                 "OTEL_TRACES_SAMPLER_ARG": "${SWITCHYARD_TRACE_SAMPLE_RATIO:-0.01}",
@@ -330,7 +359,7 @@ def _companions(layout: Layout) -> dict[str, dict]:
         },
         "prometheus": {
             "image": PROMETHEUS_IMAGE,
-            "volumes": ["./deploy/prometheus.yml:/etc/prometheus/prometheus.yml:ro"],
+            "volumes": [f"{layout.prometheus_file}:/etc/prometheus/prometheus.yml:ro"],
             **_published(layout, "${SWITCHYARD_PROMETHEUS_PORT:-9090}:9090"),
         },
     }
@@ -375,6 +404,25 @@ def dump(doc: dict, header: str = "") -> str:
     return header + yaml.dump(doc, Dumper=_Dumper, sort_keys=False, width=100)
 
 
+def mounted_paths(out: Path | None, prometheus: Path | None, device: str
+                  ) -> dict[str, str]:
+    """The mounted host paths, relative to the compose file's folder (compose's project
+    directory): the Prometheus configuration written beside it, and on the CPU the
+    bundled demo model as the default model."""
+    base = (out or Path("compose.yaml")).resolve().parent
+
+    def relative(path: Path) -> str:
+        rel = os.path.relpath(path.resolve(), base)
+        return rel if rel.startswith(".") else f"./{rel}"
+
+    paths = {}
+    if prometheus is not None:
+        paths["prometheus_file"] = relative(prometheus)
+    if device == "cpu":
+        paths["model_dir"] = relative(DEFAULT_MODEL)
+    return paths
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="switchyard compose", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -391,9 +439,11 @@ def main(argv: list[str]) -> int:
                     help="also write the Prometheus scrape configuration here")
     args = ap.parse_args(argv)
     layout = Layout(args.gpus, args.expert_services, args.dcp_size, args.attention_groups,
-                    args.device, args.network)
+                    args.device, args.network,
+                    **mounted_paths(args.out, args.prometheus, args.device))
     try:
-        text = dump(render(layout), HEADER.format(args=layout.args()))
+        header = HEADER if layout.gpu else CPU_HEADER
+        text = dump(render(layout), header.format(args=layout.args()))
     except ValueError as exc:
         print(f"switchyard compose: {exc}", file=sys.stderr)
         return 2

@@ -1,8 +1,9 @@
-"""The compose deployment under a real Docker engine: the images scripts/docker-prepare
-builds on a local Debian base, and compose files rendered with `--network host` (every
-container on the host's network, on loopback: the engine has no bridge), started by
-Debian's docker-compose with deploy/compose.local.yaml's stand-ins for Jaeger (Arize
-Phoenix) and Prometheus (Debian's).
+"""The compose deployment under a real Docker engine, as the README's two commands run it:
+the images scripts/docker-prepare builds on a local Debian base, and the committed
+deploy/compose.cpu.yaml (`switchyard compose --device cpu --network host`: every container
+on the host's network, on loopback, as the engine has no bridge) started by Debian's
+docker-compose with deploy/compose.local.yaml's stand-ins for Jaeger (Arize Phoenix) and
+Prometheus (Debian's).
 
 - The `cpu` profile (one container, `switchyard serve`) answers the README's curl.
 - The services on the CPU (`--device cpu`: gateway, attention, two expert services, each
@@ -28,12 +29,10 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
-from switchyard.compose import main as compose_main
 from switchyard.demo_task import Problem, is_correct, problems
 from tests.support import ROOT
 from tests.support.tools import missing, wait_until
@@ -44,7 +43,6 @@ IMAGE = os.environ.get("SWITCHYARD_IMAGE", "switchyard:cpu")
 STAND_INS = ("switchyard-phoenix:local", "switchyard-prometheus:local")
 URL = "http://127.0.0.1:8000"  # the front door on the host's network
 PROMETHEUS, PHOENIX = "http://127.0.0.1:9090", "http://127.0.0.1:4318"
-MODEL = ROOT / "switchyard/models/arith-moe"
 
 
 def log(text: str) -> None:
@@ -68,19 +66,16 @@ def _docker_ready() -> None:
 
 
 class Stack:
-    """A compose project rendered by `switchyard compose --network host FLAGS` into
-    `where`, with the stand-ins' override; `down -v` on exit."""
+    """A compose project of deploy/compose.cpu.yaml with the stand-ins' override, its
+    settings the defaults but `env` (and the gateway on loopback); `down -v` at the end."""
 
-    def __init__(self, where: Path, project: str, flags: list[str], env: dict[str, str]
-                 ) -> None:
-        assert compose_main([*flags, "--network", "host", "--out", str(where / "compose.yaml"),
-                             "--prometheus", str(where / "deploy/prometheus.yml")]) == 0
-        self.files = ["-f", str(where / "compose.yaml"),
+    def __init__(self, project: str, env: dict[str, str]) -> None:
+        self.files = ["-f", str(ROOT / "deploy/compose.cpu.yaml"),
                       "-f", str(ROOT / "deploy/compose.local.yaml")]
         self.project = project
-        self.env = {**os.environ, "SWITCHYARD_IMAGE": IMAGE, "SWITCHYARD_HOST": "127.0.0.1",
-                    "SWITCHYARD_MODEL_DIR": str(MODEL), "SWITCHYARD_KV_CACHE_MEMORY": "256MiB",
-                    "SWITCHYARD_MAX_NUM_SEQS": "32", **env}
+        unset = {k for k in os.environ if k.startswith(("SWITCHYARD_", "COMPOSE_"))}
+        self.env = {**{k: v for k, v in os.environ.items() if k not in unset},
+                    "SWITCHYARD_IMAGE": IMAGE, "SWITCHYARD_HOST": "127.0.0.1", **env}
 
     def compose(self, *args: str, timeout: float = 300) -> str:
         out = subprocess.run(["docker-compose", "-p", self.project, *self.files, *args],
@@ -128,10 +123,8 @@ def readme_curl() -> tuple[str, str]:
     return curl, promised.group(1)
 
 
-def test_the_cpu_profile_answers_the_readmes_chat_request(docker: None, tmp_path: Path
-                                                           ) -> None:
-    stack = Stack(tmp_path, "switchyard-cpu", [],
-                  {"SWITCHYARD_SERVED_MODEL_NAME": "switchyard-arith-moe"})
+def test_the_cpu_profile_answers_the_readmes_chat_request(docker: None) -> None:
+    stack = Stack("switchyard-cpu", {})
     try:
         stack.up("--profile", "cpu", "up", "-d", "cpu", wait_for=["cpu"])
         curl, promised = readme_curl()
@@ -145,12 +138,10 @@ def test_the_cpu_profile_answers_the_readmes_chat_request(docker: None, tmp_path
 
 
 @pytest.fixture(scope="module")
-def services(docker: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def services(docker: None) -> Iterator[Stack]:
     """The services on the CPU, every expert on both expert services, every span kept."""
-    stack = Stack(tmp_path_factory.mktemp("services"), "switchyard-services",
-                  ["--device", "cpu", "--expert-services", "2", "--dcp-size", "1"],
-                  {"SWITCHYARD_EXPERT_REPLICAS": "2", "SWITCHYARD_TRACE_SAMPLE_RATIO": "1",
-                   "SWITCHYARD_SERVED_MODEL_NAME": "switchyard-arith-moe"})
+    stack = Stack("switchyard-services", {"SWITCHYARD_EXPERT_REPLICAS": "2",
+                                          "SWITCHYARD_TRACE_SAMPLE_RATIO": "1"})
     try:
         stack.up("up", "-d", wait_for=["expert-0", "expert-1", "attention-0", "gateway"])
         yield stack

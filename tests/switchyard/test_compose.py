@@ -12,7 +12,15 @@ import pytest
 
 from ep_dispatch.placement import make_placement
 from services.model.config import ModelConfig
-from switchyard.compose import Layout, main, render
+from switchyard.compose import (
+    CPU_HEADER,
+    Layout,
+    dump,
+    main,
+    mounted_paths,
+    prometheus_config,
+    render,
+)
 from switchyard.demo_model import DEFAULT_MODEL
 from tests.support import ROOT
 
@@ -24,10 +32,26 @@ pytestmark = pytest.mark.timeout(600)
 
 def test_committed_files_are_the_default_layout(tmp_path: Path) -> None:
     assert main(["--out", str(tmp_path / "compose.yaml"),
-                 "--prometheus", str(tmp_path / "prometheus.yml")]) == 0
+                 "--prometheus", str(tmp_path / "deploy/prometheus.yml")]) == 0
     assert (tmp_path / "compose.yaml").read_text() == COMPOSE.read_text()
-    assert (tmp_path / "prometheus.yml").read_text() == \
+    assert (tmp_path / "deploy/prometheus.yml").read_text() == \
         (ROOT / "deploy/prometheus.yml").read_text()
+
+
+def test_committed_cpu_files_are_the_cpu_layout_on_the_host_network() -> None:
+    """deploy/compose.cpu.yaml (what the README runs where no registry image can be had)
+    and its Prometheus configuration, as `main` renders them there: their paths relative
+    to the file, the demo model's among them."""
+    out, scrape = ROOT / "deploy/compose.cpu.yaml", ROOT / "deploy/prometheus.cpu.yml"
+    layout = Layout(expert_services=2, dcp_size=1, device="cpu", network="host",
+                    **mounted_paths(out, scrape, "cpu"))
+    assert dump(render(layout), CPU_HEADER.format(args=layout.args())) == out.read_text()
+    assert dump(prometheus_config(layout), "# Rendered by `switchyard compose`.\n") == \
+        scrape.read_text()
+    text = out.read_text()
+    assert "${SWITCHYARD_MODEL_DIR:-../switchyard/models/arith-moe}" in text
+    assert (out.parent / "../switchyard/models/arith-moe/config.json").is_file()
+    assert "./prometheus.cpu.yml:/etc/prometheus/prometheus.yml:ro" in text
 
 
 def _commands(services: dict, kind: str) -> list[list[str]]:
