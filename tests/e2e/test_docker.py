@@ -200,12 +200,23 @@ def test_prometheus_scrapes_every_service_and_returns_the_per_expert_series(
 
 
 def test_phoenix_receives_the_services_spans(services: Stack) -> None:
-    def spans() -> list[dict]:
-        r = httpx.get(f"{PHOENIX}/v1/projects/default/spans", params={"limit": 1000},
-                      timeout=10)
-        return r.json()["data"] if r.status_code == 200 else []
+    """Once Phoenix listens (nothing waits for it when the stack starts, and under CI's
+    load its start takes tens of seconds), a request's spans reach it from the services."""
+    def answers(path: str) -> httpx.Response | None:
+        try:
+            return httpx.get(f"{PHOENIX}{path}", params={"limit": 1000}, timeout=10)
+        except httpx.TransportError:  # not listening yet
+            return None
 
-    got = wait_until(lambda: [s for s in spans() if s["name"].startswith("chat ")], 60,
+    def spans() -> list[dict]:
+        r = answers("/v1/projects/default/spans")
+        return r.json()["data"] if r is not None and r.status_code == 200 else []
+
+    wait_until(lambda: (r := answers("/healthz")) is not None and r.status_code == 200, 300,
+               lambda: f"Phoenix not up; its log: {services.compose('logs', 'jaeger')[-3000:]}")
+    with httpx.Client() as client:
+        assert ask(client, problems(2, 1)[0])[0] == 200
+    got = wait_until(lambda: [s for s in spans() if s["name"].startswith("chat ")], 120,
                      lambda: f"no request span in Phoenix: {spans()[:3]}")
     assert isinstance(got, list)
     names = {s["name"] for s in spans()}
