@@ -1,7 +1,7 @@
 """The CPU's compiled kernels (`csrc/`: float32 experts and linears, W4A4 experts and their
 quantizer, decode attention over the paged KV cache, RMSNorm and q/k norm + rotary
 embedding, the router and the dispatch layout's sort, a decode step's whole attention
-block), built once per machine
+block), built once per machine and torch version
 with torch's cpp_extension (gcc, ninja) into torch's extension cache, and loaded on first
 use. A machine that cannot build them runs
 the torch path, and says why once; `SWITCHYARD_CPU_KERNELS=0` chooses the torch path."""
@@ -9,8 +9,11 @@ the torch path, and says why once; `SWITCHYARD_CPU_KERNELS=0` chooses the torch 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import os
+import platform
+import sys
 import threading
 import time
 from pathlib import Path
@@ -58,30 +61,53 @@ def release_threads() -> None:
         _loaded.release_threads()
 
 
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
+LDFLAGS = ["-fopenmp"]
+
+
 def build_name() -> str:
-    """The extension's name, one per torch installation: its build directory in torch's
-    cache holds a ninja file with that installation's include paths, so two venvs sharing
-    one name would rebuild it for each other in turn (and race while they do)."""
+    """The extension's name: one per torch build, Python, kernel source and flags. Every
+    venv with that torch shares the build: it is imported from the cache as it is, without
+    ninja, whose commands name each venv's include paths and would rebuild it for each."""
     import torch
 
-    where = hashlib.sha1(f"{torch.__path__[0]} {torch.__version__}".encode()).hexdigest()
-    return f"switchyard_cpu_kernels_{where[:12]}"
+    digest = hashlib.sha1(f"{torch.__version__} {torch.version.git_version} "
+                          f"{sys.version_info[:2]} {platform.machine()} {CFLAGS} {LDFLAGS}"
+                          .encode())
+    for path in sorted((Path(__file__).parent / "csrc").iterdir()):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return f"switchyard_cpu_kernels_{digest.hexdigest()[:12]}"
 
 
 def _build() -> ModuleType | None:
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import get_default_build_root, load
 
     start = time.monotonic()
-    log.info("loading the CPU kernels (built once per machine and torch install: 1-3 min "
-             "on 2 cores) ...")
+    name = build_name()
+    directory = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / name
+    ready = directory / "ready"  # written once the build is whole
     try:
-        module = load(build_name(), [str(s) for s in SOURCES],
-                      extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
-                      extra_ldflags=["-fopenmp"], verbose=False)
+        if ready.exists():
+            module = _import(name, directory / f"{name}.so")
+        else:
+            log.info("building the CPU kernels (once per machine and torch version: 1-3 min "
+                     "on 2 cores) ...")
+            directory.mkdir(parents=True, exist_ok=True)
+            module = load(name, [str(s) for s in SOURCES], extra_cflags=CFLAGS,
+                          extra_ldflags=LDFLAGS, build_directory=str(directory), verbose=False)
+            ready.touch()
     except Exception as exc:  # no compiler, no ninja, an unsupported machine, ...
         reason = (str(exc).strip().splitlines() or [repr(exc)])[-1]
         log.warning("the CPU kernels could not be built (%s); the experts and dense "
                     "projections run on torch's matmuls instead", reason)
         return None
     log.info("CPU kernels ready in %.1f s", time.monotonic() - start)
+    return module
+
+
+def _import(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
     return module

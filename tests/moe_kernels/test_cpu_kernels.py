@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -114,13 +115,15 @@ def test_panels_run_on_torch_once_the_kernels_are_off(kernel: object) -> None:
 
 
 def test_a_machine_that_cannot_build_it_says_so_once(monkeypatch: pytest.MonkeyPatch,
-                                                     caplog: pytest.LogCaptureFixture) -> None:
+                                                     caplog: pytest.LogCaptureFixture,
+                                                     tmp_path: Path) -> None:
     import torch.utils.cpp_extension as cpp
 
     def no_compiler(*args: object, **kwargs: object) -> None:
         raise RuntimeError("Ninja is required to load C++ extensions")
 
     monkeypatch.setattr(cpp, "load", no_compiler)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # no build in its cache
     monkeypatch.setattr(cpu_kernels, "_loaded", None)
     monkeypatch.setattr(cpu_kernels, "_built", None)
     monkeypatch.setattr(cpu_kernels, "_failed", False)
@@ -133,6 +136,17 @@ def test_a_machine_that_cannot_build_it_says_so_once(monkeypatch: pytest.MonkeyP
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "could not be built" in warnings[0] and \
         "Ninja is required" in warnings[0] and "torch's matmuls" in warnings[0], warnings
+
+
+def test_a_build_in_the_cache_is_imported_without_building(kernel: object) -> None:
+    """Another process (as another venv with the same torch would) finds the `kernel`
+    fixture's build by its name and imports it: no compiler, no ninja."""
+    out = subprocess.run([sys.executable, "-c", (
+        "from moe_kernels import cpu_kernels as k; import torch.utils.cpp_extension as c\n"
+        "c.load = None  # any build would raise\n"
+        "print(k.cpu_kernels().__file__)")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == getattr(kernel, "__file__", None)
 
 
 def test_switched_off_it_is_never_built() -> None:
