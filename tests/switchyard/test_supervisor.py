@@ -82,6 +82,19 @@ def test_a_gateway_exit_is_seen_while_an_expert_service_waits_to_restart() -> No
     assert children.respawned == []
 
 
+def until_the_gateway_exits(children: ScriptedChildren,
+                            unit_of: Callable[[str], tuple[str, ...]],
+                            loading: list[int]) -> None:
+    """`supervise` until the scripted gateway's exit ends it; then close the ready pipes
+    that children still loading hold."""
+    try:
+        with pytest.raises(StartupError, match="gateway exited with status 1"):
+            supervise(children, unit_of)
+    finally:
+        for fd in loading:
+            os.close(fd)
+
+
 @pytest.mark.timeout(30)
 def test_a_gateway_exit_is_seen_while_a_restarted_service_is_still_loading() -> None:
     """The restarted child holds its ready pipe open (loading, not yet listening); the
@@ -90,12 +103,7 @@ def test_a_gateway_exit_is_seen_while_a_restarted_service_is_still_loading() -> 
     children = ScriptedChildren(lambda name, fd: loading.append(fd))
     children.then(("expert rank 0", 1))
     children.then(("gateway", 1), once=lambda: bool(children.respawned))
-    try:
-        with pytest.raises(StartupError, match="gateway exited with status 1"):
-            supervise(children, experts_only)
-    finally:
-        for fd in loading:
-            os.close(fd)
+    until_the_gateway_exits(children, experts_only, loading)
     assert children.respawned == ["expert rank 0"] and loading
 
 
@@ -199,12 +207,7 @@ def test_a_member_that_dies_while_its_unit_restarts_restarts_the_unit_again(
     children = ScriptedChildren(respawn).then((DCP_GROUP[1], -9))
     children.then((DCP_GROUP[1], 1), once=lambda: len(children.respawned) == 2)
     children.then(("gateway", 1), once=lambda: len(children.respawned) == 4)
-    try:
-        with pytest.raises(StartupError, match="gateway"):
-            supervise(children, dcp_group)
-    finally:
-        for fd in loading:
-            os.close(fd)
+    until_the_gateway_exits(children, dcp_group, loading)
     assert children.killed == [[DCP_GROUP[0]], [DCP_GROUP[0]]]
     assert children.respawned == [*DCP_GROUP, *DCP_GROUP]
     err = capsys.readouterr().err
