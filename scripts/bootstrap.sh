@@ -39,7 +39,9 @@ if [ ! -f "$stamp" ]; then
   "$venv/bin/python" -c "import torch; print('torch==' + torch.__version__)" > "$constraints"
   spec="$root"
   [ -n "$extras" ] && spec="$root[$extras]"
-  "${pip[@]}" install -c "$constraints" -e "$spec" >&2
+  # An editable install writes switchyard.egg-info into the source tree: one venv's at a
+  # time (CI sets up two at once), under a lock on pyproject.toml.
+  flock "$root/pyproject.toml" "${pip[@]}" install -c "$constraints" -e "$spec" >&2
   rm -f "$venv"/.switchyard-"${extras:-base}"-*
   touch "$stamp"
 fi
