@@ -74,7 +74,7 @@ def build_name() -> str:
     digest = hashlib.sha1(f"{torch.__version__} {torch.version.git_version} "
                           f"{sys.version_info[:2]} {platform.machine()} {CFLAGS} {LDFLAGS}"
                           .encode())
-    for path in sorted((Path(__file__).parent / "csrc").iterdir()):
+    for path in sorted(p for p in (Path(__file__).parent / "csrc").iterdir() if p.is_file()):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return f"switchyard_cpu_kernels_{digest.hexdigest()[:12]}"
 
