@@ -63,12 +63,17 @@ FROM ${BASE_IMAGE}
 # and Python headers at run time.
 # The CPU kernels are built where they run (-march=native) into torch's extension cache:
 # its folder exists, so that a volume mounted there (compose --device cpu) is the user's.
+# Kernels built beforehand go apart, into /opt/switchyard/cpu_kernels: Docker fills a new
+# volume from the image's folder as each container is created, and two containers created
+# at once then race to copy them ("mkdir ...: file exists").
 RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-dev g++ \
     && rm -rf /var/lib/apt/lists/* \
     && useradd --create-home --uid 10001 switchyard \
-    && install -d -o switchyard -g switchyard /home/switchyard/.cache/torch_extensions
+    && install -d -o switchyard -g switchyard /home/switchyard/.cache/torch_extensions \
+        /opt/switchyard/cpu_kernels
 COPY --from=build /opt/switchyard /opt/switchyard
-ENV PATH=/opt/switchyard/venv/bin:$PATH
+ENV PATH=/opt/switchyard/venv/bin:$PATH \
+    SWITCHYARD_CPU_KERNELS_PREBUILT=/opt/switchyard/cpu_kernels
 USER switchyard
 WORKDIR /home/switchyard
 # PREBUILD_CPU_KERNELS=1: build the CPU kernels now, for an image that runs on the
@@ -76,7 +81,8 @@ WORKDIR /home/switchyard
 # build (scripts/docker-prepare). Elsewhere each container builds them on first use.
 ARG PREBUILD_CPU_KERNELS=0
 RUN if [ "$PREBUILD_CPU_KERNELS" = 1 ]; then \
-        python -c "from moe_kernels.cpu_kernels import cpu_kernels; assert cpu_kernels()"; \
+        TORCH_EXTENSIONS_DIR=$SWITCHYARD_CPU_KERNELS_PREBUILT python -c \
+            "from moe_kernels.cpu_kernels import cpu_kernels; assert cpu_kernels()"; \
     fi
 EXPOSE 8000
 CMD ["switchyard", "serve", "--host", "0.0.0.0", "--port", "8000"]

@@ -4,7 +4,10 @@ embedding, the router and the dispatch layout's sort, a decode step's whole atte
 block), built once per machine and torch version
 with torch's cpp_extension (gcc, ninja) into torch's extension cache, and loaded on first
 use. A machine that cannot build them runs
-the torch path, and says why once; `SWITCHYARD_CPU_KERNELS=0` chooses the torch path."""
+the torch path, and says why once; `SWITCHYARD_CPU_KERNELS=0` chooses the torch path.
+`SWITCHYARD_CPU_KERNELS_PREBUILT` names a read-only folder of builds made beforehand (an
+image's), looked in first: apart from the extension cache, where compose mounts a volume
+that Docker would otherwise fill from the image as each container is created."""
 
 from __future__ import annotations
 
@@ -85,17 +88,19 @@ def _build() -> ModuleType | None:
     start = time.monotonic()
     name = build_name()
     directory = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / name
-    ready = directory / "ready"  # written once the build is whole
+    prebuilt = os.environ.get("SWITCHYARD_CPU_KERNELS_PREBUILT")
+    found = [d for d in ([Path(prebuilt) / name] if prebuilt else []) + [directory]
+             if (d / "ready").exists()]  # `ready`: written once the build is whole
     try:
-        if ready.exists():
-            module = _import(name, directory / f"{name}.so")
+        if found:
+            module = _import(name, found[0] / f"{name}.so")
         else:
             log.info("building the CPU kernels (once per machine and torch version: 1-3 min "
                      "on 2 cores) ...")
             directory.mkdir(parents=True, exist_ok=True)
             module = load(name, [str(s) for s in SOURCES], extra_cflags=CFLAGS,
                           extra_ldflags=LDFLAGS, build_directory=str(directory), verbose=False)
-            ready.touch()
+            (directory / "ready").touch()
     except Exception as exc:  # no compiler, no ninja, an unsupported machine, ...
         reason = (str(exc).strip().splitlines() or [repr(exc)])[-1]
         log.warning("the CPU kernels could not be built (%s); the experts and dense "

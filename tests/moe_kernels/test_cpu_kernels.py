@@ -8,6 +8,7 @@ where the kernels are off or cannot be built."""
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -147,6 +148,29 @@ def test_a_build_in_the_cache_is_imported_without_building(kernel: object) -> No
         "print(k.cpu_kernels().__file__)")], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == getattr(kernel, "__file__", None)
+
+
+def test_a_prebuilt_folder_is_looked_in_first(kernel: object, tmp_path: Path) -> None:
+    """An image's kernels, built beforehand into `SWITCHYARD_CPU_KERNELS_PREBUILT`, are
+    imported from there while the extension cache (compose's volume) is empty."""
+    built = Path(getattr(kernel, "__file__", ""))
+    prebuilt = tmp_path / "prebuilt" / built.parent.name
+    prebuilt.mkdir(parents=True)
+    (prebuilt / built.name).write_bytes(built.read_bytes())
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "empty"),
+           "SWITCHYARD_CPU_KERNELS_PREBUILT": str(tmp_path / "prebuilt")}
+    program = ("from moe_kernels import cpu_kernels as k; import torch.utils.cpp_extension as c\n"
+               "c.load = None  # any build would raise\n"
+               "print(k.cpu_kernels() and k.cpu_kernels().__file__)")
+    out = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "None", out.stderr  # not `ready`:
+    assert "could not be built" in out.stderr  # so it tried to build, and could not
+    (prebuilt / "ready").touch()
+    out = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(prebuilt / built.name)
 
 
 def test_switched_off_it_is_never_built() -> None:
