@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import fcntl
+import json
+import os
 import random
 import socket
+import tempfile
+import time
 from pathlib import Path
 
 
@@ -15,16 +20,16 @@ def http_url(host: str, port: int) -> str:
 
 
 def free_port() -> int:
-    """A port free now, for a process that binds it a moment later. It is drawn from below
-    the kernel's ephemeral range, which every bind to port 0 draws from: the services that
-    start meanwhile (they listen on port 0) cannot take it first. Another caller of this
-    function in another process could, a smaller race (random draws among thousands of
-    ports); in this one, no port is handed out twice."""
+    """A port free now, for a process that binds it a moment later (a service starting:
+    seconds, importing torch). It is drawn from below the kernel's ephemeral range, which
+    every bind to port 0 draws from: the services that start meanwhile (they listen on
+    port 0) cannot take it first. No port is handed out twice within `RESERVED_S`, by this
+    process or another of this user's on this machine (`_reserve`)."""
     low = _ephemeral_low()
     start = max(1024, low - 16384)
     for _ in range(200 if low - start >= 256 else 0):  # (a range from 1024 leaves no room)
         port = random.randrange(start, low)
-        if port in _HANDED_OUT:  # not bound yet by whoever got it
+        if port in _HANDED_OUT or not _reserve(port):  # not bound yet by whoever got it
             continue
         with socket.socket() as sock:
             try:
@@ -39,6 +44,34 @@ def free_port() -> int:
 
 
 _HANDED_OUT: set[int] = set()  # this process's free_port() results
+RESERVED_S = 300.0  # how long another process's free_port() result is not handed out
+RESERVATIONS = Path(tempfile.gettempdir()) / f"switchyard-ports-{os.getuid()}.json"
+
+
+def _reserve(port: int) -> bool:
+    """Note `port` in this user's reservations ({port: time handed out}, under an exclusive
+    lock): False where another process has it. Two launchers on one machine (tests run
+    side by side) otherwise drew the same port now and then, and the second child to
+    bind it failed. Without the file (unwritable), no reservation: the bind still checks."""
+    try:
+        with open(RESERVATIONS, "a+") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            f.seek(0)
+            try:
+                taken = {int(p): t for p, t in json.loads(f.read() or "{}").items()}
+            except (ValueError, AttributeError):  # torn or foreign: start again
+                taken = {}
+            now = time.time()
+            taken = {p: t for p, t in taken.items() if now - t < RESERVED_S}
+            if port in taken:
+                return False
+            taken[port] = now
+            f.seek(0)
+            f.truncate()
+            json.dump(taken, f)
+    except OSError:
+        pass
+    return True
 
 
 def _ephemeral_low() -> int:

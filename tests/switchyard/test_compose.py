@@ -198,6 +198,34 @@ def test_free_port_without_room_below_the_ephemeral_range(monkeypatch: pytest.Mo
 
 
 
+def test_a_port_another_process_was_handed_is_not_handed_out(monkeypatch: pytest.MonkeyPatch,
+                                                            tmp_path: Path) -> None:
+    """Two launchers side by side (test workers) drew the same port now and then: the one
+    handed out in another process is skipped, until its reservation lapses."""
+    import subprocess
+    import sys
+
+    from common import ports
+
+    monkeypatch.setattr(ports, "RESERVATIONS", tmp_path / "ports.json")
+    other = subprocess.run([sys.executable, "-c", (
+        f"from common import ports; from pathlib import Path\n"
+        f"ports.RESERVATIONS = Path({str(tmp_path / 'ports.json')!r})\n"
+        f"print(ports.free_port())")], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert other.returncode == 0, other.stderr
+    theirs = int(other.stdout)
+    draws = iter([theirs, theirs, theirs + 1])
+    monkeypatch.setattr(ports.random, "randrange", lambda low, high: next(draws))
+    assert ports.free_port() == theirs + 1  # (the draws: theirs twice, refused; then this)
+    monkeypatch.setattr(ports.random, "randrange", lambda low, high: theirs)
+    (tmp_path / "ports.json").write_text("[not json")  # torn: read as no reservations
+    assert ports.free_port() == theirs
+    monkeypatch.setattr(ports, "_HANDED_OUT", set())  # as if another process asked:
+    assert ports.free_port() >= ports._ephemeral_low()  # theirs refused, every draw: port 0's
+    monkeypatch.setattr(ports, "RESERVED_S", 0.0)  # lapsed: theirs is free again
+    assert ports.free_port() == theirs
+
+
 def test_service_urls_for_any_bound_host() -> None:
     from common.ports import http_url
 
