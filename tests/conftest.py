@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -73,7 +74,9 @@ def ckpt(request: pytest.FixtureRequest) -> tuple[Path, object]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked `gpu` are skipped, saying so, where torch sees no CUDA device."""
+    """The heaviest files first (`_heaviest_first`); tests marked `gpu` are skipped, saying
+    so, where torch sees no CUDA device."""
+    _heaviest_first(items)
     import torch
 
     if torch.cuda.is_available():
@@ -82,3 +85,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+def _heaviest_first(items: list[pytest.Item]) -> None:
+    """The files that start service processes (tests/e2e) first, then the rest; in each,
+    the files with more tests first. scripts/test runs files in this order (xdist's
+    `--dist loadfile --no-loadscope-reorder`), each taken by the next worker to free: a
+    long file taken last leaves the others idle. xdist's own order, by the number of tests
+    alone, put the failover and Docker files (a few tests, minutes each) at the end."""
+    counts = Counter(item.path for item in items)
+    items.sort(key=lambda item: ("e2e" not in item.path.parts, -counts[item.path],
+                                 str(item.path)))

@@ -384,19 +384,23 @@ def test_serve_rejects_an_unknown_backend(qwen3_ckpt: tuple) -> None:
             in proc.stderr)
 
 
-@pytest.mark.parametrize("flags", [
-    ["--expert-services", "3", "--attention-groups", "2"],  # rpc, the default backend
+@pytest.mark.parametrize(("family", "flags"), [
+    ("mixtral", ["--expert-services", "3", "--attention-groups", "2"]),  # rpc, the default
     # both groups' ping-pong pipelines through the same expert services at once
-    ["--expert-services", "2", "--attention-groups", "2", "--micro-batches", "2"],
-    ["--dispatch-backend", "torch", "--expert-services", "3", "--attention-groups", "2"],
+    ("qwen3", ["--expert-services", "2", "--attention-groups", "2", "--micro-batches", "2"]),
+    ("qwen3", ["--dispatch-backend", "torch", "--expert-services", "3",
+               "--attention-groups", "2"]),
     # lockstep: the groups agree on each step's rounds, a group with fewer joins with none
-    ["--dispatch-backend", "torch", "--expert-services", "2", "--attention-groups", "2",
-     "--micro-batches", "2"],
+    ("mixtral", ["--dispatch-backend", "torch", "--expert-services", "2",
+                 "--attention-groups", "2", "--micro-batches", "2"]),
     # a DCP group's peers run the leader's split: its collectives in the same order
-    ["--dcp-size", "2", "--expert-services", "2", "--micro-batches", "2"],
-    ["--dispatch-backend", "local"]])
-def test_serve_topologies_match_transformers(ckpt: tuple, flags: list[str]) -> None:
-    path, model = ckpt
+    ("mixtral", ["--dcp-size", "2", "--expert-services", "2", "--micro-batches", "2"]),
+    ("qwen3", ["--dispatch-backend", "local"])])
+def test_serve_topologies_match_transformers(request: pytest.FixtureRequest, family: str,
+                                             flags: list[str]) -> None:
+    """Each topology with one of the two models, three each: the topology's mechanics do
+    not depend on the model (tests/services covers each family's numerics in process)."""
+    path, model = request.getfixturevalue(f"{family}_ckpt")
     ps = prompts(seed=31, lengths=(2, 37, 15, 8, 26, 11))
     got, health, samples = served_greedy(path, flags, ps, max_tokens=16)
     assert got == [reference_greedy(model, p, 16) for p in ps]

@@ -186,8 +186,8 @@ def test_swiglu_runs_a_given_kernel_config(config: KernelConfig) -> None:
     """A tuned config (`moe_kernels.kernel_configs`) serves both GEMMs of the FFN, the
     weights converted to its layout if they are not in it."""
     tokens = [3, 0, 12, 40, 0, 1, 70, 0]
-    x, w_gate_up = make(tokens, 256, 256, seed=5)
-    _, w_down = make(tokens, 128, 256, seed=6)
+    x, w_gate_up = make(tokens, 128, 256, seed=5)  # K of 2 blocks of 64, of 4 of 32
+    _, w_down = make(tokens, 128, 128, seed=6)
     want = grouped_swiglu_w4a4(x, tokens, w_gate_up, w_down).to(DEVICE)
     assert_same(grouped_swiglu_w4a4_triton(x, tokens, w_gate_up, w_down, config), want)
     layout = (weights(w_gate_up, config.inner), weights(w_down, config.inner))
