@@ -69,8 +69,8 @@ def _reserve(port: int) -> bool:
             f.seek(0)
             f.truncate()
             json.dump(taken, f)
-    except OSError:
-        pass
+    except OSError:  # unwritable: no reservation
+        return True
     return True
 
 

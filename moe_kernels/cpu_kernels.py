@@ -89,11 +89,11 @@ def _build() -> ModuleType | None:
     name = build_name()
     directory = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / name
     prebuilt = os.environ.get("SWITCHYARD_CPU_KERNELS_PREBUILT")
-    found = [d for d in ([Path(prebuilt) / name] if prebuilt else []) + [directory]
-             if (d / "ready").exists()]  # `ready`: written once the build is whole
+    places = [Path(prebuilt) / name, directory] if prebuilt else [directory]
+    found = next((d for d in places if (d / "ready").exists()), None)  # a whole build
     try:
-        if found:
-            module = _import(name, found[0] / f"{name}.so")
+        if found is not None:
+            module = _import(name, found / f"{name}.so")
         else:
             log.info("building the CPU kernels (once per machine and torch version: 1-3 min "
                      "on 2 cores) ...")
