@@ -50,7 +50,9 @@ def supervise(children: Supervised, unit_of: Callable[[str], Unit]) -> None:
     that is not restarted."""
     restarts: dict[Unit, _Restart] = {}
     while True:
-        for name, status in children.reap():
+        # A signal's death first: a partner that saw it go exits on its own in the same
+        # round, and the log should name the cause, not the partner.
+        for name, status in sorted(children.reap(), key=lambda exit_: exit_[1] >= 0):
             unit = unit_of(name)
             if status == 0 or not unit:
                 raise StartupError(f"{name} exited with status {status}")

@@ -190,6 +190,20 @@ def test_a_partner_that_dies_with_its_unit_does_not_restart_it_twice() -> None:
     assert children.respawned == list(DCP_GROUP) and len(children.killed) == 1
 
 
+def test_a_signal_death_is_named_before_the_partner_that_exited_on_seeing_it(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The peer SIGKILLed; the leader's collective fails at once and it exits with status
+    3 before `serve` looks: both in one round, the leader's first. The log names the
+    killed peer as the cause."""
+    children = ScriptedChildren(write_ready).then((DCP_GROUP[0], 3), (DCP_GROUP[1], -9))
+    children.then(("gateway", 1), once=lambda: len(children.respawned) >= 2)
+    with pytest.raises(StartupError, match="gateway"):
+        supervise(children, dcp_group)
+    assert children.respawned == list(DCP_GROUP) and len(children.killed) == 1
+    assert f"{DCP_GROUP[1]} exited with status -9; starting it (and with it " \
+        f"{DCP_GROUP[0]}) again" in capsys.readouterr().err
+
+
 def test_a_member_that_dies_while_its_unit_restarts_restarts_the_unit_again(
         capsys: pytest.CaptureFixture[str]) -> None:
     """The peer dies before listening (its pipe closes; the leader still loads): the
