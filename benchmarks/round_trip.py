@@ -21,6 +21,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -52,14 +53,14 @@ def tiny_checkpoint(workdir: Path) -> Path:
     return path
 
 
-def median_ms(call: object, layers: list[int]) -> float:
+def median_ms(call: Callable[[int], object], layers: list[int]) -> float:
     for layer in layers * 20:  # warm-up
-        call(layer)  # type: ignore[operator]
+        call(layer)
     times = []
     for _ in range(CALLS):
         for layer in layers:
             start = time.perf_counter()
-            call(layer)  # type: ignore[operator]
+            call(layer)
             times.append(time.perf_counter() - start)
     return 1e3 * statistics.median(times)
 
@@ -91,7 +92,9 @@ def main() -> None:
         rpc = RpcExperts(make_placement(layers, cfg.num_experts, n, None, 1),
                          [("127.0.0.1", p) for p in ports])
         everything = make_placement(layers, cfg.num_experts, 1, None, 1).local_experts(0)
-        bank = ExpertBank(cfg, Checkpoint(path), everything, torch.float32, "auto")
+        checkpoint = Checkpoint(path)
+        bank = ExpertBank(cfg, checkpoint, everything, torch.float32, "auto")
+        checkpoint.close()
         local = LocalExperts(cfg.num_experts, bank.forward)
         x = torch.randn(args.tokens, cfg.hidden_size)  # [T, H]
         ids = torch.arange(cfg.top_k).repeat(args.tokens, 1)  # [T, K]: experts 0..K-1
