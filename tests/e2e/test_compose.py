@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
+import threading
 
 import httpx
 import pytest
@@ -14,6 +16,7 @@ import yaml
 from switchyard.demo_model import DEFAULT_MODEL
 from tests.support import ROOT
 from tests.support.compose_runner import LocalCompose, interpolate
+from tests.support.serving import stream_tokens
 from tests.support.tools import missing, wait_until
 
 pytestmark = pytest.mark.timeout(600)
@@ -82,6 +85,56 @@ def test_the_compose_services_run_as_local_processes(profile: str) -> None:
         wait_until(lambda: compose.healthy("expert-3"), 120, lambda: "expert-3 healthy")
         wait_until(lambda: ask(url) == "579" and "routed to replicas" not in health(), 60,
                    lambda: f"expert rank 3 back in the routing: {health()}")
+
+
+def test_an_attention_group_stopped_for_an_upgrade_loses_no_request() -> None:
+    """docs/deploy.md's rolling upgrade: of two attention groups (`switchyard compose
+    --attention-groups 2 --device cpu`, its services run as local processes), one is
+    stopped as `docker compose stop` stops it (SIGTERM: it exits cleanly) while greedy
+    streams run on both. The gateway resubmits that group's streams to the other, and
+    every stream ends whole, with the tokens of the same requests undisturbed."""
+    out = subprocess.run([sys.executable, "-m", "switchyard", "compose", "--device", "cpu",
+                          "--attention-groups", "2", "--dcp-size", "1", "--expert-services",
+                          "2"], capture_output=True, text=True, timeout=120, check=True)
+    env = {"SWITCHYARD_MODEL_DIR": str(DEFAULT_MODEL), "SWITCHYARD_SERVED_MODEL_NAME": "our-moe",
+           "SWITCHYARD_KV_CACHE_MEMORY": "64MiB", "SWITCHYARD_MAX_NUM_SEQS": "16",
+           "SWITCHYARD_ROUTING_POLICY": "least-busy"}  # the streams on both groups
+    doc = interpolate(yaml.safe_load(out.stdout), env)
+    with LocalCompose(doc, set()) as compose:
+        assert sorted(compose.services) == ["attention-0", "attention-1", "expert-0",
+                                            "expert-1", "gateway"]
+        compose.up()
+        url = f"http://127.0.0.1:{compose.local_port('gateway', 8000)}"
+        ps = [[1 + (7 * i + j) % 50 for j in range(9 + 4 * i)] for i in range(6)]
+        undisturbed = greedy_streams(url, ps, stop=None)
+        moved = greedy_streams(url, ps, stop=compose.procs["attention-1"])
+        assert [o["tokens"] for o in moved] == [o["tokens"] for o in undisturbed]
+        assert "resubmitting" in compose.log("gateway")
+
+
+def greedy_streams(url: str, ps: list[list[int]], stop: subprocess.Popen | None
+                   ) -> list[dict]:
+    """Stream 32 greedy tokens of each prompt at once; SIGTERM `stop` once every stream
+    has its first tokens, and wait for it to exit cleanly."""
+    outs: list[dict] = [{} for _ in ps]
+    firsts = [threading.Event() for _ in ps]
+    body = {"max_tokens": 32, "ignore_eos": True, "temperature": 0}
+    threads = [threading.Thread(target=stream_tokens, args=(url, "our-moe", p, body, f, o))
+               for p, f, o in zip(ps, firsts, outs, strict=True)]
+    for t in threads:
+        t.start()
+    try:
+        assert all(f.wait(60) for f in firsts)
+        if stop is not None:
+            stop.terminate()
+            assert stop.wait(60) == 0
+    finally:
+        for t in threads:
+            t.join(120)
+    for out in outs:
+        assert out["status"] == 200 and out["finish"] == "length", out
+        assert out["usage"]["completion_tokens"] == 32 == len(out["tokens"])
+    return outs
 
 
 def test_serve_decides_its_childrens_topology_whatever_the_environment() -> None:

@@ -38,12 +38,13 @@ def interpolate(value: object, env: dict[str, str]) -> object:
 
 
 class LocalCompose:
-    """The Switchyard services of `doc` (already interpolated) under `profiles`."""
+    """The Switchyard services of `doc` (already interpolated) that compose starts under
+    `profiles`: those with no profile, and those with one of them."""
 
     def __init__(self, doc: dict, profiles: set[str]) -> None:
         self.services = {
             name: s for name, s in doc["services"].items()
-            if set(s.get("profiles", [])) & profiles and
+            if (set(s.get("profiles", [])) & profiles or "profiles" not in s) and
             s.get("command", [""])[0] == "switchyard"}
         self.hosts = set(doc["services"])
         self.ports: dict[tuple[str, int], int] = {}
