@@ -7,7 +7,6 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-import threading
 
 import httpx
 import pytest
@@ -16,7 +15,7 @@ import yaml
 from switchyard.demo_model import DEFAULT_MODEL
 from tests.support import ROOT
 from tests.support.compose_runner import LocalCompose, interpolate
-from tests.support.serving import stream_tokens
+from tests.support.serving import disturbed_streams
 from tests.support.tools import missing, wait_until
 
 pytestmark = pytest.mark.timeout(600)
@@ -116,21 +115,13 @@ def greedy_streams(url: str, ps: list[list[int]], stop: subprocess.Popen | None
                    ) -> list[dict]:
     """Stream 32 greedy tokens of each prompt at once; SIGTERM `stop` once every stream
     has its first tokens, and wait for it to exit cleanly."""
-    outs: list[dict] = [{} for _ in ps]
-    firsts = [threading.Event() for _ in ps]
+    def stopped() -> None:
+        assert stop is not None
+        stop.terminate()
+        assert stop.wait(60) == 0
+
     body = {"max_tokens": 32, "ignore_eos": True, "temperature": 0}
-    threads = [threading.Thread(target=stream_tokens, args=(url, "our-moe", p, body, f, o))
-               for p, f, o in zip(ps, firsts, outs, strict=True)]
-    for t in threads:
-        t.start()
-    try:
-        assert all(f.wait(60) for f in firsts)
-        if stop is not None:
-            stop.terminate()
-            assert stop.wait(60) == 0
-    finally:
-        for t in threads:
-            t.join(120)
+    outs = disturbed_streams(url, "our-moe", ps, body, None if stop is None else stopped)
     for out in outs:
         assert out["status"] == 200 and out["finish"] == "length", out
         assert out["usage"]["completion_tokens"] == 32 == len(out["tokens"])

@@ -11,14 +11,13 @@ from __future__ import annotations
 import os
 import re
 import signal
-import threading
 
 import httpx
 import pytest
 
 from switchyard.serve_process import Served
 from tests.support.engines import prompts, reference_greedy
-from tests.support.serving import concurrent_greedy, model_id, stream_tokens
+from tests.support.serving import concurrent_greedy, disturbed_streams, model_id
 from tests.support.tools import wait_until
 
 pytestmark = pytest.mark.timeout(300)
@@ -29,20 +28,9 @@ def run(served: Served, ps: list[list[int]], sampling: dict, kill: int | None) -
     """Stream every prompt at once; SIGKILL process `kill` once every stream has its
     first tokens."""
     model = httpx.get(f"{served.url}/v1/models").json()["data"][0]["id"]
-    outs: list[dict] = [{} for _ in ps]
-    firsts = [threading.Event() for _ in ps]
     body = {"max_tokens": N, "ignore_eos": True, **sampling}
-    threads = [threading.Thread(target=stream_tokens, args=(served.url, model, p, body, f, o))
-               for p, f, o in zip(ps, firsts, outs, strict=True)]
-    for t in threads:
-        t.start()
-    try:
-        assert all(f.wait(60) for f in firsts)
-        if kill is not None:
-            os.kill(kill, signal.SIGKILL)
-    finally:
-        for t in threads:
-            t.join(180)
+    outs = disturbed_streams(served.url, model, ps, body,
+                             None if kill is None else lambda: os.kill(kill, signal.SIGKILL))
     for p, out in zip(ps, outs, strict=True):
         assert out["status"] == 200 and out["finish"] == "length", out
         assert out["usage"]["completion_tokens"] == N == len(out["tokens"])

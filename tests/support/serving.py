@@ -8,6 +8,7 @@ import asyncio
 import json
 import socket
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -87,3 +88,23 @@ def stream_tokens(url: str, model: str, prompt: list[int], body: dict,
                 out["finish"] = choice.get("finish_reason") or out.get("finish")
             if len(tokens) >= 4:
                 first.set()
+
+
+def disturbed_streams(url: str, model: str, ps: list[list[int]], body: dict,
+                      disturb: Callable[[], None] | None) -> list[dict]:
+    """Stream every prompt at once (`stream_tokens`); run `disturb` (a test's kill or
+    stop) once every stream has its first tokens; each stream's `out`, once ended."""
+    outs: list[dict] = [{} for _ in ps]
+    firsts = [threading.Event() for _ in ps]
+    threads = [threading.Thread(target=stream_tokens, args=(url, model, p, body, f, o))
+               for p, f, o in zip(ps, firsts, outs, strict=True)]
+    for t in threads:
+        t.start()
+    try:
+        assert all(f.wait(60) for f in firsts)
+        if disturb is not None:
+            disturb()
+    finally:
+        for t in threads:
+            t.join(180)
+    return outs
