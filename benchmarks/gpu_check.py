@@ -24,7 +24,9 @@ still run. In order:
    step's time, cProfile's top functions;
 5. the dispatch path of the `torch` (torch.distributed NCCL) and `nccl` (CuPy) backends
    at world size 1 (128 tokens x 7168, top-8 of 256 experts over 8 ranks, checked), and
-   the CuPy collective alone; with two GPUs or more, the `torch`, `nccl` and (installed)
+   the CuPy collective alone, and its ping-pong (exchanges on its own stream while the
+   current one computes: the share of their time hidden, from a torch.profiler trace);
+   with two GPUs or more, the `torch`, `nccl` and (installed)
    `deepep` backends across them (`benchmarks/ep_latency.py`, bf16 and MXFP4 rows; with 9
    GPUs or more 8 expert ranks, beside DeepEP's published low-latency figures for EP 8);
 6. a sweep of the W4A4 kernel's variants, tiles and launch options (`--skip-sweep`),
@@ -526,6 +528,108 @@ def nccl_self() -> None:
     coll.close()
 
 
+def stream_busy(trace: dict[str, object]) -> dict[int, list[tuple[float, float]]]:
+    """Each CUDA stream's busy intervals (start, end) in microseconds, merged, from a
+    torch.profiler Chrome trace: its kernels and memory copies."""
+    spans: dict[int, list[tuple[float, float]]] = {}
+    for ev in trace.get("traceEvents", []):  # type: ignore[union-attr]
+        if ev.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in ev:
+            stream = int(ev.get("args", {}).get("stream", ev.get("tid", -1)))
+            spans.setdefault(stream, []).append((ev["ts"], ev["ts"] + ev["dur"]))
+    return {stream: merged(s) for stream, s in spans.items()}
+
+
+def merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Intervals (start, end) as their union: sorted, disjoint."""
+    out: list[tuple[float, float]] = []
+    for start, end in sorted(spans):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """The time both unions of intervals cover (a and b merged: `merged`)."""
+    both, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        both += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return both
+
+
+def nccl_pipeline() -> None:
+    """The `nccl` backend's ping-pong at world size 1, as `DenseModel.forward_pipelined`
+    drives it: per layer, each of 2 micro-batches waits for its last exchange, computes
+    (a bf16 matmul standing in for attention, on the current stream) and starts its next
+    exchange (rows to itself through `CupyNccl.start_all_to_all`, on the communicator's
+    stream). Checked against the same steps with `all_to_all`; profiled (torch.profiler,
+    trace in $OUT/nccl_pipeline.json beside --json): how much of the communicator
+    stream's busy time the compute stream was busy too (hidden), and no host wait."""
+    from common.ports import free_port
+    from ep_dispatch.nccl import CupyNccl, import_nccl
+    from ep_dispatch.torch_dist import World
+
+    try:
+        import_nccl()
+    except ValueError as exc:
+        row("nccl (CuPy) ping-pong, world size 1", "not run", "", str(exc))
+        return
+    coll = CupyNccl(World(("127.0.0.1", free_port()), 1, 0, rank=0), timeout=60)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(7168, 7168, dtype=torch.bfloat16, device="cuda", generator=g) / 85
+    xs = [torch.randn(1024, 7168, dtype=torch.bfloat16, device="cuda", generator=g)
+          for _ in range(2)]  # 2 micro-batches of 128 tokens x top-8 rows
+
+    def step(pipelined: bool, layers: int = 8) -> list[torch.Tensor]:
+        h, works = list(xs), [None, None]
+        for _ in range(layers):
+            for j in range(2):
+                if works[j] is not None:
+                    works[j].wait()
+                y = h[j] @ w  # [1024, 7168]
+                h[j] = torch.empty_like(y)
+                if pipelined:
+                    works[j] = coll.start_all_to_all(h[j], y, [y.shape[0]], [y.shape[0]])
+                else:
+                    coll.all_to_all(h[j], y, [y.shape[0]], [y.shape[0]])
+        for work in works:
+            if work is not None:
+                work.wait()
+        return h
+
+    same = all(torch.equal(a, b) for a, b in zip(step(True), step(False), strict=True))
+    torch.cuda.synchronize()
+    host = time.perf_counter()
+    step(True)
+    issued = time.perf_counter() - host  # the host's time to issue: no wait on the GPU
+    torch.cuda.synchronize()
+    gpu = time.perf_counter() - host
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step(True)
+        torch.cuda.synchronize()
+    path = Path(JSON_PATH).with_name("nccl_pipeline.json") if JSON_PATH else \
+        Path("nccl_pipeline.json")
+    prof.export_chrome_trace(str(path))
+    busy = stream_busy(json.loads(path.read_text()))
+    comm = coll._stream.cuda_stream if coll._stream is not None else -1
+    compute = [s for s in busy if s != comm]
+    comm_busy = sum(e - s for s, e in busy.get(comm, []))
+    hidden = sum(overlap(busy.get(comm, []), busy[s]) for s in compute)
+    row("nccl (CuPy) ping-pong, world size 1", "ok" if same and comm_busy > 0 else "FAIL",
+        f"{hidden / comm_busy:.0%} hidden" if comm_busy else "",
+        f"8 layers x 2 micro-batches (1024 x 7168 bf16 matmul, then its rows to itself); "
+        f"outputs {'equal to' if same else 'DIFFERENT from'} all_to_all's; communicator "
+        f"stream busy {comm_busy:.0f} us of the step, the compute stream busy meanwhile "
+        f"for {hidden:.0f} us; host issued the step in {issued * 1e3:.2f} ms of its "
+        f"{gpu * 1e3:.2f} ms; streams seen {sorted(busy)}; trace {path.name}")
+    coll.close()
+
+
 def decode_steps() -> None:
     """Decode step time at batch 1, 16 and 64 (bfloat16), eager and replayed from CUDA
     graphs (`--cuda-graph-max-batch 64`, captured at start-up); then one step both ways
@@ -661,6 +765,7 @@ def main() -> int:
     guarded("decode profile", decode_profile, 60)
     guarded("dispatch path", dispatch_path, 60)
     guarded("nccl (CuPy)", nccl_self, 60)
+    guarded("nccl (CuPy) ping-pong", nccl_pipeline, 60)
     guarded("deepep", deepep, 20)
     guarded("dispatch across GPUs", across_gpus, 300)
     if not (args.skip_kernel or args.skip_sweep):  # late: its ~180 configs never ran on a

@@ -207,7 +207,7 @@ class TorchExperts:
     @property
     def overlaps(self) -> bool:
         """Whether `start` returns before the expert ranks answer (asynchronous
-        collectives: torch.distributed's, not a CuPy communicator's)."""
+        collectives: torch.distributed's, and the CuPy communicator's on its own stream)."""
         return hasattr(self.coll, "start_all_to_all")
 
     def begin_step(self, num_tokens: int, micro_batches: int = 1) -> bool:

@@ -4,6 +4,7 @@ stopped sweep timed must still become the tuned table."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -13,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from benchmarks import gpu_check
 
@@ -144,3 +147,33 @@ def test_a_kernel_that_kills_the_preflight_child_is_kept_out_of_the_check(
     gpu_check.kernel()
     assert "bf16x2/swap" not in checked and "f16" not in checked
     assert {"bf16x2", "f16/swap", "dot_scaled"} <= set(checked)
+
+
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 12)), max_size=8),
+       st.lists(st.tuples(st.integers(0, 40), st.integers(0, 12)), max_size=8))
+def test_the_time_two_streams_are_both_busy_is_that_of_their_busy_instants(
+        a: list[tuple[int, int]], b: list[tuple[int, int]]) -> None:
+    def spans(pairs: list[tuple[int, int]]) -> list[tuple[float, float]]:
+        return [(float(s), float(s + d)) for s, d in pairs]
+
+    def instants(pairs: list[tuple[int, int]]) -> set[int]:  # unit cells [t, t+1) covered
+        return {t for s, d in pairs for t in range(s, s + d)}
+
+    ma, mb = gpu_check.merged(spans(a)), gpu_check.merged(spans(b))
+    assert all(e1 < s2 for (_, e1), (s2, _) in itertools.pairwise(ma))  # disjoint
+    assert sum(e - s for s, e in ma) == len(instants(a))
+    assert gpu_check.overlap(ma, mb) == len(instants(a) & instants(b))
+
+
+def test_stream_busy_reads_kernels_and_copies_per_stream_from_a_chrome_trace() -> None:
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "kernel", "ts": 10, "dur": 5, "args": {"stream": 7}},
+        {"ph": "X", "cat": "kernel", "ts": 12, "dur": 8, "args": {"stream": 7}},
+        {"ph": "X", "cat": "gpu_memcpy", "ts": 30, "dur": 2, "args": {"stream": 7}},
+        {"ph": "X", "cat": "kernel", "ts": 14, "dur": 10, "args": {"stream": 21}},
+        {"ph": "X", "cat": "cuda_runtime", "ts": 0, "dur": 50, "args": {}},  # host side
+        {"ph": "i", "cat": "kernel", "ts": 3, "args": {"stream": 7}},  # no duration
+    ]}
+    busy = gpu_check.stream_busy(trace)
+    assert busy == {7: [(10, 20), (30, 32)], 21: [(14, 24)]}
+    assert gpu_check.overlap(busy[7], busy[21]) == 6
