@@ -19,7 +19,7 @@ def micro_batch_count(setting: str, num_tokens: int, overlaps: bool, device: str
 
     `auto` is 1 on the CPU: there the attention and expert services share the host's
     cores and memory bus, so while one side computes the other has nothing to run on
-    (measured on 2 cores: 0.86-0.96x the tokens/s of one batch a step at concurrency 16
+    (measured on 2 cores: 0.77-0.96x the tokens/s of one batch a step at concurrency 16
     and 64, docs/benchmarks.md); 2 from `PIPELINE_MIN_TOKENS` on a GPU."""
     if not overlaps:
         return 1
