@@ -72,6 +72,7 @@ from benchmarks.gpu_mxfp4 import copy_bandwidth, time_ms
 from switchyard.demo_model import DEFAULT_MODEL, DEFAULT_MODEL_NAME
 
 if TYPE_CHECKING:
+    from ep_dispatch.nccl import CupyNccl
     from services.attention.builder import build_engine
     from services.attention.engine import Engine
 
@@ -505,8 +506,9 @@ def _run_group(cmd: list[str], timeout: float) -> int | str:
             proc.wait()
 
 
-def nccl_self() -> None:
-    """The CuPy NCCL collective at world size 1: rows sent to oneself come back whole."""
+def nccl_alone(check: str) -> CupyNccl | None:
+    """A CuPy NCCL communicator at world size 1; None, with a "not run" row for `check`,
+    where CuPy is missing."""
     from common.ports import free_port
     from ep_dispatch.nccl import CupyNccl, import_nccl
     from ep_dispatch.torch_dist import World
@@ -514,9 +516,15 @@ def nccl_self() -> None:
     try:
         import_nccl()
     except ValueError as exc:
-        row("nccl (CuPy) all-to-all, world size 1", "not run", "", str(exc))
+        row(check, "not run", "", str(exc))
+        return None
+    return CupyNccl(World(("127.0.0.1", free_port()), 1, 0, rank=0), timeout=60)
+
+
+def nccl_self() -> None:
+    """The CuPy NCCL collective at world size 1: rows sent to oneself come back whole."""
+    if (coll := nccl_alone("nccl (CuPy) all-to-all, world size 1")) is None:
         return
-    coll = CupyNccl(World(("127.0.0.1", free_port()), 1, 0, rank=0), timeout=60)
     x = torch.randn(128 * 8, 7168, dtype=torch.bfloat16, device="cuda")  # 128 tokens, top-8
     out = torch.empty_like(x)
     coll.all_to_all(out, x, [x.shape[0]], [x.shape[0]])
@@ -572,16 +580,8 @@ def nccl_pipeline() -> None:
     stream is busy that both are, how much of the communicator stream's busy time the
     compute stream was busy too, and the host's time to issue the step against the
     GPU's (no host wait)."""
-    from common.ports import free_port
-    from ep_dispatch.nccl import CupyNccl, import_nccl
-    from ep_dispatch.torch_dist import World
-
-    try:
-        import_nccl()
-    except ValueError as exc:
-        row("nccl (CuPy) ping-pong, world size 1", "not run", "", str(exc))
+    if (coll := nccl_alone("nccl (CuPy) ping-pong, world size 1")) is None:
         return
-    coll = CupyNccl(World(("127.0.0.1", free_port()), 1, 0, rank=0), timeout=60)
     g = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(7168, 7168, dtype=torch.bfloat16, device="cuda", generator=g) / 85
     xs = [torch.randn(1024, 7168, dtype=torch.bfloat16, device="cuda", generator=g)
