@@ -43,6 +43,7 @@ import anyio
 import httpx
 from anyio.abc import SocketAttribute, SocketStream
 
+from common.auth import NO_SECRET
 from common.messages import (
     AbortRequest,
     EngineInfo,
@@ -54,7 +55,7 @@ from common.messages import (
     StatsRequest,
     TokenDelta,
 )
-from common.rpc import FrameStream, connect, serve_messages
+from common.rpc import FrameStream, accept, connect, serve_messages
 from switchyard.bench import percentile
 from switchyard.demo_model import DEFAULT_MODEL
 
@@ -84,7 +85,9 @@ async def _answer(frames: FrameStream, message: Message) -> None:
 
 
 async def _serve_connection(stream: SocketStream) -> None:
-    frames = FrameStream(stream)
+    frames = await accept(stream, NO_SECRET, "the gateway", log)
+    if frames is None:
+        return
     await serve_messages(frames, lambda message: _answer(frames, message), log)
 
 

@@ -12,11 +12,12 @@ import time
 from pathlib import Path
 
 
-def http_url(host: str, port: int) -> str:
+def http_url(host: str, port: int, https: bool = False) -> str:
     """The URL of a service bound to `host`: IPv6 in brackets, and a wildcard address
     reached on loopback."""
     host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    scheme = "https" if https else "http"
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 def free_port() -> int:

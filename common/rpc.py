@@ -1,6 +1,7 @@
 """Service RPC: `common.messages.Message` frames over anyio TCP streams.
 
-A frame is a 4-byte big-endian length followed by that many bytes of msgpack.
+A connection first runs `common.auth`'s handshake (the cluster secret, proven both ways);
+then each frame is a 4-byte big-endian length followed by that many bytes of msgpack.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from collections.abc import Awaitable, Callable
 
 import anyio
 import msgspec
-from anyio.abc import ByteStream
+from anyio.abc import ByteStream, SocketAttribute
 from anyio.streams.buffered import BufferedByteReceiveStream
 
+from common import auth
+from common.auth import NO_SECRET, ClusterSecret, HandshakeError
 from common.messages import Message
 
 _HEADER = struct.Struct(">I")
@@ -41,9 +44,10 @@ class FrameStream:
     Sends are serialised by a lock so that concurrent tasks never interleave frames.
     """
 
-    def __init__(self, stream: ByteStream) -> None:
+    def __init__(self, stream: ByteStream,
+                 reader: BufferedByteReceiveStream | None = None) -> None:
         self._stream = stream
-        self._reader = BufferedByteReceiveStream(stream)
+        self._reader = reader or BufferedByteReceiveStream(stream)
         self._send_lock = anyio.Lock()
         self.closed = False  # set by aclose: work it sent and that waits is abandoned
 
@@ -78,19 +82,27 @@ class SocketFrames:
         self.sock = sock
 
     @classmethod
-    def connect(cls, host: str, port: int, deadline: float, retry: bool = True
-                ) -> SocketFrames:
-        """Connect by `deadline`, retrying (if `retry`) until the peer listens; without
-        retrying, a refused connection raises its OSError at once."""
+    def connect(cls, host: str, port: int, deadline: float, retry: bool = True,
+                secret: ClusterSecret = NO_SECRET) -> SocketFrames:
+        """Connect by `deadline` and prove `secret`, retrying (if `retry`) until the peer
+        listens; without retrying, a refused connection raises its OSError at once. A
+        peer that fails the handshake raises `HandshakeError` (an OSError) at once."""
         delay = 0.05
         while True:
             try:
-                return cls(socket.create_connection((host, port), _left(deadline)))
+                sock = socket.create_connection((host, port), _left(deadline))
             except OSError:
                 if not retry or time.monotonic() + delay >= deadline:
                     raise
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
+                continue
+            try:
+                auth.client_handshake(sock, secret, deadline)
+            except BaseException:
+                sock.close()
+                raise
+            return cls(sock)
 
     def send(self, message: Message, deadline: float) -> int:
         """Send one frame; returns its payload's bytes."""
@@ -126,6 +138,42 @@ def _left(deadline: float) -> float:
     return left
 
 
+def peer_of(stream: ByteStream) -> str:
+    """A connection's remote HOST:PORT, for logs."""
+    try:
+        host, port = stream.extra(SocketAttribute.remote_address)[:2]
+    except (TypeError, ValueError, anyio.TypedAttributeLookupError):
+        return "an unknown peer"
+    return f"{host}:{port}"
+
+
+_refused: set[str] = set()  # hosts whose failed handshake was logged (once each)
+
+
+async def accept(stream: ByteStream, secret: ClusterSecret, peer: str,
+                 log: logging.Logger) -> FrameStream | None:
+    """A listener's new connection once the peer proved `secret`; else None, the stream
+    closed and the peer's address logged (once per host). No frame is read before."""
+    reader = BufferedByteReceiveStream(stream)
+    challenge, nonce = auth.challenge()
+    try:
+        with anyio.fail_after(auth.HANDSHAKE_TIMEOUT_S):
+            await stream.send(challenge)
+            response = await reader.receive_exactly(auth.RESPONSE_BYTES)
+            await stream.send(auth.verify(secret, nonce, response))
+        return FrameStream(stream, reader)
+    except (HandshakeError, TimeoutError, anyio.IncompleteRead, anyio.EndOfStream,
+            anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
+        host = peer.rpartition(":")[0]
+        if host not in _refused:  # once per address: a scan must not flood the log
+            _refused.add(host)
+            log.warning("refused a connection from %s: %s (later ones from %s are not "
+                        "logged)", peer, exc if isinstance(exc, HandshakeError)
+                        else "no handshake", host)
+        await stream.aclose()
+        return None
+
+
 async def serve_messages(conn: FrameStream, handle: Callable[[Message], Awaitable[None]],
                          log: logging.Logger) -> None:
     """Give each message from `conn` to `handle` until the peer goes away; a frame that
@@ -135,8 +183,10 @@ async def serve_messages(conn: FrameStream, handle: Callable[[Message], Awaitabl
             await handle(await conn.receive())
     except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
         pass
+    except (msgspec.DecodeError, ValueError) as exc:  # hostile or broken: one line each
+        log.warning("dropping a connection that sent a bad frame: %s", exc)
     except Exception:
-        log.exception("dropping a connection that sent a bad frame")
+        log.exception("dropping a connection whose message could not be handled")
     finally:
         await conn.aclose()
 
@@ -161,20 +211,41 @@ async def cancel_on_signal(scope: anyio.CancelScope) -> None:
             return
 
 
-async def connect(host: str, port: int, timeout: float = 30.0, retry: bool = True
-                  ) -> FrameStream:
-    """Connect to a service, retrying (if `retry`) until it listens or `timeout` seconds
-    pass; without retrying, a refused connection raises its OSError at once."""
+async def connect(host: str, port: int, timeout: float = 30.0, retry: bool = True,
+                  secret: ClusterSecret = NO_SECRET) -> FrameStream:
+    """Connect to a service and prove `secret`, retrying (if `retry`) until it listens or
+    `timeout` seconds pass; without retrying, a refused connection raises its OSError at
+    once. A service that fails the handshake raises `HandshakeError` at once."""
     delay = 0.05
     with anyio.fail_after(timeout):
         while True:
             try:
-                return FrameStream(await anyio.connect_tcp(host, port))
+                stream = await anyio.connect_tcp(host, port)
             except OSError:
                 if not retry:
                     raise
                 await anyio.sleep(delay)
                 delay = min(delay * 2, 1.0)
+                continue
+            try:
+                return await _client_handshake(stream, secret)
+            except BaseException:
+                await stream.aclose()
+                raise
+
+
+async def _client_handshake(stream: ByteStream, secret: ClusterSecret) -> FrameStream:
+    reader = BufferedByteReceiveStream(stream)
+    try:
+        with anyio.fail_after(auth.HANDSHAKE_TIMEOUT_S):
+            response, expected = auth.respond(
+                secret, await reader.receive_exactly(auth.CHALLENGE_BYTES))
+            await stream.send(response)
+            auth.check_proof(await reader.receive_exactly(auth.MAC_BYTES), expected)
+    except (anyio.IncompleteRead, anyio.EndOfStream) as exc:
+        raise HandshakeError("the service closed the connection during the handshake (is it "
+                             "restarting, or does it hold another cluster secret?)") from exc
+    return FrameStream(stream, reader)
 
 
 def parse_address(address: str) -> tuple[str, int]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from common.auth import NO_SECRET, ClusterSecret
 from common.device import collective_backend
 
 if TYPE_CHECKING:
@@ -72,6 +73,7 @@ class RpcSettings:
     addresses: list[tuple[str, int]]
     call_timeout: float = 30.0
     connect_timeout: float = 30.0
+    secret: ClusterSecret = NO_SECRET  # what each connection proves (`common.auth`)
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,7 @@ def _rpc(seam: MoESeam, settings: BackendSettings) -> ExpertsClient:
     if (own := settings.rpc) is None or not own.addresses:
         raise ValueError("the rpc backend needs --expert-addresses HOST:PORT,...")
     return RpcExperts(seam.placement(len(own.addresses)), own.addresses, own.call_timeout,
-                      own.connect_timeout, seam.quantization)
+                      own.connect_timeout, seam.quantization, own.secret)
 
 
 def _world(name: str, settings: BackendSettings) -> WorldSettings:

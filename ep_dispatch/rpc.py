@@ -17,6 +17,7 @@ import time
 import torch
 
 from common import tracing
+from common.auth import NO_SECRET, ClusterSecret
 from common.compute import waiting
 from common.messages import ExpertBatch, ExpertResult
 from common.rpc import MAX_FRAME_BYTES
@@ -36,9 +37,9 @@ class RpcExperts(PointToPoint):
 
     def __init__(self, placement: Placement, addresses: list[tuple[str, int]],
                  call_timeout: float = 30.0, connect_timeout: float = 30.0,
-                 quantization: str | None = None) -> None:
+                 quantization: str | None = None, secret: ClusterSecret = NO_SECRET) -> None:
         self.pool = ExpertPool(placement, addresses, call_timeout, connect_timeout,
-                               quantization)
+                               quantization, secret)
         self.quantization = quantization
         self.call_timeout = call_timeout
         self.dispatch_bytes = 0  # activation bytes sent to expert ranks, for accounting

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from common.auth import NO_SECRET, ClusterSecret
 from common.messages import (
     ExpertBatch,
     ExpertInfo,
@@ -48,7 +49,7 @@ class ExpertRankError(RuntimeError):
 class ExpertPool:
     def __init__(self, placement: Placement, addresses: list[tuple[str, int]],
                  call_timeout: float = 30.0, connect_timeout: float = 30.0,
-                 quantization: str | None = None) -> None:
+                 quantization: str | None = None, secret: ClusterSecret = NO_SECRET) -> None:
         if len(addresses) != placement.num_ranks:
             raise ValueError(f"{len(addresses)} expert addresses for a placement of "
                              f"{placement.num_ranks} ranks")
@@ -58,6 +59,7 @@ class ExpertPool:
         self.addresses = addresses
         self.call_timeout = call_timeout
         self.quantization = quantization
+        self.secret = secret
         self.conns: list[SocketFrames | None] = [None] * len(addresses)
         # Lost ranks, routed around while replicas allow, and those being probed; shared
         # by the step thread and the probes' (under `_lock`, never held across a call).
@@ -91,7 +93,8 @@ class ExpertPool:
         rank that does not hold the placement version routed by (restarted since a
         rebalance) loads it first."""
         try:
-            conn = SocketFrames.connect(*self.addresses[rank], deadline, retry)
+            conn = SocketFrames.connect(*self.addresses[rank], deadline, retry,
+                                        self.secret)
         except (OSError, TimeoutError) as exc:
             raise ExpertRankError(f"cannot reach {self.name(rank)} within "
                                   f"{self.call_timeout:g}s: {exc!r}") from None
@@ -160,7 +163,8 @@ class ExpertPool:
             update = PlacementUpdate(version, placement.to_json())
             for rank in range(len(self.addresses)):
                 try:
-                    conns.append(SocketFrames.connect(*self.addresses[rank], deadline, False))
+                    conns.append(SocketFrames.connect(*self.addresses[rank], deadline, False,
+                                                      self.secret))
                     conns[-1].send(update, deadline)
                 except (OSError, TimeoutError) as exc:
                     raise ExpertRankError(f"cannot reach {self.name(rank)} to load "

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import anyio
 from anyio.abc import SocketAttribute, SocketStream
 
+from common.auth import NO_SECRET, ClusterSecret
 from common.compute import ComputeThread
 from common.messages import (
     ExpertBatch,
@@ -28,7 +29,7 @@ from common.messages import (
     PlacementUpdate,
     UsePlacement,
 )
-from common.rpc import FrameStream, cancel_on_signal, serve_messages
+from common.rpc import FrameStream, accept, cancel_on_signal, peer_of, serve_messages
 
 log = logging.getLogger("switchyard.expert")
 
@@ -44,6 +45,7 @@ class RpcListen:
     prepare: a rebalance's load (`PlacementUpdate` -> `PlacementReady`), blocking; it must
         answer, never raise.
     release: told the placement versions the connections use now, whenever that changes.
+    secret: what a connection must prove before any of its frames is read (`common.auth`).
     """
 
     host: str
@@ -52,6 +54,7 @@ class RpcListen:
     info: Callable[[], ExpertInfo]
     prepare: Callable[[PlacementUpdate], PlacementReady]
     release: Callable[[set[int]], None]
+    secret: ClusterSecret = NO_SECRET
 
 
 class Coalescer:
@@ -131,7 +134,9 @@ async def serve_rpc(listen: RpcListen, ready: Callable[[int], None]) -> None:
             await conn.send(ready)
 
     async def on_connect(stream: SocketStream) -> None:
-        conn = FrameStream(stream)
+        conn = await accept(stream, listen.secret, peer_of(stream), log)
+        if conn is None:
+            return
 
         async def on_message(msg: Message) -> None:
             if isinstance(msg, InfoRequest):

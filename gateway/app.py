@@ -13,11 +13,14 @@ import anyio
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from common import tracing
+from gateway.access import KeyAuth
 from gateway.chat import create_chat_completion
 from gateway.completions import create_completion
 from gateway.config import GatewayConfig
@@ -161,4 +164,12 @@ def build_app(config: GatewayConfig, engine_client: EnginePool,
         HTTPException: handle_http_exception,
         Exception: handle_unexpected,
     }
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
+    cors = config.cors
+    middleware = [  # CORS first: a browser's preflight carries no key
+        Middleware(CORSMiddleware, allow_origins=list(cors.allowed_origins),
+                   allow_methods=list(cors.allowed_methods),
+                   allow_headers=list(cors.allowed_headers)),
+        Middleware(KeyAuth, access=config.access),
+    ]
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers,
+                     middleware=middleware)

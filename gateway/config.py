@@ -7,19 +7,47 @@ can configure the gateway either way without code changes.
 from __future__ import annotations
 
 import argparse
+import json
+import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.flags import env, env_switch, optional_int
+from common.auth import NO_SECRET, ClusterSecret, add_secret_flag, is_loopback
+from common.flags import ENV_PREFIX, env, env_switch, optional_int
 from common.rpc import parse_address
 from common.units import parse_size
+from gateway.access import Access
 from gateway.expert_stats import MAX_WINDOW_S
 from gateway.generation_config import NEUTRAL, SamplingDefaults
 from gateway.prefix_affinity import POLICIES
 from gateway.rebalancer import EplbConfig
 from gateway.service_metrics import check_url
 from gateway.tools import TOOL_PARSERS
+
+
+@dataclass(frozen=True)
+class Tls:
+    """HTTPS (vLLM's flags, passed to uvicorn); no keyfile: plain HTTP. With `ca_certs`,
+    clients must present a certificate it signed (`cert_reqs` ssl.CERT_REQUIRED)."""
+
+    keyfile: Path | None = None
+    certfile: Path | None = None
+    ca_certs: Path | None = None
+    cert_reqs: int = 0  # ssl.CERT_NONE
+
+    @property
+    def enabled(self) -> bool:
+        return self.certfile is not None
+
+
+@dataclass(frozen=True)
+class Cors:
+    """Cross-origin browser access (vLLM's flags); no origin allowed by default."""
+
+    allowed_origins: tuple[str, ...] = ()
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
 
 
 @dataclass(frozen=True)
@@ -53,6 +81,10 @@ class GatewayConfig:
     routing_balance: int = 16  # requests in flight a group may have above the least busy
     failover_timeout_s: float = 60.0  # for a group to take over a dead group's request
     eplb: EplbConfig = field(default_factory=EplbConfig)  # expert load balancing (EPLB)
+    access: Access = field(default_factory=Access)  # API keys (`gateway.access`)
+    tls: Tls = field(default_factory=Tls)
+    cors: Cors = field(default_factory=Cors)
+    secret: ClusterSecret = NO_SECRET  # what the connections to attention services prove
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -90,6 +122,8 @@ def _parser() -> argparse.ArgumentParser:
                    default=float(env("DASHBOARD_WINDOW") or 60),
                    help="seconds of recent load /dashboard summarizes by default")
     add_serve_flags(p)
+    add_access_flags(p)
+    add_secret_flag(p)
     return p
 
 
@@ -128,6 +162,93 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                         "to take it over (another one, or the same one restarted) before "
                         "it fails with 503")
     add_eplb_flags(p)
+
+
+def add_access_flags(p: argparse.ArgumentParser) -> None:
+    """Who may call the gateway: keys, TLS and CORS, as vLLM's flags (`serve` takes them
+    too, and gives the keys to its gateway through the environment, not its command line)."""
+    p.add_argument("--api-key", action="append", default=None,
+                   help="a key clients must send as 'Authorization: Bearer <key>' to every "
+                        "endpoint but /health and /metrics (repeatable; "
+                        "SWITCHYARD_API_KEY: comma-separated)")
+    p.add_argument("--admin-api-key", action="append", default=None,
+                   help="a key for the operator endpoints (/eplb*, /stats, the dashboard's "
+                        "data); without one they answer only on a loopback --host "
+                        "(repeatable; SWITCHYARD_ADMIN_API_KEY: comma-separated)")
+    p.add_argument("--ssl-keyfile", default=env("SSL_KEYFILE"), help="serve HTTPS: the key")
+    p.add_argument("--ssl-certfile", default=env("SSL_CERTFILE"),
+                   help="serve HTTPS: the certificate (chain)")
+    p.add_argument("--ssl-ca-certs", default=env("SSL_CA_CERTS"),
+                   help="CA certificates that sign the client certificates clients must "
+                        "present (mutual TLS)")
+    p.add_argument("--ssl-cert-reqs", type=int, default=optional_int(env("SSL_CERT_REQS")),
+                   help="ssl.CERT_NONE (0), CERT_OPTIONAL (1) or CERT_REQUIRED (2) for "
+                        "client certificates (default: 2 with --ssl-ca-certs, else 0)")
+    p.add_argument("--allowed-origins", default=env("ALLOWED_ORIGINS", ""),
+                   help="origins browsers may call from (CORS), a JSON list or "
+                        "comma-separated; default: none")
+    p.add_argument("--allowed-methods", default=env("ALLOWED_METHODS", "*"),
+                   help="CORS: allowed methods (JSON list or comma-separated)")
+    p.add_argument("--allowed-headers", default=env("ALLOWED_HEADERS", "*"),
+                   help="CORS: allowed request headers (JSON list or comma-separated)")
+
+
+def _keys(given: list[str] | None, variable: str) -> tuple[bytes, ...]:
+    keys = given if given is not None else (env(variable) or "").split(",")
+    return tuple(k.strip().encode() for k in keys if k.strip())
+
+
+def _names(text: str) -> tuple[str, ...]:
+    """A JSON list of strings (vLLM's form) or a comma-separated one."""
+    if text.lstrip().startswith("["):
+        items = json.loads(text)
+        if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+            raise ValueError(f"expected a JSON list of strings, got {text!r}")
+        return tuple(items)
+    return tuple(t.strip() for t in text.split(",") if t.strip())
+
+
+def access_settings(args: argparse.Namespace, host: str) -> tuple[Access, Tls, Cors]:
+    """The access flags as the gateway's settings (a ValueError naming a bad one)."""
+    access = Access(_keys(args.api_key, "API_KEY"), _keys(args.admin_api_key, "ADMIN_API_KEY"),
+                    loopback=is_loopback(host))
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together")
+    for flag in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+        if (path := getattr(args, flag)) and not Path(path).is_file():
+            raise ValueError(f"--{flag.replace('_', '-')}: {path} is not a file")
+    if args.ssl_ca_certs and not args.ssl_certfile:
+        raise ValueError("--ssl-ca-certs needs --ssl-certfile and --ssl-keyfile (HTTPS)")
+    reqs = args.ssl_cert_reqs if args.ssl_cert_reqs is not None else \
+        (ssl.CERT_REQUIRED if args.ssl_ca_certs else ssl.CERT_NONE)
+    if reqs not in (0, 1, 2):
+        raise ValueError("--ssl-cert-reqs must be 0, 1 or 2")
+    tls = Tls(*(Path(p) if p else None for p in (args.ssl_keyfile, args.ssl_certfile,
+                                                  args.ssl_ca_certs)), int(reqs))
+    try:
+        cors = Cors(_names(args.allowed_origins), _names(args.allowed_methods),
+                    _names(args.allowed_headers))
+    except ValueError as exc:
+        raise ValueError(f"--allowed-origins/-methods/-headers: {exc}") from None
+    return access, tls, cors
+
+
+def access_flags(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
+    """The access flags as given, for a launcher to pass on: (flags, environment); the
+    keys go in the environment, where `ps` does not show them."""
+    flags = [f for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs")
+             if getattr(args, name) for f in (f"--{name.replace('_', '-')}",
+                                               str(Path(getattr(args, name)).resolve()))]
+    if args.ssl_cert_reqs is not None:
+        flags += ["--ssl-cert-reqs", str(args.ssl_cert_reqs)]
+    flags += ["--allowed-origins", args.allowed_origins, "--allowed-methods",
+              args.allowed_methods, "--allowed-headers", args.allowed_headers]
+    environment = {f"{ENV_PREFIX}{variable}": b",".join(keys).decode()
+                   for variable, keys in (("API_KEY", _keys(args.api_key, "API_KEY")),
+                                          ("ADMIN_API_KEY", _keys(args.admin_api_key,
+                                                                  "ADMIN_API_KEY")))
+                   if keys}
+    return flags, environment
 
 
 def add_eplb_flags(p: argparse.ArgumentParser) -> None:
@@ -244,6 +365,8 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
         parser.error(f"--generation-config: {exc}")
     try:
         serve_flags(args)
+        access, tls, cors = access_settings(args, args.host)
+        secret = ClusterSecret.load(args.cluster_secret_file)
     except ValueError as exc:
         parser.error(str(exc))
     return GatewayConfig(
@@ -270,4 +393,5 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
         routing_policy=args.routing_policy, routing_balance=args.routing_balance,
         eplb=eplb_config(args),
         failover_timeout_s=args.failover_timeout,
+        access=access, tls=tls, cors=cors, secret=secret,
     )

@@ -22,6 +22,7 @@ import anyio
 import msgspec
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from common.auth import NO_SECRET, ClusterSecret, HandshakeError
 from common.messages import (
     AbortRequest,
     EngineInfo,
@@ -87,8 +88,10 @@ class Generation:
 class EngineClient:
     """Multiplexes generate requests over one TCP connection to the engine."""
 
-    def __init__(self, host: str, port: int, retry_interval_s: float = 1.0) -> None:
+    def __init__(self, host: str, port: int, retry_interval_s: float = 1.0,
+                 secret: ClusterSecret = NO_SECRET) -> None:
         self._host, self._port = host, port
+        self._secret = secret
         self._retry_interval_s = retry_interval_s
         self._frames: FrameStream | None = None
         self._info: EngineInfo | None = None
@@ -137,7 +140,13 @@ class EngineClient:
     async def run(self) -> None:
         """Stay connected to the engine until cancelled, reconnecting after failures."""
         while True:
-            frames = await connect(self._host, self._port, timeout=math.inf)
+            try:
+                frames = await connect(self._host, self._port, timeout=math.inf,
+                                       secret=self._secret)
+            except HandshakeError as exc:  # a misconfigured deployment: said, then retried
+                log.warning("attention service %s:%d: %s", self._host, self._port, exc)
+                await anyio.sleep(self._retry_interval_s)
+                continue
             try:
                 await self._serve(frames)
             except _CONNECTION_ERRORS as exc:

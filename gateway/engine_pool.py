@@ -14,6 +14,7 @@ import time
 import anyio
 import msgspec
 
+from common.auth import NO_SECRET, ClusterSecret
 from common.messages import EngineInfo, EngineStats, GenerateRequest, TokenDelta
 from gateway.engine_client import EngineClient, Generation
 from gateway.errors import GatewayError, engine_unavailable
@@ -31,12 +32,13 @@ class EnginePool:
 
     def __init__(self, addresses: list[tuple[str, int]], retry_interval_s: float = 1.0,
                  routing: str = "prefix-affinity", balance: int = 16,
-                 failover_timeout_s: float = 60.0) -> None:
+                 failover_timeout_s: float = 60.0, secret: ClusterSecret = NO_SECRET) -> None:
         if routing not in POLICIES:
             raise ValueError(f"routing policy {routing!r} is not one of {', '.join(POLICIES)}")
         self.addresses = addresses
         self.failover_timeout_s = failover_timeout_s
-        self.clients = [EngineClient(host, port, retry_interval_s) for host, port in addresses]
+        self.clients = [EngineClient(host, port, retry_interval_s, secret)
+                        for host, port in addresses]
         self._affinity = PrefixAffinity(len(addresses), balance) \
             if routing == "prefix-affinity" and len(addresses) > 1 else None
 

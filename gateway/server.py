@@ -43,14 +43,19 @@ def uvicorn_server(config: GatewayConfig) -> uvicorn.Server:
         log.warning("no tokenizer.json in %s: only token-id prompts will work", config.model_dir)
     engine = EnginePool(list(config.engines), routing=config.routing_policy,
                         balance=config.routing_balance,
-                        failover_timeout_s=config.failover_timeout_s)
+                        failover_timeout_s=config.failover_timeout_s, secret=config.secret)
     app = build_app(config, engine, tokenizer)
+    tls = config.tls
     return uvicorn.Server(uvicorn.Config(
         app,
         log_level=config.log_level,
         access_log=config.access_log,
         timeout_graceful_shutdown=config.shutdown_timeout_s,
         lifespan="on",
+        ssl_keyfile=str(tls.keyfile) if tls.keyfile else None,
+        ssl_certfile=str(tls.certfile) if tls.certfile else None,
+        ssl_ca_certs=str(tls.ca_certs) if tls.ca_certs else None,
+        ssl_cert_reqs=tls.cert_reqs,
     ))
 
 

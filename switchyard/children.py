@@ -51,24 +51,25 @@ class Children:
         self._next_gpu = 0
         self._started: dict[str, tuple[list[str], dict[str, str]]] = {}  # name -> args, env
 
-    def spawn(self, name: str, args: list[str], gpu: bool = False
-              ) -> tuple[str, subprocess.Popen, int]:
+    def spawn(self, name: str, args: list[str], gpu: bool = False,
+              env: dict[str, str] | None = None) -> tuple[str, subprocess.Popen, int]:
         """Start `python -m switchyard ARGS --ready-fd W` (pinned to the next GPU by
-        CUDA_VISIBLE_DEVICES if `gpu`); returns what `wait_ports` needs."""
-        gpu_env = {}
+        CUDA_VISIBLE_DEVICES if `gpu`; `env`: variables for this child only); returns
+        what `wait_ports` needs."""
+        own = dict(env or {})
         if gpu and self.gpus:
-            gpu_env = {"CUDA_VISIBLE_DEVICES": str(self._next_gpu % self.gpus)}
+            own["CUDA_VISIBLE_DEVICES"] = str(self._next_gpu % self.gpus)
             self._next_gpu += 1
-        self._started[name] = (args, gpu_env)
-        return self._popen(name, args, gpu_env)
+        self._started[name] = (args, own)
+        return self._popen(name, args, own)
 
-    def _popen(self, name: str, args: list[str], gpu_env: dict[str, str]
+    def _popen(self, name: str, args: list[str], own_env: dict[str, str]
                ) -> tuple[str, subprocess.Popen, int]:
         read_fd, write_fd = os.pipe()
         proc = subprocess.Popen(
             [sys.executable, "-m", "switchyard", *args, "--ready-fd", str(write_fd)],
             pass_fds=(write_fd,), preexec_fn=partial(_die_with_parent, os.getpid()),
-            env=child_env(**gpu_env))
+            env=child_env(**own_env))
         os.close(write_fd)
         self.procs.append((name, proc))
         return name, proc, read_fd
@@ -91,11 +92,12 @@ class Children:
             return Children._reported(name, proc, ready.readline())
 
     def start_all(self, specs: list[tuple[str, list[str]]], timeout: float,
-                  gpu: bool = False) -> list[tuple[int, ...]]:
+                  gpu: bool = False, env: dict[str, str] | None = None
+                  ) -> list[tuple[int, ...]]:
         """Start every (name, ARGS) at once; return their reported ports, in order. The
         pipes are watched together, so a child that dies is named at once, whichever it
         is (ranks that wait in a rendezvous for it would otherwise time out first)."""
-        pending = [self.spawn(name, args, gpu) for name, args in specs]
+        pending = [self.spawn(name, args, gpu, env) for name, args in specs]
         deadline = time.monotonic() + timeout
         pipes = {os.fdopen(fd): (i, name, proc) for i, (name, proc, fd) in enumerate(pending)}
         ports: dict[int, tuple[int, ...]] = {}

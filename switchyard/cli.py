@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
     from common.flags import env
-    from gateway.config import add_serve_flags
+    from gateway.config import add_access_flags, add_serve_flags
     from services.attention.config import add_engine_flags
 
     p = sub.add_parser("serve", help="start the whole local topology (gateway + engine)")
@@ -33,6 +33,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--attention-groups", type=int, default=int(env("ATTENTION_GROUPS", "1")),
                    help="attention services sharing the expert services (data parallel)")
     add_serve_flags(p)
+    add_access_flags(p)
     add_engine_flags(p, default_backend="rpc")
 
 
@@ -136,10 +137,15 @@ def main(argv: list[str] | None = None) -> int:
         return serve(args)
     if args.command == "placement":
         return _placement(args)
+    try:
+        config = expert_config(args) if args.command == "expert" else from_args(args)
+    except ValueError as exc:
+        print(f"switchyard {args.command}: {exc}", file=sys.stderr)
+        return 2
     if args.command == "expert":
         from services.expert.server import main as expert_main
 
-        return expert_main(expert_config(args))
+        return expert_main(config)
     from services.attention.server import main as attention_main
 
-    return attention_main(from_args(args))
+    return attention_main(config)

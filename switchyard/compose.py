@@ -41,6 +41,8 @@ PROMETHEUS_IMAGE = "prom/prometheus:v3.5.0"
 HEADER = """\
 # Switchyard on one GPU host: rendered by `switchyard compose {args}`
 # (tests/switchyard/test_compose.py keeps the committed file equal to that). Settings: .env.
+#   openssl rand -hex 32 > cluster-secret && chmod 444 cluster-secret   # once: the secret
+#                                      # the services prove to each other (docs/deploy.md)
 #   docker compose up                  # the GPU services (COMPOSE_PROFILES=gpu in .env)
 #   docker compose --profile cpu up    # the bundled demo model on the CPU, no GPU
 # Chat: http://HOST:8000/v1   Jaeger: http://HOST:16686   Prometheus: http://HOST:9090
@@ -149,8 +151,22 @@ def _attention_name(group: int, rank: int) -> str:
     return f"attention-{group}" if rank == 0 else f"attention-{group}-dcp{rank}"
 
 
+SECRET = "cluster-secret"  # the compose secret every service's connections prove
+SECRET_FILE = f"${{SWITCHYARD_CLUSTER_SECRET:-./{SECRET}}}"  # its file on the host
+
+
+def _secret(layout: Layout) -> dict:
+    """Services that listen beyond loopback prove the cluster secret on every connection
+    (`common.auth`): compose mounts it at /run/secrets/, never on a command line. On the
+    host's network every service listens on loopback, where none is needed."""
+    return {} if layout.host else {"secrets": [SECRET]}
+
+
 def _common_env(service: str, layout: Layout) -> dict[str, str]:
+    secret = {} if layout.host else \
+        {"SWITCHYARD_CLUSTER_SECRET_FILE": f"/run/secrets/{SECRET}"}
     return {
+        **secret,
         "OTEL_EXPORTER_OTLP_ENDPOINT": layout.otlp(),
         "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
         "OTEL_TRACES_SAMPLER_ARG": "${SWITCHYARD_TRACE_SAMPLE_RATIO:-0.01}",
@@ -170,6 +186,7 @@ def _service(layout: Layout, name: str, gpu: int, command: list[str], health: st
         **({"profiles": ["gpu"]} if layout.gpu else {}),
         "command": command,
         "environment": _common_env(name, layout),
+        **_secret(layout),
         "volumes": [layout.model_volume()],
     }
     if layout.gpu:
@@ -227,6 +244,8 @@ def render(layout: Layout) -> dict:
     services["gateway"] = _gateway(layout, leaders, list(services))
     services.update(_companions(layout))
     doc: dict = {"services": services}
+    if not layout.host:
+        doc["secrets"] = {SECRET: {"file": SECRET_FILE}}
     if not layout.gpu:
         doc["volumes"] = {KERNELS_VOLUME: {}}
     return doc
@@ -293,6 +312,7 @@ def _gateway(layout: Layout, leaders: list[str], scraped: list[str]) -> dict:
                     ",".join(f"http://{layout.address(s, metrics[s])}/metrics"
                              for s in scraped)],
         "environment": {**_common_env("gateway", layout), **_settings(GATEWAY_SETTINGS)},
+        **_secret(layout),
         "volumes": [layout.model_volume()],
         **_published(layout, f"${{SWITCHYARD_PORT:-{GATEWAY_PORT}}}:{GATEWAY_PORT}"),
         "depends_on": {g: {"condition": "service_healthy"} for g in leaders},
@@ -322,7 +342,7 @@ def _published(layout: Layout, *ports: str) -> dict:
 GATEWAY_SETTINGS = (("ENABLE_AUTO_TOOL_CHOICE", "false"), ("TOOL_CALL_PARSER", ""),
                     ("ENABLE_PROMPT_TOKENS_DETAILS", "false"),
                     ("ROUTING_POLICY", "prefix-affinity"), ("ROUTING_BALANCE", "16"),
-                    ("FAILOVER_TIMEOUT", "60"))
+                    ("FAILOVER_TIMEOUT", "60"), ("API_KEY", ""), ("ADMIN_API_KEY", ""))
 ENGINE_SETTINGS = (("ENABLE_PREFIX_CACHING", "true"),)
 
 

@@ -16,19 +16,21 @@ import os
 import select
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 
+from common.auth import SECRET_ENV, ClusterSecret
 from common.device import check_device, resolve_dtype
-from common.flags import as_flags
+from common.flags import ENV_PREFIX, as_flags
 from common.ports import free_port, http_url
 from ep_dispatch.deepep_config import deepep_flags, deepep_settings
 from ep_dispatch.placement import Placement, make_placement
 from ep_dispatch.registry import Backend, backend
-from gateway.config import eplb_config, serve_flags
+from gateway.config import access_flags, access_settings, eplb_config, serve_flags
 from gateway.engine_pool import WARMUP_FAILED
 from gateway.generation_config import SamplingDefaults
 from services.attention.config import add_engine_flags, check_cuda_graphs
@@ -38,12 +40,16 @@ from switchyard.demo_model import DEFAULT_MODEL, DEFAULT_MODEL_NAME
 from switchyard.supervisor import Unit, supervise
 
 
-def _wait_healthy(url: str, children: Children, timeout: float) -> None:
+def _wait_healthy(url: str, children: Children, timeout: float,
+                  args: argparse.Namespace) -> None:
     """Until `url` (the gateway's /health) answers 200: every group warmed up. A warm-up
-    that failed ends the wait at once, with its error (which names the service)."""
+    that failed ends the wait at once, with its error (which names the service). Over
+    HTTPS the gateway is our own child: its certificate is not checked, and where it
+    wants client certificates, its own is presented."""
     deadline = time.monotonic() + timeout
     delay, said = 0.05, "no answer"
-    with httpx.Client(timeout=5.0) as client:
+    cert = (args.ssl_certfile, args.ssl_keyfile) if args.ssl_ca_certs else None
+    with httpx.Client(timeout=5.0, verify=False, cert=cert) as client:
         while time.monotonic() < deadline:
             children.check_alive()
             with contextlib.suppress(httpx.HTTPError):
@@ -170,18 +176,36 @@ def _start_services(args: argparse.Namespace, model: Path, name: str,
         # A DCP group's ranks start together: their rendezvous needs all of them.
         engine_ports = children.start_all(groups + peers, timeout, gpu=True)[:len(groups)]
     scrape = ",".join(f"http://127.0.0.1:{m}/metrics" for _, m in engine_ports + expert_ports)
+    access, keys = access_flags(args)
     [(http_port,)] = children.start_all([("gateway", [
         "gateway", "--model", str(model), "--served-model-name", name,
         "--engine", ",".join(f"127.0.0.1:{p}" for p, _ in engine_ports),
         "--service-metrics", scrape,
         # (port 0 chosen here: a restarted gateway must listen where the printed URL says)
         "--host", args.host, "--port", str(args.port or free_port()),
-        *serve_flags(args),
+        *serve_flags(args), *access,
         *_tracing_args(args)])],
-        timeout)
-    url = http_url(args.host, http_port)
-    _wait_healthy(f"{url}/health", children, timeout)
+        timeout, env=keys)
+    url = http_url(args.host, http_port, https=bool(args.ssl_certfile))
+    _wait_healthy(f"{url}/health", children, timeout, args)
     return url
+
+
+@contextlib.contextmanager
+def _cluster_secret() -> Iterator[None]:
+    """Every child proves the same secret on its connections: the one the environment
+    names (SWITCHYARD_CLUSTER_SECRET_FILE), or a random one made for this run, in a file
+    only this user can read (removed at the end)."""
+    variable = ENV_PREFIX + SECRET_ENV
+    if os.environ.get(variable):
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="switchyard-") as tmp:
+        os.environ[variable] = str(ClusterSecret.generate().write(Path(tmp) / "secret"))
+        try:
+            yield
+        finally:
+            del os.environ[variable]
 
 
 def _attention_ports() -> list[str]:
@@ -294,6 +318,7 @@ def serve(args: argparse.Namespace) -> int:
         _check_eplb(args, cfg, dispatch, num_experts)
         _check_generation_config(args.generation_config, model)
         serve_flags(args)
+        access_settings(args, args.host)
     except (CheckpointError, ValueError, StartupError, OSError) as exc:
         print(f"switchyard serve: {exc}", file=sys.stderr)
         return 2
@@ -302,7 +327,7 @@ def serve(args: argparse.Namespace) -> int:
     except StartupError as exc:
         print(f"switchyard serve: {exc}", file=sys.stderr)
         return 2
-    with _stop_on_signals():
+    with _stop_on_signals(), _cluster_secret():
         try:
             url = _start_services(args, model, name, children)
             print(f"Switchyard is serving {name!r} at {url}/v1", flush=True)

@@ -132,7 +132,7 @@ class Served:
         while time.monotonic() < deadline:
             ready, _, _ = select.select([self.proc.stdout], [], [], deadline - time.monotonic())
             line = self.proc.stdout.readline() if ready else ""
-            if m := re.search(r"at (http://\S+)/v1", line):
+            if m := re.search(r"at (https?://\S+)/v1", line):
                 return m.group(1)
             if not line and self.proc.poll() is not None:
                 break

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from common.auth import NO_SECRET, ClusterSecret, add_secret_flag
 from common.device import resolve_dtype
 from common.flags import (
     add_device_flag,
@@ -63,6 +64,7 @@ class AttentionConfig:
     cuda_graph_max_batch: int = 0  # decode steps of up to this many sequences replay graphs
     cuda_graph_max_len: int = 4096  # ... whose longest has up to this many keys
     micro_batches: str = "auto"  # auto, 1, 2 or 3: a step's ping-pong micro-batches
+    secret: ClusterSecret = NO_SECRET  # what connections in and out prove (`common.auth`)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -194,6 +196,7 @@ def add_attention_parser(sub: argparse._SubParsersAction) -> None:
                    help="HOST:PORT of the DCP group's rendezvous, hosted by its rank 0")
     add_engine_flags(p)
     add_metrics_flag(p)
+    add_secret_flag(p)
 
 
 def from_args(args: argparse.Namespace) -> AttentionConfig:
@@ -223,4 +226,5 @@ def from_args(args: argparse.Namespace) -> AttentionConfig:
         deepep=deepep_settings(args),
         cuda_graph_max_batch=args.cuda_graph_max_batch,
         cuda_graph_max_len=args.cuda_graph_max_len,
+        secret=ClusterSecret.load(getattr(args, "cluster_secret_file", None)),
     )

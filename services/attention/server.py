@@ -21,6 +21,7 @@ import anyio
 from anyio.abc import SocketAttribute, SocketStream
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from common.auth import check_listen
 from common.compute import ComputeThread
 from common.failures import root_causes
 from common.messages import (
@@ -36,7 +37,14 @@ from common.messages import (
     TokenDelta,
 )
 from common.metrics import report_ready, start_metrics_server
-from common.rpc import FrameStream, cancel_on_signal, run_service, serve_messages
+from common.rpc import (
+    FrameStream,
+    accept,
+    cancel_on_signal,
+    peer_of,
+    run_service,
+    serve_messages,
+)
 from common.tracing import setup_tracing
 from ep_dispatch.rpc_pool import ExpertRankError
 from ep_dispatch.torch_dist import RendezvousError
@@ -302,7 +310,9 @@ async def serve(config: AttentionConfig, engine: Engine, metrics_port: int | Non
     report_ready(config.ready_fd, port, metrics_port)
 
     async def on_connect(stream: SocketStream) -> None:
-        await server.handle(FrameStream(stream))
+        conn = await accept(stream, config.secret, peer_of(stream), log)
+        if conn is not None:
+            await server.handle(conn)
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(server.run_engine)
@@ -323,6 +333,7 @@ def main(config: AttentionConfig) -> int:
             return 2
         return 0
     try:
+        check_listen(config.host, config.secret)
         # Before the engine: an rpc client's thread would keep a failed process alive.
         metrics_port = start_metrics_server(config.host, config.metrics_port)
         engine = build_engine(config)

@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.auth import NO_SECRET, ClusterSecret, add_secret_flag
 from common.flags import (
     add_device_flag,
     add_metrics_flag,
@@ -40,6 +41,7 @@ class ExpertConfig:
     metrics_port: int | None = None  # Prometheus /metrics; None: not served
     device: str = "cpu"
     deepep: DeepEPSettings = field(default_factory=DeepEPSettings)
+    secret: ClusterSecret = NO_SECRET  # what connections to --port prove (`common.auth`)
 
 
 def add_expert_parser(sub: argparse._SubParsersAction) -> None:
@@ -74,6 +76,7 @@ def add_expert_parser(sub: argparse._SubParsersAction) -> None:
                    help="OTLP traces URL (or set the OTEL_EXPORTER_OTLP_* variables)")
     add_metrics_flag(p)
     add_deepep_flags(p)
+    add_secret_flag(p)
 
 
 def expert_config(args: argparse.Namespace) -> ExpertConfig:
@@ -89,4 +92,5 @@ def expert_config(args: argparse.Namespace) -> ExpertConfig:
                         quantization=args.quantization,
                         otlp_traces_endpoint=args.otlp_traces_endpoint,
                         metrics_port=args.metrics_port, device=args.device,
-                        deepep=deepep_settings(args))
+                        deepep=deepep_settings(args),
+                        secret=ClusterSecret.load(args.cluster_secret_file))

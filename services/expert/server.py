@@ -15,6 +15,7 @@ import torch
 from opentelemetry.trace import set_span_in_context
 
 from common import tracing
+from common.auth import check_listen
 from common.device import check_device, resolve_dtype
 from common.failures import root_causes
 from common.messages import (
@@ -229,7 +230,7 @@ class ExpertServer:
         return ExpertSide(self.placement, bank.forward, bank.rows, config.device,
                           self.model_config.top_k, ready, world,
                           RpcListen(config.host, config.port, self.compute, self.info,
-                                    self.prepare, self.release))
+                                    self.prepare, self.release, config.secret))
 
 
 def _yield_to_computation() -> None:
@@ -251,6 +252,7 @@ def main(config: ExpertConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s expert %(message)s")
     setup_tracing("switchyard-expert", config.otlp_traces_endpoint)
     try:
+        check_listen(config.host, config.secret)
         server = ExpertServer(config)
         release_threads()  # the loading thread's OpenMP team (`common.compute`)
         metrics_port = start_metrics_server(config.host, config.metrics_port)

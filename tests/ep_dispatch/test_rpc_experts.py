@@ -4,6 +4,7 @@ others, and a rank that comes back is used again."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -11,11 +12,12 @@ from contextlib import contextmanager
 import anyio
 import pytest
 import torch
-from anyio.abc import SocketAttribute
+from anyio.abc import SocketAttribute, SocketStream
 from anyio.from_thread import start_blocking_portal
 from hypothesis import given
 from hypothesis import strategies as st
 
+from common.auth import NO_SECRET
 from common.messages import (
     ExpertBatch,
     ExpertInfo,
@@ -25,7 +27,7 @@ from common.messages import (
     PlacementUpdate,
     UsePlacement,
 )
-from common.rpc import FrameStream
+from common.rpc import FrameStream, accept
 from ep_dispatch.placement import Placement
 from ep_dispatch.rpc import RpcExperts
 from ep_dispatch.rpc_pool import ExpertRankError
@@ -87,7 +89,12 @@ def expert_servers(script: Script, seen: list[tuple[int, object]] | None = None
     async def start(rank: int, task_status: anyio.abc.TaskStatus) -> None:
         listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
         task_status.started(listener.extra(SocketAttribute.local_port))
-        await listener.serve(lambda stream: handle(rank, FrameStream(stream)))
+        async def on_connect(stream: SocketStream) -> None:
+            conn = await accept(stream, NO_SECRET, "a test", logging.getLogger(__name__))
+            assert conn is not None
+            await handle(rank, conn)
+
+        await listener.serve(on_connect)
 
     with start_blocking_portal() as portal:
         ports = [portal.start_task(start, rank)[1] for rank in range(2)]

@@ -5,6 +5,7 @@ tests/e2e/test_expert_services.py and tests/e2e/test_compose.py.)"""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
@@ -15,8 +16,9 @@ import torch
 from anyio.abc import SocketAttribute, SocketStream
 from anyio.from_thread import start_blocking_portal
 
+from common.auth import NO_SECRET
 from common.messages import ExpertBatch, ExpertInfo, ExpertResult, InfoRequest
-from common.rpc import _HEADER, FrameStream, _encoder
+from common.rpc import _HEADER, FrameStream, _encoder, accept
 from ep_dispatch.placement import Placement
 from ep_dispatch.rpc import RpcExperts
 from ep_dispatch.wire import from_wire, to_wire
@@ -86,7 +88,9 @@ class FakeRank:
         self._portal.start_task_soon(listener.serve, self._handle)
 
     async def _handle(self, stream: SocketStream) -> None:
-        conn = FrameStream(stream)
+        conn = await accept(stream, NO_SECRET, "a test", logging.getLogger(__name__))
+        if conn is None:
+            return
         async with stream:
             while True:
                 try:

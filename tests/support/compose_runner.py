@@ -3,7 +3,8 @@
 Each service's `command` runs with its `environment`, after compose-style `${VAR:-default}`
 interpolation: service hostnames become 127.0.0.1, every port a service listens on is
 remapped to a free local one (the same rewrite applies to references from other services
-and to healthchecks), the model volume's container path becomes its host path, and GPU
+and to healthchecks), the model volume's container path becomes its host path, each
+secret's /run/secrets/ path a local file holding a secret made for the run, and GPU
 reservations are ignored. Third-party images (Jaeger, Prometheus) are skipped. Services
 start in `depends_on` order, each waiting until its dependencies pass their own
 healthchecks, as compose does.
@@ -20,6 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from common.auth import ClusterSecret
 from common.ports import free_port
 from tests.support.tools import wait_until
 
@@ -50,6 +52,9 @@ class LocalCompose:
         self.ports: dict[tuple[str, int], int] = {}
         self.procs: dict[str, subprocess.Popen] = {}
         self.logs = tempfile.TemporaryDirectory()
+        # compose's secrets, where compose mounts them -> a local file of a fresh secret
+        self.secrets = {f"/run/secrets/{n}": str(ClusterSecret.generate().write(
+            Path(self.logs.name, f"secret-{n}"))) for n in doc.get("secrets", {})}
 
     def local_port(self, service: str, port: int) -> int:
         key = (service, port)
@@ -84,7 +89,7 @@ class LocalCompose:
         return [str(switchyard), *out[1:]]
 
     def environment(self, name: str) -> dict[str, str]:
-        env = {k: self._rewrite(name, str(v))
+        env = {k: self.secrets.get(str(v), self._rewrite(name, str(v)))
                for k, v in self.services[name].get("environment", {}).items()}
         return {**os.environ, **env}
 
@@ -102,7 +107,8 @@ class LocalCompose:
                                f"{self.log(name)[-3000:]}")
         timeout = float(self.services[name]["healthcheck"]["timeout"].removesuffix("s"))
         try:
-            return subprocess.run(self.healthcheck(name), capture_output=True,
+            return subprocess.run(self.healthcheck(name), capture_output=True,  # in its
+                                  env=self.environment(name),  # container's environment
                                   timeout=timeout).returncode == 0
         except subprocess.TimeoutExpired:
             return False

@@ -5,6 +5,7 @@ template, two tools)."""
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -15,6 +16,7 @@ import httpx
 from anyio.abc import SocketAttribute, SocketStream
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from common.auth import NO_SECRET
 from common.messages import (
     AbortRequest,
     EngineInfo,
@@ -24,7 +26,7 @@ from common.messages import (
     StatsRequest,
     TokenDelta,
 )
-from common.rpc import FrameStream
+from common.rpc import FrameStream, accept
 from tests.support import DATA
 
 CHATML = (
@@ -46,6 +48,8 @@ REPLY = "Hello, wörld! 你好 🚀 done."
 # Prompt first tokens the fake engine treats as instructions (no text prompt starts with them).
 REJECT = 0  # <|endoftext|>
 HANG = 3  # <s>
+
+log = logging.getLogger("fake-engine")
 
 
 def train_tokenizer(add_bos: bool = False) -> Tokenizer:
@@ -138,9 +142,11 @@ class FakeEngine:
             await frames.send(TokenDelta(rid, [token], finish, len(request.prompt_token_ids)))
 
     async def _handle(self, stream: SocketStream) -> None:
-        frames = FrameStream(stream)
         async with stream:
             if self.accepting:
+                frames = await accept(stream, NO_SECRET, "the gateway", log)
+                if frames is None:
+                    return
                 self._connections.append(frames)
                 await self._serve(frames)
             else:

@@ -80,6 +80,31 @@ def test_serve_forwards_every_gateway_flag_it_takes(monkeypatch: pytest.MonkeyPa
         assert getattr(got, action.dest) != action.default, action.dest
 
 
+def test_serve_gives_its_gateway_the_access_flags_and_the_keys_by_environment(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keys reach the gateway through its environment, never its command line (which `ps`
+    shows); the other access flags as flags, with the values given to serve."""
+    from gateway.config import _parser, access_flags, access_settings
+
+    for name in ("API_KEY", "ADMIN_API_KEY", "ALLOWED_ORIGINS"):
+        monkeypatch.delenv(f"SWITCHYARD_{name}", raising=False)
+    serve, _ = _parsers()
+    given = serve.parse_args(["--api-key", "k1", "--api-key", "k2", "--admin-api-key", "adm",
+                              "--allowed-origins", '["https://a.example"]',
+                              "--allowed-headers", "authorization"])
+    flags, env = access_flags(given)
+    assert not any(k in " ".join(flags) for k in ("k1", "k2", "adm"))
+    assert env == {"SWITCHYARD_API_KEY": "k1,k2", "SWITCHYARD_ADMIN_API_KEY": "adm"}
+    for variable, value in env.items():
+        monkeypatch.setenv(variable, value)
+    got = _parser().parse_args(["--model", "m", "--engine", "h:1", *flags])
+    assert access_settings(got, "127.0.0.1") == access_settings(given, "127.0.0.1")
+    access, _, cors = access_settings(got, "0.0.0.0")
+    assert access.api_keys == (b"k1", b"k2") and access.admin_api_keys == (b"adm",)
+    assert not access.loopback and cors.allowed_origins == ("https://a.example",)
+    assert "k1" not in repr(access)
+
+
 def test_as_flags_gives_values_and_switches_and_leaves_out_what_is_unset() -> None:
     p = argparse.ArgumentParser()
     actions = [p.add_argument("--n", type=int), p.add_argument("--on", action="store_true"),

@@ -3,6 +3,7 @@ TCP on loopback: who gets which deltas, and what a connection that goes away tak
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -11,8 +12,9 @@ from types import SimpleNamespace
 import anyio
 import pytest
 from anyio import wait_all_tasks_blocked
-from anyio.abc import SocketAttribute
+from anyio.abc import SocketAttribute, SocketStream
 
+from common.auth import NO_SECRET
 from common.messages import (
     AbortRequest,
     GenerateRequest,
@@ -20,7 +22,7 @@ from common.messages import (
     StatsRequest,
     TokenDelta,
 )
-from common.rpc import FrameStream
+from common.rpc import FrameStream, accept, connect
 from dcp.group import StepAborted
 from dcp.sharding import Sharding
 from dcp.strategy import DcpLeader, SingleRank
@@ -45,7 +47,12 @@ async def attention(path: object) -> AsyncIterator[int]:
     server = AttentionServer(engine)
     listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
     async with listener, anyio.create_task_group() as tg:
-        tg.start_soon(listener.serve, lambda stream: server.handle(FrameStream(stream)))
+        async def on_connect(stream: SocketStream) -> None:
+            conn = await accept(stream, NO_SECRET, "a test", logging.getLogger(__name__))
+            assert conn is not None
+            await server.handle(conn)
+
+        tg.start_soon(listener.serve, on_connect)
         tg.start_soon(server.run_engine)
         yield listener.extra(SocketAttribute.local_port)
         tg.cancel_scope.cancel()
@@ -56,8 +63,8 @@ async def two_clients(path: object) -> AsyncIterator[tuple[FrameStream, FrameStr
     """Two connections to an attention server over `path`, within 50 s."""
     with anyio.fail_after(50):
         async with attention(path) as port:
-            a = FrameStream(await anyio.connect_tcp("127.0.0.1", port))
-            b = FrameStream(await anyio.connect_tcp("127.0.0.1", port))
+            a = await connect("127.0.0.1", port)
+            b = await connect("127.0.0.1", port)
             try:
                 yield a, b
             finally:
