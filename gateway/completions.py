@@ -40,8 +40,11 @@ class _ChoiceText:
     def choice(self, index: int, step: Output) -> CompletionChoice:
         body, first, self._first = self._body, self._first, False
         token_ids, entries, text = step.token_ids, step.logprobs, step.text
-        if body.echo_only:  # the one token the engine generated is left out (vLLM)
+        finish, stop_reason = step.finish_reason, step.stop_reason
+        if body.echo_only:  # the one token the engine generated is left out (vLLM), and
+            # with it whatever ended it (an EOS): zero tokens asked, zero given: "length"
             token_ids, entries, text = [], [], ""
+            finish, stop_reason = ("length" if finish is not None else None), None
         if first:
             text = self._prefix + text
         logprobs = head = None
@@ -61,7 +64,7 @@ class _ChoiceText:
             prompt_logprobs = to_prompt_logprobs(self._tokenizer, self._prompt_ids,
                                                  self._scores(step))
         with_ids = body.return_token_ids
-        return CompletionChoice(index, text, step.finish_reason, logprobs, step.stop_reason,
+        return CompletionChoice(index, text, finish, logprobs, stop_reason,
                                 self._prompt_ids if with_ids and first else None,
                                 token_ids if with_ids else None, prompt_logprobs)
 

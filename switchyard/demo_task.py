@@ -1,10 +1,13 @@
 """The demo model's task: exactly checkable arithmetic asked as chat messages.
 
-`What is 123 + 456?` -> `579`; `What is 900 - 937?` -> `-37`. Operands are 0..999.
-Shared by the training script and `switchyard eval`, so both draw the same distribution.
-A fixed tenth of the 2,000,000 problems is held out: training never draws them, and
-evaluations draw only them (with 900,000 training examples, a third of all problems
-would otherwise have been trained on).
+`What is 1 + 1?` -> `2`; `What is 900 - 937?` -> `-37`. Each operand's digit count (1, 2 or
+3) is drawn first, equally likely, then the number (0..9, 10..99 or 100..999), so the small
+sums people try first are as common as three-digit ones. Shared by the training script and
+`switchyard eval`, so both draw the same distribution.
+
+A fixed tenth of all 2,000,000 problems is held out: training never draws them, and
+evaluations draw only them. Reports break accuracy down by `Problem.slice` (the operands'
+digit counts) and by operation.
 """
 
 from __future__ import annotations
@@ -13,18 +16,36 @@ import random
 import zlib
 from dataclasses import dataclass
 
+DIGIT_RANGES = {1: (0, 9), 2: (10, 99), 3: (100, 999)}
+
 
 @dataclass(frozen=True)
 class Problem:
-    question: str
-    answer: str
+    a: int
+    op: str  # "+" or "-"
+    b: int
+
+    @property
+    def question(self) -> str:
+        return f"What is {self.a} {self.op} {self.b}?"
+
+    @property
+    def answer(self) -> str:
+        return str(self.a + self.b if self.op == "+" else self.a - self.b)
+
+    @property
+    def slice(self) -> str:
+        """The operands' digit counts: "1x3" for `7 + 123`."""
+        return f"{len(str(self.a))}x{len(str(self.b))}"
+
+
+def operand(rng: random.Random) -> int:
+    return rng.randint(*DIGIT_RANGES[rng.randint(1, 3)])
 
 
 def draw(rng: random.Random) -> Problem:
-    a, b = rng.randint(0, 999), rng.randint(0, 999)
-    if rng.random() < 0.5:
-        return Problem(f"What is {a} + {b}?", str(a + b))
-    return Problem(f"What is {a} - {b}?", str(a - b))
+    a, b = operand(rng), operand(rng)
+    return Problem(a, "+" if rng.random() < 0.5 else "-", b)
 
 
 def held_out(problem: Problem) -> bool:
@@ -33,10 +54,21 @@ def held_out(problem: Problem) -> bool:
     return zlib.crc32(problem.question.encode()) % 10 == 0
 
 
-def draw_training(rng: random.Random) -> Problem:
-    p = draw(rng)
+def draw_near(rng: random.Random) -> Problem:
+    """A pair of close operands (b within 120 of a): subtractions whose answer is much
+    shorter than the operands (910 - 912 = -2), which `draw` makes too rarely to learn."""
+    a = operand(rng)
+    b = min(999, max(0, a + rng.randint(-120, 120)))
+    return Problem(a, "+" if rng.random() < 0.25 else "-", b)
+
+
+def draw_training(rng: random.Random, near: float = 0.0) -> Problem:
+    """A problem training may see: from `draw`, or with probability `near` from
+    `draw_near`; never a held-out one."""
+    pick = draw_near if rng.random() < near else draw
+    p = pick(rng)
     while held_out(p):
-        p = draw(rng)
+        p = pick(rng)
     return p
 
 

@@ -1,8 +1,10 @@
 """`switchyard eval`: exact-match accuracy of the demo task through the gateway's chat API.
 
 Draws held-out problems from a seed (`switchyard.demo_task`), asks each as a chat user
-message with greedy decoding, and reports exact match with a 95% Wilson interval, plus how
-the router spread the evaluation's tokens over the experts (from the gateway's `/stats`).
+message with greedy decoding, and reports exact match with a 95% Wilson interval, overall,
+by the operands' digit counts and by operation, plus how the router spread the
+evaluation's tokens over the experts (from the gateway's `/stats`, an operator endpoint:
+`--api-key` must then be an admin key where the gateway has one).
 Without `--url` it starts `switchyard serve --port 0 SERVE_FLAGS...` itself, so any
 topology can be evaluated: `switchyard eval -- --max-num-seqs 8`.
 """
@@ -13,6 +15,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import sys
 from dataclasses import asdict, dataclass
 
@@ -33,6 +36,11 @@ class EvalReport:
     min_load_over_fair: float
     failures: list[tuple[str, str, str]]  # (question, expected, got), at most 20
     correct: list[bool]  # per problem, in the order `problems(seed, n)` draws them
+    slices: dict[str, tuple[int, int]]  # "1x3", "+", ...: (correct, asked)
+
+    def slice_accuracy(self, name: str) -> float:
+        right, asked = self.slices[name]
+        return right / asked
 
 
 def wilson_interval(correct: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -54,9 +62,21 @@ async def _ask(client: httpx.AsyncClient, model: str, p: Problem, sem: asyncio.S
         return r.json()["choices"][0]["message"]["content"] or ""
 
 
-async def evaluate(url: str, num_problems: int, seed: int, concurrency: int) -> EvalReport:
+def by_slice(probs: list[Problem], correct: list[bool]) -> dict[str, tuple[int, int]]:
+    """(correct, asked) by the operands' digit counts ("1x1" .. "3x3"), then by operation."""
+    out: dict[str, tuple[int, int]] = {}
+    for key in [*sorted({p.slice for p in probs}), "+", "-"]:
+        mine = [ok for p, ok in zip(probs, correct, strict=True) if key in (p.slice, p.op)]
+        if mine:
+            out[key] = (sum(mine), len(mine))
+    return out
+
+
+async def evaluate(url: str, num_problems: int, seed: int, concurrency: int,
+                   api_key: str | None = None) -> EvalReport:
     probs = problems(seed, num_problems)
-    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(base_url=url, timeout=300, headers=headers) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         before = (await client.get("/stats")).json()["expert_load"]
         sem = asyncio.Semaphore(concurrency)
@@ -74,6 +94,7 @@ async def evaluate(url: str, num_problems: int, seed: int, concurrency: int) -> 
         failures=[(p.question, p.answer, r) for p, r, ok in zip(probs, replies, correct,
                                                                 strict=True) if not ok][:20],
         correct=correct,
+        slices=by_slice(probs, correct),
     )
 
 
@@ -85,6 +106,9 @@ def format_report(r: EvalReport) -> str:
               for i, row in enumerate(r.expert_load) if sum(row)]
     lines.append(f"busiest expert / fair share: {r.max_load_over_fair:.2f}; "
                  f"idlest: {r.min_load_over_fair:.2f}")
+    lines.append("by slice (operands' digit counts, then operation):")
+    lines += [f"  {name:>3}: {right:4d}/{asked:4d} = {100 * right / asked:5.1f}%"
+              for name, (right, asked) in r.slices.items()]
     lines += [f"  wrong: {q} expected {a!r} got {g!r}" for q, a, g in r.failures[:5]]
     return "\n".join(lines)
 
@@ -98,11 +122,14 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--json", help="also write the report as JSON to this file")
+    ap.add_argument("--api-key", default=os.environ.get("SWITCHYARD_API_KEY", "").split(",")[0]
+                    or None, help="sent as a bearer token (default: the first of "
+                                  "SWITCHYARD_API_KEY); /stats needs the admin key if any")
     args = ap.parse_args(argv)
     if args.url and serve_flags:
         ap.error("the flags after -- start a server; with --url there is none to start")
     report = against_gateway(args.url, serve_flags, lambda url: asyncio.run(
-        evaluate(url, args.num_problems, args.seed, args.concurrency)))
+        evaluate(url, args.num_problems, args.seed, args.concurrency, args.api_key)))
     print(format_report(report))
     if args.json:
         with open(args.json, "w") as f:

@@ -136,13 +136,32 @@ function render(d) {
   document.body.dataset.renders = ++renders;
 }
 
+// The data is an operator endpoint: with --admin-api-key the page asks for the key once
+// and keeps it for this tab only (sessionStorage), sending it as a bearer token.
+const KEY = "switchyard-admin-key";
+
+$("key-form").addEventListener("submit", (event) => {
+  event.preventDefault();
+  sessionStorage.setItem(KEY, $("admin-key").value);
+  $("admin-key").value = "";
+  $("key-form").hidden = true;
+});
+
 async function refresh() {
   try {
     const query = windowParam ? "?window=" + encodeURIComponent(windowParam) : "";
-    const response = await fetch("dashboard/data" + query);
+    const key = sessionStorage.getItem(KEY);
+    const response = await fetch("dashboard/data" + query,
+                                 key ? {headers: {Authorization: "Bearer " + key}} : {});
+    if (response.status === 401 || response.status === 403) {
+      $("key-form").hidden = false;
+      const body = await response.json().catch(() => null);
+      throw new Error(body?.error?.message ?? `dashboard/data answered ${response.status}`);
+    }
     if (!response.ok) throw new Error(`dashboard/data answered ${response.status}`);
     render(await response.json());
     $("error").hidden = true;
+    $("key-form").hidden = true;
   } catch (err) {
     $("error").textContent = String(err);
     $("error").hidden = false;

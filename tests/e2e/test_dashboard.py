@@ -143,3 +143,23 @@ def test_dashboard_in_chromium(qwen3_ckpt: tuple) -> None:
             round(record["duration_s"], 2), round(record["load_s"], 2), record["moved"]]
         if shot := os.environ.get("SWITCHYARD_DASHBOARD_SCREENSHOT"):
             browser.save_screenshot(shot)
+
+
+def test_dashboard_asks_for_the_admin_key_in_chromium() -> None:
+    """With --admin-api-key the page (open) asks for the key its data needs, keeps it for
+    the tab and draws once given it; the key never shows in the page."""
+    key = "sk-admin-dashboard-5e1"
+    with Served(["--admin-api-key", key, "--dispatch-backend", "local"]) as served, \
+            chromium() as browser:
+        browser.get(f"{served.url}/dashboard?refresh=0.3")
+        WebDriverWait(browser, 30).until(
+            lambda b: b.find_element("id", "key-form").get_attribute("hidden") is None)
+        assert "admin API key" in browser.find_element("id", "error").text
+        assert not browser.execute_script("return document.body.dataset.renders")
+        browser.find_element("id", "admin-key").send_keys(key)
+        browser.find_element("css selector", "#key-form button").click()
+        WebDriverWait(browser, 30).until(
+            lambda b: b.execute_script("return document.body.dataset.renders"))
+        assert browser.find_element("id", "key-form").get_attribute("hidden") is not None
+        assert browser.find_element("id", "error").get_attribute("hidden") is not None
+        assert key not in browser.page_source

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import anyio
 import httpx
@@ -12,6 +13,7 @@ import openai
 import pytest
 import torch
 
+from common.auth import ClusterSecret
 from common.messages import AbortRequest
 from common.rpc import connect, parse_address
 from switchyard.serve_process import Served
@@ -23,9 +25,15 @@ ARITH = "123+456="
 
 
 @pytest.fixture(scope="module")
-def demo() -> Iterator[Served]:
+def secret(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The cluster secret `demo`'s services share: an operator's tool must prove it."""
+    return ClusterSecret.generate().write(tmp_path_factory.mktemp("secret") / "secret")
+
+
+@pytest.fixture(scope="module")
+def demo(secret: Path) -> Iterator[Served]:
     """The bundled model, with its tokenizer and chat template."""
-    with Served([]) as served:
+    with Served([], env={"SWITCHYARD_CLUSTER_SECRET_FILE": str(secret)}) as served:
         yield served
 
 
@@ -393,7 +401,8 @@ def test_errors_have_vllm_status_and_param(demo: Served) -> None:
     assert r.status_code == 413 and r.json()["error"]["code"] == 413
 
 
-def test_an_engine_side_abort_ends_the_stream_with_finish_reason_abort(demo: Served) -> None:
+def test_an_engine_side_abort_ends_the_stream_with_finish_reason_abort(demo: Served,
+                                                                      secret: Path) -> None:
     c, m = client(demo), model_id(demo)
     address = httpx.get(f"{demo.url}/health").json()["attention"][0]["address"]
     stream = c.completions.create(model=m, prompt=ARITH, max_tokens=100, temperature=1.0,
@@ -401,7 +410,8 @@ def test_an_engine_side_abort_ends_the_stream_with_finish_reason_abort(demo: Ser
     first = next(iter(stream))
 
     async def abort() -> None:
-        frames = await connect(*parse_address(address), timeout=10)
+        frames = await connect(*parse_address(address), timeout=10,
+                               secret=ClusterSecret.load(secret))
         await frames.send(AbortRequest(first.id))  # an operator's abort, by request id
         await frames.aclose()
 
