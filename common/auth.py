@@ -26,7 +26,6 @@ import ipaddress
 import os
 import secrets
 import socket
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -143,29 +142,3 @@ def verify(secret: ClusterSecret, server_nonce: bytes, response: bytes) -> bytes
 def check_proof(proof: bytes, expected: bytes) -> None:
     if not hmac.compare_digest(proof, expected):
         raise HandshakeError("the service did not prove the cluster secret")
-
-
-def client_handshake(sock: socket.socket, secret: ClusterSecret, deadline: float) -> None:
-    """The client's side on a blocking socket, by `deadline` (`time.monotonic()`)."""
-    response, expected = respond(secret, _recv_exactly(sock, CHALLENGE_BYTES, deadline))
-    sock.settimeout(_left(deadline))
-    sock.sendall(response)
-    check_proof(_recv_exactly(sock, MAC_BYTES, deadline), expected)
-
-
-def _recv_exactly(sock: socket.socket, n: int, deadline: float) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        sock.settimeout(_left(deadline))
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise HandshakeError("the peer closed the connection during the handshake")
-        buf += chunk
-    return buf
-
-
-def _left(deadline: float) -> float:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError("timed out")
-    return left

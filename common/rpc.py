@@ -98,7 +98,7 @@ class SocketFrames:
                 delay = min(delay * 2, 1.0)
                 continue
             try:
-                auth.client_handshake(sock, secret, deadline)
+                client_handshake(sock, secret, deadline)
             except BaseException:
                 sock.close()
                 raise
@@ -112,22 +112,39 @@ class SocketFrames:
         return len(payload)
 
     def receive(self, deadline: float) -> Message:
-        length = _frame_length(self._exactly(_HEADER.size, deadline))
-        return _decoder.decode(self._exactly(length, deadline))
-
-    def _exactly(self, n: int, deadline: float) -> bytearray:
-        buf = bytearray(n)
-        view, got = memoryview(buf), 0
-        while got < n:
-            self.sock.settimeout(_left(deadline))
-            k = self.sock.recv_into(view[got:])
-            if k == 0:
-                raise EOFError("the peer closed the connection")
-            got += k
-        return buf
+        length = _frame_length(_recv_exactly(self.sock, _HEADER.size, deadline))
+        return _decoder.decode(_recv_exactly(self.sock, length, deadline))
 
     def close(self) -> None:
         self.sock.close()
+
+
+_CLOSED_IN_HANDSHAKE = ("the service closed the connection during the handshake (is it "
+                        "restarting, or does it hold another cluster secret?)")
+
+
+def _recv_exactly(sock: socket.socket, n: int, deadline: float) -> bytearray:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        sock.settimeout(_left(deadline))
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise EOFError("the peer closed the connection")
+        got += k
+    return buf
+
+
+def client_handshake(sock: socket.socket, secret: ClusterSecret, deadline: float) -> None:
+    """`common.auth`'s exchange, the client's side, on a blocking socket by `deadline`."""
+    try:
+        response, expected = auth.respond(
+            secret, bytes(_recv_exactly(sock, auth.CHALLENGE_BYTES, deadline)))
+        sock.settimeout(_left(deadline))
+        sock.sendall(response)
+        auth.check_proof(bytes(_recv_exactly(sock, auth.MAC_BYTES, deadline)), expected)
+    except EOFError as exc:
+        raise HandshakeError(_CLOSED_IN_HANDSHAKE) from exc
 
 
 def _left(deadline: float) -> float:
@@ -243,8 +260,7 @@ async def _client_handshake(stream: ByteStream, secret: ClusterSecret) -> FrameS
             await stream.send(response)
             auth.check_proof(await reader.receive_exactly(auth.MAC_BYTES), expected)
     except (anyio.IncompleteRead, anyio.EndOfStream) as exc:
-        raise HandshakeError("the service closed the connection during the handshake (is it "
-                             "restarting, or does it hold another cluster secret?)") from exc
+        raise HandshakeError(_CLOSED_IN_HANDSHAKE) from exc
     return FrameStream(stream, reader)
 
 

@@ -36,10 +36,6 @@ class Tls:
     ca_certs: Path | None = None
     cert_reqs: int = 0  # ssl.CERT_NONE
 
-    @property
-    def enabled(self) -> bool:
-        return self.certfile is not None
-
 
 @dataclass(frozen=True)
 class Cors:

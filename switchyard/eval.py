@@ -53,7 +53,8 @@ def wilson_interval(correct: int, n: int, z: float = 1.96) -> tuple[float, float
     return (max(0.0, center - half), min(1.0, center + half))
 
 
-async def _ask(client: httpx.AsyncClient, model: str, p: Problem, sem: asyncio.Semaphore) -> str:
+async def ask(client: httpx.AsyncClient, model: str, p: Problem, sem: asyncio.Semaphore) -> str:
+    """One problem as a chat user message, greedy: the reply's text."""
     async with sem:
         r = await client.post("/v1/chat/completions", json={
             "model": model, "messages": [{"role": "user", "content": p.question}],
@@ -80,7 +81,7 @@ async def evaluate(url: str, num_problems: int, seed: int, concurrency: int,
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         before = (await client.get("/stats")).json()["expert_load"]
         sem = asyncio.Semaphore(concurrency)
-        replies = await asyncio.gather(*(_ask(client, model, p, sem) for p in probs))
+        replies = await asyncio.gather(*(ask(client, model, p, sem) for p in probs))
         after = (await client.get("/stats")).json()["expert_load"]
     load = [[a - b for a, b in zip(ra, rb, strict=True)] for ra, rb in zip(after, before,
                                                                             strict=True)]

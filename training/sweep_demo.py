@@ -18,6 +18,7 @@ import httpx
 
 from switchyard.demo_model import DEFAULT_MODEL
 from switchyard.demo_task import Problem, draw, is_correct
+from switchyard.eval import ask
 from switchyard.serve_process import Served, split_serve_flags
 
 
@@ -39,16 +40,7 @@ async def ask_all(url: str, probs: list[Problem], concurrency: int = 32) -> list
     sem = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
-
-        async def ask(p: Problem) -> str:
-            async with sem:
-                r = await client.post("/v1/chat/completions", json={
-                    "model": model, "messages": [{"role": "user", "content": p.question}],
-                    "max_tokens": 8, "temperature": 0})
-                r.raise_for_status()
-                return r.json()["choices"][0]["message"]["content"] or ""
-
-        return await asyncio.gather(*(ask(p) for p in probs))
+        return await asyncio.gather(*(ask(client, model, p, sem) for p in probs))
 
 
 def main() -> None:
