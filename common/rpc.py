@@ -7,6 +7,7 @@ then each frame is a 4-byte big-endian length followed by that many bytes of msg
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import socket
 import struct
@@ -25,6 +26,7 @@ from common.messages import Message
 
 _HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = 256 * 1024 * 1024
+LINK_TIMEOUT_S = 5.0  # `--link-timeout`: a link silent this long is a dead peer
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
@@ -36,6 +38,31 @@ def _frame_length(header: bytes | bytearray) -> int:
     if length > MAX_FRAME_BYTES:
         raise ValueError(f"frame of {length} bytes exceeds the {MAX_FRAME_BYTES} byte limit")
     return length
+
+
+def set_liveness(sock: socket.socket, timeout_s: float) -> None:
+    """Declare the peer dead (the socket's calls fail with ETIMEDOUT) once the link is
+    silent for about `timeout_s`, as a host whose link is cut is (it sends no reset):
+    idle, by keep-alive probes every timeout/5 s (at least 1) after as long a silence; with
+    data sent and not acknowledged (TCP_USER_TIMEOUT), also when the peer acknowledges
+    nothing, or keeps its window shut (it stopped reading), for `timeout_s`.
+    0 or less: the kernel's defaults (hours idle, some 15 minutes with data in flight)."""
+    if timeout_s <= 0:
+        return
+    interval = max(1, round(timeout_s / 5))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, interval)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, interval)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT,
+                    max(1, math.ceil(timeout_s / interval) - 1))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, math.ceil(timeout_s * 1000))
+
+
+def _stream_liveness(stream: ByteStream, timeout_s: float) -> None:
+    """`set_liveness` on a TCP stream's socket (another kind of stream has none)."""
+    sock = stream.extra(SocketAttribute.raw_socket, None)
+    if sock is not None:
+        set_liveness(sock, timeout_s)
 
 
 class FrameStream:
@@ -83,10 +110,12 @@ class SocketFrames:
 
     @classmethod
     def connect(cls, host: str, port: int, deadline: float, retry: bool = True,
-                secret: ClusterSecret = NO_SECRET) -> SocketFrames:
+                secret: ClusterSecret = NO_SECRET,
+                link_timeout: float = LINK_TIMEOUT_S) -> SocketFrames:
         """Connect by `deadline` and prove `secret`, retrying (if `retry`) until the peer
         listens; without retrying, a refused connection raises its OSError at once. A
-        peer that fails the handshake raises `HandshakeError` (an OSError) at once."""
+        peer that fails the handshake raises `HandshakeError` (an OSError) at once. A
+        link silent for `link_timeout` fails the connection (`set_liveness`)."""
         delay = 0.05
         while True:
             try:
@@ -98,6 +127,7 @@ class SocketFrames:
                 delay = min(delay * 2, 1.0)
                 continue
             try:
+                set_liveness(sock, link_timeout)
                 client_handshake(sock, secret, deadline)
             except BaseException:
                 sock.close()
@@ -168,9 +198,12 @@ _refused: set[str] = set()  # hosts whose failed handshake was logged (once each
 
 
 async def accept(stream: ByteStream, secret: ClusterSecret, peer: str,
-                 log: logging.Logger) -> FrameStream | None:
+                 log: logging.Logger, link_timeout: float = LINK_TIMEOUT_S
+                 ) -> FrameStream | None:
     """A listener's new connection once the peer proved `secret`; else None, the stream
-    closed and the peer's address logged (once per host). No frame is read before."""
+    closed and the peer's address logged (once per host). No frame is read before. A
+    link silent for `link_timeout` fails the connection (`set_liveness`)."""
+    _stream_liveness(stream, link_timeout)
     reader = BufferedByteReceiveStream(stream)
     challenge, nonce = auth.challenge()
     try:
@@ -232,23 +265,25 @@ async def connect(host: str, port: int, timeout: float = 30.0, retry: bool = Tru
                   secret: ClusterSecret = NO_SECRET) -> FrameStream:
     """Connect to a service and prove `secret`, retrying (if `retry`) until it listens or
     `timeout` seconds pass; without retrying, a refused connection raises its OSError at
-    once. A service that fails the handshake raises `HandshakeError` at once."""
+    once. A connection reset during the handshake (a service stopping as we connect) is
+    a refused one. A service that fails the handshake raises `HandshakeError` at once."""
     delay = 0.05
     with anyio.fail_after(timeout):
         while True:
             try:
                 stream = await anyio.connect_tcp(host, port)
-            except OSError:
-                if not retry:
+                try:
+                    return await _client_handshake(stream, secret)
+                except BaseException:
+                    await stream.aclose()
                     raise
+            except HandshakeError:
+                raise
+            except (OSError, anyio.BrokenResourceError) as exc:
+                if not retry:
+                    raise ConnectionResetError(f"{host}:{port}: {exc!r}") from exc
                 await anyio.sleep(delay)
                 delay = min(delay * 2, 1.0)
-                continue
-            try:
-                return await _client_handshake(stream, secret)
-            except BaseException:
-                await stream.aclose()
-                raise
 
 
 async def _client_handshake(stream: ByteStream, secret: ClusterSecret) -> FrameStream:

@@ -147,6 +147,10 @@ class EngineClient:
                 log.warning("attention service %s:%d: %s", self._host, self._port, exc)
                 await anyio.sleep(self._retry_interval_s)
                 continue
+            except _CONNECTION_ERRORS as exc:  # (connect retries; this one must run on)
+                log.warning("attention service %s:%d: %r", self._host, self._port, exc)
+                await anyio.sleep(self._retry_interval_s)
+                continue
             try:
                 await self._serve(frames)
             except _CONNECTION_ERRORS as exc:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -105,16 +106,20 @@ def test_an_attention_group_stopped_for_an_upgrade_loses_no_request() -> None:
         compose.up()
         url = f"http://127.0.0.1:{compose.local_port('gateway', 8000)}"
         ps = [[1 + (7 * i + j) % 50 for j in range(9 + 4 * i)] for i in range(6)]
-        undisturbed = greedy_streams(url, ps, stop=None)
-        moved = greedy_streams(url, ps, stop=compose.procs["attention-1"])
+        def logs() -> str:
+            return "\n".join(f"--- {n}:\n{compose.log(n)[-4000:]}"
+                             for n in ("gateway", "attention-0", "attention-1"))
+
+        undisturbed = greedy_streams(url, ps, None, logs)
+        moved = greedy_streams(url, ps, compose.procs["attention-1"], logs)
         assert [o["tokens"] for o in moved] == [o["tokens"] for o in undisturbed]
         assert "resubmitting" in compose.log("gateway")
 
 
-def greedy_streams(url: str, ps: list[list[int]], stop: subprocess.Popen | None
-                   ) -> list[dict]:
+def greedy_streams(url: str, ps: list[list[int]], stop: subprocess.Popen | None,
+                   logs: Callable[[], str]) -> list[dict]:
     """Stream 32 greedy tokens of each prompt at once; SIGTERM `stop` once every stream
-    has its first tokens, and wait for it to exit cleanly."""
+    has its first tokens, and wait for it to exit cleanly. A failure shows `logs()`."""
     def stopped() -> None:
         assert stop is not None
         stop.terminate()
@@ -123,7 +128,7 @@ def greedy_streams(url: str, ps: list[list[int]], stop: subprocess.Popen | None
     body = {"max_tokens": 32, "ignore_eos": True, "temperature": 0}
     outs = disturbed_streams(url, "our-moe", ps, body, None if stop is None else stopped)
     for out in outs:
-        assert out["status"] == 200 and out["finish"] == "length", out
+        assert out["status"] == 200 and out["finish"] == "length", f"{out}\n{logs()}"
         assert out["usage"]["completion_tokens"] == 32 == len(out["tokens"])
     return outs
 

@@ -4,11 +4,14 @@ is resubmitted, and when a request stops being resubmitted. (Real groups killed 
 
 from __future__ import annotations
 
+import anyio
 import pytest
 
 from common.messages import GenerateRequest, SamplingParams, TokenDelta
+from gateway.engine_client import EngineClient
 from gateway.engine_pool import MAX_FRUITLESS_RESUMES, FailoverGeneration
 from gateway.errors import GatewayError, engine_unavailable
+from tests.support.gateway import FakeEngine
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 
@@ -81,3 +84,19 @@ async def test_a_request_that_keeps_losing_its_group_without_a_token_fails() -> 
         await drain(gen)
     assert len(pool.sent) == 1 + MAX_FRUITLESS_RESUMES
     assert all(r.prompt_token_ids == [1, 2, 3, 5] for r in pool.sent[1:])
+
+
+async def test_a_connection_reset_during_the_handshake_is_retried() -> None:
+    """A group stopping as the gateway reconnects to it resets the connection before the
+    handshake's challenge: the client tries again (before, the reset escaped its
+    reconnect loop and stopped every group's client: seen as a 503 after a rolling
+    upgrade's stop)."""
+    engine = FakeEngine([5], eos_id=2)
+    engine.resets = 3
+    async with engine.running(), anyio.create_task_group() as tg:
+        client = EngineClient("127.0.0.1", engine.port, retry_interval_s=0.01)
+        tg.start_soon(client.run)
+        with anyio.fail_after(10):
+            info = await client.wait_ready()
+        assert info == engine.info and engine.resets == 0
+        tg.cancel_scope.cancel()

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
+import struct
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -108,6 +110,7 @@ class FakeEngine:
         self.aborted = anyio.Event()
         self.received = anyio.Event()
         self.accepting = True
+        self.resets = 0  # connections still to reset at once, before the handshake
         self._refused = anyio.Event()
         self.port = 0
         self._connections: list[FrameStream] = []
@@ -142,6 +145,12 @@ class FakeEngine:
             await frames.send(TokenDelta(rid, [token], finish, len(request.prompt_token_ids)))
 
     async def _handle(self, stream: SocketStream) -> None:
+        if self.resets:  # as a service stopping while the gateway connects
+            self.resets -= 1
+            stream.extra(SocketAttribute.raw_socket).setsockopt(
+                socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            await stream.aclose()
+            return
         async with stream:
             if self.accepting:
                 frames = await accept(stream, NO_SECRET, "the gateway", log)
