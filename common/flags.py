@@ -65,6 +65,17 @@ def add_rendezvous_flag(p: argparse.ArgumentParser) -> argparse.Action:
                                "rank to join")
 
 
+def add_link_timeout_flag(p: argparse.ArgumentParser) -> argparse.Action:
+    # 5: common.rpc.LINK_TIMEOUT_S (not imported: this module stays free of the rpc stack)
+    return p.add_argument("--link-timeout", type=float,
+                          default=float(env("LINK_TIMEOUT") or 5),
+                          help="seconds a service connection's link may stay silent (no "
+                               "data, no acknowledgement, no answer to keep-alive probes) "
+                               "before its peer counts as dead, as a host whose link was "
+                               "cut (it sends no reset), or that stopped reading; 0: the "
+                               "kernel's defaults (hours)")
+
+
 def as_flags(args: argparse.Namespace, actions: list[argparse.Action],
              skip: Collection[str] = ()) -> list[str]:
     """The command-line flags that give another process `args`' values of `actions`

@@ -262,17 +262,20 @@ async def cancel_on_signal(scope: anyio.CancelScope) -> None:
 
 
 async def connect(host: str, port: int, timeout: float = 30.0, retry: bool = True,
-                  secret: ClusterSecret = NO_SECRET) -> FrameStream:
+                  secret: ClusterSecret = NO_SECRET,
+                  link_timeout: float = LINK_TIMEOUT_S) -> FrameStream:
     """Connect to a service and prove `secret`, retrying (if `retry`) until it listens or
     `timeout` seconds pass; without retrying, a refused connection raises its OSError at
     once. A connection reset during the handshake (a service stopping as we connect) is
-    a refused one. A service that fails the handshake raises `HandshakeError` at once."""
+    a refused one. A service that fails the handshake raises `HandshakeError` at once. A
+    link silent for `link_timeout` fails the connection (`set_liveness`)."""
     delay = 0.05
     with anyio.fail_after(timeout):
         while True:
             try:
                 stream = await anyio.connect_tcp(host, port)
                 try:
+                    _stream_liveness(stream, link_timeout)
                     return await _client_handshake(stream, secret)
                 except BaseException:
                     await stream.aclose()

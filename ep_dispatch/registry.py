@@ -74,6 +74,7 @@ class RpcSettings:
     call_timeout: float = 30.0
     connect_timeout: float = 30.0
     secret: ClusterSecret = NO_SECRET  # what each connection proves (`common.auth`)
+    link_timeout: float = 5.0  # silent this long, an expert rank is lost (`set_liveness`)
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,7 @@ def _rpc(seam: MoESeam, settings: BackendSettings) -> ExpertsClient:
     if (own := settings.rpc) is None or not own.addresses:
         raise ValueError("the rpc backend needs --expert-addresses HOST:PORT,...")
     return RpcExperts(seam.placement(len(own.addresses)), own.addresses, own.call_timeout,
-                      own.connect_timeout, seam.quantization, own.secret)
+                      own.connect_timeout, seam.quantization, own.secret, own.link_timeout)
 
 
 def _world(name: str, settings: BackendSettings) -> WorldSettings:

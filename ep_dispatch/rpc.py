@@ -37,9 +37,10 @@ class RpcExperts(PointToPoint):
 
     def __init__(self, placement: Placement, addresses: list[tuple[str, int]],
                  call_timeout: float = 30.0, connect_timeout: float = 30.0,
-                 quantization: str | None = None, secret: ClusterSecret = NO_SECRET) -> None:
+                 quantization: str | None = None, secret: ClusterSecret = NO_SECRET,
+                 link_timeout: float = 5.0) -> None:
         self.pool = ExpertPool(placement, addresses, call_timeout, connect_timeout,
-                               quantization, secret)
+                               quantization, secret, link_timeout)
         self.quantization = quantization
         self.call_timeout = call_timeout
         self.dispatch_bytes = 0  # activation bytes sent to expert ranks, for accounting

@@ -49,7 +49,8 @@ class ExpertRankError(RuntimeError):
 class ExpertPool:
     def __init__(self, placement: Placement, addresses: list[tuple[str, int]],
                  call_timeout: float = 30.0, connect_timeout: float = 30.0,
-                 quantization: str | None = None, secret: ClusterSecret = NO_SECRET) -> None:
+                 quantization: str | None = None, secret: ClusterSecret = NO_SECRET,
+                 link_timeout: float = 5.0) -> None:
         if len(addresses) != placement.num_ranks:
             raise ValueError(f"{len(addresses)} expert addresses for a placement of "
                              f"{placement.num_ranks} ranks")
@@ -60,6 +61,7 @@ class ExpertPool:
         self.call_timeout = call_timeout
         self.quantization = quantization
         self.secret = secret
+        self.link_timeout = link_timeout  # silent this long, a rank is lost
         self.conns: list[SocketFrames | None] = [None] * len(addresses)
         # Lost ranks, routed around while replicas allow, and those being probed; shared
         # by the step thread and the probes' (under `_lock`, never held across a call).
@@ -94,7 +96,7 @@ class ExpertPool:
         rebalance) loads it first."""
         try:
             conn = SocketFrames.connect(*self.addresses[rank], deadline, retry,
-                                        self.secret)
+                                        self.secret, self.link_timeout)
         except (OSError, TimeoutError) as exc:
             raise ExpertRankError(f"cannot reach {self.name(rank)} within "
                                   f"{self.call_timeout:g}s: {exc!r}") from None
@@ -164,7 +166,7 @@ class ExpertPool:
             for rank in range(len(self.addresses)):
                 try:
                     conns.append(SocketFrames.connect(*self.addresses[rank], deadline, False,
-                                                      self.secret))
+                                                      self.secret, self.link_timeout))
                     conns[-1].send(update, deadline)
                 except (OSError, TimeoutError) as exc:
                     raise ExpertRankError(f"cannot reach {self.name(rank)} to load "

@@ -46,6 +46,7 @@ class RpcListen:
         answer, never raise.
     release: told the placement versions the connections use now, whenever that changes.
     secret: what a connection must prove before any of its frames is read (`common.auth`).
+    link_timeout: silent this long, a connection's attention rank is gone (`set_liveness`).
     """
 
     host: str
@@ -55,6 +56,7 @@ class RpcListen:
     prepare: Callable[[PlacementUpdate], PlacementReady]
     release: Callable[[set[int]], None]
     secret: ClusterSecret = NO_SECRET
+    link_timeout: float = 5.0
 
 
 class Coalescer:
@@ -134,7 +136,7 @@ async def serve_rpc(listen: RpcListen, ready: Callable[[int], None]) -> None:
             await conn.send(ready)
 
     async def on_connect(stream: SocketStream) -> None:
-        conn = await accept(stream, listen.secret, peer_of(stream), log)
+        conn = await accept(stream, listen.secret, peer_of(stream), log, listen.link_timeout)
         if conn is None:
             return
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.auth import NO_SECRET, ClusterSecret, add_secret_flag, is_loopback
-from common.flags import ENV_PREFIX, env, env_switch, optional_int
+from common.flags import ENV_PREFIX, add_link_timeout_flag, env, env_switch, optional_int
 from common.rpc import parse_address
 from common.units import parse_size
 from gateway.access import Access
@@ -81,6 +81,7 @@ class GatewayConfig:
     tls: Tls = field(default_factory=Tls)
     cors: Cors = field(default_factory=Cors)
     secret: ClusterSecret = NO_SECRET  # what the connections to attention services prove
+    link_timeout_s: float = 5.0  # silent this long, an attention service is gone
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -120,6 +121,7 @@ def _parser() -> argparse.ArgumentParser:
     add_serve_flags(p)
     add_access_flags(p)
     add_secret_flag(p)
+    add_link_timeout_flag(p)
     return p
 
 
@@ -390,4 +392,5 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
         eplb=eplb_config(args),
         failover_timeout_s=args.failover_timeout,
         access=access, tls=tls, cors=cors, secret=secret,
+        link_timeout_s=args.link_timeout,
     )

@@ -89,9 +89,10 @@ class EngineClient:
     """Multiplexes generate requests over one TCP connection to the engine."""
 
     def __init__(self, host: str, port: int, retry_interval_s: float = 1.0,
-                 secret: ClusterSecret = NO_SECRET) -> None:
+                 secret: ClusterSecret = NO_SECRET, link_timeout_s: float = 5.0) -> None:
         self._host, self._port = host, port
         self._secret = secret
+        self._link_timeout_s = link_timeout_s  # silent this long, the engine is gone
         self._retry_interval_s = retry_interval_s
         self._frames: FrameStream | None = None
         self._info: EngineInfo | None = None
@@ -142,7 +143,7 @@ class EngineClient:
         while True:
             try:
                 frames = await connect(self._host, self._port, timeout=math.inf,
-                                       secret=self._secret)
+                                       secret=self._secret, link_timeout=self._link_timeout_s)
             except HandshakeError as exc:  # a misconfigured deployment: said, then retried
                 log.warning("attention service %s:%d: %s", self._host, self._port, exc)
                 await anyio.sleep(self._retry_interval_s)

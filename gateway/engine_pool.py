@@ -32,12 +32,13 @@ class EnginePool:
 
     def __init__(self, addresses: list[tuple[str, int]], retry_interval_s: float = 1.0,
                  routing: str = "prefix-affinity", balance: int = 16,
-                 failover_timeout_s: float = 60.0, secret: ClusterSecret = NO_SECRET) -> None:
+                 failover_timeout_s: float = 60.0, secret: ClusterSecret = NO_SECRET,
+                 link_timeout_s: float = 5.0) -> None:
         if routing not in POLICIES:
             raise ValueError(f"routing policy {routing!r} is not one of {', '.join(POLICIES)}")
         self.addresses = addresses
         self.failover_timeout_s = failover_timeout_s
-        self.clients = [EngineClient(host, port, retry_interval_s, secret)
+        self.clients = [EngineClient(host, port, retry_interval_s, secret, link_timeout_s)
                         for host, port in addresses]
         self._affinity = PrefixAffinity(len(addresses), balance) \
             if routing == "prefix-affinity" and len(addresses) > 1 else None

@@ -43,7 +43,8 @@ def uvicorn_server(config: GatewayConfig) -> uvicorn.Server:
         log.warning("no tokenizer.json in %s: only token-id prompts will work", config.model_dir)
     engine = EnginePool(list(config.engines), routing=config.routing_policy,
                         balance=config.routing_balance,
-                        failover_timeout_s=config.failover_timeout_s, secret=config.secret)
+                        failover_timeout_s=config.failover_timeout_s, secret=config.secret,
+                        link_timeout_s=config.link_timeout_s)
     app = build_app(config, engine, tokenizer)
     tls = config.tls
     return uvicorn.Server(uvicorn.Config(

@@ -107,6 +107,7 @@ def _balanced_by_load(args: argparse.Namespace, cfg: ModelConfig) -> Placement:
 # a healthcheck (`probe`) loads only what it runs.
 OWN_PARSERS = {"gateway": "gateway.server", "eval": "switchyard.eval",
                "bench": "switchyard.bench", "compose": "switchyard.compose",
+               "k8s": "switchyard.k8s",
                "probe": "switchyard.probe", "quantize": "services.expert.quantize"}
 
 
@@ -129,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("bench", help="serving load generator and latency report (`... bench -h`)")
     sub.add_parser("quantize", help="write a W4A4 (MXFP4 experts) copy of a checkpoint")
     sub.add_parser("compose", help="render the docker compose file for a GPU layout")
+    sub.add_parser("k8s", help="render the Kubernetes (LeaderWorkerSet) manifests of a layout")
     sub.add_parser("probe", help="healthcheck: is this URL or service answering?")
     args = parser.parse_args(argv)
     if args.command == "serve":

@@ -28,6 +28,18 @@ from pathlib import Path
 import yaml
 
 from switchyard.demo_model import DEFAULT_MODEL, DEFAULT_MODEL_NAME
+from switchyard.topology import (
+    ENGINE_SETTINGS,
+    GATEWAY_SETTINGS,
+    METRICS,
+    RENDEZVOUS,
+    SERVE,
+    Place,
+    Ref,
+    ServiceSet,
+    Topology,
+    build,
+)
 
 GATEWAY_PORT = 8000
 ATTENTION_PORT = 7000
@@ -87,11 +99,15 @@ class Layout:
                              f"DCP rank(s) and {self.expert_services} expert services need "
                              f"{need} GPUs; --gpus is {self.gpus}")
 
-    def attention_gpu(self, group: int, rank: int) -> int:
+    def gpu_of(self, set: str, group: int, rank: int) -> int:
+        """Attention group g's DCP rank r on GPU g * D + r, then the expert services."""
+        if set == "expert":
+            return self.attention_groups * self.dcp_size + group
         return group * self.dcp_size + rank
 
-    def expert_gpu(self, rank: int) -> int:
-        return self.attention_groups * self.dcp_size + rank
+    def topology(self) -> Topology:
+        return build(self.expert_services, self.dcp_size, self.attention_groups, self.device,
+                     "switchyard" if self.gpu else DEFAULT_MODEL_NAME)
 
     def args(self) -> str:
         out = f"--gpus {self.gpus} " if self.gpu else f"--device {self.device} "
@@ -213,35 +229,21 @@ def _network(layout: Layout) -> dict:
     return {"network_mode": "host"} if layout.host else {}
 
 
-def _device_flags(layout: Layout) -> list[str]:
-    dtype = "auto" if layout.gpu else "float32"  # (bf16 matmuls crawl on most CPUs)
-    return ["--device", f"${{SWITCHYARD_DEVICE:-{layout.device}}}",
-            "--dtype", f"${{SWITCHYARD_DTYPE:-{dtype}}}"]
-
-
-def _replicas_flag() -> list[str]:
-    """Every attention and expert service must place the experts alike."""
-    return ["--expert-replicas", "${SWITCHYARD_EXPERT_REPLICAS:-1}"]
-
-
-def _engine_flags(layout: Layout, metrics_port: int) -> list[str]:
-    kv = "40GiB" if layout.gpu else "1GiB"
-    return ["--model", "/model", "--host", layout.bind(), *_device_flags(layout),
-            "--kv-cache-memory", f"${{SWITCHYARD_KV_CACHE_MEMORY:-{kv}}}",
-            "--max-num-seqs", "${SWITCHYARD_MAX_NUM_SEQS:-256}",
-            "--metrics-port", str(metrics_port)]
-
-
 def render(layout: Layout) -> dict:
     """The compose document for `layout`."""
     layout.check()
-    services = _expert_services(layout)
-    experts = list(services)
-    leaders: list[str] = []
-    for g in range(layout.attention_groups):
-        services.update(_attention_group(layout, g, experts))
-        leaders.append(_attention_name(g, 0))
-    services["gateway"] = _gateway(layout, leaders, list(services))
+    topology = layout.topology()
+    services = {}
+    for s in (topology.expert, topology.attention):
+        for g, r in s.members():
+            place = ComposePlace(layout, topology, s, g, r)
+            name = place.name()
+            services[name] = _service(layout, name, layout.gpu_of(s.name, g, r),
+                                      place.command(), place.health(),
+                                      [n for a in s.after for n in place.names(a)])
+            services[name]["environment"].update(_settings(s.settings))
+    gateway = ComposePlace(layout, topology, topology.gateway, 0, 0)
+    services["gateway"] = _gateway(layout, gateway, gateway.names("attention", leaders=True))
     services.update(_companions(layout))
     doc: dict = {"services": services}
     if not layout.host:
@@ -251,66 +253,67 @@ def render(layout: Layout) -> dict:
     return doc
 
 
-def _expert_services(layout: Layout) -> dict[str, dict]:
-    names = [f"expert-{r}" for r in range(layout.expert_services)]
-    return {name: _service(layout, name, layout.expert_gpu(r), [
-        "switchyard", "expert", "--model", "/model", "--host", layout.bind(),
-        "--port", str(layout.expert_port(r)), "--rank", str(r),
-        "--num-ranks", str(layout.expert_services), *_device_flags(layout), *_replicas_flag(),
-        "--metrics-port", str(layout.expert_metrics_port(r))],
-        f"127.0.0.1:{layout.expert_port(r)}", [])
-        for r, name in enumerate(names)}
+class ComposePlace(Place):
+    """Compose's spelling: services by name on their base ports, or on the host's network
+    all on 127.0.0.1, each on ports of its own; settings as `${SWITCHYARD_X:-default}`."""
+
+    def __init__(self, layout: Layout, topology: Topology, set: ServiceSet, replica: int,
+                 member: int) -> None:
+        super().__init__(topology, set, replica, member, "/model")
+        self.layout = layout
+
+    def name(self, set: str | None = None, replica: int | None = None,
+             member: int | None = None) -> str:
+        set = set or self.set.name
+        g = self.replica if replica is None else replica
+        r = self.member if member is None else member
+        return {"expert": f"expert-{g}", "gateway": "gateway"}.get(set) or \
+            _attention_name(g, r)
+
+    def names(self, set: str, leaders: bool = False) -> list[str]:
+        """Every service of a set (`leaders`: each unit's member 0 only)."""
+        return [self.name(set, g, r) for g, r in self.topology.sets[set].members()
+                if r == 0 or not leaders]
+
+    def port(self, name: str) -> str:
+        return str(self.port_of(self.set.name, self.replica, self.member, name))
+
+    def port_of(self, set: str, g: int, r: int, name: str) -> int | str:
+        layout = self.layout
+        if set == "gateway":
+            return _front_port(layout)
+        if name == METRICS:
+            return layout.expert_metrics_port(g) if set == "expert" \
+                else layout.attention_metrics_port(g, r)
+        if name == RENDEZVOUS:
+            return layout.dcp_init_port(g)
+        return layout.expert_port(g) if set == "expert" else layout.attention_port(g)
+
+    def address(self, ref: Ref) -> str:
+        port = self.port_of(ref.set, ref.replica, ref.member, ref.port)
+        return self.layout.address(self.name(ref.set, ref.replica, ref.member), int(port))
+
+    def setting(self, name: str, default: str) -> str:
+        return f"${{SWITCHYARD_{name}:-{default}}}"
+
+    def bind(self, front: bool) -> str:
+        if front:
+            return "${SWITCHYARD_HOST:-0.0.0.0}" if self.layout.host else "0.0.0.0"
+        return self.layout.bind()
+
+    def health(self) -> str:
+        """What its healthcheck probes: the port it serves, or a DCP rank's /metrics
+        (served once it joined its group)."""
+        if self.member == 0:
+            return f"127.0.0.1:{self.port(SERVE)}"
+        return f"http://127.0.0.1:{self.port(METRICS)}/metrics"
 
 
-def _attention_group(layout: Layout, g: int, experts: list[str]) -> dict[str, dict]:
-    """Group g's DCP ranks. They start together (their rendezvous needs all of them), once
-    the experts answer; the leader is healthy when the whole group has joined."""
-    leader = _attention_name(g, 0)
-    addresses = ",".join(layout.address(e, layout.expert_port(r))
-                         for r, e in enumerate(experts))
-    dcp = ["--dcp-size", str(layout.dcp_size), "--dcp-init",
-           layout.address(leader, layout.dcp_init_port(g))] if layout.dcp_size > 1 else []
-    services = {}
-    for r in range(layout.dcp_size):
-        metrics = layout.attention_metrics_port(g, r)
-        command = ["switchyard", "attention", *_engine_flags(layout, metrics),
-                   *_replicas_flag(), "--dispatch-backend", "rpc",
-                   "--expert-addresses", addresses, *dcp]
-        if r == 0:
-            command += ["--port", str(layout.attention_port(g))]
-            health = f"127.0.0.1:{layout.attention_port(g)}"
-        else:
-            command += ["--dcp-rank", str(r)]
-            health = f"http://127.0.0.1:{metrics}/metrics"  # served once joined
-        name = _attention_name(g, r)
-        services[name] = _service(layout, name, layout.attention_gpu(g, r), command, health,
-                                  experts)
-        services[name]["environment"].update(_settings(ENGINE_SETTINGS))
-    return services
-
-
-def _metrics_ports(layout: Layout) -> dict[str, int]:
-    """Each expert and attention service's /metrics port, by service name."""
-    ports = {f"expert-{r}": layout.expert_metrics_port(r)
-             for r in range(layout.expert_services)}
-    ports.update({_attention_name(g, r): layout.attention_metrics_port(g, r)
-                  for g in range(layout.attention_groups) for r in range(layout.dcp_size)})
-    return ports
-
-
-def _gateway(layout: Layout, leaders: list[str], scraped: list[str]) -> dict:
-    metrics = _metrics_ports(layout)
+def _gateway(layout: Layout, place: ComposePlace, leaders: list[str]) -> dict:
     return {
         "image": layout.image(),
         **({"profiles": ["gpu"]} if layout.gpu else {}),
-        "command": ["switchyard", "gateway", "--model", "/model",
-                    "--served-model-name", layout.served_model_name(),
-                    *_front(layout),
-                    "--engine", ",".join(layout.address(name, layout.attention_port(g))
-                                         for g, name in enumerate(leaders)),
-                    "--service-metrics",
-                    ",".join(f"http://{layout.address(s, metrics[s])}/metrics"
-                             for s in scraped)],
+        "command": place.command(),
         "environment": {**_common_env("gateway", layout), **_settings(GATEWAY_SETTINGS)},
         **_secret(layout),
         "volumes": [layout.model_volume()],
@@ -335,15 +338,6 @@ def _front_port(layout: Layout) -> str:
 def _published(layout: Layout, *ports: str) -> dict:
     """`ports`, or on the host's network none (the service is there already)."""
     return {"network_mode": "host"} if layout.host else {"ports": list(ports)}
-
-
-# Settings of .env a service reads as its flags' SWITCHYARD_ variables (name without the
-# prefix, default).
-GATEWAY_SETTINGS = (("ENABLE_AUTO_TOOL_CHOICE", "false"), ("TOOL_CALL_PARSER", ""),
-                    ("ENABLE_PROMPT_TOKENS_DETAILS", "false"),
-                    ("ROUTING_POLICY", "prefix-affinity"), ("ROUTING_BALANCE", "16"),
-                    ("FAILOVER_TIMEOUT", "60"), ("API_KEY", ""), ("ADMIN_API_KEY", ""))
-ENGINE_SETTINGS = (("ENABLE_PREFIX_CACHING", "true"),)
 
 
 def _settings(names: tuple[tuple[str, str], ...]) -> dict[str, str]:
@@ -397,7 +391,10 @@ def prometheus_config(layout: Layout) -> dict:
     demo's services are inside its one container, so its gateway is scraped whole. On
     the host's network the CPU demo listens where the gateway does, so it has no job of
     its own: there its per-expert series are on its /metrics and dashboard only."""
-    targets = [layout.address(name, port) for name, port in _metrics_ports(layout).items()]
+    topology = layout.topology()
+    gateway = ComposePlace(layout, topology, topology.gateway, 0, 0)
+    targets = [gateway.address(Ref(s.name, g, r, METRICS))
+               for s in (topology.expert, topology.attention) for g, r in s.members()]
     merged = {"source_labels": ["__name__"], "action": "drop",
               "regex": "switchyard:(expert|dispatch|combine)_.*"}
     jobs = [{"job_name": "gateway", "metric_relabel_configs": [merged],

@@ -108,7 +108,7 @@ def _experts_client(config: AttentionConfig, cfg: ModelConfig, dtype: torch.dtyp
     return create_experts_client(config.dispatch_backend, seam, BackendSettings(
         in_process=InProcessSettings(bank.forward, bank.forward_on_device) if bank else None,
         rpc=RpcSettings(list(config.expert_addresses), config.expert_timeout,
-                        config.expert_timeout, config.secret),
+                        config.expert_timeout, config.secret, config.link_timeout),
         world=WorldSettings(world, config.rendezvous_timeout, config.deepep) if world
         else None))
 

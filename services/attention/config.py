@@ -11,6 +11,7 @@ from common.auth import NO_SECRET, ClusterSecret, add_secret_flag
 from common.device import resolve_dtype
 from common.flags import (
     add_device_flag,
+    add_link_timeout_flag,
     add_metrics_flag,
     add_quantization_flag,
     add_rendezvous_flag,
@@ -44,6 +45,7 @@ class AttentionConfig:
     placement: Path | None = None
     expert_replicas: int = 1  # without a placement file: each expert on this many ranks
     expert_timeout: float = 30.0
+    link_timeout: float = 5.0  # silent this long, a connection's peer is dead (`set_liveness`)
     rendezvous_timeout: float = 300.0  # lockstep worlds and DCP groups: for every rank
     dist_init: tuple[str, int] | None = None  # torch backend: the rendezvous (TCP store)
     attention_rank: int = 0
@@ -195,6 +197,7 @@ def add_attention_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dcp-init", default=env("DCP_INIT"),
                    help="HOST:PORT of the DCP group's rendezvous, hosted by its rank 0")
     add_engine_flags(p)
+    add_link_timeout_flag(p)
     add_metrics_flag(p)
     add_secret_flag(p)
 
@@ -211,6 +214,7 @@ def from_args(args: argparse.Namespace) -> AttentionConfig:
         placement=Path(args.placement) if args.placement else None,
         expert_replicas=args.expert_replicas,
         expert_timeout=args.expert_timeout, rendezvous_timeout=args.rendezvous_timeout,
+        link_timeout=getattr(args, "link_timeout", 5.0),
         dist_init=parse_addresses(args.dist_init)[0] if args.dist_init else None,
         attention_rank=getattr(args, "attention_rank", 0),
         attention_ranks=getattr(args, "attention_ranks", 1),

@@ -310,7 +310,7 @@ async def serve(config: AttentionConfig, engine: Engine, metrics_port: int | Non
     report_ready(config.ready_fd, port, metrics_port)
 
     async def on_connect(stream: SocketStream) -> None:
-        conn = await accept(stream, config.secret, peer_of(stream), log)
+        conn = await accept(stream, config.secret, peer_of(stream), log, config.link_timeout)
         if conn is not None:
             await server.handle(conn)
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from common.auth import NO_SECRET, ClusterSecret, add_secret_flag
 from common.flags import (
     add_device_flag,
+    add_link_timeout_flag,
     add_metrics_flag,
     add_quantization_flag,
     add_rendezvous_flag,
@@ -42,6 +43,7 @@ class ExpertConfig:
     device: str = "cpu"
     deepep: DeepEPSettings = field(default_factory=DeepEPSettings)
     secret: ClusterSecret = NO_SECRET  # what connections to --port prove (`common.auth`)
+    link_timeout: float = 5.0  # silent this long, a connection's peer is dead (`set_liveness`)
 
 
 def add_expert_parser(sub: argparse._SubParsersAction) -> None:
@@ -77,6 +79,7 @@ def add_expert_parser(sub: argparse._SubParsersAction) -> None:
     add_metrics_flag(p)
     add_deepep_flags(p)
     add_secret_flag(p)
+    add_link_timeout_flag(p)
 
 
 def expert_config(args: argparse.Namespace) -> ExpertConfig:
@@ -93,4 +96,5 @@ def expert_config(args: argparse.Namespace) -> ExpertConfig:
                         otlp_traces_endpoint=args.otlp_traces_endpoint,
                         metrics_port=args.metrics_port, device=args.device,
                         deepep=deepep_settings(args),
-                        secret=ClusterSecret.load(args.cluster_secret_file))
+                        secret=ClusterSecret.load(args.cluster_secret_file),
+                        link_timeout=args.link_timeout)

@@ -230,7 +230,8 @@ class ExpertServer:
         return ExpertSide(self.placement, bank.forward, bank.rows, config.device,
                           self.model_config.top_k, ready, world,
                           RpcListen(config.host, config.port, self.compute, self.info,
-                                    self.prepare, self.release, config.secret))
+                                    self.prepare, self.release, config.secret,
+                                    config.link_timeout))
 
 
 def _yield_to_computation() -> None:
