@@ -66,9 +66,9 @@ def add_rendezvous_flag(p: argparse.ArgumentParser) -> argparse.Action:
 
 
 def add_link_timeout_flag(p: argparse.ArgumentParser) -> argparse.Action:
-    # 5: common.rpc.LINK_TIMEOUT_S (not imported: this module stays free of the rpc stack)
+    # 4: common.rpc.LINK_TIMEOUT_S (not imported: this module stays free of the rpc stack)
     return p.add_argument("--link-timeout", type=float,
-                          default=float(env("LINK_TIMEOUT") or 5),
+                          default=float(env("LINK_TIMEOUT") or 4),
                           help="seconds a service connection's link may stay silent (no "
                                "data, no acknowledgement, no answer to keep-alive probes) "
                                "before its peer counts as dead, as a host whose link was "

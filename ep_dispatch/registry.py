@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from common.auth import NO_SECRET, ClusterSecret
 from common.device import collective_backend
+from common.rpc import LINK_TIMEOUT_S
 
 if TYPE_CHECKING:
     import torch
@@ -74,7 +75,7 @@ class RpcSettings:
     call_timeout: float = 30.0
     connect_timeout: float = 30.0
     secret: ClusterSecret = NO_SECRET  # what each connection proves (`common.auth`)
-    link_timeout: float = 5.0  # silent this long, an expert rank is lost (`set_liveness`)
+    link_timeout: float = LINK_TIMEOUT_S  # silent this long, a rank is lost (`set_liveness`)
 
 
 @dataclass(frozen=True)

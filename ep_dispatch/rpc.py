@@ -20,7 +20,7 @@ from common import tracing
 from common.auth import NO_SECRET, ClusterSecret
 from common.compute import waiting
 from common.messages import ExpertBatch, ExpertResult
-from common.rpc import MAX_FRAME_BYTES
+from common.rpc import LINK_TIMEOUT_S, MAX_FRAME_BYTES
 from ep_dispatch.base import PointToPoint
 from ep_dispatch.layout import ReplicaTurns, combine, compute_layout
 from ep_dispatch.metrics import phase
@@ -38,7 +38,7 @@ class RpcExperts(PointToPoint):
     def __init__(self, placement: Placement, addresses: list[tuple[str, int]],
                  call_timeout: float = 30.0, connect_timeout: float = 30.0,
                  quantization: str | None = None, secret: ClusterSecret = NO_SECRET,
-                 link_timeout: float = 5.0) -> None:
+                 link_timeout: float = LINK_TIMEOUT_S) -> None:
         self.pool = ExpertPool(placement, addresses, call_timeout, connect_timeout,
                                quantization, secret, link_timeout)
         self.quantization = quantization

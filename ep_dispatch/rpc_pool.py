@@ -29,7 +29,7 @@ from common.messages import (
     Tensor,
     UsePlacement,
 )
-from common.rpc import SocketFrames
+from common.rpc import LINK_TIMEOUT_S, SocketFrames
 from ep_dispatch.placement import Placement
 
 log = logging.getLogger("switchyard.rpc_experts")
@@ -50,7 +50,7 @@ class ExpertPool:
     def __init__(self, placement: Placement, addresses: list[tuple[str, int]],
                  call_timeout: float = 30.0, connect_timeout: float = 30.0,
                  quantization: str | None = None, secret: ClusterSecret = NO_SECRET,
-                 link_timeout: float = 5.0) -> None:
+                 link_timeout: float = LINK_TIMEOUT_S) -> None:
         if len(addresses) != placement.num_ranks:
             raise ValueError(f"{len(addresses)} expert addresses for a placement of "
                              f"{placement.num_ranks} ranks")

@@ -29,7 +29,14 @@ from common.messages import (
     PlacementUpdate,
     UsePlacement,
 )
-from common.rpc import FrameStream, accept, cancel_on_signal, peer_of, serve_messages
+from common.rpc import (
+    LINK_TIMEOUT_S,
+    FrameStream,
+    accept,
+    cancel_on_signal,
+    peer_of,
+    serve_messages,
+)
 
 log = logging.getLogger("switchyard.expert")
 
@@ -56,7 +63,7 @@ class RpcListen:
     prepare: Callable[[PlacementUpdate], PlacementReady]
     release: Callable[[set[int]], None]
     secret: ClusterSecret = NO_SECRET
-    link_timeout: float = 5.0
+    link_timeout: float = LINK_TIMEOUT_S
 
 
 class Coalescer:

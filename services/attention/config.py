@@ -20,6 +20,7 @@ from common.flags import (
     env_switch,
     optional_int,
 )
+from common.rpc import LINK_TIMEOUT_S
 from common.units import parse_size
 from ep_dispatch.deepep_config import DeepEPSettings, add_deepep_flags, deepep_settings
 from ep_dispatch.registry import backend as dispatch_backend
@@ -45,7 +46,7 @@ class AttentionConfig:
     placement: Path | None = None
     expert_replicas: int = 1  # without a placement file: each expert on this many ranks
     expert_timeout: float = 30.0
-    link_timeout: float = 5.0  # silent this long, a connection's peer is dead (`set_liveness`)
+    link_timeout: float = LINK_TIMEOUT_S  # silent this long, a peer is dead (`set_liveness`)
     rendezvous_timeout: float = 300.0  # lockstep worlds and DCP groups: for every rank
     dist_init: tuple[str, int] | None = None  # torch backend: the rendezvous (TCP store)
     attention_rank: int = 0

@@ -16,7 +16,7 @@ from common.flags import (
     add_replicas_flag,
     env,
 )
-from common.rpc import parse_address
+from common.rpc import LINK_TIMEOUT_S, parse_address
 from ep_dispatch.deepep_config import DeepEPSettings, add_deepep_flags, deepep_settings
 from ep_dispatch.registry import expert_side_backends
 
@@ -43,7 +43,7 @@ class ExpertConfig:
     device: str = "cpu"
     deepep: DeepEPSettings = field(default_factory=DeepEPSettings)
     secret: ClusterSecret = NO_SECRET  # what connections to --port prove (`common.auth`)
-    link_timeout: float = 5.0  # silent this long, a connection's peer is dead (`set_liveness`)
+    link_timeout: float = LINK_TIMEOUT_S  # silent this long, a peer is dead (`set_liveness`)
 
 
 def add_expert_parser(sub: argparse._SubParsersAction) -> None:

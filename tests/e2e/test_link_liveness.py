@@ -22,7 +22,7 @@ from tests.support.netns import Nodes, netns_missing, read_line
 pytestmark = pytest.mark.skipif(netns_missing() is not None, reason=netns_missing() or "")
 
 REPO = Path(__file__).resolve().parents[2]
-LINK_TIMEOUT = 5.0  # the default
+LINK_TIMEOUT = 4.0  # the default
 SLACK = 2.0
 PORT = 7100
 
