@@ -33,6 +33,8 @@ from switchyard.topology import (
     BASE_PORTS,
     METRICS,
     SERVE,
+    WORLD,
+    WORLD_PORT,
     Place,
     Ref,
     ServiceSet,
@@ -48,6 +50,7 @@ KEYS = "switchyard-api-keys"  # optional Secret: api-key, admin-api-key
 # Where the image keeps the bundled demo model (Dockerfile: the source at /opt/switchyard/src).
 IMAGE_DEMO_MODEL = "/opt/switchyard/src/switchyard/models/arith-moe"
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"  # a StatefulSet pod's ordinal (k8s 1.28+)
+WORLD_SET = "world"  # the LWS of a collective backend's world
 SETTINGS = "switchyard-settings"  # the ConfigMap of deployment settings (compose's .env)
 LAYOUT_SETTINGS = ("DEVICE", "DTYPE")  # fixed by the rendering: not settings here
 
@@ -63,6 +66,7 @@ class K8sLayout:
     image: str = "switchyard:latest"
     otlp_endpoint: str = "http://otel-collector:4318"
     served_model_name: str = ""
+    dispatch_backend: str = "rpc"  # or torch: one collective world, one LWS group
 
     @property
     def gpu(self) -> bool:
@@ -74,12 +78,16 @@ class K8sLayout:
                              "least 1")
         name = self.served_model_name or ("switchyard" if self.gpu else DEFAULT_MODEL_NAME)
         return build(self.expert_services, self.dcp_size, self.attention_groups, self.device,
-                     name)
+                     name, self.dispatch_backend)
 
 
-def dns_name(set: str, replica: int, member: int) -> str:
+def dns_name(set: str, replica: int, member: int, world: bool = False) -> str:
     """A pod's name in the cluster's DNS (the namespace's search path completes it): the
-    StatefulSet's `<set>-<i>.<set>`, LWS's `<lws>-<group>[-<worker>].<lws>`."""
+    StatefulSet's `<set>-<i>.<set>`, LWS's `<lws>-<group>[-<worker>].<lws>`; in a
+    collective world (one LWS group, `WORLD_SET`) attention rank 0 leads and expert rank
+    r is worker r + 1."""
+    if world and set != "gateway":
+        return dns_name(WORLD_SET, 0, 0 if set == "attention" else replica + 1)
     pod = f"{PREFIX}-{set}-{replica}" + (f"-{member}" if member else "")
     return f"{pod}.{PREFIX}-{set}" if set != "gateway" else f"{PREFIX}-gateway"
 
@@ -98,10 +106,11 @@ class K8sPlace(Place):
 
     def address(self, ref: Ref) -> str:
         port = self.topology.sets[ref.set].ports[ref.port]
-        return f"{dns_name(ref.set, ref.replica, ref.member)}:{port}"
+        return f"{dns_name(ref.set, ref.replica, ref.member, self.topology.world)}:{port}"
 
     def leader(self, port: str) -> str:
-        return f"$(LWS_LEADER_ADDRESS):{self.set.ports[port]}"
+        number = WORLD_PORT if port == WORLD else self.set.ports[port]
+        return f"$(LWS_LEADER_ADDRESS):{number}"
 
     def setting(self, name: str, default: str) -> str:
         """The layout's own (the device decides the resources) as rendered; the others
@@ -112,6 +121,8 @@ class K8sPlace(Place):
 def render(layout: K8sLayout) -> list[dict]:
     """Every object of `layout`, in the order `kubectl apply` should meet them."""
     topology = layout.topology()
+    if topology.world:
+        return [settings(topology), _world_lws(layout, topology), *_gateway(layout, topology)]
     return [settings(topology), _headless(topology.expert),
             _expert_statefulset(layout, topology),
             _attention_lws(layout, topology), *_gateway(layout, topology)]
@@ -175,6 +186,22 @@ def _attention_lws(layout: K8sLayout, topology: Topology) -> dict:
     return {"apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet",
             "metadata": {"name": f"{PREFIX}-attention", "labels": _labels("attention")},
             "spec": {"replicas": s.replicas, "startupPolicy": "LeaderCreated",
+                     "leaderWorkerTemplate": template}}
+
+
+def _world_lws(layout: K8sLayout, topology: Topology) -> dict:
+    """A collective backend's world as one LWS group: attention rank 0 leads (it hosts
+    the rendezvous), expert rank r is worker r + 1 (`--world-rank $(LWS_WORKER_INDEX)`);
+    the world restarts whole, as `serve` restarts it."""
+    attention, expert = topology.attention, topology.expert
+    leader = _pod(layout, K8sPlace(topology, attention, 0, 0, layout.model), [])
+    worker = _pod(layout, K8sPlace(topology, expert, 0, 1, layout.model), [])
+    template = {"size": 1 + expert.replicas, "restartPolicy": "RecreateGroupOnPodRestart",
+                "leaderTemplate": {"metadata": _pod_metadata("attention"), "spec": leader},
+                "workerTemplate": {"metadata": _pod_metadata("expert"), "spec": worker}}
+    return {"apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet",
+            "metadata": {"name": f"{PREFIX}-{WORLD_SET}", "labels": _labels(WORLD_SET)},
+            "spec": {"replicas": 1, "startupPolicy": "LeaderCreated",
                      "leaderWorkerTemplate": template}}
 
 
@@ -316,10 +343,14 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--served-model-name", default="")
     ap.add_argument("--otlp-endpoint", default="http://otel-collector:4318",
                     help="where every pod sends its traces (OTLP over HTTP)")
+    ap.add_argument("--dispatch-backend", choices=["rpc", "torch"], default="rpc",
+                    help="torch: the attention rank and the expert ranks as one collective "
+                         "world (gloo, or NCCL on GPUs), one LWS group; one attention group, "
+                         "no DCP")
     args = ap.parse_args(argv)
     layout = K8sLayout(args.expert_services, args.dcp_size, args.attention_groups,
                        args.device, args.model, args.model_claim, args.image,
-                       args.otlp_endpoint, args.served_model_name)
+                       args.otlp_endpoint, args.served_model_name, args.dispatch_backend)
     try:
         docs = render(layout)
     except ValueError as exc:

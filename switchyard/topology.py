@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 
 # The ports a member serves, by name (a rendering may move them: compose on the host's
 # network gives each member its own).
-SERVE, METRICS, RENDEZVOUS = "serve", "metrics", "rendezvous"
+SERVE, METRICS, RENDEZVOUS, WORLD = "serve", "metrics", "rendezvous", "world"
 BASE_PORTS = {"gateway": {SERVE: 8000},
               "attention": {SERVE: 7000, METRICS: 9400, RENDEZVOUS: 29500},
               "expert": {SERVE: 7100, METRICS: 9400}}
+WORLD_PORT = 29600  # a collective backend's rendezvous, on attention rank 0
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,8 @@ class Refs:
 
 @dataclass(frozen=True)
 class Leader:
-    """This unit's leader (its member 0) at a named port: a rendezvous."""
+    """This unit's leader (its member 0) at a named port: a rendezvous. In a collective
+    world (`Topology.world`) the leader is attention rank 0, at `WORLD_PORT`."""
     port: str
 
 
@@ -97,7 +99,9 @@ class ServiceSet:
         return [(g, r) for g in range(self.replicas) for r in range(self.size)]
 
     def args(self, member: int) -> tuple[Arg, ...]:
-        return self.leader if member == 0 else self.worker
+        """Member `member`'s flags (a set of one kind of member has no worker flags: a
+        collective world's expert ranks are its workers, each with the same flags)."""
+        return self.leader if member == 0 or not self.worker else self.worker
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,9 @@ class Topology:
     attention: ServiceSet
     gateway: ServiceSet
     device: str = "cuda"
+    # A collective backend's world: attention rank 0 (leading) and the expert ranks
+    # meet at one rendezvous and restart together, one unit.
+    world: bool = False
     sets: dict[str, ServiceSet] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -123,23 +130,33 @@ ENGINE_SETTINGS = (("ENABLE_PREFIX_CACHING", "true"),)
 
 
 def build(expert_services: int, dcp_size: int, attention_groups: int, device: str,
-          served_model_name: str) -> Topology:
+          served_model_name: str, dispatch_backend: str = "rpc") -> Topology:
     """The services of a layout: E expert services, G attention groups of D DCP ranks, a
-    gateway in front."""
+    gateway in front; the experts reached over `rpc`, or (`torch`) one collective world
+    of the attention rank and the expert ranks."""
+    world = dispatch_backend != "rpc"
+    if world and (dispatch_backend != "torch" or attention_groups != 1 or dcp_size != 1):
+        raise ValueError(f"--dispatch-backend {dispatch_backend}: only rpc, or torch with one "
+                         f"attention group and no DCP (its world is one unit), is rendered")
     gpu = device == "cuda"
     dtype = "auto" if gpu else "float32"  # (bf16 matmuls crawl on most CPUs)
     on_device = ("--device", Setting("DEVICE", device), "--dtype", Setting("DTYPE", dtype))
     replicas = ("--expert-replicas", Setting("EXPERT_REPLICAS", "1"))  # placed alike
+    join = ("--dispatch-backend", dispatch_backend, "--dist-init", Leader(WORLD))
+    rank = ("--world-rank", Index("member"), *join, "--attention-ranks", "1") if world else \
+        ("--port", Port(SERVE), "--rank", Index("replica"))
     expert = ServiceSet("expert", expert_services, (
-        "--model", MODEL, "--host", Bind(), "--port", Port(SERVE), "--rank", Index("replica"),
-        "--num-ranks", str(expert_services), *on_device, *replicas,
-        "--metrics-port", Port(METRICS)))
+        "--model", MODEL, "--host", Bind(), *rank, "--num-ranks", str(expert_services),
+        *on_device, *replicas, "--metrics-port", Port(METRICS)))
     kv = "40GiB" if gpu else "1GiB"
+    experts = (*join, "--attention-rank", "0", "--attention-ranks", "1", "--expert-ranks",
+               str(expert_services)) if world else \
+        ("--dispatch-backend", "rpc", "--expert-addresses",
+         Refs(tuple(Ref("expert", r, 0, SERVE) for r in range(expert_services))))
     engine = ("--model", MODEL, "--host", Bind(), *on_device,
               "--kv-cache-memory", Setting("KV_CACHE_MEMORY", kv),
               "--max-num-seqs", Setting("MAX_NUM_SEQS", "256"), "--metrics-port", Port(METRICS),
-              *replicas, "--dispatch-backend", "rpc", "--expert-addresses",
-              Refs(tuple(Ref("expert", r, 0, SERVE) for r in range(expert_services))))
+              *replicas, *experts)
     dcp = ("--dcp-size", str(dcp_size), "--dcp-init", Leader(RENDEZVOUS)) \
         if dcp_size > 1 else ()
     attention = ServiceSet("attention", attention_groups, (*engine, *dcp, "--port", Port(SERVE)),
@@ -153,7 +170,7 @@ def build(expert_services: int, dcp_size: int, attention_groups: int, device: st
         "--engine", Refs(tuple(Ref("attention", g, 0, SERVE) for g in range(attention_groups))),
         "--service-metrics", Refs(tuple(scraped))), gpus=0, settings=GATEWAY_SETTINGS,
         after=("attention",))
-    return Topology(expert, attention, gateway, device)
+    return Topology(expert, attention, gateway, device, world)
 
 
 def resolve(arg: Arg, place: Place) -> str:
@@ -196,6 +213,9 @@ class Place:
         raise NotImplementedError
 
     def leader(self, port: str) -> str:
+        if port == WORLD:
+            return f"{self.address(Ref('attention', 0, 0, SERVE)).rpartition(':')[0]}:" \
+                   f"{WORLD_PORT}"
         return self.address(Ref(self.set.name, self.replica, 0, port))
 
     def setting(self, name: str, default: str) -> str:

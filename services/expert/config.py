@@ -72,6 +72,10 @@ def add_expert_parser(sub: argparse._SubParsersAction) -> None:
                    help="torch backend: HOST:PORT of the rendezvous (attention rank 0)")
     p.add_argument("--attention-ranks", type=int, default=int(env("ATTENTION_RANKS", "1")),
                    help="torch backend: number of attention groups in the world")
+    p.add_argument("--world-rank", type=int, default=None,
+                   help="torch backend: this service's rank in the world instead of --rank "
+                        "(the attention ranks come first: --rank is it less "
+                        "--attention-ranks), as a LeaderWorkerSet's worker index gives it")
     add_rendezvous_flag(p)
     add_quantization_flag(p, "w4a4: hold the experts as MXFP4 and take MXFP4 activations")
     p.add_argument("--otlp-traces-endpoint", default=env("OTLP_TRACES_ENDPOINT"),
@@ -83,7 +87,14 @@ def add_expert_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def expert_config(args: argparse.Namespace) -> ExpertConfig:
-    return ExpertConfig(model=Path(args.model), rank=args.rank, num_ranks=args.num_ranks,
+    rank = args.rank
+    if args.world_rank is not None:
+        rank = args.world_rank - args.attention_ranks
+        if args.dispatch_backend == "rpc" or not 0 <= rank < args.num_ranks:
+            raise ValueError(f"--world-rank {args.world_rank}: not an expert rank of a "
+                             f"collective world of {args.attention_ranks} attention and "
+                             f"{args.num_ranks} expert ranks")
+    return ExpertConfig(model=Path(args.model), rank=rank, num_ranks=args.num_ranks,
                         placement=Path(args.placement) if args.placement else None,
                         expert_replicas=args.expert_replicas,
                         dtype=args.dtype, num_threads=args.num_threads, host=args.host,

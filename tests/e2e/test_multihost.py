@@ -14,6 +14,8 @@ Three deployments, one at a time:
 - "replicas": the same with SWITCHYARD_EXPERT_REPLICAS=2 (both expert ranks hold every
   expert).
 - "groups": two attention groups without DCP, group 1 on node b.
+- "torch": `--dispatch-backend torch`: the attention rank (node a) and the expert ranks
+  (nodes b and c) one gloo world, one LWS group.
 
 A cut link drops every frame (no reset, no ICMP): the services find out by
 `--link-timeout` (5 s by default), as on a real partition."""
@@ -71,10 +73,17 @@ def groups_manifests() -> str:
     return "---\n".join(dump(d) for d in render(layout))
 
 
+def torch_manifests() -> str:
+    layout = K8sLayout(expert_services=2, dcp_size=1, device="cpu", dispatch_backend="torch")
+    return "---\n".join(dump(d) for d in render(layout))
+
+
 DEPLOYMENTS: dict[str, tuple[Callable[[], str], dict[str, str], dict[str, str]]] = {
     "demo": (demo_manifests, DEMO_PLACEMENT, {"SWITCHYARD_EXPERT_TIMEOUT": EXPERT_TIMEOUT}),
     "replicas": (demo_manifests, DEMO_PLACEMENT, {"SWITCHYARD_EXPERT_REPLICAS": "2"}),
     "groups": (groups_manifests, GROUPS_PLACEMENT, {}),
+    "torch": (torch_manifests, {"switchyard-gateway-0": "a", "switchyard-world-0": "a",
+                                "switchyard-world-0-1": "b", "switchyard-world-0-2": "c"}, {}),
 }
 
 
@@ -382,3 +391,19 @@ def test_a_cut_link_to_an_attention_group_resubmits_its_requests(
           f"({len(results)} requests)")
     assert detected <= LINK_TIMEOUT + SLACK
     assert_all_answered(results, expected)
+
+
+@pytest.mark.parametrize("cluster", ["torch"], indirect=True)
+def test_greedy_parity_over_a_gloo_world_across_nodes(
+        cluster: Cluster, expected: list[list[int]]) -> None:
+    """`--dispatch-backend torch`: the attention rank on node a and the expert ranks on b
+    and c, one gloo world that met at `$(LWS_LEADER_ADDRESS)`; greedy token ids equal
+    transformers'."""
+    served = cluster.client(
+        "import json\nfrom tests.support.serving import concurrent_greedy\n"
+        f"print(json.dumps(concurrent_greedy('{cluster.url()}', '{DEFAULT_MODEL_NAME}', "
+        f"{PROMPTS}, {MAX_TOKENS})))\n")
+    assert served == expected
+    for pod in ("switchyard-world-0-1", "switchyard-world-0-2"):  # joined as their rank
+        rank = int(pod[-1]) - 1
+        assert f"expert rank {rank}/2" in cluster.log(pod), cluster.log(pod)[-2000:]

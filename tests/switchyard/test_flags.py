@@ -149,3 +149,26 @@ def test_expert_placement_is_placement_for_serve_and_the_services() -> None:
     assert serve.parse_args(given).placement == "p.json"
     assert attention.parse_args(given).placement == "p.json"
     assert root.parse_args(["expert", *given]).placement == "p.json"
+
+
+def test_an_expert_rank_from_its_world_rank() -> None:
+    """`--world-rank` (a LeaderWorkerSet worker's index) less the attention ranks is the
+    expert rank; one that is no expert rank of the world, or without a collective
+    backend, is an error that says so."""
+    from services.expert.config import add_expert_parser, expert_config
+
+    root = argparse.ArgumentParser()
+    add_expert_parser(root.add_subparsers(dest="command"))
+
+    def config(*flags: str) -> object:
+        return expert_config(root.parse_args(["expert", "--model", "m", "--num-ranks", "3",
+                                              *flags]))
+
+    assert config("--dispatch-backend", "torch", "--world-rank", "1").rank == 0
+    assert config("--dispatch-backend", "torch", "--world-rank", "4",
+                  "--attention-ranks", "2").rank == 2
+    for bad in (["--dispatch-backend", "torch", "--world-rank", "0"],  # attention's
+                ["--dispatch-backend", "torch", "--world-rank", "4"],
+                ["--world-rank", "1"]):  # rpc: no world
+        with pytest.raises(ValueError, match="not an expert rank of a collective world"):
+            config(*bad)

@@ -106,3 +106,24 @@ def _pod_specs(doc: dict) -> list[dict]:
         return [spec["template"]["spec"]]
     template = spec.get("leaderWorkerTemplate", {})
     return [t["spec"] for k, t in template.items() if k.endswith("Template")]
+
+
+def test_a_torch_world_is_one_lws_group() -> None:
+    """`--dispatch-backend torch`: attention rank 0 leads one LWS group whose workers are
+    the expert ranks (`--world-rank $(LWS_WORKER_INDEX)`), all meeting at the leader;
+    valid; no StatefulSet. A layout it cannot render is a clear error."""
+    docs = render(K8sLayout(device="cpu", expert_services=3, dcp_size=1,
+                            dispatch_backend="torch"))
+    assert validate("---\n".join(yaml.safe_dump(d) for d in docs)) == []
+    assert [d["kind"] for d in docs] == ["ConfigMap", "LeaderWorkerSet", "Deployment",
+                                         "Service"]
+    template = docs[1]["spec"]["leaderWorkerTemplate"]
+    assert template["size"] == 4 and template["restartPolicy"] == "RecreateGroupOnPodRestart"
+    leader = template["leaderTemplate"]["spec"]["containers"][0]["command"]
+    worker = template["workerTemplate"]["spec"]["containers"][0]["command"]
+    assert leader[:2] == ["switchyard", "attention"] and worker[:2] == ["switchyard", "expert"]
+    for command in (leader, worker):
+        assert command[command.index("--dist-init") + 1] == "$(LWS_LEADER_ADDRESS):29600"
+    assert worker[worker.index("--world-rank") + 1] == "$(LWS_WORKER_INDEX)"
+    with pytest.raises(ValueError, match="torch with one attention group and no DCP"):
+        render(K8sLayout(dcp_size=2, dispatch_backend="torch"))
