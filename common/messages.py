@@ -300,11 +300,14 @@ class DcpSeqPlan(msgspec.Struct, frozen=True, array_like=True):
 class DcpPlan(msgspec.Struct, frozen=True, tag=True):
     """DCP leader -> its peers, every step: the sequences to run, in batch order (`stop`
     ends the peers); `micro_batches`: how many of them each micro-batch of a pipelined
-    step takes, in order (empty: one batch)."""
+    step takes, in order (empty: one batch). `heartbeat`: no step, the leader is idle
+    (every `dcp.group.HEARTBEAT_S`) and every rank answers, so that a silent link is
+    found on both ends within the group's collective timeout."""
 
     seqs: list[DcpSeqPlan]
     stop: bool = False
     micro_batches: list[int] = msgspec.field(default_factory=list)
+    heartbeat: bool = False
 
 
 class NcclUniqueId(msgspec.Struct, frozen=True):

@@ -21,8 +21,21 @@ from dcp.merge import merge
 from ep_dispatch.base import Done, Exchange, ExpertsClient, PointToPoint
 from ep_dispatch.wire import tensor_bytes
 
-# Peers wait in a broadcast while the leader idles: no timeout short of a year.
+# Without a collective timeout (`op_timeout` None) peers wait in a broadcast while the
+# leader idles: no timeout short of a year.
 _IDLE_FOREVER = datetime.timedelta(days=365)
+HEARTBEAT_S = 1.0  # an idle leader's heartbeat: the peers' wait for a plan stays short
+HOLD_MARGIN_S = 5.0  # beyond the longest a peer waits while the leader holds a step
+
+
+def collective_timeout(expert_timeout: float, link_timeout: float) -> float | None:
+    """How long a rank waits in one of the group's collectives before the group counts as
+    broken: longer than the leader may hold a step for a lost expert rank (found within
+    `link_timeout`, then waited for up to `expert_timeout`), so a hold never breaks the
+    group; None (no bound) where liveness is off (`--link-timeout 0`)."""
+    if link_timeout <= 0:
+        return None
+    return expert_timeout + link_timeout + HOLD_MARGIN_S
 
 
 class PartialAttention(Protocol):
@@ -36,13 +49,16 @@ class PartialAttention(Protocol):
 
 class DcpGroup:
     def __init__(self, init: tuple[str, int], rank: int, size: int, backend: str = "gloo",
-                 timeout: float = 300.0) -> None:
-        """Meet the group's other ranks at rank 0's store, waiting `timeout` seconds."""
+                 timeout: float = 300.0, op_timeout: float | None = None) -> None:
+        """Meet the group's other ranks at rank 0's store, waiting `timeout` seconds; a
+        collective then fails after `op_timeout` seconds (`collective_timeout`; None:
+        never, so the leader must not idle on heartbeats)."""
         host, port = init
         store = dist.TCPStore(host, port, size, is_master=rank == 0,
                               timeout=datetime.timedelta(seconds=timeout))
+        waits = _IDLE_FOREVER if op_timeout is None else datetime.timedelta(seconds=op_timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=size,
-                                timeout=_IDLE_FOREVER)
+                                timeout=waits)
         self.rank, self.size = rank, size
         self._device = "cuda" if backend == "nccl" else "cpu"  # where NCCL/gloo want tensors
         self._encoder = msgspec.msgpack.Encoder()
@@ -52,6 +68,15 @@ class DcpGroup:
         data = torch.frombuffer(bytearray(self._encoder.encode(plan)), dtype=torch.uint8)
         dist.broadcast(torch.tensor([data.numel()], device=self._device), src=0)
         dist.broadcast(data.to(self._device), src=0)
+
+    def heartbeat(self) -> None:
+        """The leader, idle: a heartbeat plan, then a collective every rank joins (the
+        peers by `answer_heartbeat`), so the leader too finds a silent peer."""
+        self.send_plan(DcpPlan([], heartbeat=True))
+        self.answer_heartbeat()
+
+    def answer_heartbeat(self) -> None:
+        dist.all_reduce(torch.zeros(1, device=self._device))
 
     def receive_plan(self) -> DcpPlan:
         size = torch.zeros(1, dtype=torch.int64, device=self._device)

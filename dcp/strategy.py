@@ -10,7 +10,7 @@ import torch
 
 from common.messages import DcpPlan, DcpSeqPlan
 from dcp.batch import StepBatch, build_rank_batch
-from dcp.group import DcpGroup, GroupExperts, PartialAttention, StepAborted
+from dcp.group import HEARTBEAT_S, DcpGroup, GroupExperts, PartialAttention, StepAborted
 from dcp.sharding import ONE_RANK, Sharding
 from ep_dispatch.base import ExpertsClient
 
@@ -21,6 +21,7 @@ class SingleRank:
     """Attention over this rank's own KV cache: the DCP group of one (`Sharding(1, 1)`)."""
 
     attend: Attend | None = None  # the model's attention hook (None: its own full one)
+    heartbeat_s: float | None = None  # how often to `heartbeat` while idle (None: never)
 
     def __init__(self, block_size: int, sliding_window: int | None,
                  sharding: Sharding = ONE_RANK) -> None:
@@ -44,6 +45,9 @@ class SingleRank:
         this rank will never join (none: it has no peers)."""
         return True
 
+    def heartbeat(self) -> None:
+        """Idle: tell the peers this rank lives, and find out whether they do."""
+
     def close(self) -> None:
         pass
 
@@ -53,10 +57,11 @@ class DcpLeader(SingleRank):
     built, attention is merged over the group, and MoE outputs are broadcast to them."""
 
     def __init__(self, group: DcpGroup, sharding: Sharding, block_size: int,
-                 sliding_window: int | None) -> None:
+                 sliding_window: int | None, heartbeats: bool = False) -> None:
         super().__init__(block_size, sliding_window, sharding)
         self.group = group
         self.attend = group.attend
+        self.heartbeat_s = HEARTBEAT_S if heartbeats else None
 
     def batch(self, seqs: list[DcpSeqPlan], logits_rows: list[int]) -> StepBatch:
         self.group.send_plan(DcpPlan(seqs))
@@ -71,6 +76,9 @@ class DcpLeader(SingleRank):
 
     def experts(self, client: ExpertsClient) -> ExpertsClient:
         return GroupExperts(self.group, client)
+
+    def heartbeat(self) -> None:
+        self.group.heartbeat()
 
     def in_step_after(self, failure: Exception) -> bool:
         # the peers learn of an expert call's failure (StepAborted) and drop the step too

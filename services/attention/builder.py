@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from common.device import check_device, collective_backend
-from dcp.group import DcpGroup
+from dcp.group import DcpGroup, collective_timeout
 from dcp.sharding import Sharding
 from dcp.strategy import DcpLeader, SingleRank
 from ep_dispatch.base import ExpertsClient
@@ -156,10 +156,11 @@ def _attention(config: AttentionConfig, cfg: ModelConfig) -> SingleRank:
     if backend(config.dispatch_backend).collective:
         raise ValueError("DCP works with the local and rpc dispatch backends; the collective "
                          "backend's process group is the expert world")
+    op_timeout = collective_timeout(config.expert_timeout, config.link_timeout)
     group = DcpGroup(config.dcp_init, 0, config.dcp_size, collective_backend(config.device),
-                     config.rendezvous_timeout)
+                     config.rendezvous_timeout, op_timeout)
     return DcpLeader(group, Sharding(config.dcp_size, config.dcp_interleave),
-                     config.block_size, cfg.sliding_window)
+                     config.block_size, cfg.sliding_window, heartbeats=op_timeout is not None)
 
 
 def _world(config: AttentionConfig) -> World | None:

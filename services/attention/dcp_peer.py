@@ -11,7 +11,7 @@ import torch
 from common.device import check_device, collective_backend
 from common.metrics import report_ready, start_metrics_server
 from dcp.batch import build_rank_batch
-from dcp.group import DcpGroup, GroupExperts, StepAborted
+from dcp.group import DcpGroup, GroupExperts, StepAborted, collective_timeout
 from dcp.sharding import Sharding
 from services.attention.config import AttentionConfig
 from services.attention.kv_cache import KVCache, kv_bytes_per_block
@@ -31,7 +31,8 @@ def run_peer(config: AttentionConfig) -> None:
     checkpoint = Checkpoint(config.model)
     device = check_device(config.device, "attention")
     group = DcpGroup(config.dcp_init, config.dcp_rank, config.dcp_size,
-                     collective_backend(device), config.rendezvous_timeout)
+                     collective_backend(device), config.rendezvous_timeout,
+                     collective_timeout(config.expert_timeout, config.link_timeout))
     model = DenseModel(cfg, checkpoint, dtype, group.attend, device)
     checkpoint.close()
     num_blocks = config.kv_cache_memory // kv_bytes_per_block(cfg, config.block_size, dtype)
@@ -45,6 +46,9 @@ def run_peer(config: AttentionConfig) -> None:
     report_ready(config.ready_fd, 0, None)
     try:
         while not (plan := group.receive_plan()).stop:
+            if plan.heartbeat:
+                group.answer_heartbeat()
+                continue
             cuts = list(accumulate(plan.micro_batches or [len(plan.seqs)], initial=0))
             batches = [build_rank_batch(plan.seqs[a:b], config.dcp_rank, sharding,
                                         config.block_size, cfg.sliding_window, []).to(device)

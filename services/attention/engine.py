@@ -128,6 +128,13 @@ class Engine:
             if idle:
                 self._stepping.release()
 
+    def heartbeat(self) -> None:
+        """Idle: the attention strategy's heartbeat (a DCP leader's to its peers), between
+        steps; raises if a peer is gone."""
+        with self._stepping:
+            if not self._closed:
+                self.attention.heartbeat()
+
     def _batch(self, scheduled: list[ScheduledSeq], all_logits: bool = False) -> StepBatch:
         """The step's inputs, on the engine's device."""
         batch = self._plan_batch(scheduled, all_logits)

@@ -86,6 +86,7 @@ class AttentionServer:
         self._outboxes: dict[FrameStream, MemoryObjectSendStream[TokenDelta]] = {}
         self._out_of_step = out_of_step or _exit_out_of_step
         self._compute = ComputeThread("engine-step", "attention")  # every step on one thread
+        self._heartbeat_s = engine.attention.heartbeat_s or math.inf  # a DCP leader's
 
     def _post(self, work: _Work) -> None:
         self._inbox.append(work)
@@ -134,7 +135,11 @@ class AttentionServer:
                 with anyio.move_on_after(LOCKSTEP_POLL_S):
                     await self._wakeup.wait()
             elif not self._inbox and not self.engine.has_work():
-                await self._wakeup.wait()
+                with anyio.move_on_after(self._heartbeat_s):
+                    await self._wakeup.wait()
+                if not self._wakeup.is_set():  # idle that long: the peers hear of it
+                    await self._heartbeat()
+                    continue
             self._wakeup = anyio.Event()
             inbox, self._inbox = self._inbox, []
             deltas = [d for work in inbox if (d := self._apply(work))]
@@ -148,6 +153,15 @@ class AttentionServer:
                     deltas += await self._step_failed(exc, deltas)
             for delta in deltas:
                 self._deliver(delta)
+
+    async def _heartbeat(self) -> None:
+        """A DCP leader's idle heartbeat; a peer gone (its collective timed out) leaves
+        the group broken: exit, and the group is started again whole."""
+        try:
+            await self._compute.run(self.engine.heartbeat)
+        except Exception as exc:
+            log.error("the DCP group's heartbeat failed: %s", root_causes(exc))
+            self._out_of_step()
 
     async def _rebalance(self, msg: Rebalance, conn: FrameStream) -> None:
         """Move the experts to `msg`'s placement: the expert ranks load it (on a worker

@@ -201,3 +201,60 @@ def test_a_failed_expert_call_on_the_leader_aborts_the_step_on_every_rank() -> N
             peer.kill()
     assert got == ["the leader's expert call failed on layer 0", y.tolist()]
     assert y.tolist() == torch.arange(12.0).view(3, 4).tolist()
+
+
+def _heartbeat_rank(port: int, rank: int, op_timeout: float, out: object, go: object
+                    ) -> None:
+    """Rank 0 heartbeats, then once told (`go`) again (how long it took to fail reported);
+    rank 1 answers until stopped."""
+    import time
+
+    from dcp.group import DcpGroup
+
+    group = DcpGroup(("127.0.0.1", port), rank, 2, op_timeout=op_timeout)
+    if rank == 1:
+        while group.receive_plan().heartbeat:
+            group.answer_heartbeat()
+            out.put("answered")  # type: ignore[attr-defined]
+        return
+    group.heartbeat()
+    out.put("answered")  # type: ignore[attr-defined]
+    go.get(timeout=60)  # type: ignore[attr-defined]  # (the test stopped the peer)
+    start = time.monotonic()
+    try:
+        group.heartbeat()
+    except RuntimeError as exc:
+        out.put((time.monotonic() - start, str(exc)[:200]))  # type: ignore[attr-defined]
+    else:
+        out.put(None)  # type: ignore[attr-defined]
+
+
+def test_an_idle_leader_finds_a_silent_peer_by_its_heartbeat() -> None:
+    """A DCP group with a 2 s collective timeout: heartbeats answered while the peer
+    runs; the peer stopped (SIGSTOP: silent, its connections open, as behind a cut
+    link), the leader's next heartbeat fails within the timeout (and a second of slack),
+    where before a leader idled forever without noticing."""
+    import multiprocessing
+    import os
+    import signal
+
+    from common.ports import free_port
+
+    ctx = multiprocessing.get_context("spawn")
+    port, leader_out, peer_out, go = free_port(), ctx.Queue(), ctx.Queue(), ctx.Queue()
+    ranks = [ctx.Process(target=_heartbeat_rank, args=(port, r, 2.0, q, go))
+             for r, q in ((0, leader_out), (1, peer_out))]
+    for p in ranks:
+        p.start()
+    try:
+        assert leader_out.get(timeout=60) == peer_out.get(timeout=60) == "answered"
+        os.kill(ranks[1].pid, signal.SIGSTOP)
+        go.put("go")
+        got = leader_out.get(timeout=60)
+        assert got is not None, "the heartbeat to a silent peer did not fail"
+        seconds, error = got
+        assert 1.5 <= seconds <= 3.0, (seconds, error)
+    finally:
+        for p in ranks:
+            p.kill()
+            p.join(timeout=30)

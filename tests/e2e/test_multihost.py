@@ -22,11 +22,13 @@ A cut link drops every frame (no reset, no ICMP): the services find out by
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
 import re
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -167,6 +169,20 @@ class Cluster:
     def restore(self, node: str) -> None:
         for pod in (p for p, n in self.placement.items() if n == node):
             self.nodes.restore(netns_name(pod))
+
+    def recreate(self, names: list[str]) -> None:
+        """What LWS's `RecreateGroupOnPodRestart` does: every pod of the group killed (if
+        still running) and started again; back once ready."""
+        for name in names:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.procs[name].pid, signal.SIGKILL)
+            self.procs[name].wait(30)
+            self.logs.joinpath(f"{name}.log").rename(self.logs / f"{name}.before.log")
+        for name in names:
+            self.start(name)
+        for name in names:
+            wait_until(lambda name=name: self.ready(name), 300,
+                       lambda name=name: f"{name} ready: {self.log(name)[-2000:]}")
 
     def client(self, code: str, timeout: float = 300) -> object:
         """Python `code` run in the gateway's pod's namespace (the repository importable),
@@ -337,6 +353,36 @@ def test_a_cut_expert_node_past_the_expert_timeout_is_a_503_naming_the_rank(
         load.stop()
     assert re.match(r"fail \d+ 503 ", line), line
     assert "expert rank 1 at switchyard-expert-1.switchyard-expert:7100" in line, line
+
+
+@demo
+def test_a_cut_dcp_rank_breaks_its_group_which_is_recreated_and_loses_no_request(
+        cluster: Cluster, expected: list[list[int]]) -> None:
+    """The DCP worker's pod (node b) cut from its leader under 8 clients: the group's
+    collectives time out (`dcp.group.collective_timeout`: --expert-timeout +
+    --link-timeout + 5 s, 24 s here), its leader exits; once the link is back the group is
+    recreated whole, as LWS does, and the gateway resubmits its requests: 0 failed."""
+    leader, worker = "switchyard-attention-0", "switchyard-attention-0-1"
+    bound = float(EXPERT_TIMEOUT) + LINK_TIMEOUT + 5
+    load = cluster.load()
+    try:
+        load.answered(8)
+        cluster.nodes.cut(netns_name(worker))
+        cut = time.monotonic()
+        try:
+            wait_until(lambda: cluster.procs[leader].poll() is not None, bound + 30,
+                       lambda: cluster.log(leader)[-2000:])
+            found = time.monotonic() - cut
+        finally:
+            cluster.nodes.restore(netns_name(worker))
+        cluster.recreate([leader, worker])
+        load.answered(16)
+    finally:
+        results = load.stop()
+    print(f"\nthe DCP group's cut link found within {found:.1f} s (bound {bound:g} s; "
+          f"{len(results)} requests)")
+    assert found <= bound + SLACK
+    assert_all_answered(results, expected)
 
 
 @pytest.mark.parametrize("cluster", ["replicas"], indirect=True)
