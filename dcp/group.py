@@ -21,9 +21,9 @@ from dcp.merge import merge
 from ep_dispatch.base import Done, Exchange, ExpertsClient, PointToPoint
 from ep_dispatch.wire import tensor_bytes
 
-# Without a collective timeout (`op_timeout` None) peers wait in a broadcast while the
-# leader idles: no timeout short of a year.
-_IDLE_FOREVER = datetime.timedelta(days=365)
+# Until the group serves (`DcpGroup.serve`), and always without a collective timeout,
+# peers wait in a broadcast as long as the leader loads or idles: no bound short of a year.
+_FOREVER = datetime.timedelta(days=365)
 HEARTBEAT_S = 1.0  # an idle leader's heartbeat: the peers' wait for a plan stays short
 HOLD_MARGIN_S = 5.0  # beyond the longest a peer waits while the leader holds a step
 
@@ -50,39 +50,57 @@ class PartialAttention(Protocol):
 class DcpGroup:
     def __init__(self, init: tuple[str, int], rank: int, size: int, backend: str = "gloo",
                  timeout: float = 300.0, op_timeout: float | None = None) -> None:
-        """Meet the group's other ranks at rank 0's store, waiting `timeout` seconds; a
-        collective then fails after `op_timeout` seconds (`collective_timeout`; None:
-        never, so the leader must not idle on heartbeats)."""
+        """Meet the group's other ranks at rank 0's store, waiting `timeout` seconds. Once
+        the group serves (`serve`), a collective fails after `op_timeout` seconds
+        (`collective_timeout`; None: never)."""
         host, port = init
         store = dist.TCPStore(host, port, size, is_master=rank == 0,
                               timeout=datetime.timedelta(seconds=timeout))
-        waits = _IDLE_FOREVER if op_timeout is None else datetime.timedelta(seconds=op_timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=size,
-                                timeout=waits)
+                                timeout=_FOREVER)
+        self._op_timeout = _FOREVER if op_timeout is None else \
+            datetime.timedelta(seconds=op_timeout)
+        self._wait = _FOREVER  # loading: a rank may take minutes before its first step
         self.rank, self.size = rank, size
         self._device = "cuda" if backend == "nccl" else "cpu"  # where NCCL/gloo want tensors
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(DcpPlan)
 
+    def _done(self, work: dist.Work | None) -> None:
+        """Wait for a collective (`async_op=True`); a RuntimeError past the bound."""
+        assert work is not None
+        work.wait(self._wait)
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        """Rank 0's `tensor` into every rank's."""
+        self._done(dist.broadcast(tensor, src=0, async_op=True))
+
+    def serve(self) -> None:
+        """Every rank loaded and met (the first heartbeat answered): from now on each
+        collective is bounded by the collective timeout."""
+        self._wait = self._op_timeout
+
     def send_plan(self, plan: DcpPlan) -> None:
         data = torch.frombuffer(bytearray(self._encoder.encode(plan)), dtype=torch.uint8)
-        dist.broadcast(torch.tensor([data.numel()], device=self._device), src=0)
-        dist.broadcast(data.to(self._device), src=0)
+        self.broadcast(torch.tensor([data.numel()], device=self._device))
+        self.broadcast(data.to(self._device))
 
     def heartbeat(self) -> None:
-        """The leader, idle: a heartbeat plan, then a collective every rank joins (the
-        peers by `answer_heartbeat`), so the leader too finds a silent peer."""
+        """The leader: a heartbeat plan, then a collective every rank joins (the peers
+        by `answer_heartbeat`), so the leader too finds a silent peer. The first, once
+        the leader is loaded, waits for every peer to be, and the group serves."""
         self.send_plan(DcpPlan([], heartbeat=True))
         self.answer_heartbeat()
 
     def answer_heartbeat(self) -> None:
-        dist.all_reduce(torch.zeros(1, device=self._device))
+        self._done(dist.all_reduce(torch.zeros(1, device=self._device), async_op=True))
+        self.serve()
 
     def receive_plan(self) -> DcpPlan:
         size = torch.zeros(1, dtype=torch.int64, device=self._device)
-        dist.broadcast(size, src=0)
+        self.broadcast(size)
         data = torch.empty(int(size), dtype=torch.uint8, device=self._device)
-        dist.broadcast(data, src=0)
+        self.broadcast(data)
         return self._decoder.decode(tensor_bytes(data))
 
     def attend(self, kv: PartialAttention, layer: int, q: torch.Tensor, batch: StepBatch
@@ -91,8 +109,8 @@ class DcpGroup:
         out, lse = kv.attend_partial(layer, q, batch)  # [T, H, D], [T, H]
         outs = [torch.empty_like(out) for _ in range(self.size)]
         lses = [torch.empty_like(lse) for _ in range(self.size)]
-        dist.all_gather(outs, out)
-        dist.all_gather(lses, lse)
+        self._done(dist.all_gather(outs, out, async_op=True))
+        self._done(dist.all_gather(lses, lse, async_op=True))
         return merge(torch.stack(outs), torch.stack(lses))[0]
 
     def close(self) -> None:
@@ -133,13 +151,14 @@ class GroupExperts(PointToPoint):
         cannot start one); the broadcast to the peers, and a peer's receive, happen in
         `finish`, in the order the exchanges started on every rank of the group."""
         if self.inner is None:  # a peer
-            return GroupExchange(layer, x, None)
+            return GroupExchange(self.group, layer, x, None)
         start = getattr(self.inner, "start", None)
         try:
-            return GroupExchange(layer, x, start(layer, x, topk_ids, topk_weights) if start
+            return GroupExchange(self.group, layer, x,
+                                 start(layer, x, topk_ids, topk_weights) if start
                                  else Done(self.inner(layer, x, topk_ids, topk_weights)))
         except Exception as exc:  # failed to start: the peers still get this call's status
-            return GroupExchange(layer, x, Failed(exc))
+            return GroupExchange(self.group, layer, x, Failed(exc))
 
     def describe(self) -> list[str]:
         return self.inner.describe() if self.inner else []
@@ -169,14 +188,15 @@ class GroupExchange:
     instead of leaving them waiting for outputs while the leader moves on (its next
     broadcast would then be misread)."""
 
-    def __init__(self, layer: int, x: torch.Tensor, inner: Exchange | None) -> None:
-        self.layer, self.x, self.inner = layer, x, inner
+    def __init__(self, group: DcpGroup, layer: int, x: torch.Tensor, inner: Exchange | None
+                 ) -> None:
+        self.group, self.layer, self.x, self.inner = group, layer, x, inner
 
     def finish(self) -> torch.Tensor:
         x = self.x
         out = torch.empty(x.shape[0] + 1, x.shape[1], dtype=x.dtype, device=x.device)
         if self.inner is None:  # a peer
-            dist.broadcast(out, src=0)  # [T + 1, H]
+            self.group.broadcast(out)  # [T + 1, H]
             # a host read per layer: the peer waits for the leader's experts here anyway
             if out[-1, 0].item() != 1:
                 raise StepAborted(f"the leader's expert call failed on layer {self.layer}")
@@ -185,10 +205,10 @@ class GroupExchange:
             out[:-1] = self.inner.finish()  # [T, H]
         except BaseException as exc:
             out[-1] = 0
-            dist.broadcast(out, src=0)
+            self.group.broadcast(out)
             if isinstance(exc, Exception):  # (DCP's experts are never lockstep ones)
                 raise StepAborted(str(exc)) from exc  # told the peers: still in step
             raise
         out[-1] = 1
-        dist.broadcast(out, src=0)
+        self.group.broadcast(out)
         return out[:-1]

@@ -48,6 +48,9 @@ class SingleRank:
     def heartbeat(self) -> None:
         """Idle: tell the peers this rank lives, and find out whether they do."""
 
+    def start(self) -> None:
+        """Loaded: wait for the peers to be (from then on the group's waits are bounded)."""
+
     def close(self) -> None:
         pass
 
@@ -79,6 +82,9 @@ class DcpLeader(SingleRank):
 
     def heartbeat(self) -> None:
         self.group.heartbeat()
+
+    def start(self) -> None:
+        self.group.heartbeat()  # the peers answer once loaded
 
     def in_step_after(self, failure: Exception) -> bool:
         # the peers learn of an expert call's failure (StepAborted) and drop the step too

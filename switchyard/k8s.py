@@ -76,6 +76,11 @@ class K8sLayout:
         if min(self.expert_services, self.dcp_size, self.attention_groups) < 1:
             raise ValueError("--expert-services, --dcp-size and --attention-groups must be at "
                              "least 1")
+        if self.dispatch_backend != "rpc" and (self.dispatch_backend != "torch" or
+                                               self.attention_groups != 1 or self.dcp_size != 1):
+            raise ValueError(f"--dispatch-backend {self.dispatch_backend}: only rpc, or torch "
+                             f"with one attention group and no DCP (its world is one LWS "
+                             f"group), is rendered")
         name = self.served_model_name or ("switchyard" if self.gpu else DEFAULT_MODEL_NAME)
         return build(self.expert_services, self.dcp_size, self.attention_groups, self.device,
                      name, self.dispatch_backend)
@@ -100,6 +105,8 @@ class K8sPlace(Place):
     def index(self, of: str) -> str:
         if of == "member":
             return "$(LWS_WORKER_INDEX)"
+        if self.topology.world and self.set.name == "attention":
+            return str(self.replica)  # the world's only attention rank: 0
         if self.set.name != "expert":
             raise ValueError(f"{self.set.name}: only a StatefulSet's pods know their replica")
         return "$(POD_INDEX)"
@@ -111,6 +118,9 @@ class K8sPlace(Place):
     def leader(self, port: str) -> str:
         number = WORLD_PORT if port == WORLD else self.set.ports[port]
         return f"$(LWS_LEADER_ADDRESS):{number}"
+
+    def world_rank(self) -> str:
+        return "$(LWS_WORKER_INDEX)"  # the world's LWS group: attention rank 0 leads
 
     def setting(self, name: str, default: str) -> str:
         """The layout's own (the device decides the resources) as rendered; the others

@@ -25,18 +25,19 @@ import httpx
 
 from common.auth import SECRET_ENV, ClusterSecret
 from common.device import check_device, resolve_dtype
-from common.flags import ENV_PREFIX, as_flags
-from common.ports import free_port, http_url
-from ep_dispatch.deepep_config import deepep_flags, deepep_settings
+from common.flags import ENV_PREFIX
+from common.ports import http_url
+from ep_dispatch.deepep_config import deepep_settings
 from ep_dispatch.placement import Placement, make_placement
 from ep_dispatch.registry import Backend, backend
 from gateway.config import access_flags, access_settings, eplb_config, serve_flags
 from gateway.engine_pool import WARMUP_FAILED
 from gateway.generation_config import SamplingDefaults
-from services.attention.config import add_engine_flags, check_cuda_graphs
+from services.attention.config import check_cuda_graphs
 from services.model.config import CheckpointError, ModelConfig, check_quantization
 from switchyard.children import Children, StartupError
 from switchyard.demo_model import DEFAULT_MODEL, DEFAULT_MODEL_NAME
+from switchyard.local import render
 from switchyard.supervisor import Unit, supervise
 
 
@@ -87,32 +88,6 @@ def _stop_on_signals() -> Iterator[None]:
             signal.signal(sig, old)
 
 
-def _engine_args(args: argparse.Namespace) -> list[str]:
-    """Every engine flag of `serve`, for each attention service (a flag added to
-    `add_engine_flags` reaches them with no change here). The rendezvous is per world."""
-    return as_flags(args, add_engine_flags(argparse.ArgumentParser()), skip={"dist_init"})
-
-
-def _tracing_args(args: argparse.Namespace) -> list[str]:
-    endpoint = args.otlp_traces_endpoint
-    return ["--otlp-traces-endpoint", endpoint] if endpoint else []
-
-
-def _dcp_peers(groups: list[tuple[str, list[str]]], size: int
-               ) -> list[tuple[str, list[str]]]:
-    """Ranks 1..D-1 of each attention group (rank 0, the leader, is the group itself)."""
-    if size < 1:
-        raise StartupError("--dcp-size must be at least 1")
-    peers = []
-    for name, cmd in groups:
-        if size > 1:
-            cmd += ["--dcp-init", f"127.0.0.1:{free_port()}"]
-            peers += [(f"{name} DCP rank {r}", [*cmd, "--dcp-rank", str(r), "--metrics-port",
-                                                str(free_port())])
-                      for r in range(1, size)]
-    return peers
-
-
 def _num_expert_services(args: argparse.Namespace) -> int:
     if backend(args.dispatch_backend).in_process:
         if args.expert_services:
@@ -128,64 +103,30 @@ def _num_expert_services(args: argparse.Namespace) -> int:
 
 def _start_services(args: argparse.Namespace, model: Path, name: str,
                     children: Children) -> str:
-    """Start experts, then attention groups, then the gateway; return the gateway URL."""
+    """Start experts, then attention groups (a collective world: both at once), then the
+    gateway; return the gateway URL."""
     timeout = args.startup_timeout
     num_experts = _num_expert_services(args)
     if args.attention_groups < 1:
         raise StartupError("--attention-groups must be at least 1")
+    if args.dcp_size < 1:
+        raise StartupError("--dcp-size must be at least 1")
     if num_experts:
         # Several compute processes share the cores: OpenMP's default spin-wait after each
         # parallel region would burn the cores the others need (measured: torch backend,
         # 2 expert services, 0.35x -> 1.02x of single-process tokens/s).
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    shared = ["--model", str(model), "--port", "0"]
-    common = [*(["--placement", args.placement] if args.placement else []),
-              *(["--num-threads", str(args.num_threads)] if args.num_threads else [])]
-    expert_flags = ["--quantization", args.quantization, *_tracing_args(args),
-                    "--rendezvous-timeout", str(args.rendezvous_timeout),
-                    "--expert-replicas", str(args.expert_replicas)]
-    experts = [(f"expert rank {r}", ["expert", *shared, "--rank", str(r), "--num-ranks",
-                                     str(num_experts), "--dtype", args.dtype,
-                                     "--device", args.device, *common,
-                                     *expert_flags, *_expert_ports(args)])
-               for r in range(num_experts)]
-    groups = [(f"attention group {g}", ["attention", *shared, *_engine_args(args),
-                                        *_attention_ports()])
-              for g in range(args.attention_groups)]
-    peers = _dcp_peers(groups, args.dcp_size)
-    if backend(args.dispatch_backend).collective:
-        # One process group: attention ranks 0..G-1, expert ranks G..G+N-1; all start
-        # together because the rendezvous needs every rank.
-        dist = ["--dist-init", args.dist_init or f"127.0.0.1:{free_port()}"]
-        for g, (_, cmd) in enumerate(groups):
-            cmd += [*dist, "--attention-rank", str(g), "--attention-ranks",
-                    str(args.attention_groups), "--expert-ranks", str(num_experts)]
-        for _, cmd in experts:
-            cmd += ["--dispatch-backend", args.dispatch_backend, *dist, "--attention-ranks",
-                    str(args.attention_groups)]
-            if backend(args.dispatch_backend).deepep_settings:
-                cmd += deepep_flags(deepep_settings(args))
-        started = children.start_all(experts + groups, timeout, gpu=True)
-        expert_ports, engine_ports = started[:num_experts], started[num_experts:]
-        peers = []
-    else:
-        expert_ports = children.start_all(experts, timeout, gpu=True)
-        addresses = ",".join(f"127.0.0.1:{p}" for p, _ in expert_ports)
-        for _, cmd in groups:
-            cmd += ["--expert-addresses", addresses] if addresses else []
-        # A DCP group's ranks start together: their rendezvous needs all of them.
-        engine_ports = children.start_all(groups + peers, timeout, gpu=True)[:len(groups)]
-    scrape = ",".join(f"http://127.0.0.1:{m}/metrics" for _, m in engine_ports + expert_ports)
     access, keys = access_flags(args)
-    [(http_port,)] = children.start_all([("gateway", [
-        "gateway", "--model", str(model), "--served-model-name", name,
-        "--engine", ",".join(f"127.0.0.1:{p}" for p, _ in engine_ports),
-        "--service-metrics", scrape,
-        # (port 0 chosen here: a restarted gateway must listen where the printed URL says)
-        "--host", args.host, "--port", str(args.port or free_port()),
-        *serve_flags(args), *access,
-        *_tracing_args(args)])],
-        timeout, env=keys)
+    try:
+        services = render(args, model, name, num_experts, access)
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None
+    if services.world:  # one process group: every rank at once, for its rendezvous
+        children.start_all(services.experts + services.attention, timeout, gpu=True)
+    else:  # a DCP group's ranks start together: their rendezvous needs all of them
+        children.start_all(services.experts, timeout, gpu=True)
+        children.start_all(services.attention, timeout, gpu=True)
+    [(http_port,)] = children.start_all([services.gateway], timeout, env=keys)
     url = http_url(args.host, http_port, https=bool(args.ssl_certfile))
     _wait_healthy(f"{url}/health", children, timeout, args)
     return url
@@ -208,12 +149,6 @@ def _cluster_secret() -> Iterator[None]:
             del os.environ[variable]
 
 
-def _attention_ports() -> list[str]:
-    """An attention group listens on ports of its own, so that the gateway finds it again
-    where it was after a restart."""
-    return ["--port", str(free_port()), "--metrics-port", str(free_port())]
-
-
 def _restart_units(args: argparse.Namespace, names: list[str]) -> dict[str, Unit]:
     """Which children `serve` starts again together when one of them dies: a rendezvous
     needs all its members, so a collective backend's world (every attention and expert
@@ -226,16 +161,6 @@ def _restart_units(args: argparse.Namespace, names: list[str]) -> dict[str, Unit
     group = {n: n.split(" DCP rank ")[0] for n in services}  # a DCP peer: its leader's name
     return {**{n: tuple(m for m in services if group[m] == group[n]) for n in services},
             **gateway}
-
-
-def _expert_ports(args: argparse.Namespace) -> list[str]:
-    """An expert service listens on ports of its own, so that a restart is found where it
-    was (by the attention services, and the gateway's /metrics scrape). A collective
-    backend's expert rank serves no port but /metrics."""
-    metrics = ["--metrics-port", str(free_port())]
-    if backend(args.dispatch_backend).collective:
-        return metrics
-    return ["--port", str(free_port()), *metrics]
 
 
 def _check_generation_config(source: str, model: Path) -> None:

@@ -34,17 +34,22 @@ def child_pids(pid: int) -> list[int]:
 def service_name(args: list[str]) -> str | None:
     """What a child of `serve` is, from its command line (`python -m switchyard ROLE
     FLAGS`), named so that a restarted child has its old name: "gateway", "expert rank
-    R", "attention group :PORT" (the port its gateway connects to) and "attention group
-    :PORT DCP rank R" for a DCP peer; None for another process."""
+    R" (in a collective world, its --world-rank less the attention ranks), "attention
+    group :PORT" (the port its gateway connects to, or with DCP its group's rendezvous
+    port) and "attention group :PORT DCP rank R" for a DCP peer; None for another
+    process."""
     if "gateway" in args:
         return "gateway"
     if "expert" in args:
+        if (world := _flag(args, "--world-rank")) is not None:
+            return f"expert rank {int(world) - int(_flag(args, '--attention-ranks') or 1)}"
         return f"expert rank {_flag(args, '--rank')}"
     if "attention" not in args:
         return None
     peer = f" DCP rank {rank}" if (rank := _flag(args, "--dcp-rank")) not in (None, "0") \
         else ""
-    return f"attention group :{_flag(args, '--port')}{peer}"
+    group = _flag(args, "--dcp-init") or f":{_flag(args, '--port')}"
+    return f"attention group :{group.rpartition(':')[2]}{peer}"
 
 
 def _flag(args: list[str], flag: str) -> str | None:

@@ -1,5 +1,6 @@
-"""One description of a deployment, rendered for docker compose (`switchyard compose`) and
-Kubernetes (`switchyard k8s`).
+"""One description of a deployment, rendered three ways: `switchyard serve`'s local
+processes (`switchyard.local`), docker compose (`switchyard compose`) and Kubernetes
+(`switchyard k8s`).
 
 A deployment is three `ServiceSet`s: the expert services (independent members, one per
 expert rank), the attention groups (replicas of a rendezvous unit: a DCP group of D ranks,
@@ -8,12 +9,17 @@ what each rendering spells its own way: a member's index, a port, another servic
 address, this unit's leader, a deployment setting. A unit's members restart together (a
 rendezvous needs all of them): compose restarts each service on failure and the DCP ranks
 rejoin; Kubernetes makes each unit a LeaderWorkerSet group, recreated whole
-(`RecreateGroupOnPodRestart`), as `serve` restarts a DCP group whole.
+(`RecreateGroupOnPodRestart`), as `serve` restarts a DCP group whole. With a collective
+dispatch backend (torch, nccl, deepep) the attention ranks and the expert ranks are one
+world (`Topology.world`), one unit.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+
+from ep_dispatch.registry import backend
 
 # The ports a member serves, by name (a rendering may move them: compose on the host's
 # network gives each member its own).
@@ -62,6 +68,11 @@ class Leader:
 
 
 @dataclass(frozen=True)
+class WorldRank:
+    """An expert rank's rank in a collective world: the attention ranks come first."""
+
+
+@dataclass(frozen=True)
 class Setting:
     """A deployment setting (SWITCHYARD_<name>), with the value it has by default."""
     name: str
@@ -75,7 +86,7 @@ class Bind:
 
 
 MODEL = "{model}"  # the model's path where the services run
-Arg = str | Port | Index | Ref | Refs | Leader | Setting | Bind
+Arg = str | Port | Index | Ref | Refs | Leader | Setting | Bind | WorldRank
 
 
 @dataclass(frozen=True)
@@ -130,33 +141,47 @@ ENGINE_SETTINGS = (("ENABLE_PREFIX_CACHING", "true"),)
 
 
 def build(expert_services: int, dcp_size: int, attention_groups: int, device: str,
-          served_model_name: str, dispatch_backend: str = "rpc") -> Topology:
+          served_model_name: str, dispatch_backend: str = "rpc",
+          extra: Mapping[str, Sequence[str]] | None = None) -> Topology:
     """The services of a layout: E expert services, G attention groups of D DCP ranks, a
-    gateway in front; the experts reached over `rpc`, or (`torch`) one collective world
-    of the attention rank and the expert ranks."""
-    world = dispatch_backend != "rpc"
-    if world and (dispatch_backend != "torch" or attention_groups != 1 or dcp_size != 1):
-        raise ValueError(f"--dispatch-backend {dispatch_backend}: only rpc, or torch with one "
-                         f"attention group and no DCP (its world is one unit), is rendered")
+    gateway in front; the experts reached over `rpc`, held in the attention service
+    (`local`, E = 0), or (a collective backend: torch, nccl, deepep) one world of the
+    attention ranks and the expert ranks. `extra`: more flags for a set's every member,
+    by set name (`serve` forwards its own)."""
+    dispatch = backend(dispatch_backend)
+    world = dispatch.collective
+    if dispatch.in_process != (expert_services == 0):
+        raise ValueError(f"--dispatch-backend {dispatch_backend} needs "
+                         + ("no expert services" if dispatch.in_process
+                            else "at least one expert service"))
+    if world and dcp_size > 1:
+        raise ValueError("DCP works with the local and rpc dispatch backends; a collective "
+                         "backend's process group is the expert world")
+    more = {name: tuple(flags) for name, flags in (extra or {}).items()}
     gpu = device == "cuda"
     dtype = "auto" if gpu else "float32"  # (bf16 matmuls crawl on most CPUs)
     on_device = ("--device", Setting("DEVICE", device), "--dtype", Setting("DTYPE", dtype))
     replicas = ("--expert-replicas", Setting("EXPERT_REPLICAS", "1"))  # placed alike
-    join = ("--dispatch-backend", dispatch_backend, "--dist-init", Leader(WORLD))
-    rank = ("--world-rank", Index("member"), *join, "--attention-ranks", "1") if world else \
+    join = ("--dispatch-backend", dispatch_backend, "--dist-init", Leader(WORLD),
+            "--attention-ranks", str(attention_groups))
+    rank = ("--world-rank", WorldRank(), *join) if world else \
         ("--port", Port(SERVE), "--rank", Index("replica"))
     expert = ServiceSet("expert", expert_services, (
         "--model", MODEL, "--host", Bind(), *rank, "--num-ranks", str(expert_services),
-        *on_device, *replicas, "--metrics-port", Port(METRICS)))
+        *on_device, *replicas, "--metrics-port", Port(METRICS), *more.get("expert", ())))
     kv = "40GiB" if gpu else "1GiB"
-    experts = (*join, "--attention-rank", "0", "--attention-ranks", "1", "--expert-ranks",
-               str(expert_services)) if world else \
-        ("--dispatch-backend", "rpc", "--expert-addresses",
-         Refs(tuple(Ref("expert", r, 0, SERVE) for r in range(expert_services))))
+    if world:
+        experts: tuple[Arg, ...] = (*join, "--attention-rank", Index("replica"),
+                                    "--expert-ranks", str(expert_services))
+    elif dispatch.in_process:
+        experts = ("--dispatch-backend", dispatch_backend)
+    else:
+        experts = ("--dispatch-backend", dispatch_backend, "--expert-addresses",
+                   Refs(tuple(Ref("expert", r, 0, SERVE) for r in range(expert_services))))
     engine = ("--model", MODEL, "--host", Bind(), *on_device,
               "--kv-cache-memory", Setting("KV_CACHE_MEMORY", kv),
               "--max-num-seqs", Setting("MAX_NUM_SEQS", "256"), "--metrics-port", Port(METRICS),
-              *replicas, *experts)
+              *replicas, *experts, *more.get("attention", ()))
     dcp = ("--dcp-size", str(dcp_size), "--dcp-init", Leader(RENDEZVOUS)) \
         if dcp_size > 1 else ()
     attention = ServiceSet("attention", attention_groups, (*engine, *dcp, "--port", Port(SERVE)),
@@ -168,7 +193,8 @@ def build(expert_services: int, dcp_size: int, attention_groups: int, device: st
         "--model", MODEL, "--served-model-name", Setting("SERVED_MODEL_NAME", served_model_name),
         "--host", Bind(front=True), "--port", Port(SERVE),
         "--engine", Refs(tuple(Ref("attention", g, 0, SERVE) for g in range(attention_groups))),
-        "--service-metrics", Refs(tuple(scraped))), gpus=0, settings=GATEWAY_SETTINGS,
+        "--service-metrics", Refs(tuple(scraped)), *more.get("gateway", ())), gpus=0,
+        settings=GATEWAY_SETTINGS,
         after=("attention",))
     return Topology(expert, attention, gateway, device, world)
 
@@ -192,6 +218,8 @@ def resolve(arg: Arg, place: Place) -> str:
             return place.setting(name, default)
         case Bind(front):
             return place.bind(front)
+        case WorldRank():
+            return place.world_rank()
     raise TypeError(f"not an argument: {arg!r}")
 
 
@@ -223,6 +251,9 @@ class Place:
 
     def bind(self, front: bool) -> str:
         return "0.0.0.0"
+
+    def world_rank(self) -> str:
+        return str(self.topology.attention.replicas + self.replica)
 
     def command(self) -> list[str]:
         """`switchyard <set> FLAGS`, spelt here."""

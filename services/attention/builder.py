@@ -86,6 +86,7 @@ def build_engine(config: AttentionConfig, graph_capture: Capture | None = None) 
         graph_capture or cuda_capture(torch.cuda.graph_pool_handle())) if graphed else None
     if graphs:
         graphs.capture_all()
+    attention.start()  # every DCP peer loaded too
     return Engine(EngineParts(
         config=config, model_config=cfg, device=device, dtype=dtype, quantization=quantization,
         model=model, kv=kv, experts=experts, attention=attention,

@@ -47,7 +47,7 @@ def _other_flags(action: argparse.Action) -> list[str]:
 def test_serve_forwards_every_engine_flag_to_the_attention_services(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from services.attention.config import add_engine_flags
-    from switchyard.launcher import _engine_args
+    from switchyard.local import engine_flags as _engine_args
 
     for name in ("DISPATCH_BACKEND", "QUANTIZATION", "DTYPE", "DEVICE", "DIST_INIT"):
         monkeypatch.delenv(f"SWITCHYARD_{name}", raising=False)
