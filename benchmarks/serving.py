@@ -115,23 +115,29 @@ def served_rows(path: Path, flags: list[str], prompts: list[list[int]], levels: 
     """Each level's `summarize` figures, `step_ms`: the server's own mean decode step
     over the level (its exchanges with expert services included), and `busy_s`: each
     kind of service's computing seconds over the level (`busy_seconds`)."""
-    out = {}
     with Served(["--model", str(path), "--kv-cache-memory", "1GiB", *flags],
                 timeout=900) as served:
-        model = httpx.get(f"{served.url}/v1/models").json()["data"][0]["id"]
-        run_load(served.url, model, prompts[:2], 4, 2, None, 1, 0)  # warm-up
-        for c in levels:
-            n = max(c, 4)
-            log(f"  concurrency {c}: {n} requests ...")
-            seconds, count = decode_steps_served(served.url)
-            busy = busy_seconds(served.url)
-            records, duration = run_load(served.url, model, prompts[:n], output_len, c,
-                                         None, min(4, c), 0)
-            out[c] = summarize(records, duration, c, min(4, c))
-            after = decode_steps_served(served.url)
-            out[c]["step_ms"] = 1e3 * (after[0] - seconds) / max(after[1] - count, 1)
-            out[c]["busy_s"] = {kind: s - busy.get(kind, 0.0)
-                                for kind, s in busy_seconds(served.url).items()}
+        return measured_rows(served.url, prompts, levels, output_len)
+
+
+def measured_rows(url: str, prompts: list[list[int]], levels: list[int], output_len: int
+                  ) -> dict[int, dict]:
+    """`served_rows`' figures of the server at `url`."""
+    out = {}
+    model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+    run_load(url, model, prompts[:2], 4, 2, None, 1, 0)  # warm-up
+    for c in levels:
+        n = max(c, 4)
+        log(f"  concurrency {c}: {n} requests ...")
+        seconds, count = decode_steps_served(url)
+        busy = busy_seconds(url)
+        records, duration = run_load(url, model, prompts[:n], output_len, c, None,
+                                     min(4, c), 0)
+        out[c] = summarize(records, duration, c, min(4, c))
+        after = decode_steps_served(url)
+        out[c]["step_ms"] = 1e3 * (after[0] - seconds) / max(after[1] - count, 1)
+        out[c]["busy_s"] = {kind: s - busy.get(kind, 0.0)
+                            for kind, s in busy_seconds(url).items()}
     return out
 
 

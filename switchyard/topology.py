@@ -188,7 +188,7 @@ def build(expert_services: int, dcp_size: int, attention_groups: int, device: st
                            (*engine, *dcp, "--dcp-rank", Index("member")), size=dcp_size,
                            settings=ENGINE_SETTINGS, after=("expert",))
     scraped = [Ref(s.name, g, r, METRICS, "http://{}/metrics")
-               for s in (expert, attention) for g, r in s.members()]
+               for s in (attention, expert) for g, r in s.members()]
     gateway = ServiceSet("gateway", 1, (
         "--model", MODEL, "--served-model-name", Setting("SERVED_MODEL_NAME", served_model_name),
         "--host", Bind(front=True), "--port", Port(SERVE),

@@ -205,41 +205,44 @@ def build_cases(doc: dict[str, Any], model: str) -> list[Case]:
     return cases
 
 
-async def send(client: httpx.AsyncClient, case: Case) -> tuple[int, Failure | None]:
+async def send(client: httpx.AsyncClient, case: Case
+               ) -> tuple[int, Failure | None, str]:
     headers = {"content-type": case.content_type} if case.content_type else {}
     try:
         async with client.stream("POST", case.path, content=case.content,
                                  headers=headers) as r:
             answer = (await r.aread()).decode(errors="replace")
     except httpx.HTTPError as exc:
-        return 0, Failure(case, None, f"no answer: {exc!r}")
+        return 0, Failure(case, None, f"no answer: {exc!r}"), ""
     if r.status_code >= 500:
-        return r.status_code, Failure(case, r.status_code, answer)
+        return r.status_code, Failure(case, r.status_code, answer), answer
     if r.headers.get("content-type", "").startswith("text/event-stream"):
         events = [e.removeprefix("data: ") for e in answer.split("\n\n") if e]
         if not events or events[-1] != "[DONE]":
-            return r.status_code, Failure(case, r.status_code, f"unfinished stream: {answer}")
+            failure = Failure(case, r.status_code, f"unfinished stream: {answer}")
+            return r.status_code, failure, answer
         for e in events[:-1]:
             try:
                 code = json.loads(e).get("error", {}).get("code", 0)
             except (ValueError, AttributeError):
-                return r.status_code, Failure(case, r.status_code, f"malformed event: {e}")
+                return r.status_code, Failure(case, r.status_code, f"malformed event: {e}"), answer
             if code >= 500:
-                return r.status_code, Failure(case, r.status_code, f"streamed error: {e}")
-    return r.status_code, None
+                return r.status_code, Failure(case, r.status_code, f"streamed error: {e}"), answer
+    return r.status_code, None, answer
 
 
-async def send_all(url: str, cases: list[Case]) -> tuple[list[tuple[Case, int]], list[Failure]]:
+async def send_all(url: str, cases: list[Case]
+                   ) -> tuple[list[tuple[Case, int]], list[Failure], list[str]]:
     gate = asyncio.Semaphore(CONCURRENCY)
     limits = httpx.Limits(max_connections=CONCURRENCY)
     async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT_S, limits=limits) as client:
-        async def one(case: Case) -> tuple[int, Failure | None]:
+        async def one(case: Case) -> tuple[int, Failure | None, str]:
             async with gate:
                 return await send(client, case)
 
         results = await asyncio.gather(*(one(c) for c in cases))
-    statuses = [(case, status) for case, (status, _) in zip(cases, results, strict=True)]
-    return statuses, [f for _, f in results if f is not None]
+    statuses = [(case, status) for case, (status, _, _) in zip(cases, results, strict=True)]
+    return statuses, [f for _, f, _ in results if f is not None], [a for _, _, a in results]
 
 
 @pytest.fixture(scope="module")
@@ -254,14 +257,17 @@ def test_fuzz_never_5xx_and_the_server_survives(served: Served) -> None:
     cases = build_cases(doc, model)
     assert len(cases) >= 2000
 
-    statuses, failures = asyncio.run(send_all(served.url, cases))
+    statuses, failures, answers = asyncio.run(send_all(served.url, cases))
 
     print(Counter((c.kind, s) for c, s in statuses))  # what the run covered (pytest -s)
     report = "\n".join(str(f) for f in failures[:40])
     assert not failures, f"{len(failures)} of {len(cases)} requests failed:\n{report}\n" \
                          f"server log tail:\n{served.stderr()[-3000:]}"
     generated = sum(s == 200 for c, s in statuses if c.path.startswith("/v1/"))
-    assert generated >= 100, "too few generation requests were accepted to mean anything"
+    refused = Counter(answer[:120] for (c, s), answer in zip(statuses, answers, strict=True)
+                      if c.kind == "valid" and c.path.startswith("/v1/") and s == 400)
+    assert generated >= 100, "too few generation requests were accepted to mean anything: " \
+        f"{generated}; the valid ones refused, by answer: {refused.most_common(8)}"
     assert served.proc.poll() is None and all(served.children_alive())
     r = httpx.post(f"{served.url}/v1/chat/completions", timeout=60, json={
         "model": model, "messages": [{"role": "user", "content": "What is 123 + 456?"}],

@@ -46,20 +46,28 @@ def _other_flags(action: argparse.Action) -> list[str]:
 
 def test_serve_forwards_every_engine_flag_to_the_attention_services(
         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every engine flag given to `serve` reaches the attention service as `serve` renders
+    it (`switchyard.local`), whether the topology writes it or passes it on."""
     from services.attention.config import add_engine_flags
-    from switchyard.local import engine_flags as _engine_args
+    from switchyard.demo_model import DEFAULT_MODEL
+    from switchyard.local import render
 
     for name in ("DISPATCH_BACKEND", "QUANTIZATION", "DTYPE", "DEVICE", "DIST_INIT"):
         monkeypatch.delenv(f"SWITCHYARD_{name}", raising=False)
     serve, attention = _parsers()
     engine = add_engine_flags(argparse.ArgumentParser())
     argv = [arg for a in engine for arg in _other_flags(a)]
-    given = serve.parse_args(argv)
-    got = attention.parse_args(["--model", "m", *_engine_args(given)])
+    # (a collective world has no DCP group: --dcp-size is checked with rpc below)
+    given = serve.parse_args([*argv, "--dispatch-backend", "torch", "--dcp-size", "1"])
+    [(_, leader)] = render(given, DEFAULT_MODEL, "m", 2, []).attention
+    got = attention.parse_args(leader[1:])
     for action in engine:
-        if action.dest != "dist_init":  # the launcher gives each world its own
+        if action.dest not in ("dist_init", "dcp_size"):  # (each world its own rendezvous)
             assert getattr(got, action.dest) == getattr(given, action.dest), action.dest
             assert getattr(got, action.dest) != action.default, action.dest
+    given = serve.parse_args([*argv, "--dispatch-backend", "rpc", "--dcp-size", "3"])
+    group = render(given, DEFAULT_MODEL, "m", 2, []).attention
+    assert [attention.parse_args(a[1:]).dcp_size for _, a in group] == [3, 3, 3]
 
 
 def test_serve_forwards_every_gateway_flag_it_takes(monkeypatch: pytest.MonkeyPatch) -> None:
