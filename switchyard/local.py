@@ -35,7 +35,10 @@ class Ports:
     def of(self, set: str, replica: int, member: int, name: str) -> int:
         if set == "gateway":
             return self.gateway
-        return self.chosen.setdefault((set, replica, member, name), free_port())
+        key = (set, replica, member, name)
+        if key not in self.chosen:
+            self.chosen[key] = free_port()
+        return self.chosen[key]
 
 
 class LocalPlace(Place):

@@ -1,0 +1,118 @@
+"""One decode step's timeline with the experts behind a wire delay (issue 49): when each
+micro-batch's attention runs, when its layer call leaves, and how long it waits for the
+answers, on the attention service's step thread.
+
+    .venv/bin/python -m benchmarks.timeline [--delay-ms 5] [--micro-batches 2]
+                                            [--concurrency 16] [--layers 3]
+
+An attention engine in this process (the mid-size checkpoint, `rpc`) calls two expert
+services through delaying proxies (`benchmarks.wire`); 16 sequences decode a few steps,
+then one step is recorded: per MoE layer, each micro-batch's compute (from its previous
+answer to its call leaving) and wait (from the call's `finish` to the answers read), in
+milliseconds from the step's start. A pipeline that hides the wire shows one
+micro-batch's compute inside the other's flight.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from benchmarks.generate import add_workdir_flag, build_checkpoint
+from benchmarks.wire import EXPERT_SERVICES, _serve_args, proxies
+from common.auth import SECRET_ENV, ClusterSecret
+from common.flags import ENV_PREFIX
+from ep_dispatch import rpc
+from services.attention.builder import build_engine
+from services.attention.config import AttentionConfig
+from switchyard.children import Children
+from switchyard.local import render
+from tests.support.engines import greedy
+
+Event = tuple[float, str, int, int]  # (seconds, what, micro-batch, layer)
+
+
+@contextlib.contextmanager
+def experts_behind(path: Path, delay_ms: float) -> Iterator[list[tuple[str, int]]]:
+    """Two expert services, each behind a delaying proxy; the proxies' addresses."""
+    import os
+    import tempfile
+
+    services = render(_serve_args(path, "1"), path, "timeline", EXPERT_SERVICES, [])
+    [(_, attention)] = services.attention
+    targets = attention[attention.index("--expert-addresses") + 1].split(",")
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ[ENV_PREFIX + SECRET_ENV] = str(ClusterSecret.generate().write(
+            Path(tmp) / "secret"))
+        children = Children()
+        try:
+            children.start_all(services.experts, 600)
+            with proxies(targets, delay_ms) as addresses:
+                yield [(a.rpartition(":")[0], int(a.rpartition(":")[2])) for a in addresses]
+        finally:
+            children.stop()
+
+
+def recorded(events: list[Event]) -> None:
+    """Record, on the step thread, each exchange's start and its finish's wait (a layer's
+    micro-batches numbered in the order their calls leave)."""
+    start, finish = rpc.RpcExperts.start, rpc.RpcExchange.finish
+
+    def timed_start(self: rpc.RpcExperts, layer: int, *rest: object) -> rpc.RpcExchange:
+        exchange = start(self, layer, *rest)  # type: ignore[arg-type]
+        j = sum(1 for e in events if e[1] == "sent" and e[3] == layer)
+        events.append((time.perf_counter(), "sent", j, layer))
+        exchange.number = j  # type: ignore[attr-defined]
+        return exchange
+
+    def timed_finish(self: rpc.RpcExchange) -> object:
+        j = getattr(self, "number", 0)
+        events.append((time.perf_counter(), "wait", j, self.layer))
+        out = finish(self)
+        events.append((time.perf_counter(), "answered", j, self.layer))
+        return out
+
+    rpc.RpcExperts.start = timed_start  # type: ignore[method-assign]
+    rpc.RpcExchange.finish = timed_finish  # type: ignore[method-assign]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workdir_flag(ap)
+    ap.add_argument("--delay-ms", type=float, default=5.0)
+    ap.add_argument("--micro-batches", default="2")
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=3, help="MoE layers to print")
+    args = ap.parse_args()
+    path = build_checkpoint(args.workdir)
+    events: list[Event] = []
+    with experts_behind(path, args.delay_ms) as addresses:
+        engine = build_engine(AttentionConfig(
+            model=path, dispatch_backend="rpc", expert_addresses=tuple(addresses),
+            kv_cache_memory=1 << 30, micro_batches=args.micro_batches,
+            max_num_batched_tokens=4096))
+        for i in range(args.concurrency):
+            engine.add(greedy(f"r{i}", [1 + (7 * i + j) % 200 for j in range(32)], 64))
+        for _ in range(4):  # prefill, then decode steps
+            engine.step()
+        recorded(events)
+        t0 = time.perf_counter()
+        engine.step()
+        total = time.perf_counter() - t0
+        engine.close()
+    print(f"one decode step of {args.concurrency} sequences, --micro-batches "
+          f"{args.micro_batches}, {args.delay_ms:g} ms one way: {1e3 * total:.1f} ms\n")
+    print("| ms from the step's start | micro-batch | layer | event |")
+    print("|---:|---:|---:|---|")
+    layers = sorted({e[3] for e in events})[:args.layers]
+    for t, what, j, layer in events:
+        if layer in layers:
+            print(f"| {1e3 * (t - t0):.1f} | {j} | {layer} | {what} |")
+
+
+if __name__ == "__main__":
+    main()
