@@ -7,16 +7,19 @@ answers, on the attention service's step thread.
 
 An attention engine in this process (the mid-size checkpoint, `rpc`) calls two expert
 services through delaying proxies (`benchmarks.wire`); 16 sequences decode a few steps,
-then one step is recorded: per MoE layer, each micro-batch's compute (from its previous
-answer to its call leaving) and wait (from the call's `finish` to the answers read), in
-milliseconds from the step's start. A pipeline that hides the wire shows one
-micro-batch's compute inside the other's flight.
+then `--steps` are timed and the last one recorded: per MoE layer, when each
+micro-batch's call left, when its `finish` began waiting, and when its answers were read,
+in milliseconds from the step's start. A pipeline that hides the wire shows one
+micro-batch's compute inside the other's flight. (It runs itself again with
+OMP_WAIT_POLICY=PASSIVE, as `serve` runs its services.)
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,22 +39,24 @@ Event = tuple[float, str, int, int]  # (seconds, what, micro-batch, layer)
 
 
 @contextlib.contextmanager
-def experts_behind(path: Path, delay_ms: float) -> Iterator[list[tuple[str, int]]]:
-    """Two expert services, each behind a delaying proxy; the proxies' addresses."""
-    import os
+def experts_behind(path: Path, delay_ms: float
+                   ) -> Iterator[tuple[list[tuple[str, int]], ClusterSecret]]:
+    """Two expert services, each behind a delaying proxy; the proxies' addresses, and the
+    secret the services want proved."""
     import tempfile
 
     services = render(_serve_args(path, "1"), path, "timeline", EXPERT_SERVICES, [])
     [(_, attention)] = services.attention
     targets = attention[attention.index("--expert-addresses") + 1].split(",")
     with tempfile.TemporaryDirectory() as tmp:
-        os.environ[ENV_PREFIX + SECRET_ENV] = str(ClusterSecret.generate().write(
-            Path(tmp) / "secret"))
+        secret = ClusterSecret.generate()
+        os.environ[ENV_PREFIX + SECRET_ENV] = str(secret.write(Path(tmp) / "secret"))
         children = Children()
         try:
             children.start_all(services.experts, 600)
             with proxies(targets, delay_ms) as addresses:
-                yield [(a.rpartition(":")[0], int(a.rpartition(":")[2])) for a in addresses]
+                yield [(a.rpartition(":")[0], int(a.rpartition(":")[2]))
+                       for a in addresses], secret
         finally:
             children.stop()
 
@@ -87,25 +92,35 @@ def main() -> None:
     ap.add_argument("--micro-batches", default="2")
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--layers", type=int, default=3, help="MoE layers to print")
+    ap.add_argument("--steps", type=int, default=10, help="decode steps timed (mean)")
     args = ap.parse_args()
+    if os.environ.get("OMP_WAIT_POLICY") != "PASSIVE":  # as `serve` runs its services:
+        # OpenMP's spin-waiting here would take the cores the expert services need
+        os.execve(sys.executable, [sys.executable, "-m", "benchmarks.timeline",
+                                   *sys.argv[1:]], {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
     path = build_checkpoint(args.workdir)
     events: list[Event] = []
-    with experts_behind(path, args.delay_ms) as addresses:
+    with experts_behind(path, args.delay_ms) as (addresses, secret):
         engine = build_engine(AttentionConfig(
             model=path, dispatch_backend="rpc", expert_addresses=tuple(addresses),
+            secret=secret,
             kv_cache_memory=1 << 30, micro_batches=args.micro_batches,
             max_num_batched_tokens=4096))
         for i in range(args.concurrency):
             engine.add(greedy(f"r{i}", [1 + (7 * i + j) % 200 for j in range(32)], 64))
         for _ in range(4):  # prefill, then decode steps
             engine.step()
+        start = time.perf_counter()
+        for _ in range(args.steps - 1):
+            engine.step()
         recorded(events)
         t0 = time.perf_counter()
         engine.step()
-        total = time.perf_counter() - t0
+        mean = (time.perf_counter() - start) / args.steps
         engine.close()
-    print(f"one decode step of {args.concurrency} sequences, --micro-batches "
-          f"{args.micro_batches}, {args.delay_ms:g} ms one way: {1e3 * total:.1f} ms\n")
+    print(f"decode steps of {args.concurrency} sequences, --micro-batches "
+          f"{args.micro_batches}, {args.delay_ms:g} ms one way: mean of {args.steps} "
+          f"{1e3 * mean:.1f} ms; the last one:\n")
     print("| ms from the step's start | micro-batch | layer | event |")
     print("|---:|---:|---:|---|")
     layers = sorted({e[3] for e in events})[:args.layers]
