@@ -17,48 +17,19 @@ OMP_WAIT_POLICY=PASSIVE, as `serve` runs its services.)
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 from benchmarks.generate import add_workdir_flag, build_checkpoint
-from benchmarks.wire import EXPERT_SERVICES, _serve_args, proxies
-from common.auth import SECRET_ENV, ClusterSecret
-from common.flags import ENV_PREFIX
+from benchmarks.wire import delayed_experts
+from common.rpc import parse_address
 from ep_dispatch import rpc
 from services.attention.builder import build_engine
 from services.attention.config import AttentionConfig
-from switchyard.children import Children
-from switchyard.local import render
 from tests.support.engines import greedy
 
 Event = tuple[float, str, int, int]  # (seconds, what, micro-batch, layer)
-
-
-@contextlib.contextmanager
-def experts_behind(path: Path, delay_ms: float
-                   ) -> Iterator[tuple[list[tuple[str, int]], ClusterSecret]]:
-    """Two expert services, each behind a delaying proxy; the proxies' addresses, and the
-    secret the services want proved."""
-    import tempfile
-
-    services = render(_serve_args(path, "1"), path, "timeline", EXPERT_SERVICES, [])
-    [(_, attention)] = services.attention
-    targets = attention[attention.index("--expert-addresses") + 1].split(",")
-    with tempfile.TemporaryDirectory() as tmp:
-        secret = ClusterSecret.generate()
-        os.environ[ENV_PREFIX + SECRET_ENV] = str(secret.write(Path(tmp) / "secret"))
-        children = Children()
-        try:
-            children.start_all(services.experts, 600)
-            with proxies(targets, delay_ms) as addresses:
-                yield [(a.rpartition(":")[0], int(a.rpartition(":")[2]))
-                       for a in addresses], secret
-        finally:
-            children.stop()
 
 
 def recorded(events: list[Event]) -> None:
@@ -100,12 +71,14 @@ def main() -> None:
                                    *sys.argv[1:]], {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
     path = build_checkpoint(args.workdir)
     events: list[Event] = []
-    with experts_behind(path, args.delay_ms) as (addresses, secret):
+    with delayed_experts(path, args.micro_batches, args.delay_ms) as delayed:
+        [(_, attention)] = delayed.services.attention
+        addresses = [parse_address(a) for a in
+                     attention[attention.index("--expert-addresses") + 1].split(",")]
         engine = build_engine(AttentionConfig(
             model=path, dispatch_backend="rpc", expert_addresses=tuple(addresses),
-            secret=secret,
-            kv_cache_memory=1 << 30, micro_batches=args.micro_batches,
-            max_num_batched_tokens=4096))
+            secret=delayed.secret, kv_cache_memory=1 << 30,
+            micro_batches=args.micro_batches, max_num_batched_tokens=4096))
         for i in range(args.concurrency):
             engine.add(greedy(f"r{i}", [1 + (7 * i + j) % 200 for j in range(32)], 64))
         for _ in range(4):  # prefill, then decode steps

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -36,7 +37,7 @@ from common.ports import free_port
 from services.model.config import ModelConfig
 from switchyard.bench import make_prompts
 from switchyard.children import Children
-from switchyard.local import render
+from switchyard.local import LocalServices, render
 from tests.support.netns import read_line
 from tests.support.tools import wait_until
 
@@ -73,30 +74,46 @@ def proxies(targets: list[str], delay_ms: float) -> Iterator[list[str]]:
             proc.wait(30)
 
 
+@dataclass
+class DelayedExperts:
+    services: LocalServices  # the topology, its attention service's --expert-addresses
+    secret: ClusterSecret  # (the proxies' there) the one its services want proved
+    children: Children
+
+
 @contextlib.contextmanager
-def delayed_topology(path: Path, micro_batches: str, delay_ms: float) -> Iterator[str]:
-    """The default topology with the proxies between attention and experts; its URL."""
-    args = _serve_args(path, micro_batches)
-    services = render(args, path, "wire", EXPERT_SERVICES, [])
+def delayed_experts(path: Path, micro_batches: str, delay_ms: float
+                    ) -> Iterator[DelayedExperts]:
+    """The default topology's expert services started, each behind a delaying proxy that
+    its attention service's command now points at (the other services not started)."""
+    services = render(_serve_args(path, micro_batches), path, "wire", EXPERT_SERVICES, [])
     [(_, attention)] = services.attention
     at = attention.index("--expert-addresses") + 1
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `serve` runs them
     with tempfile.TemporaryDirectory() as tmp:
-        os.environ[ENV_PREFIX + SECRET_ENV] = str(ClusterSecret.generate().write(
-            Path(tmp) / "secret"))
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `serve` runs them
+        secret = ClusterSecret.generate()
+        os.environ[ENV_PREFIX + SECRET_ENV] = str(secret.write(Path(tmp) / "secret"))
         children = Children()
         try:
             children.start_all(services.experts, 600)
             with proxies(attention[at].split(","), delay_ms) as addresses:
                 attention[at] = ",".join(addresses)
-                children.start_all(services.attention, 600)
-                [(port,)] = children.start_all([services.gateway], 600)
-                url = f"http://127.0.0.1:{port}"
-                wait_until(lambda: _healthy(url), 600, lambda: f"{url}/health")
-                yield url
+                yield DelayedExperts(services, secret, children)
         finally:
             children.stop()
             del os.environ[ENV_PREFIX + SECRET_ENV]
+
+
+@contextlib.contextmanager
+def delayed_topology(path: Path, micro_batches: str, delay_ms: float) -> Iterator[str]:
+    """The default topology with the proxies between attention and experts; its URL."""
+    with delayed_experts(path, micro_batches, delay_ms) as delayed:
+        children, services = delayed.children, delayed.services
+        children.start_all(services.attention, 600)
+        [(port,)] = children.start_all([services.gateway], 600)
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: _healthy(url), 600, lambda: f"{url}/health")
+        yield url
 
 
 def _healthy(url: str) -> bool:

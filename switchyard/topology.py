@@ -16,6 +16,7 @@ world (`Topology.world`), one unit.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -223,7 +224,7 @@ def resolve(arg: Arg, place: Place) -> str:
     raise TypeError(f"not an argument: {arg!r}")
 
 
-class Place:
+class Place(ABC):
     """How one rendering spells a member's arguments (a rendering subclasses it)."""
 
     def __init__(self, topology: Topology, set: ServiceSet, replica: int, member: int,
@@ -237,8 +238,9 @@ class Place:
     def index(self, of: str) -> str:
         return str(self.replica if of == "replica" else self.member)
 
+    @abstractmethod
     def address(self, ref: Ref) -> str:
-        raise NotImplementedError
+        """HOST:PORT where another member is reached, as this rendering names it."""
 
     def leader(self, port: str) -> str:
         if port == WORLD:

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from tests.support.delay_proxy import DelayProxy
-from tests.support.netns import Nodes, netns_missing, read_line
+from tests.support.netns import Nodes, echo_server, netns_missing, read_line
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -234,16 +234,7 @@ def test_cli_ready_fd(echo: Echo) -> None:
 
 
 PORT, PROXY_PORT = 7000, 7001
-ECHO = f"""
-import socket, threading
-def echo(c):
-    while data := c.recv(65536):
-        c.sendall(data)
-s = socket.create_server(("0.0.0.0", {PORT}))
-print("listening", flush=True)
-while True:
-    threading.Thread(target=echo, args=(s.accept()[0],), daemon=True).start()
-"""
+ECHO = echo_server(PORT)
 # Round trips to (argv[1], argv[2]): prints the min and median, in seconds.
 CLIENT = """
 import socket, statistics, sys, time

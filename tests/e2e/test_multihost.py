@@ -160,15 +160,25 @@ class Cluster:
     def url(self) -> str:
         return f"http://{self.nodes.address(netns_name('switchyard-gateway-0'))}:8000"
 
-    def cut(self, node: str) -> float:
-        """`node`'s link silenced (every pod's on it); when, by the wall clock."""
-        for pod in (p for p, n in self.placement.items() if n == node):
-            self.nodes.cut(netns_name(pod))
-        return time.time()
+    def on(self, node: str) -> list[str]:
+        """The pods on `node`."""
+        return [pod for pod, n in self.placement.items() if n == node]
 
-    def restore(self, node: str) -> None:
-        for pod in (p for p, n in self.placement.items() if n == node):
-            self.nodes.restore(netns_name(pod))
+    @contextlib.contextmanager
+    def cut(self, pods: list[str]) -> Iterator[float]:
+        """`pods`' links silenced while in the context; yields when, by the wall clock."""
+        for pod in pods:
+            self.nodes.cut(netns_name(pod))
+        try:
+            yield time.time()
+        finally:
+            for pod in pods:
+                self.nodes.restore(netns_name(pod))
+
+    def wait_logged(self, name: str, pattern: str, timeout: float) -> None:
+        """Until `name`'s log has a line matching `pattern`."""
+        wait_until(lambda: re.search(pattern, self.log(name)), timeout,
+                   lambda: f"{pattern!r} in {name}'s log: {self.log(name)[-2000:]}")
 
     def recreate(self, names: list[str]) -> None:
         """What LWS's `RecreateGroupOnPodRestart` does: every pod of the group killed (if
@@ -192,15 +202,22 @@ class Cluster:
         assert out.returncode == 0, out.stderr[-3000:]
         return json.loads(out.stdout)
 
-    def load(self) -> Load:
-        """8 clients in the gateway's namespace, sending greedy `PROMPTS` until stopped."""
+    @contextlib.contextmanager
+    def load(self) -> Iterator[Load]:
+        """8 clients in the gateway's namespace, sending greedy `PROMPTS` while in the
+        context, 8 answers in before it is entered; every result in `results` after."""
         proc = self.nodes.popen(
             netns_name("switchyard-gateway-0"),
             [sys.executable, "-m", "tests.support.load_clients", self.url(),
              DEFAULT_MODEL_NAME, json.dumps(PROMPTS), "--clients", "8",
              "--max-tokens", str(MAX_TOKENS)],
             cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
-        return Load(proc)
+        load = Load(proc)
+        try:
+            load.answered(8)
+            yield load
+        finally:
+            load.results = load.stop()
 
 
 class Load:
@@ -208,6 +225,7 @@ class Load:
 
     def __init__(self, proc: subprocess.Popen) -> None:
         self.proc, self.lines = proc, []
+        self.results: list[dict] = []  # once stopped
 
     def answered(self, n: int, timeout: float = 120) -> None:
         """Wait for `n` more answers."""
@@ -313,44 +331,27 @@ def test_a_cut_expert_node_without_replicas_holds_until_it_is_back(
     the link back within --expert-timeout, the held call is sent again and every request
     is transformers' tokens."""
     attention = "switchyard-attention-0"
-    load = cluster.load()
-    try:
-        load.answered(8)
-        cut = cluster.cut("c")
-        try:
-            wait_until(lambda: "holding the step" in cluster.log(attention), 30,
-                       lambda: cluster.log(attention)[-2000:])
-        finally:
-            cluster.restore("c")
-        detected = logged_at(cluster.log(attention), "holding the step") - cut
-        wait_until(lambda: "is back: the held layer call is sent again"
-                   in cluster.log(attention), float(EXPERT_TIMEOUT),
-                   lambda: cluster.log(attention)[-2000:])
+    with cluster.load() as load:
+        with cluster.cut(cluster.on("c")) as cut:
+            cluster.wait_logged(attention, "holding the step", 30)
+        cluster.wait_logged(attention, "is back: the held layer call is sent again",
+                            float(EXPERT_TIMEOUT))
         load.answered(16)  # and serving on after it
-    finally:
-        results = load.stop()
+    detected = logged_at(cluster.log(attention), "holding the step") - cut
     print(f"\nexpert rank 1's cut link found within {detected:.2f} s "
-          f"({len(results)} requests)")
+          f"({len(load.results)} requests)")
     assert detected <= LINK_TIMEOUT + SLACK
-    assert_all_answered(results, expected)
+    assert_all_answered(load.results, expected)
 
 
 @demo
 def test_a_cut_expert_node_past_the_expert_timeout_is_a_503_naming_the_rank(
         cluster: Cluster) -> None:
     """Node c cut and not back within --expert-timeout (15 s here): the held requests
-    fail with a 503 that names expert rank 1 and its address. (Last on "demo": a failed
-    step may leave the DCP group to restart, which here no controller does.)"""
-    load = cluster.load()
-    try:
-        load.answered(8)
-        cluster.cut("c")
-        try:
-            line = load.until(r"fail ", LINK_TIMEOUT + float(EXPERT_TIMEOUT) + 30)
-        finally:
-            cluster.restore("c")
-    finally:
-        load.stop()
+    fail with a 503 that names expert rank 1 and its address. (A failed expert call aborts
+    the step on both DCP ranks: the group stays in step and serves on.)"""
+    with cluster.load() as load, cluster.cut(cluster.on("c")):
+        line = load.until(r"fail ", LINK_TIMEOUT + float(EXPERT_TIMEOUT) + 30)
     assert re.match(r"fail \d+ 503 ", line), line
     assert "expert rank 1 at switchyard-expert-1.switchyard-expert:7100" in line, line
 
@@ -364,25 +365,18 @@ def test_a_cut_dcp_rank_breaks_its_group_which_is_recreated_and_loses_no_request
     recreated whole, as LWS does, and the gateway resubmits its requests: 0 failed."""
     leader, worker = "switchyard-attention-0", "switchyard-attention-0-1"
     bound = float(EXPERT_TIMEOUT) + LINK_TIMEOUT + 5
-    load = cluster.load()
-    try:
-        load.answered(8)
-        cluster.nodes.cut(netns_name(worker))
-        cut = time.monotonic()
-        try:
+    with cluster.load() as load:
+        with cluster.cut([worker]):
+            cut = time.monotonic()
             wait_until(lambda: cluster.procs[leader].poll() is not None, bound + 30,
                        lambda: cluster.log(leader)[-2000:])
             found = time.monotonic() - cut
-        finally:
-            cluster.nodes.restore(netns_name(worker))
         cluster.recreate([leader, worker])
         load.answered(16)
-    finally:
-        results = load.stop()
     print(f"\nthe DCP group's cut link found within {found:.1f} s (bound {bound:g} s; "
-          f"{len(results)} requests)")
+          f"{len(load.results)} requests)")
     assert found <= bound + SLACK
-    assert_all_answered(results, expected)
+    assert_all_answered(load.results, expected)
 
 
 @pytest.mark.parametrize("cluster", ["replicas"], indirect=True)
@@ -391,25 +385,15 @@ def test_a_cut_expert_node_with_replicas_fails_no_request(
     """Node c cut under 8 clients while node b holds a replica of every expert: rank 1 is
     found lost within the link timeout, its experts' tokens go to rank 0, and no request
     fails; every answer is transformers' tokens."""
-    attention = "switchyard-attention-0"
-    load = cluster.load()
-    try:
-        load.answered(8)
-        cut = cluster.cut("c")
-        try:
-            wait_until(lambda: re.search(r"expert rank 1 at \S+ is lost",
-                                         cluster.log(attention)), 30,
-                       lambda: cluster.log(attention)[-2000:])
-            load.answered(24)  # served by node b alone
-        finally:
-            cluster.restore("c")
-    finally:
-        results = load.stop()
-    detected = logged_at(cluster.log(attention), r"expert rank 1 at \S+ is lost") - cut
+    attention, lost = "switchyard-attention-0", r"expert rank 1 at \S+ is lost"
+    with cluster.load() as load, cluster.cut(cluster.on("c")) as cut:
+        cluster.wait_logged(attention, lost, 30)
+        load.answered(24)  # served by node b alone
+    detected = logged_at(cluster.log(attention), lost) - cut
     print(f"\nexpert rank 1's cut link found within {detected:.2f} s, routed around "
-          f"({len(results)} requests)")
+          f"({len(load.results)} requests)")
     assert detected <= LINK_TIMEOUT + SLACK
-    assert_all_answered(results, expected)
+    assert_all_answered(load.results, expected)
 
 
 @pytest.mark.parametrize("cluster", ["groups"], indirect=True)
@@ -419,24 +403,14 @@ def test_a_cut_link_to_an_attention_group_resubmits_its_requests(
     finds the connection dead within the link timeout and resubmits its requests to group
     0; no request fails, every answer is transformers' tokens."""
     gateway = "switchyard-gateway-0"
-    load = cluster.load()
-    try:
-        load.answered(8)
-        cluster.nodes.cut(netns_name("switchyard-attention-1"))
-        cut = time.time()
-        try:
-            wait_until(lambda: "resubmitting" in cluster.log(gateway), 30,
-                       lambda: cluster.log(gateway)[-2000:])
-            load.answered(24)  # served by group 0 alone
-        finally:
-            cluster.nodes.restore(netns_name("switchyard-attention-1"))
-    finally:
-        results = load.stop()
+    with cluster.load() as load, cluster.cut(["switchyard-attention-1"]) as cut:
+        cluster.wait_logged(gateway, "resubmitting", 30)
+        load.answered(24)  # served by group 0 alone
     detected = logged_at(cluster.log(gateway), "resubmitting") - cut
     print(f"\nthe gateway's cut link to group 1 found within {detected:.2f} s "
-          f"({len(results)} requests)")
+          f"({len(load.results)} requests)")
     assert detected <= LINK_TIMEOUT + SLACK
-    assert_all_answered(results, expected)
+    assert_all_answered(load.results, expected)
 
 
 @pytest.mark.parametrize("cluster", ["torch"], indirect=True)

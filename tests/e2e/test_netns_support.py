@@ -10,22 +10,19 @@ import time
 
 import pytest
 
-from tests.support.netns import ETC_NETNS, Nodes, cleanup_stale, netns_missing, read_line
+from tests.support.netns import (
+    ETC_NETNS,
+    Nodes,
+    cleanup_stale,
+    echo_server,
+    netns_missing,
+    read_line,
+)
 
 pytestmark = pytest.mark.skipif(netns_missing() is not None, reason=netns_missing() or "")
 
 PORT = 7000
-# An echo server: every connection (a thread each) gets back what it sends.
-ECHO = f"""
-import socket, threading
-def echo(c):
-    while data := c.recv(65536):
-        c.sendall(data)
-s = socket.create_server(("0.0.0.0", {PORT}))
-print("listening", flush=True)
-while True:
-    threading.Thread(target=echo, args=(s.accept()[0],), daemon=True).start()
-"""
+ECHO = echo_server(PORT)
 # A client driven by lines on stdin: `echo WORD` (a round trip, 5 s at most), `send WORD`
 # (no wait), `recv SECONDS`: what one blocked recv saw (data, eof, an error, or silence).
 CLIENT = f"""

@@ -196,11 +196,10 @@ class _Server:
         assert task is not None
         self._tasks.add(task)
         try:
-            await _relay(self.config, reader, writer)
-        except asyncio.CancelledError:
             # Cancelled by close(), at the top of its own task: ending quietly spares the
             # traceback that 3.11's start_server callback logs for a cancelled task.
-            pass
+            with contextlib.suppress(asyncio.CancelledError):
+                await _relay(self.config, reader, writer)
         finally:
             self._tasks.discard(task)
 

@@ -116,6 +116,22 @@ def read_line(proc: subprocess.Popen[bytes], timeout: float) -> str:
     return line[:-1].decode()
 
 
+def echo_server(port: int) -> str:
+    """Python code (`python -c`) for an echo server on every address at `port`: it says
+    "listening" once it does, and every connection (a thread each) gets back what it
+    sends."""
+    return f"""
+import socket, threading
+def echo(c):
+    while data := c.recv(65536):
+        c.sendall(data)
+s = socket.create_server(("0.0.0.0", {port}))
+print("listening", flush=True)
+while True:
+    threading.Thread(target=echo, args=(s.accept()[0],), daemon=True).start()
+"""
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
