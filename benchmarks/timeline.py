@@ -1,16 +1,16 @@
-"""One decode step's timeline with the experts behind a wire delay (issue 49): when each
-micro-batch's attention runs, when its layer call leaves, and how long it waits for the
-answers, on the attention service's step thread.
+"""One decode step's timeline with the experts behind a wire delay: when each
+micro-batch computes on the attention side and when its layer calls are out
+(`Engine.last_timeline`, the intervals the step's span draws).
 
     .venv/bin/python -m benchmarks.timeline [--delay-ms 5] [--micro-batches 2]
                                             [--concurrency 16] [--layers 3]
 
 An attention engine in this process (the mid-size checkpoint, `rpc`) calls two expert
 services through delaying proxies (`benchmarks.wire`); 16 sequences decode a few steps,
-then `--steps` are timed and the last one recorded: per MoE layer, when each
-micro-batch's call left, when its `finish` began waiting, and when its answers were read,
-in milliseconds from the step's start. A pipeline that hides the wire shows one
-micro-batch's compute inside the other's flight. (It runs itself again with
+then `--steps` are timed and the last one's timeline printed: per micro-batch and MoE
+layer, when it computed up to that layer's call and when the call's answers were back, in
+milliseconds. A pipeline that hides the wire shows one micro-batch's compute inside the
+other's exchange. (It runs itself again with
 OMP_WAIT_POLICY=PASSIVE, as `serve` runs its services.)
 """
 
@@ -24,35 +24,9 @@ import time
 from benchmarks.generate import add_workdir_flag, build_checkpoint
 from benchmarks.wire import delayed_experts
 from common.rpc import parse_address
-from ep_dispatch import rpc
 from services.attention.builder import build_engine
 from services.attention.config import AttentionConfig
 from tests.support.engines import greedy
-
-Event = tuple[float, str, int, int]  # (seconds, what, micro-batch, layer)
-
-
-def recorded(events: list[Event]) -> None:
-    """Record, on the step thread, each exchange's start and its finish's wait (a layer's
-    micro-batches numbered in the order their calls leave)."""
-    start, finish = rpc.RpcExperts.start, rpc.RpcExchange.finish
-
-    def timed_start(self: rpc.RpcExperts, layer: int, *rest: object) -> rpc.RpcExchange:
-        exchange = start(self, layer, *rest)  # type: ignore[arg-type]
-        j = sum(1 for e in events if e[1] == "sent" and e[3] == layer)
-        events.append((time.perf_counter(), "sent", j, layer))
-        exchange.number = j  # type: ignore[attr-defined]
-        return exchange
-
-    def timed_finish(self: rpc.RpcExchange) -> object:
-        j = getattr(self, "number", 0)
-        events.append((time.perf_counter(), "wait", j, self.layer))
-        out = finish(self)
-        events.append((time.perf_counter(), "answered", j, self.layer))
-        return out
-
-    rpc.RpcExperts.start = timed_start  # type: ignore[method-assign]
-    rpc.RpcExchange.finish = timed_finish  # type: ignore[method-assign]
 
 
 def main() -> None:
@@ -62,7 +36,7 @@ def main() -> None:
     ap.add_argument("--delay-ms", type=float, default=5.0)
     ap.add_argument("--micro-batches", default="2")
     ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--layers", type=int, default=3, help="MoE layers to print")
+    ap.add_argument("--layers", type=int, default=4, help="MoE layers to print")
     ap.add_argument("--steps", type=int, default=10, help="decode steps timed (mean)")
     args = ap.parse_args()
     if os.environ.get("OMP_WAIT_POLICY") != "PASSIVE":  # as `serve` runs its services:
@@ -70,7 +44,6 @@ def main() -> None:
         os.execve(sys.executable, [sys.executable, "-m", "benchmarks.timeline",
                                    *sys.argv[1:]], {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
     path = build_checkpoint(args.workdir)
-    events: list[Event] = []
     with delayed_experts(path, args.micro_batches, args.delay_ms) as delayed:
         [(_, attention)] = delayed.services.attention
         addresses = [parse_address(a) for a in
@@ -84,22 +57,28 @@ def main() -> None:
         for _ in range(4):  # prefill, then decode steps
             engine.step()
         start = time.perf_counter()
-        for _ in range(args.steps - 1):
+        for _ in range(args.steps):
             engine.step()
-        recorded(events)
-        t0 = time.perf_counter()
-        engine.step()
         mean = (time.perf_counter() - start) / args.steps
+        timeline = engine.last_timeline
         engine.close()
     print(f"decode steps of {args.concurrency} sequences, --micro-batches "
           f"{args.micro_batches}, {args.delay_ms:g} ms one way: mean of {args.steps} "
-          f"{1e3 * mean:.1f} ms; the last one:\n")
-    print("| ms from the step's start | micro-batch | layer | event |")
-    print("|---:|---:|---:|---|")
-    layers = sorted({e[3] for e in events})[:args.layers]
-    for t, what, j, layer in events:
-        if layer in layers:
-            print(f"| {1e3 * (t - t0):.1f} | {j} | {layer} | {what} |")
+          f"{1e3 * mean:.1f} ms")
+    if timeline is None:
+        return  # not pipelined: no timeline
+    print("\nthe last one (ms from its first interval):\n")
+    print("| micro-batch | " + " | ".join(
+        f"layer {layer}" for layer in range(args.layers)) + " |")
+    print("|---:|" + "---|" * args.layers)
+    t0 = timeline.intervals[0].start
+    for j in timeline.micro_batches():
+        cells = []
+        for layer in range(args.layers):
+            a, x = (timeline.find(kind, j, layer) for kind in ("attention", "exchange"))
+            cells.append(f"computes {1e3 * (a.start - t0):.1f}-{1e3 * (a.end - t0):.1f}, "
+                         f"exchange to {1e3 * (x.end - t0):.1f}")
+        print(f"| {j} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

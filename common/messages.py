@@ -240,11 +240,14 @@ class ExpertBatch(msgspec.Struct, frozen=True, tag=True):
 
 class ExpertResult(msgspec.Struct, frozen=True, tag=True):
     """Expert rank -> attention rank: raw expert outputs y [N, H], row-aligned with the
-    batch's x (router weights not applied), or an error."""
+    batch's x (router weights not applied), or an error; `held_s`: seconds from the
+    batch's arrival to this answer's sending (queue and compute), which the caller takes
+    from the call's time to find the wire's round trip."""
 
     call_id: int
     y: Tensor | None = None
     error: str | None = None
+    held_s: float = 0.0
 
 
 class ExpertInfo(msgspec.Struct, frozen=True, tag=True):

@@ -141,6 +141,9 @@ class GroupExperts(PointToPoint):
         the leader's plan names."""
         return getattr(self.inner, "overlaps", False) if self.inner else True
 
+    def round_trip_s(self) -> float | None:
+        return self.inner.round_trip_s() if isinstance(self.inner, PointToPoint) else None
+
     def __call__(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> torch.Tensor:
         return self.start(layer, x, topk_ids, topk_weights).finish()

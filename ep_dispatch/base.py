@@ -94,6 +94,11 @@ class PointToPoint:
     def begin_step(self, num_tokens: int, micro_batches: int = 1) -> bool:
         return num_tokens > 0
 
+    def round_trip_s(self) -> float | None:
+        """The exchange's recent round trip on the wire, without the experts' time on
+        it (None: not measured here). `--micro-batches auto` weighs it against a step."""
+        return None
+
     def idle_step(self) -> None:
         pass
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import statistics
 import time
+from collections import deque
 
 import torch
 
@@ -48,12 +50,20 @@ class RpcExperts(PointToPoint):
         self._turns = ReplicaTurns()  # rotates each layer's first replica
         self._pending: dict[int, set[int]] = {}  # per rank, call ids sent and not yet read
         self._early: dict[int, dict[int, ExpertResult]] = {}  # per rank, answers read early
+        self._round_trips: deque[float] = deque(maxlen=64)  # seconds, one-batch calls'
+
+    def round_trip_s(self) -> float | None:
+        """The median of the recent one-batch layer calls' times less the expert ranks'
+        (`ExpertResult.held_s`): the wire there and back, and the rows' serialisation."""
+        return statistics.median(self._round_trips) if self._round_trips else None
 
     def __call__(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> torch.Tensor:
         with phase("dispatch", "rpc", layer, x.shape[0]):
             exchange = self.start(layer, x, topk_ids, topk_weights)
             ys = exchange.receive()
+            # read as soon as sent (a pipelined exchange's answers may wait to be read)
+            self._round_trips.append(time.perf_counter() - exchange.sent_at - exchange.held_s)
         with phase("combine", "rpc", layer, x.shape[0]):
             return exchange.combine(ys)
 
@@ -95,11 +105,12 @@ class RpcExperts(PointToPoint):
         return [b.call_id for b in batches], deadline
 
     def _receive(self, rank: int, layer: int, call_ids: list[int], deadline: float
-                 ) -> torch.Tensor:
-        """The outputs [n, H] of `rank`'s calls, in order. A rank answers its
-        connection's calls in turn, and exchanges in flight share that connection (a
-        micro-batch's exchange sent again to replicas queues behind another's calls):
-        answers to another exchange's calls are kept for it (`_early`)."""
+                 ) -> tuple[torch.Tensor, float]:
+        """The outputs [n, H] of `rank`'s calls, in order, and the longest the rank held
+        one (`ExpertResult.held_s`). A rank answers its connection's calls in turn, and
+        exchanges in flight share that connection (a micro-batch's exchange sent again to
+        replicas queues behind another's calls): answers to another exchange's calls are
+        kept for it (`_early`)."""
         conn = self.pool.conns[rank]
         if conn is None:  # dropped since the calls were sent (another exchange failed)
             raise ExpertRankError(f"{self.pool.name(rank)} was lost before layer {layer} "
@@ -128,7 +139,7 @@ class RpcExperts(PointToPoint):
                 raise ExpertRankError(f"{self.pool.name(rank)} rejected layer {layer}: "
                                       f"{r.error}")
             ys.append(from_wire(r.y))
-        return ys[0] if len(ys) == 1 else torch.cat(ys)
+        return ys[0] if len(ys) == 1 else torch.cat(ys), max(r.held_s for r in results)
 
     def _lost(self, rank: int, layer: int, exc: BaseException) -> None:
         """Timed out, dropped, out of turn, garbage, or interrupted: the connection may
@@ -197,6 +208,7 @@ class RpcExchange:
         # per rank [n_r, width], copied to the host once for the wire
         self.parts = self.rows[self.layout.src_token].cpu().split(self.layout.rank_counts)
         self.sent, self.errors = {}, []
+        self.sent_at, self.held_s = time.perf_counter(), 0.0
         for rank, part in enumerate(self.parts):
             if part.shape[0]:
                 try:
@@ -215,7 +227,9 @@ class RpcExchange:
             ys: list[torch.Tensor] = list(self.parts)  # empty parts stay as they are
             for rank, (call_ids, deadline) in self.sent.items():
                 try:
-                    ys[rank] = self.client._receive(rank, self.layer, call_ids, deadline)
+                    ys[rank], held = self.client._receive(rank, self.layer, call_ids,
+                                                          deadline)
+                    self.held_s = max(self.held_s, held)
                 except ExpertRankError as exc:
                     self.errors.append(exc)
             if not self.errors:

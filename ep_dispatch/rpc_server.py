@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import anyio
+import msgspec
 from anyio.abc import SocketAttribute, SocketStream
 
 from common.auth import NO_SECRET, ClusterSecret
@@ -72,12 +74,12 @@ class Coalescer:
     def __init__(self, answer: Callable[[list[ExpertBatch]], list[ExpertResult]]) -> None:
         self._answer = answer
         self._compute = ComputeThread("expert-compute", "expert")  # every computation on one thread
-        self._queue: list[tuple[ExpertBatch, FrameStream]] = []
+        self._queue: list[tuple[ExpertBatch, FrameStream, float]] = []  # and arrival
         self._arrived = anyio.Event()
         self.num_coalesced = 0  # batches that shared a computation with an earlier one
 
     def submit(self, batch: ExpertBatch, conn: FrameStream) -> None:
-        self._queue.append((batch, conn))
+        self._queue.append((batch, conn, time.perf_counter()))
         self._arrived.set()
 
     async def run(self) -> None:
@@ -92,11 +94,12 @@ class Coalescer:
             key = (first.layer, first.version)
             todo = [q for q in self._queue if (q[0].layer, q[0].version) == key]
             self._queue = [q for q in self._queue if (q[0].layer, q[0].version) != key]
-            results = await self._compute.run(self._answer, [b for b, _ in todo])
+            results = await self._compute.run(self._answer, [b for b, _, _ in todo])
             self.num_coalesced += len(todo) - 1
-            for (_, conn), result in zip(todo, results, strict=True):
+            for (_, conn, arrived), result in zip(todo, results, strict=True):
+                held = msgspec.structs.replace(result, held_s=time.perf_counter() - arrived)
                 with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
-                    await conn.send(result)
+                    await conn.send(held)
 
 
 class Versions:

@@ -24,7 +24,7 @@ from common.rpc import LINK_TIMEOUT_S
 from common.units import parse_size
 from ep_dispatch.deepep_config import DeepEPSettings, add_deepep_flags, deepep_settings
 from ep_dispatch.registry import backend as dispatch_backend
-from services.attention.micro_batches import PIPELINE_MIN_TOKENS
+from services.attention.micro_batches import PIPELINE_MIN_TOKENS, WIRE_SHARE
 
 if TYPE_CHECKING:
     import torch
@@ -137,9 +137,10 @@ def add_engine_flags(p: argparse.ArgumentParser, default_backend: str = "local"
             default=env("MICRO_BATCHES", "auto"),
             help="split each step into this many micro-batches and pipeline them with the "
                  "expert services (ping-pong: one's attention while the experts compute "
-                 "another's layer; rpc and torch backends, DCP groups too); auto: 2 "
-                 f"from {PIPELINE_MIN_TOKENS} tokens a step on a GPU, 1 on the CPU (where "
-                 "both sides share the host's cores, it did not pay)"),
+                 "another's layer; rpc and torch backends, DCP groups too); auto: measured "
+                 "for each size of step, where the wire's round trips are at least "
+                 f"{100 * WIRE_SHARE:.0f}%% of a step (or from {PIPELINE_MIN_TOKENS} tokens on a "
+                 "GPU): 1, 2 and 3 each timed, the fastest kept and logged"),
         add("--dispatch-backend", default=env("DISPATCH_BACKEND", default_backend),
             help="ep_dispatch backend between attention and experts: local (experts in the "
                  "attention process), rpc (expert services over TCP), torch "

@@ -24,18 +24,19 @@ from common.messages import (
 )
 from dcp.batch import StepBatch
 from dcp.strategy import SingleRank
-from ep_dispatch.base import ExpertsClient
+from ep_dispatch.base import ExpertsClient, PointToPoint
 from services.attention.batch import plan_step
 from services.attention.block_manager import BlockManager
 from services.attention.config import AttentionConfig
 from services.attention.grammar import Grammars
 from services.attention.graphs import DecodeGraphs
 from services.attention.kv_cache import KVCache
-from services.attention.micro_batches import micro_batch_count, split
+from services.attention.micro_batches import MicroBatchTuner, micro_batch_count, split
 from services.attention.model import DenseModel
 from services.attention.sampler import sample, sampling_error, token_logprobs
 from services.attention.scheduler import ScheduledSeq, Scheduler
 from services.attention.sequence import Sequence
+from services.attention.timeline import StepTimeline
 from services.attention.tracing import step_span, trace_request
 from services.attention.warmup import warmup_prompt, warmup_routing
 from services.model.config import ModelConfig
@@ -112,6 +113,9 @@ class Engine:
         self.num_steps = 0  # that ran sequences (a rebalance's window counts them)
         self._stepping = threading.Lock()  # held by a step; close() waits for it
         self._closed = False  # then a step (a worker thread that started late) does nothing
+        self.tuner = MicroBatchTuner(torch.device(self.device).type,
+                                     len(self.model_config.moe_layer_ids))
+        self.last_timeline: StepTimeline | None = None  # the last pipelined step's
 
     def close(self, timeout: float = 30.0) -> None:
         """Leave the experts and the DCP group, once a step that another thread still runs
@@ -290,7 +294,8 @@ class Engine:
             return deltas
 
     def _step(self, scheduled: list[ScheduledSeq]) -> list[TokenDelta]:
-        groups = split(scheduled, self._micro_batches(scheduled)) if scheduled else []
+        count = self._micro_batches(scheduled)
+        groups = split(scheduled, count) if scheduled else []
         # a lockstep backend's ranks agree on the step's rounds: the most micro-batches
         if not self.experts.begin_step(sum(item.num_new_tokens for item in scheduled),
                                        max(1, len(groups))):
@@ -302,8 +307,10 @@ class Engine:
         for item in scheduled:
             if item.seq.first_scheduled_time is None:
                 item.seq.first_scheduled_time = now
+        tokens = sum(item.num_new_tokens for item in scheduled)
         with step_span(scheduled):
             hidden, logits_rows = self._forward(scheduled, groups)
+            self.tuner.observe(count, tokens, len(scheduled), time.monotonic() - now)
         self.model.publish_load()  # for stats(), which must not wait on the device
         self._score_prompts(scheduled, hidden)
         sampling = [s.seq for s in scheduled
@@ -322,7 +329,8 @@ class Engine:
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's hidden states [T, H] and the rows of it that sample [S]: in one
         batch, or as a pipeline of the micro-batches `groups` (`micro_batches.split`)
-        where the experts' backend overlaps its exchanges with this rank's computation."""
+        where the experts' backend overlaps its exchanges with this rank's computation
+        (its timeline kept as `last_timeline`, and drawn in the step's span)."""
         _MICRO_BATCHES.inc(len(groups))
         if len(groups) == 1:
             batch = self._batch(scheduled)
@@ -331,20 +339,29 @@ class Engine:
             return self.model.forward(batch, self.kv, self.experts), batch.logits_rows
         batches = [b.to(self.device) for b in self.attention.batches(
             [plan_step(g) for g in groups])]  # (a DCP group's peers get one plan)
+        self.last_timeline = StepTimeline()
         hidden = self.model.forward_pipelined(batches, self.kv,
-                                              self.experts.start)  # type: ignore[attr-defined]
+                                              self.experts.start,  # type: ignore[attr-defined]
+                                              self.last_timeline)
+        if tracing.detailed():
+            self.last_timeline.draw()
         rows = torch.tensor(plan_step(scheduled)[1], dtype=torch.int64, device=self.device)
         return torch.cat(hidden), rows
 
     def _micro_batches(self, scheduled: list[ScheduledSeq]) -> int:
-        """How many micro-batches this step takes: `--micro-batches` where the backend
+        """How many micro-batches this step asks for: `--micro-batches` where the backend
         overlaps (`rpc`, `torch` over torch.distributed; a DCP group's peers run the
-        leader's split) and no warm-up forces its routing; else 1."""
+        leader's split) and no warm-up forces its routing, `auto` measured by the tuner;
+        else 1."""
         overlaps = getattr(self.experts, "overlaps", False) \
             and not any(item.seq.warmup for item in scheduled)
-        return micro_batch_count(self.config.micro_batches,
-                                 sum(item.num_new_tokens for item in scheduled), overlaps,
-                                 torch.device(self.device).type)
+        count = micro_batch_count(self.config.micro_batches, overlaps)
+        if count is not None or not scheduled:
+            return count or 1
+        round_trip = self.experts.round_trip_s() \
+            if isinstance(self.experts, PointToPoint) else None
+        return self.tuner.choose(sum(item.num_new_tokens for item in scheduled),
+                                 len(scheduled), round_trip)
 
     def _score_prompts(self, scheduled: list[ScheduledSeq], hidden: torch.Tensor) -> None:
         """Prompt logprobs: for each sequence that asks, the log-probability of every prompt

@@ -1,31 +1,111 @@
 """How a step splits into micro-batches for the ping-pong pipeline with the expert
-services (`DenseModel.forward_pipelined`): how many, and which sequences each takes."""
+services (`DenseModel.forward_pipelined`): how many (as asked, or measured by
+`MicroBatchTuner`), and which sequences each takes."""
 
 from __future__ import annotations
 
+import logging
+import statistics
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the flags read this module; `serve` and the gateway never load torch
     from services.attention.scheduler import ScheduledSeq
 
-# `--micro-batches auto` pipelines steps of at least this many tokens on a GPU (SGLang's
-# two-batch overlap starts to pay at about 64 tokens per device; not measured here).
+# `--micro-batches auto` tries pipelining steps of at least this many tokens on a GPU
+# (SGLang's two-batch overlap starts to pay at about 64 tokens per device; not measured
+# here), and on any device where the wire's round trips are at least `WIRE_SHARE` of a
+# step (measured: 0.77-0.96x the tokens/s of one batch a step on 2 cores at 0 ms,
+# docs/benchmarks.md, where both sides share the cores and there is no wire to hide).
 PIPELINE_MIN_TOKENS = 64
+WIRE_SHARE = 0.1
+CANDIDATES = (1, 2, 3)
+PROBE_STEPS = 4  # steps timed per candidate count (their median per token is compared)
+REPROBE_STEPS = 2000  # steps of one size before its choice is measured again
+log = logging.getLogger("switchyard.micro_batches")
 
 
-def micro_batch_count(setting: str, num_tokens: int, overlaps: bool, device: str) -> int:
-    """Micro-batches for a step of `num_tokens`: `setting` (auto, 1, 2, 3), where the
-    experts' backend `overlaps` exchanges with computation (else 1: nothing to hide).
-
-    `auto` is 1 on the CPU: there the attention and expert services share the host's
-    cores and memory bus, so while one side computes the other has nothing to run on
-    (measured on 2 cores: 0.77-0.96x the tokens/s of one batch a step at concurrency 16
-    and 64, docs/benchmarks.md); 2 from `PIPELINE_MIN_TOKENS` on a GPU."""
+def micro_batch_count(setting: str, overlaps: bool) -> int | None:
+    """Micro-batches a step takes by `setting` (auto, 1, 2, 3) where the experts' backend
+    `overlaps` exchanges with computation (else 1: nothing to hide); None: `auto`, which
+    `MicroBatchTuner` decides."""
     if not overlaps:
         return 1
-    if setting == "auto":
-        return 2 if device != "cpu" and num_tokens >= PIPELINE_MIN_TOKENS else 1
-    return int(setting)
+    return None if setting == "auto" else int(setting)
+
+
+@dataclass
+class _Size:
+    """One size of step's probe: seconds per token of each candidate count's steps."""
+
+    timed: dict[int, list[float]] = field(default_factory=dict)
+    chosen: int | None = None
+    steps: int = 0  # since chosen
+
+
+class MicroBatchTuner:
+    """`--micro-batches auto`: for each size of step (its tokens to the power of two, and
+    its sequences up to 3), whether the wire is worth hiding (the backend's measured
+    round trip, times `moe_layers`, against a one-batch step's time), and if so which
+    count of `CANDIDATES` runs fastest, timed over `PROBE_STEPS` steps each; chosen again
+    every `REPROBE_STEPS` steps of that size. A pipeline's worth depends on more than the
+    round trip (the experts' compute per micro-batch, which grows with micro-batches when
+    reading their weights bounds it; whether both sides share the cores), so the choice
+    is the measured step time, and the round trip only says whether to try."""
+
+    def __init__(self, device: str, moe_layers: int) -> None:
+        self.device, self.moe_layers = device, moe_layers
+        self._sizes: dict[tuple[int, int], _Size] = {}
+
+    @staticmethod
+    def _key(num_tokens: int, num_seqs: int) -> tuple[int, int]:
+        return num_tokens.bit_length(), min(num_seqs, max(CANDIDATES))
+
+    def choose(self, num_tokens: int, num_seqs: int, round_trip_s: float | None) -> int:
+        """This step's count; `round_trip_s`: the exchange's measured wire round trip
+        (None: the backend does not measure it)."""
+        key = self._key(num_tokens, num_seqs)
+        if key[1] == 1:
+            return 1  # nothing to split
+        size = self._sizes.setdefault(key, _Size())
+        if size.chosen is not None:
+            if size.steps < REPROBE_STEPS:
+                size.steps += 1
+                return size.chosen
+            self._sizes[key] = size = _Size()
+        one = size.timed.get(1, [])
+        if len(one) < PROBE_STEPS:
+            return 1
+        step_s = statistics.median(one) * num_tokens
+        wire_s = (round_trip_s or 0.0) * self.moe_layers
+        if not (wire_s >= WIRE_SHARE * step_s
+                or (self.device != "cpu" and num_tokens >= PIPELINE_MIN_TOKENS)):
+            return self._decide(size, key, 1, f"the wire's round trips ({1e3 * wire_s:.1f} "
+                                f"ms a step) are under {WIRE_SHARE:.0%} of a step")
+        for count in CANDIDATES[1:key[1]]:
+            if len(size.timed.get(count, [])) < PROBE_STEPS:
+                return count
+        per_token = {c: statistics.median(t) for c, t in size.timed.items()}
+        best = min(per_token, key=per_token.__getitem__)
+        return self._decide(size, key, best, "the fastest, " + ", ".join(
+            f"{c}: {1e3 * t * num_tokens:.1f} ms" for c, t in sorted(per_token.items()))
+            + f" a step (the wire {1e3 * wire_s:.1f} ms of it)")
+
+    def observe(self, count: int, num_tokens: int, num_seqs: int, seconds: float) -> None:
+        """A step of `num_tokens` and `num_seqs`, asked for `count` micro-batches, ran its
+        forward in `seconds`."""
+        size = self._sizes.get(self._key(num_tokens, num_seqs))
+        if size is not None and size.chosen is None:
+            size.timed.setdefault(count, []).append(seconds / num_tokens)
+
+    def _decide(self, size: _Size, key: tuple[int, int], count: int, why: str) -> int:
+        size.chosen, size.steps = count, 0
+        low = 1 << (key[0] - 1) if key[0] else 0
+        log.info("--micro-batches auto: steps of %d-%d tokens and %s sequences: %d "
+                 "micro-batch%s (%s)", low, max(low, (1 << key[0]) - 1),
+                 f"{key[1]}+" if key[1] == max(CANDIDATES) else key[1], count,
+                 "" if count == 1 else "es", why)
+        return count
 
 
 def split(scheduled: list[ScheduledSeq], parts: int) -> list[list[ScheduledSeq]]:

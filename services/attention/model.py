@@ -4,6 +4,7 @@ dense MLPs, lm_head. Expert FFNs are reached through an `ExpertsClient`."""
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import deque
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from services.attention.mla import (
     mla_queries,
 )
 from services.attention.router import route
+from services.attention.timeline import FINAL, StepTimeline
 from services.model.checkpoint import Checkpoint
 from services.model.config import ModelConfig
 from services.model.layers import qkv_heads, rms_norm, rope_cos_sin
@@ -192,31 +194,40 @@ class DenseModel:
     @torch.inference_mode()
     def forward_pipelined(self, batches: list[StepBatch], kv: KVCache,
                           start: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor],
-                                          Exchange]) -> list[torch.Tensor]:
+                                          Exchange],
+                          timeline: StepTimeline | None = None) -> list[torch.Tensor]:
         """`forward` of several micro-batches (disjoint sequences) as a ping-pong pipeline:
         each runs its layers up to its next MoE layer, starts that exchange (`start`:
         rows out to the experts) and gives way to the next, so that one micro-batch's
         attention runs while the experts compute another's layer. Exchanges finish in the
-        order they started. Returns each batch's hidden states [T_j, H]."""
+        order they started. Returns each batch's hidden states [T_j, H]; `timeline` gets
+        each micro-batch's computing and exchange intervals."""
         runs = [self._layers(b, kv) for b in batches]
         out: list[torch.Tensor | None] = [None] * len(runs)
-        waiting: deque[tuple[int, Exchange]] = deque()
+        waiting: deque[tuple[int, int, float, Exchange]] = deque()  # j, layer, sent, call
+        timeline = StepTimeline() if timeline is None else timeline
 
         def advance(j: int, moe: torch.Tensor | None) -> None:
+            began = time.perf_counter()
             try:
                 call = next(runs[j]) if moe is None else runs[j].send(moe)
-                waiting.append((j, start(*call)))
             except StopIteration as done:
                 out[j] = done.value
+                timeline.add("attention", j, FINAL, began)
+                return
+            sent = timeline.add("attention", j, call[0], began)
+            waiting.append((j, call[0], sent, start(*call)))
 
         try:
             for j in range(len(runs)):
                 advance(j, None)
             while waiting:
-                j, exchange = waiting.popleft()
-                advance(j, exchange.finish())
+                j, layer, sent, exchange = waiting.popleft()
+                moe = exchange.finish()
+                timeline.add("exchange", j, layer, sent)
+                advance(j, moe)
         except BaseException:
-            for _, exchange in waiting:  # read the calls in flight: the connections stay
+            for *_, exchange in waiting:  # read the calls in flight: the connections stay
                 with contextlib.suppress(Exception):  # in step for the next one
                     exchange.finish()
             raise

@@ -156,3 +156,43 @@ def test_a_step_links_every_request_it_serves_once(tmp_path: Path) -> None:
     [step] = [s for s in read_spans(tmp_path) if s["name"] == "step"]
     links = [link["context"]["span_id"] for link in step["links"]]
     assert len(links) == len(set(links)) == 300
+
+
+def test_a_pipelined_step_shows_each_micro_batch(qwen3_ckpt: tuple, tmp_path: Path) -> None:
+    """`--micro-batches 2`: a step of a request's two choices has one `micro-batch j`
+    child per micro-batch, each with its `attention layer l` and `exchange layer l`
+    intervals in turn; micro-batch 1's attention for layer l starts inside micro-batch
+    0's exchange of layer l, as a tracing UI draws it."""
+    path, _ = qwen3_ckpt
+    env = {"SWITCHYARD_TRACES_DUMP_DIR": str(tmp_path)}
+    with Served(["--model", str(path), "--expert-services", "2", "--micro-batches", "2"],
+                env=env) as served:
+        name = httpx.get(f"{served.url}/v1/models").json()["data"][0]["id"]
+        r = httpx.post(f"{served.url}/v1/completions", timeout=60,
+                       json={"model": name, "prompt": prompts(seed=63, lengths=(7,))[0],
+                             "max_tokens": 3, "n": 2, "ignore_eos": True})
+        assert r.status_code == 200
+    spans = read_spans(tmp_path)
+    children: dict[str, list[dict]] = {}
+    for s in spans:
+        children.setdefault(s["parent_id"], []).append(s)
+    steps = [s for s in spans if s["name"] == "step"  # the choices' decode steps
+             and s["attributes"]["switchyard.sequences"] == 2
+             and s["attributes"]["switchyard.tokens"] == 2]
+    assert steps
+    layers = sorted({s["attributes"]["switchyard.layer"] for s in spans
+                     if s["name"].startswith("experts layer")})
+    for step in steps:
+        micro = {s["name"]: s for s in children[step["context"]["span_id"]]
+                 if s["name"].startswith("micro-batch")}
+        assert set(micro) == {"micro-batch 0", "micro-batch 1"}
+        parts = {j: {s["name"]: s for s in children[micro[f"micro-batch {j}"]["context"]
+                                                      ["span_id"]]} for j in (0, 1)}
+        for j in (0, 1):
+            want = [f"{kind} layer {layer}" for layer in layers
+                    for kind in ("attention", "exchange")] + ["attention final"]
+            assert sorted(parts[j], key=lambda n: parts[j][n]["start_time"]) == want
+        for layer in layers:
+            exchange = parts[0][f"exchange layer {layer}"]
+            starts = parts[1][f"attention layer {layer}"]["start_time"]
+            assert exchange["start_time"] <= starts < exchange["end_time"]
