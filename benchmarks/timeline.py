@@ -8,10 +8,11 @@ micro-batch computes on the attention side and when its layer calls are out
 An attention engine in this process (the mid-size checkpoint, `rpc`) calls two expert
 services through delaying proxies (`benchmarks.wire`); 16 sequences decode a few steps,
 then `--steps` are timed and the last one's timeline printed: per micro-batch and MoE
-layer, when it computed up to that layer's call and when the call's answers were back, in
-milliseconds. A pipeline that hides the wire shows one micro-batch's compute inside the
-other's exchange. (It runs itself again with
-OMP_WAIT_POLICY=PASSIVE, as `serve` runs its services.)
+layer, when it computed up to that layer's call and when the call's answers were back,
+and how long the slowest expert rank held that call (its queue and compute; the rest is
+the wire), in milliseconds. A pipeline that hides the wire shows one micro-batch's
+compute inside the other's exchange. (It runs itself again with OMP_WAIT_POLICY=PASSIVE,
+as `serve` runs its services.)
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def main() -> None:
         for layer in range(args.layers):
             a, x = (timeline.find(kind, j, layer) for kind in ("attention", "exchange"))
             cells.append(f"computes {1e3 * (a.start - t0):.1f}-{1e3 * (a.end - t0):.1f}, "
-                         f"exchange to {1e3 * (x.end - t0):.1f}")
+                         f"exchange to {1e3 * (x.end - t0):.1f} (held {1e3 * x.held:.1f})")
         print(f"| {j} | " + " | ".join(cells) + " |")
 
 

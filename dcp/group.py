@@ -177,6 +177,8 @@ class GroupExperts(PointToPoint):
 class Failed:
     """An exchange that could not start: `finish` raises what stopped it."""
 
+    held_s = 0.0
+
     def __init__(self, exc: Exception) -> None:
         self.exc = exc
 
@@ -194,6 +196,10 @@ class GroupExchange:
     def __init__(self, group: DcpGroup, layer: int, x: torch.Tensor, inner: Exchange | None
                  ) -> None:
         self.group, self.layer, self.x, self.inner = group, layer, x, inner
+
+    @property
+    def held_s(self) -> float:
+        return self.inner.held_s if self.inner else 0.0
 
     def finish(self) -> torch.Tensor:
         x = self.x

@@ -56,7 +56,11 @@ class ExpertsClient(Protocol):
 
 
 class Exchange(Protocol):
-    """A MoE layer call in flight (`PointToPoint.start`)."""
+    """A MoE layer call in flight (`PointToPoint.start`). Once finished, `held_s` is the
+    longest an expert rank held it (queue and compute; 0.0 where not reported), which
+    tells the wire's share of the call's time."""
+
+    held_s: float
 
     def finish(self) -> torch.Tensor:
         """The MoE output [T, H], once the experts answered."""
@@ -65,6 +69,8 @@ class Exchange(Protocol):
 
 class Done:
     """An exchange that finished as it started: a backend with nothing to overlap."""
+
+    held_s = 0.0
 
     def __init__(self, y: torch.Tensor) -> None:
         self.y = y

@@ -291,6 +291,8 @@ class TorchExchange:
     attention service's bubble, `common.compute.waiting`) and combines the outputs y
     [N, H] into token order. `calls` keeps the collectives' tensors alive until then."""
 
+    held_s = 0.0  # (the expert ranks' time is not reported through the collectives)
+
     def __init__(self, backend: str, layer: int, x: torch.Tensor, layout: Layout,
                  y: torch.Tensor, works: list[dist.Work], calls: list[tuple]) -> None:
         self.backend, self.layer, self.x, self.layout = backend, layer, x, layout

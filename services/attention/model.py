@@ -224,7 +224,7 @@ class DenseModel:
             while waiting:
                 j, layer, sent, exchange = waiting.popleft()
                 moe = exchange.finish()
-                timeline.add("exchange", j, layer, sent)
+                timeline.add("exchange", j, layer, sent, exchange.held_s)
                 advance(j, moe)
         except BaseException:
             for *_, exchange in waiting:  # read the calls in flight: the connections stay

@@ -26,23 +26,26 @@ FINAL = -1  # the layer of a micro-batch's computation after its last MoE layer
 class Interval:
     """kind: "attention" (this rank computing the micro-batch up to MoE layer `layer`'s
     call, or to the final norm where `layer` is FINAL) or "exchange" (the layer call out,
-    from its rows leaving until its output is combined). Times are time.perf_counter()."""
+    from its rows leaving until its output is combined, of which the slowest expert rank
+    held it `held`). Times are time.perf_counter() seconds."""
 
     kind: Kind
     micro_batch: int
     layer: int
     start: float
     end: float
+    held: float = 0.0
 
 
 @dataclass
 class StepTimeline:
     intervals: list[Interval] = field(default_factory=list)
 
-    def add(self, kind: Kind, micro_batch: int, layer: int, start: float) -> float:
+    def add(self, kind: Kind, micro_batch: int, layer: int, start: float,
+            held: float = 0.0) -> float:
         """Record an interval from `start` until now; returns now."""
         now = time.perf_counter()
-        self.intervals.append(Interval(kind, micro_batch, layer, start, now))
+        self.intervals.append(Interval(kind, micro_batch, layer, start, now, held))
         return now
 
     def find(self, kind: Kind, micro_batch: int, layer: int) -> Interval:
@@ -69,6 +72,7 @@ class StepTimeline:
                 tracer.start_span(name, context=context,
                                   start_time=to_ns + int(i.start * 1e9),
                                   attributes={"switchyard.micro_batch": j,
-                                              "switchyard.layer": i.layer}
+                                              "switchyard.layer": i.layer,
+                                              "switchyard.held_s": i.held}
                                   ).end(to_ns + int(i.end * 1e9))
             parent.end(to_ns + int(own[-1].end * 1e9))

@@ -179,19 +179,21 @@ def test_a_pipelined_step_shows_each_micro_batch(qwen3_ckpt: tuple, tmp_path: Pa
     steps = [s for s in spans if s["name"] == "step"  # the choices' decode steps
              and s["attributes"]["switchyard.sequences"] == 2
              and s["attributes"]["switchyard.tokens"] == 2]
-    assert steps
+    assert steps, [s["attributes"] for s in spans if s["name"] == "step"]
     layers = sorted({s["attributes"]["switchyard.layer"] for s in spans
                      if s["name"].startswith("experts layer")})
     for step in steps:
         micro = {s["name"]: s for s in children[step["context"]["span_id"]]
                  if s["name"].startswith("micro-batch")}
-        assert set(micro) == {"micro-batch 0", "micro-batch 1"}
+        assert set(micro) == {"micro-batch 0", "micro-batch 1"}, \
+            [s["name"] for s in children[step["context"]["span_id"]]]
         parts = {j: {s["name"]: s for s in children[micro[f"micro-batch {j}"]["context"]
                                                       ["span_id"]]} for j in (0, 1)}
         for j in (0, 1):
             want = [f"{kind} layer {layer}" for layer in layers
                     for kind in ("attention", "exchange")] + ["attention final"]
-            assert sorted(parts[j], key=lambda n: parts[j][n]["start_time"]) == want
+            assert sorted(parts[j], key=lambda n: parts[j][n]["start_time"]) == want, \
+                {n: (p["start_time"], p["end_time"]) for n, p in parts[j].items()}
         for layer in layers:
             exchange = parts[0][f"exchange layer {layer}"]
             starts = parts[1][f"attention layer {layer}"]["start_time"]
