@@ -18,7 +18,7 @@ import torch.distributed as dist
 from common.messages import DcpPlan
 from dcp.batch import StepBatch
 from dcp.merge import merge
-from ep_dispatch.base import Done, Exchange, ExpertsClient, PointToPoint
+from ep_dispatch.base import Done, Exchange, ExpertsClient, Pipelined, PointToPoint
 from ep_dispatch.wire import tensor_bytes
 
 # Until the group serves (`DcpGroup.serve`), and always without a collective timeout,
@@ -139,10 +139,11 @@ class GroupExperts(PointToPoint):
     def overlaps(self) -> bool:
         """The leader pipelines where its experts client does; a peer runs whatever split
         the leader's plan names."""
-        return getattr(self.inner, "overlaps", False) if self.inner else True
+        return isinstance(self.inner, Pipelined) and self.inner.overlaps if self.inner \
+            else True
 
     def round_trip_s(self) -> float | None:
-        return self.inner.round_trip_s() if isinstance(self.inner, PointToPoint) else None
+        return self.inner.round_trip_s() if isinstance(self.inner, Pipelined) else None
 
     def __call__(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> torch.Tensor:
@@ -155,11 +156,12 @@ class GroupExperts(PointToPoint):
         `finish`, in the order the exchanges started on every rank of the group."""
         if self.inner is None:  # a peer
             return GroupExchange(self.group, layer, x, None)
-        start = getattr(self.inner, "start", None)
+        inner = self.inner
         try:
             return GroupExchange(self.group, layer, x,
-                                 start(layer, x, topk_ids, topk_weights) if start
-                                 else Done(self.inner(layer, x, topk_ids, topk_weights)))
+                                 inner.start(layer, x, topk_ids, topk_weights)
+                                 if isinstance(inner, Pipelined)
+                                 else Done(inner(layer, x, topk_ids, topk_weights)))
         except Exception as exc:  # failed to start: the peers still get this call's status
             return GroupExchange(self.group, layer, x, Failed(exc))
 

@@ -4,9 +4,12 @@ reused by combine)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
+
+if TYPE_CHECKING:
+    from ep_dispatch.placement import Placement
 
 # (layer, x [N, H] grouped by local expert, tokens per local expert) -> y [N, H], unweighted.
 ExpertFn = Callable[[int, torch.Tensor, list[int]], torch.Tensor]
@@ -67,6 +70,50 @@ class Exchange(Protocol):
         ...
 
 
+@runtime_checkable
+class Pipelined(Protocol):
+    """An `ExpertsClient` whose layer calls can start and finish apart, so that a step
+    split into micro-batches computes one while another's call is out (`rpc`, `torch`,
+    and a DCP group's seam over them)."""
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether `start` returns before the experts answer (else it runs the call)."""
+        ...
+
+    def start(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
+              topk_weights: torch.Tensor) -> Exchange:
+        """The call for x [T, H] routed to topk_ids [T, K] with topk_weights [T, K],
+        started; its `finish()` gives the MoE output [T, H]."""
+        ...
+
+    def round_trip_s(self) -> float | None:
+        """The exchange's recent round trip on the wire, without the experts' time on
+        it (None: not measured). `--micro-batches auto` weighs it against a step."""
+        ...
+
+
+@runtime_checkable
+class Movable(Protocol):
+    """An `ExpertsClient` whose experts can move while serving (EPLB live, `rpc`): the
+    expert ranks load a new placement beside the current one, then the calls switch."""
+
+    @property
+    def placement_version(self) -> int: ...
+
+    @property
+    def placement_json(self) -> str: ...
+
+    def prepare(self, version: int, placement_json: str) -> float:
+        """Every expert rank loads its share of `placement_json` as `version` (blocking,
+        off the step thread); the slowest rank's seconds."""
+        ...
+
+    def switch(self, version: int) -> Placement:
+        """Lay the calls out by prepared `version` from now on (between steps)."""
+        ...
+
+
 class Done:
     """An exchange that finished as it started: a backend with nothing to overlap."""
 
@@ -101,8 +148,6 @@ class PointToPoint:
         return num_tokens > 0
 
     def round_trip_s(self) -> float | None:
-        """The exchange's recent round trip on the wire, without the experts' time on
-        it (None: not measured here). `--micro-batches auto` weighs it against a step."""
         return None
 
     def idle_step(self) -> None:

@@ -210,6 +210,9 @@ class TorchExperts:
         collectives: torch.distributed's, and the CuPy communicator's on its own stream)."""
         return hasattr(self.coll, "start_all_to_all")
 
+    def round_trip_s(self) -> float | None:
+        return None  # (not measured through the collectives)
+
     def begin_step(self, num_tokens: int, micro_batches: int = 1) -> bool:
         self._mine = micro_batches if num_tokens > 0 else 0
         self._rounds = self.coll.agree_rounds(self._mine, self.device)

@@ -24,7 +24,7 @@ from common.messages import (
 )
 from dcp.batch import StepBatch
 from dcp.strategy import SingleRank
-from ep_dispatch.base import ExpertsClient, PointToPoint
+from ep_dispatch.base import ExpertsClient, Movable, Pipelined
 from services.attention.batch import plan_step
 from services.attention.block_manager import BlockManager
 from services.attention.config import AttentionConfig
@@ -165,7 +165,8 @@ class Engine:
             num_experts=cfg.num_experts,
             expert_groups=cfg.routing_spec.n_group if cfg.routing_spec.method != "greedy"
             else 1,
-            placement=getattr(self.experts, "placement_json", None),  # (rpc's, movable)
+            placement=self.experts.placement_json if isinstance(self.experts, Movable)
+            else None,
         )
 
     def stats(self) -> EngineStats:
@@ -177,24 +178,27 @@ class Engine:
             expert_load=self.model.expert_load.tolist(), num_aborted=self.num_aborted,
             experts_ready=self.experts.ready(), expert_services=self.experts.describe(),
             num_steps=self.num_steps,
-            placement_version=getattr(self.experts, "placement_version", 0),
+            placement_version=self.experts.placement_version
+            if isinstance(self.experts, Movable) else 0,
         )
 
     def prepare_placement(self, version: int, placement_json: str) -> float:
         """A rebalance's load (blocking; any thread but the step's): the expert ranks
         load their shares of the placement; the slowest's seconds. A ValueError where
         the dispatch backend cannot move experts while serving."""
-        prepare = getattr(self.experts, "prepare", None)
-        if prepare is None:
-            raise ValueError(f"moving experts while serving needs the rpc dispatch backend, "
-                             f"not {self.config.dispatch_backend}")
-        return prepare(version, placement_json)
+        return self._movable().prepare(version, placement_json)
 
     def switch_placement(self, version: int) -> None:
         """Route by prepared placement `version` from the next step on (between steps,
         on the step thread)."""
-        placement = self.experts.switch(version)  # type: ignore[attr-defined]
+        placement = self._movable().switch(version)
         self._warmup_replicas = placement.max_replicas
+
+    def _movable(self) -> Movable:
+        if not isinstance(self.experts, Movable):
+            raise ValueError(f"moving experts while serving needs the rpc dispatch backend, "
+                             f"not {self.config.dispatch_backend}")
+        return self.experts
 
     def add(self, request: GenerateRequest) -> TokenDelta | None:
         """Queue a request; returns an error delta instead when it cannot be served."""
@@ -339,9 +343,9 @@ class Engine:
             return self.model.forward(batch, self.kv, self.experts), batch.logits_rows
         batches = [b.to(self.device) for b in self.attention.batches(
             [plan_step(g) for g in groups])]  # (a DCP group's peers get one plan)
+        assert isinstance(self.experts, Pipelined)  # (`_micro_batches` split it)
         self.last_timeline = StepTimeline()
-        hidden = self.model.forward_pipelined(batches, self.kv,
-                                              self.experts.start,  # type: ignore[attr-defined]
+        hidden = self.model.forward_pipelined(batches, self.kv, self.experts.start,
                                               self.last_timeline)
         if tracing.detailed():
             self.last_timeline.draw()
@@ -353,15 +357,15 @@ class Engine:
         overlaps (`rpc`, `torch` over torch.distributed; a DCP group's peers run the
         leader's split) and no warm-up forces its routing, `auto` measured by the tuner;
         else 1."""
-        overlaps = getattr(self.experts, "overlaps", False) \
+        experts = self.experts
+        overlaps = isinstance(experts, Pipelined) and experts.overlaps \
             and not any(item.seq.warmup for item in scheduled)
         count = micro_batch_count(self.config.micro_batches, overlaps)
         if count is not None or not scheduled:
             return count or 1
-        round_trip = self.experts.round_trip_s() \
-            if isinstance(self.experts, PointToPoint) else None
+        assert isinstance(experts, Pipelined)  # (it overlaps)
         return self.tuner.choose(sum(item.num_new_tokens for item in scheduled),
-                                 len(scheduled), round_trip)
+                                 len(scheduled), experts.round_trip_s())
 
     def _score_prompts(self, scheduled: list[ScheduledSeq], hidden: torch.Tensor) -> None:
         """Prompt logprobs: for each sequence that asks, the log-probability of every prompt
