@@ -46,8 +46,8 @@ class AttentionTimer:
 
 def decode_times(engine: Engine, context: int, steps: int) -> tuple[float, float]:
     """(median step s, median attention s per step) at `context` tokens."""
-    timer = AttentionTimer(engine.model.attend)
-    engine.model.attend = timer
+    timer = AttentionTimer(engine.runner.model.attend)
+    engine.runner.model.attend = timer
     prompt = make_prompts(1, context, engine.model_config.vocab_size)[0]
     params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
     engine.add(GenerateRequest(f"ctx-{context}", prompt, params))
@@ -63,7 +63,7 @@ def decode_times(engine: Engine, context: int, steps: int) -> tuple[float, float
         attn_s.append(timer.seconds)
     while engine.has_work():
         engine.step()
-    engine.model.attend = timer.attend
+    engine.runner.model.attend = timer.attend
     return statistics.median(step_s), statistics.median(attn_s)
 
 

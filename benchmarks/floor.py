@@ -96,7 +96,7 @@ def layer_weights(w: object) -> list[torch.Tensor | PanelWeights]:
 
 
 def dense_bytes(engine: Engine) -> int:
-    model = engine.model
+    model = engine.runner.model
     tensors = [model.norm, model.lm_head, *(t for w in model.layers for t in layer_weights(w))]
     return sum(t.nbytes() if isinstance(t, PanelWeights) else t.numel() * t.element_size()
                for t in tensors)
@@ -132,7 +132,7 @@ def kv_per_token(engine: Engine) -> str:
 def step_flops(engine: Engine) -> int:
     """FLOPs of one decode step of the running batch: every dense matmul for each token,
     each token's top-k experts (three projections), and attention over each context."""
-    cfg, model = engine.model_config, engine.model
+    cfg, model = engine.model_config, engine.runner.model
     running = engine.scheduler.running
     dense = math.prod(model.lm_head.shape) + sum(  # every matrix (not the norms)
         math.prod(t.shape) for w in model.layers for t in layer_weights(w) if len(t.shape) > 1)
@@ -159,7 +159,7 @@ class StepParts:
         import services.attention.model as model_module
 
         self.seconds = dict.fromkeys(PARTS, 0.0)
-        experts, model = engine.experts, engine.model
+        experts, model = engine.runner.experts, engine.runner.model
         model.attention_block = self._timed("attention block",  # type: ignore[method-assign]
                                             model.attention_block)
         model_module.route = self._timed("router", model_module.route)
@@ -235,10 +235,10 @@ def start_batch(engine: Engine, batch: int, input_len: int, steps: int) -> None:
 
 def decode_step(engine: Engine, parts: StepParts) -> Step:
     """One decode step of the running batch: its seconds, bytes read, FLOPs and parts."""
-    before = engine.model.expert_load.clone()
+    before = engine.runner.model.expert_load.clone()
     kv, flops = kv_bytes(engine), step_flops(engine)
     times = parts.of(engine.step)
-    hit = int(((engine.model.expert_load - before) > 0).sum())
+    hit = int(((engine.runner.model.expert_load - before) > 0).sum())
     step = sum(times[p] for p in PARTS)  # not KERNELS: they ran inside the parts
     return step, dense_bytes(engine) + hit * expert_bytes(engine) + kv, flops, times
 

@@ -672,10 +672,10 @@ def decode_steps() -> None:
             e.add(GenerateRequest(f"r{i}", PROMPTS[i], SamplingParams(
                 max_tokens=4, temperature=0.0, ignore_eos=True)))  # all 3 decode next
         e.step()  # the prefills
-        batch = e._batch(e.scheduler.schedule())
-        assert e.graphs is not None and e.graphs.fits(batch)
-        want = e.model.forward(batch, e.kv, e.experts).float()  # [3, H]
-        got = e.graphs.forward(batch).float()
+        batch = e.runner.batch(e.scheduler.schedule())
+        assert e.runner.graphs is not None and e.runner.graphs.fits(batch)
+        want = e.runner.model.forward(batch, e.runner.kv, e.runner.experts).float()  # [3, H]
+        got = e.runner.graphs.forward(batch).float()
         err = ((got - want).abs().max() / want.abs().max()).item()
         row(f"decode step from a CUDA graph vs eager, {dtype}, "
             f"{quantization or 'float'} experts", "ok" if err <= bound else "FAIL",

@@ -61,7 +61,7 @@ def main() -> None:
         for _ in range(args.steps):
             engine.step()
         mean = (time.perf_counter() - start) / args.steps
-        timeline = engine.last_timeline
+        timeline = engine.runner.last_timeline
         engine.close()
     print(f"decode steps of {args.concurrency} sequences, --micro-batches "
           f"{args.micro_batches}, {args.delay_ms:g} ms one way: mean of {args.steps} "

@@ -1,6 +1,6 @@
 """The attention service's composition root: a config checked, the model loaded, and every
 part an `Engine` steps over built and wired (the dispatch backend's client, a DCP group,
-the paged KV cache, the block manager, the scheduler, CUDA graphs)."""
+the paged KV cache, the model runner, the block manager, the scheduler, CUDA graphs)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ from services.attention.grammar import Grammars
 from services.attention.graphs import Capture, DecodeGraphs, cuda_capture
 from services.attention.kv_cache import KVCache, kv_bytes_per_block
 from services.attention.model import DenseModel
+from services.attention.runner import ModelRunner
 from services.attention.scheduler import Scheduler
 from services.model.checkpoint import Checkpoint
 from services.model.config import ModelConfig, check_quantization
@@ -87,14 +88,14 @@ def build_engine(config: AttentionConfig, graph_capture: Capture | None = None) 
     if graphs:
         graphs.capture_all()
     attention.start()  # every DCP peer loaded too
+    runner = ModelRunner(config, cfg, device, model, kv, experts, attention, graphs,
+                         _max_replicas(config, cfg))
     return Engine(EngineParts(
         config=config, model_config=cfg, device=device, dtype=dtype, quantization=quantization,
-        model=model, kv=kv, experts=experts, attention=attention,
-        block_manager=block_manager,
+        runner=runner, block_manager=block_manager,
         scheduler=Scheduler(block_manager, config.max_num_batched_tokens, config.max_num_seqs),
         grammars=Grammars(Path(config.model), cfg.vocab_size, cfg.eos_token_ids),
-        graphs=graphs, max_model_len=max_model_len,
-        warmup_replicas=_max_replicas(config, cfg)))
+        max_model_len=max_model_len))
 
 
 def _experts_client(config: AttentionConfig, cfg: ModelConfig, dtype: torch.dtype,

@@ -1,4 +1,5 @@
-"""The engine core of an attention service: requests in, token deltas out, one step at a time."""
+"""The engine core of an attention service: requests in, token deltas out, one step at a
+time. What runs the model over a step is the `ModelRunner` (`runner.py`)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,11 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import msgspec
 import torch
-from prometheus_client import Counter, Histogram
+from prometheus_client import Histogram
 
 from common import tracing
 from common.failures import root_causes
@@ -22,23 +23,16 @@ from common.messages import (
     TokenDelta,
     TokenLogprobs,
 )
-from dcp.batch import StepBatch
-from dcp.strategy import SingleRank
-from ep_dispatch.base import ExpertsClient, Movable, Pipelined
-from services.attention.batch import plan_step
+from ep_dispatch.base import Movable
 from services.attention.block_manager import BlockManager
 from services.attention.config import AttentionConfig
 from services.attention.grammar import Grammars
-from services.attention.graphs import DecodeGraphs
-from services.attention.kv_cache import KVCache
-from services.attention.micro_batches import MicroBatchTuner, micro_batch_count, split
-from services.attention.model import DenseModel
+from services.attention.runner import ModelRunner
 from services.attention.sampler import sample, sampling_error, token_logprobs
 from services.attention.scheduler import ScheduledSeq, Scheduler
 from services.attention.sequence import Sequence
-from services.attention.timeline import StepTimeline
-from services.attention.tracing import step_span, trace_request
-from services.attention.warmup import warmup_prompt, warmup_routing
+from services.attention.tracing import trace_request
+from services.attention.warmup import warmup_prompt
 from services.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -51,9 +45,6 @@ _STEP_SECONDS = Histogram(
     buckets=(1e-3, 2.5e-3, 5e-3, 1e-2, 2e-2, 3e-2, 5e-2, 7.5e-2, 0.1, 0.15, 0.25, 0.5, 1.0,
              2.5, 5.0))
 _STEP_KINDS = {True: _STEP_SECONDS.labels("decode"), False: _STEP_SECONDS.labels("prefill")}
-# Over engine_step_seconds_count: the mean micro-batches a step, so 1 where none pipelines.
-_MICRO_BATCHES = Counter("switchyard:micro_batches", "Micro-batches the engine's forward "
-                         "passes ran as (one per step that is not pipelined).")
 
 
 class StepFailed(RuntimeError):
@@ -67,30 +58,19 @@ class StepFailed(RuntimeError):
 
 @dataclass(frozen=True)
 class EngineParts:
-    """What `build_engine` makes of a config: the pieces an `Engine` steps over.
-
-    `experts` is the MoE seam the model calls (the dispatch backend's client, through
-    `attention.experts`); `attention` how the step's attention is spread (one rank, or a
-    DCP group this engine leads);
-    `graphs` the captured decode steps (None without `--cuda-graph-max-batch`);
-    `warmup_replicas` the most replicas of one expert (the warm-up's prompt covers them).
-    """
+    """What `build_engine` makes of a config: the pieces an `Engine` steps over (`runner`
+    runs the model over a step)."""
 
     config: AttentionConfig
     model_config: ModelConfig
     device: str
     dtype: torch.dtype
     quantization: str | None
-    model: DenseModel
-    kv: KVCache
-    experts: ExpertsClient
-    attention: SingleRank
+    runner: ModelRunner
     block_manager: BlockManager
     scheduler: Scheduler
     grammars: Grammars
-    graphs: DecodeGraphs | None
     max_model_len: int
-    warmup_replicas: int
 
 
 class Engine:
@@ -103,19 +83,14 @@ class Engine:
     def __init__(self, parts: EngineParts) -> None:
         self.config, self.model_config = parts.config, parts.model_config
         self.device, self.dtype, self.quantization = parts.device, parts.dtype, parts.quantization
-        self.model, self.kv, self.experts = parts.model, parts.kv, parts.experts
-        self.attention, self.graphs = parts.attention, parts.graphs
+        self.runner = parts.runner
         self.block_manager, self.scheduler = parts.block_manager, parts.scheduler
         self.grammars, self.max_model_len = parts.grammars, parts.max_model_len
-        self._warmup_replicas = parts.warmup_replicas
         self._seqs: dict[str, Sequence] = {}
         self.num_aborted = 0
         self.num_steps = 0  # that ran sequences (a rebalance's window counts them)
         self._stepping = threading.Lock()  # held by a step; close() waits for it
         self._closed = False  # then a step (a worker thread that started late) does nothing
-        self.tuner = MicroBatchTuner(torch.device(self.device).type,
-                                     len(self.model_config.moe_layer_ids))
-        self.last_timeline: StepTimeline | None = None  # the last pipelined step's
 
     def close(self, timeout: float = 30.0) -> None:
         """Leave the experts and the DCP group, once a step that another thread still runs
@@ -126,8 +101,7 @@ class Engine:
             log.warning("closing under a step that did not end within %.0f s", timeout)
         try:
             self._closed = True
-            self.experts.close()
-            self.attention.close()
+            self.runner.close()
         finally:
             if idle:
                 self._stepping.release()
@@ -137,22 +111,10 @@ class Engine:
         steps; raises if a peer is gone."""
         with self._stepping:
             if not self._closed:
-                self.attention.heartbeat()
-
-    def _batch(self, scheduled: list[ScheduledSeq], all_logits: bool = False) -> StepBatch:
-        """The step's inputs, on the engine's device."""
-        batch = self._plan_batch(scheduled, all_logits)
-        if any(item.seq.warmup for item in scheduled):
-            batch = replace(batch, forced_routing=warmup_routing(
-                scheduled, self.model_config, self._warmup_replicas))
-        return batch.to(self.device)
-
-    def _plan_batch(self, scheduled: list[ScheduledSeq], all_logits: bool) -> StepBatch:
-        """The step's inputs on the CPU (a DCP leader's peers get the plan first)."""
-        return self.attention.batch(*plan_step(scheduled, all_logits))
+                self.runner.attention.heartbeat()
 
     def info(self) -> EngineInfo:
-        cfg = self.model_config
+        cfg, experts = self.model_config, self.runner.experts
         return EngineInfo(
             architecture=cfg.architecture, max_model_len=self.max_model_len,
             vocab_size=cfg.vocab_size, eos_token_ids=cfg.eos_token_ids,
@@ -160,50 +122,43 @@ class Engine:
             num_kv_blocks=self.block_manager.num_blocks, block_size=self.block_manager.block_size,
             max_num_seqs=self.scheduler.max_num_seqs, quantization=self.quantization,
             dispatch_backend=self.config.dispatch_backend,
-            expert_services=self.experts.describe(),
+            expert_services=self.runner.experts.describe(),
             moe_layers=cfg.moe_layer_ids,
             num_experts=cfg.num_experts,
             expert_groups=cfg.routing_spec.n_group if cfg.routing_spec.method != "greedy"
             else 1,
-            placement=self.experts.placement_json if isinstance(self.experts, Movable)
-            else None,
+            placement=experts.placement_json if isinstance(experts, Movable) else None,
         )
 
     def stats(self) -> EngineStats:
-        bm = self.block_manager
+        bm, experts = self.block_manager, self.runner.experts
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_blocks_used=bm.num_blocks - bm.num_free_blocks, num_kv_blocks=bm.num_blocks,
             num_preemptions=self.scheduler.num_preemptions,
-            expert_load=self.model.expert_load.tolist(), num_aborted=self.num_aborted,
-            experts_ready=self.experts.ready(), expert_services=self.experts.describe(),
+            expert_load=self.runner.model.expert_load.tolist(), num_aborted=self.num_aborted,
+            experts_ready=experts.ready(), expert_services=experts.describe(),
             num_steps=self.num_steps,
-            placement_version=self.experts.placement_version
-            if isinstance(self.experts, Movable) else 0,
+            placement_version=experts.placement_version if isinstance(experts, Movable)
+            else 0,
         )
 
     def prepare_placement(self, version: int, placement_json: str) -> float:
         """A rebalance's load (blocking; any thread but the step's): the expert ranks
         load their shares of the placement; the slowest's seconds. A ValueError where
         the dispatch backend cannot move experts while serving."""
-        return self._movable().prepare(version, placement_json)
+        return self.runner.movable().prepare(version, placement_json)
 
     def switch_placement(self, version: int) -> None:
         """Route by prepared placement `version` from the next step on (between steps,
         on the step thread)."""
-        placement = self._movable().switch(version)
-        self._warmup_replicas = placement.max_replicas
-
-    def _movable(self) -> Movable:
-        if not isinstance(self.experts, Movable):
-            raise ValueError(f"moving experts while serving needs the rpc dispatch backend, "
-                             f"not {self.config.dispatch_backend}")
-        return self.experts
+        self.runner.switch_placement(version)
 
     def add(self, request: GenerateRequest) -> TokenDelta | None:
         """Queue a request; returns an error delta instead when it cannot be served."""
         if request.warmup:  # its own prompt, and KV blocks no other request finds
-            prompt = warmup_prompt(self.model_config, self._warmup_replicas, self.max_model_len)
+            prompt = warmup_prompt(self.model_config, self.runner.warmup_replicas,
+                                   self.max_model_len)
             request = msgspec.structs.replace(request, prompt_token_ids=prompt,
                                               cache_salt=f"warm-up {os.urandom(16).hex()}")
         error, matcher = self._validate(request), None
@@ -298,25 +253,14 @@ class Engine:
             return deltas
 
     def _step(self, scheduled: list[ScheduledSeq]) -> list[TokenDelta]:
-        count = self._micro_batches(scheduled)
-        groups = split(scheduled, count) if scheduled else []
-        # a lockstep backend's ranks agree on the step's rounds: the most micro-batches
-        if not self.experts.begin_step(sum(item.num_new_tokens for item in scheduled),
-                                       max(1, len(groups))):
-            return []
-        if not scheduled:  # others have work: join their exchanges with zero rows
-            self.experts.idle_step()
-            return []
         now = time.monotonic()
         for item in scheduled:
             if item.seq.first_scheduled_time is None:
                 item.seq.first_scheduled_time = now
-        tokens = sum(item.num_new_tokens for item in scheduled)
-        with step_span(scheduled):
-            hidden, logits_rows = self._forward(scheduled, groups)
-            self.tuner.observe(count, tokens, len(scheduled), time.monotonic() - now)
-        self.model.publish_load()  # for stats(), which must not wait on the device
-        self._score_prompts(scheduled, hidden)
+        forward = self.runner.run(scheduled)
+        if forward is None:
+            return []
+        self._score_prompts(scheduled, forward.hidden)
         sampling = [s.seq for s in scheduled
                     if s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens]
         for item in scheduled:
@@ -324,48 +268,10 @@ class Engine:
             self.block_manager.cache_computed(item.seq)
         if not sampling:
             return []
-        sampled = sample(self.model.logits(hidden[logits_rows]), sampling,
+        sampled = sample(self.runner.logits(forward.hidden[forward.logits_rows]), sampling,
                          self.model_config.eos_token_ids)
         return [self._append(seq, token, logprobs) for seq, token, logprobs
                 in zip(sampling, sampled.tokens, sampled.logprobs, strict=True)]
-
-    def _forward(self, scheduled: list[ScheduledSeq], groups: list[list[ScheduledSeq]]
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's hidden states [T, H] and the rows of it that sample [S]: in one
-        batch, or as a pipeline of the micro-batches `groups` (`micro_batches.split`)
-        where the experts' backend overlaps its exchanges with this rank's computation
-        (its timeline kept as `last_timeline`, and drawn in the step's span)."""
-        _MICRO_BATCHES.inc(len(groups))
-        if len(groups) == 1:
-            batch = self._batch(scheduled)
-            if self.graphs and batch.forced_routing is None and self.graphs.fits(batch):
-                return self.graphs.forward(batch), batch.logits_rows
-            return self.model.forward(batch, self.kv, self.experts), batch.logits_rows
-        batches = [b.to(self.device) for b in self.attention.batches(
-            [plan_step(g) for g in groups])]  # (a DCP group's peers get one plan)
-        assert isinstance(self.experts, Pipelined)  # (`_micro_batches` split it)
-        self.last_timeline = StepTimeline()
-        hidden = self.model.forward_pipelined(batches, self.kv, self.experts.start,
-                                              self.last_timeline)
-        if tracing.detailed():
-            self.last_timeline.draw()
-        rows = torch.tensor(plan_step(scheduled)[1], dtype=torch.int64, device=self.device)
-        return torch.cat(hidden), rows
-
-    def _micro_batches(self, scheduled: list[ScheduledSeq]) -> int:
-        """How many micro-batches this step asks for: `--micro-batches` where the backend
-        overlaps (`rpc`, `torch` over torch.distributed; a DCP group's peers run the
-        leader's split) and no warm-up forces its routing, `auto` measured by the tuner;
-        else 1."""
-        experts = self.experts
-        overlaps = isinstance(experts, Pipelined) and experts.overlaps \
-            and not any(item.seq.warmup for item in scheduled)
-        count = micro_batch_count(self.config.micro_batches, overlaps)
-        if count is not None or not scheduled:
-            return count or 1
-        assert isinstance(experts, Pipelined)  # (it overlaps)
-        return self.tuner.choose(sum(item.num_new_tokens for item in scheduled),
-                                 len(scheduled), experts.round_trip_s())
 
     def _score_prompts(self, scheduled: list[ScheduledSeq], hidden: torch.Tensor) -> None:
         """Prompt logprobs: for each sequence that asks, the log-probability of every prompt
@@ -389,7 +295,7 @@ class Engine:
         step = max(1, PROMPT_LOGITS_ELEMENTS // self.model_config.vocab_size)
         for i in range(0, len(rows), step):
             index = torch.tensor(rows[i:i + step], device=hidden.device)
-            entries = token_logprobs(self.model.logits(hidden[index]), targets[i:i + step],
+            entries = token_logprobs(self.runner.logits(hidden[index]), targets[i:i + step],
                                      [s.sampling.prompt_logprobs or 0
                                       for s in owners[i:i + step]])
             for seq, entry in zip(owners[i:i + step], entries, strict=True):
@@ -439,10 +345,7 @@ class Engine:
                 n = min(seq.num_tokens - seq.num_computed_tokens,
                         self.config.max_num_batched_tokens)
                 self.block_manager.allocate(seq, n)
-                self.experts.begin_step(n)
-                batch = self._batch([ScheduledSeq(seq, n)], all_logits=True)
-                logits.append(self.model.logits(self.model.forward(batch, self.kv,
-                                                                   self.experts)))
+                logits.append(self.runner.score(ScheduledSeq(seq, n)))
                 seq.num_computed_tokens += n
         finally:
             self.block_manager.free(seq)

@@ -86,7 +86,7 @@ class AttentionServer:
         self._outboxes: dict[FrameStream, MemoryObjectSendStream[TokenDelta]] = {}
         self._out_of_step = out_of_step or _exit_out_of_step
         self._compute = ComputeThread("engine-step", "attention")  # every step on one thread
-        self._heartbeat_s = engine.attention.heartbeat_s or math.inf  # a DCP leader's
+        self._heartbeat_s = engine.runner.attention.heartbeat_s or math.inf  # a DCP leader's
 
     def _post(self, work: _Work) -> None:
         self._inbox.append(work)
@@ -128,7 +128,7 @@ class AttentionServer:
                 self._post(_Work(AbortRequest(request_id), conn))
 
     async def run_engine(self) -> None:
-        lockstep = self.engine.experts.lockstep
+        lockstep = self.engine.runner.experts.lockstep
         while True:
             if lockstep:
                 # Every rank must join every round: wait for work only briefly.
@@ -222,9 +222,9 @@ class AttentionServer:
         """Whether a failed step left peers (lockstep expert ranks, DCP ranks) in
         collectives this rank will never join: then no later round could pair up. A DCP
         group that aborted the step together (`StepAborted`) is still in step."""
-        if self.engine.experts.lockstep:
+        if self.engine.runner.experts.lockstep:
             return True
-        return not self.engine.attention.in_step_after(failure)
+        return not self.engine.runner.attention.in_step_after(failure)
 
     def _apply(self, work: _Work) -> TokenDelta | None:
         """Add or abort; the abort's delta is returned for its owner. A refused request

@@ -93,7 +93,7 @@ def test_each_expert_service_holds_only_its_share(qwen3_ckpt: tuple,
     total = per_expert * cfg.num_experts * sum(cfg.moe_layers)
     engine = rpc_engine(qwen3_ckpt[0], qwen3_experts)
     try:
-        held = [info.weight_bytes for info in engine.experts.pool.infos]
+        held = [info.weight_bytes for info in engine.runner.experts.pool.infos]
     finally:
         engine.close()
     assert sum(held) == total
@@ -135,7 +135,7 @@ def test_micro_batches_pipeline_to_the_same_bits(qwen3_ckpt: tuple,
         engine = rpc_engine(path, qwen3_experts, micro_batches=setting, max_num_seqs=8)
         seen = logits.setdefault(setting, [])
         pipelined[setting] = 0
-        forward, logits_of = engine.model.forward_pipelined, engine.model.logits
+        forward, logits_of = engine.runner.model.forward_pipelined, engine.runner.model.logits
 
         def count(*args: object, forward: object = forward, setting: str = setting) -> object:
             pipelined[setting] += 1
@@ -146,8 +146,8 @@ def test_micro_batches_pipeline_to_the_same_bits(qwen3_ckpt: tuple,
             seen.append(logits_of(hidden))  # type: ignore[operator]
             return seen[-1]
 
-        engine.model.forward_pipelined = count  # type: ignore[method-assign]
-        engine.model.logits = record  # type: ignore[method-assign]
+        engine.runner.model.forward_pipelined = count  # type: ignore[method-assign]
+        engine.runner.model.logits = record  # type: ignore[method-assign]
         try:
             outputs[setting] = run_to_completion(
                 engine, {k: [msgspec.structs.replace(r) for r in v] for k, v in arrivals.items()})
@@ -180,7 +180,7 @@ def test_one_micro_batch_computes_while_the_others_exchange_is_on_the_wire(
             engine.add(greedy(f"r{i}", prompt, 4))
         engine.step()  # the prompts
         engine.step()  # a decode
-        timeline = engine.last_timeline
+        timeline = engine.runner.last_timeline
         assert timeline is not None and timeline.micro_batches() == [0, 1]
         for layer in moe:
             a_call, b_call = (timeline.find("exchange", j, layer) for j in (0, 1))
@@ -189,7 +189,7 @@ def test_one_micro_batch_computes_while_the_others_exchange_is_on_the_wire(
             following = [i for i in timeline.intervals if i.kind == "attention"
                          and i.micro_batch == 0 and i.start >= a_call.end]
             assert following[0].start < b_call.end
-        assert engine.experts.round_trip_s() is None  # no one-batch call yet
+        assert engine.runner.experts.round_trip_s() is None  # no one-batch call yet
         solo = rpc_engine(path, [p.address for p in proxies], micro_batches="1")
         stack.callback(solo.close)
         solo.add(greedy("solo", [1, 2, 3], 2))
@@ -208,7 +208,7 @@ def test_auto_times_each_count_behind_a_long_wire(qwen3_ckpt: tuple,
         proxies = [stack.enter_context(DelayProxy(a, delay_s=0.05)) for a in qwen3_experts]
         engine = rpc_engine(path, [p.address for p in proxies], micro_batches="auto")
         stack.callback(engine.close)
-        choose = engine.tuner.choose
+        choose = engine.runner.tuner.choose
 
         def record(tokens: int, seqs: int, round_trip: float | None) -> int:
             count = choose(tokens, seqs, round_trip)
@@ -216,7 +216,7 @@ def test_auto_times_each_count_behind_a_long_wire(qwen3_ckpt: tuple,
                 asked.append(count)
             return count
 
-        engine.tuner.choose = record  # type: ignore[method-assign]
+        engine.runner.tuner.choose = record  # type: ignore[method-assign]
         for i, prompt in enumerate(prompts(seed=24, lengths=(5, 6, 7, 8))):
             engine.add(greedy(f"r{i}", prompt, PROBE_STEPS * len(CANDIDATES) + 8))
         while engine.has_work():
@@ -274,7 +274,7 @@ def test_a_lost_expert_rank_is_routed_around_while_its_experts_have_replicas(
                                     for r in range(3)], timeout=120)
         addresses = [("127.0.0.1", p) for p, *_ in ports]
         engine = rpc_engine(path, addresses, placement=placement, expert_timeout=10)
-        client: RpcExperts = engine.experts  # type: ignore[assignment]
+        client: RpcExperts = engine.runner.experts  # type: ignore[assignment]
         called: list[int] = []
         send = client._send
 
@@ -330,7 +330,7 @@ def test_an_expert_rank_killed_mid_pipeline_loses_no_request(qwen3_ckpt: tuple,
                                     for r in range(3)], timeout=120)
         engine = rpc_engine(path, [("127.0.0.1", p) for p, *_ in ports], placement=placement,
                             expert_timeout=10, micro_batches="2")
-        client: RpcExperts = engine.experts  # type: ignore[assignment]
+        client: RpcExperts = engine.runner.experts  # type: ignore[assignment]
         starts = 0
         start = client.start
 
@@ -516,9 +516,9 @@ def test_torch_backend_across_processes(qwen3_ckpt: tuple) -> None:
             ids = torch.rand(tokens, cfg.num_experts, generator=g).topk(top_k).indices
             w = torch.rand(tokens, top_k, generator=g)
             # announce work, so that every rank runs the round (the 0-token call too)
-            assert engine.experts.begin_step(1)  # one round serves every MoE layer once
+            assert engine.runner.experts.begin_step(1)  # one round serves every MoE layer once
             for layer in moe:
-                assert torch.allclose(engine.experts(layer, x, ids, w),
+                assert torch.allclose(engine.runner.experts(layer, x, ids, w),
                                       local(layer, x, ids, w), atol=1e-6)
         prompt = prompts(lengths=(29,))[0]
         with torch.no_grad():

@@ -96,15 +96,15 @@ def test_a_warm_up_reaches_every_replica_of_every_expert(qwen3_ckpt: tuple) -> N
     engine = engine_for(qwen3_ckpt[0], dispatch_backend="local", expert_replicas=2,
                         max_num_batched_tokens=64)
     cfg, calls = engine.model_config, []
-    inner = engine.experts
+    inner = engine.runner.experts
 
     def recording(layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
                   ) -> torch.Tensor:
         calls.append((layer, ids.clone()))
         return inner(layer, x, ids, w)
 
-    engine.experts = recording  # type: ignore[assignment]
-    engine.experts.begin_step = inner.begin_step  # type: ignore[attr-defined]
+    engine.runner.experts = recording  # type: ignore[assignment]
+    engine.runner.experts.begin_step = inner.begin_step  # type: ignore[attr-defined]
     warmup = GenerateRequest("w", [], SamplingParams(max_tokens=1, temperature=0.0),
                              warmup=True)
     assert engine.add(warmup) is None
@@ -118,7 +118,7 @@ def test_a_warm_up_reaches_every_replica_of_every_expert(qwen3_ckpt: tuple) -> N
                                     placement, layer, turn)
             assert all(all(c > 0 for c in counts) for counts in layout.expert_counts), (
                 layer, turn, layout.expert_counts)
-    load = engine.model.expert_load  # [layers, E]
+    load = engine.runner.model.expert_load  # [layers, E]
     moe = len(cfg.moe_layer_ids)
     assert (load[cfg.moe_layer_ids] == 2).all() and int(load.sum()) == 2 * cfg.num_experts * moe
     prompt = warmup_prompt(cfg, 2, engine.max_model_len)
@@ -131,7 +131,7 @@ def test_a_failed_step_fails_only_its_own_sequences(qwen3_ckpt: tuple) -> None:
     """A step that raises names the sequences it ran; a waiting one, not in it, is
     untouched and completes."""
     engine = engine_for(qwen3_ckpt[0], dispatch_backend="local", max_num_seqs=1)
-    inner = engine.experts
+    inner = engine.runner.experts
     failing = [True]
 
     def experts(layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
@@ -141,8 +141,8 @@ def test_a_failed_step_fails_only_its_own_sequences(qwen3_ckpt: tuple) -> None:
                                  [RuntimeError("rank 0 down"), RuntimeError("rank 1 down")])
         return inner(layer, x, ids, w)
 
-    engine.experts = experts  # type: ignore[assignment]
-    engine.experts.begin_step = inner.begin_step  # type: ignore[attr-defined]
+    engine.runner.experts = experts  # type: ignore[assignment]
+    engine.runner.experts.begin_step = inner.begin_step  # type: ignore[attr-defined]
     assert engine.add(greedy("first", [1, 2, 3], 2)) is None
     assert engine.add(greedy("waiting", [4, 5, 6], 2)) is None
     with pytest.raises(StepFailed) as failed:

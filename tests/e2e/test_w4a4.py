@@ -82,15 +82,15 @@ def test_expert_bytes_and_dispatch_bytes_are_at_most_028_of_bf16(ckpt: Path,
         try:
             bf16_expert_bytes = (sum(cfg.moe_layers) * cfg.num_experts * 3 * cfg.hidden_size
                                  * cfg.moe_intermediate_size * 2)
-            held = sum(info.weight_bytes for info in eng.experts.pool.infos)
+            held = sum(info.weight_bytes for info in eng.runner.experts.pool.infos)
             assert held <= 0.28 * bf16_expert_bytes, (held, bf16_expert_bytes)
-            assert all(info.quantization == "w4a4" for info in eng.experts.pool.infos)
+            assert all(info.quantization == "w4a4" for info in eng.runner.experts.pool.infos)
             prompt = prompts(seed=7, lengths=(20,))[0]
             eng.score(prompt)
             rows = sum(cfg.moe_layers) * len(prompt) * cfg.top_k  # every routed token copy
-            assert eng.experts.dispatch_bytes == rows * (cfg.hidden_size // 2
+            assert eng.runner.experts.dispatch_bytes == rows * (cfg.hidden_size // 2
                                                          + cfg.hidden_size // 32)
-            assert eng.experts.dispatch_bytes <= 0.28 * rows * cfg.hidden_size * 2
+            assert eng.runner.experts.dispatch_bytes <= 0.28 * rows * cfg.hidden_size * 2
         finally:
             eng.close()
     finally:

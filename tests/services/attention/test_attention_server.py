@@ -125,10 +125,11 @@ async def test_a_connection_that_goes_away_aborts_its_requests_and_only_its_own(
 class _FakeEngine:
     """What AttentionServer uses of an Engine; its first step holds until `step_gate`."""
 
-    class experts:  # stands in for the engine's attribute
-        lockstep = False
+    class runner:  # stands in for the engine's model runner
+        class experts:
+            lockstep = False
 
-    attention = SingleRank(16, None)  # no DCP group
+        attention = SingleRank(16, None)  # no DCP group
 
     def __init__(self) -> None:
         self.live: set[str] = set()
@@ -277,7 +278,7 @@ def test_closing_the_engine_waits_for_the_step_another_thread_runs(qwen3_ckpt: t
     engine = engine_for(qwen3_ckpt[0])
     engine.add(greedy("r", 4))
     entered, release, order = threading.Event(), threading.Event(), []
-    schedule, close_experts = engine.scheduler.schedule, engine.experts.close
+    schedule, close_experts = engine.scheduler.schedule, engine.runner.experts.close
 
     def held_schedule() -> list:
         entered.set()
@@ -285,7 +286,7 @@ def test_closing_the_engine_waits_for_the_step_another_thread_runs(qwen3_ckpt: t
         return schedule()
 
     engine.scheduler.schedule = held_schedule  # type: ignore[method-assign]
-    engine.experts.close = lambda: (  # type: ignore[method-assign]
+    engine.runner.experts.close = lambda: (  # type: ignore[method-assign]
         order.append("experts closed"), close_experts())
     stepper = threading.Thread(target=lambda: (engine.step(), order.append("step ended")))
     stepper.start()
@@ -316,8 +317,8 @@ def test_closing_under_a_step_that_never_ends_gives_up_after_its_timeout(
         qwen3_ckpt: tuple, caplog: pytest.LogCaptureFixture) -> None:
     engine = engine_for(qwen3_ckpt[0])
     assert engine._stepping.acquire()  # a step that hangs (a peer that died, say)
-    closed, close_experts = [], engine.experts.close
-    engine.experts.close = lambda: (closed.append(True), close_experts())  # type: ignore
+    closed, close_experts = [], engine.runner.experts.close
+    engine.runner.experts.close = lambda: (closed.append(True), close_experts())  # type: ignore
     engine.close(timeout=0.1)
     assert "did not end within" in caplog.text and closed == [True]
 
@@ -351,8 +352,8 @@ async def test_a_failed_step_fails_its_requests_or_leaves_the_world_if_out_of_st
             return failed
 
     engine, a, left = Failing(), _FakeConn(), anyio.Event()
-    engine.experts = type("Experts", (), {"lockstep": lockstep})  # type: ignore[misc]
-    engine.attention = attention  # type: ignore[misc]
+    engine.runner = type("Runner", (), {  # type: ignore[misc]
+        "experts": type("Experts", (), {"lockstep": lockstep}), "attention": attention})
     at_exit: list[list[object]] = []  # what the connection had when the rank would exit
 
     def out_of_step() -> None:

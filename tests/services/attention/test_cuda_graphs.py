@@ -36,11 +36,11 @@ def test_graph_steps_generate_what_eager_steps_generate(ckpt: tuple) -> None:
     arrivals = {2 * i: [greedy(f"r{i}", p, 24)] for i, p in enumerate(prompts(3, lengths))}
     want = run_to_completion(eager, arrivals)
     assert run_to_completion(graphed, arrivals) == want
-    assert graphed.graphs is not None
-    assert sorted(graphed.graphs.graphs) == [(1, 64), (2, 64), (4, 64)]  # at start-up
-    assert set(graphed.graphs.replays) == {(1, 64), (2, 64), (4, 64)}  # each one used
+    assert graphed.runner.graphs is not None
+    assert sorted(graphed.runner.graphs.graphs) == [(1, 64), (2, 64), (4, 64)]  # at start-up
+    assert set(graphed.runner.graphs.replays) == {(1, 64), (2, 64), (4, 64)}  # each one used
     # padding rows are not routed tokens: the routing counts are the same
-    assert torch.equal(graphed.model.expert_load, eager.model.expert_load)
+    assert torch.equal(graphed.runner.model.expert_load, eager.runner.model.expert_load)
 
 
 def test_graph_forward_matches_the_model_row_for_row(qwen3_ckpt: tuple) -> None:
@@ -51,17 +51,17 @@ def test_graph_forward_matches_the_model_row_for_row(qwen3_ckpt: tuple) -> None:
     for i, p in enumerate(prompts(4, (7, 19, 12))):
         engine.add(greedy(f"r{i}", p, 4))
     engine.step()  # the prefills
-    batch = engine._batch(engine.scheduler.schedule())
-    assert engine.graphs is not None and engine.graphs.fits(batch)
-    want = engine.model.forward(batch, engine.kv, engine.experts)  # [3, H]
-    got = engine.graphs.forward(batch)
+    batch = engine.runner.batch(engine.scheduler.schedule())
+    assert engine.runner.graphs is not None and engine.runner.graphs.fits(batch)
+    want = engine.runner.model.forward(batch, engine.runner.kv, engine.runner.experts)  # [3, H]
+    got = engine.runner.graphs.forward(batch)
     assert got.shape == want.shape == (3, engine.model_config.hidden_size)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert engine.graphs.replays == {(4, 32): 1}
+    assert engine.runner.graphs.replays == {(4, 32): 1}
     # the scratch slot lies past every block the block manager hands out
     bm = engine.block_manager
-    assert engine.kv.k[0].shape[0] == (bm.num_blocks + 1) * bm.block_size
-    assert engine.graphs.scratch == bm.num_blocks * bm.block_size
+    assert engine.runner.kv.k[0].shape[0] == (bm.num_blocks + 1) * bm.block_size
+    assert engine.runner.graphs.scratch == bm.num_blocks * bm.block_size
 
 
 def test_what_a_graph_cannot_run_runs_eagerly(qwen3_ckpt: tuple) -> None:
@@ -73,18 +73,18 @@ def test_what_a_graph_cannot_run_runs_eagerly(qwen3_ckpt: tuple) -> None:
     ps = prompts(5, (5, 6, 20))
     for i, p in enumerate(ps):
         engine.add(greedy(f"r{i}", p, 2))
-    prefill = engine._batch(engine.scheduler.schedule())
-    assert prefill.prefills and not engine.graphs.fits(prefill)
+    prefill = engine.runner.batch(engine.scheduler.schedule())
+    assert prefill.prefills and not engine.runner.graphs.fits(prefill)
     engine.step()
-    decode = engine._batch(engine.scheduler.schedule())  # 3 sequences > 2, and 21 keys > 16
-    assert not decode.prefills and not engine.graphs.fits(decode)
+    decode = engine.runner.batch(engine.scheduler.schedule())  # 3 sequences > 2, and 21 keys > 16
+    assert not decode.prefills and not engine.runner.graphs.fits(decode)
 
     arrivals = {0: [greedy(f"r{i}", p, 6) for i, p in enumerate(ps)]}
     graphed = build_engine(config(path, cuda_graph_max_batch=2, cuda_graph_max_len=16),
                      graph_capture=eager_capture)
     assert run_to_completion(graphed, arrivals) == run_to_completion(build_engine(config(path)),
                                                                      arrivals)
-    assert graphed.graphs is not None and graphed.graphs.replays == {}
+    assert graphed.runner.graphs is not None and graphed.runner.graphs.replays == {}
 
 
 def test_local_experts_on_device_counts_equal_the_host_path(qwen3_ckpt: tuple) -> None:
@@ -137,8 +137,9 @@ def test_sizes_round_up_to_powers_of_two() -> None:
 
 def test_graph_sizes_start_at_128_keys_largest_first(qwen3_ckpt: tuple) -> None:
     engine = build_engine(config(qwen3_ckpt[0]))
-    graphs = DecodeGraphs(engine.model, engine.kv, engine.experts, 0, max_batch=5,
-                          max_len=1000, device=torch.device("cpu"), capture=eager_capture)
+    runner = engine.runner
+    graphs = DecodeGraphs(runner.model, runner.kv, runner.experts, 0, max_batch=5, max_len=1000,
+                          device=torch.device("cpu"), capture=eager_capture)
     assert graphs.sizes() == [(b, k) for b in (8, 4, 2, 1) for k in (1024, 512, 256, 128)]
 
 

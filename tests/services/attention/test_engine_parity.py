@@ -67,7 +67,7 @@ def test_decode_steps_through_the_compiled_attention_block_are_the_same_bits(
     compiled_steps = 0
     for compiled in (True, False):
         engine = engine_for(path, max_num_batched_tokens=32)
-        model = engine.model
+        model = engine.runner.model
         model._own_cache = compiled  # False: the path a DCP group's ranks take
         if compiled:
             assert model._compiled_block(*_decode_probe(model)) is not None

@@ -67,7 +67,7 @@ def test_kv_budget_sets_block_count(qwen3_ckpt: tuple) -> None:
     per_block = (2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 8
                  * engine.dtype.itemsize)
     assert engine.block_manager.num_blocks == (1 << 20) // per_block
-    held = sum(t.nbytes for t in engine.kv.k + engine.kv.v)
+    held = sum(t.nbytes for t in engine.runner.kv.k + engine.runner.kv.v)
     assert held == engine.block_manager.num_blocks * per_block
 
 

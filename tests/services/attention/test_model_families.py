@@ -66,8 +66,8 @@ def test_mla_cache_rows_are_transformers_latent_and_rotary_key(
     mla = engine.model_config.mla
     assert mla is not None
     for layer in range(engine.model_config.num_layers):
-        assert engine.kv.v[layer] is engine.kv.k[layer]
-        rows = engine.kv.k[layer][slots]  # [L, 1, kv_lora + rope]
+        assert engine.runner.kv.v[layer] is engine.runner.kv.k[layer]
+        rows = engine.runner.kv.k[layer][slots]  # [L, 1, kv_lora + rope]
         assert rows.shape == (len(prompt), 1, mla.kv_lora_rank + mla.qk_rope_head_dim)
         latent, k_pe = cache.layers[layer].keys[0, 0], cache.layers[layer].values[0, 0]
         assert (rows[:, 0, : mla.kv_lora_rank] - latent).abs().max() < 1e-5
@@ -88,6 +88,6 @@ def test_mla_cache_bytes_per_token_against_the_same_model_with_mha(
     per_block = kv_bytes_per_block(engine.model_config, 16, torch.float32)
     assert per_block == 16 * mla_token
     assert engine.block_manager.num_blocks == (1 << 20) // per_block
-    held = sum(t.nbytes for t in engine.kv.k)  # (v is k)
+    held = sum(t.nbytes for t in engine.runner.kv.k)  # (v is k)
     assert held == engine.block_manager.num_blocks * per_block
     assert mha_token > 4 * mla_token  # this tiny model: 48 floats against 4 x (32 + 24)

@@ -247,7 +247,7 @@ def test_preempted_requests_find_their_own_blocks_again(qwen3_ckpt: tuple,
     path, model = qwen3_ckpt
     ps = prompts(seed=63, lengths=(20, 17, 25, 14))
     probe = engine_for(path, block_size=4)
-    per_block = (probe.kv.k[0][0].numel() * 2 * probe.model_config.num_layers * 4
+    per_block = (probe.runner.kv.k[0][0].numel() * 2 * probe.model_config.num_layers * 4
                  * probe.dtype.itemsize)
     engine = engine_for(path, block_size=4, kv_cache_memory=per_block * 24,
                         max_num_batched_tokens=16)

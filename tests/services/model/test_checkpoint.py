@@ -186,7 +186,7 @@ def test_missing_shard_named(mixtral_ckpt: tuple, tmp_path: Path) -> None:
 def test_bfloat16_dtype_loads(qwen3_ckpt: tuple) -> None:
     engine = build_engine(AttentionConfig(model=qwen3_ckpt[0], dtype="bfloat16",
                                     kv_cache_memory=1 << 20))
-    assert engine.model.embed.dtype == torch.bfloat16
+    assert engine.runner.model.embed.dtype == torch.bfloat16
     logits = engine.score([1, 2, 3])
     with torch.no_grad():
         ref = qwen3_ckpt[1](torch.tensor([[1, 2, 3]])).logits[0]

@@ -1,0 +1,160 @@
+"""The part of an attention service that runs the model over a scheduled step: its
+inputs on the device, one batch or a pipeline of micro-batches, CUDA graphs where they
+fit, the expert seam's step protocol, and the logits (nano-vllm's and SGLang's
+`ModelRunner`). The engine (`engine.py`) keeps the requests: what to schedule, what to
+sample, when a sequence ends."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+import torch
+from prometheus_client import Counter
+
+from common import tracing
+from dcp.batch import StepBatch
+from dcp.strategy import SingleRank
+from ep_dispatch.base import ExpertsClient, Movable, Pipelined
+from ep_dispatch.placement import Placement
+from services.attention.batch import plan_step
+from services.attention.config import AttentionConfig
+from services.attention.graphs import DecodeGraphs
+from services.attention.kv_cache import KVCache
+from services.attention.micro_batches import MicroBatchTuner, micro_batch_count, split
+from services.attention.model import DenseModel
+from services.attention.scheduler import ScheduledSeq
+from services.attention.timeline import StepTimeline
+from services.attention.tracing import step_span
+from services.attention.warmup import warmup_routing
+from services.model.config import ModelConfig
+
+# Over engine_step_seconds_count: the mean micro-batches a step, so 1 where none pipelines.
+_MICRO_BATCHES = Counter("switchyard:micro_batches", "Micro-batches the engine's forward "
+                         "passes ran as (one per step that is not pipelined).")
+
+
+@dataclass(frozen=True)
+class Forward:
+    """A step's forward: hidden states [T, H] (float, the model's dtype) of every
+    scheduled token in order, and the rows of them that sample [S] (int64)."""
+
+    hidden: torch.Tensor
+    logits_rows: torch.Tensor
+
+
+class ModelRunner:
+    """Runs `model` over the KV cache `kv`, its MoE layers through `experts`, its
+    attention spread by `attention` (one rank, or a DCP group this rank leads), decode
+    steps replayed from `graphs` where captured.
+
+    `warmup_replicas`: the most replicas of one expert, which a warm-up's forced routing
+    covers (it changes when a rebalance switches the placement).
+    """
+
+    def __init__(self, config: AttentionConfig, model_config: ModelConfig, device: str,
+                 model: DenseModel, kv: KVCache, experts: ExpertsClient,
+                 attention: SingleRank, graphs: DecodeGraphs | None,
+                 warmup_replicas: int) -> None:
+        self.config, self.model_config, self.device = config, model_config, device
+        self.model, self.kv, self.experts = model, kv, experts
+        self.attention, self.graphs = attention, graphs
+        self.warmup_replicas = warmup_replicas
+        self.tuner = MicroBatchTuner(torch.device(device).type,
+                                     len(model_config.moe_layer_ids))
+        self.last_timeline: StepTimeline | None = None  # the last pipelined step's
+
+    def close(self) -> None:
+        """Leave the experts and the DCP group."""
+        self.experts.close()
+        self.attention.close()
+
+    def run(self, scheduled: list[ScheduledSeq]) -> Forward | None:
+        """The forward pass of a step (empty: this rank joins the others' exchanges, a
+        lockstep backend's idle step); None where it ran nothing."""
+        count = self._micro_batches(scheduled)
+        groups = split(scheduled, count) if scheduled else []
+        tokens = sum(item.num_new_tokens for item in scheduled)
+        # a lockstep backend's ranks agree on the step's rounds: the most micro-batches
+        if not self.experts.begin_step(tokens, max(1, len(groups))):
+            return None
+        if not scheduled:  # others have work: join their exchanges with zero rows
+            self.experts.idle_step()
+            return None
+        start = time.monotonic()
+        with step_span(scheduled):
+            forward = self._forward(scheduled, groups)
+            self.tuner.observe(count, tokens, len(scheduled), time.monotonic() - start)
+        self.model.publish_load()  # for stats(), which must not wait on the device
+        return forward
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [N, V] of hidden states [N, H]."""
+        return self.model.logits(hidden)
+
+    def score(self, scheduled: ScheduledSeq) -> torch.Tensor:
+        """Float32 logits [n, V] at every new position of one sequence's chunk (prompt
+        scoring), in one batch."""
+        self.experts.begin_step(scheduled.num_new_tokens)
+        batch = self.batch([scheduled], all_logits=True)
+        return self.logits(self.model.forward(batch, self.kv, self.experts))
+
+    def batch(self, scheduled: list[ScheduledSeq], all_logits: bool = False) -> StepBatch:
+        """The step's inputs, on the device (a DCP leader's peers get the plan first)."""
+        batch = self.attention.batch(*plan_step(scheduled, all_logits))
+        if any(item.seq.warmup for item in scheduled):
+            batch = replace(batch, forced_routing=warmup_routing(
+                scheduled, self.model_config, self.warmup_replicas))
+        return batch.to(self.device)
+
+    def movable(self) -> Movable:
+        """The experts client, where its experts move while serving (else ValueError)."""
+        if not isinstance(self.experts, Movable):
+            raise ValueError(f"moving experts while serving needs the rpc dispatch backend, "
+                             f"not {self.config.dispatch_backend}")
+        return self.experts
+
+    def switch_placement(self, version: int) -> Placement:
+        """Lay the calls out by prepared placement `version` from the next step on."""
+        placement = self.movable().switch(version)
+        self.warmup_replicas = placement.max_replicas
+        return placement
+
+    def _forward(self, scheduled: list[ScheduledSeq], groups: list[list[ScheduledSeq]]
+                 ) -> Forward:
+        """In one batch, or as a pipeline of the micro-batches `groups`
+        (`micro_batches.split`) where the experts' backend overlaps its exchanges with
+        this rank's computation (its timeline kept as `last_timeline`, and drawn in the
+        step's span)."""
+        _MICRO_BATCHES.inc(len(groups))
+        if len(groups) == 1:
+            batch = self.batch(scheduled)
+            if self.graphs and batch.forced_routing is None and self.graphs.fits(batch):
+                return Forward(self.graphs.forward(batch), batch.logits_rows)
+            return Forward(self.model.forward(batch, self.kv, self.experts),
+                           batch.logits_rows)
+        batches = [b.to(self.device) for b in self.attention.batches(
+            [plan_step(g) for g in groups])]  # (a DCP group's peers get one plan)
+        assert isinstance(self.experts, Pipelined)  # (`_micro_batches` split it)
+        self.last_timeline = StepTimeline()
+        hidden = self.model.forward_pipelined(batches, self.kv, self.experts.start,
+                                              self.last_timeline)
+        if tracing.detailed():
+            self.last_timeline.draw()
+        rows = torch.tensor(plan_step(scheduled)[1], dtype=torch.int64, device=self.device)
+        return Forward(torch.cat(hidden), rows)
+
+    def _micro_batches(self, scheduled: list[ScheduledSeq]) -> int:
+        """How many micro-batches this step asks for: `--micro-batches` where the backend
+        overlaps (`rpc`, `torch` over torch.distributed; a DCP group's peers run the
+        leader's split) and no warm-up forces its routing, `auto` measured by the tuner;
+        else 1."""
+        experts = self.experts
+        overlaps = isinstance(experts, Pipelined) and experts.overlaps \
+            and not any(item.seq.warmup for item in scheduled)
+        count = micro_batch_count(self.config.micro_batches, overlaps)
+        if count is not None or not scheduled:
+            return count or 1
+        assert isinstance(experts, Pipelined)  # (it overlaps)
+        return self.tuner.choose(sum(item.num_new_tokens for item in scheduled),
+                                 len(scheduled), experts.round_trip_s())

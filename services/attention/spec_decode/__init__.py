@@ -1,0 +1,2 @@
+"""Speculative decoding: drafts (`ngram`), and their verification by the target model's
+probabilities (`rejection`)."""

@@ -1,0 +1,122 @@
+"""Speculative decoding's parts: n-gram drafts, and verification by rejection sampling
+(the emitted tokens follow the target distribution, checked by a chi-square test)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.attention.spec_decode.ngram import propose
+from services.attention.spec_decode.rejection import verify
+
+# chi-square's 99.9% quantile with 4 degrees of freedom (a vocabulary of 5)
+CHI2_4_999 = 18.467
+DRAWS = 20_000
+
+
+@pytest.mark.parametrize(("tokens", "k", "want"), [
+    ([1, 2, 3, 9, 1, 2, 3], 2, [9, 1]),  # "1 2 3" recurs: what followed it
+    ([1, 2, 3, 9, 1, 2, 3], 5, [9, 1, 2, 3]),  # up to the end of the sequence
+    ([5, 1, 2, 7, 7, 1, 2, 8, 1, 2], 2, [8, 1]),  # the latest earlier occurrence
+    ([4, 5, 6, 7], 3, []),  # nothing recurs
+    ([1, 2, 1], 3, [2, 1]),  # the 1-gram "1"
+])
+def test_prompt_lookup(tokens: list[int], k: int, want: list[int]) -> None:
+    assert propose(tokens, k, min_n=1, max_n=3) == want
+
+
+def test_prompt_lookup_prefers_the_longest_match() -> None:
+    """"3" alone last recurs before 8, but "2 3" only before 9: the longer match wins;
+    with min_n above the recurring length, nothing is proposed."""
+    tokens = [2, 3, 9, 0, 3, 8, 2, 3]
+    assert propose(tokens, 1, min_n=1, max_n=2) == [9]
+    assert propose(tokens, 1, min_n=1, max_n=1) == [8]
+    assert propose(tokens, 1, min_n=3, max_n=4) == []
+
+
+def test_greedy_accepts_exactly_the_argmax() -> None:
+    target = torch.eye(5)[[2, 4, 1, 0]]  # [k + 1 = 4, V]: argmax 2, 4, 1, then 0
+    assert verify(target, [2, 4, 1], None, greedy=True) == [2, 4, 1, 0]  # bonus 0
+    assert verify(target, [2, 3, 1], None, greedy=True) == [2, 4]  # recovered at 2nd
+    assert verify(target, [0, 4, 1], None, greedy=True) == [2]
+
+
+# the target's distribution at positions 0, 1, 2 (mod 3) of a vocabulary of 5; it does
+# not depend on earlier tokens, so every emitted token must follow its position's row
+TARGET = torch.tensor([[0.50, 0.25, 0.15, 0.07, 0.03],
+                       [0.05, 0.05, 0.10, 0.30, 0.50],
+                       [0.20, 0.20, 0.20, 0.20, 0.20]])
+
+
+def _drafter(kind: str) -> torch.Tensor | None:
+    """The drafter's distribution at positions 0, 1, 2 (mod 3), [3, 5]; None: certain
+    drafts of each position's least likely target token (as n-gram lookup proposes)."""
+    if kind == "uniform":
+        return torch.full((3, 5), 0.2)
+    if kind == "adversarial":  # its mass where the target's is least
+        weights = TARGET.reciprocal().pow(4)
+        return weights / weights.sum(-1, keepdim=True)
+    if kind == "exact":
+        return TARGET.clone()
+    return None
+
+
+def _emitted(kind: str, k: int, draws: int, seed: int = 0,
+             check: object = verify) -> torch.Tensor:
+    """Counts [3, 5] of the tokens a speculating sequence emits at each position class,
+    drafting `k` tokens a step from `_drafter(kind)`, until every class has `draws`."""
+    g = torch.Generator().manual_seed(seed)
+    q = _drafter(kind)
+    counts = torch.zeros(3, 5)
+    pos = 0
+    while counts.sum(-1).min() < draws:
+        rows = [(pos + i) % 3 for i in range(k + 1)]
+        if q is None:
+            drafts = [int(TARGET[r].argmin()) for r in rows[:k]]
+            draft_probs = None
+        else:
+            draft_probs = q[rows[:k]]  # [k, V]
+            drafts = [int(torch.multinomial(p, 1, generator=g)) for p in draft_probs]
+        out = check(TARGET[rows], drafts, draft_probs, False, g)  # type: ignore[operator]
+        for i, token in enumerate(out):
+            counts[(pos + i) % 3, token] += 1
+        pos += len(out)
+    return counts
+
+
+def _chi2(counts: torch.Tensor) -> list[float]:
+    """Pearson's statistic of each position class's counts [5] against TARGET's row."""
+    expected = TARGET * counts.sum(-1, keepdim=True)
+    return ((counts - expected) ** 2 / expected).sum(-1).tolist()
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("kind", ["uniform", "adversarial", "exact", "one-hot"])
+def test_emitted_tokens_follow_the_target_distribution(kind: str, k: int) -> None:
+    """20,000 tokens at each of 3 positions (mod 3), drafts from the drafter's own
+    distribution, an adversarial one, the target itself, or certain least-likely tokens:
+    each position's tokens pass a chi-square test against its target row (99.9%)."""
+    assert max(_chi2(_emitted(kind, k, DRAWS))) < CHI2_4_999
+
+
+def test_a_broken_recovery_is_caught() -> None:
+    """The same test's power: recovering from the target p instead of norm(max(p - q, 0))
+    skews the emitted tokens (toward the drafts' rejected tokens) and fails it."""
+    def broken(target: torch.Tensor, drafts: list[int], q: torch.Tensor | None,
+               greedy: bool, g: torch.Generator) -> list[int]:
+        out = verify(target, drafts, q, greedy, g)
+        accepted = len(out) - 1
+        if accepted < len(drafts):  # rejected: draw from p instead
+            out[-1] = int(torch.multinomial(target[accepted], 1, generator=g))
+        return out
+
+    assert max(_chi2(_emitted("adversarial", 1, DRAWS, check=broken))) > CHI2_4_999
+    assert max(_chi2(_emitted("one-hot", 1, DRAWS, check=broken))) > CHI2_4_999
+
+
+def test_a_seeded_verification_draws_the_same_tokens() -> None:
+    q = _drafter("uniform")
+    drafts = [4, 0, 2]
+    runs = [[verify(TARGET[[0, 1, 2, 0]], drafts, q[[0, 1, 2]], False,
+                    torch.Generator().manual_seed(7)) for _ in range(3)] for _ in range(2)]
+    assert runs[0] == runs[1]
