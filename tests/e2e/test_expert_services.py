@@ -194,7 +194,7 @@ def test_one_micro_batch_computes_while_the_others_exchange_is_on_the_wire(
         stack.callback(solo.close)
         solo.add(greedy("solo", [1, 2, 3], 2))
         solo.step()
-        assert 0.2 <= solo.experts.round_trip_s() < 0.3
+        assert 0.2 <= solo.runner.experts.round_trip_s() < 0.3
 
 
 def test_auto_times_each_count_behind_a_long_wire(qwen3_ckpt: tuple,
