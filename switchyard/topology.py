@@ -203,8 +203,8 @@ def build(expert_services: int, dcp_size: int, attention_groups: int, device: st
 def resolve(arg: Arg, place: Place) -> str:
     """One argument as a rendering spells it for the member at `place`."""
     match arg:
-        case str():
-            return arg.format(model=place.model)
+        case str():  # (a flag's value, JSON's braces included, passes as it is)
+            return arg.replace("{model}", place.model)
         case Port(name):
             return place.port(name)
         case Index(of):

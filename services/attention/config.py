@@ -25,6 +25,7 @@ from common.units import parse_size
 from ep_dispatch.deepep_config import DeepEPSettings, add_deepep_flags, deepep_settings
 from ep_dispatch.registry import backend as dispatch_backend
 from services.attention.micro_batches import PIPELINE_MIN_TOKENS, WIRE_SHARE
+from services.attention.spec_decode.config import SpeculativeConfig, parse_speculative_config
 
 if TYPE_CHECKING:
     import torch
@@ -67,6 +68,7 @@ class AttentionConfig:
     cuda_graph_max_batch: int = 0  # decode steps of up to this many sequences replay graphs
     cuda_graph_max_len: int = 4096  # ... whose longest has up to this many keys
     micro_batches: str = "auto"  # auto, 1, 2 or 3: a step's ping-pong micro-batches
+    speculative: SpeculativeConfig | None = None  # --speculative-config
     secret: ClusterSecret = NO_SECRET  # what connections in and out prove (`common.auth`)
 
     @property
@@ -98,6 +100,16 @@ def parse_addresses(text: str) -> list[tuple[str, int]]:
     from common.rpc import parse_address
 
     return [parse_address(a) for a in text.split(",") if a.strip()]
+
+
+def _speculative(text: str) -> str:
+    """The flag's JSON, checked (argparse names the field that is wrong, at start-up)."""
+    try:
+        parse_speculative_config(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--speculative-config: ")) \
+            from None
+    return text
 
 
 def add_engine_flags(p: argparse.ArgumentParser, default_backend: str = "local"
@@ -133,6 +145,14 @@ def add_engine_flags(p: argparse.ArgumentParser, default_backend: str = "local"
         add("--cuda-graph-max-len", type=int, default=int(env("CUDA_GRAPH_MAX_LEN", "4096")),
             help="... when no sequence has more keys than this (longer steps run eagerly: a "
                  "graph attends over its whole padded length)"),
+        add("--speculative-config", type=_speculative, default=env("SPECULATIVE_CONFIG"),
+            help="speculative decoding, as a JSON object (vLLM's): "
+                 "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3, "
+                 "\"prompt_lookup_min\": 1, \"prompt_lookup_max\": 3}' drafts up to 3 "
+                 "tokens a step from the sequence's own earlier tokens; "
+                 "disable_by_batch_size: no drafts in steps of more sequences. Greedy "
+                 "requests without penalties, biases, grammars or logprobs speculate; the "
+                 "others decode as before"),
         add("--micro-batches", choices=["auto", "1", "2", "3"],
             default=env("MICRO_BATCHES", "auto"),
             help="split each step into this many micro-batches and pipeline them with the "
@@ -212,6 +232,7 @@ def from_args(args: argparse.Namespace) -> AttentionConfig:
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         dispatch_backend=args.dispatch_backend, num_threads=args.num_threads,
         micro_batches=args.micro_batches,
+        speculative=parse_speculative_config(args.speculative_config),
         expert_addresses=tuple(parse_addresses(getattr(args, "expert_addresses", None) or "")),
         placement=Path(args.placement) if args.placement else None,
         expert_replicas=args.expert_replicas,

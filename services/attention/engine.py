@@ -8,6 +8,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from itertools import accumulate
 
 import msgspec
 import torch
@@ -31,6 +32,7 @@ from services.attention.runner import ModelRunner
 from services.attention.sampler import sample, sampling_error, token_logprobs
 from services.attention.scheduler import ScheduledSeq, Scheduler
 from services.attention.sequence import Sequence
+from services.attention.spec_decode.speculator import Speculator
 from services.attention.tracing import trace_request
 from services.attention.warmup import warmup_prompt
 from services.model.config import ModelConfig
@@ -91,6 +93,8 @@ class Engine:
         self.num_steps = 0  # that ran sequences (a rebalance's window counts them)
         self._stepping = threading.Lock()  # held by a step; close() waits for it
         self._closed = False  # then a step (a worker thread that started late) does nothing
+        spec = parts.config.speculative
+        self.speculator = Speculator(spec, self.max_model_len) if spec else None
 
     def close(self, timeout: float = 30.0) -> None:
         """Leave the experts and the DCP group, once a step that another thread still runs
@@ -240,10 +244,13 @@ class Engine:
         with self._stepping:
             if self._closed:
                 return []
+            drafted = self.speculator.draft(self.scheduler.running) \
+                if self.speculator else {}
             scheduled = self.scheduler.schedule()
+            drafted = Speculator.settle(drafted, scheduled) if drafted else drafted
             start = time.perf_counter()
             try:
-                deltas = self._step(scheduled)
+                deltas = self._step(scheduled, drafted)
             except Exception as exc:
                 raise StepFailed(exc, [item.seq.request_id for item in scheduled]) from exc
             if scheduled:  # keyed by whether every sequence decoded one token
@@ -252,7 +259,9 @@ class Engine:
                     time.perf_counter() - start)
             return deltas
 
-    def _step(self, scheduled: list[ScheduledSeq]) -> list[TokenDelta]:
+    def _step(self, scheduled: list[ScheduledSeq], drafted: dict[Sequence, int]
+              ) -> list[TokenDelta]:
+        """`drafted`: the sequences whose last tokens this step are that many drafts."""
         now = time.monotonic()
         for item in scheduled:
             if item.seq.first_scheduled_time is None:
@@ -261,17 +270,45 @@ class Engine:
         if forward is None:
             return []
         self._score_prompts(scheduled, forward.hidden)
-        sampling = [s.seq for s in scheduled
-                    if s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens]
+        sampling, rows, first = [], [], 0  # and each one's rows of the step's tokens
         for item in scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.cache_computed(item.seq)
+            seq, n = item.seq, item.num_new_tokens
+            if seq.num_computed_tokens + n == seq.num_tokens:
+                sampling.append(seq)
+                rows.append(range(first + n - 1 - drafted.get(seq, 0), first + n))
+            first += n
+            # the drafts' KV counts once they are accepted (`_emit`)
+            seq.num_computed_tokens += n - drafted.get(seq, 0)
+            if seq not in drafted:
+                self.block_manager.cache_computed(seq)
         if not sampling:
             return []
-        sampled = sample(self.runner.logits(forward.hidden[forward.logits_rows]), sampling,
-                         self.model_config.eos_token_ids)
-        return [self._append(seq, token, logprobs) for seq, token, logprobs
-                in zip(sampling, sampled.tokens, sampled.logprobs, strict=True)]
+        logits = self.runner.logits(forward.hidden[[r for span in rows for r in span]])
+        plain = [i for i, seq in enumerate(sampling) if seq not in drafted]
+        firsts = list(accumulate((len(span) for span in rows), initial=0))
+        sampled = sample(logits[[firsts[i] for i in plain]], [sampling[i] for i in plain],
+                         self.model_config.eos_token_ids) if plain else None
+        deltas, j = [], 0
+        for i, seq in enumerate(sampling):
+            if seq in drafted:
+                k = drafted[seq]
+                emitted = Speculator.accept(seq, k, logits[firsts[i]:firsts[i] + k + 1])
+                deltas.append(self._emit(seq, emitted))
+            else:
+                assert sampled is not None
+                deltas.append(self._append(seq, [sampled.tokens[j]], sampled.logprobs[j]))
+                j += 1
+        return deltas
+
+    def _emit(self, seq: Sequence, emitted: list[int]) -> TokenDelta:
+        """A speculating sequence's verified tokens appended: the accepted drafts' KV now
+        counts as computed (it was computed for these very tokens)."""
+        self.block_manager.cache_computed(seq)  # (what it held before the drafts)
+        delta = self._append(seq, emitted, None)
+        if seq.finish_reason is None:  # (else its blocks are gone)
+            seq.num_computed_tokens += len(emitted) - 1
+            self.block_manager.cache_computed(seq)
+        return delta
 
     def _score_prompts(self, scheduled: list[ScheduledSeq], hidden: torch.Tensor) -> None:
         """Prompt logprobs: for each sequence that asks, the log-probability of every prompt
@@ -301,21 +338,29 @@ class Engine:
             for seq, entry in zip(owners[i:i + step], entries, strict=True):
                 seq.prompt_logprobs.append(entry)
 
-    def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> TokenDelta:
-        seq.token_ids.append(token)
+    def _append(self, seq: Sequence, tokens: list[int], logprobs: TokenLogprobs | None
+                ) -> TokenDelta:
+        """`tokens` appended to `seq` in turn, up to the first that ends it; their delta."""
+        first = seq.num_output_tokens == 0
         p = seq.sampling
-        if token in p.stop_token_ids or (token in self.model_config.eos_token_ids
-                                         and not p.ignore_eos):
-            seq.finish_reason = "stop"
-        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            seq.finish_reason = "length"
         error = None
-        if seq.matcher is not None and seq.finish_reason is None:
-            if not seq.matcher.consume_token(token):  # the grammar allowed no token left
-                seq.finish_reason = "error"  # (e.g. allowed_token_ids outside it)
-                error = f"structured outputs: {seq.matcher.get_error()}"
-            elif seq.matcher.is_stopped():  # complete
+        emitted = []
+        for token in tokens:
+            seq.token_ids.append(token)
+            emitted.append(token)
+            if token in p.stop_token_ids or (token in self.model_config.eos_token_ids
+                                             and not p.ignore_eos):
                 seq.finish_reason = "stop"
+            elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+                seq.finish_reason = "length"
+            if seq.matcher is not None and seq.finish_reason is None:
+                if not seq.matcher.consume_token(token):  # the grammar allowed no token left
+                    seq.finish_reason = "error"  # (e.g. allowed_token_ids outside it)
+                    error = f"structured outputs: {seq.matcher.get_error()}"
+                elif seq.matcher.is_stopped():  # complete
+                    seq.finish_reason = "stop"
+            if seq.finish_reason:
+                break
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
         if seq.finish_reason:
@@ -323,12 +368,11 @@ class Engine:
             del self._seqs[seq.request_id]
             trace_request(seq, seq.finish_reason)
         queue_s = prefill_s = None
-        first = seq.num_output_tokens == 1
         if first and seq.first_scheduled_time is not None:
             queue_s = seq.first_scheduled_time - seq.arrival_time
             prefill_s = time.monotonic() - seq.first_scheduled_time
         prompt = seq.prompt_logprobs if first and p.prompt_logprobs is not None else None
-        return TokenDelta(seq.request_id, [token], seq.finish_reason, seq.num_prompt_tokens,
+        return TokenDelta(seq.request_id, emitted, seq.finish_reason, seq.num_prompt_tokens,
                           error, logprobs=None if logprobs is None else [logprobs],
                           queue_time_s=queue_s, prefill_time_s=prefill_s,
                           prompt_logprobs=prompt,

@@ -485,6 +485,26 @@ def test_serve_topologies_match_transformers(request: pytest.FixtureRequest, fam
     assert all("expert rank" in e or "in-process" in e for e in experts)
 
 
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 3}'
+
+
+@pytest.mark.parametrize("flags", [
+    ["--expert-services", "3", "--micro-batches", "2"],  # rpc, the ping-pong pipeline
+    ["--dispatch-backend", "torch", "--expert-services", "2"],  # lockstep rounds
+    ["--dcp-size", "2", "--expert-services", "2"],  # drafts' KV over a DCP group's ranks
+])
+def test_speculation_keeps_transformers_greedy_tokens_served(qwen3_ckpt: tuple,
+                                                             flags: list[str]) -> None:
+    """`serve --speculative-config` with n-gram drafts of up to 3 tokens: transformers'
+    greedy tokens in each topology, and drafts accepted."""
+    path, model = qwen3_ckpt
+    ps = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [1, 2, 3, 1, 2, 3, 1], [40, 41, 17, 99, 3]]
+    got, _, samples = served_greedy(path, [*flags, "--speculative-config", NGRAM], ps,
+                                    max_tokens=24)
+    assert got == [reference_greedy(model, p, 24) for p in ps]
+    assert sum(samples["switchyard:spec_decode_num_accepted_tokens_total"].values()) > 0
+
+
 def test_torch_backend_across_processes(qwen3_ckpt: tuple) -> None:
     """This process is attention rank 0 of a gloo world with 3 expert-rank processes."""
     path, model = qwen3_ckpt

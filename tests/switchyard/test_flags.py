@@ -32,6 +32,8 @@ def _other_value(action: argparse.Action) -> str:
         return str((action.default or 0) + 1.5)
     if action.type is parse_size:
         return "3MiB"
+    if action.dest == "speculative_config":  # checked JSON
+        return '{"method": "ngram", "num_speculative_tokens": 2}'
     return f"{action.dest}-value"
 
 

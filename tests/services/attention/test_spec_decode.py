@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 import torch
 
@@ -120,3 +123,91 @@ def test_a_seeded_verification_draws_the_same_tokens() -> None:
     runs = [[verify(TARGET[[0, 1, 2, 0]], drafts, q[[0, 1, 2]], False,
                     torch.Generator().manual_seed(7)) for _ in range(3)] for _ in range(2)]
     assert runs[0] == runs[1]
+
+
+def _spec_engine(path: object, spec: str | None, **kw: object) -> object:
+    from services.attention.builder import build_engine
+    from services.attention.config import AttentionConfig
+    from services.attention.spec_decode.config import parse_speculative_config
+
+    return build_engine(AttentionConfig(model=path, speculative=parse_speculative_config(spec),
+                                        **{"kv_cache_memory": 1 << 24,  # type: ignore[arg-type]
+                                           "max_num_batched_tokens": 64, **kw}))
+
+
+def _accepted() -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("switchyard:spec_decode_num_accepted_tokens_total") or 0.0
+
+
+# prompts whose continuations repeat what came before, and one that does not
+SPEC_PROMPTS = ([5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7], [1, 2, 3, 1, 2, 3, 1, 2],
+                [40, 41, 17, 99, 3, 250, 12])
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_ngram_speculation_keeps_the_greedy_tokens(qwen3_ckpt: tuple, k: int) -> None:
+    """Greedy requests with n-gram drafts of up to k tokens: every request's tokens are
+    those without speculation, and drafts were accepted (it did speculate)."""
+    from tests.support.engines import greedy, run_to_completion
+
+    path = qwen3_ckpt[0]
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": k})
+    outputs, accepted = {}, 0.0
+    for setting in (None, spec):
+        engine = _spec_engine(path, setting)
+        before = _accepted()
+        try:
+            outputs[setting] = run_to_completion(engine, {  # type: ignore[arg-type]
+                0: [greedy("a", list(SPEC_PROMPTS[0]), 40), greedy("b", list(SPEC_PROMPTS[1]), 33)],
+                3: [greedy("c", list(SPEC_PROMPTS[2]), 25)]})
+        finally:
+            engine.close()  # type: ignore[attr-defined]
+        accepted = _accepted() - before
+    assert outputs[spec] == outputs[None]
+    assert accepted > 0
+
+
+def test_speculation_with_preemption_and_prefix_caching(qwen3_ckpt: tuple) -> None:
+    """A KV budget that preempts: drafts of a preempted sequence are taken back, its
+    recomputation finds its cached prefix, and the tokens stay those without drafts."""
+    from services.attention.kv_cache import kv_bytes_per_block
+    from services.model.config import ModelConfig
+    from tests.support.engines import greedy, run_to_completion
+
+    path = qwen3_ckpt[0]
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
+    outputs, preemptions = {}, {}
+    # 24 blocks of 4 tokens: the three sequences need about 45 at their longest
+    budget = 24 * kv_bytes_per_block(ModelConfig.from_dir(path), 4, torch.float32)
+    for setting in (None, spec):
+        engine = _spec_engine(path, setting, kv_cache_memory=budget, block_size=4,
+                              max_num_batched_tokens=32)
+        try:
+            outputs[setting] = run_to_completion(engine, {  # type: ignore[arg-type]
+                0: [greedy(f"r{i}", list(p) * 2, 40) for i, p in enumerate(SPEC_PROMPTS)]})
+            preemptions[setting] = engine.scheduler.num_preemptions  # type: ignore[attr-defined]
+        finally:
+            engine.close()  # type: ignore[attr-defined]
+    assert preemptions[spec] > 0
+    assert outputs[spec] == outputs[None]
+
+
+@pytest.mark.parametrize(("text", "error"), [
+    ('{"method": "mtp", "num_speculative_tokens": 1}', "method must be one of ['ngram']"),
+    ('{"method": "ngram"}', "num_speculative_tokens is required"),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be"),
+    ('{"method": "ngram", "num_speculative_tokens": 9}', "at most 8"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4}',
+     "prompt_lookup_max must be at least prompt_lookup_min"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "k": 1}', "unknown field 'k'"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}',
+     "disable_by_batch_size must be"),
+    ("[1]", "must be a JSON object"), ("{", "is not JSON"),
+])
+def test_a_bad_speculative_config_names_its_field(text: str, error: str) -> None:
+    from services.attention.spec_decode.config import parse_speculative_config
+
+    with pytest.raises(ValueError, match=re.escape(error)):
+        parse_speculative_config(text)

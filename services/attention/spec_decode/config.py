@@ -1,0 +1,70 @@
+"""`--speculative-config`, in vLLM's form: a JSON object, checked at start-up with errors
+that name the field.
+
+    --speculative-config '{"method": "ngram", "num_speculative_tokens": 3,
+                           "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+METHODS = ("ngram",)  # MTP drafts (DeepSeek's layer) are not built yet
+MAX_SPECULATIVE_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """method: where drafts come from ("ngram": the sequence's own tokens).
+    num_speculative_tokens: the most drafts a sequence takes a step (k).
+    prompt_lookup_min, prompt_lookup_max: the n-gram lengths tried, longest first.
+    disable_by_batch_size: a step with more running sequences than this does not
+        speculate (None: never disabled)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
+    disable_by_batch_size: int | None = None
+
+
+def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
+    """The flag's JSON (None or empty: no speculation). Raises ValueError naming the
+    field that is wrong."""
+    if not text:
+        return None
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--speculative-config is not JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ValueError("--speculative-config must be a JSON object")
+    known = set(SpeculativeConfig.__dataclass_fields__)
+    if unknown := sorted(set(raw) - known):
+        raise ValueError(f"--speculative-config: unknown field {unknown[0]!r} (known: "
+                         f"{', '.join(sorted(known))})")
+    method = raw.get("method")
+    if method not in METHODS:
+        raise ValueError(f"--speculative-config: method must be one of {list(METHODS)}, "
+                         f"not {method!r}")
+    if "num_speculative_tokens" not in raw:
+        raise ValueError("--speculative-config: num_speculative_tokens is required")
+    config = SpeculativeConfig(**raw)
+    for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"--speculative-config: {name} must be a whole number, at "
+                             f"least 1, not {value!r}")
+    if config.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+        raise ValueError(f"--speculative-config: num_speculative_tokens must be at most "
+                         f"{MAX_SPECULATIVE_TOKENS}")
+    if config.prompt_lookup_max < config.prompt_lookup_min:
+        raise ValueError("--speculative-config: prompt_lookup_max must be at least "
+                         "prompt_lookup_min")
+    limit = config.disable_by_batch_size
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool)
+                              or limit < 1):
+        raise ValueError(f"--speculative-config: disable_by_batch_size must be a whole "
+                         f"number, at least 1, not {limit!r}")
+    return config
