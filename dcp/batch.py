@@ -11,6 +11,11 @@ import torch
 from common.messages import DcpSeqPlan
 from dcp.sharding import Sharding
 
+# A chunk of at most this many tokens of a sequence whose KV is there already (its last
+# token and up to 8 speculative drafts) is attended as that many decode rows: the decode
+# path's batched kernels instead of one prefill slice a sequence.
+DECODE_ROWS_MAX = 9
+
 
 @dataclass(frozen=True)
 class PrefillSlice:
@@ -26,8 +31,9 @@ class PrefillSlice:
 class StepBatch:
     """Inputs of one step: T new tokens of B sequences, flattened.
 
-    Sequences with a single new token (decodes) are attended as one padded batch; longer
-    chunks (prefills) one by one.
+    Sequences with a single new token (decodes), and the short chunks of speculation's
+    verify steps (`DECODE_ROWS_MAX`, a row each), are attended as one padded batch;
+    longer chunks (prefills) one by one.
     """
 
     input_ids: torch.Tensor  # [T] int64
@@ -118,6 +124,11 @@ def build_rank_batch(seqs: list[DcpSeqPlan], rank: int, sharding: Sharding, bloc
         if n == 1:
             decode_rows.append(row)
             decode_keys.append((key_slots, key_pos))
+        elif start > 0 and n <= DECODE_ROWS_MAX:  # a verify step's chunk: its rows as
+            for i in range(n):  # decodes, each over the keys up to its own position
+                decode_rows.append(row + i)
+                held = key_pos <= start + i
+                decode_keys.append((key_slots[held], key_pos[held]))
         else:
             mask = window_ok(pos[:, None], key_pos[None, :], sliding_window)  # [n, L_r]
             prefills.append(PrefillSlice(row, n, key_slots, mask))

@@ -292,19 +292,23 @@ class Engine:
         for i, seq in enumerate(sampling):
             if seq in drafted:
                 k = drafted[seq]
-                emitted = Speculator.accept(seq, k, logits[firsts[i]:firsts[i] + k + 1])
-                deltas.append(self._emit(seq, emitted))
+                emitted, logprobs = Speculator.accept(seq, k,
+                                                      logits[firsts[i]:firsts[i] + k + 1])
+                deltas.append(self._emit(seq, emitted, logprobs))
             else:
                 assert sampled is not None
-                deltas.append(self._append(seq, [sampled.tokens[j]], sampled.logprobs[j]))
+                entry = sampled.logprobs[j]
+                deltas.append(self._append(seq, [sampled.tokens[j]],
+                                           None if entry is None else [entry]))
                 j += 1
         return deltas
 
-    def _emit(self, seq: Sequence, emitted: list[int]) -> TokenDelta:
+    def _emit(self, seq: Sequence, emitted: list[int],
+              logprobs: list[TokenLogprobs] | None) -> TokenDelta:
         """A speculating sequence's verified tokens appended: the accepted drafts' KV now
         counts as computed (it was computed for these very tokens)."""
         self.block_manager.cache_computed(seq)  # (what it held before the drafts)
-        delta = self._append(seq, emitted, None)
+        delta = self._append(seq, emitted, logprobs)
         if seq.finish_reason is None:  # (else its blocks are gone)
             seq.num_computed_tokens += len(emitted) - 1
             self.block_manager.cache_computed(seq)
@@ -338,9 +342,10 @@ class Engine:
             for seq, entry in zip(owners[i:i + step], entries, strict=True):
                 seq.prompt_logprobs.append(entry)
 
-    def _append(self, seq: Sequence, tokens: list[int], logprobs: TokenLogprobs | None
-                ) -> TokenDelta:
-        """`tokens` appended to `seq` in turn, up to the first that ends it; their delta."""
+    def _append(self, seq: Sequence, tokens: list[int],
+                logprobs: list[TokenLogprobs] | None) -> TokenDelta:
+        """`tokens` appended to `seq` in turn, up to the first that ends it; their delta
+        (with `logprobs`, one entry per token, where asked)."""
         first = seq.num_output_tokens == 0
         p = seq.sampling
         error = None
@@ -373,7 +378,8 @@ class Engine:
             prefill_s = time.monotonic() - seq.first_scheduled_time
         prompt = seq.prompt_logprobs if first and p.prompt_logprobs is not None else None
         return TokenDelta(seq.request_id, emitted, seq.finish_reason, seq.num_prompt_tokens,
-                          error, logprobs=None if logprobs is None else [logprobs],
+                          error, logprobs=None if logprobs is None
+                          else logprobs[:len(emitted)],
                           queue_time_s=queue_s, prefill_time_s=prefill_s,
                           prompt_logprobs=prompt,
                           num_cached_tokens=seq.num_cached_tokens if first else None)

@@ -74,19 +74,27 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: tuple[int,
     tokens = logits.argmax(dim=-1)  # [S]
     greedy = [p.temperature < GREEDY_BELOW for p in params]
     if not all(greedy):
-        temps = torch.tensor([max(p.temperature, GREEDY_BELOW) for p in params],
-                             dtype=logits.dtype, device=logits.device)
-        probs = filtered_probs(_finite(logits / temps[:, None]), params)  # [S, V]
-        # Extreme parameters must cost their own request its randomness, never the batch.
-        broken = ~(probs.isfinite().all(dim=-1) & (probs.sum(dim=-1) > 0))
-        if broken.any():
-            probs[broken] = torch.nn.functional.one_hot(tokens[broken], probs.shape[-1]).to(
-                probs.dtype)
+        probs = sampling_probs(logits, params)  # [S, V]
         for i, seq in enumerate(seqs):
             if not greedy[i]:
                 tokens[i] = torch.multinomial(probs[i], 1, generator=seq.next_draw())[0]
     chosen = tokens.tolist()
     return Sampled(chosen, _logprobs(raw, params, chosen))
+
+
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each row samples from: logits [S, V] (float32, biases, penalties
+    and masks applied) at row i's temperature, top-k, top-p and min-p; [S, V]. A row that
+    extreme parameters break (no finite mass) is its argmax's one-hot: it costs its own
+    request its randomness, never the batch."""
+    temps = torch.tensor([max(p.temperature, GREEDY_BELOW) for p in params],
+                         dtype=logits.dtype, device=logits.device)
+    probs = filtered_probs(_finite(logits / temps[:, None]), params)  # [S, V]
+    broken = ~(probs.isfinite().all(dim=-1) & (probs.sum(dim=-1) > 0))
+    if broken.any():
+        probs[broken] = torch.nn.functional.one_hot(logits[broken].argmax(dim=-1),
+                                                    probs.shape[-1]).to(probs.dtype)
+    return probs
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

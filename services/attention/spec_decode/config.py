@@ -12,6 +12,11 @@ from dataclasses import dataclass
 
 METHODS = ("ngram",)  # MTP drafts (DeepSeek's layer) are not built yet
 MAX_SPECULATIVE_TOKENS = 8
+# Steps of more running sequences do not speculate by default: measured on 2 cores
+# (docs/benchmarks.md, "Speculative decoding"), a verify step of k = 1 costs 1.18x a
+# plain step at 1 sequence and about 1.3x from 16 on, k = 3 1.6x and 1.9-2.3x; a busy
+# server is bound by throughput, which drafts rejected at that price would cut.
+DISABLE_BY_BATCH_SIZE = 8
 
 
 @dataclass(frozen=True)
@@ -20,13 +25,13 @@ class SpeculativeConfig:
     num_speculative_tokens: the most drafts a sequence takes a step (k).
     prompt_lookup_min, prompt_lookup_max: the n-gram lengths tried, longest first.
     disable_by_batch_size: a step with more running sequences than this does not
-        speculate (None: never disabled)."""
+        speculate (`DISABLE_BY_BATCH_SIZE` unless given; null: never disabled)."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
-    disable_by_batch_size: int | None = None
+    disable_by_batch_size: int | None = DISABLE_BY_BATCH_SIZE
 
 
 def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:

@@ -4,17 +4,31 @@ edits, quotations, summaries repeat their source)."""
 
 from __future__ import annotations
 
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
 
 def propose(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[int]:
     """Up to `k` draft tokens for a sequence of `token_ids`: its longest suffix of `max_n`
     down to `min_n` tokens that occurred earlier, and the tokens that followed that
     suffix's latest earlier occurrence (the latest: the text nearest in place and topic);
-    none where no suffix recurs."""
+    none where no suffix recurs. One vectorised pass a length (a Python scan of a long
+    sequence cost more than the step it drafts for)."""
     length = len(token_ids)
+    if length < 2:
+        return []
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    # where the last token occurred before: every longer match starts at one of these
+    ends = np.flatnonzero(tokens[:-1] == tokens[-1])  # [M] positions of earlier matches
     for n in range(min(max_n, length - 1), min_n - 1, -1):
-        suffix = token_ids[length - n:]
-        # an occurrence starting at j < length - n, latest first
-        for j in range(length - n - 1, -1, -1):
-            if token_ids[j:j + n] == suffix:
-                return token_ids[j + n:j + n + k]
+        starts = ends - (n - 1)
+        starts = starts[starts >= 0]
+        if not starts.size:
+            continue
+        # windows of n tokens at each candidate start, against the suffix: [M, n]
+        windows = sliding_window_view(tokens[:-1], n)[starts]
+        hits = starts[(windows == tokens[length - n:]).all(axis=1)]
+        if hits.size:
+            after = int(hits[-1]) + n
+            return token_ids[after:after + k]
     return []

@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 from prometheus_client import Counter
 
-from services.attention.sampler import GREEDY_BELOW
+from common.messages import TokenLogprobs
+from services.attention.sampler import GREEDY_BELOW, sampling_probs, token_logprobs
 from services.attention.scheduler import ScheduledSeq
 from services.attention.sequence import Sequence
 from services.attention.spec_decode.config import SpeculativeConfig
@@ -25,12 +26,12 @@ _ACCEPTED_AT = Counter("switchyard:spec_decode_num_accepted_tokens_per_pos",
 
 
 def speculates(seq: Sequence) -> bool:
-    """Whether `seq` may speculate: a greedy request whose next token depends on nothing
-    but the logits (no penalties, biases, grammar, min_tokens still due, logprobs), and
-    that is decoding (its last token the only one not computed)."""
+    """Whether `seq` may speculate: a request whose distribution at a position depends on
+    the logits there and its fixed sampling parameters only (no penalties, biases or
+    grammar, no min_tokens still due), and that is decoding (its last token the only one
+    not computed)."""
     p = seq.sampling
-    return (p.temperature < GREEDY_BELOW and not p.penalized and not p.biased
-            and seq.matcher is None and p.logprobs is None and not seq.warmup
+    return (not p.penalized and not p.biased and seq.matcher is None and not seq.warmup
             and len(seq.output_token_ids) >= p.min_tokens
             and seq.num_computed_tokens == seq.num_tokens - 1)
 
@@ -78,17 +79,28 @@ class Speculator:
         return kept
 
     @staticmethod
-    def accept(seq: Sequence, k: int, logits: torch.Tensor) -> list[int]:
+    def accept(seq: Sequence, k: int, logits: torch.Tensor
+               ) -> tuple[list[int], list[TokenLogprobs] | None]:
         """The tokens `seq` emits for its `k` drafts, given the target's logits [k + 1, V]
-        at the drafts' positions and the one after (the accepted drafts, then the target's
-        own token); the drafts are taken off `seq.token_ids`."""
+        (float32) at the drafts' positions and the one after: the accepted drafts, then a
+        recovered or bonus token (`rejection.verify` over its sampling distribution; a
+        seeded request draws from its generator as seeded for this step), with their
+        log-probabilities where asked. The drafts are taken off `seq.token_ids`."""
         drafts = seq.token_ids[len(seq.token_ids) - k:]
         del seq.token_ids[len(seq.token_ids) - k:]
-        emitted = verify(logits, drafts, None, greedy=True)
+        p = seq.sampling
+        if p.temperature < GREEDY_BELOW:
+            emitted = verify(logits, drafts, None, greedy=True)
+        else:
+            emitted = verify(sampling_probs(logits, [p] * (k + 1)), drafts, None,
+                             greedy=False, generator=seq.next_draw())
         accepted = len(emitted) - 1
         _DRAFTS.inc()
         _DRAFT_TOKENS.inc(k)
         _ACCEPTED.inc(accepted)
         for position in range(accepted):
             _ACCEPTED_AT.labels(str(position)).inc()
-        return emitted
+        if p.logprobs is None:
+            return emitted, None
+        return emitted, token_logprobs(logits[:len(emitted)], emitted,
+                                       [p.logprobs] * len(emitted))

@@ -194,6 +194,31 @@ def test_speculation_with_preemption_and_prefix_caching(qwen3_ckpt: tuple) -> No
     assert outputs[spec] == outputs[None]
 
 
+def test_no_drafts_above_the_batch_size_threshold() -> None:
+    """`disable_by_batch_size` (8 unless given; null: never): a step with more running
+    sequences than that drafts for none of them."""
+    from common.messages import SamplingParams
+    from services.attention.sequence import Sequence
+    from services.attention.spec_decode.config import parse_speculative_config
+    from services.attention.spec_decode.speculator import Speculator
+
+    def running(n: int) -> list[Sequence]:
+        seqs = [Sequence(f"s{i}", [1, 2, 3, 1, 2], 4, SamplingParams(max_tokens=9))
+                for i in range(n)]
+        for seq in seqs:
+            seq.num_computed_tokens = 4  # decoding
+        return seqs
+
+    default = Speculator(parse_speculative_config(  # type: ignore[arg-type]
+        '{"method": "ngram", "num_speculative_tokens": 2}'), 100)
+    assert len(default.draft(running(8))) == 8
+    assert default.draft(running(9)) == {}
+    never = Speculator(parse_speculative_config(  # type: ignore[arg-type]
+        '{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": null}'),
+        100)
+    assert len(never.draft(running(9))) == 9
+
+
 @pytest.mark.parametrize(("text", "error"), [
     ('{"method": "mtp", "num_speculative_tokens": 1}', "method must be one of ['ngram']"),
     ('{"method": "ngram"}', "num_speculative_tokens is required"),
@@ -211,3 +236,82 @@ def test_a_bad_speculative_config_names_its_field(text: str, error: str) -> None
 
     with pytest.raises(ValueError, match=re.escape(error)):
         parse_speculative_config(text)
+
+
+def test_the_engines_sampling_distribution_is_preserved() -> None:
+    """Through `Speculator.accept` (the engine's own sampling distribution: temperature 0.7
+    and top-p 0.9 over the logits, and a seeded request's generator): with 2 certain
+    drafts a step, each the position's least likely token, 20,000 tokens at each of 3
+    positions follow that distribution (chi-square, 99.9%)."""
+    from common.messages import SamplingParams
+    from services.attention.sampler import sampling_probs
+    from services.attention.sequence import Sequence
+    from services.attention.spec_decode.speculator import Speculator
+
+    logits = TARGET.log() * 1.3  # [3, V]
+    params = SamplingParams(max_tokens=10**6, temperature=0.7, top_p=0.9, seed=11)
+    want = sampling_probs(logits, [params] * 3)  # [3, V]; top-p drops some tokens
+    assert (want == 0).any()
+    seq = Sequence("s", [0], 1, params)
+    counts = torch.zeros(3, 5)
+    while counts.sum(-1).min() < DRAWS:
+        pos = seq.num_output_tokens
+        rows = [(pos + i) % 3 for i in range(3)]
+        drafts = [int(TARGET[r].argmin()) for r in rows[:2]]
+        seq.token_ids.extend(drafts)
+        emitted, _ = Speculator.accept(seq, 2, logits[rows])
+        for i, token in enumerate(emitted):
+            counts[(pos + i) % 3, token] += 1
+        seq.token_ids.extend(emitted)
+    expected = want * counts.sum(-1, keepdim=True)
+    assert counts[expected == 0].sum() == 0  # nothing top-p dropped is ever emitted
+    kept = expected > 0
+    stats = [((counts[r] - expected[r]) ** 2 / expected[r].clamp_min(1e-9))[kept[r]].sum()
+             for r in range(3)]
+    # chi-square's 99.9% quantile for the kept tokens' degrees of freedom (at most 4)
+    assert all(float(s) < CHI2_4_999 for s in stats), stats
+
+
+def test_a_seeded_sampled_request_speculates_the_same_tokens_every_run(
+        qwen3_ckpt: tuple) -> None:
+    """Temperature 1 with a seed, n-gram drafts on: two runs give the same tokens, and
+    each emitted token's logprob entry is there."""
+    from common.messages import GenerateRequest, SamplingParams
+    from tests.support.engines import run_to_completion
+
+    path = qwen3_ckpt[0]
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
+    runs = []
+    for _ in range(2):
+        engine = _spec_engine(path, spec)
+        deltas: list = []
+        try:
+            runs.append(run_to_completion(engine, {0: [GenerateRequest(  # type: ignore[arg-type]
+                "s", list(SPEC_PROMPTS[1]) * 3, SamplingParams(
+                    max_tokens=40, temperature=1.0, seed=3, logprobs=2, ignore_eos=True))]},
+                deltas.append))
+        finally:
+            engine.close()  # type: ignore[attr-defined]
+        assert all(len(d.logprobs or []) == len(d.token_ids) for d in deltas)
+    assert runs[0] == runs[1] and len(runs[0]["s"]) == 40
+
+
+def test_every_family_keeps_its_greedy_tokens_with_speculation(every_ckpt: tuple) -> None:
+    """Qwen3-MoE, Mixtral, Qwen2-MoE and the DeepSeek family (MLA's latent rows, dense
+    first layers, group routing): greedy tokens with n-gram drafts of up to 3 are those
+    without, and those are transformers'."""
+    from tests.support.engines import greedy, reference_greedy, run_to_completion
+
+    path, model = every_ckpt
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
+    outputs = {}
+    for setting in (None, spec):
+        engine = _spec_engine(path, setting)
+        try:
+            outputs[setting] = run_to_completion(engine, {  # type: ignore[arg-type]
+                0: [greedy(f"r{i}", list(p), 20) for i, p in enumerate(SPEC_PROMPTS)]})
+        finally:
+            engine.close()  # type: ignore[attr-defined]
+    assert outputs[spec] == outputs[None]
+    assert outputs[None] == {f"r{i}": reference_greedy(model, list(p), 20)
+                             for i, p in enumerate(SPEC_PROMPTS)}
