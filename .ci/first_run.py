@@ -17,6 +17,7 @@ usage: python3 .ci/first_run.py [--keep DIR]   (DIR: where the venvs go; default
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import selectors
@@ -152,7 +153,8 @@ def main() -> None:
               printed, True, env)
         check_imports(server_venv / "bin/python")
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):  # (serve may have exited already)
+            os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:

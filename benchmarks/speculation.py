@@ -83,12 +83,12 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workdir_flag(ap)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
-    ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 3])
+    ap.add_argument("--k", type=int, nargs="*", default=[1, 2, 3])
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     path = build_checkpoint(args.workdir)
-    ngram = '{"method": "ngram", "num_speculative_tokens": %d}'
+    ngram = '{"method": "ngram", "num_speculative_tokens": %d, "disable_by_batch_size": null}'
     configs = {"off": (None, 0), "n-gram lookup only": (ngram % 3, -1),
                **{f"verify, k={k}": (ngram % k, k) for k in args.k}}
     times: dict[tuple[str, int], list[float]] = {}

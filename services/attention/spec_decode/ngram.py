@@ -4,8 +4,7 @@ edits, quotations, summaries repeat their source)."""
 
 from __future__ import annotations
 
-import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
+import torch
 
 
 def propose(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[int]:
@@ -17,18 +16,17 @@ def propose(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[int]:
     length = len(token_ids)
     if length < 2:
         return []
-    tokens = np.asarray(token_ids, dtype=np.int64)
-    # where the last token occurred before: every longer match starts at one of these
-    ends = np.flatnonzero(tokens[:-1] == tokens[-1])  # [M] positions of earlier matches
+    tokens = torch.tensor(token_ids, dtype=torch.int64)  # [L]
+    # where the last token occurred before: every longer match ends at one of these
+    ends = (tokens[:-1] == tokens[-1]).nonzero().flatten()  # [M]
     for n in range(min(max_n, length - 1), min_n - 1, -1):
         starts = ends - (n - 1)
         starts = starts[starts >= 0]
-        if not starts.size:
+        if not starts.numel():
             continue
-        # windows of n tokens at each candidate start, against the suffix: [M, n]
-        windows = sliding_window_view(tokens[:-1], n)[starts]
-        hits = starts[(windows == tokens[length - n:]).all(axis=1)]
-        if hits.size:
+        windows = tokens[:-1].unfold(0, n, 1)[starts]  # [M', n]: n tokens from each start
+        hits = starts[(windows == tokens[length - n:]).all(dim=1)]
+        if hits.numel():
             after = int(hits[-1]) + n
             return token_ids[after:after + k]
     return []
