@@ -139,8 +139,8 @@ class GroupExperts(PointToPoint):
     def overlaps(self) -> bool:
         """The leader pipelines where its experts client does; a peer runs whatever split
         the leader's plan names."""
-        return isinstance(self.inner, Pipelined) and self.inner.overlaps if self.inner \
-            else True
+        return self.inner is None or (isinstance(self.inner, Pipelined)
+                                      and self.inner.overlaps)
 
     def round_trip_s(self) -> float | None:
         return self.inner.round_trip_s() if isinstance(self.inner, Pipelined) else None

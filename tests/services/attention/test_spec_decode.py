@@ -130,9 +130,9 @@ def _spec_engine(path: object, spec: str | None, **kw: object) -> object:
     from services.attention.config import AttentionConfig
     from services.attention.spec_decode.config import parse_speculative_config
 
+    settings = {"kv_cache_memory": 1 << 24, "max_num_batched_tokens": 64, **kw}
     return build_engine(AttentionConfig(model=path, speculative=parse_speculative_config(spec),
-                                        **{"kv_cache_memory": 1 << 24,  # type: ignore[arg-type]
-                                           "max_num_batched_tokens": 64, **kw}))
+                                        **settings))  # type: ignore[arg-type]
 
 
 def _accepted() -> float:
