@@ -57,6 +57,14 @@ for _name in FAMILIES:
     globals()[f"{_name}_ckpt"] = _family_fixture(_name)
 
 
+@pytest.fixture(scope="session")
+def deepseek_v3_mtp_ckpt(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object, object]:
+    """A random DeepSeek-V3 with a random MTP layer after its decoder's: (path, the
+    transformers model, the MTP module)."""
+    path = tmp_path_factory.mktemp("deepseek_v3_mtp")
+    return path, *checkpoints.build_with_mtp(checkpoints.deepseek_v3_config(), path, seed=3)
+
+
 @pytest.fixture(params=list(FAMILIES))
 def family_ckpt(request: pytest.FixtureRequest) -> tuple[Path, object]:
     return request.getfixturevalue(f"{request.param}_ckpt")

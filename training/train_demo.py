@@ -309,6 +309,16 @@ def evaluate(model: DeepseekV3ForCausalLM, mtp: nn.Module, enc: Encoder, seed: i
 
 
 def save(model: DeepseekV3ForCausalLM, mtp: nn.Module, enc: Encoder, out: Path) -> None:
+    save_mtp_checkpoint(model, mtp, out)
+    enc.tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>",
+        "eos_token": "<|end|>", "pad_token": "<|endoftext|>", "chat_template": CHAT_TEMPLATE,
+        "model_max_length": model.config.max_position_embeddings}, indent=2))
+
+
+def save_mtp_checkpoint(model: DeepseekV3ForCausalLM, mtp: nn.Module, out: Path) -> None:
+    """The model's weights with the MTP layer's as DeepSeek's checkpoints keep them."""
     out.mkdir(parents=True, exist_ok=True)
     with torch.no_grad():
         mtp.shared_head.head.weight.copy_(model.lm_head.weight)
@@ -321,11 +331,6 @@ def save(model: DeepseekV3ForCausalLM, mtp: nn.Module, enc: Encoder, out: Path) 
                  "embed_tokens"):
         assert f"model.layers.{n}.{name}.weight" in tensors, name
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    enc.tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>",
-        "eos_token": "<|end|>", "pad_token": "<|endoftext|>", "chat_template": CHAT_TEMPLATE,
-        "model_max_length": model.config.max_position_embeddings}, indent=2))
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int) -> float:

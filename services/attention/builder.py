@@ -35,6 +35,8 @@ from services.attention.kv_cache import KVCache, kv_bytes_per_block
 from services.attention.model import DenseModel
 from services.attention.runner import ModelRunner
 from services.attention.scheduler import Scheduler
+from services.attention.spec_decode.config import check_speculative
+from services.attention.spec_decode.mtp import load_mtp
 from services.model.checkpoint import Checkpoint
 from services.model.config import ModelConfig, check_quantization
 from services.model.experts import ExpertBank, all_experts
@@ -59,6 +61,9 @@ def build_engine(config: AttentionConfig, graph_capture: Capture | None = None) 
     cfg = ModelConfig.from_dir(config.model)
     quantization = check_quantization(cfg, config.quantization)
     dispatch = backend(config.dispatch_backend, device, quantization)
+    spec = config.speculative
+    check_speculative(spec, dispatch.collective, config.dcp_size)
+    drafts_mtp = spec is not None and spec.mtp
     if dispatch.deepep_settings:
         check_step_budget(config.deepep, config.max_num_batched_tokens)
     log.info("loading %s (%d layers, %d experts) as %s", cfg.architecture, cfg.num_layers,
@@ -66,15 +71,18 @@ def build_engine(config: AttentionConfig, graph_capture: Capture | None = None) 
     attention = _attention(config, cfg)
     with Checkpoint(config.model) as checkpoint:  # closed before waiting on any peer
         model = DenseModel(cfg, checkpoint, dtype, attention.attend, device)
-        _skip_mtp(cfg, checkpoint)
+        mtp = load_mtp(checkpoint, cfg, dtype, device) if drafts_mtp else None
+        if mtp is None:
+            _skip_mtp(cfg, checkpoint)
         # `local` is the only backend that holds the experts in-process
         bank = ExpertBank(cfg, checkpoint, all_experts(cfg), dtype, quantization or "none",
                           device=device) if dispatch.in_process else None
     experts = attention.experts(_experts_client(config, cfg, dtype, quantization, bank))
     graphed = config.cuda_graph_max_batch > 0
-    num_blocks = _num_blocks(config, cfg, dtype, graphed)
+    kv_layers = cfg.num_layers + int(drafts_mtp)  # (MTP's attention: a layer of its own)
+    num_blocks = _num_blocks(config, cfg, dtype, graphed, kv_layers)
     # With graphs, one more block: their scratch, never handed out.
-    kv = KVCache(cfg, num_blocks + int(graphed), config.block_size, dtype, device)
+    kv = KVCache(cfg, num_blocks + int(graphed), config.block_size, dtype, device, kv_layers)
     sharding = attention.sharding
     block_manager = BlockManager(num_blocks, config.block_size, sharding,
                                  config.enable_prefix_caching)
@@ -95,14 +103,15 @@ def build_engine(config: AttentionConfig, graph_capture: Capture | None = None) 
         runner=runner, block_manager=block_manager,
         scheduler=Scheduler(block_manager, config.max_num_batched_tokens, config.max_num_seqs),
         grammars=Grammars(Path(config.model), cfg.vocab_size, cfg.eos_token_ids),
-        max_model_len=max_model_len))
+        max_model_len=max_model_len, mtp=mtp))
 
 
 def _experts_client(config: AttentionConfig, cfg: ModelConfig, dtype: torch.dtype,
                     quantization: str | None, bank: ExpertBank | None) -> ExpertsClient:
     """The configured dispatch backend's client (`bank`: the in-process experts of
     `local`); each backend takes its own settings of those the flags give."""
-    seam = MoESeam(moe_layers=cfg.moe_layer_ids, num_experts=cfg.num_experts,
+    layers = cfg.served_moe_layers(backend(config.dispatch_backend).collective)
+    seam = MoESeam(moe_layers=layers, num_experts=cfg.num_experts,
                    hidden_size=cfg.hidden_size, top_k=cfg.top_k, dtype=dtype,
                    quantization=quantization, device=config.device,
                    placement_file=config.placement, replicas=config.expert_replicas)
@@ -120,27 +129,30 @@ def _max_replicas(config: AttentionConfig, cfg: ModelConfig) -> int:
     builds it)."""
     if config.placement is None:
         return config.expert_replicas
-    return Placement.load(config.placement, cfg.moe_layer_ids, cfg.num_experts).max_replicas
+    layers = cfg.served_moe_layers(backend(config.dispatch_backend).collective)
+    return Placement.load(config.placement, layers, cfg.num_experts).max_replicas
 
 
 def _skip_mtp(cfg: ModelConfig, checkpoint: Checkpoint) -> None:
     """DeepSeek's multi-token-prediction layers follow the decoder's in the checkpoint
-    (model.layers.{num_layers}.* on): they are for speculative decoding, not built yet,
-    so their weights stay unread; one log line says so."""
+    (model.layers.{num_layers}.* on): without MTP drafts (`--speculative-config`'s method
+    "mtp") their attention weights stay unread; one log line says so."""
     if not cfg.mtp_layers:
         return
     skipped = [name for name in checkpoint.names() if name.startswith("model.layers.")
                and int(name.split(".")[2]) >= cfg.num_layers]
     if skipped:
         log.info("skipping %d multi-token-prediction layer(s) of the checkpoint (%d tensors "
-                 "from model.layers.%d.*): speculative decoding is not built yet",
+                 "from model.layers.%d.*): they draft with --speculative-config's method mtp",
                  cfg.mtp_layers, len(skipped), cfg.num_layers)
 
 
 def _num_blocks(config: AttentionConfig, cfg: ModelConfig, dtype: torch.dtype,
-                graphs: bool) -> int:
-    """KV blocks the budget holds for sequences (with CUDA graphs, one fewer: theirs)."""
-    num_blocks = config.kv_cache_memory // kv_bytes_per_block(cfg, config.block_size, dtype)
+                graphs: bool, layers: int) -> int:
+    """KV blocks of `layers` layers the budget holds for sequences (with CUDA graphs, one
+    fewer: theirs)."""
+    num_blocks = config.kv_cache_memory // kv_bytes_per_block(cfg, config.block_size, dtype,
+                                                              layers)
     num_blocks -= int(graphs)
     if num_blocks < 1:
         raise ValueError(f"--kv-cache-memory {config.kv_cache_memory} holds no KV block of "

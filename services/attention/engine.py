@@ -7,7 +7,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import accumulate
 
 import msgspec
@@ -32,6 +32,7 @@ from services.attention.runner import ModelRunner
 from services.attention.sampler import sample, sampling_error, token_logprobs
 from services.attention.scheduler import ScheduledSeq, Scheduler
 from services.attention.sequence import Sequence
+from services.attention.spec_decode.mtp import MtpProposer, MtpWeights, Settled
 from services.attention.spec_decode.speculator import Speculator
 from services.attention.tracing import trace_request
 from services.attention.warmup import warmup_prompt
@@ -73,6 +74,7 @@ class EngineParts:
     scheduler: Scheduler
     grammars: Grammars
     max_model_len: int
+    mtp: MtpWeights | None = None  # the checkpoint's MTP layer, where it drafts
 
 
 class Engine:
@@ -93,8 +95,10 @@ class Engine:
         self.num_steps = 0  # that ran sequences (a rebalance's window counts them)
         self._stepping = threading.Lock()  # held by a step; close() waits for it
         self._closed = False  # then a step (a worker thread that started late) does nothing
-        spec = parts.config.speculative
-        self.speculator = Speculator(spec, self.max_model_len) if spec else None
+        spec, mtp = parts.config.speculative, parts.mtp
+        self.speculator = Speculator(spec, self.max_model_len, MtpProposer(
+            mtp, self.runner, self.block_manager, spec.num_speculative_tokens)
+            if mtp else None) if spec else None
 
     def close(self, timeout: float = 30.0) -> None:
         """Leave the experts and the DCP group, once a step that another thread still runs
@@ -127,7 +131,7 @@ class Engine:
             max_num_seqs=self.scheduler.max_num_seqs, quantization=self.quantization,
             dispatch_backend=self.config.dispatch_backend,
             expert_services=self.runner.experts.describe(),
-            moe_layers=cfg.moe_layer_ids,
+            moe_layers=self.runner.moe_layers,
             num_experts=cfg.num_experts,
             expert_groups=cfg.routing_spec.n_group if cfg.routing_spec.method != "greedy"
             else 1,
@@ -271,8 +275,10 @@ class Engine:
             return []
         self._score_prompts(scheduled, forward.hidden)
         sampling, rows, first = [], [], 0  # and each one's rows of the step's tokens
+        settled = []  # each one's positions this step, the drafts' counted once verified
         for item in scheduled:
             seq, n = item.seq, item.num_new_tokens
+            settled.append(Settled(seq, seq.num_computed_tokens, first, n))
             if seq.num_computed_tokens + n == seq.num_tokens:
                 sampling.append(seq)
                 rows.append(range(first + n - 1 - drafted.get(seq, 0), first + n))
@@ -281,9 +287,20 @@ class Engine:
             seq.num_computed_tokens += n - drafted.get(seq, 0)
             if seq not in drafted:
                 self.block_manager.cache_computed(seq)
-        if not sampling:
-            return []
-        logits = self.runner.logits(forward.hidden[[r for span in rows for r in span]])
+        deltas = self._sample(sampling, rows, drafted, forward.hidden) if sampling else []
+        if self.speculator is not None:
+            verified = {d.request_id: len(d.token_ids) for d in deltas}
+            self.speculator.after_step(
+                [replace(s, count=verified[s.seq.request_id]) if s.seq in drafted else s
+                 for s in settled], forward.hidden, len(self.scheduler.running))
+        return deltas
+
+    def _sample(self, sampling: list[Sequence], rows: list[range],
+                drafted: dict[Sequence, int], hidden: torch.Tensor) -> list[TokenDelta]:
+        """The tokens of the sequences that sample this step (`rows`: each one's rows of
+        the step's `hidden` [T, H], its drafts' and the one after), verified where it
+        drafted."""
+        logits = self.runner.logits(hidden[[r for span in rows for r in span]])
         plain = [i for i, seq in enumerate(sampling) if seq not in drafted]
         firsts = list(accumulate((len(span) for span in rows), initial=0))
         sampled = sample(logits[[firsts[i] for i in plain]], [sampling[i] for i in plain],

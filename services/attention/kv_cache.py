@@ -14,8 +14,10 @@ from moe_kernels.selection import cpu_decode_attention
 from services.model.config import ModelConfig
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    per_token = config.num_layers * config.kv_elements_per_token
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype,
+                       layers: int | None = None) -> int:
+    """A block's bytes over `layers` layers (the decoder's, unless MTP drafts too)."""
+    per_token = (layers or config.num_layers) * config.kv_elements_per_token
     return per_token * block_size * torch.empty(0, dtype=dtype).element_size()
 
 
@@ -28,13 +30,14 @@ class KVCache:
 
     def __init__(
         self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-        device: str = "cpu",
+        device: str = "cpu", layers: int | None = None,
     ) -> None:
+        """`layers`: the decoder's (default), or those and the MTP layers' (drafting)."""
         shape = (num_blocks * block_size, config.num_kv_heads, config.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device)
-                  for _ in range(config.num_layers)]
+        layers = layers or config.num_layers
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.v = self.k if config.mla else [torch.zeros(shape, dtype=dtype, device=device)
-                                            for _ in range(config.num_layers)]
+                                            for _ in range(layers)]
         self.scale = config.attention_scale
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor | None, slots: torch.Tensor,

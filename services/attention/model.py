@@ -86,7 +86,8 @@ def load_layer(ckpt: Checkpoint, cfg: ModelConfig, i: int, dtype: torch.dtype,
                                           get(f"{prefix}.up_proj.weight", inter, h)])),
                 panels_for_cpu(get(f"{prefix}.down_proj.weight", h, inter)))
 
-    dense, mla = not cfg.moe_layers[i], cfg.mla
+    # (an MTP layer, i >= num_layers, is DeepSeek's MoE block)
+    dense, mla = i < cfg.num_layers and not cfg.moe_layers[i], cfg.mla
     gate_up, down = mlp("mlp", cfg.intermediate_size) if dense else (None, None)
     shared = cfg.shared_experts if not dense else None
     s_gate_up, s_down = mlp(shared.prefix, shared.intermediate_size) if shared else (None, None)
@@ -138,7 +139,7 @@ def _swiglu(x: torch.Tensor, gate_up: Weight, down: Weight) -> torch.Tensor:
     return linear(F.silu(gate) * up, down)
 
 
-def _shared_experts(w: LayerWeights, x: torch.Tensor) -> torch.Tensor | None:
+def shared_experts(w: LayerWeights, x: torch.Tensor) -> torch.Tensor | None:
     """The layer's shared experts over x [T, H] -> [T, H] (None: it has none). They run
     here, not on the expert services: every token needs them, so dispatching them would
     send each row once more per layer and balance nothing (docs/architecture.md)."""
@@ -174,7 +175,9 @@ class DenseModel:
                                       else get("lm_head.weight", cfg.vocab_size, h))
         # Routed token copies per (layer, expert) since start: what operators balance on.
         # Counted on the device without a host sync; `publish_load()` reads it between steps.
-        self._load = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.int64,
+        # (the MTP layers' rows too, where they draft)
+        self._load = torch.zeros(cfg.num_layers + cfg.mtp_layers, cfg.num_experts,
+                                 dtype=torch.int64,
                                  device=device)
         self.expert_load = self._load.cpu()
         self._panels = all(_in_panels(w) for w in self.layers)
@@ -258,7 +261,7 @@ class DenseModel:
                     ids = ids.index_put((forced[0],), forced[1])
                 flat = ids.reshape(-1)  # [T*K]
                 self._load[i].index_add_(0, flat, counted)
-                shared = _shared_experts(w, x)  # [T, H] or None
+                shared = shared_experts(w, x)  # [T, H] or None
                 routed = yield i, x, ids, weights
                 h = h + (routed if shared is None else routed + shared)
         return rms_norm(h, self.norm, self.cfg.rms_norm_eps)
@@ -309,6 +312,10 @@ class DenseModel:
                 or self.cfg.head_dim % 16:  # (the compiled attention's vectors)
             return None
         return cpu_kernels()
+
+    def count_load(self, layer: int, ids: torch.Tensor) -> None:
+        """Count routed copies ids [T, K] of `layer` (an MTP layer's, drafting)."""
+        self._load[layer].index_add_(0, ids.reshape(-1), torch.ones_like(ids.reshape(-1)))
 
     def publish_load(self) -> None:
         """Copy the routing counts to the host (`expert_load`), after a step synchronised."""

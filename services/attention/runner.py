@@ -60,6 +60,8 @@ class ModelRunner:
         self.model, self.kv, self.experts = model, kv, experts
         self.attention, self.graphs = attention, graphs
         self.warmup_replicas = warmup_replicas
+        # the layers the expert ranks serve: the MTP layers' too, where the backend can
+        self.moe_layers = model_config.served_moe_layers(experts.lockstep)
         self.tuner = MicroBatchTuner(torch.device(device).type,
                                      len(model_config.moe_layer_ids))
         self.last_timeline: StepTimeline | None = None  # the last pipelined step's

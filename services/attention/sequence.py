@@ -59,6 +59,7 @@ class Sequence:
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=lambda: [None])
     matcher: Any = None  # structured outputs: its llguidance matcher (attention/grammar.py)
     warmup: bool = False  # its rows are routed to every expert (`Engine.add`)
+    drafts: list[int] = field(default_factory=list)  # MTP's, for its next step
 
     def __post_init__(self) -> None:
         # Each sequence draws from its own generator, so its samples do not depend on what

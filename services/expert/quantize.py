@@ -25,7 +25,9 @@ from services.model.experts import expert_tensor_names, packed_names
 
 
 def expert_weight_names(config: ModelConfig) -> set[str]:
-    return {name for layer in config.moe_layer_ids for expert in range(config.num_experts)
+    """Every routed expert's weights, the MTP layers' included."""
+    return {name for layer in config.moe_layer_ids + config.mtp_layer_ids
+            for expert in range(config.num_experts)
             for name in expert_tensor_names(config, layer, expert)}
 
 

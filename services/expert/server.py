@@ -58,7 +58,8 @@ class ExpertServer:
             torch.set_num_threads(config.num_threads)
         self.config = config
         self.model_config = model_config = ModelConfig.from_dir(config.model)
-        moe_layers = model_config.moe_layer_ids
+        self.moe_layers = moe_layers = model_config.served_moe_layers(
+            backend(config.dispatch_backend).collective)
         self.placement = make_placement(moe_layers, model_config.num_experts, config.num_ranks,
                                         config.placement, config.expert_replicas)
         checkpoint = Checkpoint(config.model)
@@ -93,7 +94,7 @@ class ExpertServer:
                 raise ValueError(f"placement version {version} is older than the newest "
                                  f"held here ({newest})")
             cfg = self.model_config
-            placement = Placement.from_json(update.placement, cfg.moe_layer_ids,
+            placement = Placement.from_json(update.placement, self.moe_layers,
                                             cfg.num_experts, f"placement version {version}")
             if placement.num_ranks != self.config.num_ranks:
                 raise ValueError(f"placement version {version} places experts on "

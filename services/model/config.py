@@ -68,12 +68,25 @@ class ModelConfig:
     shared_experts: SharedExperts | None = None
     rope: Rope | None = None  # None: default rotary of rope_theta (`rope_spec`)
     qkv_bias: bool = False  # Qwen2-MoE's q, k and v projections have biases
-    mtp_layers: int = 0  # DeepSeek's multi-token-prediction layers: in the checkpoint, unused
+    # DeepSeek's multi-token-prediction layers (`num_nextn_predict_layers`), as checkpoint
+    # layers num_layers on; `from_dir` counts only those whose weights are there.
+    mtp_layers: int = 0
 
     @property
     def moe_layer_ids(self) -> list[int]:
         """The decoder layers that have a sparse MoE block, in order."""
         return [i for i, is_moe in enumerate(self.moe_layers) if is_moe]
+
+    @property
+    def mtp_layer_ids(self) -> list[int]:
+        """The checkpoint's MTP layers (each a decoder block with a MoE of its own)."""
+        return list(range(self.num_layers, self.num_layers + self.mtp_layers))
+
+    def served_moe_layers(self, collective: bool) -> list[int]:
+        """The MoE layers whose experts the expert ranks hold: the decoder's, and the MTP
+        layers' on a point-to-point backend (`local`, `rpc`), whose calls need not come in a
+        fixed round of layers a step as a collective backend's do."""
+        return self.moe_layer_ids + ([] if collective else self.mtp_layer_ids)
 
     @property
     def expert_prefix(self) -> str:
@@ -125,7 +138,8 @@ class ModelConfig:
             raise CheckpointError(f"{path}: {exc}") from exc
         extra = _generation_eos(Path(model_dir) / "generation_config.json")
         eos = config.eos_token_ids + tuple(t for t in extra if t not in config.eos_token_ids)
-        return dataclasses.replace(config, eos_token_ids=eos)
+        return dataclasses.replace(config, eos_token_ids=eos,
+                                   mtp_layers=_mtp_layers_present(Path(model_dir), config))
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -193,6 +207,18 @@ def _common(raw: dict[str, Any], arch: str, rope: Rope) -> dict[str, Any]:
         torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
         quantization=_quantization(raw),
     )
+
+
+def _mtp_layers_present(model_dir: Path, config: ModelConfig) -> int:
+    """How many of the config's MTP layers the checkpoint holds (transformers' DeepSeek
+    models, for one, say 1 and save none)."""
+    if not config.mtp_layers:
+        return 0
+    from services.model.checkpoint import Checkpoint  # (it imports this module)
+
+    with Checkpoint(model_dir) as checkpoint:
+        return sum(f"model.layers.{i}.eh_proj.weight" in checkpoint
+                   for i in config.mtp_layer_ids)
 
 
 def _generation_eos(path: Path) -> tuple[int, ...]:

@@ -72,8 +72,10 @@ def _put(stack: torch.Tensor | MXFP4Tensor, i: int, row: int,
 
 
 def all_experts(config: ModelConfig) -> dict[int, list[int]]:
-    """Every expert of every MoE layer (what the in-process `local` backend holds)."""
-    return {layer: list(range(config.num_experts)) for layer in config.moe_layer_ids}
+    """Every expert of every MoE layer, the MTP layers' included (what the in-process
+    `local` backend holds)."""
+    return {layer: list(range(config.num_experts))
+            for layer in config.served_moe_layers(collective=False)}
 
 
 class ExpertBank:

@@ -96,3 +96,22 @@ def deepseek_v2_config(**overrides: object) -> PretrainedConfig:
               eos_token_id=VOCAB - 1)
     kw.update(overrides)
     return DeepseekV2Config(**kw)
+
+
+def build_with_mtp(config: PretrainedConfig, out_dir: Path, seed: int = 0
+                   ) -> tuple[PreTrainedModel, torch.nn.Module]:
+    """`build`'s random DeepSeek-V3, with a random MTP layer saved as DeepSeek's
+    checkpoints keep it (`training/train_demo.py`'s layout, model.layers.{n}.*): the
+    model and the MTP module (`train_demo.forward` runs both, transformers' blocks)."""
+    from training.train_demo import add_mtp_layer, save_mtp_checkpoint
+
+    model = build(config, out_dir, seed)
+    torch.manual_seed(seed + 1)
+    mtp = add_mtp_layer(model)
+    with torch.no_grad():
+        for name, p in mtp.named_parameters():
+            if name.startswith(("shared_head.head", "embed_tokens")):
+                continue  # (copies of the model's, written by the save)
+            p.copy_(1.0 + 0.1 * torch.randn_like(p)) if "norm" in name else p.normal_(0.0, 0.08)
+    save_mtp_checkpoint(model, mtp, out_dir)
+    return model, mtp

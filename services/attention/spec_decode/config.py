@@ -3,6 +3,7 @@ that name the field.
 
     --speculative-config '{"method": "ngram", "num_speculative_tokens": 3,
                            "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+    --speculative-config '{"method": "mtp", "num_speculative_tokens": 1}'
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-METHODS = ("ngram",)  # MTP drafts (DeepSeek's layer) are not built yet
+# "mtp": the checkpoint's multi-token-prediction layer (DeepSeek's), `mtp.py`;
+# "ngram": the sequence's own tokens (prompt lookup), `ngram.py`
+METHODS = ("mtp", "ngram")
 MAX_SPECULATIVE_TOKENS = 8
 # Steps of more running sequences do not speculate by default: measured on 2 cores
 # (docs/benchmarks.md, "Speculative decoding"), a verify step of k = 1 costs 1.18x a
@@ -21,7 +24,8 @@ DISABLE_BY_BATCH_SIZE = 8
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """method: where drafts come from ("ngram": the sequence's own tokens).
+    """method: where drafts come from ("mtp": the checkpoint's MTP layer, run again for
+        each further draft; "ngram": the sequence's own tokens).
     num_speculative_tokens: the most drafts a sequence takes a step (k).
     prompt_lookup_min, prompt_lookup_max: the n-gram lengths tried, longest first.
     disable_by_batch_size: a step with more running sequences than this does not
@@ -32,6 +36,26 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
     disable_by_batch_size: int | None = DISABLE_BY_BATCH_SIZE
+
+    @property
+    def mtp(self) -> bool:
+        return self.method == "mtp"
+
+
+def check_speculative(config: SpeculativeConfig | None, collective: bool,
+                      dcp_size: int) -> None:
+    """A ValueError where the deployment cannot draft as `config` asks: MTP drafts run
+    their MoE layer outside the decoder's round of layers, which a collective backend's
+    expert ranks cannot follow, and a DCP group's peers do not run them yet."""
+    if config is None or not config.mtp:
+        return
+    if collective:
+        raise ValueError("--speculative-config: method 'mtp' needs a point-to-point dispatch "
+                         "backend (local or rpc); a collective backend's expert ranks serve "
+                         "a fixed round of layers a step (use 'ngram' with it)")
+    if dcp_size > 1:
+        raise ValueError("--speculative-config: method 'mtp' is not built for --dcp-size > 1 "
+                         "yet (use 'ngram' with DCP)")
 
 
 def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:

@@ -1,7 +1,7 @@
 """The engine's side of speculative decoding: drafts appended to the sequences that may
 speculate before the scheduler runs (so a step schedules 1 + k tokens for each, under the
-token budget), and after the forward, each one's drafts checked against the target's
-greedy tokens (`rejection.verify`) and taken back off."""
+token budget), and after the forward, each one's drafts verified (`rejection.verify`)
+and taken back off. MTP's drafts are made after a step, for the next (`mtp.py`)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from services.attention.sampler import GREEDY_BELOW, sampling_probs, token_logpr
 from services.attention.scheduler import ScheduledSeq
 from services.attention.sequence import Sequence
 from services.attention.spec_decode.config import SpeculativeConfig
+from services.attention.spec_decode.mtp import MtpProposer, Settled
 from services.attention.spec_decode.ngram import propose
 from services.attention.spec_decode.rejection import verify
 
@@ -25,43 +26,67 @@ _ACCEPTED_AT = Counter("switchyard:spec_decode_num_accepted_tokens_per_pos",
                        ["position"])
 
 
-def speculates(seq: Sequence) -> bool:
-    """Whether `seq` may speculate: a request whose distribution at a position depends on
-    the logits there and its fixed sampling parameters only (no penalties, biases or
-    grammar, no min_tokens still due), and that is decoding (its last token the only one
-    not computed)."""
+def may_speculate(seq: Sequence) -> bool:
+    """Whether `seq`'s distribution at a position depends on the logits there and its
+    fixed sampling parameters only (no penalties, biases or grammar)."""
     p = seq.sampling
-    return (not p.penalized and not p.biased and seq.matcher is None and not seq.warmup
-            and len(seq.output_token_ids) >= p.min_tokens
+    return not p.penalized and not p.biased and seq.matcher is None and not seq.warmup
+
+
+def speculates(seq: Sequence) -> bool:
+    """Whether `seq` speculates now: it may (`may_speculate`), no min_tokens are still
+    due, and it is decoding (its last token the only one not computed)."""
+    return (may_speculate(seq) and len(seq.output_token_ids) >= seq.sampling.min_tokens
             and seq.num_computed_tokens == seq.num_tokens - 1)
 
 
 class Speculator:
-    """Drafts by `config` (n-gram lookup) for sequences of at most `max_model_len` tokens."""
+    """Drafts by `config` for sequences of at most `max_model_len` tokens: n-gram lookup,
+    or the MTP layer through `mtp` (its drafts made after each step, `after_step`)."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
-        self.config, self.max_model_len = config, max_model_len
+    def __init__(self, config: SpeculativeConfig, max_model_len: int,
+                 mtp: MtpProposer | None = None) -> None:
+        self.config, self.max_model_len, self.mtp = config, max_model_len, mtp
+
+    def active(self, num_running: int) -> bool:
+        """Whether a step of `num_running` sequences speculates (`disable_by_batch_size`)."""
+        limit = self.config.disable_by_batch_size
+        return limit is None or num_running <= limit
+
+    def room(self, seq: Sequence) -> int:
+        """The most drafts `seq` may take (its max_tokens and the context allowing)."""
+        return min(self.config.num_speculative_tokens,
+                   seq.sampling.max_tokens - seq.num_output_tokens - 1,
+                   self.max_model_len - seq.num_tokens - 1)
 
     def draft(self, running: list[Sequence]) -> dict[Sequence, int]:
         """Append drafts to each running sequence that may speculate; how many each got."""
-        limit = self.config.disable_by_batch_size
-        if limit is not None and len(running) > limit:
+        if not self.active(len(running)):
             return {}
         drafted = {}
         for seq in running:
-            if not speculates(seq):
+            pending, seq.drafts = seq.drafts, []  # (MTP's, made for this step)
+            room = self.room(seq)
+            if not speculates(seq) or room < 1:
                 continue
-            room = min(self.config.num_speculative_tokens,
-                       seq.sampling.max_tokens - seq.num_output_tokens - 1,
-                       self.max_model_len - seq.num_tokens - 1)
-            if room < 1:
-                continue
-            drafts = propose(seq.token_ids, room, self.config.prompt_lookup_min,
-                             self.config.prompt_lookup_max)
+            drafts = pending[:room] if self.mtp else propose(
+                seq.token_ids, room, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
             if drafts:
                 seq.token_ids.extend(drafts)
                 drafted[seq] = len(drafts)
         return drafted
+
+    def after_step(self, settled: list[Settled], hidden: torch.Tensor,
+                   num_running: int) -> None:
+        """MTP: its KV over the positions the step settled (those of sequences that may
+        speculate), and drafts for the next step for those that will (`MtpProposer`)."""
+        if self.mtp is None or not self.active(num_running):
+            return
+        settled = [s for s in settled if may_speculate(s.seq) and s.seq.finish_reason is None]
+        if settled:
+            rooms = {s.seq: room for s in settled
+                     if speculates(s.seq) and (room := self.room(s.seq)) >= 1}
+            self.mtp.propose(settled, hidden, rooms)
 
     @staticmethod
     def settle(drafted: dict[Sequence, int], scheduled: list[ScheduledSeq]

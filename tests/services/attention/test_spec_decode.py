@@ -135,6 +135,12 @@ def _spec_engine(path: object, spec: str | None, **kw: object) -> object:
                                         **settings))  # type: ignore[arg-type]
 
 
+def _drafted() -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("switchyard:spec_decode_num_draft_tokens_total") or 0.0
+
+
 def _accepted() -> float:
     from prometheus_client import REGISTRY
 
@@ -220,7 +226,8 @@ def test_no_drafts_above_the_batch_size_threshold() -> None:
 
 
 @pytest.mark.parametrize(("text", "error"), [
-    ('{"method": "mtp", "num_speculative_tokens": 1}', "method must be one of ['ngram']"),
+    ('{"method": "eagle", "num_speculative_tokens": 1}',
+     "method must be one of ['mtp', 'ngram']"),
     ('{"method": "ngram"}', "num_speculative_tokens is required"),
     ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be"),
     ('{"method": "ngram", "num_speculative_tokens": 9}', "at most 8"),
@@ -315,3 +322,103 @@ def test_every_family_keeps_its_greedy_tokens_with_speculation(every_ckpt: tuple
     assert outputs[spec] == outputs[None]
     assert outputs[None] == {f"r{i}": reference_greedy(model, list(p), 20)
                              for i, p in enumerate(SPEC_PROMPTS)}
+
+
+def _mtp(k: int) -> str:
+    return json.dumps({"method": "mtp", "num_speculative_tokens": k,
+                       "disable_by_batch_size": None})
+
+
+def test_mtp_drafts_are_the_mtp_layers_greedy_tokens(deepseek_v3_mtp_ckpt: tuple) -> None:
+    """After every step, a speculating sequence's MTP draft is the argmax of the MTP
+    layer's logits as transformers' blocks compute them over the whole sequence so far
+    (`train_demo.forward`): the MTP's KV is right at every position, the prompt's and
+    the verified tokens'."""
+    from common.messages import GenerateRequest, SamplingParams
+    from training.train_demo import forward
+
+    path, model, mtp = deepseek_v3_mtp_ckpt
+    engine = _spec_engine(path, _mtp(1), max_num_batched_tokens=8)  # the prompt in chunks
+    prompt = [40, 41, 17, 99, 3, 250, 12, 7, 7, 30, 31]
+    checked = 0
+    try:
+        engine.add(GenerateRequest("r", prompt, SamplingParams(  # type: ignore[attr-defined]
+            max_tokens=20, temperature=0.0, ignore_eos=True)))
+        while engine.has_work():  # type: ignore[attr-defined]
+            engine.step()  # type: ignore[attr-defined]
+            seq = engine._seqs.get("r")  # type: ignore[attr-defined]
+            if seq is None or not seq.drafts:
+                continue
+            ids = torch.tensor([seq.token_ids])
+            with torch.no_grad():
+                want = forward(model, mtp, ids, ids, 0.0).mtp_logits[0, -2].argmax()
+            assert seq.drafts == [int(want)]
+            checked += 1
+    finally:
+        engine.close()  # type: ignore[attr-defined]
+    assert checked >= 10
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_mtp_speculation_keeps_the_greedy_tokens(deepseek_v3_mtp_ckpt: tuple, k: int) -> None:
+    """Greedy requests with MTP drafts of up to k tokens over a random DeepSeek-V3 and its
+    MTP layer: transformers' tokens, with drafts verified (a random MTP layer's are
+    rejected nearly always: the rejections' KV is rolled back)."""
+    from tests.support.engines import greedy, reference_greedy, run_to_completion
+
+    path, model, _ = deepseek_v3_mtp_ckpt
+    engine = _spec_engine(path, _mtp(k))
+    before = _drafted()
+    try:
+        got = run_to_completion(engine, {  # type: ignore[arg-type]
+            0: [greedy("a", list(SPEC_PROMPTS[0]), 24), greedy("b", list(SPEC_PROMPTS[1]), 17)],
+            3: [greedy("c", list(SPEC_PROMPTS[2]), 21)]})
+    finally:
+        engine.close()  # type: ignore[attr-defined]
+    assert got == {"a": reference_greedy(model, list(SPEC_PROMPTS[0]), 24),
+                   "b": reference_greedy(model, list(SPEC_PROMPTS[1]), 17),
+                   "c": reference_greedy(model, list(SPEC_PROMPTS[2]), 21)}
+    assert _drafted() > before
+
+
+def _demo_requests(n: int) -> list[object]:
+    """The bundled model's own questions, greedy."""
+    from common.messages import GenerateRequest, SamplingParams
+    from switchyard.demo_task import problems
+    from training.train_demo import Encoder
+
+    enc = Encoder()
+    return [GenerateRequest(f"q{i}", enc.prompt(p.question),
+                            SamplingParams(max_tokens=16, temperature=0.0))
+            for i, p in enumerate(problems(11, n))]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_the_bundled_models_mtp_keeps_its_answers(k: int) -> None:
+    """The bundled model's MTP layer drafts its arithmetic answers: every answer as
+    without speculation, at most k drafts a step, and most first drafts accepted."""
+    from prometheus_client import REGISTRY
+
+    from switchyard.demo_model import DEFAULT_MODEL
+    from tests.support.engines import run_to_completion
+
+    def first_accepted() -> float:
+        return REGISTRY.get_sample_value("switchyard:spec_decode_num_accepted_tokens_per_pos_total",
+                                         {"position": "0"}) or 0.0
+
+    def drafts() -> float:
+        return REGISTRY.get_sample_value("switchyard:spec_decode_num_drafts_total") or 0.0
+
+    outputs, counts = {}, {}
+    for spec in (None, _mtp(k)):
+        engine = _spec_engine(DEFAULT_MODEL, spec)
+        before = (first_accepted(), drafts())
+        try:  # a few at a time, arriving in turn
+            outputs[spec] = run_to_completion(engine, {  # type: ignore[arg-type]
+                i: [r] for i, r in enumerate(_demo_requests(12))})
+        finally:
+            engine.close()  # type: ignore[attr-defined]
+        counts[spec] = (first_accepted() - before[0], drafts() - before[1])
+    assert outputs[_mtp(k)] == outputs[None]
+    accepted, drafted = counts[_mtp(k)]
+    assert drafted >= 12 and accepted / drafted > 0.7

@@ -45,7 +45,7 @@ def test_translates_qwen2_moe_and_the_deepseek_family(
     v3 = ModelConfig.from_dir(deepseek_v3_ckpt[0])
     assert v3.routing == Routing(3, True, "sigmoid", "noaux_tc", 4, 2, 2.5)
     assert v3.shared_experts == SharedExperts(64, False, "mlp.shared_experts")  # 2 x 32
-    assert v3.mtp_layers == 1  # transformers' config says 1; its model builds none
+    assert v3.mtp_layers == 0  # transformers' config says 1; its model saves none
     yarn = ModelConfig.from_dir(deepseek_v3_yarn_ckpt[0])
     assert yarn.rope == Rope(10000.0, "yarn", 4.0, 128, 32.0, 1.0, 1.0, 0.707)
     assert not yarn.mla.rope_interleave  # type: ignore[union-attr]
@@ -53,21 +53,20 @@ def test_translates_qwen2_moe_and_the_deepseek_family(
 
 
 def test_deepseek_mtp_layers_are_skipped_with_one_log_line(
-        deepseek_v3_ckpt: tuple, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        deepseek_v3_mtp_ckpt: tuple, caplog: pytest.LogCaptureFixture) -> None:
     """A checkpoint with the multi-token-prediction layer after the decoder's (as
-    DeepSeek-V3's model.layers.61.*) loads, serves the same logits, and says what it left."""
-    path, model = deepseek_v3_ckpt
-    d = copy(path, tmp_path / "m")
-    tensors = load_file(d / "model.safetensors")
+    DeepSeek-V3's model.layers.61.*) loads, serves the same logits without drafting,
+    says what it left, and counts the MTP layer's MoE among those the experts serve."""
+    path, model, _ = deepseek_v3_mtp_ckpt
+    cfg = ModelConfig.from_dir(path)
     n = model.config.num_hidden_layers
-    tensors[f"model.layers.{n}.eh_proj.weight"] = torch.zeros(64, 128)
-    tensors[f"model.layers.{n}.enorm.weight"] = torch.ones(64)
-    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    assert (cfg.mtp_layers, cfg.mtp_layer_ids) == (1, [n])
+    assert cfg.served_moe_layers(collective=False) == [*cfg.moe_layer_ids, n]
+    assert cfg.served_moe_layers(collective=True) == cfg.moe_layer_ids
     prompt = [5, 9, 2, 77]
     with caplog.at_level("INFO", logger="services.attention.builder"):
-        got = build_engine(AttentionConfig(model=d, kv_cache_memory=1 << 20)).score(prompt)
-    assert "skipping 1 multi-token-prediction layer(s) of the checkpoint (2 tensors from " \
-        f"model.layers.{n}.*)" in caplog.text
+        got = build_engine(AttentionConfig(model=path, kv_cache_memory=1 << 20)).score(prompt)
+    assert "skipping 1 multi-token-prediction layer(s) of the checkpoint (" in caplog.text
     with torch.no_grad():
         assert (got - model(torch.tensor([prompt])).logits[0]).abs().max() < 1e-4
 

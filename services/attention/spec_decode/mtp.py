@@ -1,0 +1,169 @@
+"""DeepSeek's multi-token prediction as the drafter (DeepSeek-V3 report §2.2; vLLM's
+`deepseek_mtp`).
+
+The checkpoint's MTP layer (`model.layers.{num_layers}.*`) predicts the token after next:
+at position p it reads the target's final hidden state h_p and the embedding of token
+p + 1, runs one decoder block of its own (MLA and a MoE whose experts live on the expert
+ranks as any layer's), and the shared head gives logits for token p + 2:
+
+    x_p = eh_proj([enorm(embed(t_{p+1})), hnorm(h_p)])      (embed zeroed at p = 0)
+    y_p = block(x_p)                                         (its KV at position p)
+    logits_p = lm_head(shared_head.norm(y_p))
+
+Its attention has KV of its own, one more layer of the paged cache over the same blocks.
+So after each step it runs over every position the step settled (`catch_up`): a prompt
+chunk's, or a decode's verified tokens', whose next tokens are known now. The last one
+gives the first draft; each further draft runs the block again on its own output and
+draft (`chain`), at positions the next step computes anyway (their blocks taken early,
+so a draft never pushes another sequence out)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+
+from common.messages import DcpSeqPlan
+from dcp.batch import StepBatch
+from ep_dispatch.base import ExpertsClient
+from moe_kernels.selection import linear
+from services.attention.block_manager import BlockManager
+from services.attention.kv_cache import KVCache
+from services.attention.model import (
+    DenseModel,
+    LayerWeights,
+    Weight,
+    load_layer,
+    panels_for_cpu,
+    shared_experts,
+)
+from services.attention.router import route
+from services.attention.runner import ModelRunner
+from services.attention.sequence import Sequence
+from services.model.checkpoint import Checkpoint
+from services.model.config import CheckpointError, ModelConfig
+from services.model.layers import rms_norm, rope_cos_sin
+
+
+@dataclass(frozen=True)
+class MtpWeights:
+    """The MTP layer's own weights; its embedding and head are the model's (DeepSeek's
+    checkpoints repeat them as `embed_tokens` and `shared_head.head`)."""
+
+    layer: int  # its index in the checkpoint: num_layers
+    enorm: torch.Tensor  # [H], on the next token's embedding
+    hnorm: torch.Tensor  # [H], on the previous hidden state
+    eh_proj: Weight  # [H, 2H]: [enorm(e), hnorm(h)] -> the block's input
+    block: LayerWeights  # its decoder block: attention and a MoE layer
+    head_norm: torch.Tensor  # [H], shared_head.norm, before the model's lm_head
+
+
+def load_mtp(ckpt: Checkpoint, cfg: ModelConfig, dtype: torch.dtype,
+             device: str = "cpu") -> MtpWeights:
+    """The first MTP layer of `ckpt` (a CheckpointError naming what is missing)."""
+    if not cfg.mtp_layers:
+        raise CheckpointError("the mtp method drafts with the checkpoint's multi-token-"
+                              "prediction layer; this checkpoint has none (model.layers."
+                              f"{cfg.num_layers}.eh_proj.weight)")
+    i, h = cfg.num_layers, cfg.hidden_size
+
+    def get(name: str, *shape: int) -> torch.Tensor:
+        return ckpt.get(f"model.layers.{i}.{name}", shape, dtype).to(device)
+
+    return MtpWeights(i, get("enorm.weight", h), get("hnorm.weight", h),
+                      panels_for_cpu(get("eh_proj.weight", h, 2 * h)),
+                      load_layer(ckpt, cfg, i, dtype, device), get("shared_head.norm.weight", h))
+
+
+@dataclass(frozen=True)
+class Settled:
+    """One sequence's positions a step settled: `count` positions from `start`, whose
+    target hidden states are rows [row, row + count) of the step's, and whose next
+    tokens are in `seq.token_ids` now."""
+
+    seq: Sequence
+    start: int
+    row: int
+    count: int
+
+
+class MtpProposer:
+    """Runs the MTP layer `weights` through `runner` (its model, KV cache and experts)
+    after each step; a sequence's drafts for the next step are left in `seq.drafts`."""
+
+    def __init__(self, weights: MtpWeights, runner: ModelRunner,
+                 block_manager: BlockManager, num_speculative_tokens: int) -> None:
+        self.w, self.runner, self.blocks = weights, runner, block_manager
+        self.k = num_speculative_tokens
+
+    @torch.inference_mode()
+    def propose(self, settled: list[Settled], hidden: torch.Tensor,
+                rooms: dict[Sequence, int]) -> None:
+        """`settled`: the step's positions per sequence; hidden [T, H] the step's target
+        hidden states; `rooms`: the sequences to draft for, and the most drafts each
+        may take next step."""
+        plans = [DcpSeqPlan(s.seq.token_ids[s.start + 1:s.start + s.count + 1], s.start,
+                            s.seq.block_tables) for s in settled]
+        rows = torch.tensor([s.row + i for s in settled for i in range(s.count)],
+                            dtype=torch.int64, device=hidden.device)
+        ends = list(accumulate(s.count for s in settled))
+        drafting = [j for j, s in enumerate(settled) if s.seq in rooms]
+        lasts = [ends[j] - 1 for j in drafting]  # rows of y whose logits draft
+        y, logits = self._pass(plans, hidden[rows], lasts)
+        seqs = [settled[j].seq for j in drafting]
+        states = y[lasts]  # [D, H]
+        for depth in range(max((rooms[s] for s in seqs), default=0)):
+            tokens = logits.argmax(-1).tolist()  # greedy drafts: q is one-hot
+            going = []
+            for j, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
+                seq.drafts.append(token)
+                if depth + 1 < rooms[seq] and self._room_for(seq, depth + 1):
+                    going.append(j)
+            if not going:
+                return
+            seqs = [seqs[j] for j in going]
+            # the draft before at its position: the last token's (num_tokens - 1) on
+            plans = [DcpSeqPlan([seq.drafts[-1]], seq.num_tokens - 1 + depth,
+                                seq.block_tables) for seq in seqs]
+            y, logits = self._pass(plans, states[going], list(range(len(seqs))))
+            states = y
+
+    def _room_for(self, seq: Sequence, more: int) -> bool:
+        """Whether `seq` holds, or can take now, blocks for `more` positions past its
+        computed ones (a further draft's KV), taking them if so."""
+        if not self.blocks.can_allocate(seq, more):
+            return False
+        self.blocks.allocate(seq, more)
+        return True
+
+    def _pass(self, plans: list[DcpSeqPlan], hidden: torch.Tensor, rows: list[int]
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP block over `plans` (each position's next token; hidden [T, H] its
+        previous state): its output y [T, H] and the logits [len(rows), V] float32 at
+        `rows`."""
+        runner, w, cfg = self.runner, self.w, self.runner.model_config
+        batch = runner.attention.batch(plans, rows).to(runner.device)
+        runner.experts.begin_step(batch.input_ids.shape[0])
+        y = mtp_block(runner.model, w, batch, hidden, runner.kv, runner.experts)
+        return y, runner.logits(rms_norm(y[batch.logits_rows], w.head_norm, cfg.rms_norm_eps))
+
+
+def mtp_block(model: DenseModel, w: MtpWeights, batch: StepBatch, hidden: torch.Tensor,
+              kv: KVCache, experts: ExpertsClient) -> torch.Tensor:
+    """The MTP layer over `batch`, whose input ids are each position's next token, from
+    hidden [T, H] (the target's, or the pass before's, at those positions): its output
+    y [T, H], before the shared head's norm. Its KV is written at the batch's slots."""
+    cfg, eps, blk = model.cfg, model.cfg.rms_norm_eps, w.block
+    cos, sin = rope_cos_sin(batch.positions, cfg.rope_dim, cfg.rope_theta, model.dtype,
+                            cfg.rope)
+    e = model.embed[batch.input_ids].masked_fill((batch.positions == 0)[:, None], 0)
+    x = linear(torch.cat([rms_norm(e, w.enorm, eps), rms_norm(hidden, w.hnorm, eps)], -1),
+               w.eh_proj)  # [T, H]
+    h, x = model.attention_block(w.layer, blk, x, cos, sin, batch, kv, None)
+    assert blk.gate is not None  # (an MTP block's MLP is a MoE: `load_layer`)
+    ids, weights = route(x, blk.gate, cfg.routing_spec, blk.gate_bias)  # [T, K] each
+    model.count_load(w.layer, ids)
+    routed = experts(w.layer, x, ids, weights)
+    shared = shared_experts(blk, x)
+    return h + (routed if shared is None else routed + shared)
