@@ -122,7 +122,7 @@ def load_layer(ckpt: Checkpoint, cfg: ModelConfig, i: int, dtype: torch.dtype,
     )
 
 
-def _in_panels(w: LayerWeights) -> bool:
+def in_panels(w: LayerWeights) -> bool:
     """Whether the layer's attention weights are all in the CPU kernels' panels (and it
     has no q/k/v bias), as the compiled attention block reads them."""
     if w.mla is not None:
@@ -180,7 +180,7 @@ class DenseModel:
                                  dtype=torch.int64,
                                  device=device)
         self.expert_load = self._load.cpu()
-        self._panels = all(_in_panels(w) for w in self.layers)
+        self._panels = all(in_panels(w) for w in self.layers)
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch, kv: KVCache, experts: ExpertsClient | MoE
@@ -249,7 +249,7 @@ class DenseModel:
         rows = torch.ones_like(batch.input_ids) if batch.real_rows is None else batch.real_rows
         counted = rows.repeat_interleave(self.cfg.top_k)  # [T*K] int64
         forced = batch.forced_routing  # a warm-up's (its rows count as load: they ran)
-        compiled = self._compiled_block(h, batch)
+        compiled = self.compiled_block(h, batch)
         routing = self.cfg.routing_spec
         for i, w in enumerate(self.layers):
             h, x = self.attention_block(i, w, h, cos, sin, batch, kv, compiled)
@@ -272,13 +272,13 @@ class DenseModel:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's attention block over the residual stream h [T, H]: (h plus the
         attention's output [T, H], that sum RMSNorm'd for the MLP or MoE [T, H]). One
-        compiled call where `compiled` (`_compiled_block`) is given, the same bits."""
+        compiled call where `compiled` (`compiled_block`) is given, the same bits."""
         cfg, t, eps = self.cfg, h.shape[0], self.cfg.rms_norm_eps
-        if compiled is not None and w.mla is not None:  # (in panels: `_compiled_block`)
+        if compiled is not None and w.mla is not None:  # (in panels: `compiled_block`)
             return compiled_mla_block(compiled, cfg, w.mla, (w.input_norm, w.o,
                                                              w.post_attn_norm),
                                       h, cos, sin, kv.k[i], batch)
-        if compiled is not None:  # (every qkv and o in panels: `_compiled_block`)
+        if compiled is not None:  # (every qkv and o in panels: `compiled_block`)
             return compiled.attention_block_f32(
                 h, w.input_norm, w.qkv.panels, w.qkv.shape[0],  # type: ignore[union-attr]
                 w.q_norm, w.k_norm, cos, sin, kv.k[i], kv.v[i], batch.slot_mapping,
@@ -301,7 +301,7 @@ class DenseModel:
         h = h + linear(values, w.o)
         return h, rms_norm(h, w.post_attn_norm, eps)
 
-    def _compiled_block(self, h: torch.Tensor, batch: StepBatch) -> ModuleType | None:
+    def compiled_block(self, h: torch.Tensor, batch: StepBatch) -> ModuleType | None:
         """The CPU kernels, where a step's attention blocks may run as one call each (a
         decode step over this process's own cache, float32 weights in panels; else None).
         At a decode step's few rows the Python between the kernels costs more than their

@@ -505,6 +505,42 @@ def test_speculation_keeps_transformers_greedy_tokens_served(qwen3_ckpt: tuple,
     assert sum(samples["switchyard:spec_decode_num_accepted_tokens_total"].values()) > 0
 
 
+MTP = '{"method": "mtp", "num_speculative_tokens": 2, "disable_by_batch_size": null}'
+
+
+@pytest.mark.parametrize("flags", [
+    ["--expert-services", "3", "--micro-batches", "2"],  # rpc, the ping-pong pipeline
+    ["--dispatch-backend", "local", "--enable-prefix-caching"],
+])
+def test_mtp_speculation_keeps_transformers_greedy_tokens_served(
+        deepseek_v3_mtp_ckpt: tuple, flags: list[str]) -> None:
+    """`serve --speculative-config` with MTP drafts of up to 2 tokens over a DeepSeek-V3
+    with its MTP layer: transformers' greedy tokens, drafts verified, and the MTP layer's
+    experts served and counted as any layer's (its tokens per expert in /metrics)."""
+    path, model, _ = deepseek_v3_mtp_ckpt
+    ps = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [1, 2, 3, 1, 2, 3, 1], [40, 41, 17, 99, 3]]
+    got, _, samples = served_greedy(path, [*flags, "--speculative-config", MTP], ps,
+                                    max_tokens=20)
+    assert got == [reference_greedy(model, p, 20) for p in ps]
+    assert sum(samples["switchyard:spec_decode_num_draft_tokens_total"].values()) > 0
+    n = model.config.num_hidden_layers
+    assert sum(v for k, v in samples["switchyard:expert_tokens_total"].items()
+               if dict(k).get("layer") == str(n)) > 0
+
+
+def test_mtp_with_w4a4_experts_keeps_the_greedy_tokens(deepseek_v3_mtp_ckpt: tuple) -> None:
+    """W4A4 experts (the MTP layer's too) over rpc: the same greedy tokens with MTP
+    drafts as without."""
+    path = deepseek_v3_mtp_ckpt[0]
+    ps = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [40, 41, 17, 99, 3]]
+    flags = ["--quantization", "w4a4", "--expert-services", "2"]
+    off, _, _ = served_greedy(path, flags, ps, max_tokens=16)
+    on, _, samples = served_greedy(path, [*flags, "--speculative-config", MTP], ps,
+                                   max_tokens=16)
+    assert on == off
+    assert sum(samples["switchyard:spec_decode_num_draft_tokens_total"].values()) > 0
+
+
 def test_torch_backend_across_processes(qwen3_ckpt: tuple) -> None:
     """This process is attention rank 0 of a gloo world with 3 expert-rank processes."""
     path, model = qwen3_ckpt

@@ -17,6 +17,7 @@ import pytest
 
 from switchyard.serve_process import Served
 from tests.support.engines import prompts, reference_greedy
+from tests.support.metrics_text import scrape
 from tests.support.serving import concurrent_greedy, disturbed_streams, model_id
 from tests.support.tools import wait_until
 
@@ -53,6 +54,23 @@ def test_greedy_streams_outlive_their_attention_group(qwen3_ckpt: tuple, groups:
         assert re.search(r"attention group \d exited with status -9; starting it again",
                          served.stderr())
         assert "resubmitting" in served.stderr()
+
+
+def test_a_resumed_request_goes_on_speculating(deepseek_v3_mtp_ckpt: tuple) -> None:
+    """MTP speculation on (a DeepSeek-V3 with its MTP layer): an attention group killed
+    mid-stream, its greedy streams resumed on the other are transformers' tokens, whole,
+    and drafts were verified throughout (a resubmitted prompt rebuilds its MTP KV)."""
+    path, model, _ = deepseek_v3_mtp_ckpt
+    ps = prompts(seed=46, lengths=(9, 23, 5))
+    want = [reference_greedy(model, p, N) for p in ps]
+    spec = '{"method": "mtp", "num_speculative_tokens": 2, "disable_by_batch_size": null}'
+    with Served(["--model", str(path), "--attention-groups", "2", "--routing-policy",
+                 "least-busy", "--speculative-config", spec]) as served:
+        outs = run(served, ps, {"temperature": 0}, kill=served.service("attention group"))
+        assert [o["tokens"] for o in outs] == want
+        assert "resubmitting" in served.stderr()
+        drafted = scrape(f"{served.url}/metrics")["switchyard:spec_decode_num_draft_tokens_total"]
+        assert sum(drafted.values()) > 0
 
 
 def test_seeded_sampling_draws_the_same_tokens_across_a_failover(qwen3_ckpt: tuple) -> None:

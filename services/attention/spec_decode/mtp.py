@@ -34,6 +34,7 @@ from services.attention.model import (
     DenseModel,
     LayerWeights,
     Weight,
+    in_panels,
     load_layer,
     panels_for_cpu,
     shared_experts,
@@ -160,7 +161,8 @@ def mtp_block(model: DenseModel, w: MtpWeights, batch: StepBatch, hidden: torch.
     e = model.embed[batch.input_ids].masked_fill((batch.positions == 0)[:, None], 0)
     x = linear(torch.cat([rms_norm(e, w.enorm, eps), rms_norm(hidden, w.hnorm, eps)], -1),
                w.eh_proj)  # [T, H]
-    h, x = model.attention_block(w.layer, blk, x, cos, sin, batch, kv, None)
+    compiled = model.compiled_block(x, batch) if in_panels(blk) else None  # (decode rows)
+    h, x = model.attention_block(w.layer, blk, x, cos, sin, batch, kv, compiled)
     assert blk.gate is not None  # (an MTP block's MLP is a MoE: `load_layer`)
     ids, weights = route(x, blk.gate, cfg.routing_spec, blk.gate_bias)  # [T, K] each
     model.count_load(w.layer, ids)
