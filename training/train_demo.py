@@ -172,13 +172,21 @@ class Forward:
     mtp_loss: float
     logits: torch.Tensor  # [B, L, V] the main head's
     mtp_logits: torch.Tensor  # [B, L, V] at position i: the guess for token i+2
+    chain_loss: float = 0.0
+    # [B, L, V] at position j, the MTP run again on its own output at j-1 (a second
+    # draft, as served for k > 1): the guess for token j+2
+    chain_logits: torch.Tensor | None = None
 
 
 def forward(model: DeepseekV3ForCausalLM, mtp: nn.Module, ids: torch.Tensor,
-            labels: torch.Tensor, mtp_weight: float) -> Forward:
-    """The main model and the MTP module over right-padded `ids` [B, L]."""
+            labels: torch.Tensor, mtp_weight: float, chain_weight: float = 0.0,
+            train_main: bool = True) -> Forward:
+    """The main model and the MTP module over right-padded `ids` [B, L]; with
+    `chain_weight`, the MTP's second pass too (`chain`), its loss weighted so; without
+    `train_main`, the main model runs without gradients (the MTP alone trains)."""
     inner = model.model
-    out = inner(input_ids=ids)
+    with torch.set_grad_enabled(train_main and torch.is_grad_enabled()):
+        out = inner(input_ids=ids)
     hidden = out.last_hidden_state  # [B, L, H] after the final norm, as vLLM passes it
     logits = model.lm_head(hidden)  # [B, L, V]
     embed = inner.embed_tokens(ids)  # [B, L, H]
@@ -197,7 +205,35 @@ def forward(model: DeepseekV3ForCausalLM, mtp: nn.Module, ids: torch.Tensor,
     vocab = logits.shape[-1]
     main = F.cross_entropy(logits[:, :-1].reshape(-1, vocab), labels[:, 1:].reshape(-1))
     ahead = F.cross_entropy(mtp_logits[:, :-2].reshape(-1, vocab), labels[:, 2:].reshape(-1))
-    return Forward(main + mtp_weight * ahead, main.item(), ahead.item(), logits, mtp_logits)
+    loss = (main if train_main else 0.0) + mtp_weight * ahead
+    if not chain_weight:
+        return Forward(loss, main.item(), ahead.item(), logits, mtp_logits)
+    chain_logits = chain(inner, mtp, model.lm_head, x, y, nxt, positions)
+    again = F.cross_entropy(chain_logits[:, :-2].reshape(-1, vocab), labels[:, 2:].reshape(-1))
+    return Forward(loss + chain_weight * again, main.item(), ahead.item(), logits, mtp_logits,
+                   again.item(), chain_logits)
+
+
+def chain(inner: nn.Module, mtp: nn.Module, head: nn.Module, x: torch.Tensor,
+          y: torch.Tensor, nxt: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The MTP's second pass as served for a second draft (`services/attention/spec_decode/
+    mtp.py`): at position j, its own output y at j-1 [B, L, H] in place of the model's
+    hidden state, token j+1's embedding (nxt), attending to the first pass's keys before j
+    and its own at j (what the paged cache holds then). Run as one sequence of 2L rows,
+    the first pass's inputs x [B, L, H] then the second's, under that mask. Returns the
+    logits [B, L, V] of the second pass: at j, the guess for token j+2."""
+    b, n, _ = y.shape
+    prev = torch.cat([torch.zeros_like(y[:, :1]), y[:, :-1]], dim=1)  # [B, L, H]
+    x2 = mtp.eh_proj(torch.cat([mtp.enorm(nxt), mtp.hnorm(prev)], dim=-1))
+    both = torch.cat([x, x2], dim=1)  # [B, 2L, H]
+    pos = torch.cat([positions, positions], dim=1)  # [1, 2L]
+    q, k = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    allowed = torch.cat([torch.cat([k <= q, torch.zeros(n, n, dtype=torch.bool)], dim=1),
+                         torch.cat([k < q, torch.eye(n, dtype=torch.bool)], dim=1)])
+    mask = torch.zeros(2 * n, 2 * n).masked_fill(~allowed, float("-inf"))[None, None]
+    y2 = mtp(both, attention_mask=mask.expand(b, 1, -1, -1),
+             position_ids=pos, position_embeddings=inner.rotary_emb(both, pos))[:, n:]
+    return head(mtp.shared_head.norm(y2))
 
 
 class Balancer:
@@ -296,16 +332,20 @@ def evaluate(model: DeepseekV3ForCausalLM, mtp: nn.Module, enc: Encoder, seed: i
         correct += enc.tok.decode(answer) == p.answer
         labels[i, lengths[i]:lengths[i] + len(answer) + (enc.end in row)] = \
             ids[i, lengths[i]:lengths[i] + len(answer) + (enc.end in row)]
-    out = forward(model, mtp, ids, labels, 0.0)
+    out = forward(model, mtp, ids, labels, 0.0, chain_weight=1.0)
     greedy = out.logits.argmax(-1)  # [B, L]: the main model's token after position i
     guess = out.mtp_logits.argmax(-1)  # [B, L]: the MTP's token after position i+1
     # Position i+1's greedy token is the one generated there: a draft of it made at i.
-    target = labels[:, 2:] != -100
-    agree = int(((guess[:, :-2] == greedy[:, 1:-1]) & target & (labels[:, 1:-1] != -100)).sum())
-    total = int((target & (labels[:, 1:-1] != -100)).sum())
+    # A second draft made at j-1 (the chain's, at j) guesses the same token as a first
+    # draft made at j.
+    counted = (labels[:, 2:] != -100) & (labels[:, 1:-1] != -100)
+    agree = int(((guess[:, :-2] == greedy[:, 1:-1]) & counted).sum())
+    assert out.chain_logits is not None
+    again = int(((out.chain_logits.argmax(-1)[:, :-2] == greedy[:, 1:-1]) & counted).sum())
+    total = int(counted.sum())
     model.train()
     return {"exact_match": correct / n, "mtp_agreement": agree / max(total, 1),
-            "drafts": total}
+            "mtp_second_agreement": again / max(total, 1), "drafts": total}
 
 
 def save(model: DeepseekV3ForCausalLM, mtp: nn.Module, enc: Encoder, out: Path) -> None:
@@ -373,10 +413,17 @@ def main() -> None:
     ap.add_argument("--init", type=Path, default=None,
                     help="continue from a checkpoint this script saved (a new schedule and "
                          "a new data stream)")
+    ap.add_argument("--mtp-only", action="store_true",
+                    help="train the MTP layer alone, the model frozen (with --init)")
+    ap.add_argument("--mtp-chain-weight", type=float, default=0.0,
+                    help="the weight of the MTP's second pass's loss, run on its own "
+                         "output as a second draft is (`chain`)")
     ap.add_argument("--measure", type=int, default=0, metavar="N",
                     help="only measure --init on N held-out problems (seed --seed): exact "
                          "match and the MTP layer's agreement, float32 and MXFP4 experts")
     args = ap.parse_args()
+    if args.mtp_chain_weight and not args.mtp_only:
+        ap.error("--mtp-chain-weight trains the MTP alone: add --mtp-only (and --init)")
     if args.threads:
         torch.set_num_threads(args.threads)
     patch_experts()
@@ -402,7 +449,11 @@ def main() -> None:
         model = DeepseekV3ForCausalLM(model_config(enc.tok.get_vocab_size(), eos=enc.end,
                                                    bos=enc.pad))
         mtp = add_mtp_layer(model)
-    balancer = Balancer(model, args.bias_update)
+    if args.mtp_only:  # (its router's bias stays: the balancer sees the main model's rows)
+        owned = {id(p) for p in mtp.parameters()}
+        for p in model.parameters():
+            p.requires_grad_(p.requires_grad and id(p) in owned)
+    balancer = None if args.mtp_only else Balancer(model, args.bias_update)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     print(f"{sum(p.numel() for p in params) / 1e6:.2f}M trained parameters", flush=True)
@@ -418,18 +469,21 @@ def main() -> None:
         ids, labels = make_batch(enc, [draw_training(rng, args.near)
                                        for _ in range(args.batch_size)])
         weight = args.mtp_weight if step < late_from else args.mtp_weight_late
-        out = forward(model, mtp, ids, labels, weight)
+        out = forward(model, mtp, ids, labels, weight, args.mtp_chain_weight,
+                      train_main=not args.mtp_only)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        worst = balancer.update((ids != enc.pad).flatten())
+        worst = balancer.update((ids != enc.pad).flatten()) if balancer else [0.0]
         minutes = (time.monotonic() - start) / 60
         if step % 50 == 0:
             log.steps.append({"step": step, "loss": out.main_loss, "mtp_loss": out.mtp_loss,
+                              "mtp_second_loss": out.chain_loss,
                               "max_load_over_fair": max(worst), "minutes": minutes})
         if step % 200 == 0:
             print(f"step {step:5d}  loss {out.main_loss:.4f}  mtp {out.mtp_loss:.4f}  "
+                  f"second {out.chain_loss:.4f}  "
                   f"busiest/fair {max(worst):.2f}  lr {opt.param_groups[0]['lr']:.2e}  "
                   f"qat {QAT['on']}  {minutes:.1f} min", flush=True)
         if (step + 1) % args.eval_every == 0 or step == args.steps - 1:

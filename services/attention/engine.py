@@ -34,7 +34,7 @@ from services.attention.scheduler import ScheduledSeq, Scheduler
 from services.attention.sequence import Sequence
 from services.attention.spec_decode.mtp import MtpProposer, MtpWeights, Settled
 from services.attention.spec_decode.speculator import Speculator
-from services.attention.tracing import trace_request
+from services.attention.tracing import step_span, trace_request
 from services.attention.warmup import warmup_prompt
 from services.model.config import ModelConfig
 
@@ -43,8 +43,9 @@ log = logging.getLogger(__name__)
 # time, its exchanges with expert services included, and nothing of the server around it.
 _STEP_SECONDS = Histogram(
     "switchyard:engine_step_seconds",
-    "One engine step with sequences scheduled (forward, exchanges, sampling); decode: "
-    "every sequence one new token, prefill: any prompt chunk.", ["kind"],
+    "One engine step with sequences scheduled (forward, exchanges, sampling, drafting); "
+    "decode: every sequence one new token (and its drafts), prefill: any prompt chunk.",
+    ["kind"],
     buckets=(1e-3, 2.5e-3, 5e-3, 1e-2, 2e-2, 3e-2, 5e-2, 7.5e-2, 0.1, 0.15, 0.25, 0.5, 1.0,
              2.5, 5.0))
 _STEP_KINDS = {True: _STEP_SECONDS.labels("decode"), False: _STEP_SECONDS.labels("prefill")}
@@ -93,6 +94,7 @@ class Engine:
         self._seqs: dict[str, Sequence] = {}
         self.num_aborted = 0
         self.num_steps = 0  # that ran sequences (a rebalance's window counts them)
+        self._accepted = 0  # drafts accepted by the step's verification (for its span)
         self._stepping = threading.Lock()  # held by a step; close() waits for it
         self._closed = False  # then a step (a worker thread that started late) does nothing
         spec, mtp = parts.config.speculative, parts.mtp
@@ -254,13 +256,18 @@ class Engine:
             drafted = Speculator.settle(drafted, scheduled) if drafted else drafted
             start = time.perf_counter()
             try:
-                deltas = self._step(scheduled, drafted)
+                if not scheduled:  # (a lockstep backend's idle round)
+                    return self._step(scheduled, drafted)
+                with step_span(scheduled) as span:
+                    deltas = self._step(scheduled, drafted)
+                    if span is not None and drafted:
+                        span.set_attribute("switchyard.drafted", sum(drafted.values()))
+                        span.set_attribute("switchyard.accepted", self._accepted)
             except Exception as exc:
                 raise StepFailed(exc, [item.seq.request_id for item in scheduled]) from exc
-            if scheduled:  # keyed by whether every sequence decoded one token
-                self.num_steps += 1
-                _STEP_KINDS[all(item.num_new_tokens == 1 for item in scheduled)].observe(
-                    time.perf_counter() - start)
+            self.num_steps += 1  # keyed by whether every sequence decoded (its drafts too)
+            _STEP_KINDS[all(item.num_new_tokens == 1 + drafted.get(item.seq, 0)
+                            for item in scheduled)].observe(time.perf_counter() - start)
             return deltas
 
     def _step(self, scheduled: list[ScheduledSeq], drafted: dict[Sequence, int]
@@ -306,11 +313,13 @@ class Engine:
         sampled = sample(logits[[firsts[i] for i in plain]], [sampling[i] for i in plain],
                          self.model_config.eos_token_ids) if plain else None
         deltas, j = [], 0
+        self._accepted = 0
         for i, seq in enumerate(sampling):
             if seq in drafted:
                 k = drafted[seq]
                 emitted, logprobs = Speculator.accept(seq, k,
                                                       logits[firsts[i]:firsts[i] + k + 1])
+                self._accepted += len(emitted) - 1
                 deltas.append(self._emit(seq, emitted, logprobs))
             else:
                 assert sampled is not None

@@ -93,11 +93,30 @@ def _load_tokenizer(model_dir: Path, vocab_size: int, eos_token_ids: tuple[int, 
 def allowed(matchers: list[Any], vocab: int, device: torch.device) -> torch.Tensor:
     """The tokens each matcher allows next: bool [S, vocab] on `device`, unpacked there
     from the bitmasks' bytes (an eighth of the mask's size crosses to a GPU)."""
-    raw = bytearray(b"".join(m.compute_bitmask() for m in matchers))
+    return _unpack([m.compute_bitmask() for m in matchers], vocab, device)
+
+
+def allowed_along(matcher: Any, drafts: list[int], vocab: int, device: torch.device
+                  ) -> torch.Tensor:
+    """The tokens `matcher` allows at each of k drafts' positions and the one after, had
+    it consumed the drafts before: bool [k + 1, vocab] (speculation's verify step). The
+    matcher is left as it was; the drafts must be ones it accepts (`validate_tokens`)."""
+    masks = []
+    for token in drafts:
+        masks.append(matcher.compute_bitmask())
+        matcher.consume_token(token)
+    masks.append(matcher.compute_bitmask())
+    matcher.rollback(len(drafts))
+    return _unpack(masks, vocab, device)
+
+
+def _unpack(masks: list[bytes], vocab: int, device: torch.device) -> torch.Tensor:
+    """Bitmasks (one per row) as bool [S, vocab] on `device`."""
+    raw = bytearray(b"".join(masks))
     packed = torch.frombuffer(raw, dtype=torch.uint8).to(device)  # [S * 4 * ceil(n/32)]
     bits = packed[:, None].bitwise_and(torch.tensor(_BITS, dtype=torch.uint8,
                                                     device=device)).ne(0)  # [., 8]
-    mask = bits.view(len(matchers), -1)  # [S, n]: n, the tokenizer's width, may exceed vocab
+    mask = bits.view(len(masks), -1)  # [S, n]: n, the tokenizer's width, may exceed vocab
     if mask.shape[1] < vocab:  # (never built narrower; a token past it is not allowed)
         mask = torch.nn.functional.pad(mask, (0, vocab - mask.shape[1]))
     return mask[:, :vocab]

@@ -25,7 +25,6 @@ from services.attention.micro_batches import MicroBatchTuner, micro_batch_count,
 from services.attention.model import DenseModel
 from services.attention.scheduler import ScheduledSeq
 from services.attention.timeline import StepTimeline
-from services.attention.tracing import step_span
 from services.attention.warmup import warmup_routing
 from services.model.config import ModelConfig
 
@@ -84,9 +83,8 @@ class ModelRunner:
             self.experts.idle_step()
             return None
         start = time.monotonic()
-        with step_span(scheduled):
-            forward = self._forward(scheduled, groups)
-            self.tuner.observe(count, tokens, len(scheduled), time.monotonic() - start)
+        forward = self._forward(scheduled, groups)
+        self.tuner.observe(count, tokens, len(scheduled), time.monotonic() - start)
         self.model.publish_load()  # for stats(), which must not wait on the device
         return forward
 

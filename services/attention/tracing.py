@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from opentelemetry.context import Context
-from opentelemetry.trace import Link, NonRecordingSpan, set_span_in_context
+from opentelemetry.trace import Link, NonRecordingSpan, Span, set_span_in_context
 
 from common import tracing
 from common.compute import waited
@@ -40,14 +40,15 @@ def trace_request(seq: Sequence, reason: str) -> None:
 
 
 @contextmanager
-def step_span(scheduled: list[ScheduledSeq]) -> Iterator[None]:
+def step_span(scheduled: list[ScheduledSeq]) -> Iterator[Span | None]:
     """A span around one scheduler step, linked to each sampled request it serves. A step
     serves many requests, so it is a root of its own: sampled like any root, and recorded
     without per-layer detail when only a request it serves is (`tracing._follow_links`).
     It ends with the step's busy and waiting seconds (`switchyard.busy_s`,
-    `switchyard.wait_s`: blocked on the expert services, `common.compute.waiting`)."""
+    `switchyard.wait_s`: blocked on the expert services, `common.compute.waiting`).
+    Yields the span (None while tracing is off), for what the step learns at its end."""
     if not tracing.enabled():
-        yield
+        yield None
         return
     # One link per request span: a request's n choices share it.
     parents = {item.seq.trace_parent.span_id: item.seq.trace_parent for item in scheduled
@@ -60,7 +61,7 @@ def step_span(scheduled: list[ScheduledSeq]) -> Iterator[None]:
         recorded = getattr(span, "attributes", None) or {}
         start, before = time.perf_counter(), waited()
         with tracing.detail(recorded.get("switchyard.detail", True)):
-            yield
+            yield span
         # the step's bubbles: its time blocked on the expert services' answers
         wait = waited() - before
         span.set_attribute("switchyard.wait_s", wait)

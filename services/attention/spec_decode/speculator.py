@@ -9,6 +9,7 @@ import torch
 from prometheus_client import Counter
 
 from common.messages import TokenLogprobs
+from services.attention.grammar import allowed_along
 from services.attention.sampler import GREEDY_BELOW, sampling_probs, token_logprobs
 from services.attention.scheduler import ScheduledSeq
 from services.attention.sequence import Sequence
@@ -27,10 +28,11 @@ _ACCEPTED_AT = Counter("switchyard:spec_decode_num_accepted_tokens_per_pos",
 
 
 def may_speculate(seq: Sequence) -> bool:
-    """Whether `seq`'s distribution at a position depends on the logits there and its
-    fixed sampling parameters only (no penalties, biases or grammar)."""
+    """Whether `seq`'s distribution at a position depends on the logits there, its fixed
+    sampling parameters and its grammar only (no penalties or biases, which depend on the
+    tokens before in other ways)."""
     p = seq.sampling
-    return not p.penalized and not p.biased and seq.matcher is None and not seq.warmup
+    return not p.penalized and not p.biased and not seq.warmup
 
 
 def speculates(seq: Sequence) -> bool:
@@ -71,6 +73,8 @@ class Speculator:
                 continue
             drafts = pending[:room] if self.mtp else propose(
                 seq.token_ids, room, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+            if drafts and seq.matcher is not None:  # cut at the first the grammar forbids
+                drafts = drafts[:seq.matcher.validate_tokens(drafts)]
             if drafts:
                 seq.token_ids.extend(drafts)
                 drafted[seq] = len(drafts)
@@ -108,16 +112,19 @@ class Speculator:
                ) -> tuple[list[int], list[TokenLogprobs] | None]:
         """The tokens `seq` emits for its `k` drafts, given the target's logits [k + 1, V]
         (float32) at the drafts' positions and the one after: the accepted drafts, then a
-        recovered or bonus token (`rejection.verify` over its sampling distribution; a
-        seeded request draws from its generator as seeded for this step), with their
-        log-probabilities where asked. The drafts are taken off `seq.token_ids`."""
+        recovered or bonus token (`rejection.verify` over its sampling distribution, its
+        grammar's mask at each position applied; a seeded request draws from its
+        generator as seeded for this step), with their log-probabilities where asked. The
+        drafts are taken off `seq.token_ids`."""
         drafts = seq.token_ids[len(seq.token_ids) - k:]
         del seq.token_ids[len(seq.token_ids) - k:]
         p = seq.sampling
+        target = logits if seq.matcher is None else logits.masked_fill(
+            ~allowed_along(seq.matcher, drafts, logits.shape[-1], logits.device), float("-inf"))
         if p.temperature < GREEDY_BELOW:
-            emitted = verify(logits, drafts, None, greedy=True)
+            emitted = verify(target, drafts, None, greedy=True)
         else:
-            emitted = verify(sampling_probs(logits, [p] * (k + 1)), drafts, None,
+            emitted = verify(sampling_probs(target, [p] * (k + 1)), drafts, None,
                              greedy=False, generator=seq.next_draw())
         accepted = len(emitted) - 1
         _DRAFTS.inc()

@@ -1,5 +1,6 @@
 """The engine samples only what a request's grammar allows (llguidance matchers over the
-demo model's tokenizer), and refuses alone a grammar it cannot match."""
+demo model's tokenizer), with speculation too (drafts the grammar forbids cut, each
+position verified under its own mask), and refuses alone a grammar it cannot match."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import re
 
 import pytest
+from prometheus_client import REGISTRY
 
 from common.messages import GenerateRequest, SamplingParams
 from gateway.structured_outputs import JsonSchema, ResponseFormat, StructuredOutputs, grammar
@@ -14,12 +16,18 @@ from gateway.tokenizer import Tokenizer
 from services.attention.builder import build_engine
 from services.attention.config import AttentionConfig
 from services.attention.engine import Engine
+from services.attention.spec_decode.config import parse_speculative_config
 from switchyard.demo_model import DEFAULT_MODEL
 
+SPECULATION = [None, '{"method": "mtp", "num_speculative_tokens": 3}',
+               '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}']
 
-@pytest.fixture(scope="module")
-def demo_engine() -> Engine:
-    return build_engine(AttentionConfig(model=DEFAULT_MODEL, max_num_batched_tokens=64))
+
+@pytest.fixture(scope="module", params=SPECULATION, ids=["off", "mtp", "ngram"])
+def demo_engine(request: pytest.FixtureRequest) -> Engine:
+    return build_engine(AttentionConfig(
+        model=DEFAULT_MODEL, max_num_batched_tokens=64,
+        speculative=parse_speculative_config(request.param)))
 
 
 def generate(engine: Engine, constraint: str, n: int = 4, max_tokens: int = 40
@@ -41,9 +49,14 @@ def generate(engine: Engine, constraint: str, n: int = 4, max_tokens: int = 40
     return [(tok.decode(tokens[f"r{i}"]), reasons[f"r{i}"]) for i in range(n)]
 
 
+def _drafts() -> float:
+    return REGISTRY.get_sample_value("switchyard:spec_decode_num_drafts_total") or 0.0
+
+
 def test_the_engine_samples_only_what_the_grammar_allows(demo_engine: Engine) -> None:
     """The model answers "579" unconstrained; each constraint holds greedy and at
     temperature 1.5, and a complete grammar ends the answer."""
+    before = _drafts()
     for text, reason in generate(demo_engine, grammar(None, StructuredOutputs(
             regex=r"[0-9]{2}-[a-z]"))):
         assert re.fullmatch(r"[0-9]{2}-[a-z]", text) and reason == "stop", text
@@ -59,6 +72,8 @@ def test_the_engine_samples_only_what_the_grammar_allows(demo_engine: Engine) ->
     for text, _ in generate(demo_engine, grammar(ResponseFormat("json_object"), None),
                             n=2, max_tokens=12):
         assert text.startswith("{")  # (12 tokens may end before the object does)
+    if demo_engine.speculator is not None:  # and it did speculate under the grammars
+        assert _drafts() > before
 
 
 def test_a_grammar_the_engine_cannot_match_is_refused_alone(demo_engine: Engine,
