@@ -1,5 +1,6 @@
 """`/dashboard`: per-expert latency and load over a recent window, the expert ranks' load
-and balancedness, the last expert rebalance, per-service health and busy share.
+and balancedness, the last expert rebalance, speculation's acceptance, per-service health
+and busy share.
 
 The page (static files shipped with the package, no CDN) polls `/dashboard/data`. Each
 poll uses the services' latest scrape (`gateway.service_metrics`, shared with `/metrics`)
@@ -12,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections import deque
 from functools import partial
 from pathlib import Path
 
@@ -29,6 +31,48 @@ from gateway.serving import Serving, json_response
 STATIC = Path(__file__).parent / "static"
 SLOWEST = 10
 BUSY = "switchyard:busy_fraction"
+# vLLM's speculation counters, as the attention services export them
+DRAFTS, DRAFT_TOKENS, ACCEPTED = (f"switchyard:spec_decode_num_{name}" for name in (
+    "drafts", "draft_tokens", "accepted_tokens"))
+
+
+class SpeculationWindow:
+    """Speculation's acceptance over a recent window: the counters' totals over the
+    attention services at each poll, kept for `MAX_WINDOW_S`; a window's figures are the
+    differences from the oldest poll inside it (as Prometheus' `increase()`), or from
+    zero while the window reaches back past the first poll (everything since start)."""
+
+    def __init__(self) -> None:
+        self._polls: deque[tuple[float, dict[str, float]]] = deque()
+        self._trimmed = False  # polls dropped: the first kept is not the start
+
+    def observe(self, scrapes: list[Scrape], now: float) -> None:
+        totals = dict.fromkeys((DRAFTS, DRAFT_TOKENS, ACCEPTED), 0.0)
+        for scrape in scrapes:
+            for family in scrape.families:
+                if family.name in totals:
+                    totals[family.name] += sum(s.value for s in family.samples
+                                               if s.name.endswith("_total"))
+        self._polls.append((now, totals))
+        while self._polls[0][0] < now - MAX_WINDOW_S:
+            self._polls.popleft()
+            self._trimmed = True
+
+    def summary(self, now: float, window: float) -> dict[str, float | None]:
+        """Drafts, draft tokens and accepted tokens in the window; the acceptance rate
+        (accepted / draft tokens) and mean accepted length (1 + accepted / drafts: the
+        tokens a verify step emits), None without drafts."""
+        if not self._polls:
+            return {"drafts": 0, "draft_tokens": 0, "accepted": 0, "acceptance": None,
+                    "mean_accepted_length": None}
+        start, last = self._polls[0][0], self._polls[-1][1]
+        first = dict.fromkeys(last, 0.0) if start >= now - window and not self._trimmed \
+            else next(t for at, t in self._polls if at >= now - window)
+        drafts, tokens, accepted = (last[k] - first[k] for k in (DRAFTS, DRAFT_TOKENS,
+                                                                 ACCEPTED))
+        return {"drafts": drafts, "draft_tokens": tokens, "accepted": accepted,
+                "acceptance": accepted / tokens if tokens else None,
+                "mean_accepted_length": 1 + accepted / drafts if drafts else None}
 
 
 class Dashboard:
@@ -39,6 +83,7 @@ class Dashboard:
         self.window = ExpertWindow()
         self._lock = anyio.Lock()
         self._absorbed: list[Scrape] | None = None  # the scrape already in the totals
+        self.speculation = SpeculationWindow()
 
     async def data(self, window: float) -> dict[str, object]:
         scrapes = await self.serving.services.scrape()
@@ -63,6 +108,7 @@ class Dashboard:
         now = time.monotonic()
         if scrapes is not self._absorbed:
             self.window.absorb(scrapes, now)
+            self.speculation.observe(scrapes, now)
             self._absorbed = scrapes
         recent, age = self.window.recent(now, window)
         experts = [{"layer": int(k[1]), "expert": int(k[2]),
@@ -77,7 +123,7 @@ class Dashboard:
                         if k[0] == "rank"})
         # window_s None: everything since the services started
         return {"window_s": age, "experts": experts, "slowest": slowest, "stages": stages,
-                "balance": load}
+                "balance": load, "speculation": self.speculation.summary(now, window)}
 
 
 def busy(scrape: Scrape) -> dict[str, float]:

@@ -119,6 +119,11 @@ function render(d) {
       + `${rebalance.duration_s.toFixed(2)} s (load ${rebalance.load_s.toFixed(2)} s), `
       + `placement version ${rebalance.version}, ${rebalance.moved} copies moved`
       + (rebalance.error ? `, failed: ${rebalance.error}` : "");
+  const spec = d.speculation;
+  $("speculation").textContent = !spec.drafts ? "no drafts in the window"
+    : `acceptance ${Math.round(100 * spec.acceptance)}% of ${spec.draft_tokens} draft tokens; `
+      + `mean accepted length ${spec.mean_accepted_length.toFixed(2)} tokens a verify step `
+      + `(${spec.drafts} drafts)`;
   $("stages").tBodies[0].replaceChildren(...d.stages.map((x) => row(
     [x.stage, x.backend, x.calls, seconds(x.p50_s), seconds(x.p99_s)], [2, 3, 4])));
   const busy = (b) => Object.entries(b || {})

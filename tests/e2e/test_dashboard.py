@@ -6,6 +6,7 @@ SWITCHYARD_DASHBOARD_SCREENSHOT=PATH saves what it showed (docs/dashboard.png)."
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from itertools import product
@@ -49,12 +50,15 @@ def bucket_range(counts: dict[float, float], q: float) -> tuple[float, float]:
     return (bounds[i - 1] if i else 0.0), bounds[i]
 
 
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": null}'
+
+
 def test_dashboard_in_chromium(qwen3_ckpt: tuple) -> None:
     path, _ = qwen3_ckpt
     cfg = ModelConfig.from_dir(path)
     moe_layers = cfg.moe_layer_ids
     with Served(["--model", str(path), "--expert-services", "2", "--enable-eplb",
-                 "--eplb-interval", "0"]) as served, \
+                 "--eplb-interval", "0", "--speculative-config", NGRAM]) as served, \
             chromium() as browser:
         generate(served.url, seed=81, lengths=(9, 14, 6, 11))
         samples = scrape(f"{served.url}/metrics")
@@ -123,6 +127,17 @@ def test_dashboard_in_chromium(qwen3_ckpt: tuple) -> None:
 
         assert browser.find_element("id", "rebalance").text == \
             "expert rebalancing: on, none yet"
+
+        # Speculation's acceptance, as /metrics counts it (n-gram drafts of up to 3).
+        spec = {name: sum(samples[f"switchyard:spec_decode_num_{name}_total"].values())
+                for name in ("drafts", "draft_tokens", "accepted_tokens")}
+        assert spec["drafts"] > 0
+        percent = math.floor(100 * spec["accepted_tokens"] / spec["draft_tokens"] + 0.5)
+        assert browser.find_element("id", "speculation").text == (  # (JS's Math.round)
+            f"acceptance {percent}% of "
+            f"{spec['draft_tokens']:g} draft tokens; mean accepted length "
+            f"{1 + spec['accepted_tokens'] / spec['drafts']:.2f} tokens a verify step "
+            f"({spec['drafts']:g} drafts)")
 
         # Live: more load shows up without reloading the page.
         generate(served.url, seed=82, lengths=(13,))

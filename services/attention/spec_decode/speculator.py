@@ -63,13 +63,10 @@ class Speculator:
 
     def draft(self, running: list[Sequence]) -> dict[Sequence, int]:
         """Append drafts to each running sequence that may speculate; how many each got."""
-        if not self.active(len(running)):
-            return {}
-        drafted = {}
+        active, drafted = self.active(len(running)), {}
         for seq in running:
-            pending, seq.drafts = seq.drafts, []  # (MTP's, made for this step)
-            room = self.room(seq)
-            if not speculates(seq) or room < 1:
+            pending, seq.drafts = seq.drafts, []  # (MTP's, made for this step only)
+            if not active or not speculates(seq) or (room := self.room(seq)) < 1:
                 continue
             drafts = pending[:room] if self.mtp else propose(
                 seq.token_ids, room, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
