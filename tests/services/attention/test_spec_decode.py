@@ -125,14 +125,16 @@ def test_a_seeded_verification_draws_the_same_tokens() -> None:
     assert runs[0] == runs[1]
 
 
-def _spec_engine(path: object, spec: str | None, **kw: object) -> object:
+def _spec_engine(path: object, spec: str | None, graph_capture: object = None,
+                 **kw: object) -> object:
     from services.attention.builder import build_engine
     from services.attention.config import AttentionConfig
     from services.attention.spec_decode.config import parse_speculative_config
 
     settings = {"kv_cache_memory": 1 << 24, "max_num_batched_tokens": 64, **kw}
     return build_engine(AttentionConfig(model=path, speculative=parse_speculative_config(spec),
-                                        **settings))  # type: ignore[arg-type]
+                                        **settings),  # type: ignore[arg-type]
+                        graph_capture)  # type: ignore[arg-type]
 
 
 def _drafted() -> float:
@@ -422,3 +424,26 @@ def test_the_bundled_models_mtp_keeps_its_answers(k: int) -> None:
     assert outputs[_mtp(k)] == outputs[None]
     accepted, drafted = counts[_mtp(k)]
     assert drafted >= 12 and accepted / drafted > 0.7
+
+
+def test_verify_steps_replay_the_decode_graphs(deepseek_v3_mtp_ckpt: tuple) -> None:
+    """The CUDA-graph path (re-run eagerly on a CPU): a verify step's rows are decode
+    rows, each over its own keys, so a step of 1 + k rows a sequence replays the decode
+    graphs as any decode step; the MTP passes run eagerly. Greedy tokens are
+    transformers', and graphs of 3 and more rows ran (verify steps)."""
+    from services.attention.graphs import eager_capture
+    from tests.support.engines import greedy, reference_greedy, run_to_completion
+
+    path, model, _ = deepseek_v3_mtp_ckpt
+    engine = _spec_engine(path, _mtp(2), cuda_graph_max_batch=8, cuda_graph_max_len=64,
+                          graph_capture=eager_capture)
+    try:
+        got = run_to_completion(engine, {  # type: ignore[arg-type]
+            0: [greedy("a", list(SPEC_PROMPTS[0]), 20)],
+            2: [greedy("b", list(SPEC_PROMPTS[2]), 16)]})
+        replays = engine.runner.graphs.replays  # type: ignore[attr-defined]
+    finally:
+        engine.close()  # type: ignore[attr-defined]
+    assert got == {"a": reference_greedy(model, list(SPEC_PROMPTS[0]), 20),
+                   "b": reference_greedy(model, list(SPEC_PROMPTS[2]), 16)}
+    assert any(rows >= 4 for rows, _ in replays)  # (3 rows and up pad to 4)
