@@ -8,7 +8,8 @@ model (its default topology, or FLAGS after `--`) answers held-out arithmetic qu
 through the chat API, greedy, each answer as long as the model makes it (no
 `ignore_eos`). At each concurrency, `--requests` questions (at least 4x the
 concurrency); the configurations run in turn for `--rounds` rounds (this machine is
-noisy), medians reported:
+noisy), medians reported, and each "vs off" the median over rounds of the ratio to that
+round's off:
 
 - output tokens/s over the level, and the median and p90 request latency;
 - the acceptance rate (accepted / drafted tokens) and the mean accepted length
@@ -101,11 +102,15 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--disable-by-batch-size", type=int, default=None, metavar="N",
+                    help="speculation's threshold (default: the method's; 0: none)")
     ap.add_argument("--json", default=None, help="write every round's figures here")
     ap.add_argument("flags", nargs="*", help="serve's flags (after --)")
     args = ap.parse_args()
+    limit = {} if args.disable_by_batch_size is None else {
+        "disable_by_batch_size": args.disable_by_batch_size or None}
     configs = {"off": [], **{f"MTP k={k}": ["--speculative-config", json.dumps(
-        {"method": "mtp", "num_speculative_tokens": k})] for k in args.k}}
+        {"method": "mtp", "num_speculative_tokens": k, **limit})] for k in args.k}}
     rounds: dict[str, list[dict[int, dict]]] = {name: [] for name in configs}
     for r in range(args.rounds):
         for name, spec in configs.items():
@@ -118,18 +123,18 @@ def main() -> None:
           "vs off | p90 (ms) | acceptance | mean accepted length | answers as off |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for c in args.concurrency:
-        base = {key: statistics.median(r[c][key] for r in rounds["off"])
-                for key in ("tokens_per_s", "latency_ms")}
         for name, runs in rounds.items():
             med = {key: statistics.median(r[c][key] for r in runs)
                    for key in ("tokens_per_s", "latency_ms", "p90_ms")}
+            ratio = {key: statistics.median(r[c][key] / off[c][key] for r, off in zip(
+                runs, rounds["off"], strict=True)) for key in ("tokens_per_s", "latency_ms")}
             acc = [r[c]["acceptance"] for r in runs if r[c]["acceptance"] is not None]
             length = [r[c]["accepted_length"] for r in runs
                       if r[c]["accepted_length"] is not None]
             same = all(r[c]["answers"] == rounds["off"][0][c]["answers"] for r in runs)
             print(f"| {c} | {name} | {med['tokens_per_s']:.0f} | "
-                  f"{med['tokens_per_s'] / base['tokens_per_s']:.2f}x | "
-                  f"{med['latency_ms']:.1f} | {med['latency_ms'] / base['latency_ms']:.2f}x | "
+                  f"{ratio['tokens_per_s']:.2f}x | "
+                  f"{med['latency_ms']:.1f} | {ratio['latency_ms']:.2f}x | "
                   f"{med['p90_ms']:.1f} | "
                   f"{f'{statistics.median(acc):.0%}' if acc else '-'} | "
                   f"{f'{statistics.median(length):.2f}' if length else '-'} | "

@@ -24,16 +24,22 @@ pytestmark = pytest.mark.timeout(300)
 ARITH = "123+456="
 
 
+MTP = '{"method": "mtp", "num_speculative_tokens": 2, "disable_by_batch_size": null}'
+
+
 @pytest.fixture(scope="module")
 def secret(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The cluster secret `demo`'s services share: an operator's tool must prove it."""
     return ClusterSecret.generate().write(tmp_path_factory.mktemp("secret") / "secret")
 
 
-@pytest.fixture(scope="module")
-def demo(secret: Path) -> Iterator[Served]:
-    """The bundled model, with its tokenizer and chat template."""
-    with Served([], env={"SWITCHYARD_CLUSTER_SECRET_FILE": str(secret)}) as served:
+@pytest.fixture(scope="module", params=[None, MTP], ids=["plain", "speculating"])
+def demo(secret: Path, request: pytest.FixtureRequest) -> Iterator[Served]:
+    """The bundled model, with its tokenizer and chat template; each test twice, without
+    speculation and with its MTP layer's drafts (stop strings, logprobs, seeds, bias,
+    grammars and the rest keep their meaning)."""
+    spec = {"SWITCHYARD_SPECULATIVE_CONFIG": request.param} if request.param else {}
+    with Served([], env={"SWITCHYARD_CLUSTER_SECRET_FILE": str(secret), **spec}) as served:
         yield served
 
 

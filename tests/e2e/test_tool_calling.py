@@ -30,6 +30,7 @@ CITY = {"type": "function", "function": {
         "required": ["city", "days"], "additionalProperties": False}}}
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 GREEDY: dict[str, Any] = dict(temperature=0, max_tokens=120)
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": null}'
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +47,13 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def served(model_dir: Path) -> Iterator[Served]:
+@pytest.fixture(scope="module", params=[[], ["--speculative-config", NGRAM]],
+                ids=["plain", "speculating"])
+def served(model_dir: Path, request: pytest.FixtureRequest) -> Iterator[Served]:
+    """Each test twice: without speculation, and with n-gram drafts (a call's JSON
+    repeats itself; a named or required call's grammar cuts the drafts it forbids)."""
     with Served(["--model", str(model_dir), "--enable-auto-tool-choice",
-                 "--tool-call-parser", "hermes"]) as s:
+                 "--tool-call-parser", "hermes", *request.param]) as s:
         yield s
 
 

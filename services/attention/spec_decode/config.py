@@ -15,11 +15,13 @@ from dataclasses import dataclass
 # "ngram": the sequence's own tokens (prompt lookup), `ngram.py`
 METHODS = ("mtp", "ngram")
 MAX_SPECULATIVE_TOKENS = 8
-# Steps of more running sequences do not speculate by default: measured on 2 cores
-# (docs/benchmarks.md, "Speculative decoding"), a verify step of k = 1 costs 1.18x a
-# plain step at 1 sequence and about 1.3x from 16 on, k = 3 1.6x and 1.9-2.3x; a busy
-# server is bound by throughput, which drafts rejected at that price would cut.
-DISABLE_BY_BATCH_SIZE = 8
+# Steps of more running sequences do not speculate by default, by method: measured on 2
+# cores (docs/benchmarks.md, "Speculative decoding"). N-gram: a verify step of k = 1 costs
+# 1.18x a plain step at 1 sequence and about 1.3x from 16 on, k = 3 1.6x and 1.9-2.3x; a
+# busy server is bound by throughput, which drafts rejected at that price would cut.
+# MTP pays a pass of its layer a step besides: served, the bundled model's k = 2 gained
+# at 1 to 4 concurrent requests and lost 10-12% of its throughput at 8 and 16.
+DISABLE_BY_BATCH_SIZE = {"mtp": 4, "ngram": 8}
 
 
 @dataclass(frozen=True)
@@ -29,13 +31,13 @@ class SpeculativeConfig:
     num_speculative_tokens: the most drafts a sequence takes a step (k).
     prompt_lookup_min, prompt_lookup_max: the n-gram lengths tried, longest first.
     disable_by_batch_size: a step with more running sequences than this does not
-        speculate (`DISABLE_BY_BATCH_SIZE` unless given; null: never disabled)."""
+        speculate (the method's `DISABLE_BY_BATCH_SIZE` unless given; null: never)."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
-    disable_by_batch_size: int | None = DISABLE_BY_BATCH_SIZE
+    disable_by_batch_size: int | None = DISABLE_BY_BATCH_SIZE["ngram"]
 
     @property
     def mtp(self) -> bool:
@@ -79,7 +81,8 @@ def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
                          f"not {method!r}")
     if "num_speculative_tokens" not in raw:
         raise ValueError("--speculative-config: num_speculative_tokens is required")
-    config = SpeculativeConfig(**raw)
+    config = SpeculativeConfig(**{"disable_by_batch_size": DISABLE_BY_BATCH_SIZE[method],
+                                  **raw})
     for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
         value = getattr(config, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -177,18 +177,23 @@ def test_ngram_speculation_keeps_the_greedy_tokens(qwen3_ckpt: tuple, k: int) ->
     assert accepted > 0
 
 
-def test_speculation_with_preemption_and_prefix_caching(qwen3_ckpt: tuple) -> None:
+@pytest.mark.parametrize(("method", "checkpoint"), [("ngram", "qwen3_ckpt"),
+                                                  ("mtp", "deepseek_v3_mtp_ckpt")])
+def test_speculation_with_preemption_and_prefix_caching(
+        method: str, checkpoint: str, request: pytest.FixtureRequest) -> None:
     """A KV budget that preempts: drafts of a preempted sequence are taken back, its
-    recomputation finds its cached prefix, and the tokens stay those without drafts."""
+    recomputation finds its cached prefix (MTP: its MTP layer's KV in the same blocks),
+    and the tokens stay those without drafts."""
     from services.attention.kv_cache import kv_bytes_per_block
     from services.model.config import ModelConfig
     from tests.support.engines import greedy, run_to_completion
 
-    path = qwen3_ckpt[0]
-    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
+    path = request.getfixturevalue(checkpoint)[0]
+    spec = json.dumps({"method": method, "num_speculative_tokens": 3})
     outputs, preemptions = {}, {}
     # 24 blocks of 4 tokens: the three sequences need about 45 at their longest
-    budget = 24 * kv_bytes_per_block(ModelConfig.from_dir(path), 4, torch.float32)
+    cfg = ModelConfig.from_dir(path)
+    budget = 24 * kv_bytes_per_block(cfg, 4, torch.float32, cfg.num_layers + cfg.mtp_layers)
     for setting in (None, spec):
         engine = _spec_engine(path, setting, kv_cache_memory=budget, block_size=4,
                               max_num_batched_tokens=32)
@@ -203,8 +208,8 @@ def test_speculation_with_preemption_and_prefix_caching(qwen3_ckpt: tuple) -> No
 
 
 def test_no_drafts_above_the_batch_size_threshold() -> None:
-    """`disable_by_batch_size` (8 unless given; null: never): a step with more running
-    sequences than that drafts for none of them."""
+    """`disable_by_batch_size` (8 for n-gram, 4 for MTP unless given; null: never): a step
+    with more running sequences than that drafts for none of them."""
     from common.messages import SamplingParams
     from services.attention.sequence import Sequence
     from services.attention.spec_decode.config import parse_speculative_config
@@ -225,6 +230,8 @@ def test_no_drafts_above_the_batch_size_threshold() -> None:
         '{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": null}'),
         100)
     assert len(never.draft(running(9))) == 9
+    mtp = parse_speculative_config('{"method": "mtp", "num_speculative_tokens": 1}')
+    assert mtp is not None and mtp.disable_by_batch_size == 4
 
 
 @pytest.mark.parametrize(("text", "error"), [
