@@ -305,12 +305,17 @@ class DcpPlan(msgspec.Struct, frozen=True, tag=True):
     ends the peers); `micro_batches`: how many of them each micro-batch of a pipelined
     step takes, in order (empty: one batch). `heartbeat`: no step, the leader is idle
     (every `dcp.group.HEARTBEAT_S`) and every rank answers, so that a silent link is
-    found on both ends within the group's collective timeout."""
+    found on both ends within the group's collective timeout. `mtp_source`: not a step
+    but a pass of the MTP layer (speculative decoding's drafter) over `seqs` (each
+    position's next token), its input hidden states rows `mtp_rows` of the last step's
+    output ("step") or of the last MTP pass's ("pass"): every rank holds both."""
 
     seqs: list[DcpSeqPlan]
     stop: bool = False
     micro_batches: list[int] = msgspec.field(default_factory=list)
     heartbeat: bool = False
+    mtp_source: str = ""
+    mtp_rows: list[int] = msgspec.field(default_factory=list)
 
 
 class NcclUniqueId(msgspec.Struct, frozen=True):

@@ -36,6 +36,12 @@ class SingleRank:
         """A pipelined step's micro-batches (each its sequences and sampled rows)."""
         return [self.batch(seqs, rows) for seqs, rows in plans]
 
+    def mtp_batch(self, seqs: list[DcpSeqPlan], logits_rows: list[int], source: str,
+                  rows: list[int]) -> StepBatch:
+        """An MTP pass's inputs (`DcpPlan.mtp_source`: a group's peers run it too, from
+        rows `rows` of their own copy of its input hidden states)."""
+        return SingleRank.batch(self, seqs, logits_rows)
+
     def experts(self, client: ExpertsClient) -> ExpertsClient:
         """The MoE seam the model calls, given the dispatch backend's client."""
         return client
@@ -76,6 +82,11 @@ class DcpLeader(SingleRank):
         self.group.send_plan(DcpPlan([s for seqs, _ in plans for s in seqs],
                                      micro_batches=[len(seqs) for seqs, _ in plans]))
         return [SingleRank.batch(self, seqs, rows) for seqs, rows in plans]
+
+    def mtp_batch(self, seqs: list[DcpSeqPlan], logits_rows: list[int], source: str,
+                  rows: list[int]) -> StepBatch:
+        self.group.send_plan(DcpPlan(seqs, mtp_source=source, mtp_rows=rows))
+        return SingleRank.batch(self, seqs, logits_rows)
 
     def experts(self, client: ExpertsClient) -> ExpertsClient:
         return GroupExperts(self.group, client)

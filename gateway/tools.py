@@ -142,9 +142,11 @@ def call_schema(tools: list[Tool] | None, tool_choice: ToolChoice | None
             if defs.setdefault(name, schema) != schema:
                 raise bad_request(f"Tool definition '{name}' has multiple schemas, which is "
                                   "not supported.", "tools")
+        # vLLM's, but closed: a call is its name and parameters, and a key besides them
+        # (a sampled path may write one) would leave an object the parser cannot take
         calls.append({"properties": {"name": {"type": "string", "enum": [tool.function.name]},
                                      "parameters": parameters},
-                      "required": ["name", "parameters"]})
+                      "required": ["name", "parameters"], "additionalProperties": False})
     schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": calls}}
     return {**schema, "$defs": defs} if defs else schema
 

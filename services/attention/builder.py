@@ -62,7 +62,7 @@ def build_engine(config: AttentionConfig, graph_capture: Capture | None = None) 
     quantization = check_quantization(cfg, config.quantization)
     dispatch = backend(config.dispatch_backend, device, quantization)
     spec = config.speculative
-    check_speculative(spec, dispatch.collective, config.dcp_size)
+    check_speculative(spec, dispatch.collective)
     drafts_mtp = spec is not None and spec.mtp
     if dispatch.deepep_settings:
         check_step_budget(config.deepep, config.max_num_batched_tokens)

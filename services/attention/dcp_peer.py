@@ -16,6 +16,7 @@ from dcp.sharding import Sharding
 from services.attention.config import AttentionConfig
 from services.attention.kv_cache import KVCache, kv_bytes_per_block
 from services.attention.model import DenseModel
+from services.attention.spec_decode.mtp import load_mtp, mtp_block
 from services.model.checkpoint import Checkpoint
 from services.model.config import ModelConfig
 
@@ -34,9 +35,13 @@ def run_peer(config: AttentionConfig) -> None:
                      collective_backend(device), config.rendezvous_timeout,
                      collective_timeout(config.expert_timeout, config.link_timeout))
     model = DenseModel(cfg, checkpoint, dtype, group.attend, device)
+    drafts_mtp = config.speculative is not None and config.speculative.mtp
+    mtp = load_mtp(checkpoint, cfg, dtype, device) if drafts_mtp else None
     checkpoint.close()
-    num_blocks = config.kv_cache_memory // kv_bytes_per_block(cfg, config.block_size, dtype)
-    kv = KVCache(cfg, num_blocks, config.block_size, dtype, device)
+    layers = cfg.num_layers + int(drafts_mtp)  # (as the leader's cache: `builder`)
+    num_blocks = config.kv_cache_memory // kv_bytes_per_block(cfg, config.block_size, dtype,
+                                                              layers)
+    kv = KVCache(cfg, num_blocks, config.block_size, dtype, device, layers)
     sharding, experts = Sharding(config.dcp_size, config.dcp_interleave), GroupExperts(group,
                                                                                       None)
     # /metrics only once loaded and joined: it is what a deployment's healthcheck asks.
@@ -44,6 +49,8 @@ def run_peer(config: AttentionConfig) -> None:
     log.info("DCP rank %d/%d ready: %d KV blocks", config.dcp_rank, config.dcp_size,
              num_blocks)
     report_ready(config.ready_fd, 0, None)
+    # the last step's hidden states and the last MTP pass's output, as the leader's
+    hidden = passed = torch.empty(0)
     try:
         while not (plan := group.receive_plan()).stop:
             if plan.heartbeat:
@@ -54,10 +61,14 @@ def run_peer(config: AttentionConfig) -> None:
                                         config.block_size, cfg.sliding_window, []).to(device)
                        for a, b in pairwise(cuts)]
             try:  # the leader's split: the group's collectives in the same order
-                if len(batches) == 1:
-                    model.forward(batches[0], kv, experts)
+                if plan.mtp_source and mtp is not None:
+                    source = hidden if plan.mtp_source == "step" else passed
+                    rows = torch.tensor(plan.mtp_rows, dtype=torch.int64, device=device)
+                    passed = mtp_block(model, mtp, batches[0], source[rows], kv, experts)
+                elif len(batches) == 1:
+                    hidden = model.forward(batches[0], kv, experts)
                 else:
-                    model.forward_pipelined(batches, kv, experts.start)
+                    hidden = torch.cat(model.forward_pipelined(batches, kv, experts.start))
             except StepAborted as exc:  # the leader fails the step's sequences
                 log.warning("step dropped: %s", exc)
     finally:

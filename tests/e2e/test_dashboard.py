@@ -31,11 +31,15 @@ TABLES = """return ['slowest', 'services', 'ranks'].map(id =>
         [...tr.cells].map(td => td.textContent)))"""
 
 
-def generate(url: str, seed: int, lengths: tuple[int, ...]) -> None:
+def generate(url: str, seed: int, lengths: tuple[int, ...], repeat: bool = False) -> None:
+    """Random prompts of `lengths`; with `repeat`, one more that repeats itself (greedy,
+    where n-gram drafts find matches)."""
     name = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
-    for prompt in prompts(seed=seed, lengths=lengths):
+    bodies = [{"prompt": p} for p in prompts(seed=seed, lengths=lengths)]
+    bodies += [{"prompt": [5, 6, 7, 8] * 4, "temperature": 0}] if repeat else []
+    for body in bodies:
         r = httpx.post(f"{url}/v1/completions", timeout=60, json={
-            "model": name, "prompt": prompt, "max_tokens": 6, "ignore_eos": True})
+            "model": name, "max_tokens": 6, "ignore_eos": True, **body})
         assert r.status_code == 200, r.text
 
 
@@ -60,7 +64,7 @@ def test_dashboard_in_chromium(qwen3_ckpt: tuple) -> None:
     with Served(["--model", str(path), "--expert-services", "2", "--enable-eplb",
                  "--eplb-interval", "0", "--speculative-config", NGRAM]) as served, \
             chromium() as browser:
-        generate(served.url, seed=81, lengths=(9, 14, 6, 11))
+        generate(served.url, seed=81, lengths=(9, 14, 6, 11), repeat=True)
         samples = scrape(f"{served.url}/metrics")
         tokens = per_expert(samples, TOKENS)
         browser.get(f"{served.url}/dashboard?window=900&refresh=0.5")

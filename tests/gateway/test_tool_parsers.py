@@ -107,6 +107,7 @@ def test_named_and_required_choices_constrain_as_vllm_does() -> None:
     assert required is not None and required["type"] == "array" and required["minItems"] == 1
     assert [c["properties"]["name"]["enum"] for c in required["items"]["anyOf"]] == \
         [["get_weather"], ["get_time"]]
+    assert all(c["additionalProperties"] is False for c in required["items"]["anyOf"])
     for built in (body, request(tools=[WEATHER, TIME], tool_choice="required")):
         assert built.grammar() is not None  # llguidance builds it
     # a response_format besides is one constraint too many

@@ -44,20 +44,14 @@ class SpeculativeConfig:
         return self.method == "mtp"
 
 
-def check_speculative(config: SpeculativeConfig | None, collective: bool,
-                      dcp_size: int) -> None:
+def check_speculative(config: SpeculativeConfig | None, collective: bool) -> None:
     """A ValueError where the deployment cannot draft as `config` asks: MTP drafts run
     their MoE layer outside the decoder's round of layers, which a collective backend's
-    expert ranks cannot follow, and a DCP group's peers do not run them yet."""
-    if config is None or not config.mtp:
-        return
-    if collective:
+    expert ranks cannot follow."""
+    if config is not None and config.mtp and collective:
         raise ValueError("--speculative-config: method 'mtp' needs a point-to-point dispatch "
                          "backend (local or rpc); a collective backend's expert ranks serve "
                          "a fixed round of layers a step (use 'ngram' with it)")
-    if dcp_size > 1:
-        raise ValueError("--speculative-config: method 'mtp' is not built for --dcp-size > 1 "
-                         "yet (use 'ngram' with DCP)")
 
 
 def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:

@@ -106,14 +106,12 @@ class MtpProposer:
         may take next step."""
         plans = [DcpSeqPlan(s.seq.token_ids[s.start + 1:s.start + s.count + 1], s.start,
                             s.seq.block_tables) for s in settled]
-        rows = torch.tensor([s.row + i for s in settled for i in range(s.count)],
-                            dtype=torch.int64, device=hidden.device)
+        rows = [s.row + i for s in settled for i in range(s.count)]
         ends = list(accumulate(s.count for s in settled))
         drafting = [j for j, s in enumerate(settled) if s.seq in rooms]
         lasts = [ends[j] - 1 for j in drafting]  # rows of y whose logits draft
-        y, logits = self._pass(plans, hidden[rows], lasts)
+        y, logits = self._pass(plans, hidden, rows, lasts, "step")
         seqs = [settled[j].seq for j in drafting]
-        states = y[lasts]  # [D, H]
         for depth in range(max((rooms[s] for s in seqs), default=0)):
             tokens = logits.argmax(-1).tolist()  # greedy drafts: q is one-hot
             going = []
@@ -127,8 +125,9 @@ class MtpProposer:
             # the draft before at its position: the last token's (num_tokens - 1) on
             plans = [DcpSeqPlan([seq.drafts[-1]], seq.num_tokens - 1 + depth,
                                 seq.block_tables) for seq in seqs]
-            y, logits = self._pass(plans, states[going], list(range(len(seqs))))
-            states = y
+            y, logits = self._pass(plans, y, [lasts[j] for j in going],
+                                   list(range(len(seqs))), "pass")
+            lasts = list(range(len(seqs)))
 
     def _room_for(self, seq: Sequence, more: int) -> bool:
         """Whether `seq` holds, or can take now, blocks for `more` positions past its
@@ -138,15 +137,17 @@ class MtpProposer:
         self.blocks.allocate(seq, more)
         return True
 
-    def _pass(self, plans: list[DcpSeqPlan], hidden: torch.Tensor, rows: list[int]
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The MTP block over `plans` (each position's next token; hidden [T, H] its
-        previous state): its output y [T, H] and the logits [len(rows), V] float32 at
-        `rows`."""
+    def _pass(self, plans: list[DcpSeqPlan], source: torch.Tensor, rows: list[int],
+              logits_rows: list[int], kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP block over `plans` (each position's next token), from rows `rows` of
+        `source` [N, H] (the step's hidden states, `kind` "step", or the last pass's
+        output, "pass"): its output y [T, H] and the logits [len(logits_rows), V]
+        float32 at `logits_rows`."""
         runner, w, cfg = self.runner, self.w, self.runner.model_config
-        batch = runner.attention.batch(plans, rows).to(runner.device)
+        batch = runner.attention.mtp_batch(plans, logits_rows, kind, rows).to(runner.device)
         runner.experts.begin_step(batch.input_ids.shape[0])
-        y = mtp_block(runner.model, w, batch, hidden, runner.kv, runner.experts)
+        index = torch.tensor(rows, dtype=torch.int64, device=source.device)
+        y = mtp_block(runner.model, w, batch, source[index], runner.kv, runner.experts)
         return y, runner.logits(rms_norm(y[batch.logits_rows], w.head_norm, cfg.rms_norm_eps))
 
 
