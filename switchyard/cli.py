@@ -68,8 +68,8 @@ def _placement(args: argparse.Namespace) -> int:
         if args.load:
             placement = _balanced_by_load(args, cfg)
         else:
-            placement = make_placement(cfg.moe_layer_ids, cfg.num_experts,
-                                       args.expert_services, args.placement,
+            placement = make_placement(cfg.served_moe_layers(collective=False),
+                                       cfg.num_experts, args.expert_services, args.placement,
                                        args.expert_replicas)
     except (CheckpointError, PlacementError, OSError, ValueError) as exc:
         print(f"switchyard placement: {exc}", file=sys.stderr)
@@ -93,13 +93,15 @@ def _balanced_by_load(args: argparse.Namespace, cfg: ModelConfig) -> Placement:
     else:
         stats = json.loads(Path(args.load).read_text())
     rows = stats.get("expert_load") if isinstance(stats, dict) else None
-    if not isinstance(rows, list) or len(rows) != cfg.num_layers:
-        raise ValueError(f"{args.load}: no expert_load of {cfg.num_layers} layers (as the "
-                         f"gateway's /stats gives it)")
-    load = torch.tensor([rows[i] for i in cfg.moe_layer_ids], dtype=torch.float64)
+    full = cfg.num_layers + cfg.mtp_layers  # (the MTP layers' rows: their drafts' load)
+    if not isinstance(rows, list) or len(rows) not in (cfg.num_layers, full):
+        raise ValueError(f"{args.load}: no expert_load of {full} layers (as the gateway's "
+                         f"/stats gives it)")
+    layers = cfg.served_moe_layers(collective=len(rows) < full)  # (point-to-point's)
+    load = torch.tensor([rows[i] for i in layers], dtype=torch.float64)
     routing = cfg.routing_spec
     groups = args.num_groups or (routing.n_group if routing.method != "greedy" else 1)
-    return placement_from_load(load, cfg.moe_layer_ids, args.expert_services,
+    return placement_from_load(load, layers, args.expert_services,
                                args.num_redundant_experts, groups, args.num_nodes)
 
 

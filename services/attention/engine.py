@@ -99,8 +99,7 @@ class Engine:
         self._closed = False  # then a step (a worker thread that started late) does nothing
         spec, mtp = parts.config.speculative, parts.mtp
         self.speculator = Speculator(spec, self.max_model_len, MtpProposer(
-            mtp, self.runner, self.block_manager, spec.num_speculative_tokens)
-            if mtp else None) if spec else None
+            mtp, self.runner, self.block_manager) if mtp else None) if spec else None
 
     def close(self, timeout: float = 30.0) -> None:
         """Leave the experts and the DCP group, once a step that another thread still runs

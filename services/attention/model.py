@@ -177,8 +177,7 @@ class DenseModel:
         # Counted on the device without a host sync; `publish_load()` reads it between steps.
         # (the MTP layers' rows too, where they draft)
         self._load = torch.zeros(cfg.num_layers + cfg.mtp_layers, cfg.num_experts,
-                                 dtype=torch.int64,
-                                 device=device)
+                                 dtype=torch.int64, device=device)
         self.expert_load = self._load.cpu()
         self._panels = all(in_panels(w) for w in self.layers)
 

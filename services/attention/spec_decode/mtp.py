@@ -11,11 +11,11 @@ ranks as any layer's), and the shared head gives logits for token p + 2:
     logits_p = lm_head(shared_head.norm(y_p))
 
 Its attention has KV of its own, one more layer of the paged cache over the same blocks.
-So after each step it runs over every position the step settled (`catch_up`): a prompt
-chunk's, or a decode's verified tokens', whose next tokens are known now. The last one
-gives the first draft; each further draft runs the block again on its own output and
-draft (`chain`), at positions the next step computes anyway (their blocks taken early,
-so a draft never pushes another sequence out)."""
+So after each step it runs over every position the step settled (`MtpProposer.propose`'s
+first pass): a prompt chunk's, or a decode's verified tokens', whose next tokens are known
+now. The last one gives the first draft; each further draft runs the block again on its
+own output and the draft before, at positions the next step computes anyway (their
+blocks taken early where free, so a draft never pushes another sequence out)."""
 
 from __future__ import annotations
 
@@ -94,9 +94,8 @@ class MtpProposer:
     after each step; a sequence's drafts for the next step are left in `seq.drafts`."""
 
     def __init__(self, weights: MtpWeights, runner: ModelRunner,
-                 block_manager: BlockManager, num_speculative_tokens: int) -> None:
+                 block_manager: BlockManager) -> None:
         self.w, self.runner, self.blocks = weights, runner, block_manager
-        self.k = num_speculative_tokens
 
     @torch.inference_mode()
     def propose(self, settled: list[Settled], hidden: torch.Tensor,
