@@ -13,6 +13,7 @@ import torch
 from prometheus_client import Counter
 
 from common import tracing
+from common.messages import DcpSeqPlan
 from dcp.batch import StepBatch
 from dcp.strategy import SingleRank
 from ep_dispatch.base import ExpertsClient, Movable, Pipelined
@@ -24,9 +25,11 @@ from services.attention.kv_cache import KVCache
 from services.attention.micro_batches import MicroBatchTuner, micro_batch_count, split
 from services.attention.model import DenseModel
 from services.attention.scheduler import ScheduledSeq
+from services.attention.spec_decode.mtp import MtpWeights, mtp_block
 from services.attention.timeline import StepTimeline
 from services.attention.warmup import warmup_routing
 from services.model.config import ModelConfig
+from services.model.layers import rms_norm
 
 # Over engine_step_seconds_count: the mean micro-batches a step, so 1 where none pipelines.
 _MICRO_BATCHES = Counter("switchyard:micro_batches", "Micro-batches the engine's forward "
@@ -91,6 +94,20 @@ class ModelRunner:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, V] of hidden states [N, H]."""
         return self.model.logits(hidden)
+
+    def mtp_pass(self, w: MtpWeights, plans: list[DcpSeqPlan], source: torch.Tensor,
+                 rows: list[int], logits_rows: list[int], kind: str
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A pass of the MTP layer `w` (`spec_decode.mtp.MtpRunner.mtp_pass`): over
+        `plans`, from rows `rows` of `source` [N, H] (`kind` "step": the step's hidden
+        states; "pass": the last pass's output), a DCP group's peers told first. Its
+        output y [T, H], and float32 logits [len(logits_rows), V]."""
+        batch = self.attention.mtp_batch(plans, logits_rows, kind, rows).to(self.device)
+        self.experts.begin_step(batch.input_ids.shape[0])
+        index = torch.tensor(rows, dtype=torch.int64, device=source.device)
+        y = mtp_block(self.model, w, batch, source[index], self.kv, self.experts)
+        normed = rms_norm(y[batch.logits_rows], w.head_norm, self.model_config.rms_norm_eps)
+        return y, self.logits(normed)
 
     def score(self, scheduled: ScheduledSeq) -> torch.Tensor:
         """Float32 logits [n, V] at every new position of one sequence's chunk (prompt

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from services.model.config import CheckpointError
+from services.model.families import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"
 

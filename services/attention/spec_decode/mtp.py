@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import Protocol
 
 import torch
 
@@ -40,7 +41,6 @@ from services.attention.model import (
     shared_experts,
 )
 from services.attention.router import route
-from services.attention.runner import ModelRunner
 from services.attention.sequence import Sequence
 from services.model.checkpoint import Checkpoint
 from services.model.config import CheckpointError, ModelConfig
@@ -89,11 +89,24 @@ class Settled:
     count: int
 
 
-class MtpProposer:
-    """Runs the MTP layer `weights` through `runner` (its model, KV cache and experts)
-    after each step; a sequence's drafts for the next step are left in `seq.drafts`."""
+class MtpRunner(Protocol):
+    """What runs an MTP pass: the model runner (`ModelRunner.mtp_pass`)."""
 
-    def __init__(self, weights: MtpWeights, runner: ModelRunner,
+    def mtp_pass(self, w: MtpWeights, plans: list[DcpSeqPlan], source: torch.Tensor,
+                 rows: list[int], logits_rows: list[int], kind: str
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP block over `plans` (each position's next token), from rows `rows` of
+        `source` [N, H] (the step's hidden states, `kind` "step", or the last pass's
+        output, "pass"): its output y [T, H] and the logits [len(logits_rows), V]
+        float32 at `logits_rows`."""
+        ...
+
+
+class MtpProposer:
+    """Runs the MTP layer `weights` through `runner` after each step; a sequence's
+    drafts for the next step are left in `seq.drafts`."""
+
+    def __init__(self, weights: MtpWeights, runner: MtpRunner,
                  block_manager: BlockManager) -> None:
         self.w, self.runner, self.blocks = weights, runner, block_manager
 
@@ -138,16 +151,7 @@ class MtpProposer:
 
     def _pass(self, plans: list[DcpSeqPlan], source: torch.Tensor, rows: list[int],
               logits_rows: list[int], kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The MTP block over `plans` (each position's next token), from rows `rows` of
-        `source` [N, H] (the step's hidden states, `kind` "step", or the last pass's
-        output, "pass"): its output y [T, H] and the logits [len(logits_rows), V]
-        float32 at `logits_rows`."""
-        runner, w, cfg = self.runner, self.w, self.runner.model_config
-        batch = runner.attention.mtp_batch(plans, logits_rows, kind, rows).to(runner.device)
-        runner.experts.begin_step(batch.input_ids.shape[0])
-        index = torch.tensor(rows, dtype=torch.int64, device=source.device)
-        y = mtp_block(runner.model, w, batch, source[index], runner.kv, runner.experts)
-        return y, runner.logits(rms_norm(y[batch.logits_rows], w.head_norm, cfg.rms_norm_eps))
+        return self.runner.mtp_pass(self.w, plans, source, rows, logits_rows, kind)
 
 
 def mtp_block(model: DenseModel, w: MtpWeights, batch: StepBatch, hidden: torch.Tensor,
