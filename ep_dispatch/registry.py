@@ -249,6 +249,8 @@ class Backend:
     cuda_only: moves CUDA tensors only. mxfp4_rows: moves W4A4's MXFP4 rows.
     deepep_settings: takes the `--deepep-*` settings (and DeepEP's limits on them).
     movable: moves experts between its expert ranks while serving (EPLB's rebalances).
+    mtp: its expert ranks hold a checkpoint's MTP layers too, which MTP drafts call
+        apart from a step's decoder layers (`deepep`'s rounds take the decoder's only).
     """
 
     name: str
@@ -260,6 +262,7 @@ class Backend:
     mxfp4_rows: bool = True
     deepep_settings: bool = False
     movable: bool = False
+    mtp: bool = True
 
 
 _BACKENDS = {b.name: b for b in (
@@ -267,7 +270,7 @@ _BACKENDS = {b.name: b for b in (
     Backend("rpc", _rpc, _serve_rpc, movable=True),
     Backend("torch", _torch, _serve_torch, collective=True),
     Backend("nccl", _nccl, _serve_nccl, collective=True, cuda_only=True),
-    Backend("deepep", _deepep, _serve_deepep, collective=True, cuda_only=True,
+    Backend("deepep", _deepep, _serve_deepep, collective=True, cuda_only=True, mtp=False,
             mxfp4_rows=False, deepep_settings=True),
 )}
 

@@ -201,8 +201,11 @@ class TorchExperts:
         self.coll = collective or TorchCollective()
         self.backend = backend
         self._turns = ReplicaTurns(world.rank)  # each layer's first replica; ranks apart
-        self._mine = self._rounds = 1  # this step's micro-batches: this rank's, the world's
-        self._issued: dict[int, int] = {}  # this step's exchanges so far, per layer
+        # this round's micro-batches, this rank's and the world's (none open yet)
+        self._mine = self._rounds = 0
+        self._issued: dict[int, int] = {}  # this round's calls of this rank, per layer
+        self._done: dict[int, int] = {}  # this round's exchanges, zero-row joins included
+        self._layers = sorted(placement.replicas)
 
     @property
     def overlaps(self) -> bool:
@@ -214,15 +217,28 @@ class TorchExperts:
         return None  # (not measured through the collectives)
 
     def begin_step(self, num_tokens: int, micro_batches: int = 1) -> bool:
+        """A new round (after the last one's layers this rank did not call, joined with
+        zero rows): a step's decoder layers, or an MTP pass's layer, each a round."""
+        self._join_until(None)
         self._mine = micro_batches if num_tokens > 0 else 0
         self._rounds = self.coll.agree_rounds(self._mine, self.device)
-        self._issued = {}
+        self._issued, self._done = {}, {}
         return self._rounds > 0
 
     def idle_step(self) -> None:
-        for layer in sorted(self.placement.replicas):
-            for _ in range(self._rounds):
-                self._exchange(layer, *self._nothing()).finish()
+        self._join_until(None)
+
+    def _join_until(self, layer: int | None) -> None:
+        """Every exchange of this round's layers before `layer` (None: all of them) that
+        this rank has not made, with zero rows: the expert ranks serve every layer of the
+        placement each round, in order, and a round may call only some (a step calls the
+        decoder's, an MTP pass its own)."""
+        for earlier in self._layers:
+            if earlier == layer:
+                return
+            for _ in range(self._rounds - self._done.get(earlier, 0)):
+                self._exchange(earlier, *self._nothing()).finish()
+            self._done[earlier] = self._rounds
 
     def __call__(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> torch.Tensor:
@@ -234,9 +250,13 @@ class TorchExperts:
         this rank's last micro-batch of the layer, the rounds that other ranks' extra
         micro-batches take are joined with zero rows, so the layer's rounds end before
         any rank's next layer begins."""
+        if not self._issued.get(layer):
+            self._join_until(layer)
         exchange = self._exchange(layer, x, topk_ids, topk_weights)
         issued = self._issued[layer] = self._issued.get(layer, 0) + 1
+        self._done[layer] = issued
         if issued == self._mine:
+            self._done[layer] = self._rounds
             for _ in range(self._rounds - issued):
                 self._exchange(layer, *self._nothing()).finish()
         return exchange

@@ -68,7 +68,7 @@ def _placement(args: argparse.Namespace) -> int:
         if args.load:
             placement = _balanced_by_load(args, cfg)
         else:
-            placement = make_placement(cfg.served_moe_layers(collective=False),
+            placement = make_placement(cfg.served_moe_layers(),
                                        cfg.num_experts, args.expert_services, args.placement,
                                        args.expert_replicas)
     except (CheckpointError, PlacementError, OSError, ValueError) as exc:
@@ -97,7 +97,7 @@ def _balanced_by_load(args: argparse.Namespace, cfg: ModelConfig) -> Placement:
     if not isinstance(rows, list) or len(rows) not in (cfg.num_layers, full):
         raise ValueError(f"{args.load}: no expert_load of {full} layers (as the gateway's "
                          f"/stats gives it)")
-    layers = cfg.served_moe_layers(collective=len(rows) < full)  # (point-to-point's)
+    layers = cfg.served_moe_layers(mtp=len(rows) == full)
     load = torch.tensor([rows[i] for i in layers], dtype=torch.float64)
     routing = cfg.routing_spec
     groups = args.num_groups or (routing.n_group if routing.method != "greedy" else 1)

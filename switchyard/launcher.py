@@ -236,7 +236,7 @@ def serve(args: argparse.Namespace) -> int:
         quantization = check_quantization(cfg, args.quantization)
         dispatch = backend(args.dispatch_backend, args.device, quantization)
         if num_experts := _num_expert_services(args):
-            placement = make_placement(cfg.served_moe_layers(dispatch.collective),
+            placement = make_placement(cfg.served_moe_layers(dispatch.mtp),
                                        cfg.num_experts, num_experts,
                                        args.placement, args.expert_replicas)
             if dispatch.deepep_settings:  # (a collective backend: it has experts)

@@ -62,7 +62,7 @@ def build_engine(config: AttentionConfig, graph_capture: Capture | None = None) 
     quantization = check_quantization(cfg, config.quantization)
     dispatch = backend(config.dispatch_backend, device, quantization)
     spec = config.speculative
-    check_speculative(spec, dispatch.collective)
+    check_speculative(spec, dispatch.mtp)
     drafts_mtp = spec is not None and spec.mtp
     if dispatch.deepep_settings:
         check_step_budget(config.deepep, config.max_num_batched_tokens)
@@ -97,7 +97,7 @@ def build_engine(config: AttentionConfig, graph_capture: Capture | None = None) 
         graphs.capture_all()
     attention.start()  # every DCP peer loaded too
     runner = ModelRunner(config, cfg, device, model, kv, experts, attention, graphs,
-                         _max_replicas(config, cfg))
+                         _max_replicas(config, cfg), cfg.served_moe_layers(dispatch.mtp))
     return Engine(EngineParts(
         config=config, model_config=cfg, device=device, dtype=dtype, quantization=quantization,
         runner=runner, block_manager=block_manager,
@@ -110,7 +110,7 @@ def _experts_client(config: AttentionConfig, cfg: ModelConfig, dtype: torch.dtyp
                     quantization: str | None, bank: ExpertBank | None) -> ExpertsClient:
     """The configured dispatch backend's client (`bank`: the in-process experts of
     `local`); each backend takes its own settings of those the flags give."""
-    layers = cfg.served_moe_layers(backend(config.dispatch_backend).collective)
+    layers = cfg.served_moe_layers(backend(config.dispatch_backend).mtp)
     seam = MoESeam(moe_layers=layers, num_experts=cfg.num_experts,
                    hidden_size=cfg.hidden_size, top_k=cfg.top_k, dtype=dtype,
                    quantization=quantization, device=config.device,
@@ -129,7 +129,7 @@ def _max_replicas(config: AttentionConfig, cfg: ModelConfig) -> int:
     builds it)."""
     if config.placement is None:
         return config.expert_replicas
-    layers = cfg.served_moe_layers(backend(config.dispatch_backend).collective)
+    layers = cfg.served_moe_layers(backend(config.dispatch_backend).mtp)
     return Placement.load(config.placement, layers, cfg.num_experts).max_replicas
 
 

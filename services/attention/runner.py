@@ -51,19 +51,20 @@ class ModelRunner:
     steps replayed from `graphs` where captured.
 
     `warmup_replicas`: the most replicas of one expert, which a warm-up's forced routing
-    covers (it changes when a rebalance switches the placement).
+    covers (it changes when a rebalance switches the placement). `moe_layers`: the
+    layers whose experts the expert ranks hold.
     """
 
     def __init__(self, config: AttentionConfig, model_config: ModelConfig, device: str,
                  model: DenseModel, kv: KVCache, experts: ExpertsClient,
                  attention: SingleRank, graphs: DecodeGraphs | None,
-                 warmup_replicas: int) -> None:
+                 warmup_replicas: int, moe_layers: list[int]) -> None:
         self.config, self.model_config, self.device = config, model_config, device
         self.model, self.kv, self.experts = model, kv, experts
         self.attention, self.graphs = attention, graphs
         self.warmup_replicas = warmup_replicas
-        # the layers the expert ranks serve: the MTP layers' too, where the backend can
-        self.moe_layers = model_config.served_moe_layers(experts.lockstep)
+        # the layers the expert ranks serve (`ModelConfig.served_moe_layers`)
+        self.moe_layers = moe_layers
         self.tuner = MicroBatchTuner(torch.device(device).type,
                                      len(model_config.moe_layer_ids))
         self.last_timeline: StepTimeline | None = None  # the last pipelined step's

@@ -59,7 +59,7 @@ class ExpertServer:
         self.config = config
         self.model_config = model_config = ModelConfig.from_dir(config.model)
         self.moe_layers = moe_layers = model_config.served_moe_layers(
-            backend(config.dispatch_backend).collective)
+            backend(config.dispatch_backend).mtp)
         self.placement = make_placement(moe_layers, model_config.num_experts, config.num_ranks,
                                         config.placement, config.expert_replicas)
         checkpoint = Checkpoint(config.model)

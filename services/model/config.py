@@ -82,11 +82,10 @@ class ModelConfig:
         """The checkpoint's MTP layers (each a decoder block with a MoE of its own)."""
         return list(range(self.num_layers, self.num_layers + self.mtp_layers))
 
-    def served_moe_layers(self, collective: bool) -> list[int]:
-        """The MoE layers whose experts the expert ranks hold: the decoder's, and the MTP
-        layers' on a point-to-point backend (`local`, `rpc`), whose calls need not come in a
-        fixed round of layers a step as a collective backend's do."""
-        return self.moe_layer_ids + ([] if collective else self.mtp_layer_ids)
+    def served_moe_layers(self, mtp: bool = True) -> list[int]:
+        """The MoE layers whose experts the expert ranks hold: the decoder's, and with
+        `mtp` (a dispatch backend's `Backend.mtp`) the MTP layers'."""
+        return self.moe_layer_ids + (self.mtp_layer_ids if mtp else [])
 
     @property
     def expert_prefix(self) -> str:

@@ -75,7 +75,7 @@ def all_experts(config: ModelConfig) -> dict[int, list[int]]:
     """Every expert of every MoE layer, the MTP layers' included (what the in-process
     `local` backend holds)."""
     return {layer: list(range(config.num_experts))
-            for layer in config.served_moe_layers(collective=False)}
+            for layer in config.served_moe_layers()}
 
 
 class ExpertBank:

@@ -512,6 +512,8 @@ MTP = '{"method": "mtp", "num_speculative_tokens": 2, "disable_by_batch_size": n
     ["--expert-services", "3", "--micro-batches", "2"],  # rpc, the ping-pong pipeline
     ["--dispatch-backend", "local", "--enable-prefix-caching"],
     ["--dcp-size", "2", "--expert-services", "2"],  # the MTP's KV and passes on both ranks
+    # lockstep: each MTP pass a round of its own, the layers it does not call joined empty
+    ["--dispatch-backend", "torch", "--expert-services", "2"],
 ])
 def test_mtp_speculation_keeps_transformers_greedy_tokens_served(
         deepseek_v3_mtp_ckpt: tuple, flags: list[str]) -> None:

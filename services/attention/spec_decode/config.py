@@ -44,14 +44,13 @@ class SpeculativeConfig:
         return self.method == "mtp"
 
 
-def check_speculative(config: SpeculativeConfig | None, collective: bool) -> None:
-    """A ValueError where the deployment cannot draft as `config` asks: MTP drafts run
-    their MoE layer outside the decoder's round of layers, which a collective backend's
-    expert ranks cannot follow."""
-    if config is not None and config.mtp and collective:
-        raise ValueError("--speculative-config: method 'mtp' needs a point-to-point dispatch "
-                         "backend (local or rpc); a collective backend's expert ranks serve "
-                         "a fixed round of layers a step (use 'ngram' with it)")
+def check_speculative(config: SpeculativeConfig | None, mtp_served: bool) -> None:
+    """A ValueError where the deployment cannot draft as `config` asks: MTP drafts need
+    a dispatch backend whose expert ranks serve the MTP layer (`Backend.mtp`)."""
+    if config is not None and config.mtp and not mtp_served:
+        raise ValueError("--speculative-config: method 'mtp' needs a dispatch backend whose "
+                         "expert ranks serve the MTP layer (local, rpc, torch or nccl; "
+                         "deepep's rounds take the decoder's layers only: use 'ngram')")
 
 
 def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:

@@ -61,8 +61,8 @@ def test_deepseek_mtp_layers_are_skipped_with_one_log_line(
     cfg = ModelConfig.from_dir(path)
     n = model.config.num_hidden_layers
     assert (cfg.mtp_layers, cfg.mtp_layer_ids) == (1, [n])
-    assert cfg.served_moe_layers(collective=False) == [*cfg.moe_layer_ids, n]
-    assert cfg.served_moe_layers(collective=True) == cfg.moe_layer_ids
+    assert cfg.served_moe_layers() == [*cfg.moe_layer_ids, n]
+    assert cfg.served_moe_layers(mtp=False) == cfg.moe_layer_ids
     prompt = [5, 9, 2, 77]
     with caplog.at_level("INFO", logger="services.attention.builder"):
         got = build_engine(AttentionConfig(model=path, kv_cache_memory=1 << 20)).score(prompt)
