@@ -163,8 +163,8 @@ class StepParts:
         model.attention_block = self._timed("attention block",  # type: ignore[method-assign]
                                             model.attention_block)
         model_module.route = self._timed("router", model_module.route)
-        model_module._shared_experts = self._timed("shared experts",
-                                                   model_module._shared_experts)
+        model_module.shared_experts = self._timed("shared experts",
+                                                  model_module.shared_experts)
         experts.expert_fn = self._timed("experts", experts.expert_fn)  # type: ignore[attr-defined]
         call = type(experts).__call__
         type(experts).__call__ = self._timed("dispatch + combine", call)  # type: ignore[method-assign]

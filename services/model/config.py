@@ -213,11 +213,22 @@ def _mtp_layers_present(model_dir: Path, config: ModelConfig) -> int:
     models, for one, say 1 and save none)."""
     if not config.mtp_layers:
         return 0
-    from services.model.checkpoint import Checkpoint  # (it imports this module)
+    names = _tensor_names(model_dir)
+    return sum(f"model.layers.{i}.eh_proj.weight" in names for i in config.mtp_layer_ids)
 
-    with Checkpoint(model_dir) as checkpoint:
-        return sum(f"model.layers.{i}.eh_proj.weight" in checkpoint
-                   for i in config.mtp_layer_ids)
+
+def _tensor_names(model_dir: Path) -> set[str]:
+    """The checkpoint's tensor names, from its index or its files' safetensors headers
+    (an 8-byte length, then JSON): without torch, which the launcher does not load."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        return set(json.loads(index.read_text()).get("weight_map", {}))
+    names: set[str] = set()
+    for path in model_dir.glob("*.safetensors"):
+        with path.open("rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        names |= set(header) - {"__metadata__"}
+    return names
 
 
 def _generation_eos(path: Path) -> tuple[int, ...]:

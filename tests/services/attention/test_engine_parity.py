@@ -70,7 +70,7 @@ def test_decode_steps_through_the_compiled_attention_block_are_the_same_bits(
         model = engine.runner.model
         model._own_cache = compiled  # False: the path a DCP group's ranks take
         if compiled:
-            assert model._compiled_block(*_decode_probe(model)) is not None
+            assert model.compiled_block(*_decode_probe(model)) is not None
         forward_logits, block = model.logits, model.attention_block
 
         def record(hidden: torch.Tensor, into: list = logits[compiled],
@@ -93,7 +93,7 @@ def test_decode_steps_through_the_compiled_attention_block_are_the_same_bits(
 
 
 def _decode_probe(model: object) -> tuple[torch.Tensor, object]:
-    """A one-row decode batch's shape, for `_compiled_block`'s checks."""
+    """A one-row decode batch's shape, for `compiled_block`'s checks."""
     from dcp.batch import StepBatch
 
     one = torch.zeros(1, dtype=torch.int64)
