@@ -61,7 +61,10 @@ def run_peer(config: AttentionConfig) -> None:
                                         config.block_size, cfg.sliding_window, []).to(device)
                        for a, b in pairwise(cuts)]
             try:  # the leader's split: the group's collectives in the same order
-                if plan.mtp_source and mtp is not None:
+                if plan.mtp_source:
+                    if mtp is None:  # (the group's ranks share one configuration)
+                        raise RuntimeError("the leader drafts with MTP; this peer was "
+                                           "started without --speculative-config mtp")
                     source = hidden if plan.mtp_source == "step" else passed
                     rows = torch.tensor(plan.mtp_rows, dtype=torch.int64, device=device)
                     passed = mtp_block(model, mtp, batches[0], source[rows], kv, experts)
