@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from moe_kernels.bf16x2_layout import Bf16x2Weights, to_bf16x2
 from moe_kernels.cpu_kernels import cpu_kernels
 from moe_kernels.grouped_gemm import ExpertTimer, grouped_swiglu, grouped_swiglu_mm
+from moe_kernels.int8 import Int8Panels
 from moe_kernels.kernel_configs import KernelConfig, load_configs, tuned_config
 from moe_kernels.mxfp4 import MXFP4Tensor, quantize
 from moe_kernels.panels import PANEL, MXFP4Panels, PanelWeights, plain_mxfp4, to_panels
@@ -129,11 +130,17 @@ def cpu_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     return kernels.decode_attention(q, k_cache, v_cache, slots, mask, scale)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor | PanelWeights) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor | PanelWeights | Int8Panels) -> torch.Tensor:
     """`F.linear(x, w)` without a bias, for the dense projections, router gates and lm_head:
     x [M, K] @ w [N, K]^T -> [M, N]. Weights in panels (`panels_for_cpu`) run the compiled
     kernel, which streams them from memory once for a decode step's few rows and is
-    compute-bound beyond; torch's matmul otherwise."""
+    compute-bound beyond; int8 weights (`moe_kernels.int8`) its int8 form; torch's matmul
+    otherwise (for int8, over the dequantized weights: the same sums up to rounding)."""
+    if isinstance(w, Int8Panels):
+        if x.dtype == torch.float32 and x.dim() == 2 and (kernels := cpu_kernels()) is not None:
+            y = kernels.linear_i8(x, w.panels, w.scales)  # [M, N rounded up to 16]
+            return y if w.columns is None else y[:, :w.columns]
+        return F.linear(x, w.dequantize().to(x.dtype))
     if isinstance(w, PanelWeights):
         if x.dtype == torch.float32 and x.dim() == 2 and (kernels := cpu_kernels()) is not None:
             y = kernels.linear_f32(x, w.panels)  # [M, N rounded up to 16]

@@ -78,6 +78,7 @@ std::tuple<torch::Tensor, std::vector<int64_t>> grouped_swiglu_f32(
     const torch::Tensor& x, const std::vector<int64_t>& counts, const torch::Tensor& w_gate_up,
     const torch::Tensor& w_down);
 torch::Tensor linear_f32(const torch::Tensor& x, const torch::Tensor& w);
+torch::Tensor linear_i8(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& s);
 torch::Tensor head_linear_f32(const torch::Tensor& x, const torch::Tensor& w);
 
 // w4a4_cpu.cpp

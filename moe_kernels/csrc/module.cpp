@@ -21,6 +21,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grouped_swiglu_f32", &grouped_swiglu_f32,
         "float32 grouped SwiGLU over every local expert of one layer (weights in panels)");
   m.def("linear_f32", &linear_f32, "float32 x [M, K] @ w^T, w in panels [N/16, K, 16]");
+  m.def("linear_i8", &linear_i8,
+        "float32 x [M, K] @ (w * s)^T, w int8 panels [N/16, K, 16], s [N] column scales");
   m.def("grouped_swiglu_w4a4", &grouped_swiglu_w4a4,
         "MXFP4 x MXFP4 grouped SwiGLU over every local expert of one layer");
   m.def("mxfp4_linear", &mxfp4_linear, "MXFP4 x [M, K] @ MXFP4 w [N, K]^T -> float32");

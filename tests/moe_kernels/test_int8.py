@@ -1,0 +1,89 @@
+"""Dense weights in 8 bits (`moe_kernels.int8`): the scheme's rules, and the CPU kernel
+(`linear_i8`) against torch's matmul over the dequantized weights, for uneven shapes and
+every family's dense weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_kernels import cpu_kernels
+from moe_kernels.int8 import QMAX, int8_panels, quantize_int8
+from moe_kernels.selection import linear
+from services.model.checkpoint import Checkpoint
+
+
+def assert_rounding_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """y [M, N] is x [M, K] @ w [N, K]^T up to float32 rounding: within 1e-5 of the sum of
+    the products' magnitudes (float64 reference), whatever K."""
+    exact = x.double() @ w.double().T
+    bound = 1e-5 * (x.double().abs() @ w.double().abs().T) + 1e-7
+    assert ((y.double() - exact).abs() <= bound).all(), float((y.double() - exact).abs().max())
+
+
+def test_each_row_takes_its_own_scale_and_rounds_to_nearest() -> None:
+    """s = max|row| / 127; q = round(w / s) within [-127, 127]; a zero row is s = 1, q = 0;
+    every weight is within half a step of q * s, and a row's largest is exact."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(5, 37, generator=g) * torch.tensor([1.0, 1e-3, 50.0, 0.0, 2.0])[:, None]
+    q, s = quantize_int8(w)
+    assert q.dtype == torch.int8 and s.dtype == torch.float32 and q.shape == w.shape
+    assert torch.equal(s[[0, 1, 2, 4]], w[[0, 1, 2, 4]].abs().amax(1) / QMAX)
+    assert s[3] == 1.0 and not q[3].any()
+    assert int(q.abs().max()) == QMAX
+    assert ((q.float() * s[:, None] - w).abs() <= s[:, None] / 2 * (1 + 1e-6)).all()
+    grid = torch.arange(-QMAX, QMAX + 1, dtype=torch.float32)[None] * 0.25  # q * s exactly
+    assert torch.equal(quantize_int8(grid)[0].float() * 0.25, grid)
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 1, 1), (1, 37, 19), (3, 16, 64),
+                                           (6, 261, 128), (7, 100, 33), (50, 48, 200)])
+def test_the_kernel_is_torchs_matmul_over_the_dequantized_weights(
+        kernel: object, m: int, n: int, k: int) -> None:
+    """Uneven rows, columns (padded to panels of 16) and K, against x @ (q * s)^T."""
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
+    packed = int8_panels(w)
+    assert packed.shape == (n, k) and packed.panels.dtype == torch.int8
+    assert_rounding_close(linear(x, packed), x, packed.dequantize())
+    # strided rows of x take the same path
+    wide = torch.randn(m, k + 3, generator=g)[:, :k]
+    assert_rounding_close(linear(wide, packed), wide, packed.dequantize())
+
+
+def test_every_familys_dense_weights(kernel: object, every_ckpt: tuple) -> None:
+    """Each 2-D dense weight of the checkpoint (projections, MLA's, gates, lm_head; not
+    the routed experts) through the kernel at 1, 3 and 17 rows, against the reference;
+    and each output within the quantization's own bound of float32's: |x . (q s - w)| <=
+    |x| |q s - w| (Cauchy-Schwarz), a wrong scale or weight would break it."""
+    path = every_ckpt[0]
+    g = torch.Generator().manual_seed(5)
+    with Checkpoint(path) as ckpt:
+        names = [n for n in ckpt.names() if ".experts." not in n and n.endswith("weight")
+                 and len(ckpt.shape(n)) == 2 and "embed" not in n]
+        assert any("lm_head" in n for n in names) or any("q_a_proj" in n for n in names)
+        for name in names:
+            w = ckpt.get(name, ckpt.shape(name), torch.float32)
+            packed = int8_panels(w)
+            for m in (1, 3, 17):
+                x = torch.randn(m, w.shape[1], generator=g)
+                y = linear(x, packed)
+                assert_rounding_close(y, x, packed.dequantize())
+                bound = x.norm(dim=1)[:, None] * (packed.dequantize() - w).norm(dim=1)[None]
+                assert ((y - x @ w.T).abs() <= bound * (1 + 1e-4) + 1e-5).all(), name
+
+
+def test_without_the_kernels_torch_computes_the_same() -> None:
+    """With the kernels switched off (`SWITCHYARD_CPU_KERNELS=0`, or a machine that could
+    not build them) the int8 weights go through torch's matmul, dequantized."""
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(40, 24, generator=g), torch.randn(4, 24, generator=g)
+    packed = int8_panels(w)
+    with_kernels = linear(x, packed)
+    cpu_kernels.set_enabled(False)
+    try:
+        without = linear(x, packed)
+    finally:
+        cpu_kernels.set_enabled(True)
+    assert_rounding_close(without, x, packed.dequantize())
+    assert_rounding_close(with_kernels, x, packed.dequantize())
