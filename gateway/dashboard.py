@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections import deque
 from functools import partial
 from pathlib import Path
 
@@ -24,55 +23,34 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from gateway.errors import GatewayError
-from gateway.expert_stats import MAX_WINDOW_S, STAGES, ExpertWindow, balance
+from gateway.expert_stats import (
+    MAX_WINDOW_S,
+    SPECULATION,
+    STAGES,
+    ExpertWindow,
+    Hist,
+    Key,
+    balance,
+)
 from gateway.service_metrics import Scrape
 from gateway.serving import Serving, json_response
 
 STATIC = Path(__file__).parent / "static"
 SLOWEST = 10
 BUSY = "switchyard:busy_fraction"
-# vLLM's speculation counters, as the attention services export them
-DRAFTS, DRAFT_TOKENS, ACCEPTED = (f"switchyard:spec_decode_num_{name}" for name in (
-    "drafts", "draft_tokens", "accepted_tokens"))
 
 
-class SpeculationWindow:
-    """Speculation's acceptance over a recent window: the counters' totals over the
-    attention services at each poll, kept for `MAX_WINDOW_S`; a window's figures are the
-    differences from the oldest poll inside it (as Prometheus' `increase()`), or from
-    zero while the window reaches back past the first poll (everything since start)."""
-
-    def __init__(self) -> None:
-        self._polls: deque[tuple[float, dict[str, float]]] = deque()
-        self._trimmed = False  # polls dropped: the first kept is not the start
-
-    def observe(self, scrapes: list[Scrape], now: float) -> None:
-        totals = dict.fromkeys((DRAFTS, DRAFT_TOKENS, ACCEPTED), 0.0)
-        for scrape in scrapes:
-            for family in scrape.families:
-                if family.name in totals:
-                    totals[family.name] += sum(s.value for s in family.samples
-                                               if s.name.endswith("_total"))
-        self._polls.append((now, totals))
-        while self._polls[0][0] < now - MAX_WINDOW_S:
-            self._polls.popleft()
-            self._trimmed = True
-
-    def summary(self, now: float, window: float) -> dict[str, float | None]:
-        """Drafts, draft tokens and accepted tokens in the window; the acceptance rate
-        (accepted / draft tokens) and mean accepted length (1 + accepted / drafts: the
-        tokens a verify step emits), None without drafts."""
-        if not self._polls:
-            return {"drafts": 0, "draft_tokens": 0, "accepted": 0, "acceptance": None,
-                    "mean_accepted_length": None}
-        start, last = self._polls[0][0], self._polls[-1][1]
-        first = dict.fromkeys(last, 0.0) if start >= now - window and not self._trimmed \
-            else next(t for at, t in self._polls if at >= now - window)
-        drafts, tokens, accepted = (last[k] - first[k] for k in (DRAFTS, DRAFT_TOKENS,
-                                                                 ACCEPTED))
-        return {"drafts": drafts, "draft_tokens": tokens, "accepted": accepted,
-                "acceptance": accepted / tokens if tokens else None,
-                "mean_accepted_length": 1 + accepted / drafts if drafts else None}
+def speculation(recent: dict[Key, Hist]) -> dict[str, float | None]:
+    """Speculation over the window (`expert_stats.SPECULATION`'s counters): drafts, draft
+    tokens, accepted tokens; the acceptance rate (accepted / draft tokens) and the mean
+    accepted length (1 + accepted / drafts: the tokens a verify step emits), None
+    without drafts."""
+    drafts, tokens, accepted = (recent[("speculation", name)].tokens
+                                if ("speculation", name) in recent else 0.0
+                                for name in SPECULATION)
+    return {"drafts": drafts, "draft_tokens": tokens, "accepted": accepted,
+            "acceptance": accepted / tokens if tokens else None,
+            "mean_accepted_length": 1 + accepted / drafts if drafts else None}
 
 
 class Dashboard:
@@ -83,7 +61,6 @@ class Dashboard:
         self.window = ExpertWindow()
         self._lock = anyio.Lock()
         self._absorbed: list[Scrape] | None = None  # the scrape already in the totals
-        self.speculation = SpeculationWindow()
 
     async def data(self, window: float) -> dict[str, object]:
         scrapes = await self.serving.services.scrape()
@@ -108,7 +85,6 @@ class Dashboard:
         now = time.monotonic()
         if scrapes is not self._absorbed:
             self.window.absorb(scrapes, now)
-            self.speculation.observe(scrapes, now)
             self._absorbed = scrapes
         recent, age = self.window.recent(now, window)
         experts = [{"layer": int(k[1]), "expert": int(k[2]),
@@ -123,7 +99,7 @@ class Dashboard:
                         if k[0] == "rank"})
         # window_s None: everything since the services started
         return {"window_s": age, "experts": experts, "slowest": slowest, "stages": stages,
-                "balance": load, "speculation": self.speculation.summary(now, window)}
+                "balance": load, "speculation": speculation(recent)}
 
 
 def busy(scrape: Scrape) -> dict[str, float]:

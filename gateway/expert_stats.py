@@ -1,4 +1,5 @@
-"""Per-expert and per-stage latency histograms over a recent window, from service scrapes.
+"""Per-expert and per-stage latency histograms over a recent window, from service scrapes
+(and speculation's counters, windowed the same way).
 
 Each service's cumulative series are turned into increases series by series, as
 Prometheus' `increase()` does (a series whose counts went down restarted: everything it
@@ -22,10 +23,14 @@ from gateway.service_metrics import Scrape
 EXPERT_COMPUTE = "switchyard:expert_compute_seconds"
 EXPERT_TOKENS = "switchyard:expert_tokens"
 STAGES = {"dispatch": "switchyard:dispatch_seconds", "combine": "switchyard:combine_seconds"}
+# vLLM's speculation counters, as the attention services export them: kept as counts
+# (a Hist's `tokens`) under ("speculation", name), windowed as everything else is
+SPECULATION = {name: f"switchyard:spec_decode_num_{metric}" for name, metric in (
+    ("drafts", "drafts"), ("draft_tokens", "draft_tokens"), ("accepted", "accepted_tokens"))}
 MAX_WINDOW_S = 900.0
 KEEP_EVERY_S = 10.0  # totals are kept this far apart: at most 91 copies for 900 s
-# ("expert", layer, expert), ("rank", layer, rank): its tokens, or ("dispatch" | "combine",
-# backend)
+# ("expert", layer, expert), ("rank", layer, rank): its tokens, ("dispatch" | "combine",
+# backend), or ("speculation", name): a counter's count
 Key = tuple[str, ...]
 
 
@@ -124,10 +129,15 @@ def histograms(families: list[Metric]) -> tuple[dict[Key, Hist], dict[Key, set[s
         sums[_expert(s.labels)].tokens += s.value
         sums[("rank", s.labels["layer"], s.labels["rank"])].tokens += s.value
         ranks[_expert(s.labels)].add(s.labels["rank"])
+    for key, name in SPECULATION.items():
+        for s in by_name[name].samples if name in by_name else []:
+            if s.name.endswith("_total"):
+                sums[("speculation", key)].tokens += s.value
     out = {}
     for key, acc in sums.items():
         bounds = tuple(sorted(acc.buckets))
-        if bounds or key[0] == "rank":  # an expert's tokens wait for its histogram
+        # (an expert's tokens wait for its histogram)
+        if bounds or key[0] in ("rank", "speculation"):
             out[key] = Hist(bounds, tuple(acc.buckets[b] for b in bounds), acc.total_s,
                             acc.tokens)
     return out, ranks

@@ -281,10 +281,12 @@ class Engine:
             return []
         self._score_prompts(scheduled, forward.hidden)
         sampling, rows, first = [], [], 0  # and each one's rows of the step's tokens
-        settled = []  # each one's positions this step, the drafts' counted once verified
+        mtp = self.speculator is not None and self.speculator.mtp is not None
+        settled = []  # MTP: each one's positions this step, drafts' counted once verified
         for item in scheduled:
             seq, n = item.seq, item.num_new_tokens
-            settled.append(Settled(seq, seq.num_computed_tokens, first, n))
+            if mtp:
+                settled.append(Settled(seq, seq.num_computed_tokens, first, n))
             if seq.num_computed_tokens + n == seq.num_tokens:
                 sampling.append(seq)
                 rows.append(range(first + n - 1 - drafted.get(seq, 0), first + n))
@@ -294,7 +296,8 @@ class Engine:
             if seq not in drafted:
                 self.block_manager.cache_computed(seq)
         deltas = self._sample(sampling, rows, drafted, forward.hidden) if sampling else []
-        if self.speculator is not None:
+        if mtp:
+            assert self.speculator is not None
             verified = {d.request_id: len(d.token_ids) for d in deltas}
             self.speculator.after_step(
                 [replace(s, count=verified[s.seq.request_id]) if s.seq in drafted else s
