@@ -7,7 +7,6 @@ materialises the whole model.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from contextlib import ExitStack
 from pathlib import Path
@@ -16,9 +15,10 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from services.model.config import INDEX_FILE, tensor_files
 from services.model.families import CheckpointError
 
-INDEX_FILE = "model.safetensors.index.json"
+__all__ = ["INDEX_FILE", "Checkpoint"]
 
 
 class Checkpoint:
@@ -28,25 +28,7 @@ class Checkpoint:
         self.dir = Path(model_dir)
         self._stack = ExitStack()
         self._handles: dict[Path, object] = {}
-        self._files: dict[str, Path] = self._locate_tensors()
-
-    def _locate_tensors(self) -> dict[str, Path]:
-        index = self.dir / INDEX_FILE
-        if index.is_file():
-            weight_map = json.loads(index.read_text()).get("weight_map", {})
-            files = {name: self.dir / f for name, f in weight_map.items()}
-            for path in sorted(set(files.values())):
-                if not path.is_file():
-                    raise CheckpointError(f"{path}: missing (listed in {index})")
-            return files
-        shards = sorted(self.dir.glob("*.safetensors"))
-        if not shards:
-            raise CheckpointError(f"{self.dir}: no *.safetensors files")
-        files: dict[str, Path] = {}
-        for path in shards:
-            for name in self._open(path).keys():  # noqa: SIM118 (safe_open is not a dict)
-                files[name] = path
-        return files
+        self._files: dict[str, Path] = tensor_files(self.dir)
 
     def _open(self, path: Path) -> Any:  # safetensors' handle (no public type)
         if path not in self._handles:

@@ -213,22 +213,43 @@ def _mtp_layers_present(model_dir: Path, config: ModelConfig) -> int:
     models, for one, say 1 and save none)."""
     if not config.mtp_layers:
         return 0
-    names = _tensor_names(model_dir)
+    try:
+        names = tensor_files(model_dir)
+    except CheckpointError:  # (said with its file when the weights are loaded)
+        return 0
     return sum(f"model.layers.{i}.eh_proj.weight" in names for i in config.mtp_layer_ids)
 
 
-def _tensor_names(model_dir: Path) -> set[str]:
-    """The checkpoint's tensor names, from its index or its files' safetensors headers
-    (an 8-byte length, then JSON): without torch, which the launcher does not load."""
-    index = model_dir / "model.safetensors.index.json"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def tensor_files(model_dir: Path) -> dict[str, Path]:
+    """Each tensor of a checkpoint directory and the file that holds it: from the index of
+    a sharded one, else from each `*.safetensors` file's header (an 8-byte length, then
+    JSON), read without torch, which the launcher does not load."""
+    index = model_dir / INDEX_FILE
     if index.is_file():
-        return set(json.loads(index.read_text()).get("weight_map", {}))
-    names: set[str] = set()
-    for path in model_dir.glob("*.safetensors"):
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = {name: model_dir / f for name, f in weight_map.items()}
+        for path in sorted(set(files.values())):
+            if not path.is_file():
+                raise CheckpointError(f"{path}: missing (listed in {index})")
+        return files
+    shards = sorted(model_dir.glob("*.safetensors"))
+    if not shards:
+        raise CheckpointError(f"{model_dir}: no *.safetensors files")
+    return {name: path for path in shards for name in _header_names(path)}
+
+
+def _header_names(path: Path) -> list[str]:
+    try:
         with path.open("rb") as f:
             header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        names |= set(header) - {"__metadata__"}
-    return names
+        if not isinstance(header, dict):
+            raise ValueError("its header is not a JSON object")
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: unreadable safetensors file ({exc})") from exc
+    return [name for name in header if name != "__metadata__"]
 
 
 def _generation_eos(path: Path) -> tuple[int, ...]:

@@ -192,3 +192,16 @@ def test_bfloat16_dtype_loads(qwen3_ckpt: tuple) -> None:
     assert (logits - ref).abs().max() < 0.1  # bf16 rounding, same model
 
 
+
+
+def test_an_unreadable_weights_file_is_named(tmp_path: Path) -> None:
+    """A `*.safetensors` file whose header is not one: a CheckpointError that names it,
+    from the checkpoint and from the config's look for MTP layers (which then finds none,
+    and leaves the error to the weights' loading)."""
+    from services.model.checkpoint import Checkpoint
+
+    (tmp_path / "config.json").write_text(json.dumps({**V3, "num_nextn_predict_layers": 1}))
+    (tmp_path / "model.safetensors").write_bytes(b"\x04\x00\x00\x00\x00\x00\x00\x00oops")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: unreadable safetensors"):
+        Checkpoint(tmp_path)
+    assert ModelConfig.from_dir(tmp_path).mtp_layers == 0
