@@ -139,6 +139,7 @@ class EngineInfo(msgspec.Struct, frozen=True, tag=True):
     block_size: int
     max_num_seqs: int = 1  # sequences one step runs at most
     quantization: str | None = None  # "w4a4" when the experts and their inputs are MXFP4
+    dense_quantization: str | None = None  # "int8" when the dense linears are 8-bit
     dispatch_backend: str = "local"
     expert_services: list[str] = []  # one line per expert rank, for /health
     moe_layers: list[int] = []  # decoder layers with routed experts

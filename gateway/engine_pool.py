@@ -73,6 +73,8 @@ class EnginePool:
         (`group_stats`) are given, else as they were when the group connected."""
         return [{"address": f"{h}:{p}", "ready": c.info is not None,
                  "dispatch_backend": c.info.dispatch_backend if c.info else None,
+                 "quantization": c.info.quantization if c.info else None,
+                 "dense_quantization": c.info.dense_quantization if c.info else None,
                  "experts": (stats[i].expert_services if stats
                              else c.info.expert_services if c.info else [])}
                 for i, ((h, p), c) in enumerate(zip(self.addresses, self.clients,

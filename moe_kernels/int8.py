@@ -19,46 +19,49 @@ QMAX = 127  # symmetric: -128 is never used, so -q is always representable
 
 @dataclass(frozen=True)
 class Int8Panels:
-    """int8 weights q [N, K] as panels [N/16, K, 16] (`moe_kernels.panels`' layout), with
-    `scales` [N rounded up to 16] float32, one per output channel; where N is no multiple
-    of 16 its first `columns` are the weight's and the rest zeros (scale 1)."""
+    """int8 weights q [..., N, K] as panels [..., N/16, K, 16] (`moe_kernels.panels`'
+    layout), with `scales` [..., N rounded up to 16] float32, one per output channel;
+    where N is no multiple of 16 its first `columns` are the weight's and the rest zeros
+    (scale 1). The leading dims are MLA's heads, one matrix each."""
 
     panels: torch.Tensor
     scales: torch.Tensor
     columns: int | None = None
 
     @property
-    def shape(self) -> tuple[int, int]:
-        """The weight's shape, [N, K]."""
-        groups, k, _ = self.panels.shape
-        return self.columns or groups * PANEL, k
+    def shape(self) -> tuple[int, ...]:
+        """The weight's shape, [..., N, K]."""
+        *lead, groups, k, _ = self.panels.shape
+        return (*lead, self.columns or groups * PANEL, k)
 
     def dequantize(self) -> torch.Tensor:
-        """q * s as float32 [N, K] (the torch path and the reference)."""
-        n, _ = self.shape
-        q = self.panels.transpose(-2, -1).flatten(0, 1)[:n]  # [N, K]
-        return q.float() * self.scales[:n, None]
+        """q * s as float32 [..., N, K] (the torch path and the reference)."""
+        n = self.shape[-2]
+        q = self.panels.transpose(-2, -1).flatten(-3, -2)[..., :n, :]  # [..., N, K]
+        return q.float() * self.scales[..., :n, None]
 
     def nbytes(self) -> int:
         return self.panels.numel() + self.scales.numel() * self.scales.element_size()
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The scheme's rule: w [N, K] (float) -> (q [N, K] int8, s [N] float32)."""
+    """The scheme's rule: w [..., N, K] (float) -> (q [..., N, K] int8, s [..., N]
+    float32)."""
     wf = w.float()
-    amax = wf.abs().amax(dim=1)  # [N]
+    amax = wf.abs().amax(dim=-1)  # [..., N]
     s = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
-    q = torch.round(wf / s[:, None]).clamp(-QMAX, QMAX).to(torch.int8)
+    q = torch.round(wf / s[..., None]).clamp(-QMAX, QMAX).to(torch.int8)
     return q, s
 
 
-def int8_panels(w: torch.Tensor) -> Int8Panels:
-    """w [N, K] quantized (`quantize_int8`) and laid out for `linear_i8`."""
-    q, s = quantize_int8(w)
-    n, k = q.shape
+def int8_panels(w: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> Int8Panels:
+    """w [..., N, K] quantized (`quantize_int8`), or already quantized as (q, s) (a
+    checkpoint's), laid out for `linear_i8`."""
+    q, s = w if isinstance(w, tuple) else quantize_int8(w)
+    n, k = q.shape[-2:]
     pad = -n % PANEL
     if pad:
-        q = torch.cat([q, q.new_zeros(pad, k)])
-        s = torch.cat([s, s.new_ones(pad)])
-    panels = q.unflatten(0, (q.shape[0] // PANEL, PANEL)).transpose(1, 2).contiguous()
-    return Int8Panels(panels, s.contiguous(), n if pad else None)
+        q = torch.cat([q, q.new_zeros(*q.shape[:-2], pad, k)], dim=-2)
+        s = torch.cat([s, s.new_ones(*s.shape[:-1], pad)], dim=-1)
+    panels = q.unflatten(-2, (q.shape[-2] // PANEL, PANEL)).transpose(-2, -1).contiguous()
+    return Int8Panels(panels, s.float().contiguous(), n if pad else None)

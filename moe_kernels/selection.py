@@ -13,8 +13,9 @@ import torch.nn.functional as F
 
 from moe_kernels.bf16x2_layout import Bf16x2Weights, to_bf16x2
 from moe_kernels.cpu_kernels import cpu_kernels
+from moe_kernels.fp8 import Fp8Weights, fp8_linear, fp8_weights
 from moe_kernels.grouped_gemm import ExpertTimer, grouped_swiglu, grouped_swiglu_mm
-from moe_kernels.int8 import Int8Panels
+from moe_kernels.int8 import Int8Panels, int8_panels
 from moe_kernels.kernel_configs import KernelConfig, load_configs, tuned_config
 from moe_kernels.mxfp4 import MXFP4Tensor, quantize
 from moe_kernels.panels import PANEL, MXFP4Panels, PanelWeights, plain_mxfp4, to_panels
@@ -22,6 +23,9 @@ from moe_kernels.panels import PANEL, MXFP4Panels, PanelWeights, plain_mxfp4, to
 log = logging.getLogger("switchyard.expert")
 FALLBACK_KERNEL = KernelConfig(inner="decode")  # where a tuned W4A4 config does not run
 W4A4Weights = MXFP4Tensor | Bf16x2Weights  # one GEMM's weights, in a kernel's layout
+# A dense linear's weight, in the layout its kernel reads (`dense_weight`)
+DenseWeight = torch.Tensor | PanelWeights | Int8Panels | Fp8Weights
+DENSE_SCHEMES = ("int8",)  # --dense-quantization's schemes (besides none)
 
 
 def quantize_fused(x: torch.Tensor) -> MXFP4Tensor:
@@ -54,6 +58,36 @@ def panels_for_cpu(w: torch.Tensor | MXFP4Tensor, pad: bool = False
             or cpu_kernels() is None:
         return w
     return to_panels(w, pad)
+
+
+def dense_weight(w: torch.Tensor | tuple[torch.Tensor, torch.Tensor], scheme: str | None,
+                 dtype: torch.dtype) -> DenseWeight:
+    """A dense linear's weight w [..., N, K] (leading dims: one matrix per head), as
+    loaded in `dtype` or, from a checkpoint stored in 8 bits, (q [..., N, K] int8,
+    s [..., N] float32), in the layout its kernel reads under `scheme`:
+
+    - None: as it is, on the CPU in float32 panels (`panels_for_cpu`, any N);
+    - "int8": on the CPU int8 panels (`moe_kernels.int8`); on a GPU FP8 with the same
+      per-channel scales (`moe_kernels.fp8`), except where `torch._scaled_mm` cannot
+      take it (per-head matrices, K no multiple of 16), which stay in `dtype`.
+
+    Per-head matrices whose N is no multiple of 16 (tiny test models) stay as they are:
+    the per-head kernels write whole panels.
+    """
+    device = (w[0] if isinstance(w, tuple) else w).device
+    if scheme is not None and scheme not in DENSE_SCHEMES:
+        raise ValueError(f"unknown dense quantization {scheme!r}; choose one of "
+                         f"{', '.join(DENSE_SCHEMES)}")
+    if isinstance(w, torch.Tensor) and w.dim() > 2 and w.shape[-2] % PANEL:
+        return w
+    if scheme == "int8" and device.type == "cpu":
+        return int8_panels(w)
+    if isinstance(w, tuple):
+        q, s = w
+        w = (q.float() * s[..., None]).to(dtype)
+    if scheme is None:
+        return panels_for_cpu(w, pad=True)  # type: ignore[return-value]
+    return (w.dim() == 2 and fp8_weights(w)) or w
 
 
 def cpu_grouped_swiglu(x: torch.Tensor, tokens_per_expert: list[int],
@@ -130,12 +164,15 @@ def cpu_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     return kernels.decode_attention(q, k_cache, v_cache, slots, mask, scale)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor | PanelWeights | Int8Panels) -> torch.Tensor:
+def linear(x: torch.Tensor, w: DenseWeight) -> torch.Tensor:
     """`F.linear(x, w)` without a bias, for the dense projections, router gates and lm_head:
     x [M, K] @ w [N, K]^T -> [M, N]. Weights in panels (`panels_for_cpu`) run the compiled
     kernel, which streams them from memory once for a decode step's few rows and is
-    compute-bound beyond; int8 weights (`moe_kernels.int8`) its int8 form; torch's matmul
-    otherwise (for int8, over the dequantized weights: the same sums up to rounding)."""
+    compute-bound beyond; int8 weights (`moe_kernels.int8`) its int8 form; FP8 ones
+    `torch._scaled_mm`; torch's matmul otherwise (for int8, over the dequantized weights:
+    the same sums up to rounding)."""
+    if isinstance(w, Fp8Weights):
+        return fp8_linear(x, w)
     if isinstance(w, Int8Panels):
         if x.dtype == torch.float32 and x.dim() == 2 and (kernels := cpu_kernels()) is not None:
             y = kernels.linear_i8(x, w.panels, w.scales)  # [M, N rounded up to 16]

@@ -10,19 +10,22 @@
 #include "kernels.h"
 
 // h [T, H] float32: the residual stream, one decode token per row; input_norm, post_norm
-// [H]; qkv_panels [N/16, H, 16] (q, k, v stacked, first qkv_columns of N real); q_norm,
+// [H]; qkv_panels [N/16, H, 16] (q, k, v stacked, first qkv_columns of N real; float32,
+// or int8 with qkv_scales [N], `dense_linear`, as every weight here); q_norm,
 // k_norm [D] or undefined; cos, sin [T, D]; k_cache, v_cache [S, KVH, D] (written at
 // slot_mapping [T] int64); kv_slots, mask [T, L]: each row's keys (its own included,
 // once written); o_panels [H/16, heads D, 16] (first o_columns real) ->
 // (h [T, H] + the attention's output, that sum RMSNorm'd by post_norm).
 std::tuple<torch::Tensor, torch::Tensor> attention_block_f32(
     const torch::Tensor& h, const torch::Tensor& input_norm, const torch::Tensor& qkv_panels,
-    int64_t qkv_columns, const c10::optional<torch::Tensor>& q_norm,
+    const c10::optional<torch::Tensor>& qkv_scales, int64_t qkv_columns,
+    const c10::optional<torch::Tensor>& q_norm,
     const c10::optional<torch::Tensor>& k_norm, const torch::Tensor& cos,
     const torch::Tensor& sin, torch::Tensor k_cache, torch::Tensor v_cache,
     const torch::Tensor& slot_mapping, const torch::Tensor& kv_slots, const torch::Tensor& mask,
-    const torch::Tensor& o_panels, int64_t o_columns, const torch::Tensor& post_norm,
-    int64_t heads, int64_t kv_heads, double eps, double scale) {
+    const torch::Tensor& o_panels, const c10::optional<torch::Tensor>& o_scales,
+    int64_t o_columns, const torch::Tensor& post_norm, int64_t heads, int64_t kv_heads,
+    double eps, double scale) {
   const int64_t t = h.size(0), d = cos.size(1), kv_width = kv_heads * d;
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.dtype() == torch::kFloat32 && v_cache.dtype() == torch::kFloat32 &&
@@ -32,7 +35,8 @@ std::tuple<torch::Tensor, torch::Tensor> attention_block_f32(
   TORCH_CHECK(slot_mapping.dtype() == torch::kInt64 && slot_mapping.dim() == 1 &&
                   slot_mapping.size(0) == t, "slot_mapping must be int64 [T]");
   const torch::Tensor x = rms_norm_f32(h, input_norm, eps);
-  const torch::Tensor qkv = first_columns(linear_f32(x, qkv_panels), qkv_columns);
+  const torch::Tensor qkv =
+      first_columns(dense_linear(x, qkv_panels, qkv_scales), qkv_columns);
   auto [q, k] = qk_norm_rope_f32(qkv, q_norm, k_norm, cos, sin, heads, kv_heads, eps);
   const torch::Tensor slots = slot_mapping.contiguous();
   const int64_t* sp = slots.data_ptr<int64_t>();
@@ -47,8 +51,8 @@ std::tuple<torch::Tensor, torch::Tensor> attention_block_f32(
   }
   const torch::Tensor out = std::get<0>(decode_attention(q, k_cache, v_cache, kv_slots, mask,
                                                          scale));  // [T, heads, D]
-  const torch::Tensor o = first_columns(linear_f32(out.view({t, heads * d}), o_panels),
-                                        o_columns);
+  const torch::Tensor o = first_columns(
+      dense_linear(out.view({t, heads * d}), o_panels, o_scales), o_columns);
   torch::Tensor summed = h + o;
   return {summed, rms_norm_f32(summed, post_norm, eps)};
 }

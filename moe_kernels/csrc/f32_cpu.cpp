@@ -232,62 +232,74 @@ std::tuple<torch::Tensor, std::vector<int64_t>> grouped_swiglu_f32(
   return {out, times.marks(counts, team)};
 }
 
-// x [M, K] float32 @ w^T, w as panels [N/16, K, 16] -> [M, N] float32.
-torch::Tensor linear_f32(const torch::Tensor& x, const torch::Tensor& w) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "x must be float32 [M, K]");
-  check_panels(w, 3);
+namespace {
+
+// y [M, N] = x [M, K] float32 @ w^T, w panels [N/16, K, 16] of W (float or int8), times
+// the columns' scales s [N] where given: the one body of both linears.
+template <typename W>
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const float* s) {
   TORCH_CHECK(x.size(1) == w.size(1), "x [M, K] and panels [N/16, K, 16] differ in K");
   const int64_t m_len = x.size(0), n_len = w.size(0) * kPanel, k_len = x.size(1);
   const torch::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();  // rows may be strided
   torch::Tensor y = torch::empty({m_len, n_len}, x.options());
   if (m_len == 0) return y;
-  const float *xp = xc.data_ptr<float>(), *wp = w.data_ptr<float>();
+  const float* xp = xc.data_ptr<float>();
+  const W* wp = w.data_ptr<W>();
   float* yp = y.data_ptr<float>();
   const int64_t ldx = xc.stride(0);
 #pragma omp parallel
-  gemm(xp, ldx, m_len, wp, n_len, k_len, yp, n_len);
+  gemm(xp, ldx, m_len, wp, n_len, k_len, yp, n_len, s);
   return y;
+}
+
+void check_int8(const torch::Tensor& w, const torch::Tensor& s, int64_t dims) {
+  TORCH_CHECK(w.dtype() == torch::kInt8 && w.is_contiguous() && w.dim() == dims &&
+                  w.size(-1) == kPanel,
+              "weights must be contiguous int8 panels [..., N/16, K, 16]");
+  TORCH_CHECK(s.dtype() == torch::kFloat32 && s.is_contiguous() && s.dim() == dims - 2 &&
+                  s.size(-1) == w.size(-3) * kPanel &&
+                  (dims == 3 || s.size(0) == w.size(0)),
+              "scales must be contiguous float32 [..., N] (N the panels' columns)");
+}
+
+}  // namespace
+
+// x [M, K] float32 @ w^T, w as panels [N/16, K, 16] -> [M, N] float32.
+torch::Tensor linear_f32(const torch::Tensor& x, const torch::Tensor& w) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "x must be float32 [M, K]");
+  check_panels(w, 3);
+  return linear<float>(x, w, nullptr);
 }
 
 // x [M, K] float32 @ (w * s)^T, w as int8 panels [N/16, K, 16] and s [N] float32, each
 // column's scale -> [M, N] float32 (`moe_kernels.int8`).
 torch::Tensor linear_i8(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& s) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "x must be float32 [M, K]");
-  TORCH_CHECK(w.dtype() == torch::kInt8 && w.is_contiguous() && w.dim() == 3 &&
-                  w.size(2) == kPanel,
-              "weights must be contiguous int8 panels [N/16, K, 16]");
-  TORCH_CHECK(x.size(1) == w.size(1), "x [M, K] and panels [N/16, K, 16] differ in K");
-  const int64_t m_len = x.size(0), n_len = w.size(0) * kPanel, k_len = x.size(1);
-  TORCH_CHECK(s.dtype() == torch::kFloat32 && s.is_contiguous() && s.dim() == 1 &&
-                  s.size(0) == n_len,
-              "scales must be contiguous float32 [N] (N the panels' columns)");
-  const torch::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
-  torch::Tensor y = torch::empty({m_len, n_len}, x.options());
-  if (m_len == 0) return y;
-  const float *xp = xc.data_ptr<float>(), *sp = s.data_ptr<float>();
-  const int8_t* wp = w.data_ptr<int8_t>();
-  float* yp = y.data_ptr<float>();
-  const int64_t ldx = xc.stride(0);
-#pragma omp parallel
-  gemm(xp, ldx, m_len, wp, n_len, k_len, yp, n_len, sp);
-  return y;
+  check_int8(w, s, 3);
+  return linear<int8_t>(x, w, s.data_ptr<float>());
 }
 
-// x [T, heads, K] float32 (rows and heads may be strided) against one weight per head,
-// w as panels [heads, N/16, K, 16] -> [T, heads, N]: MLA's absorbed projections, each
-// head's rows through its own matrix, as one parallel loop over (head, panel group, row
-// chunk) tasks.
-torch::Tensor head_linear_f32(const torch::Tensor& x, const torch::Tensor& w) {
+// A dense weight of the compiled blocks: float32 panels (s undefined) or int8 ones with
+// their column scales s.
+torch::Tensor dense_linear(const torch::Tensor& x, const torch::Tensor& w,
+                           const c10::optional<torch::Tensor>& s) {
+  return s ? linear_i8(x, w, *s) : linear_f32(x, w);
+}
+
+namespace {
+
+template <typename W>
+torch::Tensor head_linear(const torch::Tensor& x, const torch::Tensor& w, const float* s) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 3 && x.stride(2) == 1,
               "x must be float32 [T, heads, K] with contiguous K");
-  check_panels(w, 4);
   TORCH_CHECK(x.size(1) == w.size(0) && x.size(2) == w.size(2),
               "x [T, heads, K] and panels [heads, N/16, K, 16] differ in heads or K");
   const int64_t t = x.size(0), heads = x.size(1), k_len = x.size(2);
   const int64_t n_len = w.size(1) * kPanel;
   torch::Tensor y = torch::empty({t, heads, n_len}, x.options());
   if (t == 0) return y;
-  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  const W* wp = w.data_ptr<W>();
   float* yp = y.data_ptr<float>();
   const int64_t ldx = x.stride(0), hx = x.stride(1), ldy = heads * n_len;
   const int64_t groups = (n_len / kPanel + kPanels - 1) / kPanels;
@@ -299,7 +311,31 @@ torch::Tensor head_linear_f32(const torch::Tensor& x, const torch::Tensor& w) {
     panels(xp + m0 * ldx + head * hx, ldx, std::min(kChunk, t - m0),
            wp + (head * n_len / kPanel + p0) * k_len * kPanel,
            std::min<int64_t>(kPanels, n_len / kPanel - p0), k_len,
-           yp + m0 * ldy + head * n_len + p0 * kPanel, ldy);
+           yp + m0 * ldy + head * n_len + p0 * kPanel, ldy,
+           s ? s + head * n_len + p0 * kPanel : nullptr);
   }
   return y;
+}
+
+}  // namespace
+
+// x [T, heads, K] float32 (rows and heads may be strided) against one weight per head,
+// w as panels [heads, N/16, K, 16] -> [T, heads, N]: MLA's absorbed projections, each
+// head's rows through its own matrix, as one parallel loop over (head, panel group, row
+// chunk) tasks.
+torch::Tensor head_linear_f32(const torch::Tensor& x, const torch::Tensor& w) {
+  check_panels(w, 4);
+  return head_linear<float>(x, w, nullptr);
+}
+
+// `head_linear_f32` over int8 panels [heads, N/16, K, 16] with scales s [heads, N].
+torch::Tensor head_linear_i8(const torch::Tensor& x, const torch::Tensor& w,
+                             const torch::Tensor& s) {
+  check_int8(w, s, 4);
+  return head_linear<int8_t>(x, w, s.data_ptr<float>());
+}
+
+torch::Tensor dense_head_linear(const torch::Tensor& x, const torch::Tensor& w,
+                                const c10::optional<torch::Tensor>& s) {
+  return s ? head_linear_i8(x, w, *s) : head_linear_f32(x, w);
 }

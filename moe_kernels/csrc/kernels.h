@@ -80,6 +80,13 @@ std::tuple<torch::Tensor, std::vector<int64_t>> grouped_swiglu_f32(
 torch::Tensor linear_f32(const torch::Tensor& x, const torch::Tensor& w);
 torch::Tensor linear_i8(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& s);
 torch::Tensor head_linear_f32(const torch::Tensor& x, const torch::Tensor& w);
+torch::Tensor head_linear_i8(const torch::Tensor& x, const torch::Tensor& w,
+                             const torch::Tensor& s);
+// float32 panels (s undefined), or int8 panels and their column scales s
+torch::Tensor dense_linear(const torch::Tensor& x, const torch::Tensor& w,
+                           const c10::optional<torch::Tensor>& s);
+torch::Tensor dense_head_linear(const torch::Tensor& x, const torch::Tensor& w,
+                                const c10::optional<torch::Tensor>& s);
 
 // w4a4_cpu.cpp
 std::tuple<torch::Tensor, std::vector<int64_t>> grouped_swiglu_w4a4(
@@ -122,21 +129,26 @@ torch::Tensor combine_f32(const torch::Tensor& y, const torch::Tensor& src_token
 // decode_layer_cpu.cpp
 std::tuple<torch::Tensor, torch::Tensor> attention_block_f32(
     const torch::Tensor& h, const torch::Tensor& input_norm, const torch::Tensor& qkv_panels,
-    int64_t qkv_columns, const c10::optional<torch::Tensor>& q_norm,
+    const c10::optional<torch::Tensor>& qkv_scales, int64_t qkv_columns,
+    const c10::optional<torch::Tensor>& q_norm,
     const c10::optional<torch::Tensor>& k_norm, const torch::Tensor& cos,
     const torch::Tensor& sin, torch::Tensor k_cache, torch::Tensor v_cache,
     const torch::Tensor& slot_mapping, const torch::Tensor& kv_slots, const torch::Tensor& mask,
-    const torch::Tensor& o_panels, int64_t o_columns, const torch::Tensor& post_norm,
-    int64_t heads, int64_t kv_heads, double eps, double scale);
+    const torch::Tensor& o_panels, const c10::optional<torch::Tensor>& o_scales,
+    int64_t o_columns, const torch::Tensor& post_norm, int64_t heads, int64_t kv_heads,
+    double eps, double scale);
 
 // mla_cpu.cpp
 std::tuple<torch::Tensor, torch::Tensor> mla_block_f32(
     const torch::Tensor& h, const torch::Tensor& input_norm, const torch::Tensor& qkv_a_panels,
-    int64_t qkv_a_columns, const c10::optional<torch::Tensor>& q_a_norm,
-    const c10::optional<torch::Tensor>& q_b_panels, int64_t q_b_columns,
+    const c10::optional<torch::Tensor>& qkv_a_scales, int64_t qkv_a_columns,
+    const c10::optional<torch::Tensor>& q_a_norm, const c10::optional<torch::Tensor>& q_b_panels,
+    const c10::optional<torch::Tensor>& q_b_scales, int64_t q_b_columns,
     const torch::Tensor& kv_a_norm, const torch::Tensor& w_uk_panels,
-    const torch::Tensor& w_uv_panels, const torch::Tensor& cos, const torch::Tensor& sin,
-    bool interleaved, torch::Tensor cache, const torch::Tensor& slot_mapping,
-    const torch::Tensor& kv_slots, const torch::Tensor& mask, const torch::Tensor& o_panels,
+    const c10::optional<torch::Tensor>& w_uk_scales, const torch::Tensor& w_uv_panels,
+    const c10::optional<torch::Tensor>& w_uv_scales, const torch::Tensor& cos,
+    const torch::Tensor& sin, bool interleaved, torch::Tensor cache,
+    const torch::Tensor& slot_mapping, const torch::Tensor& kv_slots, const torch::Tensor& mask,
+    const torch::Tensor& o_panels, const c10::optional<torch::Tensor>& o_scales,
     int64_t o_columns, const torch::Tensor& post_norm, int64_t heads, int64_t q_lora,
     int64_t nope, double eps, double scale);

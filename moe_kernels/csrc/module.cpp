@@ -44,6 +44,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "dispatch layout: rows ordered by slot (stable), their weights, rows per slot");
   m.def("head_linear_f32", &head_linear_f32,
         "float32 x [T, heads, K] through one weight per head (panels) -> [T, heads, N]");
+  m.def("head_linear_i8", &head_linear_i8,
+        "head_linear_f32 over int8 panels [heads, N/16, K, 16], scales [heads, N]");
   m.def("rope_f32", &rope_f32, "float32 rotary embedding of [T, n, D], halves or pairs");
   m.def("mla_block_f32", &mla_block_f32,
         "float32 decode MLA block: norm, q/kv_a, q_b, rope, W_UK, cache write, attention, "

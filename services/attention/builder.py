@@ -37,8 +37,9 @@ from services.attention.runner import ModelRunner
 from services.attention.scheduler import Scheduler
 from services.attention.spec_decode.config import check_speculative
 from services.attention.spec_decode.mtp import load_mtp
+from services.attention.weights import WeightReader
 from services.model.checkpoint import Checkpoint
-from services.model.config import ModelConfig, check_quantization
+from services.model.config import ModelConfig, check_dense_quantization, check_quantization
 from services.model.experts import ExpertBank, all_experts
 
 log = logging.getLogger(__name__)
@@ -60,18 +61,20 @@ def build_engine(config: AttentionConfig, graph_capture: Capture | None = None) 
         torch.set_num_threads(config.num_threads)
     cfg = ModelConfig.from_dir(config.model)
     quantization = check_quantization(cfg, config.quantization)
+    dense = check_dense_quantization(cfg, config.dense_quantization)
     dispatch = backend(config.dispatch_backend, device, quantization)
     spec = config.speculative
     check_speculative(spec, dispatch.mtp)
     drafts_mtp = spec is not None and spec.mtp
     if dispatch.deepep_settings:
         check_step_budget(config.deepep, config.max_num_batched_tokens)
-    log.info("loading %s (%d layers, %d experts) as %s", cfg.architecture, cfg.num_layers,
-             cfg.num_experts, dtype)
+    log.info("loading %s (%d layers, %d experts) as %s%s", cfg.architecture, cfg.num_layers,
+             cfg.num_experts, dtype, f", dense linears in {dense}" if dense else "")
     attention = _attention(config, cfg)
     with Checkpoint(config.model) as checkpoint:  # closed before waiting on any peer
-        model = DenseModel(cfg, checkpoint, dtype, attention.attend, device)
-        mtp = load_mtp(checkpoint, cfg, dtype, device) if drafts_mtp else None
+        read = WeightReader(checkpoint, dtype, device, dense)
+        model = DenseModel(cfg, read, attention.attend)
+        mtp = load_mtp(read, cfg) if drafts_mtp else None
         if mtp is None:
             _skip_mtp(cfg, checkpoint)
         # `local` is the only backend that holds the experts in-process

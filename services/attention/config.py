@@ -26,6 +26,7 @@ from ep_dispatch.deepep_config import DeepEPSettings, add_deepep_flags, deepep_s
 from ep_dispatch.registry import backend as dispatch_backend
 from services.attention.micro_batches import PIPELINE_MIN_TOKENS, WIRE_SHARE
 from services.attention.spec_decode.config import SpeculativeConfig, parse_speculative_config
+from services.model.config import DENSE_QUANTIZATIONS
 
 if TYPE_CHECKING:
     import torch
@@ -58,6 +59,7 @@ class AttentionConfig:
     port: int = 0
     ready_fd: int | None = None
     quantization: str = "auto"  # auto (the checkpoint's), none or w4a4
+    dense_quantization: str = "auto"  # auto (the checkpoint's), none or int8
     dcp_size: int = 1  # ranks of this attention group sharing each sequence's KV
     dcp_rank: int = 0  # 0: the leader (scheduler, gateway connection, experts)
     dcp_interleave: int = 1  # consecutive tokens per rank
@@ -177,6 +179,14 @@ def add_engine_flags(p: argparse.ArgumentParser, default_backend: str = "local"
         add_quantization_flag(p, "w4a4: experts as MXFP4 (quantized at load unless the "
                                  "checkpoint already is, see `switchyard quantize`), "
                                  "activations dispatched as MXFP4 (every backend but deepep)"),
+        add("--dense-quantization", default=env("DENSE_QUANTIZATION") or "auto",
+            choices=DENSE_QUANTIZATIONS,
+            help="the dense linears (attention projections, shared experts, dense MLPs, "
+                 "lm_head): auto (default): the checkpoint's; none: the model's dtype; "
+                 "int8: 8-bit weights with a scale per output channel (on the CPU int8, "
+                 "widened in registers; on a GPU FP8 by torch._scaled_mm), quantized at "
+                 "load unless the checkpoint already is (`switchyard quantize --dense "
+                 "int8`)"),
         add_rendezvous_flag(p),
         add("--dcp-size", type=int, default=int(env("DCP_SIZE", "1")),
             help="decode context parallelism: ranks per attention group, each holding 1/D "
@@ -244,7 +254,7 @@ def from_args(args: argparse.Namespace) -> AttentionConfig:
         expert_ranks=getattr(args, "expert_ranks", 0),
         host=getattr(args, "host", "127.0.0.1"), port=getattr(args, "port", 0),
         ready_fd=getattr(args, "ready_fd", None),
-        quantization=args.quantization,
+        quantization=args.quantization, dense_quantization=args.dense_quantization,
         dcp_size=args.dcp_size, dcp_interleave=args.dcp_interleave,
         dcp_rank=getattr(args, "dcp_rank", 0),
         dcp_init=parse_addresses(args.dcp_init)[0] if getattr(args, "dcp_init", None) else None,

@@ -17,8 +17,9 @@ from services.attention.config import AttentionConfig
 from services.attention.kv_cache import KVCache, kv_bytes_per_block
 from services.attention.model import DenseModel
 from services.attention.spec_decode.mtp import load_mtp, mtp_block
+from services.attention.weights import WeightReader
 from services.model.checkpoint import Checkpoint
-from services.model.config import ModelConfig
+from services.model.config import ModelConfig, check_dense_quantization
 
 log = logging.getLogger("switchyard.dcp")
 
@@ -34,9 +35,11 @@ def run_peer(config: AttentionConfig) -> None:
     group = DcpGroup(config.dcp_init, config.dcp_rank, config.dcp_size,
                      collective_backend(device), config.rendezvous_timeout,
                      collective_timeout(config.expert_timeout, config.link_timeout))
-    model = DenseModel(cfg, checkpoint, dtype, group.attend, device)
+    read = WeightReader(checkpoint, dtype, device,
+                        check_dense_quantization(cfg, config.dense_quantization))
+    model = DenseModel(cfg, read, group.attend)
     drafts_mtp = config.speculative is not None and config.speculative.mtp
-    mtp = load_mtp(checkpoint, cfg, dtype, device) if drafts_mtp else None
+    mtp = load_mtp(read, cfg) if drafts_mtp else None
     checkpoint.close()
     layers = cfg.num_layers + int(drafts_mtp)  # (as the leader's cache: `builder`)
     num_blocks = config.kv_cache_memory // kv_bytes_per_block(cfg, config.block_size, dtype,

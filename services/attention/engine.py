@@ -130,6 +130,7 @@ class Engine:
             dtype=str(self.dtype).removeprefix("torch."),
             num_kv_blocks=self.block_manager.num_blocks, block_size=self.block_manager.block_size,
             max_num_seqs=self.scheduler.max_num_seqs, quantization=self.quantization,
+            dense_quantization=self.runner.model.dense_quantization,
             dispatch_backend=self.config.dispatch_backend,
             expert_services=self.runner.experts.describe(),
             moe_layers=self.runner.moe_layers,

@@ -14,7 +14,6 @@ its key and its value (as FlashMLA does), and drops the output's rotary dims.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -24,14 +23,16 @@ import torch.nn.functional as F
 from dcp.batch import StepBatch
 from dcp.merge import partial_attention, reference_partial_attention
 from moe_kernels.cpu_kernels import cpu_kernels
+from moe_kernels.int8 import Int8Panels
 from moe_kernels.panels import PanelWeights
-from moe_kernels.selection import cpu_decode_attention, linear
-from moe_kernels.selection import panels_for_cpu as _panels
+from moe_kernels.selection import DenseWeight, cpu_decode_attention, linear
 from services.attention.kv_cache import Kernel, KVCache, sdpa
+from services.attention.weights import WeightReader
 from services.model.config import ModelConfig
 from services.model.layers import apply_rope, rms_norm
 
-Weight = torch.Tensor | PanelWeights
+Weight = DenseWeight
+Panels = PanelWeights | Int8Panels  # the layouts the compiled blocks read
 
 
 @dataclass(frozen=True)
@@ -48,25 +49,29 @@ class MLAWeights:
     kv_b: Weight  # [heads (qk_nope + v_head), kv_lora]: kv_b_proj, to expand prefill's keys
 
 
-def load_mla(get: Callable[..., torch.Tensor], cfg: ModelConfig) -> MLAWeights:
-    """Layer weights by `get(name under the layer, *shape)`."""
+def load_mla(read: WeightReader, p: str, cfg: ModelConfig) -> MLAWeights:
+    """Layer `p`'s MLA weights ("model.layers.{i}"). The absorbed W_UK and W_UV are cut
+    from kv_b_proj as read in the model's dtype and then laid out on their own: their
+    output channels are not kv_b's rows (W_UK is transposed), so a stored int8 kv_b's
+    scales would not be theirs (`switchyard quantize` leaves kv_b float)."""
     m, heads, h = cfg.mla, cfg.num_heads, cfg.hidden_size
     assert m is not None
-    first = get("self_attn.q_a_proj.weight", m.q_lora_rank, h) if m.q_lora_rank \
-        else get("self_attn.q_proj.weight", heads * m.qk_head_dim, h)
-    kv_a = get("self_attn.kv_a_proj_with_mqa.weight", m.kv_lora_rank + m.qk_rope_head_dim, h)
-    kv_b = get("self_attn.kv_b_proj.weight", heads * (m.qk_nope_head_dim + m.v_head_dim),
-               m.kv_lora_rank).view(heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+    first = ("self_attn.q_a_proj.weight", m.q_lora_rank, h) if m.q_lora_rank \
+        else ("self_attn.q_proj.weight", heads * m.qk_head_dim, h)
+    kv_a = ("self_attn.kv_a_proj_with_mqa.weight", m.kv_lora_rank + m.qk_rope_head_dim, h)
+    kv_b = read.get(f"{p}.self_attn.kv_b_proj.weight",
+                    heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank
+                    ).view(heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
     return MLAWeights(
-        qkv_a=_panels(torch.cat([first, kv_a]), pad=True),
-        q_a_norm=get("self_attn.q_a_layernorm.weight", m.q_lora_rank) if m.q_lora_rank
-        else None,
-        q_b=_panels(get("self_attn.q_b_proj.weight", heads * m.qk_head_dim, m.q_lora_rank),
-                    pad=True) if m.q_lora_rank else None,
-        kv_a_norm=get("self_attn.kv_a_layernorm.weight", m.kv_lora_rank),
-        w_uk=_panels(kv_b[:, : m.qk_nope_head_dim].transpose(1, 2).contiguous()),
-        w_uv=_panels(kv_b[:, m.qk_nope_head_dim:].contiguous()),
-        kv_b=_panels(kv_b.reshape(-1, m.kv_lora_rank), pad=True),
+        qkv_a=read.linear(*((f"{p}.{name}", n, k) for name, n, k in (first, kv_a))),
+        q_a_norm=read.get(f"{p}.self_attn.q_a_layernorm.weight", m.q_lora_rank)
+        if m.q_lora_rank else None,
+        q_b=read.linear((f"{p}.self_attn.q_b_proj.weight", heads * m.qk_head_dim,
+                         m.q_lora_rank)) if m.q_lora_rank else None,
+        kv_a_norm=read.get(f"{p}.self_attn.kv_a_layernorm.weight", m.kv_lora_rank),
+        w_uk=read.layout(kv_b[:, : m.qk_nope_head_dim].transpose(1, 2).contiguous()),
+        w_uv=read.layout(kv_b[:, m.qk_nope_head_dim:].contiguous()),
+        kv_b=read.layout(kv_b.reshape(-1, m.kv_lora_rank)),
     )
 
 
@@ -195,28 +200,32 @@ def compiled_mla_block(kernels: ModuleType, cfg: ModelConfig, w: MLAWeights,
     assert m is not None
     input_norm, o, post_norm = around
     return kernels.mla_block_f32(
-        h, input_norm, *_panel_args(w.qkv_a), w.q_a_norm, *_panel_args(w.q_b), w.kv_a_norm,
-        _panel_args(w.w_uk)[0], _panel_args(w.w_uv)[0], cos, sin, m.rope_interleave, cache,
-        batch.slot_mapping, batch.decode_kv_slots, batch.decode_mask, *_panel_args(o),
+        h, input_norm, *panel_args(w.qkv_a), w.q_a_norm, *panel_args(w.q_b), w.kv_a_norm,
+        *panel_args(w.w_uk)[:2], *panel_args(w.w_uv)[:2], cos, sin, m.rope_interleave, cache,
+        batch.slot_mapping, batch.decode_kv_slots, batch.decode_mask, *panel_args(o),
         post_norm, cfg.num_heads, m.q_lora_rank or 0, m.qk_nope_head_dim, cfg.rms_norm_eps,
         cfg.attention_scale)
 
 
-def _panel_args(w: Weight | None) -> tuple[torch.Tensor | None, int]:
-    """A linear in panels as the compiled block takes it: (panels, real columns)."""
+def panel_args(w: Weight | None) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
+    """A linear in panels as the compiled blocks take it: (panels, the int8 weights'
+    column scales or None for float32, real columns)."""
     if w is None:
-        return None, 0
-    assert isinstance(w, PanelWeights)
-    return w.panels, w.shape[-2]
+        return None, None, 0
+    assert isinstance(w, Panels)
+    return w.panels, w.scales if isinstance(w, Int8Panels) else None, w.shape[-2]
 
 
 def head_linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
     """x [T, heads, K] through one matrix per head, w [heads, N, K] -> [T, heads, N]: the
     compiled kernel where w is in panels (and x float32 on the CPU), else torch's bmm."""
-    if isinstance(w, PanelWeights) and x.dtype == torch.float32 and x.stride(-1) == 1 \
+    if isinstance(w, Panels) and x.dtype == torch.float32 and x.stride(-1) == 1 \
             and (kernels := cpu_kernels()) is not None:
+        if isinstance(w, Int8Panels):
+            return kernels.head_linear_i8(x, w.panels, w.scales)
         return kernels.head_linear_f32(x, w.panels)
-    w = w.unpack() if isinstance(w, PanelWeights) else w
+    w = w.unpack() if isinstance(w, PanelWeights) else \
+        w.dequantize().to(x.dtype) if isinstance(w, Int8Panels) else w
     return torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)
 
 

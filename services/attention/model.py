@@ -16,20 +16,20 @@ import torch.nn.functional as F
 from dcp.batch import StepBatch
 from ep_dispatch.base import Exchange, ExpertsClient
 from moe_kernels.cpu_kernels import cpu_kernels
-from moe_kernels.panels import PanelWeights
-from moe_kernels.selection import linear
-from moe_kernels.selection import panels_for_cpu as _panels_for_cpu
+from moe_kernels.selection import DenseWeight, linear, panels_for_cpu
 from services.attention.kv_cache import KVCache
 from services.attention.mla import (
     MLACache,
     MLAWeights,
+    Panels,
     compiled_mla_block,
     load_mla,
     mla_queries,
+    panel_args,
 )
 from services.attention.router import route
 from services.attention.timeline import FINAL, StepTimeline
-from services.model.checkpoint import Checkpoint
+from services.attention.weights import WeightReader
 from services.model.config import ModelConfig
 from services.model.layers import qkv_heads, rms_norm, rope_cos_sin
 
@@ -39,21 +39,14 @@ Attend = Callable[[KVCache, int, torch.Tensor, StepBatch], torch.Tensor]
 MoE = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-Weight = torch.Tensor | PanelWeights  # a linear's, in the layout its kernel reads
-
-
-def panels_for_cpu(w: torch.Tensor) -> Weight:
-    """A dense linear's weight in the CPU kernel's panels, whatever its N (padded): every
-    float32 linear of a step then runs the one kernel, whose sums per row do not depend on
-    the other rows (torch's matmul's do), so a micro-batch's outputs are the whole
-    batch's bit for bit."""
-    return _panels_for_cpu(w, pad=True)  # type: ignore[return-value]
+Weight = DenseWeight  # a linear's, in the layout its kernel reads
 
 
 @dataclass(frozen=True)
 class LayerWeights:
-    """One layer's weights; the linears' (float32 on the CPU: in panels, `panels_for_cpu`)
-    as [out, in]."""
+    """One layer's weights; the linears' as [out, in], in the layout of the dense scheme's
+    kernel (`WeightReader`: on the CPU float32 or int8 panels), but for the router's,
+    which stays float."""
 
     input_norm: torch.Tensor  # [H]
     post_attn_norm: torch.Tensor  # [H]
@@ -72,19 +65,21 @@ class LayerWeights:
     shared_gate: Weight | None  # [1, H], Qwen2-MoE's sigmoid gate on them
 
 
-def load_layer(ckpt: Checkpoint, cfg: ModelConfig, i: int, dtype: torch.dtype,
-               device: str = "cpu") -> LayerWeights:
+def load_layer(read: WeightReader, cfg: ModelConfig, i: int) -> LayerWeights:
     p = f"model.layers.{i}"
     h, d = cfg.hidden_size, cfg.head_dim
     q_rows, kv_rows = cfg.num_heads * d, cfg.num_kv_heads * d
 
-    def get(name: str, *shape: int, as_dtype: torch.dtype = dtype) -> torch.Tensor:
-        return ckpt.get(f"{p}.{name}", shape, as_dtype).to(device)
+    def get(name: str, *shape: int, as_dtype: torch.dtype | None = None) -> torch.Tensor:
+        return read.get(f"{p}.{name}", *shape, as_dtype=as_dtype)
+
+    def linear(*parts: tuple[str, int, int]) -> Weight:
+        return read.linear(*((f"{p}.{name}", n, k) for name, n, k in parts))
 
     def mlp(prefix: str, inter: int) -> tuple[Weight, Weight]:
-        return (panels_for_cpu(torch.cat([get(f"{prefix}.gate_proj.weight", inter, h),
-                                          get(f"{prefix}.up_proj.weight", inter, h)])),
-                panels_for_cpu(get(f"{prefix}.down_proj.weight", h, inter)))
+        return (linear((f"{prefix}.gate_proj.weight", inter, h),
+                       (f"{prefix}.up_proj.weight", inter, h)),
+                linear((f"{prefix}.down_proj.weight", h, inter)))
 
     # (an MTP layer, i >= num_layers, is DeepSeek's MoE block)
     dense, mla = i < cfg.num_layers and not cfg.moe_layers[i], cfg.mla
@@ -93,23 +88,25 @@ def load_layer(ckpt: Checkpoint, cfg: ModelConfig, i: int, dtype: torch.dtype,
     s_gate_up, s_down = mlp(shared.prefix, shared.intermediate_size) if shared else (None, None)
     # DeepSeek's routers (the only ones with a `Routing` of their own) run in float32
     # whatever the model's dtype, as transformers' do
-    gate_dtype = torch.float32 if cfg.routing is not None else dtype
+    gate_dtype = torch.float32 if cfg.routing is not None else read.dtype
     return LayerWeights(
         input_norm=get("input_layernorm.weight", h),
         post_attn_norm=get("post_attention_layernorm.weight", h),
-        qkv=None if mla else panels_for_cpu(torch.cat([
-            get("self_attn.q_proj.weight", q_rows, h), get("self_attn.k_proj.weight", kv_rows, h),
-            get("self_attn.v_proj.weight", kv_rows, h)])),
+        qkv=None if mla else linear(("self_attn.q_proj.weight", q_rows, h),
+                                    ("self_attn.k_proj.weight", kv_rows, h),
+                                    ("self_attn.v_proj.weight", kv_rows, h)),
         qkv_bias=torch.cat([get("self_attn.q_proj.bias", q_rows),
                             get("self_attn.k_proj.bias", kv_rows),
                             get("self_attn.v_proj.bias", kv_rows)]) if cfg.qkv_bias else None,
-        mla=load_mla(get, cfg) if mla else None,
-        o=panels_for_cpu(get("self_attn.o_proj.weight", h,
-                             cfg.num_heads * mla.v_head_dim if mla else q_rows)),
+        mla=load_mla(read, p, cfg) if mla else None,
+        o=linear(("self_attn.o_proj.weight", h,
+                  cfg.num_heads * mla.v_head_dim if mla else q_rows)),
         q_norm=get("self_attn.q_norm.weight", d) if cfg.qk_norm else None,
         k_norm=get("self_attn.k_norm.weight", d) if cfg.qk_norm else None,
+        # the router stays float: its top-k is what an error there would change
         gate=None if dense else panels_for_cpu(
-            get(f"{cfg.expert_prefix}.gate.weight", cfg.num_experts, h, as_dtype=gate_dtype)),
+            get(f"{cfg.expert_prefix}.gate.weight", cfg.num_experts, h, as_dtype=gate_dtype),
+            pad=True),
         gate_bias=get("mlp.gate.e_score_correction_bias", cfg.num_experts,
                       as_dtype=torch.float32)
         if not dense and cfg.routing and cfg.routing.method == "noaux_tc" else None,
@@ -117,20 +114,19 @@ def load_layer(ckpt: Checkpoint, cfg: ModelConfig, i: int, dtype: torch.dtype,
         mlp_down=down,
         shared_gate_up=s_gate_up,
         shared_down=s_down,
-        shared_gate=panels_for_cpu(get("mlp.shared_expert_gate.weight", 1, h))
+        shared_gate=panels_for_cpu(get("mlp.shared_expert_gate.weight", 1, h), pad=True)
         if shared and shared.gated else None,
     )
 
 
 def in_panels(w: LayerWeights) -> bool:
-    """Whether the layer's attention weights are all in the CPU kernels' panels (and it
-    has no q/k/v bias), as the compiled attention block reads them."""
+    """Whether the layer's attention weights are all in the CPU kernels' panels (float32
+    or int8; and it has no q/k/v bias), as the compiled attention block reads them."""
     if w.mla is not None:
         m = w.mla
-        return all(isinstance(x, PanelWeights) for x in (m.qkv_a, m.w_uk, m.w_uv, w.o)) \
-            and (m.q_b is None or isinstance(m.q_b, PanelWeights))
-    return isinstance(w.qkv, PanelWeights) and isinstance(w.o, PanelWeights) \
-        and w.qkv_bias is None
+        return all(isinstance(x, Panels) for x in (m.qkv_a, m.w_uk, m.w_uv, w.o)) \
+            and (m.q_b is None or isinstance(m.q_b, Panels))
+    return isinstance(w.qkv, Panels) and isinstance(w.o, Panels) and w.qkv_bias is None
 
 
 def _swiglu(x: torch.Tensor, gate_up: Weight, down: Weight) -> torch.Tensor:
@@ -154,30 +150,28 @@ def shared_experts(w: LayerWeights, x: torch.Tensor) -> torch.Tensor | None:
 class DenseModel:
     """The attention service's share of the model, run over one `StepBatch` at a time."""
 
-    def __init__(self, cfg: ModelConfig, ckpt: Checkpoint, dtype: torch.dtype,
-                 attend: Attend | None = None, device: str = "cpu") -> None:
+    def __init__(self, cfg: ModelConfig, read: WeightReader, attend: Attend | None = None
+                 ) -> None:
         self.cfg = cfg
         # Paged attention over this process's KV cache, or a DCP group's sharded one.
         self.attend: Attend = attend or (lambda kv, layer, q, batch: kv.attend(layer, q, batch))
         self._own_cache = attend is None  # every key here: the compiled block may run
-        self.dtype = dtype
+        self.dtype, self.dense_quantization = read.dtype, read.scheme
         h = cfg.hidden_size
 
-        def get(name: str, *shape: int) -> torch.Tensor:
-            return ckpt.get(name, shape, dtype).to(device)
-
-        self.embed = get("model.embed_tokens.weight", cfg.vocab_size, h)
-        self.layers = [load_layer(ckpt, cfg, i, dtype, device) for i in range(cfg.num_layers)]
-        self.norm = get("model.norm.weight", h)
-        tied = cfg.tie_word_embeddings and "lm_head.weight" not in ckpt
-        # tied: on the CPU in float32 the panels are a second copy of the embeddings
-        self.lm_head = panels_for_cpu(self.embed if tied
-                                      else get("lm_head.weight", cfg.vocab_size, h))
+        # (embeddings stay float: a token reads one row)
+        self.embed = read.get("model.embed_tokens.weight", cfg.vocab_size, h)
+        self.layers = [load_layer(read, cfg, i) for i in range(cfg.num_layers)]
+        self.norm = read.get("model.norm.weight", h)
+        tied = cfg.tie_word_embeddings and "lm_head.weight" not in read.ckpt
+        # tied: on the CPU the panels are a second copy of the embeddings
+        self.lm_head = read.layout(self.embed) if tied \
+            else read.linear(("lm_head.weight", cfg.vocab_size, h))
         # Routed token copies per (layer, expert) since start: what operators balance on.
         # Counted on the device without a host sync; `publish_load()` reads it between steps.
         # (the MTP layers' rows too, where they draft)
         self._load = torch.zeros(cfg.num_layers + cfg.mtp_layers, cfg.num_experts,
-                                 dtype=torch.int64, device=device)
+                                 dtype=torch.int64, device=read.device)
         self.expert_load = self._load.cpu()
         self._panels = all(in_panels(w) for w in self.layers)
 
@@ -279,11 +273,10 @@ class DenseModel:
                                       h, cos, sin, kv.k[i], batch)
         if compiled is not None:  # (every qkv and o in panels: `compiled_block`)
             return compiled.attention_block_f32(
-                h, w.input_norm, w.qkv.panels, w.qkv.shape[0],  # type: ignore[union-attr]
-                w.q_norm, w.k_norm, cos, sin, kv.k[i], kv.v[i], batch.slot_mapping,
-                batch.decode_kv_slots, batch.decode_mask, w.o.panels,  # type: ignore[union-attr]
-                w.o.shape[0], w.post_attn_norm,
-                cfg.num_heads, cfg.num_kv_heads, eps, cfg.attention_scale)
+                h, w.input_norm, *panel_args(w.qkv), w.q_norm, w.k_norm, cos, sin, kv.k[i],
+                kv.v[i], batch.slot_mapping, batch.decode_kv_slots, batch.decode_mask,
+                *panel_args(w.o), w.post_attn_norm, cfg.num_heads, cfg.num_kv_heads, eps,
+                cfg.attention_scale)
         x = rms_norm(h, w.input_norm, eps)
         if w.mla is not None:
             q, rows = mla_queries(cfg, w.mla, x, cos, sin)  # rows [T, 1, C + R]

@@ -63,10 +63,11 @@ class Checkpoint:
                     f"expected {list(shape)}"
                 )
 
-    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """Load one tensor, checking its shape, converted to `dtype`."""
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None) -> torch.Tensor:
+        """Load one tensor, checking its shape, converted to `dtype` (None: as stored)."""
         self.check_shapes([(name, shape)])
-        return self._open(self.file_of(name)).get_tensor(name).to(dtype)
+        tensor = self._open(self.file_of(name)).get_tensor(name)
+        return tensor if dtype is None else tensor.to(dtype)
 
     def close(self) -> None:
         self._stack.close()

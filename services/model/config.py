@@ -22,7 +22,7 @@ from services.model.families import (
 )
 
 __all__ = ["MLA", "CheckpointError", "ModelConfig", "Rope", "Routing", "SharedExperts",
-           "check_quantization", "yarn_mscale"]
+           "check_dense_quantization", "check_quantization", "yarn_mscale"]
 
 SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
                            "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
@@ -63,6 +63,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
     quantization: str | None = None  # "w4a4": experts stored as MXFP4 (switchyard quantize)
+    dense_quantization: str | None = None  # "int8": dense linears stored in int8 (same)
     routing: Routing | None = None  # None: greedy softmax top_k (`routing_spec`)
     mla: MLA | None = None
     shared_experts: SharedExperts | None = None
@@ -189,6 +190,7 @@ def _common(raw: dict[str, Any], arch: str, rope: Rope) -> dict[str, Any]:
     """The fields every architecture spells the same way."""
     eos = raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    experts_q, dense_q = _quantization(raw)
     return dict(
         architecture=arch,
         vocab_size=int_field(raw, "vocab_size"),
@@ -204,7 +206,8 @@ def _common(raw: dict[str, Any], arch: str, rope: Rope) -> dict[str, Any]:
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         eos_token_ids=eos_ids,
         torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
-        quantization=_quantization(raw),
+        quantization=experts_q,
+        dense_quantization=dense_q,
     )
 
 
@@ -268,23 +271,18 @@ def _generation_eos(path: Path) -> tuple[int, ...]:
     return tuple(ids)
 
 
-QUANT_METHOD = "switchyard_mxfp4"  # what `switchyard quantize` writes in quantization_config
+QUANT_METHOD = "switchyard"  # what `switchyard quantize` writes in quantization_config
+LEGACY_QUANT_METHOD = "switchyard_mxfp4"  # its experts-only form before dense weights
 
 
 QUANTIZATIONS = ("auto", "none", "w4a4")  # what --quantization accepts
+DENSE_QUANTIZATIONS = ("auto", "none", "int8")  # what --dense-quantization accepts
 
 
 def check_quantization(config: ModelConfig, requested: str) -> str | None:
     """The quantization to serve with (None: the checkpoint's dtype). `requested` is
     --quantization: "auto" takes the checkpoint's, "none" insists on float experts."""
-    if requested not in QUANTIZATIONS:
-        raise ValueError(f"unknown quantization {requested!r}; choose one of "
-                         f"{', '.join(QUANTIZATIONS)}")
-    if config.quantization and requested not in ("auto", config.quantization):
-        raise ValueError(f"the checkpoint is quantized as {config.quantization}: serve it with "
-                         f"--quantization {config.quantization} or auto")
-    quantization = config.quantization if requested == "auto" else requested
-    quantization = None if quantization == "none" else quantization
+    quantization = _choose("quantization", QUANTIZATIONS, config.quantization, requested)
     if quantization == "w4a4":
         from moe_kernels.mxfp4 import check_blockable  # torch: only where W4A4 is asked for
 
@@ -293,15 +291,40 @@ def check_quantization(config: ModelConfig, requested: str) -> str | None:
     return quantization
 
 
-def _quantization(raw: dict[str, Any]) -> str | None:
+def check_dense_quantization(config: ModelConfig, requested: str) -> str | None:
+    """The dense linears' scheme to serve with (None: the model's dtype), from
+    --dense-quantization as `check_quantization` reads --quantization."""
+    return _choose("dense-quantization", DENSE_QUANTIZATIONS, config.dense_quantization,
+                   requested)
+
+
+def _choose(flag: str, choices: tuple[str, ...], stored: str | None, requested: str
+            ) -> str | None:
+    if requested not in choices:
+        raise ValueError(f"unknown {flag} {requested!r}; choose one of {', '.join(choices)}")
+    if stored and requested not in ("auto", stored):
+        raise ValueError(f"the checkpoint is quantized as {stored}: serve it with "
+                         f"--{flag} {stored} or auto")
+    chosen = stored if requested == "auto" else requested
+    return None if chosen == "none" else chosen
+
+
+def _quantization(raw: dict[str, Any]) -> tuple[str | None, str | None]:
+    """(the experts', the dense linears') quantization a checkpoint is stored in."""
     qc = raw.get("quantization_config")
     if qc is None:
-        return None
+        return None, None
     method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if method == LEGACY_QUANT_METHOD:
+        return "w4a4", None
     if method != QUANT_METHOD:
         raise CheckpointError(f"unsupported quantization_config quant_method {method!r}; "
                               f"supported: {QUANT_METHOD!r} (written by `switchyard quantize`)")
-    return "w4a4"
+    experts, dense = qc.get("experts"), qc.get("dense")
+    if experts not in (None, "mxfp4") or dense not in (None, "int8"):
+        raise CheckpointError(f"quantization_config: experts {experts!r} and dense {dense!r}; "
+                              "supported: experts 'mxfp4', dense 'int8' (or absent)")
+    return ("w4a4" if experts else None), dense
 
 
 def _deepseek(raw: dict[str, Any], arch: str, rope: Rope) -> ModelConfig:

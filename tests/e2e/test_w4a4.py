@@ -61,7 +61,8 @@ def test_w4a4_logits_stay_close_to_float(ckpt: Path) -> None:
 
 def test_quantized_checkpoint_round_trip(ckpt: Path, quantized: Path) -> None:
     config = json.loads((quantized / "config.json").read_text())
-    assert config["quantization_config"]["quant_method"] == "switchyard_mxfp4"
+    assert config["quantization_config"]["quant_method"] == "switchyard"
+    assert config["quantization_config"]["experts"] == "mxfp4"
     assert ModelConfig.from_dir(quantized).quantization == "w4a4"
     # Loading the packed checkpoint gives what quantizing at load gives, bit for bit.
     ps = prompts(seed=6, lengths=(5, 12))
@@ -99,9 +100,10 @@ def test_expert_bytes_and_dispatch_bytes_are_at_most_028_of_bf16(ckpt: Path,
 
 @pytest.fixture(scope="module", params=["rpc", "torch"])
 def served(ckpt: Path, request: pytest.FixtureRequest) -> Iterator[Served]:
-    """2 expert services; MXFP4 rows travel over RPC frames, or over gloo all-to-alls."""
+    """2 expert services; MXFP4 rows travel over RPC frames, or over gloo all-to-alls; the
+    dense linears in int8."""
     with Served(["--model", str(ckpt), "--quantization", "w4a4", "--expert-services", "2",
-                 "--dispatch-backend", request.param]) as s:
+                 "--dense-quantization", "int8", "--dispatch-backend", request.param]) as s:
         yield s
 
 
@@ -109,10 +111,12 @@ def test_serve_w4a4_reports_it_and_matches_in_process_numerics(ckpt: Path,
                                                                served: Served) -> None:
     card = httpx.get(f"{served.url}/v1/models").json()["data"][0]
     assert card["quantization"] == "w4a4"
-    experts = httpx.get(f"{served.url}/health").json()["attention"][0]["experts"]
-    assert len(experts) == 2 and all("MXFP4" in line for line in experts)
+    group = httpx.get(f"{served.url}/health").json()["attention"][0]
+    assert (group["quantization"], group["dense_quantization"]) == ("w4a4", "int8")
+    assert len(group["experts"]) == 2 and all("MXFP4" in line for line in group["experts"])
     ps = prompts(seed=8, lengths=(6, 15, 30))
-    want = run_to_completion(engine(ckpt, quantization="w4a4", dispatch_backend="local"),
+    want = run_to_completion(engine(ckpt, quantization="w4a4", dense_quantization="int8",
+                                    dispatch_backend="local"),
                              {0: [greedy(f"r{i}", p, 10) for i, p in enumerate(ps)]})
     for i, p in enumerate(ps):
         r = httpx.post(f"{served.url}/v1/completions", timeout=60, json={
@@ -132,6 +136,13 @@ def test_bad_quantization_setups_are_clear_errors(ckpt: Path, quantized: Path,
     raw["quantization_config"]["quant_method"] = "gptq"
     with pytest.raises(CheckpointError, match="unsupported quantization_config"):
         ModelConfig.from_hf(raw)
+    raw["quantization_config"] = {"quant_method": "switchyard", "experts": "mxfp3"}
+    with pytest.raises(CheckpointError, match="experts 'mxfp3'"):
+        ModelConfig.from_hf(raw)
+    # what `switchyard quantize` wrote before dense weights had a scheme still loads
+    raw["quantization_config"] = {"quant_method": "switchyard_mxfp4", "weights": "mxfp4"}
+    legacy = ModelConfig.from_hf(raw)
+    assert (legacy.quantization, legacy.dense_quantization) == ("w4a4", None)
 
 
 def test_quantization_flag_overrides_the_environment(ckpt: Path, quantized: Path) -> None:

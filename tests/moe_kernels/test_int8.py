@@ -51,6 +51,26 @@ def test_the_kernel_is_torchs_matmul_over_the_dequantized_weights(
     assert_rounding_close(linear(wide, packed), wide, packed.dequantize())
 
 
+@pytest.mark.parametrize(("t", "heads", "n", "k"), [(1, 2, 16, 24), (5, 3, 48, 7),
+                                                     (50, 4, 32, 64)])
+def test_per_head_weights_take_their_own_scales(kernel: object, t: int, heads: int, n: int,
+                                                k: int) -> None:
+    """MLA's absorbed W_UK and W_UV, one [N, K] matrix per head with a scale per head and
+    channel, through `head_linear_i8` against torch over the dequantized weights."""
+    from services.attention.mla import head_linear
+
+    g = torch.Generator().manual_seed(t + n)
+    w = torch.randn(heads, n, k, generator=g) * torch.rand(heads, n, 1, generator=g)
+    x = torch.randn(t, heads, k + 2, generator=g)[..., :k]  # strided heads, as MLA's q
+    packed = int8_panels(w)
+    assert packed.scales.shape == (heads, n) and packed.shape == (heads, n, k)
+    for h in range(heads):
+        assert torch.equal(packed.dequantize()[h], int8_panels(w[h]).dequantize())
+    y = head_linear(x, packed)  # [T, heads, N]
+    for h in range(heads):
+        assert_rounding_close(y[:, h], x[:, h], packed.dequantize()[h])
+
+
 def test_every_familys_dense_weights(kernel: object, every_ckpt: tuple) -> None:
     """Each 2-D dense weight of the checkpoint (projections, MLA's, gates, lm_head; not
     the routed experts) through the kernel at 1, 3 and 17 rows, against the reference;

@@ -37,12 +37,11 @@ from services.attention.model import (
     Weight,
     in_panels,
     load_layer,
-    panels_for_cpu,
     shared_experts,
 )
 from services.attention.router import route
 from services.attention.sequence import Sequence
-from services.model.checkpoint import Checkpoint
+from services.attention.weights import WeightReader
 from services.model.config import CheckpointError, ModelConfig
 from services.model.layers import rms_norm, rope_cos_sin
 
@@ -60,8 +59,7 @@ class MtpWeights:
     head_norm: torch.Tensor  # [H], shared_head.norm, before the model's lm_head
 
 
-def load_mtp(ckpt: Checkpoint, cfg: ModelConfig, dtype: torch.dtype,
-             device: str = "cpu") -> MtpWeights:
+def load_mtp(read: WeightReader, cfg: ModelConfig) -> MtpWeights:
     """The first MTP layer of `ckpt` (a CheckpointError naming what is missing)."""
     if not cfg.mtp_layers:
         raise CheckpointError("the mtp method drafts with the checkpoint's multi-token-"
@@ -69,12 +67,10 @@ def load_mtp(ckpt: Checkpoint, cfg: ModelConfig, dtype: torch.dtype,
                               f"{cfg.num_layers}.eh_proj.weight)")
     i, h = cfg.num_layers, cfg.hidden_size
 
-    def get(name: str, *shape: int) -> torch.Tensor:
-        return ckpt.get(f"model.layers.{i}.{name}", shape, dtype).to(device)
-
-    return MtpWeights(i, get("enorm.weight", h), get("hnorm.weight", h),
-                      panels_for_cpu(get("eh_proj.weight", h, 2 * h)),
-                      load_layer(ckpt, cfg, i, dtype, device), get("shared_head.norm.weight", h))
+    p = f"model.layers.{i}"
+    return MtpWeights(i, read.get(f"{p}.enorm.weight", h), read.get(f"{p}.hnorm.weight", h),
+                      read.linear((f"{p}.eh_proj.weight", h, 2 * h)), load_layer(read, cfg, i),
+                      read.get(f"{p}.shared_head.norm.weight", h))
 
 
 @dataclass(frozen=True)

@@ -55,18 +55,19 @@ def test_every_step_is_timed_by_its_kind(ckpt: tuple) -> None:
     assert count("decode") - before["decode"] == 3
 
 
+@pytest.mark.parametrize("dense", ["none", "int8"])
 @pytest.mark.parametrize("name", ["qwen3", "mixtral", "deepseek_v2", "deepseek_v2_grouped"])
 def test_decode_steps_through_the_compiled_attention_block_are_the_same_bits(
-        name: str, request: pytest.FixtureRequest) -> None:
+        name: str, dense: str, request: pytest.FixtureRequest) -> None:
     """The compiled attention block (one call a layer at decode steps; MLA's too, with and
-    without q_lora_rank) against the Python path over the same kernels: every step's
-    logits equal, and the block did run."""
+    without q_lora_rank; float32 or int8 weights) against the Python path over the same
+    kernels: every step's logits equal, and the block did run."""
     path, _ = request.getfixturevalue(f"{name}_ckpt")
     ps = prompts(seed=4, lengths=(6, 11, 3))
     logits: dict[bool, list[torch.Tensor]] = {True: [], False: []}
     compiled_steps = 0
     for compiled in (True, False):
-        engine = engine_for(path, max_num_batched_tokens=32)
+        engine = engine_for(path, max_num_batched_tokens=32, dense_quantization=dense)
         model = engine.runner.model
         model._own_cache = compiled  # False: the path a DCP group's ranks take
         if compiled:

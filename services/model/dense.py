@@ -1,0 +1,24 @@
+"""Which of a checkpoint's tensors the 8-bit dense scheme (`--dense-quantization int8`)
+stores in int8, and under what names.
+
+Those are the linears a decode step reads in full: every `*_proj.weight` outside the
+routed experts (attention, MLA's but kv_b_proj, shared experts, dense MLPs, the MTP
+layer's eh_proj) and the lm_head. kv_b_proj stays float: it is served as the absorbed
+per-head W_UK (transposed) and W_UV, whose output channels are not its rows. Embeddings
+(one row read per token), norms and the router gates (whose top-k an error would change)
+stay float too.
+
+A stored linear is `NAME.weight` int8 [N, K] and `NAME.weight_scale` float32 [N],
+w ≈ q * s per row (compressed-tensors' names for a per-channel scale).
+"""
+
+from __future__ import annotations
+
+SCALE_SUFFIX = "_scale"
+
+
+def is_dense_linear(name: str, experts: set[str]) -> bool:
+    """Whether the scheme stores tensor `name` in int8 (`experts`: the routed experts'
+    weights, which have a scheme of their own)."""
+    return name not in experts and (name == "lm_head.weight" or (
+        name.endswith("_proj.weight") and not name.endswith("kv_b_proj.weight")))
