@@ -2,7 +2,8 @@
 must do, and where the step's time goes.
 
     .venv/bin/python -m benchmarks.floor [--batch-sizes 1 16 64] [--cpu-kernels on off]
-        [--quantization none w4a4] [--checkpoint qwen3-moe-mid|deepseek-v3-mid]
+        [--quantization none w4a4] [--dense-quantization none int8]
+        [--checkpoint qwen3-moe-mid|deepseek-v3-mid]
 
 Measures this machine once (read bandwidth: `sum` over 2 GiB; copy bandwidth; float32
 matmul GFLOP/s), then runs the engine in-process (`local` backend) on a mid-size
@@ -18,7 +19,8 @@ combine, the experts, the shared experts, lm_head and sampling, the rest.
 With `--cpu-kernels on off` each batch size runs with the compiled CPU kernels (experts,
 dense projections, lm_head, attention, the layer math) and with torch's, one engine each
 (the weights' layout is chosen at load); with `--quantization none w4a4` both float32 and
-W4A4 experts (MXFP4, quantized at load; the dense weights stay float32), one engine each.
+W4A4 experts (MXFP4, quantized at load), one engine each; with `--dense-quantization none
+int8` the dense linears in float32 and in int8 (`moe_kernels.int8`), one engine each.
 The engines' decode steps are taken in turn, one step of each per round, so that the
 shared host's drift falls on every column alike.
 """
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import math
 import statistics
 import time
@@ -38,6 +41,7 @@ from benchmarks.generate import CHECKPOINTS, add_workdir_flag, build_checkpoint,
 from benchmarks.timing import timed
 from common.messages import GenerateRequest, SamplingParams
 from moe_kernels.cpu_kernels import cpu_kernels, set_enabled
+from moe_kernels.int8 import Int8Panels
 from moe_kernels.panels import PanelWeights
 from services.attention.builder import build_engine
 from services.attention.config import AttentionConfig
@@ -83,12 +87,15 @@ def machine() -> dict[str, float]:
     return {"read_gbs": read, "copy_gbs": copy, "matmul_gflops": gflops}
 
 
-def layer_weights(w: object) -> list[torch.Tensor | PanelWeights]:
+Weight = torch.Tensor | PanelWeights | Int8Panels
+
+
+def layer_weights(w: object) -> list[Weight]:
     """Every weight of a layer (`LayerWeights`, with MLA's and the shared experts')."""
-    out: list[torch.Tensor | PanelWeights] = []
+    out: list[Weight] = []
     for field in dataclasses.fields(w):  # type: ignore[arg-type]
         value = getattr(w, field.name)
-        if isinstance(value, torch.Tensor | PanelWeights):
+        if isinstance(value, Weight):
             out.append(value)
         elif dataclasses.is_dataclass(value):
             out += layer_weights(value)
@@ -98,7 +105,7 @@ def layer_weights(w: object) -> list[torch.Tensor | PanelWeights]:
 def dense_bytes(engine: Engine) -> int:
     model = engine.runner.model
     tensors = [model.norm, model.lm_head, *(t for w in model.layers for t in layer_weights(w))]
-    return sum(t.nbytes() if isinstance(t, PanelWeights) else t.numel() * t.element_size()
+    return sum(t.numel() * t.element_size() if isinstance(t, torch.Tensor) else t.nbytes()
                for t in tensors)
 
 
@@ -289,6 +296,8 @@ def main() -> None:
                     help="the compiled CPU kernels, torch's matmuls, or both in turn")
     ap.add_argument("--quantization", nargs="+", choices=["none", "w4a4"], default=["none"],
                     help="float32 experts, W4A4 experts, or both in turn (one engine each)")
+    ap.add_argument("--dense-quantization", nargs="+", choices=["none", "int8"],
+                    default=["none"], help="float32 dense linears, int8 ones, or both in turn")
     ap.add_argument("--checkpoint", choices=CHECKPOINTS, default=CHECKPOINTS[0],
                     help="the random mid-size Qwen3-MoE, or a DeepSeek-V3-shaped one (MLA)")
     add_workdir_flag(ap)
@@ -299,15 +308,16 @@ def main() -> None:
     print(f"read {m['read_gbs']:.1f} GB/s, copy {m['copy_gbs']:.1f} GB/s (read + write), "
           f"float32 matmul {m['matmul_gflops']:.0f} GFLOP/s", flush=True)
     engines = {}
-    for quantization in args.quantization:
-        for kernels in args.cpu_kernels:  # at load: the kernels' weight layout, or torch's
-            set_enabled(kernels == "on")
-            print(f"loading the engine, experts {quantization}, CPU kernels {kernels} ...",
-                  flush=True)
-            engine = build_engine(AttentionConfig(
-                model=path, dtype="float32", quantization=quantization,
-                kv_cache_memory=1 << 30, max_num_batched_tokens=2048))
-            engines[f"{quantization}, {kernels}"] = (engine, StepParts(engine), kernels == "on")
+    for quantization, dense, kernels in itertools.product(
+            args.quantization, args.dense_quantization, args.cpu_kernels):
+        set_enabled(kernels == "on")  # at load: the kernels' weight layout, or torch's
+        print(f"loading the engine, experts {quantization}, dense {dense}, CPU kernels "
+              f"{kernels} ...", flush=True)
+        engine = build_engine(AttentionConfig(
+            model=path, dtype="float32", quantization=quantization, dense_quantization=dense,
+            kv_cache_memory=1 << 30, max_num_batched_tokens=2048))
+        engines[f"{quantization}, {dense}, {kernels}"] = (engine, StepParts(engine),
+                                                          kernels == "on")
     print(kv_per_token(next(iter(engines.values()))[0]), flush=True)
     rows, probe = [], Probe()
     for batch in args.batch_sizes:
@@ -319,7 +329,7 @@ def main() -> None:
             rows.append((batch, name, steps, probe.median(since)))
     print("\nfloor: at the machine's median over the batch's rounds (read GB/s, GFLOP/s); "
           "the last column at the best-of-5 machine above")
-    print("\n| batch | experts, CPU kernels | median step ms | MB read | GFLOP | machine "
+    print("\n| batch | experts, dense, CPU kernels | median step ms | MB read | GFLOP | machine "
           "(GB/s, GFLOP/s) | floor ms (bytes, FLOPs) | step / floor | "
           + " | ".join(f"{p} ms" for p in PARTS) + f" | {KERNELS} ms (host: the rest of "
           "the step) | step / best-case floor |")

@@ -24,8 +24,9 @@ from types import ModuleType
 
 log = logging.getLogger("switchyard.expert")
 SOURCES = [Path(__file__).parent / "csrc" / name
-           for name in ("module.cpp", "f32_cpu.cpp", "w4a4_cpu.cpp", "attention_cpu.cpp",
-                         "layers_cpu.cpp", "decode_layer_cpu.cpp", "mla_cpu.cpp")]
+           for name in ("module.cpp", "f32_cpu.cpp", "int8_cpu.cpp", "w4a4_cpu.cpp",
+                        "attention_cpu.cpp", "layers_cpu.cpp", "decode_layer_cpu.cpp",
+                        "mla_cpu.cpp")]
 _lock = threading.Lock()
 _loaded: ModuleType | None = None
 _failed = False

@@ -15,7 +15,7 @@ from moe_kernels.bf16x2_layout import Bf16x2Weights, to_bf16x2
 from moe_kernels.cpu_kernels import cpu_kernels
 from moe_kernels.fp8 import Fp8Weights, fp8_linear, fp8_weights
 from moe_kernels.grouped_gemm import ExpertTimer, grouped_swiglu, grouped_swiglu_mm
-from moe_kernels.int8 import Int8Panels, int8_panels
+from moe_kernels.int8 import Int8Panels, int8_panels, reference_linear
 from moe_kernels.kernel_configs import KernelConfig, load_configs, tuned_config
 from moe_kernels.mxfp4 import MXFP4Tensor, quantize
 from moe_kernels.panels import PANEL, MXFP4Panels, PanelWeights, plain_mxfp4, to_panels
@@ -168,16 +168,16 @@ def linear(x: torch.Tensor, w: DenseWeight) -> torch.Tensor:
     """`F.linear(x, w)` without a bias, for the dense projections, router gates and lm_head:
     x [M, K] @ w [N, K]^T -> [M, N]. Weights in panels (`panels_for_cpu`) run the compiled
     kernel, which streams them from memory once for a decode step's few rows and is
-    compute-bound beyond; int8 weights (`moe_kernels.int8`) its int8 form; FP8 ones
-    `torch._scaled_mm`; torch's matmul otherwise (for int8, over the dequantized weights:
-    the same sums up to rounding)."""
+    compute-bound beyond; int8 weights (`moe_kernels.int8`) the int8 kernel; FP8 ones
+    `torch._scaled_mm`; torch's matmul otherwise (for int8, `int8.reference_linear`: the
+    same sums up to rounding)."""
     if isinstance(w, Fp8Weights):
         return fp8_linear(x, w)
     if isinstance(w, Int8Panels):
         if x.dtype == torch.float32 and x.dim() == 2 and (kernels := cpu_kernels()) is not None:
             y = kernels.linear_i8(x, w.panels, w.scales)  # [M, N rounded up to 16]
             return y if w.columns is None else y[:, :w.columns]
-        return F.linear(x, w.dequantize().to(x.dtype))
+        return reference_linear(x, w).to(x.dtype)
     if isinstance(w, PanelWeights):
         if x.dtype == torch.float32 and x.dim() == 2 and (kernels := cpu_kernels()) is not None:
             y = kernels.linear_f32(x, w.panels)  # [M, N rounded up to 16]

@@ -1,8 +1,6 @@
 // The float32 kernels: the grouped SwiGLU of `moe_kernels.grouped_gemm.grouped_swiglu` in one
 // call per layer over every local expert, and a linear for the dense projections, router
-// gates and lm_head, both over weights in the panel layout of `moe_kernels.panels`; and that
-// linear over int8 weights with a scale per output column (`moe_kernels.int8`), widened to
-// float32 in registers as they are loaded, so it reads a quarter of the bytes.
+// gates and lm_head, both over weights in the panel layout of `moe_kernels.panels`.
 //
 // A weight w [N, K] is stored as panels [N/16, K, 16]: panel p holds columns 16p..16p+15 of
 // y = x @ w^T, k-major. A tile of up to kRows rows of x and kPanels panels then runs as
@@ -19,10 +17,6 @@
 #include <cmath>
 #include <cstring>
 
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
 #include "kernels.h"
 
 namespace {
@@ -36,46 +30,18 @@ constexpr int kRows = 2, kPanels = 2;  // a panel row is 2 AVX2 registers: 12 of
 #endif
 constexpr int64_t kChunk = 48;  // rows a task takes at once (a multiple of kRows)
 
-typedef int8_t bvec __attribute__((vector_size(kPanel)));
-typedef int32_t ivec __attribute__((vector_size(kPanel * sizeof(int32_t))));
-
 inline pvec load(const float* p) {
   pvec v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 
-// A panel row of int8 weights, widened to float32: sign-extended to int32, then converted
-// (exact): vpmovsxbd and vcvtdq2ps, which GCC does not find from the vector extension's
-// own conversion (it goes element by element).
-inline pvec load(const int8_t* p) {
-  pvec out;
-#if defined(__AVX512F__)
-  const __m512 v = _mm512_cvtepi32_ps(
-      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  std::memcpy(&out, &v, sizeof out);
-#elif defined(__AVX2__)
-  const __m256 lo = _mm256_cvtepi32_ps(
-      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-  const __m256 hi = _mm256_cvtepi32_ps(
-      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
-  std::memcpy(&out, &lo, sizeof lo);
-  std::memcpy(reinterpret_cast<char*>(&out) + sizeof lo, &hi, sizeof hi);
-#else
-  bvec b;
-  std::memcpy(&b, p, sizeof b);
-  out = __builtin_convertvector(__builtin_convertvector(b, ivec), pvec);
-#endif
-  return out;
-}
-
 inline void store(float* p, pvec v) { std::memcpy(p, &v, sizeof v); }
 
-// y[i, 16j + l] = sum_k x[i, k] * w[j][k][l] for i < MR, j < NP: one register tile; with
-// column scales s (int8 weights), each sum times s[16j + l] once at the end.
-template <int MR, int NP, typename W>
-inline void tile(const float* x, int64_t ldx, const W* w, int64_t k_len, float* y,
-                 int64_t ldy, const float* s) {
+// y[i, 16j + l] = sum_k x[i, k] * w[j][k][l] for i < MR, j < NP: one register tile.
+template <int MR, int NP>
+inline void tile(const float* x, int64_t ldx, const float* w, int64_t k_len, float* y,
+                 int64_t ldy) {
   pvec acc[MR][NP] = {};
   for (int64_t k = 0; k < k_len; ++k) {
     pvec wv[NP];
@@ -86,52 +52,47 @@ inline void tile(const float* x, int64_t ldx, const W* w, int64_t k_len, float* 
     }
   }
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NP; ++j)
-      store(y + i * ldy + j * kPanel, s ? acc[i][j] * load(s + j * kPanel) : acc[i][j]);
+    for (int j = 0; j < NP; ++j) store(y + i * ldy + j * kPanel, acc[i][j]);
 }
 
 // Rows [0, m_len) of x against NP panels starting at w, kRows at a time.
-template <int NP, typename W>
-void rows(const float* x, int64_t ldx, int64_t m_len, const W* w, int64_t k_len, float* y,
-          int64_t ldy, const float* s) {
+template <int NP>
+void rows(const float* x, int64_t ldx, int64_t m_len, const float* w, int64_t k_len, float* y,
+          int64_t ldy) {
   for (int64_t m0 = 0; m0 < m_len; m0 += kRows) {
     const float* xm = x + m0 * ldx;
     float* ym = y + m0 * ldy;
     switch (std::min<int64_t>(kRows, m_len - m0)) {
 #ifdef __AVX512F__
-      case 6: tile<6, NP>(xm, ldx, w, k_len, ym, ldy, s); break;
-      case 5: tile<5, NP>(xm, ldx, w, k_len, ym, ldy, s); break;
-      case 4: tile<4, NP>(xm, ldx, w, k_len, ym, ldy, s); break;
-      case 3: tile<3, NP>(xm, ldx, w, k_len, ym, ldy, s); break;
+      case 6: tile<6, NP>(xm, ldx, w, k_len, ym, ldy); break;
+      case 5: tile<5, NP>(xm, ldx, w, k_len, ym, ldy); break;
+      case 4: tile<4, NP>(xm, ldx, w, k_len, ym, ldy); break;
+      case 3: tile<3, NP>(xm, ldx, w, k_len, ym, ldy); break;
 #endif
-      case 2: tile<2, NP>(xm, ldx, w, k_len, ym, ldy, s); break;
-      default: tile<1, NP>(xm, ldx, w, k_len, ym, ldy, s);
+      case 2: tile<2, NP>(xm, ldx, w, k_len, ym, ldy); break;
+      default: tile<1, NP>(xm, ldx, w, k_len, ym, ldy);
     }
   }
 }
 
-// y [m_len, 16 np] = x [m_len, K] @ np panels from w (np <= kPanels), times the columns'
-// scales s where given (int8 weights).
-template <typename W>
-void panels(const float* x, int64_t ldx, int64_t m_len, const W* w, int64_t np,
-            int64_t k_len, float* y, int64_t ldy, const float* s = nullptr) {
+// y [m_len, 16 np] = x [m_len, K] @ np panels from w (np <= kPanels).
+void panels(const float* x, int64_t ldx, int64_t m_len, const float* w, int64_t np,
+            int64_t k_len, float* y, int64_t ldy) {
   switch (np) {
 #ifdef __AVX512F__
-    case 4: rows<4>(x, ldx, m_len, w, k_len, y, ldy, s); break;
-    case 3: rows<3>(x, ldx, m_len, w, k_len, y, ldy, s); break;
+    case 4: rows<4>(x, ldx, m_len, w, k_len, y, ldy); break;
+    case 3: rows<3>(x, ldx, m_len, w, k_len, y, ldy); break;
 #endif
-    case 2: rows<2>(x, ldx, m_len, w, k_len, y, ldy, s); break;
-    default: rows<1>(x, ldx, m_len, w, k_len, y, ldy, s);
+    case 2: rows<2>(x, ldx, m_len, w, k_len, y, ldy); break;
+    default: rows<1>(x, ldx, m_len, w, k_len, y, ldy);
   }
 }
 
-// y [M, N] = x [M, K] @ w^T, w as panels [N/16, K, 16] (times the column scales s, where
-// given): the threads of the enclosing parallel region share the (panel group, row chunk)
-// tasks, panel-major so that a thread's consecutive tasks reuse its panels from cache.
-// Ends in the loop's barrier.
-template <typename W>
-void gemm(const float* x, int64_t ldx, int64_t m_len, const W* w, int64_t n_len,
-          int64_t k_len, float* y, int64_t ldy, const float* s = nullptr) {
+// y [M, N] = x [M, K] @ w^T, w as panels [N/16, K, 16]: the threads of the enclosing
+// parallel region share the (panel group, row chunk) tasks, panel-major so that a
+// thread's consecutive tasks reuse its panels from cache. Ends in the loop's barrier.
+void gemm(const float* x, int64_t ldx, int64_t m_len, const float* w, int64_t n_len,
+          int64_t k_len, float* y, int64_t ldy) {
   const int64_t groups = (n_len / kPanel + kPanels - 1) / kPanels;
   const int64_t chunks = (m_len + kChunk - 1) / kChunk;
 #pragma omp for schedule(static)
@@ -139,7 +100,7 @@ void gemm(const float* x, int64_t ldx, int64_t m_len, const W* w, int64_t n_len,
     const int64_t p0 = task / chunks * kPanels, m0 = task % chunks * kChunk;
     panels(x + m0 * ldx, ldx, std::min(kChunk, m_len - m0), w + p0 * k_len * kPanel,
            std::min<int64_t>(kPanels, n_len / kPanel - p0), k_len, y + m0 * ldy + p0 * kPanel,
-           ldy, s ? s + p0 * kPanel : nullptr);
+           ldy);
   }
 }
 
@@ -232,74 +193,38 @@ std::tuple<torch::Tensor, std::vector<int64_t>> grouped_swiglu_f32(
   return {out, times.marks(counts, team)};
 }
 
-namespace {
-
-// y [M, N] = x [M, K] float32 @ w^T, w panels [N/16, K, 16] of W (float or int8), times
-// the columns' scales s [N] where given: the one body of both linears.
-template <typename W>
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const float* s) {
+// x [M, K] float32 @ w^T, w as panels [N/16, K, 16] -> [M, N] float32.
+torch::Tensor linear_f32(const torch::Tensor& x, const torch::Tensor& w) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "x must be float32 [M, K]");
+  check_panels(w, 3);
   TORCH_CHECK(x.size(1) == w.size(1), "x [M, K] and panels [N/16, K, 16] differ in K");
   const int64_t m_len = x.size(0), n_len = w.size(0) * kPanel, k_len = x.size(1);
   const torch::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();  // rows may be strided
   torch::Tensor y = torch::empty({m_len, n_len}, x.options());
   if (m_len == 0) return y;
-  const float* xp = xc.data_ptr<float>();
-  const W* wp = w.data_ptr<W>();
+  const float *xp = xc.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t ldx = xc.stride(0);
 #pragma omp parallel
-  gemm(xp, ldx, m_len, wp, n_len, k_len, yp, n_len, s);
+  gemm(xp, ldx, m_len, wp, n_len, k_len, yp, n_len);
   return y;
 }
 
-void check_int8(const torch::Tensor& w, const torch::Tensor& s, int64_t dims) {
-  TORCH_CHECK(w.dtype() == torch::kInt8 && w.is_contiguous() && w.dim() == dims &&
-                  w.size(-1) == kPanel,
-              "weights must be contiguous int8 panels [..., N/16, K, 16]");
-  TORCH_CHECK(s.dtype() == torch::kFloat32 && s.is_contiguous() && s.dim() == dims - 2 &&
-                  s.size(-1) == w.size(-3) * kPanel &&
-                  (dims == 3 || s.size(0) == w.size(0)),
-              "scales must be contiguous float32 [..., N] (N the panels' columns)");
-}
-
-}  // namespace
-
-// x [M, K] float32 @ w^T, w as panels [N/16, K, 16] -> [M, N] float32.
-torch::Tensor linear_f32(const torch::Tensor& x, const torch::Tensor& w) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "x must be float32 [M, K]");
-  check_panels(w, 3);
-  return linear<float>(x, w, nullptr);
-}
-
-// x [M, K] float32 @ (w * s)^T, w as int8 panels [N/16, K, 16] and s [N] float32, each
-// column's scale -> [M, N] float32 (`moe_kernels.int8`).
-torch::Tensor linear_i8(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& s) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "x must be float32 [M, K]");
-  check_int8(w, s, 3);
-  return linear<int8_t>(x, w, s.data_ptr<float>());
-}
-
-// A dense weight of the compiled blocks: float32 panels (s undefined) or int8 ones with
-// their column scales s.
-torch::Tensor dense_linear(const torch::Tensor& x, const torch::Tensor& w,
-                           const c10::optional<torch::Tensor>& s) {
-  return s ? linear_i8(x, w, *s) : linear_f32(x, w);
-}
-
-namespace {
-
-template <typename W>
-torch::Tensor head_linear(const torch::Tensor& x, const torch::Tensor& w, const float* s) {
+// x [T, heads, K] float32 (rows and heads may be strided) against one weight per head,
+// w as panels [heads, N/16, K, 16] -> [T, heads, N]: MLA's absorbed projections, each
+// head's rows through its own matrix, as one parallel loop over (head, panel group, row
+// chunk) tasks.
+torch::Tensor head_linear_f32(const torch::Tensor& x, const torch::Tensor& w) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 3 && x.stride(2) == 1,
               "x must be float32 [T, heads, K] with contiguous K");
+  check_panels(w, 4);
   TORCH_CHECK(x.size(1) == w.size(0) && x.size(2) == w.size(2),
               "x [T, heads, K] and panels [heads, N/16, K, 16] differ in heads or K");
   const int64_t t = x.size(0), heads = x.size(1), k_len = x.size(2);
   const int64_t n_len = w.size(1) * kPanel;
   torch::Tensor y = torch::empty({t, heads, n_len}, x.options());
   if (t == 0) return y;
-  const float* xp = x.data_ptr<float>();
-  const W* wp = w.data_ptr<W>();
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t ldx = x.stride(0), hx = x.stride(1), ldy = heads * n_len;
   const int64_t groups = (n_len / kPanel + kPanels - 1) / kPanels;
@@ -311,28 +236,16 @@ torch::Tensor head_linear(const torch::Tensor& x, const torch::Tensor& w, const 
     panels(xp + m0 * ldx + head * hx, ldx, std::min(kChunk, t - m0),
            wp + (head * n_len / kPanel + p0) * k_len * kPanel,
            std::min<int64_t>(kPanels, n_len / kPanel - p0), k_len,
-           yp + m0 * ldy + head * n_len + p0 * kPanel, ldy,
-           s ? s + head * n_len + p0 * kPanel : nullptr);
+           yp + m0 * ldy + head * n_len + p0 * kPanel, ldy);
   }
   return y;
 }
 
-}  // namespace
-
-// x [T, heads, K] float32 (rows and heads may be strided) against one weight per head,
-// w as panels [heads, N/16, K, 16] -> [T, heads, N]: MLA's absorbed projections, each
-// head's rows through its own matrix, as one parallel loop over (head, panel group, row
-// chunk) tasks.
-torch::Tensor head_linear_f32(const torch::Tensor& x, const torch::Tensor& w) {
-  check_panels(w, 4);
-  return head_linear<float>(x, w, nullptr);
-}
-
-// `head_linear_f32` over int8 panels [heads, N/16, K, 16] with scales s [heads, N].
-torch::Tensor head_linear_i8(const torch::Tensor& x, const torch::Tensor& w,
-                             const torch::Tensor& s) {
-  check_int8(w, s, 4);
-  return head_linear<int8_t>(x, w, s.data_ptr<float>());
+// A dense weight of the compiled blocks: float32 panels (s undefined), or int8 ones with
+// their column scales s (`int8_cpu.cpp`).
+torch::Tensor dense_linear(const torch::Tensor& x, const torch::Tensor& w,
+                           const c10::optional<torch::Tensor>& s) {
+  return s ? linear_i8(x, w, *s) : linear_f32(x, w);
 }
 
 torch::Tensor dense_head_linear(const torch::Tensor& x, const torch::Tensor& w,

@@ -78,15 +78,17 @@ std::tuple<torch::Tensor, std::vector<int64_t>> grouped_swiglu_f32(
     const torch::Tensor& x, const std::vector<int64_t>& counts, const torch::Tensor& w_gate_up,
     const torch::Tensor& w_down);
 torch::Tensor linear_f32(const torch::Tensor& x, const torch::Tensor& w);
-torch::Tensor linear_i8(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& s);
 torch::Tensor head_linear_f32(const torch::Tensor& x, const torch::Tensor& w);
-torch::Tensor head_linear_i8(const torch::Tensor& x, const torch::Tensor& w,
-                             const torch::Tensor& s);
 // float32 panels (s undefined), or int8 panels and their column scales s
 torch::Tensor dense_linear(const torch::Tensor& x, const torch::Tensor& w,
                            const c10::optional<torch::Tensor>& s);
 torch::Tensor dense_head_linear(const torch::Tensor& x, const torch::Tensor& w,
                                 const c10::optional<torch::Tensor>& s);
+
+// int8_cpu.cpp
+torch::Tensor linear_i8(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& s);
+torch::Tensor head_linear_i8(const torch::Tensor& x, const torch::Tensor& w,
+                             const torch::Tensor& s);
 
 // w4a4_cpu.cpp
 std::tuple<torch::Tensor, std::vector<int64_t>> grouped_swiglu_w4a4(

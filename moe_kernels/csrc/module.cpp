@@ -22,7 +22,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "float32 grouped SwiGLU over every local expert of one layer (weights in panels)");
   m.def("linear_f32", &linear_f32, "float32 x [M, K] @ w^T, w in panels [N/16, K, 16]");
   m.def("linear_i8", &linear_i8,
-        "float32 x [M, K] @ (w * s)^T, w int8 panels [N/16, K, 16], s [N] column scales");
+        "float32 x [M, K] @ (w * s)^T, x quantized to int8 in blocks of 32, w int8 panels "
+        "[N/16, K'/4, 16, 4], s [N] column scales");
   m.def("grouped_swiglu_w4a4", &grouped_swiglu_w4a4,
         "MXFP4 x MXFP4 grouped SwiGLU over every local expert of one layer");
   m.def("mxfp4_linear", &mxfp4_linear, "MXFP4 x [M, K] @ MXFP4 w [N, K]^T -> float32");
@@ -45,7 +46,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("head_linear_f32", &head_linear_f32,
         "float32 x [T, heads, K] through one weight per head (panels) -> [T, heads, N]");
   m.def("head_linear_i8", &head_linear_i8,
-        "head_linear_f32 over int8 panels [heads, N/16, K, 16], scales [heads, N]");
+        "linear_i8 per head: int8 panels [heads, N/16, K'/4, 16, 4], scales [heads, N]");
   m.def("rope_f32", &rope_f32, "float32 rotary embedding of [T, n, D], halves or pairs");
   m.def("mla_block_f32", &mla_block_f32,
         "float32 decode MLA block: norm, q/kv_a, q_b, rope, W_UK, cache write, attention, "

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from dcp.batch import StepBatch
 from dcp.merge import partial_attention, reference_partial_attention
 from moe_kernels.cpu_kernels import cpu_kernels
-from moe_kernels.int8 import Int8Panels
+from moe_kernels.int8 import Int8Panels, dequantized_activations
 from moe_kernels.panels import PanelWeights
 from moe_kernels.selection import DenseWeight, cpu_decode_attention, linear
 from services.attention.kv_cache import Kernel, KVCache, sdpa
@@ -224,8 +224,11 @@ def head_linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
         if isinstance(w, Int8Panels):
             return kernels.head_linear_i8(x, w.panels, w.scales)
         return kernels.head_linear_f32(x, w.panels)
-    w = w.unpack() if isinstance(w, PanelWeights) else \
-        w.dequantize().to(x.dtype) if isinstance(w, Int8Panels) else w
+    if isinstance(w, Int8Panels):
+        xd = dequantized_activations(x.float())
+        return torch.bmm(xd.transpose(0, 1), w.dequantize().transpose(1, 2)).transpose(0, 1) \
+            .to(x.dtype)
+    w = w.unpack() if isinstance(w, PanelWeights) else w
     return torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)
 
 

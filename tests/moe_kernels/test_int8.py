@@ -1,6 +1,7 @@
 """Dense weights in 8 bits (`moe_kernels.int8`): the scheme's rules, and the CPU kernel
-(`linear_i8`) against torch's matmul over the dequantized weights, for uneven shapes and
-every family's dense weights."""
+(`linear_i8`: activations quantized in blocks of 32, integer products) against torch's
+matmul over the dequantized operands, for uneven shapes and every family's dense
+weights."""
 
 from __future__ import annotations
 
@@ -8,7 +9,14 @@ import pytest
 import torch
 
 from moe_kernels import cpu_kernels
-from moe_kernels.int8 import QMAX, int8_panels, quantize_int8
+from moe_kernels.int8 import (
+    BLOCK,
+    QMAX,
+    dequantized_activations,
+    int8_panels,
+    quantize_activations,
+    quantize_int8,
+)
 from moe_kernels.selection import linear
 from services.model.checkpoint import Checkpoint
 
@@ -36,6 +44,24 @@ def test_each_row_takes_its_own_scale_and_rounds_to_nearest() -> None:
     assert torch.equal(quantize_int8(grid)[0].float() * 0.25, grid)
 
 
+def test_activations_take_a_scale_per_block_of_32() -> None:
+    """A row's blocks of 32 along K each by the weights' rule, K padded with zeros: an
+    outlier costs its own block's precision, not the row's."""
+    x = torch.randn(3, 70) * 0.1
+    x[1, 5] = 300.0  # in block 0 of row 1
+    q, s = quantize_activations(x)
+    assert q.shape == (3, 96) and s.shape == (3, 3) and not q[:, 70:].any()
+    for r in range(3):
+        for b in range(3):
+            block = x[r, b * BLOCK:(b + 1) * BLOCK]
+            assert s[r, b] == block.abs().amax() / QMAX
+            assert torch.equal(q[r, b * BLOCK:b * BLOCK + len(block)],
+                               torch.round(block / s[r, b]).to(torch.int8))
+    xd = dequantized_activations(x)
+    assert ((xd - x).abs()[1, BLOCK:] <= s[1, 1:].repeat_interleave(BLOCK)[:70 - BLOCK] / 2
+            * (1 + 1e-6)).all()  # the blocks after the outlier keep their precision
+
+
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 1, 1), (1, 37, 19), (3, 16, 64),
                                            (6, 261, 128), (7, 100, 33), (50, 48, 200)])
 def test_the_kernel_is_torchs_matmul_over_the_dequantized_weights(
@@ -45,10 +71,12 @@ def test_the_kernel_is_torchs_matmul_over_the_dequantized_weights(
     w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
     packed = int8_panels(w)
     assert packed.shape == (n, k) and packed.panels.dtype == torch.int8
-    assert_rounding_close(linear(x, packed), x, packed.dequantize())
+    assert torch.equal(packed.quantized(), quantize_int8(w)[0])
+    assert_rounding_close(linear(x, packed), dequantized_activations(x), packed.dequantize())
     # strided rows of x take the same path
     wide = torch.randn(m, k + 3, generator=g)[:, :k]
-    assert_rounding_close(linear(wide, packed), wide, packed.dequantize())
+    assert_rounding_close(linear(wide, packed), dequantized_activations(wide),
+                          packed.dequantize())
 
 
 @pytest.mark.parametrize(("t", "heads", "n", "k"), [(1, 2, 16, 24), (5, 3, 48, 7),
@@ -68,14 +96,16 @@ def test_per_head_weights_take_their_own_scales(kernel: object, t: int, heads: i
         assert torch.equal(packed.dequantize()[h], int8_panels(w[h]).dequantize())
     y = head_linear(x, packed)  # [T, heads, N]
     for h in range(heads):
-        assert_rounding_close(y[:, h], x[:, h], packed.dequantize()[h])
+        assert_rounding_close(y[:, h], dequantized_activations(x[:, h]),
+                              packed.dequantize()[h])
 
 
 def test_every_familys_dense_weights(kernel: object, every_ckpt: tuple) -> None:
     """Each 2-D dense weight of the checkpoint (projections, MLA's, gates, lm_head; not
     the routed experts) through the kernel at 1, 3 and 17 rows, against the reference;
-    and each output within the quantization's own bound of float32's: |x . (q s - w)| <=
-    |x| |q s - w| (Cauchy-Schwarz), a wrong scale or weight would break it."""
+    and each output within the quantization's own bound of float32's: with x' and w' the
+    dequantized operands, |x' . w' - x . w| <= |x' - x| |w| + |x'| |w' - w|
+    (Cauchy-Schwarz), which a wrong scale or weight would break."""
     path = every_ckpt[0]
     g = torch.Generator().manual_seed(5)
     with Checkpoint(path) as ckpt:
@@ -87,9 +117,10 @@ def test_every_familys_dense_weights(kernel: object, every_ckpt: tuple) -> None:
             packed = int8_panels(w)
             for m in (1, 3, 17):
                 x = torch.randn(m, w.shape[1], generator=g)
-                y = linear(x, packed)
-                assert_rounding_close(y, x, packed.dequantize())
-                bound = x.norm(dim=1)[:, None] * (packed.dequantize() - w).norm(dim=1)[None]
+                y, xd = linear(x, packed), dequantized_activations(x)
+                assert_rounding_close(y, xd, packed.dequantize())
+                bound = (xd - x).norm(dim=1)[:, None] * w.norm(dim=1)[None] + \
+                    xd.norm(dim=1)[:, None] * (packed.dequantize() - w).norm(dim=1)[None]
                 assert ((y - x @ w.T).abs() <= bound * (1 + 1e-4) + 1e-5).all(), name
 
 
@@ -105,5 +136,5 @@ def test_without_the_kernels_torch_computes_the_same() -> None:
         without = linear(x, packed)
     finally:
         cpu_kernels.set_enabled(True)
-    assert_rounding_close(without, x, packed.dequantize())
-    assert_rounding_close(with_kernels, x, packed.dequantize())
+    assert_rounding_close(without, dequantized_activations(x), packed.dequantize())
+    assert_rounding_close(with_kernels, dequantized_activations(x), packed.dequantize())
