@@ -16,6 +16,11 @@ ExpertFn = Callable[[int, torch.Tensor, list[int]], torch.Tensor]
 # (layer, rows [N, width] grouped by expert, counts [E_local] int64 on the rows' device,
 # an upper bound of any count) -> [N, H]: the experts without a host sync (CUDA graphs)
 DeviceExpertFn = Callable[[int, torch.Tensor, torch.Tensor, int], torch.Tensor]
+# (layer, x [T, H], topk_ids [T, K], topk_weights [T, K]) -> (out [T, H] combined, when the
+# combine began, perf_counter ns), or None where it does not apply: the whole local layer
+# in one call (`ExpertBank.forward_layer`)
+LayerFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor],
+                   tuple[torch.Tensor, int] | None]
 
 
 class ExpertsClient(Protocol):

@@ -2,23 +2,29 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
-from ep_dispatch.base import DeviceExpertFn, ExpertFn, PointToPoint
+from common.tracing import layer_span
+from ep_dispatch.base import DeviceExpertFn, ExpertFn, LayerFn, PointToPoint
 from ep_dispatch.layout import Layout, combine, sort_rows
-from ep_dispatch.metrics import phase
+from ep_dispatch.metrics import observe, phase
 from ep_dispatch.wire import activation_rows
 
 
 class LocalExperts(PointToPoint):
     """`ExpertsClient` for all `num_experts` experts, held in this process: the layout of
-    one rank holding every expert (a row's slot is its expert id); no bytes move."""
+    one rank holding every expert (a row's slot is its expert id); no bytes move. Where
+    `layer_fn` runs a layer whole (one compiled call on the CPU), it does; else the
+    layout, `expert_fn` and the combine one after another."""
 
     def __init__(self, num_experts: int, expert_fn: ExpertFn,
                  quantization: str | None = None,
-                 device_fn: DeviceExpertFn | None = None) -> None:
+                 device_fn: DeviceExpertFn | None = None,
+                 layer_fn: LayerFn | None = None) -> None:
         self.num_experts = num_experts
-        self.expert_fn, self.device_fn = expert_fn, device_fn
+        self.expert_fn, self.device_fn, self.layer_fn = expert_fn, device_fn, layer_fn
         self.quantization = quantization
 
     def layout(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> Layout:
@@ -29,6 +35,17 @@ class LocalExperts(PointToPoint):
     def __call__(
         self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
+        if self.layer_fn is not None:
+            start = time.perf_counter_ns()
+            with layer_span("dispatch", {"switchyard.layer": layer,
+                                         "switchyard.tokens": x.shape[0]}):
+                whole = self.layer_fn(layer, x, topk_ids, topk_weights)
+            if whole is not None:  # the dispatch up to the combine, then the combine
+                out, combined = whole
+                observe("dispatch", "local", x.shape[0], (combined - start) / 1e9)
+                observe("combine", "local", x.shape[0],
+                        (time.perf_counter_ns() - combined) / 1e9)
+                return out.to(x.dtype)
         with phase("dispatch", "local", layer, x.shape[0]):
             rows = activation_rows(x, self.quantization)  # [T, H], or MXFP4 rows
             layout = self.layout(topk_ids, topk_weights)

@@ -35,6 +35,13 @@ def _histogram(stage: str, backend: str) -> Histogram:
     return _HISTOGRAMS[stage].labels(backend)
 
 
+def observe(stage: Literal["dispatch", "combine"], backend: str, tokens: int,
+            seconds: float) -> None:
+    """Record one stage of one layer call timed elsewhere (calls without tokens are not)."""
+    if tokens:
+        _histogram(stage, backend).observe(seconds)
+
+
 @contextmanager
 def phase(stage: Literal["dispatch", "combine"], backend: str, layer: int, tokens: int
           ) -> Iterator[None]:
@@ -43,5 +50,4 @@ def phase(stage: Literal["dispatch", "combine"], backend: str, layer: int, token
     with layer_span(stage, {"switchyard.layer": layer, "switchyard.tokens": tokens}):
         start = time.perf_counter()
         yield
-        if tokens:
-            _histogram(stage, backend).observe(time.perf_counter() - start)
+        observe(stage, backend, tokens, time.perf_counter() - start)

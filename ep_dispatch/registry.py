@@ -15,7 +15,7 @@ from common.rpc import LINK_TIMEOUT_S
 if TYPE_CHECKING:
     import torch
 
-    from ep_dispatch.base import DeviceExpertFn, ExpertFn, ExpertsClient
+    from ep_dispatch.base import DeviceExpertFn, ExpertFn, ExpertsClient, LayerFn
     from ep_dispatch.deepep_config import DeepEPSettings
     from ep_dispatch.placement import Placement
     from ep_dispatch.rpc_server import RpcListen
@@ -60,11 +60,12 @@ class MoESeam:
 
 @dataclass(frozen=True)
 class InProcessSettings:
-    """`local`: the experts held in the attention process (`ExpertBank.forward`, and
-    `forward_on_device` for CUDA graphs)."""
+    """`local`: the experts held in the attention process (`ExpertBank.forward`,
+    `forward_on_device` for CUDA graphs, and `forward_layer`, a layer in one call)."""
 
     expert_fn: ExpertFn
     device_expert_fn: DeviceExpertFn | None = None
+    layer_fn: LayerFn | None = None
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,7 @@ def _local(seam: MoESeam, settings: BackendSettings) -> ExpertsClient:
     if (own := settings.in_process) is None:
         raise ValueError("the local backend needs the experts in this process")
     return LocalExperts(seam.num_experts, own.expert_fn, seam.quantization,
-                        own.device_expert_fn)
+                        own.device_expert_fn, own.layer_fn)
 
 
 def _rpc(seam: MoESeam, settings: BackendSettings) -> ExpertsClient:

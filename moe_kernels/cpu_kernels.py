@@ -26,7 +26,7 @@ log = logging.getLogger("switchyard.expert")
 SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("module.cpp", "f32_cpu.cpp", "int8_cpu.cpp", "w4a4_cpu.cpp",
                         "attention_cpu.cpp", "layers_cpu.cpp", "decode_layer_cpu.cpp",
-                        "mla_cpu.cpp")]
+                        "mla_cpu.cpp", "moe_layer_cpu.cpp")]
 _lock = threading.Lock()
 _loaded: ModuleType | None = None
 _failed = False

@@ -128,6 +128,12 @@ torch::Tensor rope_f32(const torch::Tensor& x, const torch::Tensor& cos, const t
 torch::Tensor combine_f32(const torch::Tensor& y, const torch::Tensor& src_token,
                           const torch::Tensor& weights, int64_t num_tokens);
 
+// moe_layer_cpu.cpp
+std::tuple<torch::Tensor, std::vector<int64_t>, std::vector<int64_t>> local_moe(
+    const torch::Tensor& x, const torch::Tensor& topk_ids, const torch::Tensor& topk_weights,
+    const torch::Tensor& gate_up, const c10::optional<torch::Tensor>& gate_up_scales,
+    const torch::Tensor& down, const c10::optional<torch::Tensor>& down_scales);
+
 // decode_layer_cpu.cpp
 std::tuple<torch::Tensor, torch::Tensor> attention_block_f32(
     const torch::Tensor& h, const torch::Tensor& input_norm, const torch::Tensor& qkv_panels,

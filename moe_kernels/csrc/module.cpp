@@ -51,6 +51,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mla_block_f32", &mla_block_f32,
         "float32 decode MLA block: norm, q/kv_a, q_b, rope, W_UK, cache write, attention, "
         "W_UV, o, add, norm");
+  m.def("local_moe", &local_moe,
+        "a MoE layer with every expert here: sort by expert, (MXFP4 quantize,) grouped "
+        "experts, combine -> (out, rows per expert, marks)");
   m.def("attention_block_f32", &attention_block_f32,
         "float32 decode attention block: norm, qkv, rope, KV write, attention, o, add, norm");
 }

@@ -120,7 +120,8 @@ def _experts_client(config: AttentionConfig, cfg: ModelConfig, dtype: torch.dtyp
                    placement_file=config.placement, replicas=config.expert_replicas)
     world = _world(config)
     return create_experts_client(config.dispatch_backend, seam, BackendSettings(
-        in_process=InProcessSettings(bank.forward, bank.forward_on_device) if bank else None,
+        in_process=InProcessSettings(bank.forward, bank.forward_on_device, bank.forward_layer)
+        if bank else None,
         rpc=RpcSettings(list(config.expert_addresses), config.expert_timeout,
                         config.expert_timeout, config.secret, config.link_timeout),
         world=WorldSettings(world, config.rendezvous_timeout, config.deepep) if world

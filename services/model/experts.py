@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from ep_dispatch.wire import RowFormat
+from moe_kernels.cpu_kernels import cpu_kernels
 from moe_kernels.grouped_gemm import (
     grouped_swiglu,
     grouped_swiglu_mm,
@@ -205,6 +206,32 @@ class ExpertBank:
             y = y.to(self.dtype)
         self.metrics.observe(layer, self.experts[layer], tokens_per_expert, spans)
         return y
+
+    def forward_layer(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
+                      topk_weights: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+        """A whole MoE layer whose every expert is in this bank, in expert order: tokens
+        x [T, H] float32 routed to topk_ids [T, K] with topk_weights [T, K] -> (out [T, H],
+        their weighted sum in token order; when the combine began, perf_counter ns), by
+        one compiled call (`local_moe`: the layout, the MXFP4 activations where W4A4, the
+        grouped experts, the combine; the same bits as `ep_dispatch.local`'s parts). None
+        where it does not apply (not on the CPU in float32, the kernels not built, or the
+        weights not in their panels): the caller runs the parts."""
+        gate_up, down = self.w_gate_up.get(layer), self.w_down.get(layer)
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[0] == 0 \
+                or len(self.experts.get(layer, ())) != self._config.num_experts \
+                or (kernels := cpu_kernels()) is None:
+            return None
+        if isinstance(gate_up, MXFP4Panels) and isinstance(down, MXFP4Panels):
+            args = (gate_up.packed, gate_up.scales, down.packed, down.scales)
+        elif isinstance(gate_up, PanelWeights) and isinstance(down, PanelWeights) \
+                and not self.quantization and gate_up.columns is None and down.columns is None:
+            args = (gate_up.panels, None, down.panels, None)
+        else:
+            return None
+        out, counts, marks = kernels.local_moe(x.contiguous(), topk_ids, topk_weights, *args)
+        self.metrics.observe(layer, self.experts[layer], counts,
+                             list(zip(marks[:-1:2], marks[1:-1:2], strict=True)))
+        return out, marks[-1]
 
     def forward_on_device(self, layer: int, x: torch.Tensor, counts: torch.Tensor,
                           max_rows: int) -> torch.Tensor:
