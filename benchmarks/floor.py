@@ -158,8 +158,9 @@ KERNELS = "in compiled kernels"  # across the parts: the rest of the step is hos
 class StepParts:
     """Seconds of each part of the engine's steps, by wrapping the functions the step
     calls (attention, router, the local experts client and its experts, lm_head, sampling);
-    `dispatch + combine` is the experts client's time outside the experts, `rest` the
-    step's time outside every part."""
+    `dispatch + combine` is the experts client's time outside the experts (where a local
+    layer runs as one compiled call, `experts` is that call, its sort and combine
+    included), `rest` the step's time outside every part."""
 
     def __init__(self, engine: Engine) -> None:
         import services.attention.engine as engine_module
@@ -173,6 +174,9 @@ class StepParts:
         model_module.shared_experts = self._timed("shared experts",
                                                   model_module.shared_experts)
         experts.expert_fn = self._timed("experts", experts.expert_fn)  # type: ignore[attr-defined]
+        if getattr(experts, "layer_fn", None) is not None:  # a local layer in one call:
+            experts.layer_fn = self._timed("experts",  # type: ignore[attr-defined]
+                                           experts.layer_fn)  # its sort and combine too
         call = type(experts).__call__
         type(experts).__call__ = self._timed("dispatch + combine", call)  # type: ignore[method-assign]
         model.logits = self._timed("lm_head + sampling", model.logits)  # type: ignore[method-assign]

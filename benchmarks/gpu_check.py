@@ -18,6 +18,8 @@ still run. In order:
    (random-byte prompts) and bfloat16 (demo questions, against the CPU's own bfloat16
    error), then the same with W4A4 experts; seeded sampling giving the same tokens twice
    and prompt logprobs equal to the CPU's;
+   the FP8 dense linears (`--dense-quantization int8` on a GPU) against the dequantized
+   operands' product, timed beside bfloat16, and the demo model answering with them;
 4. decode step time at batch 1, 16 and 64, eager and replayed from CUDA graphs, and one
    step's hidden states both ways (float and W4A4 experts); a decode profile: one host
    sync's cost, the syncs a step makes (by source line, eager and with graphs), each
@@ -145,12 +147,13 @@ def machine() -> None:
 
 
 def engine(device: str, dtype: str, quantization: str | None = None,
-           cuda_graph_max_batch: int = 0) -> Engine:
+           cuda_graph_max_batch: int = 0, dense: str = "auto") -> Engine:
     from services.attention.config import AttentionConfig
 
     return build_engine(AttentionConfig(model=DEFAULT_MODEL, device=device, dtype=dtype,
                                   quantization=quantization or "auto", kv_cache_memory=256 << 20,
-                                  cuda_graph_max_batch=cuda_graph_max_batch))
+                                  cuda_graph_max_batch=cuda_graph_max_batch,
+                                  dense_quantization=dense))
 
 
 def greedy(e: Engine, prompt: list[int], n: int = 8) -> list[int]:
@@ -206,6 +209,42 @@ def logits_vs_cpu(quantization: str | None) -> None:
                                                          f"{cpu_bf16:.1e}"))
         del gpu
         torch.cuda.empty_cache()
+
+
+def fp8_dense() -> None:
+    """The 8-bit dense scheme on this GPU (`--dense-quantization int8`: FP8 weights, rows
+    quantized as they come, `torch._scaled_mm`): at the mid-size checkpoint's shapes,
+    against the product of the dequantized operands, and timed against bfloat16's
+    F.linear at 1 and 64 rows; then the demo model with it, in bfloat16, its greedy
+    answers against the CPU's float32 ones on the demo questions."""
+    import torch.nn.functional as F
+
+    from moe_kernels.fp8 import fp8_linear, fp8_weights, reference_linear
+
+    for name, (n, k) in {"attention projection": (1024, 1024),
+                         "lm_head": (32000, 1024)}.items():
+        w = torch.randn(n, k, device="cuda") / k**0.5
+        f = fp8_weights(w)
+        assert f is not None
+        for rows in (1, 64):
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            err = ((fp8_linear(x, f).float() - reference_linear(x.float(), f)).abs().max()
+                   / reference_linear(x.float(), f).abs().max()).item()
+            fp8_ms = time_ms(lambda x=x, f=f: fp8_linear(x, f), warmup=3, iters=20,
+                             flush=None)
+            wb = w.to(torch.bfloat16)
+            bf16_ms = time_ms(lambda x=x, wb=wb: F.linear(x, wb), warmup=3, iters=20,
+                              flush=None)
+            row(f"FP8 dense {name} [{n}, {k}], {rows} rows", "ok" if err < 1e-2 else "FAIL",
+                f"{fp8_ms * 1e3:.0f} us vs bf16 {bf16_ms * 1e3:.0f} us",
+                f"max rel err vs dequantized operands {err:.1e} (bound 1e-2: bf16 output)")
+    cpu = engine("cpu", "float32")
+    gpu = engine("cuda", "bfloat16", dense="int8")
+    prompts = chat_prompts()
+    same = sum(greedy(gpu, p, 12) == greedy(cpu, p, 12) for p in prompts)
+    row("FP8 dense, demo model cuda bfloat16 vs cpu float32",
+        "ok" if same == len(prompts) else "FAIL", f"{same}/{len(prompts)} answers equal",
+        "greedy, 12 tokens, demo questions")
 
 
 def sampled_twice() -> None:
@@ -767,6 +806,7 @@ def main() -> int:
         guarded("W4A4 kernel", kernel, 150)
     guarded("logits", lambda: logits_vs_cpu(None), 90)
     guarded("W4A4 logits", lambda: logits_vs_cpu("w4a4"), 120)
+    guarded("FP8 dense", fp8_dense, 60)
     guarded("sampling", sampled_twice, 60)
     guarded("decode steps", decode_steps, 120)
     guarded("decode profile", decode_profile, 60)

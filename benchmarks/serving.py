@@ -1,8 +1,9 @@
-"""Issue 5's tables in one run: Switchyard served vs. transformers `generate()`, and every
-configuration's decode step against this machine's memory-bandwidth floor.
+"""Switchyard served vs. transformers `generate()` (and llama.cpp's server), and every
+configuration's decode step against this machine's memory-bandwidth floor, in one run.
 
     .venv/bin/python -m benchmarks.serving [--concurrency 1 16 64] [--input-len 128]
-                                           [--output-len 128] [--json FILE]
+        [--output-len 128] [--topologies local rpc local-w4a4 local-w4a4-int8]
+        [--llama-server BINARY --gguf FILE] [--json FILE]
 
 One run measures the machine (read and copy bandwidth, float32 matmul), then on the
 mid-size random checkpoint of benchmarks/generate.py, with the same fixed-seed prompts:
@@ -17,7 +18,12 @@ mid-size random checkpoint of benchmarks/generate.py, with the same fixed-seed p
    the same load (`switchyard:engine_step_seconds`, which includes a topology's exchanges
    with its expert services): the serving overhead.
 
-Everything is float32 (torch's bf16 matmul is ~100x slower on CPUs without AVX-512 BF16).
+4. with `--llama-server`, llama.cpp's server on `--gguf` (the same checkpoint converted,
+   e.g. Q4_0), started once per level with as many slots as requests at once and 2
+   threads, under the same client and prompts.
+
+The model's dtype is float32 (torch's bf16 matmul is ~100x slower on CPUs without AVX-512
+BF16); `--topologies` adds W4A4 experts and int8 dense linears.
 """
 
 from __future__ import annotations
@@ -26,7 +32,9 @@ import argparse
 import gc
 import json
 import statistics
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -35,16 +43,22 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.floor import StepParts, decode_steps, machine
 from benchmarks.generate import add_workdir_flag, bench_transformers, build_checkpoint
+from common.ports import free_port
 from services.attention.builder import build_engine
 from services.attention.config import AttentionConfig
 from switchyard.bench import format_table, make_prompts, run_load, summarize
 from switchyard.serve_process import Served
 
-TOPOLOGIES = [
-    ("switchyard, 1 process", ["--dispatch-backend", "local"]),
-    ("switchyard, attention + 2 expert services (rpc)",
-     ["--dispatch-backend", "rpc", "--expert-services", "2"]),
-]
+TOPOLOGIES = {  # name: (what the tables call it, serve's flags)
+    "local": ("switchyard, 1 process", ["--dispatch-backend", "local"]),
+    "rpc": ("switchyard, attention + 2 expert services (rpc)",
+            ["--dispatch-backend", "rpc", "--expert-services", "2"]),
+    "local-w4a4": ("switchyard, 1 process, W4A4",
+                   ["--dispatch-backend", "local", "--quantization", "w4a4"]),
+    "local-w4a4-int8": ("switchyard, 1 process, W4A4 + int8 dense",
+                        ["--dispatch-backend", "local", "--quantization", "w4a4",
+                         "--dense-quantization", "int8"]),
+}
 
 
 def log(msg: str) -> None:
@@ -120,20 +134,56 @@ def served_rows(path: Path, flags: list[str], prompts: list[list[int]], levels: 
         return measured_rows(served.url, prompts, levels, output_len)
 
 
-def measured_rows(url: str, prompts: list[list[int]], levels: list[int], output_len: int
-                  ) -> dict[int, dict]:
-    """`served_rows`' figures of the server at `url`."""
+def llama_rows(binary: Path, gguf: Path, prompts: list[list[int]], levels: list[int],
+               output_len: int) -> dict[int, dict]:
+    """llama.cpp's server on `gguf`, per level: started with that many slots (each with
+    the context one request needs) and 2 threads, loaded as `measured_rows` loads ours."""
+    out = {}
+    for c in levels:
+        port = free_port()
+        context = c * (len(prompts[0]) + output_len + 64)
+        log(f"llama.cpp: {c} slots ...")
+        with subprocess.Popen([str(binary), "-m", str(gguf), "--host", "127.0.0.1",
+                               "--port", str(port), "-t", "2", "-np", str(c), "-c",
+                               str(context)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL) as proc:
+            try:
+                url = f"http://127.0.0.1:{port}"
+                deadline = time.monotonic() + 300
+                while not _answers(f"{url}/health"):
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"llama.cpp's server did not start ({binary})")
+                    time.sleep(0.5)
+                out |= measured_rows(url, prompts, [c], output_len, ours=False)
+            finally:
+                proc.kill()
+    return out
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def measured_rows(url: str, prompts: list[list[int]], levels: list[int], output_len: int,
+                  ours: bool = True) -> dict[int, dict]:
+    """`served_rows`' figures of the server at `url` (not ours: without its own step and
+    busy figures, which come from Switchyard's /metrics)."""
     out = {}
     model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
     run_load(url, model, prompts[:2], 4, 2, None, 1, 0)  # warm-up
     for c in levels:
         n = max(c, 4)
         log(f"  concurrency {c}: {n} requests ...")
-        seconds, count = decode_steps_served(url)
-        busy = busy_seconds(url)
+        seconds, count = decode_steps_served(url) if ours else (0.0, 0.0)
+        busy = busy_seconds(url) if ours else {}
         records, duration = run_load(url, model, prompts[:n], output_len, c, None,
                                      min(4, c), 0)
         out[c] = summarize(records, duration, c, min(4, c))
+        if not ours:
+            continue
         after = decode_steps_served(url)
         out[c]["step_ms"] = 1e3 * (after[0] - seconds) / max(after[1] - count, 1)
         out[c]["busy_s"] = {kind: s - busy.get(kind, 0.0)
@@ -151,6 +201,11 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="also write every figure as JSON here")
     ap.add_argument("--skip-transformers", action="store_true",
                     help="leave out transformers' generate() (the serving overhead only)")
+    ap.add_argument("--topologies", nargs="+", choices=list(TOPOLOGIES),
+                    default=["local", "rpc"], help="which Switchyard configurations to serve")
+    ap.add_argument("--llama-server", type=Path,
+                    help="also llama.cpp's server (this binary) on --gguf")
+    ap.add_argument("--gguf", type=Path, help="the checkpoint for --llama-server, converted")
     args = ap.parse_args()
     path = build_checkpoint(args.workdir)
     levels = args.concurrency
@@ -164,9 +219,13 @@ def main() -> None:
     floor = floor_rows(path, levels, args.input_len, m["read_gbs"])
     gc.collect()
     served = {}
-    for name, flags in TOPOLOGIES:
+    for key in args.topologies:
+        name, flags = TOPOLOGIES[key]
         log(f"{name}: starting ...")
         served[name] = served_rows(path, flags, prompts, levels, args.output_len)
+    if args.llama_server:
+        served[f"llama.cpp server, {args.gguf.name}"] = llama_rows(
+            args.llama_server, args.gguf, prompts, levels, args.output_len)
 
     print(f"machine: read {m['read_gbs']:.1f} GB/s, copy {m['copy_gbs']:.1f} GB/s "
           f"(read + write), float32 matmul {m['matmul_gflops']:.0f} GFLOP/s; "
@@ -189,8 +248,8 @@ def main() -> None:
         tpots = [s[c]["tpot"]["median_ms"] for s in served.values()]
         cells = [f"{t:.1f} ({t / f['floor_ms']:.2f}x; {t / f['step_ms']:.2f}x step)"
                  for t in tpots]
-        cells += [f"{s[c]['step_ms']:.1f} ({t / s[c]['step_ms']:.2f}x)"
-                  for t, s in zip(tpots, served.values(), strict=True)]
+        cells += [f"{s[c]['step_ms']:.1f} ({t / s[c]['step_ms']:.2f}x)" if "step_ms" in s[c]
+                  else "-" for t, s in zip(tpots, served.values(), strict=True)]
         print(f"| {c} | {f['mb_read']:.0f} | {f['floor_ms']:.1f} | "
               f"{f['step_ms']:.1f} ({f['step_ms'] / f['floor_ms']:.2f}x) | " + " | ".join(cells)
               + " |")
