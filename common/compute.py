@@ -104,7 +104,11 @@ class ComputeThread:
         """fn(*args) on the thread, its time the service's busy time (`BusyClock`).
         Cancelled, the caller stops waiting; a call that has started runs to its end (as
         `anyio.to_thread.run_sync(abandon_on_cancel=True)`)."""
-        return await asyncio.wrap_future(self._executor.submit(self.clock.timed, fn, *args))
+        return await self.start(fn, *args)
+
+    def start(self, fn: Callable[..., T], *args: object) -> asyncio.Future[T]:
+        """`run`, started now: await the future for its result."""
+        return asyncio.wrap_future(self._executor.submit(self.clock.timed, fn, *args))
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -128,13 +128,20 @@ class AttentionServer:
                 self._post(_Work(AbortRequest(request_id), conn))
 
     async def run_engine(self) -> None:
+        """Apply what arrived, run a step, repeat. A step's outputs go out while the next
+        step runs (the kernels release the GIL), so a token's delivery and the gateway's
+        turn cost the step loop nothing."""
         lockstep = self.engine.runner.experts.lockstep
+        done: list[TokenDelta] = []  # the last step's, delivered while the next one runs
         while True:
             if lockstep:
                 # Every rank must join every round: wait for work only briefly.
                 with anyio.move_on_after(LOCKSTEP_POLL_S):
                     await self._wakeup.wait()
             elif not self._inbox and not self.engine.has_work():
+                for delta in done:  # no step to wait for: now
+                    self._deliver(delta)
+                done = []
                 with anyio.move_on_after(self._heartbeat_s):
                     await self._wakeup.wait()
                 if not self._wakeup.is_set():  # idle that long: the peers hear of it
@@ -146,13 +153,16 @@ class AttentionServer:
             switches, self._switches = self._switches, []
             for switch in switches:  # between two steps, on the step's thread
                 await self._switch(switch)
-            if lockstep or self.engine.has_work():
-                try:
-                    deltas += await self._compute.run(self.engine.step)
-                except Exception as exc:  # a bug must cost its batch, not the service
-                    deltas += await self._step_failed(exc, deltas)
-            for delta in deltas:
+            running = self._compute.start(self.engine.step) \
+                if lockstep or self.engine.has_work() else None
+            for delta in done:
                 self._deliver(delta)
+            done = deltas
+            if running is not None:
+                try:
+                    done += await running
+                except Exception as exc:  # a bug must cost its batch, not the service
+                    done += await self._step_failed(exc, deltas)
 
     async def _heartbeat(self) -> None:
         """A DCP leader's idle heartbeat; a peer gone (its collective timed out) leaves

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from moe_kernels import cpu_kernels
 from moe_kernels.grouped_gemm import grouped_swiglu
+from moe_kernels.int8 import int8_panels, reference_linear
 from moe_kernels.panels import PanelWeights, plain, to_panels
 from moe_kernels.selection import cpu_grouped_swiglu, linear, panels_for_cpu
 from tests.support.kernels import assert_expert_spans
@@ -134,6 +135,9 @@ def test_a_machine_that_cannot_build_it_says_so_once(monkeypatch: pytest.MonkeyP
         gu, d = panels_for_cpu(w_gate_up), panels_for_cpu(w_down)
         assert gu is w_gate_up and d is w_down  # torch's layout, for torch's matmuls
         assert cpu_grouped_swiglu(torch.randn(2, 64), [2], gu, d, None) is None
+        # int8 dense weights: the scheme's own sums in torch (`int8.reference_linear`)
+        packed, x = int8_panels(torch.randn(20, 40)), torch.randn(3, 40)
+        torch.testing.assert_close(linear(x, packed), reference_linear(x, packed))
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "could not be built" in warnings[0] and \
         "Ninja is required" in warnings[0] and "torch's matmuls" in warnings[0], warnings
