@@ -177,7 +177,8 @@ void gemm(const uint8_t* xq, int64_t ldq, const float* xs, int64_t lds, int64_t 
 // w [..., N/16, K'/4, 16, 4] int8 and s [..., N]: `dims` the weight's.
 void check_int8(const torch::Tensor& w, const torch::Tensor& s, int64_t dims) {
   TORCH_CHECK(w.dtype() == torch::kInt8 && w.is_contiguous() && w.dim() == dims &&
-                  w.size(-2) == kPanel && w.size(-1) == kGroup && (w.size(-3) * kGroup) % kBlock == 0,
+                  w.size(-2) == kPanel && w.size(-1) == kGroup &&
+                  w.size(-3) * kGroup % kBlock == 0,
               "weights must be contiguous int8 panels [..., N/16, K'/4, 16, 4], K' a multiple "
               "of 32");
   TORCH_CHECK(s.dtype() == torch::kFloat32 && s.is_contiguous() && s.dim() == dims - 3 &&
