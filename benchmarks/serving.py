@@ -3,7 +3,7 @@ configuration's decode step against this machine's memory-bandwidth floor, in on
 
     .venv/bin/python -m benchmarks.serving [--concurrency 1 16 64] [--input-len 128]
         [--output-len 128] [--topologies local rpc local-w4a4 local-w4a4-int8]
-        [--llama-server BINARY --gguf FILE] [--json FILE]
+        [--llama-server BINARY --gguf FILE] [--json FILE] [--rounds R [--requests N]]
 
 One run measures the machine (read and copy bandwidth, float32 matmul), then on the
 mid-size random checkpoint of benchmarks/generate.py, with the same fixed-seed prompts:
@@ -22,6 +22,10 @@ mid-size random checkpoint of benchmarks/generate.py, with the same fixed-seed p
    e.g. Q4_0), started once per level with as many slots as requests at once and 2
    threads, under the same client and prompts.
 
+With `--rounds`, instead: concurrency 1 only, every server up at once and loaded in turn,
+round after round (`side_by_side`): the per-token time's ratios, robust to the drift of a
+shared machine.
+
 The model's dtype is float32 (torch's bf16 matmul is ~100x slower on CPUs without AVX-512
 BF16); `--topologies` adds W4A4 experts and int8 dense linears.
 """
@@ -29,12 +33,14 @@ BF16); `--topologies` adds W4A4 experts and int8 dense linears.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -134,30 +140,71 @@ def served_rows(path: Path, flags: list[str], prompts: list[list[int]], levels: 
         return measured_rows(served.url, prompts, levels, output_len)
 
 
+@contextlib.contextmanager
+def llama_server(binary: Path, gguf: Path, slots: int, context: int) -> Iterator[str]:
+    """llama.cpp's server on `gguf` with `slots` slots sharing `context` tokens and 2
+    threads, on loopback: its base URL once healthy."""
+    port = free_port()
+    with subprocess.Popen([str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port",
+                           str(port), "-t", "2", "-np", str(slots), "-c", str(context)],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as proc:
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 300
+            while not _answers(f"{url}/health"):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"llama.cpp's server did not start ({binary})")
+                time.sleep(0.5)
+            yield url
+        finally:
+            proc.kill()
+
+
 def llama_rows(binary: Path, gguf: Path, prompts: list[list[int]], levels: list[int],
                output_len: int) -> dict[int, dict]:
-    """llama.cpp's server on `gguf`, per level: started with that many slots (each with
-    the context one request needs) and 2 threads, loaded as `measured_rows` loads ours."""
+    """llama.cpp's server per level: started with that many slots (each with the context
+    one request needs), loaded as `measured_rows` loads ours."""
     out = {}
     for c in levels:
-        port = free_port()
-        context = c * (len(prompts[0]) + output_len + 64)
         log(f"llama.cpp: {c} slots ...")
-        with subprocess.Popen([str(binary), "-m", str(gguf), "--host", "127.0.0.1",
-                               "--port", str(port), "-t", "2", "-np", str(c), "-c",
-                               str(context)], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL) as proc:
-            try:
-                url = f"http://127.0.0.1:{port}"
-                deadline = time.monotonic() + 300
-                while not _answers(f"{url}/health"):
-                    if proc.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"llama.cpp's server did not start ({binary})")
-                    time.sleep(0.5)
-                out |= measured_rows(url, prompts, [c], output_len, ours=False)
-            finally:
-                proc.kill()
+        with llama_server(binary, gguf, c, c * (len(prompts[0]) + output_len + 64)) as url:
+            out |= measured_rows(url, prompts, [c], output_len, ours=False)
     return out
+
+
+def side_by_side(args: argparse.Namespace, path: Path, prompts: list[list[int]]) -> None:
+    """Concurrency 1, every server up at once and loaded in turn, `--requests` requests
+    each per round for `--rounds` rounds: each round's median time per output token
+    ((E2E - TTFT) / (tokens - 1), as `switchyard bench`'s TPOT) and its ratio to the
+    first server's, so the machine's drift falls on every server alike."""
+    with contextlib.ExitStack() as stack:
+        urls = {TOPOLOGIES[k][0]: stack.enter_context(Served(
+            ["--model", str(path), "--kv-cache-memory", "1GiB", *TOPOLOGIES[k][1]],
+            timeout=900)).url for k in args.topologies}
+        if args.llama_server:
+            urls[f"llama.cpp server, {args.gguf.name}"] = stack.enter_context(llama_server(
+                args.llama_server, args.gguf, 1, len(prompts[0]) + args.output_len + 64))
+        models = {name: httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+                  for name, url in urls.items()}
+        rows: dict[str, list[float]] = {name: [] for name in urls}
+        for r in range(args.rounds):
+            for name, url in urls.items():
+                log(f"round {r + 1}/{args.rounds}: {name} ...")
+                records, duration = run_load(url, models[name], prompts[:args.requests],
+                                             args.output_len, 1, None, 1, 0)
+                report = summarize(records, duration, 1, 1)
+                rows[name].append(report["tpot"]["median_ms"])  # type: ignore[index]
+                if report["failed"]:
+                    log(f"  {report['failed']} failed: {report['errors']}")
+    first = next(iter(rows))
+    print(f"concurrency 1, {args.requests} requests of {len(prompts[0])} + "
+          f"{args.output_len} tokens per server per round, {args.rounds} rounds\n")
+    print("| server | TPOT median ms, per round | median | vs " + first + " |")
+    print("|---|---|---:|---:|")
+    for name, tpots in rows.items():
+        ratios = [t / f for t, f in zip(tpots, rows[first], strict=True)]
+        print(f"| {name} | {', '.join(f'{t:.2f}' for t in tpots)} | "
+              f"{statistics.median(tpots):.2f} | {statistics.median(ratios):.2f}x |")
 
 
 def _answers(url: str) -> bool:
@@ -206,10 +253,19 @@ def main() -> None:
     ap.add_argument("--llama-server", type=Path,
                     help="also llama.cpp's server (this binary) on --gguf")
     ap.add_argument("--gguf", type=Path, help="the checkpoint for --llama-server, converted")
+    ap.add_argument("--rounds", type=int,
+                    help="instead of the tables: concurrency 1 side by side, every server "
+                         "up at once and loaded in turn for this many rounds")
+    ap.add_argument("--requests", type=int, default=16,
+                    help="with --rounds: requests per server per round")
     args = ap.parse_args()
     path = build_checkpoint(args.workdir)
     levels = args.concurrency
-    prompts = make_prompts(max(max(levels), 4), args.input_len, 0.0, 200, seed=0)
+    prompts = make_prompts(max(max(levels), 4, args.requests), args.input_len, 0.0, 200,
+                           seed=0)
+    if args.rounds:
+        side_by_side(args, path, prompts)
+        return
 
     log("measuring the machine ...")
     m = machine()

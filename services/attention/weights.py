@@ -3,11 +3,9 @@ the model's dtype, and each linear in the layout of the serving scheme's kernel
 (`moe_kernels.selection.dense_weight`): float32 panels, or with `--dense-quantization
 int8` int8 panels on the CPU and FP8 on a GPU.
 
-A checkpoint written by `switchyard quantize --dense int8` stores such a linear as
-`NAME.weight` int8 [N, K] and `NAME.weight_scale` float32 [N] (compressed-tensors' names
-for a per-channel scale); those are read as they are, never quantized again. Row-wise
-scales survive stacking (q, k and v into one qkv), so a stacked linear is the stacked
-parts' q and s.
+A linear stored in int8 (`switchyard quantize --dense int8`, `services.model.dense`) is
+read as it is, never quantized again. Row-wise scales survive stacking (q, k and v into
+one qkv), so a stacked linear is the stacked parts' q and s.
 """
 
 from __future__ import annotations
