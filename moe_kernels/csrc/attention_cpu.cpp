@@ -6,6 +6,8 @@
 // keys' scores at once (a transpose-sum, not a serial sum of 16 lanes per score), takes
 // the exponentials 16 at a time, and returns the log-sum-exp as well, so that a DCP
 // shard's partial attention is the same call (`dcp.merge`).
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -228,19 +230,31 @@ std::tuple<torch::Tensor, torch::Tensor> decode_attention(
     TORCH_CHECK(!mp[i] || (sp[i] >= 0 && sp[i] < num_slots), "a visible key's slot is out "
                 "of the cache");
   const float s = static_cast<float>(scale);
+  // Fewer sequences than threads (a decode step of one chat): each sequence's heads are
+  // split too, on KV-head boundaries (with one KV head, MLA's, its query heads), so every
+  // core works. Each head's sums are the same either way: the same bits.
+  const int64_t unit_heads = kv_heads > 1 ? group : 1;  // query heads per unit of a split
+  const int64_t units = heads / unit_heads;
+  int64_t parts = std::min(units, (omp_get_max_threads() + batch - 1) / batch);
+  while (units % parts) --parts;
+  const int64_t part_heads = heads / parts;
 #pragma omp parallel for schedule(static)
-  for (int64_t b = 0; b < batch; ++b) {
+  for (int64_t task = 0; task < batch * parts; ++task) {
+    const int64_t b = task / parts, h0 = task % parts * part_heads;
     std::vector<int64_t> rows;  // the visible keys' rows, in floats
     rows.reserve(length);
     for (int64_t l = 0; l < length; ++l)
       if (mp[b * length + l]) rows.push_back(sp[b * length + l] * kv_heads * dim);
     if (rows.empty()) {  // no visible key: out stays 0
-      std::fill(lp + b * heads, lp + (b + 1) * heads, -std::numeric_limits<float>::infinity());
+      std::fill(lp + b * heads + h0, lp + b * heads + h0 + part_heads,
+                -std::numeric_limits<float>::infinity());
       continue;
     }
-    attend_sequence(qp + b * heads * dim, kp, vp, rows.data(),
-                    static_cast<int64_t>(rows.size()), heads, kv_heads, dim, s,
-                    op + b * heads * dim, lp + b * heads);
+    const int64_t kv0 = h0 / group * dim;  // this part's first KV head, in floats
+    attend_sequence(qp + (b * heads + h0) * dim, kp + kv0, vp + kv0, rows.data(),
+                    static_cast<int64_t>(rows.size()), part_heads,
+                    std::max<int64_t>(1, part_heads / group), dim, s,
+                    op + (b * heads + h0) * dim, lp + b * heads + h0);
   }
   return {out, lse};
 }

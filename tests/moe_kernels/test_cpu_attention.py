@@ -19,6 +19,8 @@ pytestmark = pytest.mark.timeout(300)
     (1, 4, 4, 16, 1),  # one key, no grouping
     (5, 16, 4, 64, 37),  # the mid checkpoint's heads
     (3, 8, 1, 128, 300),  # one KV head for all (MQA)
+    (1, 16, 4, 64, 129),  # one chat's decode: its KV heads split over the threads
+    (1, 16, 1, 96, 70),  # ... with one KV head (MLA's): its query heads split
 ])
 def test_it_equals_a_full_softmax(kernel: object, batch: int, heads: int, kv_heads: int,
                                   dim: int, length: int) -> None:
@@ -40,6 +42,26 @@ def test_it_equals_a_full_softmax(kernel: object, batch: int, heads: int, kv_hea
     want = reference_partial_attention(q[:, :, None], k, v, mask[:, None, None], scale)
     torch.testing.assert_close(got[0], want[0][:, :, 0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got[1], want[1][:, :, 0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 1])
+def test_splitting_a_sequences_heads_over_threads_changes_no_bit(kernel: object,
+                                                                 kv_heads: int) -> None:
+    """One sequence on 1 thread (whole) and on 2 (its heads split): the same bits."""
+    g = torch.Generator().manual_seed(kv_heads)
+    k_cache, v_cache = torch.randn(2, 64, kv_heads, 64, generator=g)
+    slots, mask = torch.arange(50)[None], torch.ones(1, 50, dtype=torch.bool)
+    q = torch.randn(1, 16, 64, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        whole = cpu_decode_attention(q, k_cache, v_cache, slots, mask, 0.125)
+        torch.set_num_threads(2)
+        split = cpu_decode_attention(q, k_cache, v_cache, slots, mask, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert whole is not None and split is not None
+    assert torch.equal(whole[0], split[0]) and torch.equal(whole[1], split[1])
 
 
 def test_a_sequence_with_no_visible_key_gets_zero_and_minus_inf(kernel: object) -> None:
