@@ -66,10 +66,14 @@ def dense_weight(w: torch.Tensor | tuple[torch.Tensor, torch.Tensor], scheme: st
     loaded in `dtype` or, from a checkpoint stored in 8 bits, (q [..., N, K] int8,
     s [..., N] float32), in the layout its kernel reads under `scheme`:
 
-    - None: as it is, on the CPU in float32 panels (`panels_for_cpu`, any N);
+    - None: as it is, on the CPU in float32 panels (`panels_for_cpu`, any N, padded);
     - "int8": on the CPU int8 panels (`moe_kernels.int8`); on a GPU FP8 with the same
       per-channel scales (`moe_kernels.fp8`), except where `torch._scaled_mm` cannot
       take it (per-head matrices, K no multiple of 16), which stay in `dtype`.
+
+    On the CPU every dense linear of a step then runs one of the two compiled kernels,
+    whose sums for a row do not depend on the other rows (torch's matmul's do), so a
+    micro-batch's outputs are the whole batch's bit for bit.
 
     Per-head matrices whose N is no multiple of 16 (tiny test models) stay as they are:
     the per-head kernels write whole panels.

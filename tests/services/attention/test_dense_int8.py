@@ -15,7 +15,7 @@ from services.expert.quantize import main as quantize_main
 from services.model.config import ModelConfig
 from services.model.dense import SCALE_SUFFIX
 from tests.support import checkpoints
-from tests.support.engines import engine_for, greedy, prompts, run_to_completion
+from tests.support.engines import dcp_engine, engine_for, greedy, prompts, run_to_completion
 
 POSITIONS = (40, 72, 144)  # 256 positions, prompts as long as the tiny models serve
 # The mean KL(float32 || int8) of next-token distributions over those positions, first
@@ -108,3 +108,16 @@ def test_an_unknown_scheme_and_a_mislabelled_weight_are_refused(qwen3_ckpt: tupl
     save_file(tensors, shard)
     with pytest.raises(ValueError, match=f"{name}.*stored as torch.float32, not int8"):
         engine_for(out)
+
+
+def test_a_dcp_group_reads_its_dense_linears_in_int8_as_one_rank_does(qwen3_ckpt: tuple
+                                                                      ) -> None:
+    """Every rank of a DCP group (peers: real processes, given the flag) serves the int8
+    scheme: the group's greedy tokens are one rank's with the same scheme."""
+    path, _ = qwen3_ckpt
+    ps = prompts(seed=51, lengths=(40, 7))
+    arrivals = {0: [greedy(f"r{i}", p, 12) for i, p in enumerate(ps)]}
+    with dcp_engine(path, 2, dense_quantization="int8") as engine:
+        assert engine.runner.model.dense_quantization == "int8"
+        got = run_to_completion(engine, arrivals)
+    assert got == run_to_completion(engine_for(path, dense_quantization="int8"), arrivals)
