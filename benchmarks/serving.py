@@ -194,8 +194,9 @@ def side_by_side(args: argparse.Namespace, path: Path, prompts: list[list[int]])
                                              args.output_len, 1, None, 1, 0)
                 report = summarize(records, duration, 1, 1)
                 rows[name].append(report["tpot"]["median_ms"])  # type: ignore[index]
-                if report["failed"]:
-                    log(f"  {report['failed']} failed: {report['errors']}")
+                if report["failed"] or report["retried"]:
+                    log(f"  {report['failed']} failed: {report['failures']}; "
+                        f"{report['retried']} sent again")
     first = next(iter(rows))
     print(f"concurrency 1, {args.requests} requests of {len(prompts[0])} + "
           f"{args.output_len} tokens per server per round, {args.rounds} rounds\n")

@@ -5,7 +5,9 @@ Fixed-seed synthetic token-id prompts of `--input-len` tokens (the first
 tokens each through streaming `/v1/completions`. For each concurrency of the sweep (or at
 a Poisson `--request-rate`), it reports completed and failed requests, request and token
 throughput, and mean / median / p99 of TTFT, TPOT, ITL and end-to-end latency, as a table
-and as JSON. The client runs in `--client-processes` processes, so that one Python event
+and as JSON, and counts each failure by its cause (the status and the body's start, the
+tokens asked and got, or the client's exception). A request whose kept-alive connection
+the server closed before answering is sent again, and counted as such. The client runs in `--client-processes` processes, so that one Python event
 loop does not inflate the latencies it measures. Without `--url` it starts
 `switchyard serve --port 0 SERVE_FLAGS...` itself: `switchyard bench -- --expert-services 4`.
 """
@@ -21,6 +23,7 @@ import random
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -41,6 +44,7 @@ class RequestRecord:
     e2e: float = 0.0
     itls: list[float] = field(default_factory=list)
     error: str = ""
+    retried: bool = False  # sent again: its kept-alive connection closed before an answer
 
 
 @dataclass(frozen=True)
@@ -69,16 +73,37 @@ def _chunk_tokens(choice: dict[str, Any]) -> int:
 
 
 async def _one(client: httpx.AsyncClient, load: Load, prompt: list[int]) -> RequestRecord:
+    """One streamed request (`_attempt`), sent once more where the server closed a
+    kept-alive connection as the request went out, before any answer: a server that
+    closes idle or used connections (llama.cpp's cpp-httplib does) races the client's
+    next request on them, and that request never reached the server's handler (curl and
+    urllib3 retry the same way). It is counted as retried, not failed."""
+    record = await _attempt(client, load, prompt)
+    if record.error.startswith(DROPPED):
+        record = await _attempt(client, load, prompt)
+        record.retried = True
+    return record
+
+
+DROPPED = "dropped before an answer"  # the cause `_attempt` gives that case
+
+
+async def _attempt(client: httpx.AsyncClient, load: Load, prompt: list[int]
+                   ) -> RequestRecord:
     """One streamed request. Content chunks time TTFT and ITL; the final usage chunk
-    (`stream_options.include_usage`), where the server sends one, gives the token count."""
+    (`stream_options.include_usage`), where the server sends one, gives the token count.
+    A failure says why: the status and the body's start, the token count asked and
+    got, or the client's exception."""
     record = RequestRecord(ok=False, prompt_tokens=len(prompt))
     start = last = time.perf_counter()
     usage_tokens: int | None = None
+    answered = False
     try:
         async with client.stream("POST", "/v1/completions", json={
                 "model": load.model, "prompt": prompt, "max_tokens": load.output_len,
                 "temperature": 0, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}, "return_token_ids": True}) as r:
+            answered = True
             if r.status_code != 200:
                 record.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                 return record
@@ -104,6 +129,8 @@ async def _one(client: httpx.AsyncClient, load: Load, prompt: list[int]) -> Requ
         record.ok = record.output_tokens == load.output_len
         if not record.ok:
             record.error = f"got {record.output_tokens} of {load.output_len} tokens"
+    except httpx.RemoteProtocolError as exc:
+        record.error = f"{DROPPED}: {exc}" if not answered else repr(exc)
     except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:  # or a malformed chunk
         record.error = repr(exc)
     return record
@@ -224,6 +251,9 @@ def summarize(records: list[RequestRecord], duration: float, concurrency: int,
         "concurrency": concurrency, "client_processes": processes,
         "completed": len(ok), "failed": len(records) - len(ok),
         "errors": sorted({r.error for r in records if not r.ok})[:5],
+        # each cause of failure, how often (as GuideLLM and `vllm bench` count them)
+        "failures": dict(Counter(r.error for r in records if not r.ok).most_common()),
+        "retried": sum(r.retried for r in records),
         "duration_s": duration,
         "request_throughput": len(ok) / duration,
         "output_throughput": out_tokens / duration,
@@ -245,6 +275,13 @@ def format_table(reports: list[dict]) -> str:
                      f"{r['failed']} | {r['request_throughput']:.2f} | "
                      f"{r['output_throughput']:.1f} | {r['total_token_throughput']:.1f} | "
                      + " | ".join(cells) + " |")
+    for r in reports:
+        causes = [f"{n} x {cause}" for cause, n in r["failures"].items()]
+        if r["retried"]:
+            causes.append(f"{r['retried']} sent again after the server closed their "
+                          "kept-alive connection (not failed)")
+        if causes:
+            lines.append(f"\nconcurrency {r['concurrency']}: " + "; ".join(causes))
     return "\n".join(lines)
 
 

@@ -1,12 +1,15 @@
 """`switchyard bench` against a fake OpenAI-compatible server: output tokens are counted
 from `token_ids` where the server sends them (Switchyard), else from the final usage chunk
-of `stream_options.include_usage`, else one per text chunk (as `vllm bench serve` does)."""
+of `stream_options.include_usage`, else one per text chunk (as `vllm bench serve` does);
+each failure is counted by its cause; a request whose kept-alive connection the server
+closed is sent again."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 import json
+import re
 import socket
 import threading
 from collections.abc import AsyncIterator, Iterator
@@ -40,6 +43,7 @@ class FakeServer:
     token_ids: bool = False
     usage: bool = True
     usage_error: int = 0
+    fail_every: int = 0  # every n-th request (the warm-up is the first) answered with a 500
     bodies: list[dict[str, Any]] = field(default_factory=list)
 
     def app(self) -> Starlette:
@@ -50,9 +54,11 @@ class FakeServer:
     async def models(self, request: Request) -> JSONResponse:
         return JSONResponse({"object": "list", "data": [{"id": "fake", "object": "model"}]})
 
-    async def completions(self, request: Request) -> StreamingResponse:
+    async def completions(self, request: Request) -> StreamingResponse | JSONResponse:
         body = await request.json()
         self.bodies.append(body)
+        if self.fail_every and len(self.bodies) % self.fail_every == 0:
+            return JSONResponse({"error": "overloaded"}, status_code=500)
         return StreamingResponse(self.events(body), media_type="text/event-stream")
 
     async def events(self, body: dict[str, Any]) -> AsyncIterator[str]:
@@ -150,3 +156,84 @@ def test_a_short_count_fails_the_request_saying_what_it_got(
     assert (status, reports) == (1, [])  # the warm-up request stops the run
     assert (f"the warm-up request failed: got {got} of {OUTPUT_LEN} tokens"
             in capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("fake", [FakeServer(per_chunk=(2,), token_ids=True, fail_every=2)],
+                         ids=["every-second-a-500"])
+def test_each_failure_is_counted_by_its_cause(fake: FakeServer, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """A server that answers every second request with a 500: each level counts those
+    failures by their cause (the status and the body's start), and the table says so."""
+    with serving(fake) as url:
+        status, reports = run_bench(url, tmp_path)
+    assert status == 1
+    cause = "HTTP 500: b'{\"error\":\"overloaded\"}'"
+    for r in reports:
+        assert r["failed"] == PROMPTS // 2 and r["failures"] == {cause: PROMPTS // 2}
+        assert r["completed"] == PROMPTS - r["failed"]
+    assert f"concurrency 2: {PROMPTS // 2} x {cause}" in capsys.readouterr().out
+
+
+class DroppingServer:
+    """An HTTP/1.1 server that answers the first request of each connection and closes
+    the connection, unanswered, when a second one arrives on it: what a server that
+    closes used keep-alive connections (llama.cpp's, after its keep-alive timeout) does
+    to a client that sent its next request before the close reached it."""
+
+    def __init__(self) -> None:
+        self.requests = self.dropped = 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            served = False
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = re.search(rb"(?i)content-length: *(\d+)", head)
+                body = await reader.readexactly(int(length.group(1))) if length else b""
+                if served:
+                    self.dropped += 1
+                    return
+                served, self.requests = True, self.requests + 1
+                writer.write(self.answer(head, body))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    def answer(self, head: bytes, body: bytes) -> bytes:
+        if head.startswith(b"GET /v1/models"):
+            kind, payload = b"application/json", json.dumps(
+                {"object": "list", "data": [{"id": "fake", "object": "model"}]}).encode()
+        else:
+            n = json.loads(body)["max_tokens"]
+            chunks = [{"choices": [{"index": 0, "text": " tok", "token_ids": [i],
+                                    "finish_reason": None}]} for i in range(n)]
+            kind = b"text/event-stream"
+            payload = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks)
+            payload += b"data: [DONE]\n\n"
+        return (b"HTTP/1.1 200 OK\r\nContent-Type: " + kind + b"\r\nContent-Length: "
+                + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+
+
+def test_a_request_whose_kept_alive_connection_the_server_closed_is_sent_again(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    server = DroppingServer()
+    loop = asyncio.new_event_loop()
+    listening = loop.run_until_complete(asyncio.start_server(server.handle, "127.0.0.1", 0))
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{listening.sockets[0].getsockname()[1]}"
+        status, reports = run_bench(url, tmp_path)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        listening.close()
+        loop.close()
+    assert status == 0, reports
+    assert server.dropped > 0
+    assert all(r["completed"] == PROMPTS and r["failed"] == 0 for r in reports)
+    assert sum(r["retried"] for r in reports) == server.dropped
+    assert "sent again after the server closed their kept-alive connection" in \
+        capsys.readouterr().out
