@@ -38,7 +38,7 @@ def test_every_bundled_file_loads_for_its_device() -> None:
 
 def test_the_h200_table_is_the_run_3_sweep_best() -> None:
     """The bundled H200 file is what `best_configs` makes of the committed sweep timings."""
-    sweep = ROOT / "docs/gpu/2026-11-30-run3/gpu_check_sweep.json"
+    sweep = ROOT / "tests/data/h200_w4a4_sweep_2026-11-30.json"  # run 3 (docs/gpu)
     results = json.loads(sweep.read_text())
     assert load_configs("NVIDIA H200") == best_configs(results)
     assert tuned_config("NVIDIA H200", 1).inner == "f16"  # decode: float16 codes won
