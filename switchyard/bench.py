@@ -7,8 +7,9 @@ a Poisson `--request-rate`), it reports completed and failed requests, request a
 throughput, and mean / median / p99 of TTFT, TPOT, ITL and end-to-end latency, as a table
 and as JSON, and counts each failure by its cause (the status and the body's start, the
 tokens asked and got, or the client's exception). A request whose kept-alive connection
-the server closed before answering is sent again, and counted as such. The client runs in `--client-processes` processes, so that one Python event
-loop does not inflate the latencies it measures. Without `--url` it starts
+the server closed before answering is sent again, and counted as such. The client runs
+in `--client-processes` processes, so that one Python event loop does not inflate the
+latencies it measures. Without `--url` it starts
 `switchyard serve --port 0 SERVE_FLAGS...` itself: `switchyard bench -- --expert-services 4`.
 """
 
