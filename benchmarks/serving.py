@@ -39,7 +39,6 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -54,6 +53,7 @@ from services.attention.builder import build_engine
 from services.attention.config import AttentionConfig
 from switchyard.bench import format_table, make_prompts, run_load, summarize
 from switchyard.serve_process import Served
+from tests.support.tools import wait_until
 
 TOPOLOGIES = {  # name: (what the tables call it, serve's flags)
     "local": ("switchyard, 1 process", ["--dispatch-backend", "local"]),
@@ -140,6 +140,13 @@ def served_rows(path: Path, flags: list[str], prompts: list[list[int]], levels: 
         return measured_rows(served.url, prompts, levels, output_len)
 
 
+def healthy(url: str) -> bool:
+    """Whether the server at `url` answers /health with 200."""
+    with contextlib.suppress(httpx.HTTPError):
+        return httpx.get(f"{url}/health", timeout=5).status_code == 200
+    return False
+
+
 @contextlib.contextmanager
 def llama_server(binary: Path, gguf: Path, slots: int, context: int) -> Iterator[str]:
     """llama.cpp's server on `gguf` with `slots` slots sharing `context` tokens and 2
@@ -150,11 +157,10 @@ def llama_server(binary: Path, gguf: Path, slots: int, context: int) -> Iterator
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as proc:
         try:
             url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 300
-            while not _answers(f"{url}/health"):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"llama.cpp's server did not start ({binary})")
-                time.sleep(0.5)
+            wait_until(lambda: healthy(url) or proc.poll() is not None, 300,
+                       lambda: "llama.cpp's server healthy")
+            if proc.poll() is not None:
+                raise RuntimeError(f"llama.cpp's server exited ({binary})")
             yield url
         finally:
             proc.kill()
@@ -208,13 +214,6 @@ def side_by_side(args: argparse.Namespace, path: Path, prompts: list[list[int]])
               f"{statistics.median(tpots):.2f} | {statistics.median(ratios):.2f}x |")
 
 
-def _answers(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=5).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 def measured_rows(url: str, prompts: list[list[int]], levels: list[int], output_len: int,
                   ours: bool = True) -> dict[int, dict]:
     """`served_rows`' figures of the server at `url` (not ours: without its own step and
@@ -225,13 +224,13 @@ def measured_rows(url: str, prompts: list[list[int]], levels: list[int], output_
     for c in levels:
         n = max(c, 4)
         log(f"  concurrency {c}: {n} requests ...")
-        seconds, count = decode_steps_served(url) if ours else (0.0, 0.0)
-        busy = busy_seconds(url) if ours else {}
+        before = (decode_steps_served(url), busy_seconds(url)) if ours else None
         records, duration = run_load(url, model, prompts[:n], output_len, c, None,
                                      min(4, c), 0)
         out[c] = summarize(records, duration, c, min(4, c))
-        if not ours:
+        if before is None:
             continue
+        (seconds, count), busy = before
         after = decode_steps_served(url)
         out[c]["step_ms"] = 1e3 * (after[0] - seconds) / max(after[1] - count, 1)
         out[c]["busy_s"] = {kind: s - busy.get(kind, 0.0)

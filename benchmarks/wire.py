@@ -27,10 +27,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
 from benchmarks.generate import add_workdir_flag, build_checkpoint
-from benchmarks.serving import log, measured_rows
+from benchmarks.serving import healthy, log, measured_rows
 from common.auth import SECRET_ENV, ClusterSecret
 from common.flags import ENV_PREFIX
 from common.ports import free_port
@@ -112,14 +110,8 @@ def delayed_topology(path: Path, micro_batches: str, delay_ms: float) -> Iterato
         children.start_all(services.attention, 600)
         [(port,)] = children.start_all([services.gateway], 600)
         url = f"http://127.0.0.1:{port}"
-        wait_until(lambda: _healthy(url), 600, lambda: f"{url}/health")
+        wait_until(lambda: healthy(url), 600, lambda: f"{url}/health")
         yield url
-
-
-def _healthy(url: str) -> bool:
-    with contextlib.suppress(httpx.HTTPError):
-        return httpx.get(f"{url}/health", timeout=5).status_code == 200
-    return False
 
 
 def main() -> None:

@@ -32,11 +32,9 @@ class WeightReader:
     scheme: str | None
 
     def get(self, name: str, *shape: int, as_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """A tensor as it is used (norms, biases, embeddings), in `as_dtype` or the
-        model's dtype; a weight stored in int8, dequantized."""
-        if name + SCALE_SUFFIX in self.ckpt:
-            q, s = self._int8(name, shape)
-            return (q.float() * s[:, None]).to(as_dtype or self.dtype).to(self.device)
+        """A tensor as it is used (norms, biases, embeddings, a float linear), in
+        `as_dtype` or the model's dtype. (A checkpoint whose linears are stored in int8 is
+        served with the scheme: `check_dense_quantization` refuses `none`.)"""
         return self.ckpt.get(name, shape, as_dtype or self.dtype).to(self.device)
 
     def linear(self, *parts: tuple[str, int, int]) -> DenseWeight:
@@ -56,8 +54,8 @@ class WeightReader:
         """(q [N, K] int8, s [N] float32): as stored, or quantized now from the float
         weight."""
         if name + SCALE_SUFFIX not in self.ckpt:
-            return tuple(t.to(self.device) for t in quantize_int8(  # type: ignore[return-value]
-                self.ckpt.get(name, shape, torch.float32)))
+            q, s = quantize_int8(self.ckpt.get(name, shape, torch.float32))
+            return q.to(self.device), s.to(self.device)
         q = self.ckpt.get(name, shape, None)
         if q.dtype != torch.int8:
             raise CheckpointError(f"{self.ckpt.file_of(name)}: {name!r} has a scale "

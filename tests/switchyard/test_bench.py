@@ -13,7 +13,7 @@ import re
 import socket
 import threading
 from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -184,7 +184,8 @@ class DroppingServer:
         self.requests = self.dropped = 0
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
+        # the client closing its connection (at the end of the run) ends the handler
+        with closing(writer), suppress(asyncio.IncompleteReadError, ConnectionError):
             served = False
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -196,10 +197,6 @@ class DroppingServer:
                 served, self.requests = True, self.requests + 1
                 writer.write(self.answer(head, body))
                 await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
 
     def answer(self, head: bytes, body: bytes) -> bytes:
         if head.startswith(b"GET /v1/models"):
