@@ -39,7 +39,7 @@ from safetensors.torch import load_file, save_file
 
 from benchmarks.generate import add_workdir_flag, build_checkpoint
 from ep_dispatch.placement import Placement
-from gateway.expert_stats import balance, rank_tokens
+from gateway.metrics import balance, rank_tokens
 from services.model.config import ModelConfig
 from switchyard.bench import make_prompts, run_load, summarize
 from switchyard.demo_model import DEFAULT_MODEL

@@ -9,11 +9,18 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import make_wsgi_app
+from prometheus_client import Gauge, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
+
+# What the gateway's dashboard names a service by, and its uptime from.
+_STARTED = Gauge("switchyard:service_start_time_seconds",
+                 "When this service started (Unix seconds), by its role and place: an "
+                 "attention group's index and DCP rank (member), or an expert rank's index.",
+                 ["role", "index", "member"])
 
 
 class _Quiet(WSGIRequestHandler):
@@ -33,11 +40,14 @@ def classic_text(app: Callable) -> Callable:
     return wrapped
 
 
-def start_metrics_server(host: str, port: int | None) -> int | None:
-    """Serve `/metrics` on host:port (0 picks a free port), on a daemon thread; returns
-    the bound port, or None when no port is configured."""
+def start_metrics_server(host: str, port: int | None, role: str, index: int,
+                         member: int = 0) -> int | None:
+    """Serve `/metrics` on host:port (0 picks a free port), on a daemon thread, with this
+    service's role, place and start time; returns the bound port, or None when no port
+    is configured."""
     if port is None:
         return None
+    _STARTED.labels(role, str(index), str(member)).set(time.time())
     server = make_server(host, port, classic_text(make_wsgi_app()), ThreadingWSGIServer,
                          handler_class=_Quiet)
     threading.Thread(target=server.serve_forever, daemon=True,

@@ -3,7 +3,7 @@ operator endpoints. A pure ASGI middleware, in front of every route.
 
 - `/health` and `/metrics` stay open, as vLLM leaves them: probes and Prometheus call them.
 - The dashboard's page and its static files are open (they hold no data); its data is not.
-- Operator endpoints (`/eplb*`, `/stats`, `/dashboard/data`) need an admin key where one is
+- Operator endpoints (`/eplb*`, `/stats`, the dashboards' `/data`) need an admin key where one is
   configured. Without one they answer only while the gateway listens on loopback (403
   otherwise, saying how to enable them), to the client keys if any.
 - Everything else (`/v1/*`, `/tokenize`, `/detokenize`, ...) needs a client key, or an
@@ -21,9 +21,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.errors import GatewayError
 
-OPEN_PATHS = frozenset({"/health", "/metrics", "/dashboard"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/dashboard", "/dashboard/expert"})
 OPEN_PREFIXES = ("/dashboard/static/",)
-ADMIN_PATHS = frozenset({"/stats", "/dashboard/data", "/eplb"})
+ADMIN_PATHS = frozenset({"/stats", "/dashboard/data", "/dashboard/expert/data", "/eplb"})
 ADMIN_PREFIXES = ("/eplb/",)
 
 

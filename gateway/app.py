@@ -23,8 +23,9 @@ from common import tracing
 from gateway.access import KeyAuth
 from gateway.chat import create_chat_completion
 from gateway.completions import create_completion
-from gateway.config import GatewayConfig
-from gateway.dashboard import dashboard_routes
+from gateway.config import DASHBOARD_HISTORY_S, GatewayConfig
+from gateway.dashboard.page import dashboard_routes
+from gateway.dashboard.recorder import Recorder
 from gateway.engine_pool import EnginePool
 from gateway.errors import (
     GatewayError,
@@ -133,11 +134,13 @@ def build_app(config: GatewayConfig, engine_client: EnginePool,
               tokenizer: Tokenizer | None) -> Starlette:
     """The ASGI app; its lifespan keeps the engine connection up while it serves."""
     serving = Serving(config, engine_client, tokenizer)
+    recorder = Recorder(serving, config.dashboard_interval_s, DASHBOARD_HISTORY_S)
 
     @asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
         async with anyio.create_task_group() as tg:
             tg.start_soon(engine_client.run)
+            tg.start_soon(recorder.run)
             if config.eplb.enabled:  # (its window, also for rebalances asked for)
                 tg.start_soon(serving.rebalancer.run)
             yield
@@ -157,7 +160,7 @@ def build_app(config: GatewayConfig, engine_client: EnginePool,
         Route("/version", show_version, methods=["GET"]),
         Route("/openapi.json", openapi_json, methods=["GET"]),
         Route("/metrics", partial(metrics, serving), methods=["GET"]),
-        *dashboard_routes(serving),
+        *dashboard_routes(recorder),
     ]
     handlers = {
         GatewayError: handle_gateway_error,

@@ -18,12 +18,13 @@ from common.flags import ENV_PREFIX, add_link_timeout_flag, env, env_switch, opt
 from common.rpc import parse_address
 from common.units import parse_size
 from gateway.access import Access
-from gateway.expert_stats import MAX_WINDOW_S
 from gateway.generation_config import NEUTRAL, SamplingDefaults
 from gateway.prefix_affinity import POLICIES
 from gateway.rebalancer import EplbConfig
 from gateway.service_metrics import check_url
 from gateway.tools import TOOL_PARSERS
+
+DASHBOARD_HISTORY_S = 900.0  # what the dashboard keeps: its longest window
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,9 @@ class GatewayConfig:
     retry_after_s: int = 1
     otlp_traces_endpoint: str | None = None
     service_metrics: tuple[str, ...] = ()  # /metrics URLs of the attention and expert services
-    dashboard_window_s: float = 60.0
+    dashboard_window_s: float = 60.0  # the window /dashboard shows first
+    dashboard_interval_s: float = 5.0  # between the dashboard's readings
+    otlp_ui_url: str | None = None  # a trace's page, with {trace_id}
     # What a request leaves out: the model's generation_config.json (--generation-config)
     sampling_defaults: SamplingDefaults = NEUTRAL
     # How the model writes tool calls (the parser that reads them out of text for
@@ -115,9 +118,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--service-metrics", default=env("SERVICE_METRICS", ""),
                    help="the attention and expert services' /metrics URLs, comma-separated: "
                         "merged into the gateway's /metrics and shown on /dashboard")
-    p.add_argument("--dashboard-window", type=float,
-                   default=float(env("DASHBOARD_WINDOW") or 60),
-                   help="seconds of recent load /dashboard summarizes by default")
     add_serve_flags(p)
     add_access_flags(p)
     add_secret_flag(p)
@@ -160,6 +160,38 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                         "to take it over (another one, or the same one restarted) before "
                         "it fails with 503")
     add_eplb_flags(p)
+    add_dashboard_flags(p)
+
+
+def add_dashboard_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dashboard-window", type=float,
+                   default=float(env("DASHBOARD_WINDOW") or 60),
+                   help="seconds of recent load /dashboard shows until another window is "
+                        f"chosen (at most {DASHBOARD_HISTORY_S:g})")
+    p.add_argument("--dashboard-interval", type=float,
+                   default=float(env("DASHBOARD_INTERVAL") or 5),
+                   help="seconds between the dashboard's readings of every service (its "
+                        "time series' resolution)")
+    p.add_argument("--otlp-ui-url", default=env("OTLP_UI_URL"),
+                   help="a trace's page in your tracing UI, with {trace_id} where its id "
+                        "goes: http://jaeger:16686/trace/{trace_id} (Jaeger) or "
+                        "http://phoenix:6006/redirects/traces/{trace_id} (Phoenix); the "
+                        "dashboard links each slow request to it")
+
+
+def dashboard_flags(args: argparse.Namespace) -> list[str]:
+    """`add_dashboard_flags`' flags as given; a ValueError for a value out of range."""
+    if not 0 < args.dashboard_window <= DASHBOARD_HISTORY_S:
+        raise ValueError(f"--dashboard-window must be in (0, {DASHBOARD_HISTORY_S:g}] seconds")
+    if not 0 < args.dashboard_interval <= 60:
+        raise ValueError("--dashboard-interval must be in (0, 60] seconds")
+    if args.otlp_ui_url is not None:
+        if "{trace_id}" not in args.otlp_ui_url:
+            raise ValueError("--otlp-ui-url must hold {trace_id} where a trace's id goes")
+        check_url(args.otlp_ui_url.replace("{trace_id}", "0" * 32))
+    return ["--dashboard-window", str(args.dashboard_window),
+            "--dashboard-interval", str(args.dashboard_interval),
+            *(["--otlp-ui-url", args.otlp_ui_url] if args.otlp_ui_url else [])]
 
 
 def add_access_flags(p: argparse.ArgumentParser) -> None:
@@ -307,7 +339,7 @@ def serve_flags(args: argparse.Namespace) -> list[str]:
             "--routing-policy", args.routing_policy,
             "--routing-balance", str(args.routing_balance),
             "--failover-timeout", str(args.failover_timeout),
-            *eplb_flags(args)]
+            *eplb_flags(args), *dashboard_flags(args)]
 
 
 def add_tool_call_flags(p: argparse.ArgumentParser) -> None:
@@ -344,8 +376,6 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
         parser.error(f"--engine: {exc}")
     if args.max_model_len is not None and args.max_model_len <= 0:
         parser.error("--max-model-len must be positive")
-    if not 0 < args.dashboard_window <= MAX_WINDOW_S:
-        parser.error(f"--dashboard-window must be in (0, {MAX_WINDOW_S:g}] seconds")
     service_metrics = tuple(u.strip() for u in args.service_metrics.split(",") if u.strip())
     try:
         for url in service_metrics:
@@ -384,6 +414,8 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         service_metrics=service_metrics,
         dashboard_window_s=args.dashboard_window,
+        dashboard_interval_s=args.dashboard_interval,
+        otlp_ui_url=args.otlp_ui_url,
         sampling_defaults=sampling_defaults,
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,

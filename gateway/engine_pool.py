@@ -38,6 +38,7 @@ class EnginePool:
             raise ValueError(f"routing policy {routing!r} is not one of {', '.join(POLICIES)}")
         self.addresses = addresses
         self.failover_timeout_s = failover_timeout_s
+        self.resubmitted = 0  # requests sent again after losing their group, since start
         self.clients = [EngineClient(host, port, retry_interval_s, secret, link_timeout_s)
                         for host, port in addresses]
         self._affinity = PrefixAffinity(len(addresses), balance) \
@@ -224,6 +225,7 @@ class FailoverGeneration:
             sampling=sampling, resumed=len(generated))
         log.warning("request %s lost its attention group after %d tokens: resubmitting",
                     self.request_id, len(generated))
+        self._pool.resubmitted += 1
         self._generation = await self._pool.send_when_up(request)
 
     async def aclose(self) -> None:

@@ -8,12 +8,12 @@ are read from the engine when scraped, and absent while it does not answer: neve
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics_core import Metric
 
 from common.messages import EngineStats, TokenDelta
-from gateway.expert_stats import balance, rank_tokens
 from gateway.rebalancer import RebalanceRecord
 from gateway.service_metrics import Families, Scrape, merge
 
@@ -25,6 +25,39 @@ _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
 _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                 1.0, 2.5, 5.0, 10.0, 20.0, 80.0)
 _REBALANCE_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+EXPERT_TOKENS = "switchyard:expert_tokens"
+
+
+def rank_tokens(families: list[Metric]) -> dict[tuple[int, int], float]:
+    """(layer, expert rank) -> the rows its experts computed, from `switchyard:
+    expert_tokens` (since each rank started)."""
+    out: dict[tuple[int, int], float] = defaultdict(float)
+    for family in families:
+        if family.name == EXPERT_TOKENS:
+            for s in family.samples:
+                out[int(s.labels["layer"]), int(s.labels["rank"])] += s.value
+    return out
+
+
+def balance(tokens: dict[tuple[int, int], float]) -> dict[str, object]:
+    """How evenly the expert ranks shared the rows: per MoE layer, the mean over the max
+    of each rank's rows (1.0: perfectly even; the slowest rank sets a layer's pace), and
+    overall the layers' means summed over their maxima summed (vLLM's `balancedness`);
+    each rank's rows over every layer. Ranks seen in no layer are not known here."""
+    ranks = sorted({r for _, r in tokens})
+    layers = sorted({layer for layer, _ in tokens})
+    per_layer: dict[str, float] = {}
+    mean_sum = max_sum = 0.0
+    for layer in layers:
+        loads = [tokens.get((layer, r), 0.0) for r in ranks]
+        if max(loads) > 0:
+            per_layer[str(layer)] = sum(loads) / len(loads) / max(loads)
+            mean_sum, max_sum = mean_sum + sum(loads) / len(loads), max_sum + max(loads)
+    return {"balancedness": mean_sum / max_sum if max_sum else None,
+            "layers": per_layer,
+            "ranks": [{"rank": r, "tokens": sum(tokens.get((layer, r), 0.0) for layer in layers)}
+                      for r in ranks]}
 
 
 class Metrics:
@@ -128,6 +161,7 @@ class RequestTimer:
         self._done = False
         self.num_tokens = 0
         self.finish_reason: str | None = None
+        self.e2e_s: float | None = None  # arrival to the end, once finished
         self.num_cached_tokens: int | None = None  # from the engine, with the first token
 
     def on_delta(self, delta: TokenDelta, arrived: float | None = None) -> None:
@@ -169,6 +203,7 @@ class RequestTimer:
         m, model = self._m, self._m._model
         now = time.monotonic() if at is None else at
         m.finished.labels(model, reason).inc()
-        m.e2e.labels(model).observe(now - self._start)
+        self.e2e_s = now - self._start
+        m.e2e.labels(model).observe(self.e2e_s)
         if self._first is not None:
             m.decode.labels(model).observe(self._last - self._first)

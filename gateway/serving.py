@@ -11,7 +11,14 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 import msgspec
-from opentelemetry.trace import INVALID_SPAN, Span, SpanKind, StatusCode, set_span_in_context
+from opentelemetry.trace import (
+    INVALID_SPAN,
+    Span,
+    SpanKind,
+    StatusCode,
+    format_trace_id,
+    set_span_in_context,
+)
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -26,6 +33,7 @@ from gateway.metrics import Metrics, RequestTimer
 from gateway.openai_protocol import SamplingFields, Usage, refuse_not_built
 from gateway.output import Output, StopStrings, collect, interleave, outputs
 from gateway.rebalancer import Rebalancer
+from gateway.request_log import RequestLog, RequestRecord
 from gateway.sampling import ModelLimits, sampling_params
 from gateway.service_metrics import ServiceMetrics
 from gateway.sse import unless_disconnected
@@ -85,13 +93,19 @@ class Run:
             await choice.generation.aclose()
         if self._serving is not None:
             self._serving.release(self._places)
+            self._end(self._serving.requests)
             self._serving = None
-            self._end_span()
 
-    def _end_span(self) -> None:
+    def _end(self, log: RequestLog) -> None:
+        """End the request's span and log it."""
         timers = [c.timer for c in self.choices]
         firsts = [t.ttft_s for t in timers if t.ttft_s is not None]
         reasons = [t.finish_reason or "abort" for t in timers]
+        context = self.span.get_span_context()
+        log.add(RequestRecord(
+            self.id, time.time(), max((t.e2e_s or 0.0 for t in timers), default=0.0),
+            min(firsts) if firsts else None, sum(t.num_tokens for t in timers),
+            tuple(reasons), format_trace_id(context.trace_id) if context.is_valid else None))
         self.span.set_attributes({
             "gen_ai.usage.output_tokens": sum(t.num_tokens for t in timers),
             "gen_ai.response.finish_reasons": reasons,
@@ -128,6 +142,7 @@ class Serving:
         self.metrics = Metrics(config.served_model_name)
         self.services = ServiceMetrics(config.service_metrics)
         self.rebalancer = Rebalancer(engine, config.eplb, self.metrics.rebalanced)
+        self.requests = RequestLog()
         self._tokenizer = tokenizer
         if config.sampling_defaults != NEUTRAL:
             log.warning("sampling defaults from the model's generation config: %s (start "

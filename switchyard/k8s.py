@@ -50,6 +50,7 @@ KEYS = "switchyard-api-keys"  # optional Secret: api-key, admin-api-key
 # Where the image keeps the bundled demo model (Dockerfile: the source at /opt/switchyard/src).
 IMAGE_DEMO_MODEL = "/opt/switchyard/src/switchyard/models/arith-moe"
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"  # a StatefulSet pod's ordinal (k8s 1.28+)
+GROUP_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/group-index"  # an LWS pod's group
 WORLD_SET = "world"  # the LWS of a collective backend's world
 SETTINGS = "switchyard-settings"  # the ConfigMap of deployment settings (compose's .env)
 LAYOUT_SETTINGS = ("DEVICE", "DTYPE")  # fixed by the rendering: not settings here
@@ -107,6 +108,8 @@ class K8sPlace(Place):
             return "$(LWS_WORKER_INDEX)"
         if self.topology.world and self.set.name == "attention":
             return str(self.replica)  # the world's only attention rank: 0
+        if self.set.name == "attention":
+            return "$(GROUP_INDEX)"  # its LWS group's index
         if self.set.name != "expert":
             raise ValueError(f"{self.set.name}: only a StatefulSet's pods know their replica")
         return "$(POD_INDEX)"
@@ -185,11 +188,11 @@ def _expert_statefulset(layout: K8sLayout, topology: Topology) -> dict:
 def _attention_lws(layout: K8sLayout, topology: Topology) -> dict:
     """The attention groups: one LWS group each, of its DCP ranks."""
     s = topology.attention
-    leader = _pod(layout, K8sPlace(topology, s, 0, 0, layout.model), [])
+    leader = _pod(layout, K8sPlace(topology, s, 0, 0, layout.model), [_group_index_env()])
     template: dict = {"size": s.size, "restartPolicy": "RecreateGroupOnPodRestart"}
     if s.size > 1:
         template["leaderTemplate"] = {"metadata": _pod_metadata("attention"), "spec": leader}
-        worker = _pod(layout, K8sPlace(topology, s, 0, 1, layout.model), [])
+        worker = _pod(layout, K8sPlace(topology, s, 0, 1, layout.model), [_group_index_env()])
         template["workerTemplate"] = {"metadata": _pod_metadata("attention"), "spec": worker}
     else:  # a group of one: its only pod is the leader
         template["workerTemplate"] = {"metadata": _pod_metadata("attention"), "spec": leader}
@@ -242,6 +245,11 @@ def _pod_metadata(set: str, metrics: str = METRICS) -> dict:
 def _pod_index_env() -> dict:
     return {"name": "POD_INDEX", "valueFrom": {"fieldRef": {
         "fieldPath": f"metadata.labels['{POD_INDEX_LABEL}']"}}}
+
+
+def _group_index_env() -> dict:
+    return {"name": "GROUP_INDEX", "valueFrom": {"fieldRef": {
+        "fieldPath": f"metadata.labels['{GROUP_INDEX_LABEL}']"}}}
 
 
 def _pod(layout: K8sLayout, place: K8sPlace, env: list[dict]) -> dict:

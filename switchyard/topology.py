@@ -175,9 +175,10 @@ def build(expert_services: int, dcp_size: int, attention_groups: int, device: st
         experts: tuple[Arg, ...] = (*join, "--attention-rank", Index("replica"),
                                     "--expert-ranks", str(expert_services))
     elif dispatch.in_process:
-        experts = ("--dispatch-backend", dispatch_backend)
+        experts = ("--dispatch-backend", dispatch_backend, "--attention-rank", Index("replica"))
     else:
-        experts = ("--dispatch-backend", dispatch_backend, "--expert-addresses",
+        experts = ("--dispatch-backend", dispatch_backend, "--attention-rank", Index("replica"),
+                   "--expert-addresses",
                    Refs(tuple(Ref("expert", r, 0, SERVE) for r in range(expert_services))))
     engine = ("--model", MODEL, "--host", Bind(), *on_device,
               "--kv-cache-memory", Setting("KV_CACHE_MEMORY", kv),

@@ -218,7 +218,8 @@ def add_attention_parser(sub: argparse._SubParsersAction) -> None:
                    help="rpc backend: HOST:PORT of each expert rank, comma-separated, in "
                         "rank order")
     p.add_argument("--attention-rank", type=int, default=int(env("ATTENTION_RANK", "0")),
-                   help="torch backend: this attention group's rank, 0..attention-ranks-1")
+                   help="this attention group's index, 0..attention-ranks-1: its name on the "
+                        "dashboard, and the torch backend's rank")
     p.add_argument("--attention-ranks", type=int, default=int(env("ATTENTION_RANKS", "1")),
                    help="torch backend: number of attention groups in the world")
     p.add_argument("--expert-ranks", type=int, default=int(env("EXPERT_RANKS", "0")),

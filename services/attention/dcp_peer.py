@@ -48,7 +48,8 @@ def run_peer(config: AttentionConfig) -> None:
     sharding, experts = Sharding(config.dcp_size, config.dcp_interleave), GroupExperts(group,
                                                                                       None)
     # /metrics only once loaded and joined: it is what a deployment's healthcheck asks.
-    start_metrics_server(config.host, config.metrics_port)
+    start_metrics_server(config.host, config.metrics_port, "attention", config.attention_rank,
+                         config.dcp_rank)
     log.info("DCP rank %d/%d ready: %d KV blocks", config.dcp_rank, config.dcp_size,
              num_blocks)
     report_ready(config.ready_fd, 0, None)

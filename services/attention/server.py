@@ -359,7 +359,8 @@ def main(config: AttentionConfig) -> int:
     try:
         check_listen(config.host, config.secret)
         # Before the engine: an rpc client's thread would keep a failed process alive.
-        metrics_port = start_metrics_server(config.host, config.metrics_port)
+        metrics_port = start_metrics_server(config.host, config.metrics_port, "attention",
+                                            config.attention_rank)
         engine = build_engine(config)
         release_threads()  # the loading thread's OpenMP team: steps run on another
     except (CheckpointError, ValueError, OSError, ExpertRankError, RendezvousError) as exc:

@@ -257,7 +257,8 @@ def main(config: ExpertConfig) -> int:
         check_listen(config.host, config.secret)
         server = ExpertServer(config)
         release_threads()  # the loading thread's OpenMP team (`common.compute`)
-        metrics_port = start_metrics_server(config.host, config.metrics_port)
+        metrics_port = start_metrics_server(config.host, config.metrics_port, "expert",
+                                            config.rank)
         serve = server.backend.serve
         assert serve is not None  # (the expert flags offer only backends with an expert side)
         with torch.inference_mode():

@@ -47,6 +47,7 @@ class Pool:
 
     def __init__(self, *generations: Lost) -> None:
         self.generations, self.sent = list(generations), []
+        self.resubmitted = 0  # (EnginePool's count, which the dashboard reads)
 
     async def send_when_up(self, request: GenerateRequest) -> Lost:
         self.sent.append(request)
@@ -72,6 +73,7 @@ async def test_a_request_is_resubmitted_with_what_it_streamed() -> None:
     assert await drain(gen) == [7, 8, 9, 10]
     assert [(r.prompt_token_ids, r.resumed) for r in pool.sent[1:]] == [
         ([1, 2, 3, 7, 8], 2), ([1, 2, 3, 7, 8, 9], 3)]
+    assert pool.resubmitted == 2
 
 
 async def test_a_request_that_keeps_losing_its_group_without_a_token_fails() -> None:

@@ -427,9 +427,10 @@ def test_a_request_span_with_a_failed_choice_has_error_status() -> None:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-    from opentelemetry.trace import StatusCode
+    from opentelemetry.trace import StatusCode, format_trace_id
 
     from gateway.metrics import Metrics, RequestTimer
+    from gateway.request_log import RequestLog
     from gateway.serving import Choice, Run
 
     exporter = InMemorySpanExporter()
@@ -442,8 +443,14 @@ def test_a_request_span_with_a_failed_choice_has_error_status() -> None:
         run = Run("cmpl-1", 0, "m", [1], [Choice(i, None, None, t)  # type: ignore[arg-type]
                                           for i, t in enumerate(timers)],
                   span=provider.get_tracer("t").start_span("text_completion m"))
-        run._end_span()
-        assert exporter.get_finished_spans()[-1].status.status_code == status
+        log = RequestLog()
+        run._end(log)
+        span = exporter.get_finished_spans()[-1]
+        assert span.status.status_code == status
+        # logged for the dashboard, with its trace's id
+        [record] = log.slowest(since=0, n=10)
+        assert record.trace_id == format_trace_id(span.context.trace_id)
+        assert (record.id, record.finish_reasons) == ("cmpl-1", tuple(reasons))
 
 
 def test_latencies_are_taken_when_deltas_arrive_not_when_they_are_read() -> None:

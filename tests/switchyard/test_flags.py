@@ -34,6 +34,8 @@ def _other_value(action: argparse.Action) -> str:
         return "3MiB"
     if action.dest == "speculative_config":  # checked JSON
         return '{"method": "ngram", "num_speculative_tokens": 2}'
+    if action.dest == "otlp_ui_url":  # checked: a URL with the trace id's place
+        return "http://ui.example:16686/trace/{trace_id}"
     return f"{action.dest}-value"
 
 

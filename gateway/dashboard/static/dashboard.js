@@ -1,37 +1,44 @@
-// Switchyard expert dashboard: polls dashboard/data and draws the layer x expert heatmap.
+// Switchyard dashboard: polls dashboard/data for the chosen window and draws the time
+// series, the layer x expert heatmap and the tables.
 "use strict";
 
 const params = new URLSearchParams(location.search);
-const windowParam = params.get("window");
 // At least half a second between polls, whatever the URL asks (0 too); 2 s by default
 // and for what is not a number.
 const asked = 1000 * Number(params.get("refresh") ?? 2);
 const refreshMs = Math.max(500, Number.isFinite(asked) ? asked : 2000);
 const $ = (id) => document.getElementById(id);
+let chosen = params.get("window");  // null: the server's default
 let shape = "";
 let renders = 0;
 let last = null;
 
-function seconds(s) {
-  if (s === null || s === undefined) return "–";
-  if (s < 1e-3) return (s * 1e6).toPrecision(3) + " µs";
-  if (s < 1) return (s * 1e3).toPrecision(3) + " ms";
-  return s.toPrecision(3) + " s";
-}
-
-function colour(t) {  // 0 (light yellow) .. 1 (dark red)
-  return `hsl(${Math.round(55 - 55 * t)}, 90%, ${Math.round(88 - 50 * t)}%)`;
-}
-
 function row(cells, numeric) {
   const tr = document.createElement("tr");
-  cells.forEach((text, i) => {
+  cells.forEach((cell, i) => {
     const td = document.createElement("td");
-    td.textContent = text;
+    if (cell instanceof Node) td.appendChild(cell); else td.textContent = cell;
     if (numeric.includes(i)) td.className = "num";
     tr.appendChild(td);
   });
   return tr;
+}
+
+function link(href, text) {
+  const a = document.createElement("a");
+  a.href = href;
+  a.textContent = text;
+  return a;
+}
+
+function expertHref(layer, expert) {
+  const query = new URLSearchParams({layer, expert});
+  if (chosen !== null) query.set("window", chosen);
+  return `dashboard/expert?${query}`;
+}
+
+function colour(t) {  // 0 (light yellow) .. 1 (dark red)
+  return `hsl(${Math.round(55 - 55 * t)}, 90%, ${Math.round(88 - 50 * t)}%)`;
 }
 
 function buildGrid(layers, numExperts) {
@@ -59,17 +66,14 @@ function buildGrid(layers, numExperts) {
       td.id = `cell-${layer}-${e}`;
       td.dataset.layer = layer;
       td.dataset.expert = e;
+      td.addEventListener("click", () => { location.href = expertHref(layer, e); });
       tr.appendChild(td);
     }
     table.appendChild(tr);
   }
 }
 
-function render(d) {
-  last = d;
-  $("model").textContent = d.model;
-  $("window").textContent = d.window_s === null
-    ? "since the services started" : `last ${Math.round(d.window_s)} s`;
+function renderHeatmap(d) {
   const key = d.moe_layers.join(",") + "/" + d.num_experts;
   if (key !== shape) {
     buildGrid(d.moe_layers, d.num_experts);
@@ -93,9 +97,21 @@ function render(d) {
   }
   $("legend").textContent = `colour: ${$("metric").selectedOptions[0].text}, `
     + (metric === "tokens" ? `0 to ${max}` : `0 to ${seconds(max)}`) + "; grey: idle";
+}
+
+function renderCharts(d) {
+  const t1 = Math.max(Date.now() / 1000, ...d.points.map((p) => p.t));
+  const t0 = d.window_s !== null ? t1 - d.window_s
+    : Math.min(t1 - d.interval_s, ...d.points.map((p) => p.t));
+  for (const chart of d.charts) {
+    drawChart(chartCard($("charts"), chart), chart, d.points, d.events, t0, t1);
+  }
+}
+
+function renderTables(d) {
   $("slowest").tBodies[0].replaceChildren(...d.slowest.map((x) => row(
-    [x.layer, x.expert, x.ranks.join(","), seconds(x.p50_s), seconds(x.p99_s), x.tokens],
-    [3, 4, 5])));
+    [link(expertHref(x.layer, x.expert), x.layer), link(expertHref(x.layer, x.expert), x.expert),
+     x.ranks.join(","), seconds(x.p50_s), seconds(x.p99_s), x.tokens], [3, 4, 5])));
   const ranks = d.balance.ranks;
   const total = ranks.reduce((sum, r) => sum + r.tokens, 0);
   const fair = ranks.length ? total / ranks.length : 0;
@@ -115,7 +131,7 @@ function render(d) {
   const rebalance = d.eplb.last;
   $("rebalance").textContent = !d.eplb.enabled ? "expert rebalancing: off (--enable-eplb)"
     : !rebalance ? "expert rebalancing: on, none yet"
-    : `last rebalance: ${new Date(1000 * rebalance.started).toLocaleTimeString()}, `
+    : `last rebalance: ${clock(rebalance.started)}, `
       + `${rebalance.duration_s.toFixed(2)} s (load ${rebalance.load_s.toFixed(2)} s), `
       + `placement version ${rebalance.version}, ${rebalance.moved} copies moved`
       + (rebalance.error ? `, failed: ${rebalance.error}` : "");
@@ -128,52 +144,55 @@ function render(d) {
     [x.stage, x.backend, x.calls, seconds(x.p50_s), seconds(x.p99_s)], [2, 3, 4])));
   const busy = (b) => Object.entries(b || {})
     .map(([side, f]) => `${side} ${Math.round(100 * f)}%`).join(", ");
-  const services = [
-    ...d.engines.map((e) => [`attention ${e.address}`, e.ready, e.dispatch_backend || "", ""]),
-    ...d.services.map((s) => [s.url, s.up, s.error || "metrics scraped", busy(s.busy)]),
-  ];
-  $("services").tBodies[0].replaceChildren(...services.map(([name, ok, detail, share]) => {
-    const tr = row([name, ok ? "up" : "down", detail, share], [3]);
-    tr.children[1].className = ok ? "up" : "down";
+  const now = Date.now() / 1000;
+  $("services").tBodies[0].replaceChildren(...d.services.map((s) => {
+    const address = s.url.replace(/^https?:\/\//, "").replace(/\/metrics$/, "");
+    const tr = row([s.name, s.up ? "up" : "down", address, busy(s.busy),
+      s.up && s.started ? duration(now - s.started) : ""], [4]);
+    tr.children[1].className = s.up ? "up" : "down";
+    if (s.detail) tr.children[1].title = s.detail;
+    tr.dataset.role = s.role;
     return tr;
   }));
+  const r = d.requests;
+  $("request-summary").textContent = `· ${r.e2e.calls} finished, ${d.output_tokens} tokens; `
+    + `TTFT p50 ${seconds(r.ttft.p50_s)} p99 ${seconds(r.ttft.p99_s)}; `
+    + `TPOT p50 ${seconds(r.tpot.p50_s)} p99 ${seconds(r.tpot.p99_s)}`;
+  $("requests").tBodies[0].replaceChildren(...d.slowest_requests.map((x) => row(
+    [clock(x.ended), x.id, seconds(x.e2e_s), seconds(x.ttft_s), x.output_tokens,
+     x.finish_reasons.join(","),
+     x.trace_url ? link(x.trace_url, "trace") : (d.tracing_ui ? "not traced" : "")],
+    [2, 3, 4])));
+  for (const a of document.querySelectorAll("#requests a")) a.target = "_blank";
+  $("events").tBodies[0].replaceChildren(...[...d.events].reverse().map((e) => {
+    const tr = row([clock(e.t), e.kind, e.text], []);
+    tr.className = `event-${e.kind}`;
+    return tr;
+  }));
+}
+
+function render(d) {
+  last = d;
+  $("model").textContent = d.model;
+  fillWindows($("window-select"), d.windows, d.window);
+  $("window").textContent = d.window_s === null
+    ? "since the services started" : `last ${Math.round(d.window_s)} s`;
+  renderCharts(d);
+  renderHeatmap(d);
+  renderTables(d);
   $("updated").textContent = "updated " + new Date().toLocaleTimeString();
   document.body.dataset.renders = ++renders;
 }
 
-// The data is an operator endpoint: with --admin-api-key the page asks for the key once
-// and keeps it for this tab only (sessionStorage), sending it as a bearer token.
-const KEY = "switchyard-admin-key";
-
-$("key-form").addEventListener("submit", (event) => {
-  event.preventDefault();
-  sessionStorage.setItem(KEY, $("admin-key").value);
-  $("admin-key").value = "";
-  $("key-form").hidden = true;
+keyForm($("key-form"), $("admin-key"));
+const refresh = poll("dashboard/data",
+  () => chosen === null ? "" : "?window=" + encodeURIComponent(chosen), render, refreshMs);
+$("window-select").addEventListener("change", (event) => {
+  chosen = event.target.value;
+  const url = new URL(location.href);
+  url.searchParams.set("window", chosen);
+  history.replaceState(null, "", url);
+  refresh();
 });
-
-async function refresh() {
-  try {
-    const query = windowParam ? "?window=" + encodeURIComponent(windowParam) : "";
-    const key = sessionStorage.getItem(KEY);
-    const response = await fetch("dashboard/data" + query,
-                                 key ? {headers: {Authorization: "Bearer " + key}} : {});
-    if (response.status === 401 || response.status === 403) {
-      $("key-form").hidden = false;
-      const body = await response.json().catch(() => null);
-      throw new Error(body?.error?.message ?? `dashboard/data answered ${response.status}`);
-    }
-    if (!response.ok) throw new Error(`dashboard/data answered ${response.status}`);
-    render(await response.json());
-    $("error").hidden = true;
-    $("key-form").hidden = true;
-  } catch (err) {
-    $("error").textContent = String(err);
-    $("error").hidden = false;
-  } finally {
-    setTimeout(refresh, refreshMs);
-  }
-}
-
-$("metric").addEventListener("change", () => last && render(last));
+$("metric").addEventListener("change", () => last && renderHeatmap(last));
 refresh();

@@ -1,12 +1,13 @@
-"""Per-expert and per-stage latency histograms over a recent window, from service scrapes
-(and speculation's counters, windowed the same way).
+"""Figures over a recent window, from cumulative series: the services' per-expert and
+per-stage histograms, the gateway's own request latencies, and counters.
 
-Each service's cumulative series are turned into increases series by series, as
+Each source's cumulative series are turned into increases series by series, as
 Prometheus' `increase()` does (a series whose counts went down restarted: everything it
-holds is new), and the increases of every service are added into running totals that
-only grow. A window is the totals now minus the totals kept from at least that long ago;
-a service whose scrape failed adds nothing until it answers again, and then adds all it
-counted meanwhile.
+holds is new), and the increases of every source are added into running totals that
+only grow. A copy of the totals is kept at every tick, for the last `history_s` seconds.
+A window is the totals now minus the newest copy at least that old. A service whose
+scrape failed adds nothing until it answers again, and then adds all it counted
+meanwhile.
 """
 
 from __future__ import annotations
@@ -15,29 +16,38 @@ import math
 from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 from prometheus_client.metrics_core import Metric
 
+from gateway.metrics import EXPERT_TOKENS
 from gateway.service_metrics import Scrape
 
 EXPERT_COMPUTE = "switchyard:expert_compute_seconds"
-EXPERT_TOKENS = "switchyard:expert_tokens"
+
 STAGES = {"dispatch": "switchyard:dispatch_seconds", "combine": "switchyard:combine_seconds"}
-# vLLM's speculation counters, as the attention services export them: kept as counts
-# (a Hist's `tokens`) under ("speculation", name), windowed as everything else is
-SPECULATION = {name: f"switchyard:spec_decode_num_{metric}" for name, metric in (
-    ("drafts", "drafts"), ("draft_tokens", "draft_tokens"), ("accepted", "accepted_tokens"))}
-MAX_WINDOW_S = 900.0
-KEEP_EVERY_S = 10.0  # totals are kept this far apart: at most 91 copies for 900 s
-# ("expert", layer, expert), ("rank", layer, rank): its tokens, ("dispatch" | "combine",
-# backend), or ("speculation", name): a counter's count
+# The gateway's own latency histograms, kept under ("request", name).
+REQUEST = {"ttft": "switchyard:time_to_first_token_seconds",
+           "tpot": "switchyard:inter_token_latency_seconds",
+           "e2e": "switchyard:e2e_request_latency_seconds"}
+# Counters, kept as a Hist's `tokens` under (group, name): the gateway's output tokens and
+# finished requests, and speculation's counters as the attention services export them.
+COUNTERS = {
+    ("counter", "output_tokens"): "switchyard:generation_tokens",
+    ("counter", "requests"): "switchyard:request_success",
+    ("speculation", "drafts"): "switchyard:spec_decode_num_drafts",
+    ("speculation", "draft_tokens"): "switchyard:spec_decode_num_draft_tokens",
+    ("speculation", "accepted"): "switchyard:spec_decode_num_accepted_tokens",
+}
+# ("expert", layer, expert); ("rank", layer, rank) for its tokens; ("dispatch" | "combine",
+# backend); ("request", name); or a COUNTERS key
 Key = tuple[str, ...]
 
 
 @dataclass(frozen=True)
 class Hist:
     """A cumulative histogram (bucket counts at `bounds`, the last +Inf), its sum of
-    observations, and (for experts) a token count."""
+    observations, and (for experts and counters) a token count."""
 
     bounds: tuple[float, ...]
     counts: tuple[float, ...]
@@ -93,9 +103,20 @@ class Hist:
 
     def summary(self) -> dict[str, float | None]:
         """Calls, tokens, p50, p99 and mean seconds, as the page shows them."""
-        n = self.counts[-1]
+        n = self.counts[-1] if self.counts else 0.0
         return {"calls": n, "tokens": self.tokens, "p50_s": self.quantile(0.5),
                 "p99_s": self.quantile(0.99), "mean_s": self.total_s / n if n else None}
+
+
+EMPTY = Hist((), ())
+
+
+def total(hists: list[Hist]) -> Hist:
+    """The sum of histograms with the same buckets (dispatch over every backend)."""
+    out = hists[0] if hists else EMPTY
+    for h in hists[1:]:
+        out = out.plus(h)
+    return out
 
 
 @dataclass
@@ -109,16 +130,20 @@ def _expert(labels: dict[str, str]) -> Key:
     return ("expert", labels["layer"], labels["expert"])
 
 
+def _sources() -> list[tuple[str, Callable[[dict[str, str]], Key]]]:
+    """Each histogram family read, and the key its samples are summed under."""
+    return [(EXPERT_COMPUTE, _expert),
+            *((name, lambda labels, stage=stage: (stage, labels["backend"]))
+              for stage, name in STAGES.items()),
+            *((name, lambda _, key=key: ("request", key)) for key, name in REQUEST.items())]
+
+
 def histograms(families: list[Metric]) -> tuple[dict[Key, Hist], dict[Key, set[str]]]:
-    """One service's per-expert and per-stage histograms, and the ranks of each expert."""
+    """One source's histograms and counters, and the ranks of each expert."""
     by_name = {f.name: f for f in families}
     sums: dict[Key, _Sums] = defaultdict(_Sums)
     ranks: dict[Key, set[str]] = defaultdict(set)
-    sources: list[tuple[str, Callable[[dict[str, str]], Key]]] = [
-        (EXPERT_COMPUTE, _expert),
-        *((name, lambda labels, stage=stage: (stage, labels["backend"]))
-          for stage, name in STAGES.items())]
-    for name, key_of in sources:
+    for name, key_of in _sources():
         for s in by_name[name].samples if name in by_name else []:
             acc = sums[key_of(s.labels)]
             if s.name.endswith("_bucket"):
@@ -129,62 +154,34 @@ def histograms(families: list[Metric]) -> tuple[dict[Key, Hist], dict[Key, set[s
         sums[_expert(s.labels)].tokens += s.value
         sums[("rank", s.labels["layer"], s.labels["rank"])].tokens += s.value
         ranks[_expert(s.labels)].add(s.labels["rank"])
-    for key, name in SPECULATION.items():
+    for key, name in COUNTERS.items():
         for s in by_name[name].samples if name in by_name else []:
             if s.name.endswith("_total"):
-                sums[("speculation", key)].tokens += s.value
+                sums[key].tokens += s.value
     out = {}
     for key, acc in sums.items():
         bounds = tuple(sorted(acc.buckets))
         # (an expert's tokens wait for its histogram)
-        if bounds or key[0] in ("rank", "speculation"):
+        if bounds or key[0] != "expert":
             out[key] = Hist(bounds, tuple(acc.buckets[b] for b in bounds), acc.total_s,
                             acc.tokens)
     return out, ranks
 
 
-def rank_tokens(families: list[Metric]) -> dict[tuple[int, int], float]:
-    """(layer, expert rank) -> the rows its experts computed, from `switchyard:
-    expert_tokens` (since each rank started)."""
-    out: dict[tuple[int, int], float] = defaultdict(float)
-    for family in families:
-        if family.name == EXPERT_TOKENS:
-            for s in family.samples:
-                out[int(s.labels["layer"]), int(s.labels["rank"])] += s.value
-    return out
+class Window:
+    """Running totals over every source's scrapes, and a copy of them at each tick."""
 
-
-def balance(tokens: dict[tuple[int, int], float]) -> dict[str, object]:
-    """How evenly the expert ranks shared the rows: per MoE layer, the mean over the max
-    of each rank's rows (1.0: perfectly even; the slowest rank sets a layer's pace), and
-    overall the layers' means summed over their maxima summed (vLLM's `balancedness`);
-    each rank's rows over every layer. Ranks seen in no layer are not known here."""
-    ranks = sorted({r for _, r in tokens})
-    layers = sorted({layer for layer, _ in tokens})
-    per_layer: dict[str, float] = {}
-    mean_sum = max_sum = 0.0
-    for layer in layers:
-        loads = [tokens.get((layer, r), 0.0) for r in ranks]
-        if max(loads) > 0:
-            per_layer[str(layer)] = sum(loads) / len(loads) / max(loads)
-            mean_sum, max_sum = mean_sum + sum(loads) / len(loads), max_sum + max(loads)
-    return {"balancedness": mean_sum / max_sum if max_sum else None,
-            "layers": per_layer,
-            "ranks": [{"rank": r, "tokens": sum(tokens.get((layer, r), 0.0) for layer in layers)}
-                      for r in ranks]}
-
-
-class ExpertWindow:
-    """Running totals over every service's scrapes, and copies of them for windows."""
-
-    def __init__(self) -> None:
-        self._last: dict[str, dict[Key, Hist]] = {}  # per service, as last scraped
+    def __init__(self, history_s: float) -> None:
+        self.history_s = history_s
+        self._last: dict[str, dict[Key, Hist]] = {}  # per source, as last scraped
         self.totals: dict[Key, Hist] = {}
         self.ranks: dict[Key, set[str]] = defaultdict(set)
+        # (monotonic seconds, totals then); Hists are shared between copies, not copied
         self._kept: deque[tuple[float, dict[Key, Hist]]] = deque()
 
     def absorb(self, scrapes: list[Scrape], now: float) -> None:
-        """Add what each answering service counted since its last scrape."""
+        """Add what each answering source counted since its last scrape, and keep a copy
+        of the totals as of `now`."""
         for scrape in scrapes:
             if not scrape.up:
                 continue
@@ -192,22 +189,38 @@ class ExpertWindow:
             last = self._last.get(scrape.url, {})
             for key, h in hists.items():
                 increase = h.increase_since(last.get(key))
-                total = self.totals.get(key)
-                self.totals[key] = increase if total is None else total.plus(increase)
+                running = self.totals.get(key)
+                self.totals[key] = increase if running is None else running.plus(increase)
             self._last[scrape.url] = hists
             for key, r in ranks.items():
                 self.ranks[key] |= r
-        if not self._kept or now - self._kept[-1][0] >= KEEP_EVERY_S:
-            self._kept.append((now, dict(self.totals)))  # Hists are shared, not copied
-        while len(self._kept) > 1 and self._kept[1][0] <= now - MAX_WINDOW_S:
+        self._kept.append((now, dict(self.totals)))
+        while len(self._kept) > 1 and self._kept[1][0] <= now - self.history_s:
             self._kept.popleft()
 
-    def recent(self, now: float, window: float) -> tuple[dict[Key, Hist], float | None]:
-        """The totals added in the last `window` seconds (at least: from the newest kept
-        copy that old), and how long that is; with none that old, everything since the
-        services started, and None."""
-        older = [(t, totals) for t, totals in self._kept if t <= now - window]
+    def recent(self, now: float, window: float | None) -> tuple[dict[Key, Hist], float | None]:
+        """The totals added in the last `window` seconds (at least: from the newest copy
+        that old), and how long that is; with no copy that old, or `window` None,
+        everything since the services started, and None."""
+        older = [(t, totals) for t, totals in self._kept
+                 if window is not None and t <= now - window]
         if not older:
             return dict(self.totals), None
         at, base = older[-1]
         return {k: h.minus(base.get(k)) for k, h in self.totals.items()}, now - at
+
+    def last_tick(self) -> tuple[dict[Key, Hist], float]:
+        """What the last tick added, and the seconds since the tick before (0 at first)."""
+        if len(self._kept) < 2:
+            return {}, 0.0
+        (before, base), (at, now) = self._kept[-2], self._kept[-1]
+        return {k: h.minus(base.get(k)) for k, h in now.items()}, at - before
+
+    def series(self, key: Key, since: float) -> list[tuple[float, Hist]]:
+        """(monotonic time, what that tick added) for one key, for the ticks after
+        `since`."""
+        out = []
+        for (_, base), (at, now) in pairwise(self._kept):
+            if at > since and key in now:
+                out.append((at, now[key].minus(base.get(key))))
+        return out

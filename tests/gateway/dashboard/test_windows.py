@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from gateway.config import parse_args
-from gateway.expert_stats import ExpertWindow, Hist, balance
+from gateway.dashboard.windows import Hist, Window
+from gateway.metrics import balance
 from gateway.service_metrics import Scrape, parse
 from switchyard.demo_model import DEFAULT_MODEL
 
@@ -52,13 +53,13 @@ switchyard:expert_tokens_total{{{labels}}} {tokens}
     return Scrape(url, parse(text))
 
 
-def expert(window: ExpertWindow, now: float, seconds: float) -> tuple[Hist, float | None]:
+def expert(window: Window, now: float, seconds: float) -> tuple[Hist, float | None]:
     recent, age = window.recent(now, seconds)
     return recent[("expert", "0", "1")], age
 
 
 def test_windows_survive_restarts_and_failed_scrapes() -> None:
-    w = ExpertWindow()
+    w = Window(900)
     w.absorb([scrape("a", (2, 4), 40), scrape("b", (1, 1), 5)], now=0)
     h, age = expert(w, 0, 60)
     assert (h.counts, h.tokens, age) == ((3, 5), 45, None)  # since the services started
@@ -87,7 +88,7 @@ def test_balancedness_is_the_mean_over_the_max_of_the_ranks_rows() -> None:
 
 
 def test_a_ranks_rows_over_a_window() -> None:
-    w = ExpertWindow()
+    w = Window(900)
     w.absorb([scrape("a", (2, 4), 40, rank="0"), scrape("b", (1, 1), 5, rank="1")], now=0)
     w.absorb([scrape("a", (2, 5), 70, rank="0"), scrape("b", (1, 2), 15, rank="1")], now=20)
     recent, _ = w.recent(20, 10)
@@ -105,10 +106,38 @@ def test_bad_gateway_settings_fail_at_start(capsys: pytest.CaptureFixture) -> No
     assert "--dashboard-window must be in (0, 900]" in capsys.readouterr().err
 
 
-def test_the_dashboard_lists_an_experts_ranks_in_number_order() -> None:
-    from gateway.dashboard import Dashboard
+def test_each_tick_and_the_history_are_kept_and_bounded() -> None:
+    """A copy of the totals at each tick, none older than the history (but the one a
+    window of the whole history starts from); a tick's increase and one key's series."""
+    w = Window(history_s=10)
+    for t, tokens in enumerate((40, 70, 75, 75, 90)):
+        w.absorb([scrape("a", (1, 1 + t), tokens)], now=t)
+    added, seconds = w.last_tick()
+    assert (added[("expert", "0", "1")].tokens, seconds) == (15, 1)
+    series = w.series(("expert", "0", "1"), since=1)
+    assert [(t, h.tokens, h.counts[-1]) for t, h in series] == [
+        (2, 5, 1), (3, 0, 1), (4, 15, 1)]
+    for t in range(5, 40):
+        w.absorb([scrape("a", (1, 5), 90)], now=t)
+    assert len(w._kept) == 11  # t = 29..39: ten seconds back, and the copy at 29
+    recent, age = w.recent(39, 10)
+    assert (recent[("expert", "0", "1")].tokens, age) == (0, 10)
+    assert w.recent(39, None)[1] is None  # since start: every token
+    assert w.recent(39, None)[0][("expert", "0", "1")].tokens == 90
 
-    dashboard = Dashboard(None)  # type: ignore[arg-type]  (the summary needs no gateway)
-    scrapes = [scrape(f"r{rank}", (1, 1), 1, rank=rank) for rank in ("10", "2", "9")]
-    [entry] = dashboard._stats(scrapes, 60)["experts"]  # type: ignore[misc]
-    assert entry["ranks"] == ["2", "9", "10"]
+
+def test_the_gateways_latencies_and_counters_are_windowed_too() -> None:
+    text = """# TYPE switchyard:time_to_first_token_seconds histogram
+switchyard:time_to_first_token_seconds_bucket{model_name="m",le="0.1"} %d
+switchyard:time_to_first_token_seconds_bucket{model_name="m",le="+Inf"} %d
+switchyard:time_to_first_token_seconds_sum{model_name="m"} 0.5
+switchyard:time_to_first_token_seconds_count{model_name="m"} %d
+# TYPE switchyard:generation_tokens_total counter
+switchyard:generation_tokens_total{model_name="m"} %d
+"""
+    w = Window(900)
+    w.absorb([Scrape("gateway", parse(text % (1, 2, 2, 10)))], now=0)
+    w.absorb([Scrape("gateway", parse(text % (4, 6, 6, 25)))], now=5)
+    added, seconds = w.last_tick()
+    assert added[("request", "ttft")].counts == (3, 4)
+    assert (added[("counter", "output_tokens")].tokens, seconds) == (15, 5)
