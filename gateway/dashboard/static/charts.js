@@ -120,12 +120,17 @@ function chartCard(container, chart) {
   return card.querySelector("svg");
 }
 
-// The window picker: the server's choices, plus the one asked for if it is not one.
+// The window picker: the server's choices, plus the one the page's URL asked for first
+// (a number of seconds) if it is not one of them.
+const firstWindow = Number(new URLSearchParams(location.search).get("window"));
+
 function fillWindows(select, windows, asked) {
   const label = (w) => w === null ? "since start"
     : w % 60 === 0 ? `last ${w / 60} min` : `last ${w} s`;
   const values = [...windows];
-  if (!values.includes(asked)) values.unshift(asked);
+  for (const w of [firstWindow, asked]) {
+    if (w !== null && w > 0 && !values.includes(w)) values.unshift(w);
+  }
   const key = values.map(String).join(",");
   if (select.dataset.key !== key) {
     select.replaceChildren(...values.map((w) => {
