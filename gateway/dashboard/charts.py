@@ -66,5 +66,6 @@ CHARTS = (
 
 
 def record_name(line: Line) -> str:
-    """The recording rule's name for a line (Prometheus' level:metric:operations form)."""
-    return f"switchyard:{line.key}:{RANGE}"
+    """The recording rule's name for a line, in Prometheus' level:metric:operations form
+    (the range where the line has one)."""
+    return f"switchyard:{line.key}" + (f":{RANGE}" if f"[{RANGE}]" in line.promql else "")

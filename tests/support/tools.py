@@ -63,6 +63,54 @@ def chromium(width: int = 1400, height: int = 800) -> Iterator[object]:
             driver.quit()
 
 
+TOOLS = Path(os.environ.get("SWITCHYARD_TOOLS_DIR", ROOT / ".tools")) / "bin"
+PROMTOOL, PROMETHEUS = TOOLS / "promtool", TOOLS / "prometheus"
+
+
+def prometheus_tool(path: Path) -> str:
+    """`path` (promtool or prometheus) if installed, else skip (or fail)."""
+    if not os.access(path, os.X_OK):
+        missing(f"Prometheus' {path.name} ({path})")
+    return str(path)
+
+
+@contextmanager
+def prometheus(config: str, rules: Path, timeout: float = 60.0) -> Iterator[str]:
+    """Prometheus with `config` (YAML; `rule_files` are set to `rules`) on a free loopback
+    port, its data in a temporary folder; yields its base URL, stops it afterwards."""
+    binary = prometheus_tool(PROMETHEUS)
+    with tempfile.TemporaryDirectory() as tmp:
+        port = free_port()
+        Path(tmp, "prometheus.yml").write_text(f"{config}\nrule_files: [{rules}]\n")
+        with open(f"{tmp}/prometheus.log", "wb") as log:
+            proc = subprocess.Popen(
+                [binary, f"--config.file={tmp}/prometheus.yml", f"--storage.tsdb.path={tmp}/data",
+                 f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            base = f"http://127.0.0.1:{port}"
+            log_text = Path(tmp, "prometheus.log").read_text
+            wait_until(lambda: _ready(f"{base}/-/ready", proc), timeout,
+                       lambda: f"Prometheus did not start: {log_text()}")
+            yield base
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def _ready(url: str, proc: subprocess.Popen) -> bool:
+    if proc.poll() is not None:
+        raise RuntimeError(f"exited with status {proc.returncode}")
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
 PHOENIX = os.environ.get("SWITCHYARD_PHOENIX",
                          str(ROOT / ".venv-phoenix/bin/phoenix"))
 
@@ -113,7 +161,7 @@ def phoenix(timeout: float = 120.0) -> Iterator[Phoenix]:
                                     start_new_session=True)
         try:
             base = f"http://127.0.0.1:{port}"
-            wait_until(lambda: _healthy(base, proc), timeout,
+            wait_until(lambda: _ready(f"{base}/healthz", proc), timeout,
                        lambda: f"Phoenix did not start: {Path(tmp, 'phoenix.log').read_text()}")
             yield Phoenix(base)
         finally:
@@ -123,15 +171,6 @@ def phoenix(timeout: float = 120.0) -> Iterator[Phoenix]:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-
-
-def _healthy(base: str, proc: subprocess.Popen) -> bool:
-    if proc.poll() is not None:
-        raise RuntimeError(f"Phoenix exited with status {proc.returncode}")
-    try:
-        return httpx.get(f"{base}/healthz", timeout=2).status_code == 200
-    except httpx.TransportError:
-        return False
 
 
 def wait_until(ready: Callable[[], object], timeout: float,
