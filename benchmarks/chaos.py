@@ -1,11 +1,11 @@
-"""Issue 32's chaos soak: `switchyard serve` of the demo model under a steady load of
+""".venv/bin/python -m benchmarks.chaos [--duration 600] [--kill-every 30] [--clients 8]
+                                     [--check] [-- SERVE FLAGS]
+
+The chaos soak: `switchyard serve` of the demo model under a steady load of
 clients asking its task's questions back to back, while every `--kill-every` seconds a
 random service (an attention group, a DCP peer with `-- --dcp-size 2`, or an expert
 service; never the gateway) is killed with SIGKILL and `serve` starts it again (with its
 unit: a DCP group's ranks together).
-
-    .venv/bin/python -m benchmarks.chaos [--duration 600] [--kill-every 30] [--clients 8]
-                                         [--check] [-- SERVE FLAGS]
 
 It reports requests ok and failed, the answers' accuracy (the demo model's own, measured
 by `switchyard eval`, is the reference), each service's resident memory over the soak,

@@ -1,6 +1,6 @@
-"""Decode step time vs. context length, DCP size 1 vs. 2, with the attention part apart.
+""".venv/bin/python -m benchmarks.dcp [--contexts 1024 4096 16384 32768] [--steps 5]
 
-    .venv/bin/python -m benchmarks.dcp [--contexts 1024 4096 16384 32768] [--steps 5]
+Decode step time vs. context length, DCP size 1 vs. 2, with the attention part apart.
 
 The mid-size checkpoint of benchmarks/generate.py (float32, `local` experts on the leader).
 For each context length one request is prefilled to that length, then --steps decode steps

@@ -1,6 +1,6 @@
-"""The dense linear over int8 weights against float32, in process, side by side:
+""".venv/bin/python -m benchmarks.dense_int8 [--rows 1 4 16 64] [--rounds 5]
 
-    .venv/bin/python -m benchmarks.dense_int8 [--rows 1 4 16 64] [--rounds 5]
+The dense linear over int8 weights against float32, in process, side by side.
 
 For the mid-size checkpoint's shapes (`benchmarks.generate`: hidden 1024; an attention
 projection [1024, 1024], a dense MLP's gate and up [2 x 2816, 1024] and the lm_head

@@ -1,8 +1,8 @@
-"""Dispatch + combine per layer (torch backend, gloo) vs. a raw all_to_all_single moving the
-same rows there and back, side by side in one world of 1 attention + N expert ranks.
+""".venv/bin/python -m benchmarks.dispatch [--expert-ranks 3] [--tokens 1 16 256 4096]
+                                        [--hidden 1024 4096] [--iters 20]
 
-    .venv/bin/python -m benchmarks.dispatch [--expert-ranks 3] [--tokens 1 16 256 4096]
-                                            [--hidden 1024 4096] [--iters 20]
+Dispatch + combine per layer (torch backend, gloo) vs. a raw all_to_all_single moving the
+same rows there and back, side by side in one world of 1 attention + N expert ranks.
 
 Experts are the identity (y = x), so only data movement, layout and combine are timed.
 Top-k 8 over 64 experts, balanced placement, float32, random routing (fixed seed).

@@ -1,6 +1,6 @@
-"""End-to-end output tokens/s of distributed topologies vs. the single-process engine.
+""".venv/bin/python -m benchmarks.distributed [--model DIR] [--concurrency 16]
 
-    .venv/bin/python -m benchmarks.distributed [--model DIR] [--concurrency 16]
+End-to-end output tokens/s of distributed topologies vs. the single-process engine.
 
 Each topology is started with `switchyard serve`, then `--concurrency` requests of
 `--input-len` random token ids each ask for exactly `--output-len` tokens (greedy,

@@ -1,8 +1,8 @@
-"""Dispatch + combine latency of the lockstep backends across ranks: one process per rank
-(one GPU each with --device cuda), the backends built as the services build them.
+""".venv/bin/python -m benchmarks.ep_latency --device cuda --expert-ranks 7 \\
+    [--backends torch nccl deepep] [--quantization w4a4] [--json FILE]
 
-    .venv/bin/python -m benchmarks.ep_latency --device cuda --expert-ranks 7 \\
-        [--backends torch nccl deepep] [--quantization w4a4] [--json FILE]
+Dispatch + combine latency of the lockstep backends across ranks: one process per rank
+(one GPU each with --device cuda), the backends built as the services build them.
 
 Defaults are DeepEP's low-latency test shape: 128 tokens per attention rank, hidden 7168,
 top-8 of 256 experts, bfloat16. Expert e returns its rows times 1 + (e % 7) / 8 (exact in

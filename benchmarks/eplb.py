@@ -1,13 +1,13 @@
-"""Issue 31's figures: each workload served over 4 expert services, all in one server
+""".venv/bin/python -m benchmarks.eplb [--workloads demo skewed] [--concurrency 16]
+                                    [--requests 64] [--redundant 4] [--churn-every 3]
+
+EPLB against round-robin: each workload served over 4 expert services, all in one server
 and one run. First with the round-robin placement; then the gateway rebalances while
 serving (`POST /eplb/rebalance`: DeepSeek's EPLB of the routing load it counted, with R
 redundant experts a layer) and the same load runs again; then the load runs once more
 while an operator moves the experts every few seconds, between EPLB's placement and the
 same with every copy one rank on (as balanced, and every copy moves). Prefix caching is
 off: the phases' prompts are the same, and each phase computes them.
-
-    .venv/bin/python -m benchmarks.eplb [--workloads demo skewed] [--concurrency 16]
-                                        [--requests 64] [--redundant 4] [--churn-every 3]
 
 Workloads: `demo`, the bundled demo model on its own task's questions (its trained
 routing); `skewed`, the DeepSeek-V3-shaped mid checkpoint of benchmarks/generate.py with
@@ -39,7 +39,7 @@ from safetensors.torch import load_file, save_file
 
 from benchmarks.generate import add_workdir_flag, build_checkpoint
 from ep_dispatch.placement import Placement
-from gateway.metrics import balance, rank_tokens
+from gateway.observability.metrics import balance, rank_tokens
 from services.model.config import ModelConfig
 from switchyard.bench import make_prompts, run_load, summarize
 from switchyard.demo_model import DEFAULT_MODEL

@@ -1,7 +1,7 @@
-"""Serving through a lost expert service: the rpc backend with each expert on two of
-three expert services, one killed under load and started again.
+""".venv/bin/python -m benchmarks.failover [--concurrency 8] [--phase-s 20]
 
-    .venv/bin/python -m benchmarks.failover [--concurrency 8] [--phase-s 20]
+Serving through a lost expert service: the rpc backend with each expert on two of
+three expert services, one killed under load and started again.
 
 The services run as separate processes, as compose runs them (`switchyard serve` would
 restart the killed one at once): 3 expert services (`--expert-replicas 2`), an

@@ -1,9 +1,9 @@
-"""Decode step time of the engine vs. the floor of the bytes it must read and the FLOPs it
-must do, and where the step's time goes.
+""".venv/bin/python -m benchmarks.floor [--batch-sizes 1 16 64] [--cpu-kernels on off]
+    [--quantization none w4a4] [--dense-quantization none int8]
+    [--checkpoint qwen3-moe-mid|deepseek-v3-mid]
 
-    .venv/bin/python -m benchmarks.floor [--batch-sizes 1 16 64] [--cpu-kernels on off]
-        [--quantization none w4a4] [--dense-quantization none int8]
-        [--checkpoint qwen3-moe-mid|deepseek-v3-mid]
+Decode step time of the engine vs. the floor of the bytes it must read and the FLOPs it
+must do, and where the step's time goes.
 
 Measures this machine once (read bandwidth: `sum` over 2 GiB; copy bandwidth; float32
 matmul GFLOP/s), then runs the engine in-process (`local` backend) on a mid-size

@@ -1,7 +1,7 @@
-"""What the HTTP gateway adds: the real gateway in front of a fake engine that answers at once.
+""".venv/bin/python -m benchmarks.gateway_overhead [--rate 200] [--duration 10]
+    [--concurrency 32] [--stream-tokens 2000] [--streams 1 4] [--json FILE]
 
-    .venv/bin/python -m benchmarks.gateway_overhead [--rate 200] [--duration 10]
-        [--concurrency 32] [--stream-tokens 2000] [--streams 1 4] [--json FILE]
+What the HTTP gateway adds: the real gateway in front of a fake engine that answers at once.
 
 Three processes (plus the client's): a fake engine speaking the engine's RPC protocol
 (`InfoRequest` -> `EngineInfo`; every `GenerateRequest` answered at once with max_tokens

@@ -1,9 +1,9 @@
-"""Output tokens/s of Switchyard's engine vs. transformers `generate()`, side by side.
+""".venv/bin/python -m benchmarks.generate [--batch-sizes 1 16] [--input-len 64] [--output-len 64]
+
+Output tokens/s of Switchyard's engine vs. transformers `generate()`, side by side.
 
 Same checkpoint (a random mid-size Qwen3-MoE built by transformers), same prompts, greedy,
-fixed output length, float32 for both, batch 1 and 16, in one run:
-
-    .venv/bin/python -m benchmarks.generate [--batch-sizes 1 16] [--input-len 64] [--output-len 64]
+fixed output length, float32 for both, batch 1 and 16, in one run.
 
 The checkpoint is cached under --workdir (default /tmp/switchyard-bench).
 """

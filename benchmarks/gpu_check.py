@@ -1,7 +1,7 @@
-"""The GPU check: every GPU path against the CPU path, then timed, on one NVIDIA GPU.
+""".venv/bin/python -m benchmarks.gpu_check [--json FILE] [--budget S] [--skip-serve]
+    [--skip-kernel] [--skip-sweep]
 
-    .venv/bin/python -m benchmarks.gpu_check [--json FILE] [--budget S] [--skip-serve]
-        [--skip-kernel] [--skip-sweep]
+The GPU check: every GPU path against the CPU path, then timed, on one NVIDIA GPU.
 
 Made to run once, within 8 minutes and without network access, on a lent machine; each
 section has a time limit, and one that fails or runs over is a FAIL row while the others
@@ -169,7 +169,7 @@ def greedy(e: Engine, prompt: list[int], n: int = 8) -> list[int]:
 
 def chat_prompts(n: int = 4) -> list[list[int]]:
     """Demo-task questions as the gateway renders them: the model's own distribution."""
-    from gateway.tokenizer import Tokenizer
+    from gateway.text.tokenizer import Tokenizer
     from switchyard.demo_task import problems
 
     tok = Tokenizer.load(DEFAULT_MODEL)

@@ -1,7 +1,7 @@
-"""Triton W4A4 MXFP4 grouped GEMM on an NVIDIA GPU (H100/H200): correctness, then speed.
+""".venv/bin/python -m benchmarks.gpu_mxfp4 [--experts 64] [--hidden 4096] [--inter 2048]
+    [--sweep [JSON]] [--write-config [PATH]]
 
-    .venv/bin/python -m benchmarks.gpu_mxfp4 [--experts 64] [--hidden 4096] [--inter 2048]
-        [--sweep [JSON]] [--write-config [PATH]]
+Triton W4A4 MXFP4 grouped GEMM on an NVIDIA GPU (H100/H200): correctness, then speed.
 
 Exits 0 with a message when no CUDA device is present (so it is safe anywhere).
 

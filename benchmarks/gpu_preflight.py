@@ -1,10 +1,10 @@
-"""Each Triton kernel of the W4A4 path run once, small, then synchronised: what
+"""python -m benchmarks.gpu_preflight [KERNEL ...]     (default: all of `KERNELS`)
+
+Each Triton kernel of the W4A4 path run once, small, then synchronised: what
 `benchmarks.gpu_check` runs in a child process before anything else. A kernel that faults
 the GPU (an illegal instruction, a misaligned or illegal address) leaves the CUDA context
 of its process unusable, so in the check's own process it would fail every later section
 of a run that gets a few minutes of a GPU; here it costs one row.
-
-    python -m benchmarks.gpu_preflight [KERNEL ...]     (default: all of `KERNELS`)
 
 Prints `start NAME` before and `ok NAME` after each kernel, flushed; on an exception
 prints `error NAME: ...` and exits 1 (the context may be gone), so the kernel with a

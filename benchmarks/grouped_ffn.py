@@ -1,6 +1,6 @@
-"""Float expert FFN on the CPU, expert by expert vs. two `torch._grouped_mm` calls.
+""".venv/bin/python -m benchmarks.grouped_ffn [--repeat 7]
 
-    .venv/bin/python -m benchmarks.grouped_ffn [--repeat 7]
+Float expert FFN on the CPU, expert by expert vs. two `torch._grouped_mm` calls.
 
 CPU expert banks run the per-expert loop, each expert timed on its own (the dashboard's
 per-expert latency); CUDA banks run the grouped GEMMs where they agree. This measures

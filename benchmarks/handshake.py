@@ -1,6 +1,6 @@
-"""What the cluster secret's handshake costs a connection (`common.auth`).
+""".venv/bin/python -m benchmarks.handshake --connections 2000
 
-    .venv/bin/python -m benchmarks.handshake --connections 2000
+What the cluster secret's handshake costs a connection (`common.auth`).
 
 Two listeners in one server process on loopback answer an `InfoRequest` per connection:
 one runs the handshake first (as every service does), the other hands the stream straight

@@ -1,6 +1,6 @@
-"""What the W4A4 kernel's main loop compiles to, per variant, without a GPU.
+"""env -u TRITON_INTERPRET .venv/bin/python -m benchmarks.kernel_sass [--arch 90]
 
-    env -u TRITON_INTERPRET .venv/bin/python -m benchmarks.kernel_sass [--arch 90]
+What the W4A4 kernel's main loop compiles to, per variant, without a GPU.
 
 Compiles `moe_kernels.triton_mxfp4._grouped_mxfp4_gemm_kernel` for sm_{arch} at decode tiles
 (Triton's own ptxas; nvdisasm from the Triton wheel), finds the K loop (the longest

@@ -1,16 +1,16 @@
-"""Issue 29's table in one run: the default topology (attention + 2 expert services over
+""".venv/bin/python -m benchmarks.pipeline [--concurrency 1 16 64] [--micro-batches 2 auto]
+                                        [--input-len 128] [--output-len 128]
+
+The ping-pong pipeline in one run: the default topology (attention + 2 expert services over
 `rpc`) with its step pipelined in micro-batches, the same topology without (one batch a
 step), and one process, served through HTTP on the mid-size checkpoint.
-
-    .venv/bin/python -m benchmarks.pipeline [--concurrency 1 16 64] [--micro-batches 2 auto]
-                                            [--input-len 128] [--output-len 128]
 
 Each configuration is a `switchyard serve` loaded by `switchyard bench`'s client at each
 concurrency, the same fixed-seed prompts for all; float32, greedy, exactly
 `--output-len` tokens a request. Reports output tokens/s, the median TPOT, the server's
 own mean decode step (`switchyard:engine_step_seconds`), each side's busy fraction
 (`switchyard:busy_seconds_total` over the load's wall time, per process: in one process
-the experts' time is the attention service's), and the ratios the issue asks for:
+the experts' time is the attention service's), and the ratios:
 pipelined over unpipelined, and each over one process.
 """
 

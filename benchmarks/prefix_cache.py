@@ -1,4 +1,6 @@
-"""What prefix caching saves: requests sharing a system prompt, and multi-turn chats,
+""".venv/bin/python -m benchmarks.prefix_cache [--system-len 512] [--requests 12] [--rounds 3]
+
+What prefix caching saves: requests sharing a system prompt, and multi-turn chats,
 served with and without it, side by side.
 
 The engine in-process on the mid-size random Qwen3-MoE of `benchmarks.generate`, float32,
@@ -10,8 +12,6 @@ blocks):
   one, its answer and `--user-len` new tokens (a turn starts once every answer is in).
 Each request asks for `--output-len` tokens. Conditions alternate over `--rounds`; medians.
 Caching must not change a token: both engines' outputs are compared every round.
-
-    .venv/bin/python -m benchmarks.prefix_cache [--system-len 512] [--requests 12] [--rounds 3]
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
-"""What prompt logprobs cost: prefill-only requests with and without them, side by side.
+""".venv/bin/python -m benchmarks.prompt_scoring [--batch 8] [--input-len 256] [--rounds 3]
+
+What prompt logprobs cost: prefill-only requests with and without them, side by side.
 
 The engine in-process on the mid-size random Qwen3-MoE of `benchmarks.generate`, float32:
 a batch of prompts, each asking for one token (lm-evaluation-harness's loglikelihood
 request), without prompt logprobs, with them (the prompt token's own) and with 5
 alternatives; transformers' forward + log_softmax over the same prompts as the reference
 for the same scores. Conditions alternate over --rounds; the median is reported.
-
-    .venv/bin/python -m benchmarks.prompt_scoring [--batch 8] [--input-len 256] [--rounds 3]
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""Prefix-affinity vs least-busy routing over two attention groups: multi-turn chats, each
+""".venv/bin/python -m benchmarks.routing [--chats 8] [--turns 4] [--rounds 2]
+
+Prefix-affinity vs least-busy routing over two attention groups: multi-turn chats, each
 turn's prompt its chat's history, through `switchyard serve` as real processes.
 
 The mid-size random Qwen3-MoE of `benchmarks.generate`, float32, two attention groups
@@ -10,8 +12,6 @@ apart, as users do). Per policy:
 wall time, the share of prompt tokens the groups' caches held
 (`usage.prompt_tokens_details`), and mean request latency. Policies alternate over
 `--rounds`, a new server each time (new random chats per round); medians.
-
-    .venv/bin/python -m benchmarks.routing [--chats 8] [--turns 4] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 
 from benchmarks.generate import add_workdir_flag, build_checkpoint
 from benchmarks.prefix_cache import tokens
-from gateway.prefix_affinity import POLICIES
+from gateway.routing.prefix_affinity import POLICIES
 from switchyard.serve_process import Served
 
 

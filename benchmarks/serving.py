@@ -1,9 +1,9 @@
-"""Switchyard served vs. transformers `generate()` (and llama.cpp's server), and every
-configuration's decode step against this machine's memory-bandwidth floor, in one run.
+""".venv/bin/python -m benchmarks.serving [--concurrency 1 16 64] [--input-len 128]
+    [--output-len 128] [--topologies local rpc local-w4a4 local-w4a4-int8]
+    [--llama-server BINARY --gguf FILE] [--json FILE] [--rounds R [--requests N]]
 
-    .venv/bin/python -m benchmarks.serving [--concurrency 1 16 64] [--input-len 128]
-        [--output-len 128] [--topologies local rpc local-w4a4 local-w4a4-int8]
-        [--llama-server BINARY --gguf FILE] [--json FILE] [--rounds R [--requests N]]
+Switchyard served vs. transformers `generate()` (and llama.cpp's server), and every
+configuration's decode step against this machine's memory-bandwidth floor, in one run.
 
 One run measures the machine (read and copy bandwidth, float32 matmul), then on the
 mid-size random checkpoint of benchmarks/generate.py, with the same fixed-seed prompts:

@@ -1,7 +1,7 @@
-"""What MTP speculation gives served, on the bundled model with its own questions:
+""".venv/bin/python -m benchmarks.spec_serving [--k 1 2] [--concurrency 1 16 64]
+                                            [--requests 64] [--rounds 2] [FLAGS ...]
 
-    .venv/bin/python -m benchmarks.spec_serving [--k 1 2] [--concurrency 1 16 64]
-                                                [--requests 64] [--rounds 2] [FLAGS ...]
+What MTP speculation gives served, on the bundled model with its own questions.
 
 For each configuration (off, then MTP with each `--k`), `switchyard serve` of the bundled
 model (its default topology, or FLAGS after `--`) answers held-out arithmetic questions

@@ -1,6 +1,6 @@
-"""What speculation costs a decode step, in process, side by side in one run:
+""".venv/bin/python -m benchmarks.speculation [--batch 1 16 64] [--k 1 2 3] [--rounds 3]
 
-    .venv/bin/python -m benchmarks.speculation [--batch 1 16 64] [--k 1 2 3] [--rounds 3]
+What speculation costs a decode step, in process, side by side in one run.
 
 On the mid-size checkpoint (`benchmarks.generate`, float32, `local` experts), `--batch`
 sequences of random 128-token prompts decode; each configuration is timed over

@@ -1,11 +1,11 @@
-"""What structured outputs cost: decode steps with and without a grammar, side by side.
+""".venv/bin/python -m benchmarks.structured [--batch 16] [--output-len 48] [--rounds 3]
+
+What structured outputs cost: decode steps with and without a grammar, side by side.
 
 The bundled demo model's engine in-process (float32): a batch of demo questions, every
 answer forced to --output-len tokens, unconstrained, under a regex and under a JSON
 schema (llguidance masks computed on the engine's thread each step). Conditions
 alternate over --rounds; the median is reported.
-
-    .venv/bin/python -m benchmarks.structured [--batch 16] [--output-len 48] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -20,8 +20,13 @@ import torch
 
 from benchmarks.timing import alternating
 from common.messages import GenerateRequest, SamplingParams
-from gateway.structured_outputs import JsonSchema, ResponseFormat, StructuredOutputs, grammar
-from gateway.tokenizer import Tokenizer
+from gateway.parsers.structured_outputs import (
+    JsonSchema,
+    ResponseFormat,
+    StructuredOutputs,
+    grammar,
+)
+from gateway.text.tokenizer import Tokenizer
 from services.attention.builder import build_engine
 from services.attention.config import AttentionConfig
 from services.attention.engine import Engine

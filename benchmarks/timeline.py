@@ -1,9 +1,9 @@
-"""One decode step's timeline with the experts behind a wire delay: when each
+""".venv/bin/python -m benchmarks.timeline [--delay-ms 5] [--micro-batches 2]
+                                        [--concurrency 16] [--layers 3]
+
+One decode step's timeline with the experts behind a wire delay: when each
 micro-batch computes on the attention side and when its layer calls are out
 (`Engine.last_timeline`, the intervals the step's span draws).
-
-    .venv/bin/python -m benchmarks.timeline [--delay-ms 5] [--micro-batches 2]
-                                            [--concurrency 16] [--layers 3]
 
 An attention engine in this process (the mid-size checkpoint, `rpc`) calls two expert
 services through delaying proxies (`benchmarks.wire`); 16 sequences decode a few steps,

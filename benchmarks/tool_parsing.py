@@ -1,4 +1,6 @@
-"""What reading tool calls costs the gateway per generated token, beside what it already
+""".venv/bin/python -m benchmarks.tool_parsing [--sizes 1000,10000,100000] [--repeat 3]
+
+What reading tool calls costs the gateway per generated token, beside what it already
 spends detokenizing that token.
 
 One call whose arguments grow to each --sizes character count, generated token by token
@@ -6,8 +8,6 @@ with the bundled byte tokenizer (one token per byte): the incremental detokenize
 per token, and each parser's (named, required, hermes) on the text that token adds.
 The parsers only look again at what a token may have completed (a tag's end, an
 object's closing brace), so their cost per token should not grow with the call's length.
-
-    .venv/bin/python -m benchmarks.tool_parsing [--sizes 1000,10000,100000] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ import sys
 import time
 from collections.abc import Callable
 
-from gateway.detokenizer import IncrementalDetokenizer
-from gateway.tokenizer import Tokenizer
-from gateway.tools import HermesCalls, NamedCall, RequiredCalls, ToolParser
+from gateway.parsers.hermes import HermesCalls
+from gateway.parsers.json_calls import NamedCall, RequiredCalls
+from gateway.parsers.tool_calls import ToolParser
+from gateway.text.detokenizer import IncrementalDetokenizer
+from gateway.text.tokenizer import Tokenizer
 from switchyard.demo_model import DEFAULT_MODEL
 
 PARSERS: dict[str, tuple[Callable[[], ToolParser], Callable[[str], str]]] = {

@@ -1,8 +1,8 @@
-"""Issue 9's overhead table: serving throughput with tracing off, on at 1% sampling and on
-at 100% sampling, in one run.
+""".venv/bin/python -m benchmarks.tracing [--model DIR] [--rounds 3] [--concurrency 16]
+                                       [--requests 48] [--input-len 64] [--output-len 64]
 
-    .venv/bin/python -m benchmarks.tracing [--model DIR] [--rounds 3] [--concurrency 16]
-                                           [--requests 48] [--input-len 64] [--output-len 64]
+Tracing's overhead: serving throughput with tracing off, on at 1% sampling and on
+at 100% sampling, in one run.
 
 Three `switchyard serve` topologies (gateway, attention, 2 expert services, rpc) run side
 by side on the same model; the "on" ones export over OTLP/HTTP to a sink process here that

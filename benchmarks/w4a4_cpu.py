@@ -1,7 +1,7 @@
-"""Grouped expert FFN on the CPU: W4A4 and float32 through the compiled CPU kernels, and
-the torch paths (W4A4 decoded to float32, float32, bfloat16).
+""".venv/bin/python -m benchmarks.w4a4_cpu [--experts 8] [--hidden 1024] [--inter 768]
 
-    .venv/bin/python -m benchmarks.w4a4_cpu [--experts 8] [--hidden 1024] [--inter 768]
+Grouped expert FFN on the CPU: W4A4 and float32 through the compiled CPU kernels, and
+the torch paths (W4A4 decoded to float32, float32, bfloat16).
 
 Eight local experts of the mid-size checkpoint's shape, each kernel's weights in its panel
 layout (`moe_kernels.panels`, as the experts hold them); every expert gets the same number

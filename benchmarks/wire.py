@@ -1,8 +1,8 @@
-"""Issue 49's table: what wire latency between the attention service and its expert
-services adds to TPOT, with the step in 1, 2 or 3 micro-batches (the ping-pong pipeline).
+""".venv/bin/python -m benchmarks.wire [--delays-ms 0 0.5 2 5] [--concurrency 1 16]
+                                    [--micro-batches 1 2 3] [--output-len 64]
 
-    .venv/bin/python -m benchmarks.wire [--delays-ms 0 0.5 2 5] [--concurrency 1 16]
-                                        [--micro-batches 1 2 3] [--output-len 64]
+What wire latency between the attention service and its expert
+services adds to TPOT, with the step in 1, 2 or 3 micro-batches (the ping-pong pipeline).
 
 The default topology of `serve` (rendered by `switchyard.local`: gateway, one attention
 service, two expert services over `rpc`) on the mid-size checkpoint, with a delaying TCP

@@ -14,6 +14,10 @@ its work waited on other services (`waiting`: an attention service blocked on it
 services' answers, `switchyard:wait_seconds_total`); `switchyard:busy_fraction` is the
 busy share of the last `BUSY_WINDOW` seconds. The ping-pong pipeline is judged by these:
 both sides busy at once, and the waits are its bubbles.
+
+The attention service runs every step on this thread, and the `rpc` expert side runs its
+computations on one too; the attention service's thread also makes each layer's exchange
+with the experts itself.
 """
 
 from __future__ import annotations

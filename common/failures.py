@@ -1,4 +1,9 @@
-"""What a failure says to whoever asked: its root causes, not the wrapper around them."""
+"""What a failure says to whoever asked: its root causes, not the wrapper around them.
+
+An error delta carries the leaves of an exception group, "RuntimeError: ..." rather than
+anyio's "unhandled errors in a TaskGroup (2 sub-exceptions)", so the client's 503 names what
+went wrong.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,12 @@
 """Flags the service processes share, each defaulting to a `SWITCHYARD_*` variable, and
-their forwarding from `switchyard serve` to the processes it starts."""
+their forwarding from `switchyard serve` to the processes it starts.
+
+Every other flag is defined once, in its service's `config.py`: `gateway/config.py` (with
+`add_serve_flags`, those `serve` takes too), `services/attention/config.py`
+(`add_engine_flags`, which `serve` forwards, and `add_attention_parser`),
+`services/expert/config.py`, and `ep_dispatch/deepep_config.py` (the `--deepep-*` settings
+both service kinds take); `switchyard/cli.py` holds only `serve`'s own.
+"""
 
 from __future__ import annotations
 

@@ -2,7 +2,12 @@
 
 Their series live in prometheus_client's default registry (with its process and Python
 collectors) and are served from a small HTTP thread on `--metrics-port`; the gateway
-scrapes and merges them (`gateway.service_metrics`), and so can any Prometheus.
+scrapes and merges them (`gateway.observability.service_metrics`), and so can any Prometheus.
+
+A service reports its metrics port with its service port on the ready pipe (`report_ready`),
+and exports its role and place as
+`switchyard:service_start_time_seconds{role,index,member}`, by which the dashboard tells the
+services apart and sees them restart.
 """
 
 from __future__ import annotations

@@ -1,6 +1,10 @@
 """The prefix cache's keys: a chain hash over spans of tokens. The attention service keys
 its cached KV blocks by them; the gateway routes by the same keys (prefix affinity), so
-both compute them here, without torch."""
+both compute them here, without torch.
+
+The gateway's keys are those of a prompt's whole blocks, salt included, so its guess of a
+group's cache matches what the group would find.
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,19 @@
 """Service RPC: `common.messages.Message` frames over anyio TCP streams.
 
-A connection first runs `common.auth`'s handshake (the cluster secret, proven both ways);
-then each frame is a 4-byte big-endian length followed by that many bytes of msgpack.
+A connection first runs `common.auth`'s handshake, in which both sides prove the cluster
+secret. Then each frame is a 4-byte big-endian length followed by that many bytes of
+msgpack.
+
+`accept` closes a peer that fails the handshake before a byte of its frames is read. So
+decoding, and everything after it, only ever sees authenticated peers. A frame's length is
+checked against `MAX_FRAME_BYTES` before its body is read. A frame that does not decode
+drops that one connection. The handlers check every field that indexes memory.
+
+Every internal connection has TCP keep-alives and `TCP_USER_TIMEOUT`, set from
+`--link-timeout` by `set_liveness`. A cut link sends no reset, so these make it fail the
+connection within that time. Then the crash failover runs: replicas, a held step, and the
+gateway's resubmission. The `rpc` dispatch backend sends its frames over blocking sockets
+on the step thread, with `SocketFrames`.
 """
 
 from __future__ import annotations
@@ -26,15 +38,17 @@ from common.messages import Message
 
 _HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = 256 * 1024 * 1024
-LINK_TIMEOUT_S = 4.0  # `--link-timeout`: a link silent this long is a dead peer (measured:
-# found 0.1-0.5 s after it, within the 5 s aimed at; docs/benchmarks.md, "A cut link")
+# The default `--link-timeout`: a link silent this long means a dead peer. Measured, a cut
+# link was found 0.1-0.5 s after this, within the 5 s aimed at. See "A cut link" in
+# docs/benchmarks.md.
+LINK_TIMEOUT_S = 4.0
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 
 
 def _frame_length(header: bytes | bytearray) -> int:
-    """A frame's length from its header; a ValueError past the limit."""
+    """A frame's length from its header. Raises ValueError past the limit."""
     (length,) = _HEADER.unpack(header)
     if length > MAX_FRAME_BYTES:
         raise ValueError(f"frame of {length} bytes exceeds the {MAX_FRAME_BYTES} byte limit")
@@ -42,12 +56,16 @@ def _frame_length(header: bytes | bytearray) -> int:
 
 
 def set_liveness(sock: socket.socket, timeout_s: float) -> None:
-    """Declare the peer dead (the socket's calls fail with ETIMEDOUT) once the link is
-    silent for about `timeout_s`, as a host whose link is cut is (it sends no reset):
-    idle, by keep-alive probes every timeout/5 s (at least 1) after as long a silence; with
-    data sent and not acknowledged (TCP_USER_TIMEOUT), also when the peer acknowledges
-    nothing, or keeps its window shut (it stopped reading), for `timeout_s`.
-    0 or less: the kernel's defaults (hours idle, some 15 minutes with data in flight)."""
+    """Declare the peer dead once the link is silent for about `timeout_s`.
+
+    The socket's calls then fail with ETIMEDOUT. A host whose link is cut is silent like
+    this, because it sends no reset. On an idle link, keep-alive probes find the silence.
+    They are sent every timeout/5 s, at least every second, after a silence that long.
+    With data sent and not acknowledged, TCP_USER_TIMEOUT finds it. It also fires when
+    the peer acknowledges nothing, or keeps its window shut because it stopped reading,
+    for `timeout_s`. A `timeout_s` of 0 or less keeps the kernel's defaults: hours when
+    idle, and some 15 minutes with data in flight.
+    """
     if timeout_s <= 0:
         return
     interval = max(1, round(timeout_s / 5))
@@ -60,7 +78,7 @@ def set_liveness(sock: socket.socket, timeout_s: float) -> None:
 
 
 def _stream_liveness(stream: ByteStream, timeout_s: float) -> None:
-    """`set_liveness` on a TCP stream's socket (another kind of stream has none)."""
+    """`set_liveness` on a TCP stream's socket. Other kinds of stream have no socket."""
     sock = stream.extra(SocketAttribute.raw_socket, None)
     if sock is not None:
         set_liveness(sock, timeout_s)
@@ -77,7 +95,7 @@ class FrameStream:
         self._stream = stream
         self._reader = reader or BufferedByteReceiveStream(stream)
         self._send_lock = anyio.Lock()
-        self.closed = False  # set by aclose: work it sent and that waits is abandoned
+        self.closed = False  # set by aclose; work sent on it that still waits is abandoned
 
     async def send(self, message: Message) -> None:
         payload = _encoder.encode(message)
@@ -85,8 +103,10 @@ class FrameStream:
             await self._stream.send(_HEADER.pack(len(payload)) + payload)
 
     async def receive(self) -> Message:
-        """The next message; raises `anyio.EndOfStream` when the peer closed, also in the
-        middle of a frame."""
+        """The next message.
+
+        Raises `anyio.EndOfStream` when the peer closed, also in the middle of a frame.
+        """
         try:
             length = _frame_length(await self._reader.receive_exactly(_HEADER.size))
             body = await self._reader.receive_exactly(length)
@@ -100,10 +120,13 @@ class FrameStream:
 
 
 class SocketFrames:
-    """`FrameStream`'s frames over a blocking socket, used by one thread at a time: the
-    engine's step thread makes a layer's exchange on these itself, so the exchange
-    crosses no thread and no event loop. Every call is bounded by a deadline
-    (`time.monotonic()`); a timeout raises `TimeoutError`, a peer that closed `EOFError`."""
+    """`FrameStream`'s frames over a blocking socket, used by one thread at a time.
+
+    The engine's step thread makes a layer's exchange on these itself, so the exchange
+    crosses no thread and no event loop. Every call is bounded by a deadline in
+    `time.monotonic()` time. A timeout raises `TimeoutError`, and a peer that closed raises
+    `EOFError`.
+    """
 
     def __init__(self, sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -113,10 +136,13 @@ class SocketFrames:
     def connect(cls, host: str, port: int, deadline: float, retry: bool = True,
                 secret: ClusterSecret = NO_SECRET,
                 link_timeout: float = LINK_TIMEOUT_S) -> SocketFrames:
-        """Connect by `deadline` and prove `secret`, retrying (if `retry`) until the peer
-        listens; without retrying, a refused connection raises its OSError at once. A
-        peer that fails the handshake raises `HandshakeError` (an OSError) at once. A
-        link silent for `link_timeout` fails the connection (`set_liveness`)."""
+        """Connect by `deadline` and prove `secret`.
+
+        With `retry`, this retries until the peer listens. Without it, a refused connection
+        raises its OSError at once. A peer that fails the handshake raises `HandshakeError`,
+        an OSError, at once. A link silent for `link_timeout` fails the connection; see
+        `set_liveness`.
+        """
         delay = 0.05
         while True:
             try:
@@ -167,7 +193,7 @@ def _recv_exactly(sock: socket.socket, n: int, deadline: float) -> bytearray:
 
 
 def client_handshake(sock: socket.socket, secret: ClusterSecret, deadline: float) -> None:
-    """`common.auth`'s exchange, the client's side, on a blocking socket by `deadline`."""
+    """The client's side of `common.auth`'s exchange, on a blocking socket, by `deadline`."""
     try:
         response, expected = auth.respond(
             secret, bytes(_recv_exactly(sock, auth.CHALLENGE_BYTES, deadline)))
@@ -179,7 +205,10 @@ def client_handshake(sock: socket.socket, secret: ClusterSecret, deadline: float
 
 
 def _left(deadline: float) -> float:
-    """Seconds to `deadline`; past it, a timeout (a socket timeout of 0 would not block)."""
+    """Seconds to `deadline`. Past it, raise TimeoutError.
+
+    A socket timeout of 0 would not block, so it must not be returned.
+    """
     left = deadline - time.monotonic()
     if left <= 0:
         raise TimeoutError("timed out")
@@ -195,15 +224,18 @@ def peer_of(stream: ByteStream) -> str:
     return f"{host}:{port}"
 
 
-_refused: set[str] = set()  # hosts whose failed handshake was logged (once each)
+_refused: set[str] = set()  # hosts whose failed handshake was logged, once each
 
 
 async def accept(stream: ByteStream, secret: ClusterSecret, peer: str,
                  log: logging.Logger, link_timeout: float = LINK_TIMEOUT_S
                  ) -> FrameStream | None:
-    """A listener's new connection once the peer proved `secret`; else None, the stream
-    closed and the peer's address logged (once per host). No frame is read before. A
-    link silent for `link_timeout` fails the connection (`set_liveness`)."""
+    """A listener's new connection, once the peer has proved `secret`.
+
+    Otherwise returns None, closes the stream, and logs the peer's address once per host.
+    No frame is read before the proof. A link silent for `link_timeout` fails the
+    connection; see `set_liveness`.
+    """
     _stream_liveness(stream, link_timeout)
     reader = BufferedByteReceiveStream(stream)
     challenge, nonce = auth.challenge()
@@ -216,7 +248,7 @@ async def accept(stream: ByteStream, secret: ClusterSecret, peer: str,
     except (HandshakeError, TimeoutError, anyio.IncompleteRead, anyio.EndOfStream,
             anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
         host = peer.rpartition(":")[0]
-        if host not in _refused:  # once per address: a scan must not flood the log
+        if host not in _refused:  # once per address, so a scan cannot flood the log
             _refused.add(host)
             log.warning("refused a connection from %s: %s (later ones from %s are not "
                         "logged)", peer, exc if isinstance(exc, HandshakeError)
@@ -227,14 +259,16 @@ async def accept(stream: ByteStream, secret: ClusterSecret, peer: str,
 
 async def serve_messages(conn: FrameStream, handle: Callable[[Message], Awaitable[None]],
                          log: logging.Logger) -> None:
-    """Give each message from `conn` to `handle` until the peer goes away; a frame that
-    cannot be decoded drops the connection, never the service. Closes `conn`."""
+    """Give each message from `conn` to `handle` until the peer goes away.
+
+    A frame that cannot be decoded drops the connection, never the service. Closes `conn`.
+    """
     try:
         while True:
             await handle(await conn.receive())
     except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
         pass
-    except (msgspec.DecodeError, ValueError) as exc:  # hostile or broken: one line each
+    except (msgspec.DecodeError, ValueError) as exc:  # hostile or broken; log one line
         log.warning("dropping a connection that sent a bad frame: %s", exc)
     except Exception:
         log.exception("dropping a connection whose message could not be handled")
@@ -244,8 +278,11 @@ async def serve_messages(conn: FrameStream, handle: Callable[[Message], Awaitabl
 
 def run_service(name: str, host: str, port: int, serve: Callable[..., Awaitable[None]],
                 *args: object) -> int:
-    """`anyio.run(serve, *args)` for a service process: 0 when it ends, 2 with a one-line
-    error when its listener cannot bind (a connection's errors stay in its own task)."""
+    """`anyio.run(serve, *args)` for a service process.
+
+    Returns 0 when it ends. Returns 2, with a one-line error, when its listener cannot
+    bind. A connection's errors stay in that connection's own task.
+    """
     try:
         anyio.run(serve, *args)
     except OSError as exc:
@@ -265,11 +302,14 @@ async def cancel_on_signal(scope: anyio.CancelScope) -> None:
 async def connect(host: str, port: int, timeout: float = 30.0, retry: bool = True,
                   secret: ClusterSecret = NO_SECRET,
                   link_timeout: float = LINK_TIMEOUT_S) -> FrameStream:
-    """Connect to a service and prove `secret`, retrying (if `retry`) until it listens or
-    `timeout` seconds pass; without retrying, a refused connection raises its OSError at
-    once. A connection reset during the handshake (a service stopping as we connect) is
-    a refused one. A service that fails the handshake raises `HandshakeError` at once. A
-    link silent for `link_timeout` fails the connection (`set_liveness`)."""
+    """Connect to a service and prove `secret`.
+
+    With `retry`, this retries until the service listens or `timeout` seconds pass.
+    Without it, a refused connection raises its OSError at once. A connection reset during
+    the handshake counts as refused; that happens when a service stops as we connect. A
+    service that fails the handshake raises `HandshakeError` at once. A link silent for
+    `link_timeout` fails the connection; see `set_liveness`.
+    """
     delay = 0.05
     with anyio.fail_after(timeout):
         while True:

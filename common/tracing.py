@@ -8,6 +8,22 @@ Tracing is on when `--otlp-traces-endpoint` or `OTEL_EXPORTER_OTLP_TRACES_ENDPOI
 is used: no spans are built and nothing is exported.
 
 Context crosses processes in the messages' `trace_context` field (W3C `traceparent`).
+
+Every service calls `setup_tracing` at start; grpc needs its exporter package. While tracing
+is off the code skips building span inputs (`enabled()`). The spans:
+
+- gateway: the request span `chat {model}` / `text_completion {model}` (continuing the
+  client's `traceparent`), with the GenAI attributes, output tokens, finish reasons and time
+  to first token;
+- attention: `queue`, `prefill` and `decode` spans under the request span, emitted when the
+  request ends; a `step` span per scheduler step, linked to every sampled request it served,
+  with `dispatch layer N` and `combine layer N` children (`ep_dispatch.metrics.phase`, every
+  backend) and the step's `switchyard.busy_s` and `switchyard.wait_s` (its bubbles). Only
+  sampled requests carry a context; a step the sampler drops is kept for a sampled request
+  it serves, without children (`switchyard.detail=false`, the link-following sampler);
+- experts: `experts layer N` under the caller's dispatch span, with one `expert N.E` span
+  per local expert (`switchyard.layer`, `switchyard.expert`, `switchyard.expert_rank`,
+  `switchyard.tokens`, `switchyard.duration_s`).
 """
 
 from __future__ import annotations

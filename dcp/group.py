@@ -4,6 +4,14 @@ The leader (rank 0) schedules and broadcasts each step's plan; every rank runs t
 model on all the step's tokens, attends over its own keys, and the partial results are
 merged by log-sum-exp. Only the leader dispatches to the experts; it broadcasts the MoE
 outputs, so expert services never see a token twice.
+
+Once every rank is loaded (the leader's first heartbeat, at the end of its build, answered),
+each collective times out after `collective_timeout` (`--expert-timeout` + `--link-timeout`
++ 5 s: past any hold of a step for a lost expert rank), and an idle leader sends a heartbeat
+plan every second that every rank answers with a one-element all-reduce, so a rank behind a
+cut link is found on both ends, and the group exits to be started again whole. A dead rank,
+leader or peer, makes `serve` kill the group's other ranks and start them all again (their
+rendezvous needs every rank); recovery takes about 4-5 s here.
 """
 
 from __future__ import annotations

@@ -1,5 +1,23 @@
-"""The interfaces of the dispatch layer (DeepEP's shape: layout first, then data, a handle
-reused by combine)."""
+"""The interfaces of the dispatch layer.
+
+They follow DeepEP's shape: the layout comes first, then the data, and combine reuses the
+layout's handle.
+
+The seam, as the attention service calls it:
+
+    route(x [T,H]) -> topk_ids [T,K], topk_weights [T,K]          # attention service
+    experts(layer, x, topk_ids, topk_weights) -> out [T,H]        # an ExpertsClient
+
+Inside every `ExpertsClient` the steps are DeepEP's; see `ep_dispatch.layout`.
+
+1. The layout places each row.
+2. The rows travel. Each expert rank runs `ExpertBank.forward`, a grouped SwiGLU over its
+   local experts, and returns raw outputs, row-aligned, without router weights.
+3. `combine`, `out[t] = sum_rows weight * y`, is applied on the attention side. As in
+   DeepEP's combine, it sums in float32 and rounds once to the activations' dtype.
+
+Every step starts with `begin_step(num_tokens)`.
+"""
 
 from __future__ import annotations
 
@@ -16,32 +34,35 @@ ExpertFn = Callable[[int, torch.Tensor, list[int]], torch.Tensor]
 # (layer, rows [N, width] grouped by expert, counts [E_local] int64 on the rows' device,
 # an upper bound of any count) -> [N, H]: the experts without a host sync (CUDA graphs)
 DeviceExpertFn = Callable[[int, torch.Tensor, torch.Tensor, int], torch.Tensor]
+# The whole local layer in one call, as `ExpertBank.forward_layer`:
 # (layer, x [T, H], topk_ids [T, K], topk_weights [T, K]) -> (out [T, H] combined, when the
-# combine began, perf_counter ns), or None where it does not apply: the whole local layer
-# in one call (`ExpertBank.forward_layer`)
+# combine began in perf_counter ns), or None where it does not apply.
 LayerFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor],
                    tuple[torch.Tensor, int] | None]
 
 
 class ExpertsClient(Protocol):
-    """The attention side of a MoE layer when experts may live in other processes:
-    dispatch, remote grouped GEMM, combine (with the router weights), as one call.
+    """The attention side of a MoE layer when experts may live in other processes.
 
-    Collective backends move all ranks in `lockstep`: every step starts with
-    `begin_step` on every attention rank, and a rank without work runs `idle_step`.
+    One call does dispatch, the remote grouped GEMM, and combine with the router weights.
+
+    Collective backends move all ranks in `lockstep`. Every step starts with `begin_step`
+    on every attention rank, and a rank without work runs `idle_step`.
     """
 
     lockstep: bool
 
     def begin_step(self, num_tokens: int, micro_batches: int = 1) -> bool:
-        """Whether any rank has work this step, given this rank's token count and the
-        micro-batches it runs them as (collective for lockstep backends, whose ranks
-        agree on the step's rounds; `deepep` also picks its kernels from the largest
-        count)."""
+        """Whether any rank has work this step.
+
+        It takes this rank's token count and the number of micro-batches it runs them as.
+        For lockstep backends this is a collective, in which the ranks agree on the step's
+        rounds. `deepep` also picks its kernels from the largest count.
+        """
         ...
 
     def idle_step(self) -> None:
-        """Join this step's exchanges with zero rows (lockstep backends only)."""
+        """Join this step's exchanges with zero rows. Only lockstep backends use this."""
         ...
 
     def __call__(
@@ -51,11 +72,11 @@ class ExpertsClient(Protocol):
         ...
 
     def describe(self) -> list[str]:
-        """One line per expert rank reached (for health reports)."""
+        """One line per expert rank reached, for health reports."""
         ...
 
     def ready(self) -> bool:
-        """Whether every expert rank can still be reached (for /health)."""
+        """Whether every expert rank can still be reached, for /health."""
         ...
 
     def close(self) -> None:
@@ -64,9 +85,12 @@ class ExpertsClient(Protocol):
 
 
 class Exchange(Protocol):
-    """A MoE layer call in flight (`PointToPoint.start`). Once finished, `held_s` is the
-    longest an expert rank held it (queue and compute; 0.0 where not reported), which
-    tells the wire's share of the call's time."""
+    """A MoE layer call in flight, from `PointToPoint.start`.
+
+    Once finished, `held_s` is the longest time an expert rank held the call, for queueing
+    and compute. It is 0.0 where not reported. It tells the wire's share of the call's
+    time.
+    """
 
     held_s: float
 
@@ -77,31 +101,39 @@ class Exchange(Protocol):
 
 @runtime_checkable
 class Pipelined(Protocol):
-    """An `ExpertsClient` whose layer calls can start and finish apart, so that a step
-    split into micro-batches computes one while another's call is out (`rpc`, `torch`,
-    and a DCP group's seam over them)."""
+    """An `ExpertsClient` whose layer calls can start and finish apart.
+
+    A step split into micro-batches can then compute one while another's call is out.
+    The backends that do this are `rpc`, `torch`, and a DCP group's seam over them.
+    """
 
     @property
     def overlaps(self) -> bool:
-        """Whether `start` returns before the experts answer (else it runs the call)."""
+        """Whether `start` returns before the experts answer. Otherwise it runs the call."""
         ...
 
     def start(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
               topk_weights: torch.Tensor) -> Exchange:
-        """The call for x [T, H] routed to topk_ids [T, K] with topk_weights [T, K],
-        started; its `finish()` gives the MoE output [T, H]."""
+        """Start the call for x [T, H] routed to topk_ids [T, K] with topk_weights [T, K].
+
+        Its `finish()` gives the MoE output [T, H].
+        """
         ...
 
     def round_trip_s(self) -> float | None:
-        """The exchange's recent round trip on the wire, without the experts' time on
-        it (None: not measured). `--micro-batches auto` weighs it against a step."""
+        """The exchange's recent round trip on the wire, without the experts' time.
+
+        None means not measured. `--micro-batches auto` weighs it against a step.
+        """
         ...
 
 
 @runtime_checkable
 class Movable(Protocol):
-    """An `ExpertsClient` whose experts can move while serving (EPLB live, `rpc`): the
-    expert ranks load a new placement beside the current one, then the calls switch."""
+    """An `ExpertsClient` whose experts can move while serving, for live EPLB with `rpc`.
+
+    The expert ranks load a new placement beside the current one, then the calls switch.
+    """
 
     @property
     def placement_version(self) -> int: ...
@@ -110,17 +142,19 @@ class Movable(Protocol):
     def placement_json(self) -> str: ...
 
     def prepare(self, version: int, placement_json: str) -> float:
-        """Every expert rank loads its share of `placement_json` as `version` (blocking,
-        off the step thread); the slowest rank's seconds."""
+        """Have every expert rank load its share of `placement_json` as `version`.
+
+        This blocks, and runs off the step thread. Returns the slowest rank's seconds.
+        """
         ...
 
     def switch(self, version: int) -> Placement:
-        """Lay the calls out by prepared `version` from now on (between steps)."""
+        """Lay the calls out by the prepared `version` from now on, between steps."""
         ...
 
 
 class Done:
-    """An exchange that finished as it started: a backend with nothing to overlap."""
+    """An exchange that finished as it started, for a backend with nothing to overlap."""
 
     held_s = 0.0
 
@@ -144,9 +178,11 @@ class PointToPoint:
 
     def start(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
               topk_weights: torch.Tensor) -> Exchange:
-        """A layer call whose output `finish()` gives: where the backend can, the rows go
-        out now and the answers are read by `finish`, so that the caller computes another
-        micro-batch meanwhile; here, the whole call at once."""
+        """Start a layer call whose output `finish()` gives.
+
+        Where the backend can, the rows go out now and `finish` reads the answers, so the
+        caller can compute another micro-batch meanwhile. Here, the whole call runs at once.
+        """
         return Done(self(layer, x, topk_ids, topk_weights))
 
     def begin_step(self, num_tokens: int, micro_batches: int = 1) -> bool:

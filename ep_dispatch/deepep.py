@@ -26,8 +26,17 @@ work while a low-latency exchange is in flight, and an attention rank here has n
 then. The models served have no shared experts (DeepSeek-style ones would be that work),
 and two-micro-batch overlap of the attention step is not built.
 
-Tested across processes over a CPU double of DeepEP's API (tests/support/deepep_fake.py); not yet
-run with DeepEP itself, which the lent GPU machine lacks (docs/benchmarks.md).
+Tested across 4 processes over a CPU double of DeepEP's API (tests/support/deepep_fake.py,
+written from DeepEP's source apart from the backend); not yet run with DeepEP itself, which
+the lent GPU machine lacks (docs/benchmarks.md).
+
+`deepep` needs `--device cuda` and bfloat16. Its limits (hidden sizes, top-k, rank counts,
+tokens per rank against NVSHMEM's queue depth, experts per rank) are checked before any
+process starts (`deepep_config`), and the RDMA buffer's size across nodes once DeepEP gives
+its size hints. It refuses w4a4 at start-up, as DeepEP's kernels take bf16 or FP8 rows, and
+MTP drafts, as its rounds take the decoder's layers only (n-gram drafts work). Its rounds
+all-reduce the largest token count rather than a flag, so every rank picks the same kernels.
+It does not split steps into micro-batches yet.
 """
 
 from __future__ import annotations

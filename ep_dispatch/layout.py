@@ -3,6 +3,11 @@
 Rows are the T*K (token, choice) pairs of a router's top-k. Each goes to one replica of
 its expert; rows are ordered by (rank, local expert), so each rank's share is one
 contiguous slice already grouped the way its grouped GEMM wants it.
+
+A row goes to replica `(turn + token) % replicas` of its expert, the client's turn for that
+layer moving on with each call, so that decode steps of one token spread too. The layout
+keeps its counts per rank and per local expert on the device. `local` uses the same
+`Layout`, of one rank holding every expert.
 """
 
 from __future__ import annotations

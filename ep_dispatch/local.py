@@ -1,4 +1,12 @@
-"""`local` backend: attention and experts in one process; dispatch is a sort by expert."""
+"""`local` backend: attention and experts in one process; dispatch is a sort by expert.
+
+`LocalExperts` lays the rows out with the `Layout` of one rank holding every expert. With
+`local` on the CPU a MoE layer is one compiled call (`csrc/moe_layer_cpu.cpp`,
+`ExpertBank.forward_layer`): the layout, the MXFP4 activations where W4A4, the grouped
+experts and the combine, the bits of the parts it replaces, and the same per-expert,
+dispatch and combine metrics. `local` is the only backend whose steps CUDA graphs capture
+(`LocalExperts.on_device`).
+"""
 
 from __future__ import annotations
 

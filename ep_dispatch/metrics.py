@@ -4,6 +4,10 @@
 layout, the exchange there and back, and (remote or local) expert compute, which the
 expert side reports per expert in `switchyard:expert_compute_seconds`. `combine` is the
 router-weighted sum back into token order.
+
+The histograms are `switchyard:dispatch_seconds` and `switchyard:combine_seconds`, by
+backend (`local`, `rpc`, `torch`, `nccl`, `deepep`); the spans are `dispatch layer N` and
+`combine layer N`, children of the attention service's step span, on every backend.
 """
 
 from __future__ import annotations

@@ -12,6 +12,9 @@ orders the issuing stream after it; `start_all_to_all` returns at once with a wo
 current stream computes one micro-batch's attention while the communicator's stream
 moves another's rows (`TorchExperts.start`). The host still reads each layer's row
 counts for the layout (NCCL's point-to-point calls take their sizes from the host).
+
+`nccl` needs `--device cuda`. It has run on one H200 at world size 1, not yet across GPUs,
+and the overlap of micro-batches has not yet run on a GPU.
 """
 
 from __future__ import annotations

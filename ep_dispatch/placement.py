@@ -9,6 +9,22 @@ JSON file instead to pin hot experts or add replicas:
     {"num_ranks": 2, "layers": {"0": [[0], [1], [0, 1], ...], "1": [...]}}
 
 `layers[str(layer)][expert]` lists the ranks holding that expert.
+
+`--expert-replicas R` puts each expert on R consecutive ranks of the round-robin; a JSON
+file (`--placement`) pins experts and adds replicas, and `switchyard placement` prints the
+placement a deployment would use. `switchyard placement --load URL|FILE
+--num-redundant-experts R` makes one from measured load: the routing counts of a running
+server's `/stats`, or a file of them, go through DeepSeek's EPLB (`ep_dispatch.eplb`,
+hierarchical over `--num-nodes` where they divide the model's expert groups), and the
+placement it prints is what `--placement` loads. An expert with two copies on one rank is
+listed there twice: that rank takes twice the share of its rows.
+
+Every attention and expert service of a deployment must be started with the same placement;
+expert services read only their share of the checkpoint's tensors. With replicas, the `rpc`
+backend routes around a lost expert rank, and `/health` stays 200 with that rank's line
+saying so (its expert lines are read live from each group) until the rank, restarted by
+compose or by `serve`, answers a probe. The lockstep backends cannot route around a rank:
+their collectives need every rank.
 """
 
 from __future__ import annotations

@@ -1,5 +1,21 @@
-"""Dispatch backends by name; their packages (torch among them) are imported only when
-one is built, so `switchyard serve` checks a backend's name without them."""
+"""Dispatch backends by name.
+
+A backend's packages, torch among them, are imported only when the backend is built. So
+`switchyard serve` can check a backend's name without them.
+
+Each backend is one `Backend` object. It is built from the model's `MoESeam` and its own
+frozen settings: `InProcessSettings`, `RpcSettings`, or `WorldSettings`, which include
+DeepEP's. A `Backend` holds:
+
+- its attention-side client;
+- its expert side, `serve`, which the expert service runs. For `rpc` this is
+  `rpc_server`, a TCP listener whose queue coalesces each layer's batches. The lockstep
+  backends join their world's rounds;
+- its capabilities as attributes: `collective`, `in_process`, `cuda_only`, `mxfp4_rows`,
+  `deepep_settings` and `mtp`.
+
+Nothing outside the registry compares a backend's name.
+"""
 
 from __future__ import annotations
 
@@ -31,16 +47,19 @@ def _float32() -> torch.dtype:
 
 @dataclass(frozen=True)
 class MoESeam:
-    """The model's MoE layers as every backend sees them: what is routed, what travels,
-    and where the experts are placed (a JSON placement file, else balanced with
-    `replicas` copies of each expert)."""
+    """The model's MoE layers as every backend sees them.
+
+    It says what is routed, what travels, and where the experts are placed. The placement
+    comes from a JSON placement file, or else is balanced with `replicas` copies of each
+    expert.
+    """
 
     moe_layers: list[int]
     num_experts: int
     hidden_size: int = 0
-    top_k: int = 0  # experts per token (`deepep` pads empty ranks with it)
+    top_k: int = 0  # experts per token; `deepep` pads empty ranks with it
     dtype: torch.dtype = field(default_factory=_float32)
-    quantization: str | None = None  # "w4a4": activations travel as MXFP4
+    quantization: str | None = None  # with "w4a4", activations travel as MXFP4
     device: str = "cpu"  # where the activations live
     placement_file: Path | None = None
     replicas: int = 1
@@ -60,8 +79,11 @@ class MoESeam:
 
 @dataclass(frozen=True)
 class InProcessSettings:
-    """`local`: the experts held in the attention process (`ExpertBank.forward`,
-    `forward_on_device` for CUDA graphs, and `forward_layer`, a layer in one call)."""
+    """Settings for `local`, where the attention process holds the experts.
+
+    The functions are `ExpertBank.forward`, `forward_on_device` for CUDA graphs, and
+    `forward_layer`, which runs a layer in one call.
+    """
 
     expert_fn: ExpertFn
     device_expert_fn: DeviceExpertFn | None = None
@@ -70,19 +92,22 @@ class InProcessSettings:
 
 @dataclass(frozen=True)
 class RpcSettings:
-    """`rpc`: one (host, port) per expert rank, and how long to wait for them."""
+    """Settings for `rpc`: one (host, port) per expert rank, and how long to wait for them."""
 
     addresses: list[tuple[str, int]]
     call_timeout: float = 30.0
     connect_timeout: float = 30.0
-    secret: ClusterSecret = NO_SECRET  # what each connection proves (`common.auth`)
-    link_timeout: float = LINK_TIMEOUT_S  # silent this long, a rank is lost (`set_liveness`)
+    secret: ClusterSecret = NO_SECRET  # what each connection proves; see `common.auth`
+    link_timeout: float = LINK_TIMEOUT_S  # a rank silent this long is lost; see set_liveness
 
 
 @dataclass(frozen=True)
 class WorldSettings:
-    """The lockstep backends (`torch`, `nccl`, `deepep`): this rank's place among all
-    ranks, how long all may take to join, and `deepep`'s `--deepep-*` settings."""
+    """Settings for the lockstep backends: `torch`, `nccl` and `deepep`.
+
+    They hold this rank's place among all ranks, how long all ranks may take to join, and
+    `deepep`'s `--deepep-*` settings.
+    """
 
     world: World
     rendezvous_timeout: float = 300.0
@@ -91,8 +116,11 @@ class WorldSettings:
 
 @dataclass(frozen=True)
 class BackendSettings:
-    """Each backend's own settings, as the flags gave them (None: no flag for it); a
-    backend reads only its own and names the flags it misses."""
+    """Each backend's own settings, as the flags gave them.
+
+    None means no flag set them. A backend reads only its own settings, and names the
+    flags it misses.
+    """
 
     in_process: InProcessSettings | None = None
     rpc: RpcSettings | None = None
@@ -160,12 +188,15 @@ def _deepep(seam: MoESeam, settings: BackendSettings) -> ExpertsClient:
 
 @dataclass(frozen=True)
 class ExpertSide:
-    """What one expert rank serves with, whatever the backend; each reads its share.
+    """What one expert rank serves with, whatever the backend. Each backend reads its share.
 
-    placement: every rank's experts; expert_fn: this rank's (`ExpertBank.forward`); rows:
-    what travels; ready: called once the rank serves, with the port it bound (0: none, a
-    lockstep backend's rank joined its world). world: the lockstep backends' settings;
-    listen: `rpc`'s (where to listen, what answers there).
+    - placement: every rank's experts.
+    - expert_fn: this rank's experts, as `ExpertBank.forward`.
+    - rows: what travels.
+    - ready: called once the rank serves, with the port it bound. The port is 0 when there
+      is none, because a lockstep backend's rank joined its world.
+    - world: the lockstep backends' settings.
+    - listen: `rpc`'s settings, saying where to listen and what answers there.
     """
 
     placement: Placement
@@ -228,7 +259,7 @@ def _serve_deepep(side: ExpertSide) -> None:
 
 
 def _join(side: ExpertSide, own: WorldSettings, backend: str) -> None:
-    """Join the world's process group (gloo or NCCL), then say the rank is ready."""
+    """Join the world's gloo or NCCL process group, then say the rank is ready."""
     from ep_dispatch.torch_dist import join as join_world
 
     join_world(own.world, own.rendezvous_timeout, backend, side.rows)
@@ -240,18 +271,22 @@ class Backend:
     """One dispatch backend: both sides and what it can do. Nothing outside this module
     compares a backend's name; callers ask these attributes.
 
-    client: the attention side, built from the model's `MoESeam` and the backend's own
-        settings (of the `BackendSettings` the flags gave).
-    serve: the expert side, run on each expert rank until stopped (`rpc`: a TCP listener,
-        `ep_dispatch/rpc_server.py`; the lockstep backends: their world's rounds). None:
-        there are no expert services (`local`).
-    collective: every rank moves in lockstep through collectives, so all start together
-        and no rank restarts alone. in_process: the experts live in the attention process.
-    cuda_only: moves CUDA tensors only. mxfp4_rows: moves W4A4's MXFP4 rows.
-    deepep_settings: takes the `--deepep-*` settings (and DeepEP's limits on them).
-    movable: moves experts between its expert ranks while serving (EPLB's rebalances).
-    mtp: its expert ranks hold a checkpoint's MTP layers too, which MTP drafts call
-        apart from a step's decoder layers (`deepep`'s rounds take the decoder's only).
+    client: the attention side. It is built from the model's `MoESeam` and the backend's
+        own settings, taken from the `BackendSettings` the flags gave.
+    serve: the expert side, run on each expert rank until stopped. For `rpc` it is a TCP
+        listener, `ep_dispatch/rpc_server.py`. The lockstep backends run their world's
+        rounds. None means there are no expert services, as with `local`.
+    collective: every rank moves in lockstep through collectives. So all ranks start
+        together, and no rank restarts alone.
+    in_process: the experts live in the attention process.
+    cuda_only: the backend moves CUDA tensors only.
+    mxfp4_rows: the backend moves W4A4's MXFP4 rows.
+    deepep_settings: the backend takes the `--deepep-*` settings, with DeepEP's limits
+        on them.
+    movable: the backend moves experts between its expert ranks while serving, for EPLB's
+        rebalances.
+    mtp: its expert ranks also hold a checkpoint's MTP layers. MTP drafts call those
+        apart from a step's decoder layers. `deepep`'s rounds take only the decoder's.
     """
 
     name: str
@@ -281,13 +316,16 @@ def available_backends() -> list[str]:
 
 
 def expert_side_backends() -> list[str]:
-    """The backends an expert service can serve (those with expert services)."""
+    """The backends an expert service can serve, which are those with expert services."""
     return sorted(name for name, b in _BACKENDS.items() if b.serve is not None)
 
 
 def backend(name: str, device: str = "cpu", quantization: str | None = None) -> Backend:
-    """The backend called `name`, or a clear error for an unknown one, or one that cannot
-    move `device`'s tensors or `quantization`'s rows."""
+    """The backend called `name`.
+
+    Raises a clear error for an unknown name, or for a backend that cannot move `device`'s
+    tensors or `quantization`'s rows.
+    """
     if name not in _BACKENDS:
         raise ValueError(
             f"unknown dispatch backend {name!r}; available: {', '.join(available_backends())}"
@@ -307,5 +345,8 @@ def backend(name: str, device: str = "cpu", quantization: str | None = None) -> 
 
 def create_experts_client(name: str, seam: MoESeam,
                           settings: BackendSettings = BackendSettings()) -> ExpertsClient:
-    """Build the attention side of the backend called `name` (`backend`'s errors)."""
+    """Build the attention side of the backend called `name`.
+
+    Raises the errors that `backend` raises.
+    """
     return backend(name, seam.device, seam.quantization).client(seam, settings)

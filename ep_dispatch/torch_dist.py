@@ -18,6 +18,18 @@ size), the rows themselves (`all_to_all_single` with the counts as splits), and 
 outputs back along the reverse splits. Combine applies the router weights on the
 attention side. Rows travel as `wire.RowFormat` says: the activations, or with w4a4 their
 MXFP4 bytes; every rank checks at start-up that all of them move the same rows.
+
+The lockstep protocol (`TorchExperts`, `serve_experts`) is written once over a two-operation
+`Collective` (a flag all-reduce and `all_to_all`), which `TorchCollective` and the `nccl`
+backend's `CupyNccl` implement. What a row is (`RowFormat`) is compared across every rank
+through the rendezvous store at start-up, as a mismatch would mis-size the all-to-alls and
+hang. The world's ranks are the attention ranks first, then the expert ranks, each expert
+joining as its `--world-rank`; a failure of any rank restarts the whole world
+(`switchyard.supervisor`). An MTP pass is a round of its own, which calls the MTP layer
+(`ModelConfig.served_moe_layers`): expert ranks serve every layer of the placement each
+round, in order, and a rank joins the layers it does not call with zero rows
+(`TorchExperts._join_until`), so ranks that draft and ranks that do not stay in step. Tested
+with gloo on the CPU.
 """
 
 from __future__ import annotations

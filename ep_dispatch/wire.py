@@ -1,4 +1,12 @@
-"""Tensors to and from their wire form (`common.messages.Tensor`)."""
+"""Tensors to and from their wire form (`common.messages.Tensor`).
+
+With w4a4 experts the attention side quantizes each token's activations before dispatch
+(`activation_rows`), so a routed row travels as `H/2 + H/32` bytes, which the expert service
+feeds straight into the W4A4 grouped SwiGLU. Such rows travel as they are with the `local`,
+`rpc`, `torch` and `nccl` backends: the collectives move `[T, H/2 + H/32]` uint8 rows and
+bring float outputs back (`RowFormat`). `rpc` sends tensors as raw bytes with their dtype
+and shape, copied to the host once for the wire.
+"""
 
 from __future__ import annotations
 

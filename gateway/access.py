@@ -1,13 +1,16 @@
-"""Who may call the gateway: API keys for the client endpoints, an admin key for the
-operator endpoints. A pure ASGI middleware, in front of every route.
+"""Who may call the gateway: API keys for the client endpoints, and an admin key for the
+operator endpoints. The check is a pure ASGI middleware in front of every route.
 
-- `/health` and `/metrics` stay open, as vLLM leaves them: probes and Prometheus call them.
-- The dashboard's page and its static files are open (they hold no data); its data is not.
-- Operator endpoints (`/eplb*`, `/stats`, the dashboards' `/data`) need an admin key where one is
-  configured. Without one they answer only while the gateway listens on loopback (403
-  otherwise, saying how to enable them), to the client keys if any.
-- Everything else (`/v1/*`, `/tokenize`, `/detokenize`, ...) needs a client key, or an
-  admin key, where any is configured.
+- `/health` and `/metrics` stay open, as vLLM leaves them, because probes and Prometheus
+  call them.
+- The dashboard's page and its static files are open because they hold no data. The
+  dashboard's data is not open.
+- Operator endpoints (`/eplb*`, `/stats`, the dashboards' `/data`) need an admin key where
+  one is configured. Without an admin key they answer only while the gateway listens on
+  loopback, and then they need a client key if any is configured. Beyond loopback they
+  answer 403, with a message that says how to enable them.
+- Everything else (`/v1/*`, `/tokenize`, `/detokenize`, ...) needs a client key or an
+  admin key, where any key is configured.
 
 Keys are compared in constant time, and never written to a log, a span or an error body.
 """
@@ -29,7 +32,7 @@ ADMIN_PREFIXES = ("/eplb/",)
 
 @dataclass(frozen=True)
 class Access:
-    """The keys the gateway takes (`repr` hides them) and whether it listens on loopback."""
+    """The keys the gateway accepts, and whether it listens on loopback. `repr` hides the keys."""
 
     api_keys: tuple[bytes, ...] = field(default=(), repr=False)
     admin_api_keys: tuple[bytes, ...] = field(default=(), repr=False)
@@ -54,7 +57,7 @@ def bearer(scope: Scope) -> bytes | None:
 
 
 def check(access: Access, path: str, key: bytes | None) -> GatewayError | None:
-    """Why a request for `path` with `key` is refused; None if it may go on."""
+    """Return the error that refuses a request for `path` with `key`, or None if it may go on."""
     if path in OPEN_PATHS or path.startswith(OPEN_PREFIXES):
         return None
     if path in ADMIN_PATHS or path.startswith(ADMIN_PREFIXES):

@@ -21,12 +21,14 @@ from starlette.routing import Route
 
 from common import tracing
 from gateway.access import KeyAuth
-from gateway.chat import create_chat_completion
-from gateway.completions import create_completion
-from gateway.config import DASHBOARD_HISTORY_S, GatewayConfig
-from gateway.dashboard.page import dashboard_routes
-from gateway.dashboard.recorder import Recorder
-from gateway.engine_pool import EnginePool
+from gateway.api.chat import create_chat_completion
+from gateway.api.completions import create_completion
+from gateway.api.openapi import openapi_json
+from gateway.api.protocol import ModelCard, ModelList
+from gateway.api.serving import Serving, json_response
+from gateway.api.tokenization import detokenize, tokenize
+from gateway.api.version import show_version
+from gateway.config import GatewayConfig
 from gateway.errors import (
     GatewayError,
     engine_unavailable,
@@ -34,12 +36,14 @@ from gateway.errors import (
     handle_http_exception,
     handle_unexpected,
 )
-from gateway.openai_protocol import ModelCard, ModelList
-from gateway.openapi import openapi_json
-from gateway.serving import Serving, json_response
-from gateway.tokenization import detokenize, tokenize
-from gateway.tokenizer import Tokenizer
-from gateway.version import show_version
+from gateway.observability.dashboard.page import dashboard_routes
+from gateway.observability.dashboard.recorder import Recorder, Settings, Sources
+from gateway.observability.metrics import Metrics
+from gateway.observability.request_log import RequestLog
+from gateway.observability.service_metrics import ServiceMetrics
+from gateway.routing.engine_pool import EnginePool
+from gateway.routing.rebalancer import Rebalancer
+from gateway.text.tokenizer import Tokenizer
 
 HEALTH_TIMEOUT_S = 5.0
 
@@ -58,14 +62,17 @@ async def list_models(serving: Serving, _: Request) -> Response:
 
 
 async def health(serving: Serving, _: Request) -> Response:
-    """GET /health: 200 once every attention group is connected and its warm-up generation
-    went through every expert rank, while each answers; the body lists each backing
-    service. A 503 says why not (a failed warm-up's error)."""
+    """GET /health: whether the gateway can serve.
+
+    It answers 200 once every attention group is connected, its warm-up generation has gone
+    through every expert rank, and each group still answers. The body lists each backing
+    service. Otherwise it answers 503 with the reason, such as a failed warm-up's error.
+    """
     if not serving.engine.all_connected:
         return engine_unavailable("not connected to every attention service").response()
     if problem := serving.engine.warmup_problem():
         return engine_unavailable(problem).response()
-    try:  # alive, not only connected
+    try:  # check that the groups are alive, not only connected
         groups = await serving.engine.group_stats(timeout=HEALTH_TIMEOUT_S)
     except GatewayError as exc:
         return exc.response()
@@ -74,22 +81,27 @@ async def health(serving: Serving, _: Request) -> Response:
     return json_response({"status": "ok", "attention": serving.engine.status(groups)})
 
 
-async def metrics(serving: Serving, _: Request) -> Response:
-    """GET /metrics: Prometheus text format; engine gauges are read now (skipped if down),
-    and the services' series (per-expert, dispatch) are scraped now and merged."""
+async def metrics(sources: Sources, _: Request) -> Response:
+    """GET /metrics, in Prometheus text format.
+
+    The engine gauges are read now, and skipped if the engine is down. The services' series,
+    such as per-expert and dispatch metrics, are scraped now and merged in.
+    """
     try:
-        stats = await serving.engine.stats() if serving.engine.all_connected else None
+        stats = await sources.engine.stats() if sources.engine.all_connected else None
     except GatewayError:
         stats = None
-    scrapes = await serving.services.scrape(fresh=True)
-    body = await anyio.to_thread.run_sync(serving.metrics.render, stats, scrapes)
+    scrapes = await sources.services.scrape(fresh=True)
+    body = await anyio.to_thread.run_sync(sources.metrics.render, stats, scrapes)
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
-async def eplb(serving: Serving, _: Request) -> Response:
-    """GET /eplb: expert load balancing's settings, the placement the last rebalance
-    moved to (None before one), and the last rebalances."""
-    rebalancer = serving.rebalancer
+async def eplb(rebalancer: Rebalancer, _: Request) -> Response:
+    """GET /eplb: the expert load balancing settings and the recent rebalances.
+
+    It also shows the placement the last rebalance moved to, which is None before the
+    first rebalance.
+    """
     return json_response({"enabled": rebalancer.config.enabled,
                           "interval_steps": rebalancer.config.interval,
                           "window_steps": rebalancer.config.window,
@@ -98,13 +110,17 @@ async def eplb(serving: Serving, _: Request) -> Response:
                           "rebalances": [dataclasses.asdict(r) for r in rebalancer.history]})
 
 
-async def eplb_rebalance(serving: Serving, request: Request) -> Response:
-    """POST /eplb/rebalance: move the experts now, to EPLB's placement of the window's
-    load, or to the body's `{"placement": {...}}` (a placement file's JSON). Answers
-    the rebalance's record once every group routes by it (an `error` in it: the old
-    placement still routes, e.g. one that does not fit the model), or
-    `{"rebalance": null}` where it is the one routed by already."""
-    rebalancer = serving.rebalancer
+async def eplb_rebalance(serving: Serving, rebalancer: Rebalancer, request: Request
+                         ) -> Response:
+    """POST /eplb/rebalance: move the experts now.
+
+    The experts move to EPLB's placement for the window's load, or to the placement in the
+    body, `{"placement": {...}}`, which holds a placement file's JSON. The answer is the
+    rebalance's record, sent once every group routes by the new placement. If the record
+    holds an `error`, the old placement still routes; for example, the new one may not fit
+    the model. If the placement is already the one in use, the answer is
+    `{"rebalance": null}`.
+    """
     if not rebalancer.config.enabled:
         raise GatewayError(400, "expert load balancing is off: start with --enable-eplb")
     body = await serving.read_body(request)
@@ -126,26 +142,35 @@ async def eplb_rebalance(serving: Serving, request: Request) -> Response:
 
 
 async def stats(serving: Serving, _: Request) -> Response:
-    """GET /stats: the engine's counters (running/waiting, KV blocks, per-expert load)."""
+    """GET /stats: the engine's counters: running and waiting requests, KV blocks, and
+    per-expert load."""
     return json_response(await serving.engine.stats())
 
 
 def build_app(config: GatewayConfig, engine_client: EnginePool,
               tokenizer: Tokenizer | None) -> Starlette:
-    """The ASGI app; its lifespan keeps the engine connection up while it serves."""
-    serving = Serving(config, engine_client, tokenizer)
-    recorder = Recorder(serving, config.dashboard_interval_s, DASHBOARD_HISTORY_S)
+    """Build the ASGI app. Its lifespan keeps the engine connection up while it serves."""
+    model = config.served_model_name
+    counters = Metrics(model)
+    sources = Sources(engine_client, counters, ServiceMetrics(config.service_metrics),
+                      Rebalancer(engine_client, config.eplb, counters.rebalanced), RequestLog())
+    serving = Serving(config, engine_client, tokenizer, sources.metrics, sources.requests)
+    recorder = Recorder(Settings(model, f"http://{config.host}:{config.port}",
+                                 config.dashboard_interval_s, config.dashboard_window_s,
+                                 config.otlp_ui_url), sources)
 
     @asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
         async with anyio.create_task_group() as tg:
             tg.start_soon(engine_client.run)
             tg.start_soon(recorder.run)
-            if config.eplb.enabled:  # (its window, also for rebalances asked for)
-                tg.start_soon(serving.rebalancer.run)
+            # The rebalancer keeps the load window, which rebalances on request need too.
+            if config.eplb.enabled:
+                tg.start_soon(sources.rebalancer.run)
             yield
             tg.cancel_scope.cancel()
-        tracing.shutdown()  # uvicorn re-raises SIGTERM after serving: atexit would not run
+        # uvicorn re-raises SIGTERM after serving, so atexit handlers would not run.
+        tracing.shutdown()
 
     routes = [
         Route("/v1/chat/completions", partial(create_chat_completion, serving), methods=["POST"]),
@@ -153,13 +178,14 @@ def build_app(config: GatewayConfig, engine_client: EnginePool,
         Route("/v1/models", partial(list_models, serving), methods=["GET"]),
         Route("/health", partial(health, serving), methods=["GET"]),
         Route("/stats", partial(stats, serving), methods=["GET"]),
-        Route("/eplb", partial(eplb, serving), methods=["GET"]),
-        Route("/eplb/rebalance", partial(eplb_rebalance, serving), methods=["POST"]),
+        Route("/eplb", partial(eplb, sources.rebalancer), methods=["GET"]),
+        Route("/eplb/rebalance", partial(eplb_rebalance, serving, sources.rebalancer),
+              methods=["POST"]),
         Route("/tokenize", partial(tokenize, serving), methods=["POST"]),
         Route("/detokenize", partial(detokenize, serving), methods=["POST"]),
         Route("/version", show_version, methods=["GET"]),
         Route("/openapi.json", openapi_json, methods=["GET"]),
-        Route("/metrics", partial(metrics, serving), methods=["GET"]),
+        Route("/metrics", partial(metrics, sources), methods=["GET"]),
         *dashboard_routes(recorder),
     ]
     handlers = {
@@ -168,7 +194,7 @@ def build_app(config: GatewayConfig, engine_client: EnginePool,
         Exception: handle_unexpected,
     }
     cors = config.cors
-    middleware = [  # CORS first: a browser's preflight carries no key
+    middleware = [  # CORS comes first because a browser's preflight carries no key
         Middleware(CORSMiddleware, allow_origins=list(cors.allowed_origins),
                    allow_methods=list(cors.allowed_methods),
                    allow_headers=list(cors.allowed_headers)),

@@ -19,18 +19,20 @@ from common.rpc import parse_address
 from common.units import parse_size
 from gateway.access import Access
 from gateway.generation_config import NEUTRAL, SamplingDefaults
-from gateway.prefix_affinity import POLICIES
-from gateway.rebalancer import EplbConfig
-from gateway.service_metrics import check_url
-from gateway.tools import TOOL_PARSERS
-
-DASHBOARD_HISTORY_S = 900.0  # what the dashboard keeps: its longest window
+from gateway.observability.dashboard.recorder import HISTORY_S
+from gateway.observability.service_metrics import check_url
+from gateway.parsers.registry import TOOL_PARSERS
+from gateway.routing.prefix_affinity import POLICIES
+from gateway.routing.rebalancer import EplbConfig
 
 
 @dataclass(frozen=True)
 class Tls:
-    """HTTPS (vLLM's flags, passed to uvicorn); no keyfile: plain HTTP. With `ca_certs`,
-    clients must present a certificate it signed (`cert_reqs` ssl.CERT_REQUIRED)."""
+    """HTTPS, set with vLLM's flags and passed to uvicorn.
+
+    Without a keyfile the gateway serves plain HTTP. With `ca_certs` and `cert_reqs` set to
+    ssl.CERT_REQUIRED, clients must present a certificate signed by those CAs.
+    """
 
     keyfile: Path | None = None
     certfile: Path | None = None
@@ -40,7 +42,7 @@ class Tls:
 
 @dataclass(frozen=True)
 class Cors:
-    """Cross-origin browser access (vLLM's flags); no origin allowed by default."""
+    """Cross-origin browser access, set with vLLM's flags. By default no origin is allowed."""
 
     allowed_origins: tuple[str, ...] = ()
     allowed_methods: tuple[str, ...] = ("*",)
@@ -69,22 +71,23 @@ class GatewayConfig:
     dashboard_window_s: float = 60.0  # the window /dashboard shows first
     dashboard_interval_s: float = 5.0  # between the dashboard's readings
     otlp_ui_url: str | None = None  # a trace's page, with {trace_id}
-    # What a request leaves out: the model's generation_config.json (--generation-config)
+    # Sampling defaults for what a request leaves out, for example from the model's
+    # generation_config.json. Set with --generation-config.
     sampling_defaults: SamplingDefaults = NEUTRAL
-    # How the model writes tool calls (the parser that reads them out of text for
-    # tool_choice "auto", when enabled; the call ids it takes back, always)
+    # How the model writes tool calls. When auto tool choice is enabled, this parser reads
+    # the calls out of the text for tool_choice "auto". Its call ids are used always.
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
-    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details (vLLM's)
+    enable_prompt_tokens_details: bool = False  # report usage.prompt_tokens_details, as vLLM does
     routing_policy: str = "prefix-affinity"  # which attention group takes a request
     routing_balance: int = 16  # requests in flight a group may have above the least busy
-    failover_timeout_s: float = 60.0  # for a group to take over a dead group's request
+    failover_timeout_s: float = 60.0  # how long a dead group's request waits for a new group
     eplb: EplbConfig = field(default_factory=EplbConfig)  # expert load balancing (EPLB)
     access: Access = field(default_factory=Access)  # API keys (`gateway.access`)
     tls: Tls = field(default_factory=Tls)
     cors: Cors = field(default_factory=Cors)
-    secret: ClusterSecret = NO_SECRET  # what the connections to attention services prove
-    link_timeout_s: float = 5.0  # silent this long, an attention service is gone
+    secret: ClusterSecret = NO_SECRET  # proven on connections to attention services
+    link_timeout_s: float = 5.0  # an attention service silent this long is gone
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -126,8 +129,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def add_serve_flags(p: argparse.ArgumentParser) -> None:
-    """The gateway's flags that `switchyard serve` takes too (and passes on with
-    `serve_flags`)."""
+    """Add the gateway's flags that `switchyard serve` also takes.
+
+    `serve` passes them on to the gateway with `serve_flags`.
+    """
     add_tool_call_flags(p)
     p.add_argument("--max-request-body-size", type=parse_size,
                    default=parse_size(env("MAX_REQUEST_BODY_SIZE", "16MiB")),
@@ -167,7 +172,7 @@ def add_dashboard_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dashboard-window", type=float,
                    default=float(env("DASHBOARD_WINDOW") or 60),
                    help="seconds of recent load /dashboard shows until another window is "
-                        f"chosen (at most {DASHBOARD_HISTORY_S:g})")
+                        f"chosen (at most {HISTORY_S:g})")
     p.add_argument("--dashboard-interval", type=float,
                    default=float(env("DASHBOARD_INTERVAL") or 5),
                    help="seconds between the dashboard's readings of every service (its "
@@ -180,9 +185,12 @@ def add_dashboard_flags(p: argparse.ArgumentParser) -> None:
 
 
 def dashboard_flags(args: argparse.Namespace) -> list[str]:
-    """`add_dashboard_flags`' flags as given; a ValueError for a value out of range."""
-    if not 0 < args.dashboard_window <= DASHBOARD_HISTORY_S:
-        raise ValueError(f"--dashboard-window must be in (0, {DASHBOARD_HISTORY_S:g}] seconds")
+    """Return the flags of `add_dashboard_flags` as given.
+
+    Raises ValueError for a value out of range.
+    """
+    if not 0 < args.dashboard_window <= HISTORY_S:
+        raise ValueError(f"--dashboard-window must be in (0, {HISTORY_S:g}] seconds")
     if not 0 < args.dashboard_interval <= 60:
         raise ValueError("--dashboard-interval must be in (0, 60] seconds")
     if args.otlp_ui_url is not None:
@@ -195,8 +203,11 @@ def dashboard_flags(args: argparse.Namespace) -> list[str]:
 
 
 def add_access_flags(p: argparse.ArgumentParser) -> None:
-    """Who may call the gateway: keys, TLS and CORS, as vLLM's flags (`serve` takes them
-    too, and gives the keys to its gateway through the environment, not its command line)."""
+    """Add the flags for who may call the gateway: API keys, TLS and CORS, as in vLLM.
+
+    `serve` takes them too. It gives the keys to its gateway through the environment,
+    not on its command line.
+    """
     p.add_argument("--api-key", action="append", default=None,
                    help="a key clients must send as 'Authorization: Bearer <key>' to every "
                         "endpoint but /health and /metrics (repeatable; "
@@ -229,7 +240,7 @@ def _keys(given: list[str] | None, variable: str) -> tuple[bytes, ...]:
 
 
 def _names(text: str) -> tuple[str, ...]:
-    """A JSON list of strings (vLLM's form) or a comma-separated one."""
+    """Parse a JSON list of strings, the form vLLM takes, or a comma-separated list."""
     if text.lstrip().startswith("["):
         items = json.loads(text)
         if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
@@ -239,7 +250,10 @@ def _names(text: str) -> tuple[str, ...]:
 
 
 def access_settings(args: argparse.Namespace, host: str) -> tuple[Access, Tls, Cors]:
-    """The access flags as the gateway's settings (a ValueError naming a bad one)."""
+    """Turn the access flags into the gateway's settings.
+
+    Raises ValueError naming a bad flag.
+    """
     access = Access(_keys(args.api_key, "API_KEY"), _keys(args.admin_api_key, "ADMIN_API_KEY"),
                     loopback=is_loopback(host))
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
@@ -264,8 +278,10 @@ def access_settings(args: argparse.Namespace, host: str) -> tuple[Access, Tls, C
 
 
 def access_flags(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
-    """The access flags as given, for a launcher to pass on: (flags, environment); the
-    keys go in the environment, where `ps` does not show them."""
+    """Return the access flags as given, as (flags, environment), for a launcher to pass on.
+
+    The keys go in the environment, where `ps` does not show them.
+    """
     flags = [f for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs")
              if getattr(args, name) for f in (f"--{name.replace('_', '-')}",
                                                str(Path(getattr(args, name)).resolve()))]
@@ -282,7 +298,7 @@ def access_flags(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
 
 
 def add_eplb_flags(p: argparse.ArgumentParser) -> None:
-    """Expert load balancing while serving (vLLM's and SGLang's EPLB flags)."""
+    """Add the flags for expert load balancing (EPLB) while serving, as in vLLM and SGLang."""
     p.add_argument("--enable-eplb", action="store_true", default=env_switch("ENABLE_EPLB"),
                    help="move experts between the expert services by their measured load "
                         "while serving (rpc dispatch backend): every --eplb-interval steps, "
@@ -305,7 +321,7 @@ def add_eplb_flags(p: argparse.ArgumentParser) -> None:
 
 
 def eplb_config(args: argparse.Namespace) -> EplbConfig:
-    """The EPLB flags as one config (a ValueError for a value out of range)."""
+    """Collect the EPLB flags into one config. Raises ValueError for a value out of range."""
     if args.eplb_interval < 0 or args.eplb_window < 1 or args.num_redundant_experts < 0 \
             or args.eplb_num_nodes < 1 or (args.eplb_num_groups or 1) < 1:
         raise ValueError("--eplb-interval and --num-redundant-experts must not be negative; "
@@ -327,8 +343,11 @@ def eplb_flags(args: argparse.Namespace) -> list[str]:
 
 
 def serve_flags(args: argparse.Namespace) -> list[str]:
-    """`add_serve_flags`' flags as given (a ValueError as `tool_call_flags`, or for a
-    negative balance)."""
+    """Return the flags of `add_serve_flags` as given.
+
+    Raises ValueError where `tool_call_flags` does, and for a negative routing balance or
+    failover timeout.
+    """
     if args.routing_balance < 0 or args.failover_timeout < 0:
         raise ValueError("--routing-balance and --failover-timeout must not be negative")
     return [*tool_call_flags(args),
@@ -343,7 +362,7 @@ def serve_flags(args: argparse.Namespace) -> list[str]:
 
 
 def add_tool_call_flags(p: argparse.ArgumentParser) -> None:
-    """vLLM's flags for tool_choice "auto" (gateway and serve)."""
+    """Add vLLM's flags for tool_choice "auto". Both the gateway and `serve` take them."""
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    default=env_switch("ENABLE_AUTO_TOOL_CHOICE"),
                    help="serve tool_choice \"auto\" (the default with tools), reading calls "
@@ -355,8 +374,11 @@ def add_tool_call_flags(p: argparse.ArgumentParser) -> None:
 
 
 def tool_call_flags(args: argparse.Namespace) -> list[str]:
-    """Those flags as given, for a launcher to pass on; a ValueError if auto tool choice
-    is enabled without a parser, or the parser (maybe from the environment) is unknown."""
+    """Return the tool-call flags as given, for a launcher to pass on.
+
+    Raises ValueError if auto tool choice is enabled without a parser, or if the parser is
+    unknown. The parser may come from the environment.
+    """
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     if args.tool_call_parser is not None and args.tool_call_parser not in TOOL_PARSERS:
@@ -367,7 +389,7 @@ def tool_call_flags(args: argparse.Namespace) -> list[str]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
-    """Build the config from command-line flags (and `SWITCHYARD_*` defaults)."""
+    """Build the config from command-line flags, with defaults from `SWITCHYARD_*`."""
     parser = _parser()
     args = parser.parse_args(argv)
     try:

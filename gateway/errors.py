@@ -20,7 +20,7 @@ def _error_type(status: int) -> str:
 
 
 class ErrorDetail(msgspec.Struct):
-    """The `error` object of an OpenAI error body; `code` repeats the HTTP status."""
+    """The `error` object of an OpenAI error body. Its `code` repeats the HTTP status."""
 
     message: str
     type: str
@@ -63,7 +63,7 @@ def bad_request(message: str, param: str | None = None) -> GatewayError:
 
 
 def engine_unavailable(reason: str) -> GatewayError:
-    """A 503: the engine is not (or no longer) reachable; retrying later may work."""
+    """A 503 for an engine that is not reachable, or no longer is. Retrying later may work."""
     return GatewayError(503, f"The engine is unavailable: {reason}")
 
 

@@ -1,9 +1,10 @@
 """The model's recommended sampling defaults, from its `generation_config.json`.
 
-As vLLM's `--generation-config auto` (its default): a request that leaves a parameter out
-gets the model creator's value instead of the neutral one. Only the values that differ
-from transformers' `GenerationConfig` defaults count (vLLM reads them through
-`to_diff_dict()`); `vllm` keeps the neutral defaults; a directory reads its file instead.
+This works like vLLM's default, `--generation-config auto`. A request that leaves a
+parameter out gets the model creator's value instead of the neutral one. Only the values
+that differ from the defaults of transformers' `GenerationConfig` count, because vLLM
+reads them through `to_diff_dict()`. The source `vllm` keeps the neutral defaults. A
+directory as the source means reading the file in that directory instead.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# transformers 4's GenerationConfig defaults (the version vLLM pins): a file repeating one
-# of these changes nothing.
+# The GenerationConfig defaults of transformers 4, the version that vLLM pins. A file that
+# repeats one of these changes nothing.
 _HF_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 50,
                                 "min_p": None, "repetition_penalty": 1.0,
                                 "max_new_tokens": None}
@@ -23,22 +24,25 @@ _HF_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 50,
 
 @dataclass(frozen=True)
 class SamplingDefaults:
-    """What a request that omits the parameter gets; None: the neutral default."""
+    """What a request that omits a parameter gets. None means the neutral default."""
 
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    max_tokens: int | None = None  # generation_config's max_new_tokens: caps every request
+    max_tokens: int | None = None  # max_new_tokens from the file; it caps every request
 
     @classmethod
     def load(cls, source: str, model_dir: Path) -> SamplingDefaults:
-        """`source`: "auto" (the model directory's file), "vllm" (none) or a directory.
+        """Load the defaults from `source`.
+
+        `source` is "auto" for the file in the model directory, "vllm" for no defaults, or
+        a directory that holds the file.
 
         Raises:
-            ValueError: the file is not a JSON object, or a value has the wrong type or is
-                out of the range a request's own would have to be in.
+            ValueError: if the file is not a JSON object, or if a value has the wrong type
+                or lies outside the range that a request's own value must be in.
         """
         if source == "vllm":
             return cls()
@@ -65,8 +69,10 @@ class SamplingDefaults:
         return defaults
 
     def check(self) -> None:
-        """The ranges the engine takes (vLLM's), so that no request fails for a default
-        it never asked for."""
+        """Check the values against the ranges the engine takes, which are vLLM's.
+
+        This way no request fails because of a default it never asked for.
+        """
         ranges = {"temperature": (self.temperature, 0.0, math.inf),
                   "top_p": (self.top_p, 1e-9, 1.0), "top_k": (self.top_k, -1, math.inf),
                   "min_p": (self.min_p, 0.0, 1.0),
@@ -77,11 +83,11 @@ class SamplingDefaults:
                 raise ValueError(f"{name} {value} is out of range")
 
     def describe(self) -> str:
-        """e.g. "temperature=0.6, top_k=20" (what differs from the neutral defaults)."""
+        """Describe what differs from the neutral defaults, such as "temperature=0.6, top_k=20"."""
         return ", ".join(f"{k}={v}" for k, v in vars(self).items() if v is not None)
 
 
-NEUTRAL = SamplingDefaults()  # vLLM's `--generation-config vllm`
+NEUTRAL = SamplingDefaults()  # what vLLM's `--generation-config vllm` gives
 
 
 def _number(given: dict[str, Any], key: str, kind: type) -> Any:

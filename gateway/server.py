@@ -13,18 +13,19 @@ from common.metrics import report_ready
 from common.tracing import setup_tracing
 from gateway.app import build_app
 from gateway.config import GatewayConfig, parse_args
-from gateway.engine_pool import EnginePool
-from gateway.tokenizer import Tokenizer
+from gateway.routing.engine_pool import EnginePool
+from gateway.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """A listening socket; binding ourselves lets port 0 pick a port we can then report."""
+    """Open a listening socket. Binding it ourselves lets port 0 pick a port we can report."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # IPPROTO_TCP explicitly (create_server passes 0): asyncio turns Nagle off only for
-    # sockets whose proto says TCP, and with Nagle on every keep-alive response waited
-    # ~40 ms for the client's delayed ACK (measured: 43.8 -> 1.4 ms median at 200 req/s).
+    # Pass IPPROTO_TCP explicitly, where create_server passes 0. asyncio turns Nagle off
+    # only for sockets whose proto says TCP. With Nagle on, every keep-alive response waited
+    # about 40 ms for the client's delayed ACK. At 200 req/s the measured median fell from
+    # 43.8 ms to 1.4 ms.
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

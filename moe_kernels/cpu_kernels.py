@@ -7,7 +7,52 @@ use. A machine that cannot build them runs
 the torch path, and says why once; `SWITCHYARD_CPU_KERNELS=0` chooses the torch path.
 `SWITCHYARD_CPU_KERNELS_PREBUILT` names a read-only folder of builds made beforehand (an
 image's), looked in first: apart from the extension cache, where compose mounts a volume
-that Docker would otherwise fill from the image as each container is created."""
+that Docker would otherwise fill from the image as each container is created.
+
+The W4A4 grouped SwiGLU (`csrc/w4a4_cpu.cpp`) is one call per layer over every local expert,
+reading MXFP4 bytes (4.25 bits a weight, never a float copy). The activations are decoded
+once per call to int8, and each 32-block multiplied exactly in integers (doubled E2M1 values
+are integers up to 12: AVX2's `vpshufb` maps codes to magnitudes and signs,
+`vpmaddubsw`/`vpmaddwd` sum the products in 16 and 32 bits; AVX-512 without VNNI takes two
+blocks at a time), then scaled by the two blocks' powers of two; only the float sum over
+blocks rounds. It re-quantizes the SwiGLU output before the down projection, and its
+quantizer (on the attention side too, `selection.quantize_fused`) is bit for bit
+`mxfp4.quantize`. With AVX512-VNNI (and K a multiple of 128) the weights are re-ordered once
+at load into MXFP4 panels (`panels.MXFP4Panels`, by the kernel's own `w4a4_panels`), so a
+register block of 4 columns reads one sequential stream (read as stored, 4 interleaved
+streams a row apart, the prefetchers followed poorly). One load gives a column's four
+blocks; `vpermb` maps codes to doubled value + 12 (unsigned); `vpdpbusd` multiplies them by
+the signed activations, starting from the activations' -12 x lane sums (kept with the
+decoded rows), so the integer sums are exact; the 4 columns' lanes are summed per block in
+integers, and one convert and one multiply by the blocks' scales (`vscalefps` from the E8M0
+bytes) serve all 4.
+
+A layer's call is two parallel loops over every expert's tiles at once, with no barrier per
+expert (a decode step gives most experts 1 to 4 rows): 32 gate and 32 up columns, ending in
+their SwiGLU and its re-quantized 32-block, then down columns; the float32 grouped kernel is
+built the same way. Each expert's `start, end` is then its share of the call (its tiles'
+time over the threads, laid end to end from the call's start), not an interval of its own.
+
+The float32 experts, the dense projections and lm_head run `csrc/f32_cpu.cpp` over float32
+panels (`panels`, by `selection.panels_for_cpu`, in `ExpertBank` and `DenseModel`): each
+task streams its panels as one sequential read and multiplies them as outer products in a 6
+x 64 register tile (AVX-512; 2 x 32 on AVX2), so a decode step's few rows run at the
+memory's bandwidth and a batch's or a prefill's at the FMA units' rate; the experts' gate
+and up panels are multiplied together and SwiGLU applied in the same task. The int8 linear
+is `csrc/int8_cpu.cpp` (`moe_kernels.int8`). The layer math has its kernels too
+(`csrc/layers_cpu.cpp`, called by `services/model/layers.py`: RMSNorm, and the q/k per-head
+RMSNorm with rotary embedding from the stacked qkv in one call, where torch runs 6 to 24
+small operations; `ep_dispatch.layout.combine`'s weighted sum in float32; the router's
+softmax, top-k and renormalisation, `route_f32`; the dispatch layout's sort,
+`sort_rows_cpu`, a counting sort). Decode attention is `csrc/attention_cpu.cpp`. At a decode
+step on its own cache the whole attention block of a layer is one call
+(`csrc/decode_layer_cpu.cpp`, `DenseModel.attention_block`: norm, qkv, rotary, KV write,
+attention, o, residual add, norm; the same kernels, the same bits), because the Python
+between kernels ran with cold caches after each weight stream and cost about a fifth of a
+batch-1 step; the compiled attention blocks read the int8 panels too, so a decode layer
+stays one call. With the `local` backend a MoE layer is one call as well
+(`csrc/moe_layer_cpu.cpp`, `ep_dispatch.local`).
+"""
 
 from __future__ import annotations
 

@@ -7,6 +7,8 @@ channel, the scheme's CPU form, `moe_kernels.int8`, has the same granularity).
 transposed), K and N multiples of 16, and scales a [M, 1] and b [1, N] (rowwise). Weights
 whose K is no multiple of 16 stay in the model's dtype (`fp8_weights` says which); N is
 padded at load.
+
+`benchmarks/gpu_check.py` checks it where a GPU is lent.
 """
 
 from __future__ import annotations

@@ -1,5 +1,9 @@
 """Grouped SwiGLU expert FFN over tokens already sorted by expert: float (bf16/float32) and
-W4A4 MXFP4, torch paths for any device."""
+W4A4 MXFP4, torch paths for any device.
+
+The W4A4 torch path decodes to float32 and runs float32 matmuls: the products are exact, so
+the Triton kernel matches it bit for bit under the interpreter.
+"""
 
 from __future__ import annotations
 

@@ -4,6 +4,16 @@ variant and tiles that a sweep on that GPU measured fastest. `python -m
 benchmarks.gpu_mxfp4 --sweep --write-config` writes the file for the GPU it ran on. A GPU
 without a file runs `KernelConfig()`'s defaults. This module imports neither triton nor
 CUDA, so configuration files are checked anywhere.
+
+A config names the variant and its tiles, or the other route for the FFN: both operands
+decoded to bf16 in one pass each, then `torch._grouped_mm` (`grouped_swiglu_w4a4_bf16`, for
+many tokens per expert). The key is the most rows any expert has, and the nearest row count
+on a log scale picks the entry. `benchmarks/gpu_check.py` writes a file too. A config this
+Triton cannot compile falls back to the in-kernel decode (`services/model/experts.py`). An
+entry in the bf16x2 layout makes the expert bank convert every layer's weights once, at
+load, and keep them beside the MXFP4 ones (a second copy); weights it cannot scale exactly
+(a block scale above 2**1, i.e. a weight of 16 or more) fall back the same way. The bundled
+H200 table is run 3's sweep (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -39,6 +39,12 @@ and truncates casts to bfloat16: the tests teach it all three (tests/support/tri
 so they run every variant as written, the asm text included; a GPU run checks the hardware.
 Either operand can be the MMA's left one (`swap_ab`), and K can be split over programs
 (`split_k`).
+
+The grid is E x cdiv(max rows, block_n) tiles when the caller knows its counts, else a tile
+schedule built on the device. The activations' quantizer on CUDA is one Triton kernel too
+(`quantize_mxfp4`, where the torch one runs 58 tensor operations): byte for byte the same as
+`mxfp4.quantize` under the interpreter, not yet run on a GPU. Which variant and tiles run is
+`kernel_configs`'.
 """
 
 from __future__ import annotations

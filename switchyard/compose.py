@@ -15,6 +15,17 @@ puts every service on the host's network (compose's `network_mode: host`): each 
 on 127.0.0.1 on ports of its own, and finds the others there rather than by name; the
 gateway on `${SWITCHYARD_HOST:-0.0.0.0}`; Prometheus scrapes them there (the CPU demo,
 on the gateway's port, has no job of its own).
+
+Healthchecks are `switchyard probe`'s (HTTP 200, or an `InfoRequest` answered over the
+service's own protocol), and the start order is `depends_on: service_healthy`: the experts,
+then a DCP group's ranks together, then the gateway. GPU services share `ipc: host` and
+NCCL's ulimits. The compose file only names by host and fixed port the services `switchyard
+serve` starts as local processes: `tests/e2e/test_compose.py` runs the file's Switchyard
+services as local processes to prove it (docs/deploy.md), and `tests/e2e/test_docker.py`
+runs a `--device cpu --network host` stack, and the `cpu` profile, under a real Docker
+engine, on images `scripts/docker-prepare` builds on a local Debian base (no registry
+image). Each container's restart policy, and the out-of-step exit (status 3), bring a
+collective backend's world up again one container at a time.
 """
 
 from __future__ import annotations

@@ -19,6 +19,10 @@ Each service listens on every address of its pod and is reached by its name; eac
 proves the cluster secret (the Secret `switchyard-cluster-secret`) on its connections.
 A real cluster adds the LWS controller, the NVIDIA GPU operator, and for NCCL across
 nodes, RDMA (docs/deploy.md).
+
+A ConfigMap holds the deployment's settings. A collective backend's world is one
+LeaderWorkerSet group. Every internal connection fails within `--link-timeout` when a link
+between nodes is cut (`common.rpc.set_liveness`), so the crash failover runs.
 """
 
 from __future__ import annotations

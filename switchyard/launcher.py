@@ -6,6 +6,25 @@ printed, which it does once a warm-up generation went through every attention gr
 every expert rank (a failed warm-up stops `serve`, naming the service and its error).
 Ctrl-C or SIGTERM stops every child; children also die with the launcher
 (PR_SET_PDEATHSIG), so none is orphaned.
+
+Each service is given fixed ports, so that it is found again after a restart, and writes its
+bound port and its `/metrics` port to the pipe named by `--ready-fd`. The expert services
+start first, then the attention groups (given the experts' addresses), then the gateway
+(given the groups' addresses). With the `torch`, `nccl` or `deepep` backend the expert and
+attention ranks start together, because their rendezvous needs every rank. A failed warm-up
+stops `serve` with exit status 1, and its error names the attention service and, through the
+engine's error, the expert rank and its cause.
+
+The flags (backend, device, quantization, placement, DeepEP's limits) are checked before
+anything starts. torch is imported only where the launcher asks about a CUDA device, about
+DeepEP's limits or about W4A4's block sizes (`--quantization w4a4`): the config modules,
+`ep_dispatch.registry`, `placement` and `deepep_config` import torch where a tensor is made,
+not at import. Serving float experts on the CPU, neither the launcher nor the gateway maps
+libtorch (tested), which saves each `serve` about 2 s of start-up.
+
+A `--port 0` is resolved to a free port at start, so the URL printed stays true when the
+gateway is started again. The restart policy is `switchyard.supervisor`'s; `_restart_units`
+here kills a unit's surviving members (SIGKILL) and starts the unit again together.
 """
 
 from __future__ import annotations
@@ -31,8 +50,8 @@ from ep_dispatch.deepep_config import deepep_settings
 from ep_dispatch.placement import Placement, make_placement
 from ep_dispatch.registry import Backend, backend
 from gateway.config import access_flags, access_settings, eplb_config, serve_flags
-from gateway.engine_pool import WARMUP_FAILED
 from gateway.generation_config import SamplingDefaults
+from gateway.routing.engine_pool import WARMUP_FAILED
 from services.attention.config import check_cuda_graphs
 from services.model.config import CheckpointError, ModelConfig, check_quantization
 from switchyard.children import Children, StartupError

@@ -10,6 +10,11 @@ experts go to their replicas or the attention services hold their steps (a gatew
 dies loses its clients' connections, and comes back on its port). A child with no unit,
 and any that exits cleanly, ends the topology. Every child keeps being watched while a
 unit restarts.
+
+The units are: an `rpc` expert service, and an attention group without DCP, each a unit of
+one; a DCP group's ranks, one unit; a collective backend's world (every attention and expert
+rank), one unit; and the gateway, a unit of one. A service that cannot start at all, at
+`serve`'s start, stops them all too.
 """
 
 from __future__ import annotations

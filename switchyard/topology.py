@@ -12,6 +12,12 @@ rejoin; Kubernetes makes each unit a LeaderWorkerSet group, recreated whole
 (`RecreateGroupOnPodRestart`), as `serve` restarts a DCP group whole. With a collective
 dispatch backend (torch, nccl, deepep) the attention ranks and the expert ranks are one
 world (`Topology.world`), one unit.
+
+A rendering subclasses `Place` to spell the placeholders: `switchyard serve` as local
+processes on loopback, on ports chosen at start; compose by service name and port;
+Kubernetes by DNS name and the pod's own variables (`$(POD_INDEX)`, `$(LWS_WORKER_INDEX)`,
+`$(LWS_LEADER_ADDRESS)`). A collective backend's world lists the attention ranks first, then
+the expert ranks, each expert joining as its `--world-rank`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,13 @@
 """A step's plan: the new tokens of each scheduled sequence, its block tables, and the
 rows whose logits are sampled; its `StepBatch` is `dcp.batch.build_rank_batch`'s (a
-single rank's with `Sharding(1, 1)`)."""
+single rank's with `Sharding(1, 1)`).
+
+The attention strategy's `batch()` (`dcp.strategy`, over `dcp.batch.build_rank_batch`; a DCP
+leader first sends its peers the plan) flattens the step's tokens `[T]`, positions, KV slots
+to write, and attention metadata: decodes, and the short chunks of speculation's verify
+steps (a row each, over the keys up to its position), are attended as one padded batch,
+prefill chunks one by one.
+"""
 
 from __future__ import annotations
 

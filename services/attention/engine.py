@@ -1,5 +1,35 @@
 """The engine core of an attention service: requests in, token deltas out, one step at a
-time. What runs the model over a step is the `ModelRunner` (`runner.py`)."""
+time. The `ModelRunner` in `runner.py` runs the model over a step.
+
+`Engine.step` is the hot loop. Each step goes as follows.
+
+1. The scheduler in `scheduler.py` picks the step's chunks.
+2. The runner plans the step with `batch.py`, then with the attention strategy's batch.
+   It runs `DenseModel.forward` and takes logits only for the rows that sample. For
+   requests that ask for prompt logprobs, it also takes the prompt rows of their chunks.
+3. `sampler.py` draws the tokens.
+4. The spans whose every token's KV is now computed join the prefix cache.
+5. The stop conditions are checked: EOS unless `ignore_eos`, `stop_token_ids`,
+   `max_tokens`, and the context limit. Finished sequences return their blocks at once.
+
+Prompt logprobs are vLLM's `prompt_logprobs`, and `echo` with `logprobs`. `_score_prompts`
+scores them as the prompt's chunks run. The rows already computed go through `lm_head` in
+slices of at most 2^25 logits, once per position even after a preemption. The scores are
+sent with the first token.
+
+A step that raises fails only the sequences it ran, with `StepFailed`. The waiting and
+unscheduled sequences go on. The error deltas become a retryable 503 at the gateway. They
+carry the root causes from `common.failures`, and the engine logs the traceback once. Some
+requests are refused alone rather than failed with their batch: those whose `add` raises,
+and those whose sampling parameters would make `sample()` raise. Such parameters are stop
+ids or logprobs beyond the vocabulary, and values outside vLLM's ranges.
+
+Some ranks run in lockstep with peers: those of the `torch`, `nccl` and `deepep` backends,
+and those of a DCP group. If a step fails on such a rank, for example because a DCP peer
+died, the rank is out of step. It answers none of its requests, and the service exits with
+status 3. Its peers wait in collectives that it will never join, and only a new world can
+pair up again.
+"""
 
 from __future__ import annotations
 
@@ -39,8 +69,9 @@ from services.attention.warmup import warmup_prompt
 from services.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
-# Served TPOT against this is the serving overhead (benchmarks.serving): the step's own
-# time, its exchanges with expert services included, and nothing of the server around it.
+# The served TPOT minus this time is the serving overhead, as benchmarks.serving measures
+# it. This is the step's own time, including its exchanges with expert services, and none
+# of the server around it.
 _STEP_SECONDS = Histogram(
     "switchyard:engine_step_seconds",
     "One engine step with sequences scheduled (forward, exchanges, sampling, drafting); "
@@ -52,8 +83,11 @@ _STEP_KINDS = {True: _STEP_SECONDS.labels("decode"), False: _STEP_SECONDS.labels
 
 
 class StepFailed(RuntimeError):
-    """A step raised (`__cause__`): the sequences it ran, `request_ids`, are to be failed
-    with this error's text, the cause's root causes; the others were not touched."""
+    """A step raised the exception in `__cause__`.
+
+    The sequences it ran, `request_ids`, are to be failed with this error's text, which
+    holds the cause's root causes. The other sequences were not touched.
+    """
 
     def __init__(self, cause: Exception, request_ids: list[str]) -> None:
         super().__init__(root_causes(cause))
@@ -62,8 +96,10 @@ class StepFailed(RuntimeError):
 
 @dataclass(frozen=True)
 class EngineParts:
-    """What `build_engine` makes of a config: the pieces an `Engine` steps over (`runner`
-    runs the model over a step)."""
+    """What `build_engine` makes of a config: the pieces an `Engine` steps over.
+
+    `runner` runs the model over a step.
+    """
 
     config: AttentionConfig
     model_config: ModelConfig
@@ -75,14 +111,14 @@ class EngineParts:
     scheduler: Scheduler
     grammars: Grammars
     max_model_len: int
-    mtp: MtpWeights | None = None  # the checkpoint's MTP layer, where it drafts
+    mtp: MtpWeights | None = None  # the checkpoint's MTP layer, if it drafts
 
 
 class Engine:
     """Continuous-batching generation over a paged KV cache.
 
     Not thread-safe: the service calls `add`, `abort` and `step` from one thread at a time.
-    Built from a config, checks and wiring included, by `builder.build_engine`.
+    `builder.build_engine` builds it from a config, including the checks and wiring.
     """
 
     def __init__(self, parts: EngineParts) -> None:
@@ -93,18 +129,22 @@ class Engine:
         self.grammars, self.max_model_len = parts.grammars, parts.max_model_len
         self._seqs: dict[str, Sequence] = {}
         self.num_aborted = 0
-        self.num_steps = 0  # that ran sequences (a rebalance's window counts them)
-        self._accepted = 0  # drafts accepted by the step's verification (for its span)
-        self._stepping = threading.Lock()  # held by a step; close() waits for it
-        self._closed = False  # then a step (a worker thread that started late) does nothing
+        self.num_steps = 0  # steps that ran sequences; a rebalance's window counts them
+        self._accepted = 0  # drafts accepted by the step's verification, for its span
+        self._stepping = threading.Lock()  # held by a step, and close() waits for it
+        # Once closed, a step does nothing. Such a step is a worker thread that started late.
+        self._closed = False
         spec, mtp = parts.config.speculative, parts.mtp
         self.speculator = Speculator(spec, self.max_model_len, MtpProposer(
             mtp, self.runner, self.block_manager) if mtp else None) if spec else None
 
     def close(self, timeout: float = 30.0) -> None:
-        """Leave the experts and the DCP group, once a step that another thread still runs
-        has ended (a service cancelled on a signal abandons its step's thread): closing
-        them under it would pair its exchanges with the stop message."""
+        """Leave the experts and the DCP group.
+
+        This waits until a step that another thread still runs has ended. A service
+        cancelled on a signal abandons its step's thread. Closing under that step would
+        pair its exchanges with the stop message.
+        """
         idle = self._stepping.acquire(timeout=timeout)
         if not idle:
             log.warning("closing under a step that did not end within %.0f s", timeout)
@@ -116,8 +156,10 @@ class Engine:
                 self._stepping.release()
 
     def heartbeat(self) -> None:
-        """Idle: the attention strategy's heartbeat (a DCP leader's to its peers), between
-        steps; raises if a peer is gone."""
+        """Send the attention strategy's heartbeat while idle between steps.
+
+        For a DCP leader, this is its heartbeat to its peers. Raises if a peer is gone.
+        """
         with self._stepping:
             if not self._closed:
                 self.runner.attention.heartbeat()
@@ -154,19 +196,24 @@ class Engine:
         )
 
     def prepare_placement(self, version: int, placement_json: str) -> float:
-        """A rebalance's load (blocking; any thread but the step's): the expert ranks
-        load their shares of the placement; the slowest's seconds. A ValueError where
-        the dispatch backend cannot move experts while serving."""
+        """Have the expert ranks load their shares of a rebalance's placement.
+
+        This blocks, and runs on any thread but the step's. Returns the slowest rank's
+        seconds. Raises ValueError where the dispatch backend cannot move experts while
+        serving.
+        """
         return self.runner.movable().prepare(version, placement_json)
 
     def switch_placement(self, version: int) -> None:
-        """Route by prepared placement `version` from the next step on (between steps,
-        on the step thread)."""
+        """Route by the prepared placement `version` from the next step on.
+
+        This runs between steps, on the step thread.
+        """
         self.runner.switch_placement(version)
 
     def add(self, request: GenerateRequest) -> TokenDelta | None:
-        """Queue a request; returns an error delta instead when it cannot be served."""
-        if request.warmup:  # its own prompt, and KV blocks no other request finds
+        """Queue a request. Returns an error delta instead when it cannot be served."""
+        if request.warmup:  # its own prompt, and KV blocks that no other request finds
             prompt = warmup_prompt(self.model_config, self.runner.warmup_replicas,
                                    self.max_model_len)
             request = msgspec.structs.replace(request, prompt_token_ids=prompt,
@@ -208,7 +255,8 @@ class Engine:
             return "min_tokens must be between 0 and max_tokens"
         if error := sampling_error(request.sampling, vocab):
             return error
-        if n + request.sampling.max_tokens > self.max_model_len:  # (resumed within)
+        # Resumed tokens count in max_tokens, so n excludes them.
+        if n + request.sampling.max_tokens > self.max_model_len:
             return (f"this model's maximum context length is {self.max_model_len} tokens; "
                     f"the request has {n} prompt tokens and asks for "
                     f"{request.sampling.max_tokens} more")
@@ -224,8 +272,10 @@ class Engine:
         return TokenDelta(request_id, [], "abort", seq.num_prompt_tokens)
 
     def fail(self, request_ids: list[str], error: str) -> list[TokenDelta]:
-        """End these sequences with an error (a step they were in failed), returning their
-        blocks; ids no longer running are skipped."""
+        """End these sequences with an error because a step they were in failed.
+
+        Their blocks are returned. Ids that are no longer running are skipped.
+        """
         deltas = []
         for request_id in request_ids:
             if (seq := self._seqs.pop(request_id, None)) is None:
@@ -237,16 +287,18 @@ class Engine:
         return deltas
 
     def fail_all(self, error: str) -> list[TokenDelta]:
-        """End every sequence with an error (a failure that may have touched any)."""
+        """End every sequence with an error, after a failure that may have touched any."""
         return self.fail(list(self._seqs), error)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
     def step(self) -> list[TokenDelta]:
-        """Run one scheduler step; returns the new tokens of every sequence that got one.
+        """Run one scheduler step, and return the new tokens of every sequence that got one.
+
         Raises `StepFailed`, naming the step's sequences, if the step raised once they
-        were scheduled."""
+        were scheduled.
+        """
         with self._stepping:
             if self._closed:
                 return []
@@ -256,7 +308,7 @@ class Engine:
             drafted = Speculator.settle(drafted, scheduled) if drafted else drafted
             start = time.perf_counter()
             try:
-                if not scheduled:  # (a lockstep backend's idle round)
+                if not scheduled:  # a lockstep backend's idle round
                     return self._step(scheduled, drafted)
                 with step_span(scheduled) as span:
                     deltas = self._step(scheduled, drafted)
@@ -265,14 +317,20 @@ class Engine:
                         span.set_attribute("switchyard.accepted", self._accepted)
             except Exception as exc:
                 raise StepFailed(exc, [item.seq.request_id for item in scheduled]) from exc
-            self.num_steps += 1  # keyed by whether every sequence decoded (its drafts too)
+            # The step's kind depends on whether every sequence decoded one token, plus its
+            # drafts.
+            self.num_steps += 1
             _STEP_KINDS[all(item.num_new_tokens == 1 + drafted.get(item.seq, 0)
                             for item in scheduled)].observe(time.perf_counter() - start)
             return deltas
 
     def _step(self, scheduled: list[ScheduledSeq], drafted: dict[Sequence, int]
               ) -> list[TokenDelta]:
-        """`drafted`: the sequences whose last tokens this step are that many drafts."""
+        """Run one step over `scheduled`.
+
+        `drafted` maps each sequence whose last tokens this step are drafts to how many
+        drafts it has.
+        """
         now = time.monotonic()
         for item in scheduled:
             if item.seq.first_scheduled_time is None:
@@ -281,9 +339,11 @@ class Engine:
         if forward is None:
             return []
         self._score_prompts(scheduled, forward.hidden)
-        sampling, rows, first = [], [], 0  # and each one's rows of the step's tokens
+        # The sequences that sample, and each one's rows of the step's tokens.
+        sampling, rows, first = [], [], 0
         mtp = self.speculator is not None and self.speculator.mtp is not None
-        settled = []  # MTP: each one's positions this step, drafts' counted once verified
+        # For MTP: each sequence's positions this step. Drafts count once verified.
+        settled = []
         for item in scheduled:
             seq, n = item.seq, item.num_new_tokens
             if mtp:
@@ -292,7 +352,7 @@ class Engine:
                 sampling.append(seq)
                 rows.append(range(first + n - 1 - drafted.get(seq, 0), first + n))
             first += n
-            # the drafts' KV counts once they are accepted (`_emit`)
+            # The drafts' KV counts once `_emit` accepts them.
             seq.num_computed_tokens += n - drafted.get(seq, 0)
             if seq not in drafted:
                 self.block_manager.cache_computed(seq)
@@ -307,9 +367,11 @@ class Engine:
 
     def _sample(self, sampling: list[Sequence], rows: list[range],
                 drafted: dict[Sequence, int], hidden: torch.Tensor) -> list[TokenDelta]:
-        """The tokens of the sequences that sample this step (`rows`: each one's rows of
-        the step's `hidden` [T, H], its drafts' and the one after), verified where it
-        drafted."""
+        """The tokens of the sequences that sample this step, verified where they drafted.
+
+        `rows` holds each sequence's rows of the step's `hidden` [T, H]: its drafts' rows
+        and the one after them.
+        """
         logits = self.runner.logits(hidden[[r for span in rows for r in span]])
         plain = [i for i, seq in enumerate(sampling) if seq not in drafted]
         firsts = list(accumulate((len(span) for span in rows), initial=0))
@@ -334,19 +396,25 @@ class Engine:
 
     def _emit(self, seq: Sequence, emitted: list[int],
               logprobs: list[TokenLogprobs] | None) -> TokenDelta:
-        """A speculating sequence's verified tokens appended: the accepted drafts' KV now
-        counts as computed (it was computed for these very tokens)."""
-        self.block_manager.cache_computed(seq)  # (what it held before the drafts)
+        """Append a speculating sequence's verified tokens.
+
+        The accepted drafts' KV now counts as computed, because it was computed for these
+        very tokens.
+        """
+        self.block_manager.cache_computed(seq)  # what it held before the drafts
         delta = self._append(seq, emitted, logprobs)
-        if seq.finish_reason is None:  # (else its blocks are gone)
+        if seq.finish_reason is None:  # otherwise its blocks are gone
             seq.num_computed_tokens += len(emitted) - 1
             self.block_manager.cache_computed(seq)
         return delta
 
     def _score_prompts(self, scheduled: list[ScheduledSeq], hidden: torch.Tensor) -> None:
-        """Prompt logprobs: for each sequence that asks, the log-probability of every prompt
-        token that this step's rows (hidden [T, H]) predict, once (a preempted sequence
-        recomputes its rows, not its scores)."""
+        """Score prompt logprobs for each sequence that asks for them.
+
+        For each prompt token that this step's rows (hidden [T, H]) predict, this computes
+        its log-probability, once. A preempted sequence recomputes its rows, but not its
+        scores.
+        """
         rows: list[int] = []
         targets: list[int] = []
         owners: list[Sequence] = []
@@ -354,7 +422,7 @@ class Engine:
         for item in scheduled:
             seq, start = item.seq, item.seq.num_computed_tokens
             if seq.sampling.prompt_logprobs is not None:
-                # row of position p predicts token p + 1; a prompt's last row samples
+                # The row of position p predicts token p + 1. A prompt's last row samples.
                 for pos in range(max(start, len(seq.prompt_logprobs) - 1),
                                  min(start + item.num_new_tokens, seq.num_prompt_tokens - 1)):
                     rows.append(first + pos - start)
@@ -373,8 +441,10 @@ class Engine:
 
     def _append(self, seq: Sequence, tokens: list[int],
                 logprobs: list[TokenLogprobs] | None) -> TokenDelta:
-        """`tokens` appended to `seq` in turn, up to the first that ends it; their delta
-        (with `logprobs`, one entry per token, where asked)."""
+        """Append `tokens` to `seq` in turn, up to the first that ends it.
+
+        Returns their delta. Where asked for, `logprobs` holds one entry per token.
+        """
         first = seq.num_output_tokens == 0
         p = seq.sampling
         error = None
@@ -389,7 +459,7 @@ class Engine:
                 seq.finish_reason = "length"
             if seq.matcher is not None and seq.finish_reason is None:
                 if not seq.matcher.consume_token(token):  # the grammar allowed no token left
-                    seq.finish_reason = "error"  # (e.g. allowed_token_ids outside it)
+                    seq.finish_reason = "error"  # e.g. allowed_token_ids outside it
                     error = f"structured outputs: {seq.matcher.get_error()}"
                 elif seq.matcher.is_stopped():  # complete
                     seq.finish_reason = "stop"
@@ -415,8 +485,11 @@ class Engine:
 
     @torch.inference_mode()
     def score(self, token_ids: list[int]) -> torch.Tensor:
-        """Float32 logits [L, V] at every position of a prompt, through the paged KV path
-        in chunks of the step budget (prompt scoring; the sequence is freed afterwards)."""
+        """Float32 logits [L, V] at every position of a prompt, for prompt scoring.
+
+        They go through the paged KV path in chunks of the step budget. The sequence is
+        freed afterwards.
+        """
         seq = Sequence("score", list(token_ids), len(token_ids), _SCORE_PARAMS)
         logits = []
         try:

@@ -4,6 +4,10 @@ tokens it consumes.
 
 Grammars are compiled once each (`prepare`, off the event loop: a complex schema takes a
 while) and kept, so requests with a schema seen before start from a copy.
+
+The grammar travels in `SamplingParams.grammar`. The engine keeps a matcher per such
+sequence over the model's tokenizer, masks what it does not allow before sampling, and feeds
+it each token; a complete grammar ends the sequence.
 """
 
 from __future__ import annotations

@@ -17,6 +17,14 @@ Inside a graph nothing may wait for the device, so the experts run on device-sid
 metrics (per-expert spans, which need host counts) skip graph-replayed steps. Before each
 capture the step runs twice: once to let first-use probes synchronise, then under torch's
 sync debug mode "error", so an op that would synchronise fails there with its name.
+
+They are on with `--cuda-graph-max-batch N` (`--device cuda`, the `local` backend): a
+decode-only step of up to N sequences whose longest has up to `--cuda-graph-max-len` keys
+replays a graph (`MIN_KEYS` is 128). Inside a graph the experts are
+`torch._grouped_mm`, which captures in bf16, or the W4A4 Triton kernel with the token count
+as its row bound. Off by default until a GPU run measures it (`benchmarks/gpu_check.py`
+times both and compares one step's hidden states); on a CPU the tests re-run the captured
+step eagerly over the same buffers.
 """
 
 from __future__ import annotations

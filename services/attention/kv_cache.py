@@ -1,4 +1,11 @@
-"""The paged KV cache tensors and the paged attention that reads them."""
+"""The paged KV cache tensors and the paged attention that reads them.
+
+`KVCache.attend` is torch's fused CPU flash attention with grouped KV heads folded into the
+query rows, or, where the compiled CPU kernels run, their decode kernel
+(`csrc/attention_cpu.cpp`, which DCP shards call too: keys read in place through the slot
+table rather than gathered into a padded copy, 16 keys' scores folded at once). With DCP
+each rank attends over its share of the keys (`attend_partial`), merged by log-sum-exp.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,31 @@
 """How a step splits into micro-batches for the ping-pong pipeline with the expert
 services (`DenseModel.forward_pipelined`): how many (as asked, or measured by
-`MicroBatchTuner`), and which sequences each takes."""
+`MicroBatchTuner`), and which sequences each takes.
+
+`--micro-batches 2` or `3` (with `rpc`, and `torch` over torch.distributed) splits a step
+into contiguous groups of sequences, run as a ping-pong pipeline: each group's layers are a
+generator that stops at each MoE layer with its call; the driver starts that exchange
+(`RpcExperts.start`: the rows sent, an `RpcExchange` returned, which also carries the
+failover) and runs the next group's layers while the experts compute, then finishes the
+exchanges in the order they started. Every float32 linear runs the panel kernel, whose sums
+per row do not depend on the other rows, so a split step's logits are the whole step's bit
+for bit. The driver records when each micro-batch computed and when each of its calls was
+out (`timeline.py`).
+
+`auto` measures (`MicroBatchTuner`): where the wire's round trips are at least a tenth of a
+one-batch step (each answer says how long the expert rank held it, `ExpertResult.held_s`,
+which the caller takes off the call's time), or from 64 tokens on a GPU, it times 1, 2 and 3
+micro-batches over a few steps of each size of step, keeps the fastest and logs it, and
+measures again every 2000 steps of that size. On loopback on the CPU the wire is a few
+percent of a step, and the step stays one batch.
+
+The `torch` backend's lockstep ranks agree on each step's rounds (`ep_dispatch.torch_dist`).
+A DCP group's leader sends its peers one plan with the split (`DcpPlan.micro_batches`) and
+every rank runs the same pipeline, so the group's attention merges and the MoE outputs'
+broadcasts (`GroupExchange.finish`) come in the same order on every rank. With `nccl` the
+host never waits on an exchange (`ep_dispatch.nccl`; not yet run on a GPU). `deepep` does
+not split yet.
+"""
 
 from __future__ import annotations
 

@@ -10,6 +10,19 @@ latent c and the rotated key k_pe, shared by all heads. With the absorbed projec
 
 The values are the rows' first kv_lora_rank dims: the attention reads each row once, as
 its key and its value (as FlashMLA does), and drops the output's rotary dims.
+
+The paged cache holds that row per token and layer (`KVCache` with `mla`: one tensor a layer
+that is both K and V; `ModelConfig.kv_elements_per_token` sizes the blocks). Decode runs
+absorbed, as above, then W_UV; the existing paged decode kernel does the attention, reading
+each row once for all heads. Prefill chunks expand their context's keys and values from the
+latents with kv_b_proj and attend with the queries as they are (`MLACache`), as DeepSeek's
+and vLLM's prefill do: per (query, key) pair qk_head_dim + v_head_dim products instead of 2
+(kv_lora_rank + rope). Both forms give the log-sum-exp, so a DCP rank attends over its shard
+of the latent rows (the same interleaving as every cache) and the group merges the partial
+values in V's dims. On the CPU a decode step's MLA block is one compiled call a layer
+(`mla_block_f32`, the same bits as the Python path). DeepSeek's multi-token-prediction layer
+drafts for speculative decoding (`spec_decode.mtp`); without MTP drafts its attention
+weights stay unread, with one log line.
 """
 
 from __future__ import annotations

@@ -138,7 +138,7 @@ def _swiglu(x: torch.Tensor, gate_up: Weight, down: Weight) -> torch.Tensor:
 def shared_experts(w: LayerWeights, x: torch.Tensor) -> torch.Tensor | None:
     """The layer's shared experts over x [T, H] -> [T, H] (None: it has none). They run
     here, not on the expert services: every token needs them, so dispatching them would
-    send each row once more per layer and balance nothing (docs/architecture.md)."""
+    send each row once more per layer and balance nothing (`services.model.families`)."""
     if w.shared_gate_up is None or w.shared_down is None:
         return None
     y = _swiglu(x, w.shared_gate_up, w.shared_down)

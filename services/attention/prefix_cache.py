@@ -10,6 +10,15 @@ first key, so requests of different salts never share blocks.
 
 Only spans whose every token's KV is computed are cached, and a sequence writes only past
 what it computed or found, so a cached block is never written again while it is cached.
+
+It is on by default (`--enable-prefix-caching`), as in vLLM. A sequence admitted from the
+queue takes the blocks of its longest run of cached spans, but never its last token, whose
+row must run to sample, and nothing while prompt logprobs are still to be scored, since
+every scored row must run; it shares them with whoever holds them and computes from there.
+Handing a free cached block out forgets its span. A preempted sequence finds its own blocks
+this way when it is admitted again. DCP peers hold no books: the plan's block tables already
+point at the shared blocks. Each attention group has its own cache; the gateway's
+prefix-affinity routing sends a chat's next turn where its history is.
 """
 
 from __future__ import annotations

@@ -2,6 +2,14 @@
 
 Every row has its own generator, so a seeded request draws the same tokens whatever else
 shares the batch.
+
+`sample()` applies, in order: `logit_bias` and `allowed_token_ids`, the penalties (the three
+of OpenAI and vLLM), structured outputs' grammar masks, the mask of EOS and stop ids below
+`min_tokens` (unless that would leave no token), then temperature, top-k, top-p and min-p
+row-wise; it draws with each sequence's own `torch.Generator`, and returns the
+log-probabilities of the raw distribution (with each token's rank) for requests that ask. A
+seeded request's draw for each token is seeded by the seed and the token's position only
+(`Sequence.next_draw`), so a request resubmitted after a failover draws what it would have.
 """
 
 from __future__ import annotations

@@ -1,11 +1,18 @@
 """Continuous batching with chunked prefill and preemption by recompute.
 
-Every step, running sequences go first (oldest first: a decode token each, or their next
-prefill chunk), then waiting ones are admitted while the token budget, the sequence limit
-and the free KV blocks allow; with prefix caching, an admitted sequence first takes the
-blocks of its longest cached prefix and computes only the rest. A sequence that cannot get a
-block preempts the newest running one, whose KV is dropped and recomputed when it is
-admitted again (what of it is still cached is found there, as any prefix).
+Every step, running sequences go first, oldest first. Each gets one decode token, or its
+next prefill chunk. Then waiting sequences are admitted while the token budget, the
+sequence limit and the free KV blocks allow. With prefix caching, an admitted sequence
+first takes the blocks of its longest cached prefix and computes only the rest.
+
+A sequence that cannot get a block preempts the newest running one. The preempted
+sequence's KV is dropped, and recomputed when it is admitted again. Whatever part of it is
+still cached then is found like any cached prefix.
+
+The token budget is `--max-num-batched-tokens`. The sequence limit is `--max-num-seqs`,
+capped at the token budget, so every running sequence decodes every step. Each sequence
+tracks `num_computed_tokens`. A prompt longer than the budget is prefilled in chunks over
+several steps.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from services.attention.sequence import SeqStatus, Sequence
 
 @dataclass(frozen=True)
 class ScheduledSeq:
-    """`num_new_tokens` tokens of `seq`, from position `seq.num_computed_tokens`, run this step."""
+    """`num_new_tokens` tokens of `seq` to run this step, from `seq.num_computed_tokens` on."""
 
     seq: Sequence
     num_new_tokens: int
@@ -33,8 +40,8 @@ class Scheduler:
             raise ValueError("--max-num-batched-tokens and --max-num-seqs must be at least 1")
         self.block_manager = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
-        # No more running than the budget has tokens: each then decodes every step (beyond
-        # it, the newest would wait for older ones to finish).
+        # No more sequences run than the budget has tokens, so each decodes every step.
+        # Beyond that, the newest would wait for older ones to finish.
         self.max_num_seqs = min(max_num_seqs, max_num_batched_tokens)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -55,7 +62,7 @@ class Scheduler:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.block_manager.can_allocate(seq, n):
-                victim = self.running.pop()  # the newest; never one scheduled already this step
+                victim = self.running.pop()  # the newest, never one already scheduled this step
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
@@ -65,7 +72,7 @@ class Scheduler:
                 scheduled.append(ScheduledSeq(seq, n))
                 budget -= n
                 i += 1
-        # Admitting while preempting would only thrash; wait for blocks to come back.
+        # Admitting while preempting would only thrash. Wait for blocks to come back.
         while not preempted and self.waiting and budget > 0:
             if len(self.running) >= self.max_num_seqs:
                 break
@@ -90,7 +97,7 @@ class Scheduler:
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence) -> None:
-        """Retire a sequence (finished or aborted) wherever it is, returning its blocks."""
+        """Retire a finished or aborted sequence wherever it is, and return its blocks."""
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING:

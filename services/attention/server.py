@@ -1,9 +1,27 @@
 """The attention service process: the engine behind a `common.rpc` listener.
 
-Connection tasks only queue work; one engine task applies it between steps and runs each
-step in a worker thread, so the engine is never touched concurrently and the event loop
-keeps answering while the model computes. Deltas go out through each connection's own
-outbox and sender task: a connection that reads slowly delays only itself.
+Connection tasks only queue work. One engine task applies the work between steps, and runs
+each step in a worker thread. So the engine is never touched concurrently, and the event
+loop keeps answering while the model computes. Deltas go out through each connection's own
+outbox and sender task, so a connection that reads slowly delays only itself.
+
+The step runs on the service's one compute thread, from `common.compute`. That thread also
+makes each layer's exchange with the experts itself. With `rpc` it uses blocking sockets,
+and with the lockstep backends it uses their collectives. The connections to the experts
+and their failover never carry a layer call. A step's outputs go out while the next step
+runs: the compiled CPU kernels release the GIL, so the event loop sends the outputs
+meanwhile.
+
+On a signal the service abandons the step's thread. `Engine.close()` waits for that step
+before it leaves the experts and the DCP group. A rank left out of step exits with status 3
+without answering its requests. `serve` then restarts its unit, and compose restarts the
+services on failure. The gateway resubmits the requests.
+
+The gateway holds one connection per attention group, and multiplexes all its requests over
+it by request id. A connection that drops aborts the requests it owns. Work it sent that
+still waits is never started. A request refused as a duplicate id does not belong to that
+connection. An `AbortRequest` by id from any connection ends a request, which serves as an
+operator's tool. A request's token ids are checked against the vocabulary.
 """
 
 from __future__ import annotations
@@ -56,7 +74,8 @@ from services.model.config import CheckpointError
 
 log = logging.getLogger("switchyard.attention")
 LOCKSTEP_POLL_S = 0.002  # idle round cadence of collective backends
-OUT_OF_STEP_EXIT = 3  # the status of a rank whose collectives no longer pair with its peers'
+# The exit status of a rank whose collectives no longer pair with its peers' collectives.
+OUT_OF_STEP_EXIT = 3
 
 
 @dataclass(frozen=True)
@@ -67,8 +86,11 @@ class _Work:
 
 @dataclass
 class _Switch:
-    """A prepared placement to route by from the next step boundary on; `done` once it
-    does (`seconds` the switch took), or failed (`error`)."""
+    """A prepared placement to route by from the next step boundary on.
+
+    `done` is set once the switch happened, with `seconds` saying how long it took, or once
+    it failed, with `error` saying why.
+    """
 
     version: int
     done: anyio.Event
@@ -85,8 +107,8 @@ class AttentionServer:
         self._owners: dict[str, FrameStream] = {}
         self._outboxes: dict[FrameStream, MemoryObjectSendStream[TokenDelta]] = {}
         self._out_of_step = out_of_step or _exit_out_of_step
-        self._compute = ComputeThread("engine-step", "attention")  # every step on one thread
-        self._heartbeat_s = engine.runner.attention.heartbeat_s or math.inf  # a DCP leader's
+        self._compute = ComputeThread("engine-step", "attention")  # runs every step on one thread
+        self._heartbeat_s = engine.runner.attention.heartbeat_s or math.inf  # DCP leaders only
 
     def _post(self, work: _Work) -> None:
         self._inbox.append(work)
@@ -99,12 +121,14 @@ class AttentionServer:
             elif isinstance(msg, StatsRequest):
                 await conn.send(self.engine.stats())
             elif isinstance(msg, Rebalance):
-                tg.start_soon(self._rebalance, msg, conn)  # loads while this connection goes on
+                # The experts load while this connection goes on.
+                tg.start_soon(self._rebalance, msg, conn)
             elif isinstance(msg, PlanPlacement):
                 await conn.send(await anyio.to_thread.run_sync(plan_placement, msg))
             elif isinstance(msg, GenerateRequest | AbortRequest):
                 if isinstance(msg, GenerateRequest) and msg.sampling.grammar is not None:
-                    # compiled here, off the loop; this connection's next message waits
+                    # Compile the grammar here, off the loop. This connection's next message
+                    # waits.
                     await anyio.to_thread.run_sync(self.engine.grammars.prepare,
                                                    msg.sampling.grammar)
                 self._post(_Work(msg, conn))
@@ -120,31 +144,34 @@ class AttentionServer:
                     await serve_messages(conn, on_message, log)
                 finally:
                     del self._outboxes[conn]
-                    outbox.close()  # the sender ends once what is queued has been tried
+                    outbox.close()  # the sender ends once it has tried what is queued
         finally:
-            # A gateway that went away takes its requests with it: those running for it
-            # here, and (`_apply` skips them) those it sent that wait to be applied.
+            # A gateway that went away takes its requests with it. That includes those
+            # running for it here, and those it sent that wait to be applied, which `_apply`
+            # skips.
             for request_id in [rid for rid, owner in self._owners.items() if owner is conn]:
                 self._post(_Work(AbortRequest(request_id), conn))
 
     async def run_engine(self) -> None:
-        """Apply what arrived, run a step, repeat. A step's outputs go out while the next
-        step runs (the kernels release the GIL), so a token's delivery and the gateway's
-        turn cost the step loop nothing."""
+        """Apply what arrived, run a step, and repeat.
+
+        A step's outputs go out while the next step runs, since the kernels release the
+        GIL. So a token's delivery and the gateway's turn cost the step loop nothing.
+        """
         lockstep = self.engine.runner.experts.lockstep
-        done: list[TokenDelta] = []  # the last step's, delivered while the next one runs
+        done: list[TokenDelta] = []  # the last step's deltas, sent while the next one runs
         while True:
             if lockstep:
-                # Every rank must join every round: wait for work only briefly.
+                # Every rank must join every round, so wait for work only briefly.
                 with anyio.move_on_after(LOCKSTEP_POLL_S):
                     await self._wakeup.wait()
             elif not self._inbox and not self.engine.has_work():
-                for delta in done:  # no step to wait for: now
+                for delta in done:  # no step to wait for, so deliver now
                     self._deliver(delta)
                 done = []
                 with anyio.move_on_after(self._heartbeat_s):
                     await self._wakeup.wait()
-                if not self._wakeup.is_set():  # idle that long: the peers hear of it
+                if not self._wakeup.is_set():  # idle that long, so tell the peers
                     await self._heartbeat()
                     continue
             self._wakeup = anyio.Event()
@@ -165,8 +192,11 @@ class AttentionServer:
                     done += await self._step_failed(exc, deltas)
 
     async def _heartbeat(self) -> None:
-        """A DCP leader's idle heartbeat; a peer gone (its collective timed out) leaves
-        the group broken: exit, and the group is started again whole."""
+        """Send a DCP leader's idle heartbeat.
+
+        If a peer is gone, its collective times out and the group is broken. The rank
+        then exits, and the whole group is started again.
+        """
         try:
             await self._compute.run(self.engine.heartbeat)
         except Exception as exc:
@@ -174,14 +204,17 @@ class AttentionServer:
             self._out_of_step()
 
     async def _rebalance(self, msg: Rebalance, conn: FrameStream) -> None:
-        """Move the experts to `msg`'s placement: the expert ranks load it (on a worker
-        thread, while steps go on), then the engine routes by it from one step to the
-        next; `Rebalanced` says how long each part took, or why the old one still routes."""
+        """Move the experts to `msg`'s placement.
+
+        The expert ranks load the placement on a worker thread, while steps go on. Then the
+        engine routes by it from one step to the next. `Rebalanced` says how long each part
+        took, or why the old placement still routes.
+        """
         start = time.monotonic()
         try:
             load_s = await anyio.to_thread.run_sync(self.engine.prepare_placement,
                                                     msg.version, msg.placement)
-        except Exception as exc:  # not a placement, or a rank that could not load it
+        except Exception as exc:  # not a placement, or a rank could not load it
             log.warning("rebalance to placement version %d failed: %s", msg.version,
                         root_causes(exc))
             answer = Rebalanced(msg.version, error=root_causes(exc))
@@ -209,10 +242,13 @@ class AttentionServer:
 
     async def _step_failed(self, exc: Exception, deltas: list[TokenDelta]
                            ) -> list[TokenDelta]:
-        """The error deltas of a step that raised: its own sequences' (`StepFailed`), or
-        every sequence's (a failure outside a step). A rank now out of step with its
-        peers answers none: it sends `deltas` and exits, and the gateway resubmits its
-        requests once its unit is back (or to another group)."""
+        """The error deltas of a step that raised.
+
+        With `StepFailed`, these are for the step's own sequences. For a failure outside a
+        step, they are for every sequence. A rank now out of step with its peers answers
+        none of them. It sends `deltas` and exits. The gateway resubmits its requests once
+        its unit is back, or to another group.
+        """
         cause = exc.__cause__ if isinstance(exc, StepFailed) else exc
         assert isinstance(cause, Exception)
         log.error("engine step failed: %s", root_causes(cause), exc_info=cause)
@@ -223,28 +259,36 @@ class AttentionServer:
             return self.engine.fail_all(error)
         for delta in deltas:
             self._deliver(delta)
-        with anyio.move_on_after(5):  # a gateway that stopped reading
-            await self._flushed()  # must not keep the peers waiting
+        # A gateway that stopped reading must not keep the peers waiting.
+        with anyio.move_on_after(5):
+            await self._flushed()
         self._out_of_step()
         return []
 
     def _left_peers_behind(self, failure: Exception) -> bool:
-        """Whether a failed step left peers (lockstep expert ranks, DCP ranks) in
-        collectives this rank will never join: then no later round could pair up. A DCP
-        group that aborted the step together (`StepAborted`) is still in step."""
+        """Whether a failed step left peers in collectives that this rank will never join.
+
+        The peers are lockstep expert ranks or DCP ranks. If they were left behind, no
+        later round could pair up. A DCP group that aborted the step together, with
+        `StepAborted`, is still in step.
+        """
         if self.engine.runner.experts.lockstep:
             return True
         return not self.engine.runner.attention.in_step_after(failure)
 
     def _apply(self, work: _Work) -> TokenDelta | None:
-        """Add or abort; the abort's delta is returned for its owner. A refused request
-        is answered on its own connection and never owned: its id may be a running
-        request's, whose owner must keep it (a connection that goes away aborts only the
-        requests it owns)."""
+        """Add or abort a request. The abort's delta is returned for its owner.
+
+        A refused request is answered on its own connection and is never owned. Its id may
+        be a running request's, whose owner must keep it. A connection that goes away
+        aborts only the requests it owns.
+        """
         msg = work.message
-        if isinstance(msg, AbortRequest):  # by id, from any connection (an operator's too)
+        # Aborts go by id, from any connection, including an operator's.
+        if isinstance(msg, AbortRequest):
             return self.engine.abort(msg.request_id)
-        if work.conn.closed:  # its sender went away while it waited: nobody would read it
+        # Its sender went away while it waited, so nobody would read its output.
+        if work.conn.closed:
             return None
         try:
             refused = self.engine.add(msg)
@@ -267,16 +311,21 @@ class AttentionServer:
             self._queue(conn, delta)
 
     def _queue(self, conn: FrameStream, delta: TokenDelta) -> None:
-        """Into `conn`'s outbox, unbounded as vLLM's and SGLang's output sockets are
-        (ZMQ SNDHWM 0): the engine never waits on a connection, and a bound would drop a
-        gateway that paused (a GC, a slow host) with all its requests. A connection that
-        is gone has no outbox, and its handler aborts its requests."""
+        """Put a delta into `conn`'s outbox.
+
+        The outbox is unbounded, as vLLM's and SGLang's output sockets are (ZMQ SNDHWM 0).
+        The engine never waits on a connection. A bound would drop a gateway that paused,
+        for example for a GC or on a slow host, with all its requests. A connection that is
+        gone has no outbox, and its handler aborts its requests.
+        """
         if (outbox := self._outboxes.get(conn)) is not None:
             outbox.send_nowait(delta)
 
     async def _flushed(self) -> None:
-        """Until every outbox is empty and its sender back waiting for more (a delta it
-        took is sent by then), bounded by the caller."""
+        """Wait until every outbox is empty and its sender is back waiting for more.
+
+        By then any delta a sender took has been sent. The caller bounds this wait.
+        """
         def busy(outbox: MemoryObjectSendStream[TokenDelta]) -> bool:
             stats = outbox.statistics()
             return bool(stats.current_buffer_used or not stats.tasks_waiting_receive)
@@ -286,8 +335,10 @@ class AttentionServer:
 
 
 def plan_placement(msg: PlanPlacement) -> PlacementPlan:
-    """EPLB's placement of `msg`'s load (for the gateway, which has no torch), or the
-    error that says why there is none."""
+    """EPLB's placement of `msg`'s load, or the error that says why there is none.
+
+    This runs here for the gateway, which has no torch.
+    """
     import torch
 
     from ep_dispatch.eplb import placement_from_load
@@ -296,14 +347,17 @@ def plan_placement(msg: PlanPlacement) -> PlacementPlan:
         load = torch.tensor(msg.load, dtype=torch.float64)
         placement = placement_from_load(load, msg.moe_layers, msg.num_ranks,
                                         msg.num_redundant, msg.num_groups, msg.num_nodes)
-    except (ValueError, RuntimeError) as exc:  # a load of the wrong shape; one that EPLB
-        return PlacementPlan(error=str(exc))  # cannot spread (PlacementError)
+    # A load of the wrong shape, or one that EPLB cannot spread (PlacementError).
+    except (ValueError, RuntimeError) as exc:
+        return PlacementPlan(error=str(exc))
     return PlacementPlan(placement.to_json())
 
 
 def _exit_out_of_step() -> None:
-    """Exit at once: cleaning up would wait on collectives the peers never join. The
-    launcher (or the container's restart policy) brings the whole world up again."""
+    """Exit at once, because cleaning up would wait on collectives the peers never join.
+
+    The launcher, or the container's restart policy, brings the whole world up again.
+    """
     log.critical("a failed step left this rank out of step with its peers; exiting "
                  "(status %d) so that every rank restarts", OUT_OF_STEP_EXIT)
     logging.shutdown()
@@ -312,15 +366,17 @@ def _exit_out_of_step() -> None:
 
 async def _send_all(conn: FrameStream, pending: MemoryObjectReceiveStream[TokenDelta]
                     ) -> None:
-    """A connection's sender: its deltas in order. On a dead connection they are dropped
-    (its handler aborts its requests); a delta that cannot be sent at all (a bug) costs
-    its connection, never the service."""
+    """A connection's sender, which sends its deltas in order.
+
+    On a dead connection the deltas are dropped, and its handler aborts its requests. A
+    delta that cannot be sent at all is a bug. It costs its connection, never the service.
+    """
     async with pending:
         async for delta in pending:
             try:
                 await conn.send(delta)
             except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                continue  # gone: its handler aborts its requests
+                continue  # the connection is gone; its handler aborts its requests
             except Exception:
                 log.exception("dropping a connection whose delta could not be sent")
                 await conn.aclose()
@@ -358,11 +414,13 @@ def main(config: AttentionConfig) -> int:
         return 0
     try:
         check_listen(config.host, config.secret)
-        # Before the engine: an rpc client's thread would keep a failed process alive.
+        # Start this before the engine, because an rpc client's thread would keep a failed
+        # process alive.
         metrics_port = start_metrics_server(config.host, config.metrics_port, "attention",
                                             config.attention_rank)
         engine = build_engine(config)
-        release_threads()  # the loading thread's OpenMP team: steps run on another
+        # Release the loading thread's OpenMP team, since steps run on another thread.
+        release_threads()
     except (CheckpointError, ValueError, OSError, ExpertRankError, RendezvousError) as exc:
         print(f"switchyard attention: {exc}", file=sys.stderr)
         return 2
@@ -370,4 +428,5 @@ def main(config: AttentionConfig) -> int:
         return run_service("attention", config.host, config.port, serve, config, engine,
                            metrics_port)
     finally:
-        engine.close()  # joins the rpc client's event-loop thread, leaves the torch group
+        # This joins the rpc client's event-loop thread and leaves the torch group.
+        engine.close()

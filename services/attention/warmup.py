@@ -1,6 +1,17 @@
 """The gateway's readiness check, engine side: a request whose one step computes on every
 expert rank (`GenerateRequest.warmup`). Its prompt is made here, and its rows are routed
-by position instead of by the router, so that every replica of every expert gets a row."""
+by position instead of by the router, so that every replica of every expert gets a row.
+
+The prompt is ceil(E / K) x R positions long (E experts, top-k K, R the most replicas of any
+expert). R rows in a row share K experts, so the layout gives each replica of each expert a
+row whatever turn the layer call starts at. Its KV sits under a salt no request has. Its
+rows count as expert load, on the engine and on the expert services alike.
+
+The gateway sends it on each new connection (`EngineClient.keep_warm`, vLLM's start-up dummy
+run): `/health` answers 503 ("warming up ...") until every group's warm-up came back, and
+with the warm-up's error when it failed, retried every 2 s while connected. Compose's
+gateway healthcheck (`switchyard probe .../health`) means the same.
+"""
 
 from __future__ import annotations
 

@@ -7,6 +7,14 @@ and `W_scale` float32 [out]; every other tensor is copied as is, as is every oth
 (tokenizer, chat template). `config.json` gains a `quantization_config`, so services load
 the quantized weights directly, never in full precision. Shards are converted one at a
 time, so memory holds one shard at most.
+
+Such a checkpoint's `config.json` carries `quantization_config = {"quant_method":
+"switchyard", "experts": "mxfp4", ...}` (older copies: `"switchyard_mxfp4"`) and, with dense
+int8, `"dense": "int8"`. The default `--quantization auto` serves its experts as W4A4, as
+`--quantization w4a4` does a float checkpoint's (quantized at load), and `none` insists on
+float experts; `--dense-quantization auto` serves its int8 linears as they are. `/v1/models`
+reports the quantization (`"w4a4"`), and `/health` each group's `quantization` and
+`dense_quantization`.
 """
 
 from __future__ import annotations

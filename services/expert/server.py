@@ -1,6 +1,18 @@
 """The expert service process: an `ExpertBank`, served by its dispatch backend's expert
 side (`rpc`: a TCP listener any number of attention ranks connect to, `ExpertServer.compute`
-answering each layer's batches; the lockstep backends: their world's rounds)."""
+answering each layer's batches; the lockstep backends: their world's rounds).
+
+A rebalance's new placement is loaded on a thread of its own, one version at a time, while
+the computation answers layer calls (`ExpertServer.prepare`, `ExpertBank.moved_to`): a layer
+whose experts on this rank do not change shares the tensors it has; a changed layer is read
+from the checkpoint, one layer after another (W4A4 experts with their scales, as at
+start-up). The rank keeps the newest version and every version a connection still uses (said
+on connecting, with each switch, and by each batch); the others are freed as the last
+connection moves on or closes.
+
+The service checks every field of a batch that indexes memory (its layer, its placement
+version, its counts against its rows and bytes) before it computes.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,12 @@
-"""The project's own model config, translated once from a Hugging Face `config.json`."""
+"""The project's own model config, translated once from a Hugging Face `config.json`.
+
+`ModelConfig.from_dir` translates a checkpoint's `config.json` once, with the families'
+parts from `families`, and refuses an option that is not built with the field's name at
+start-up. The model directory's `eos_token_id`s end generation, besides a request's own stop
+conditions. It finds an MTP layer where its weights are (`mtp_layers`), and
+`served_moe_layers` adds it to the MoE layers the expert ranks hold (on every backend but
+`deepep`), so it is placed, rebalanced and counted per expert as the decoder's layers are.
+"""
 
 from __future__ import annotations
 

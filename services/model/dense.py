@@ -10,6 +10,13 @@ stay float too.
 
 A stored linear is `NAME.weight` int8 [N, K] and `NAME.weight_scale` float32 [N],
 w ≈ q * s per row (compressed-tensors' names for a per-channel scale).
+
+`--dense-quantization int8` is taken by `serve` and by every attention service and DCP rank,
+the processes that hold dense weights (`services/attention/weights.py` reads them). On the
+CPU the linears run the int8 kernel (`moe_kernels.int8`); on a GPU the scheme is FP8 E4M3
+weights with the same per-channel scales (`moe_kernels.fp8`). A checkpoint written by
+`switchyard quantize --dense int8` says `quantization_config.dense = "int8"` and is served
+as it is by `--dense-quantization auto`.
 """
 
 from __future__ import annotations

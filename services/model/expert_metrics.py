@@ -7,6 +7,11 @@ A decode step observes every expert it routes to in every layer: hundreds of obs
 Through prometheus_client's histograms (a lock and several calls each) that cost about 5%
 of a batch-16 decode step on the CPU, so each rank keeps plain per-layer lists instead and
 renders them as the same two metric families when /metrics is read (`_Collector`).
+
+`ExpertBank.forward` times each local expert of every layer call: the grouped GEMM reports
+each expert's start and end, or on the CPU each expert's share of the call. The series are
+`switchyard:expert_compute_seconds` and `switchyard:expert_tokens_total`; the gateway's
+balancedness and the dashboard's per-rank rows come from the latter.
 """
 
 from __future__ import annotations

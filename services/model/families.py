@@ -1,7 +1,39 @@
 """What differs between the model families, as the project's own config parts: how a MoE
 layer routes (`Routing`), DeepSeek's latent attention (`MLA`), the rotary embedding
 (`Rope`) and shared experts (`SharedExperts`); and their translation from a Hugging Face
-`config.json`, each refusing what is not built with the field's name."""
+`config.json`, each refusing what is not built with the field's name.
+
+`ModelConfig.from_dir` (`services.model.config`) reads them: Qwen3-MoE, Mixtral, Qwen2-MoE,
+DeepSeek-V2 (and V2-Lite's layout) and DeepSeek-V3. Refused with the field's name:
+`topk_method`, `scoring_func`, `n_group`/`topk_group`, `attention_bias` and `hidden_act`
+values that are not built, a rope type other than `default` or `yarn`, and V2's
+`norm_topk_prob` (which transformers' V2 router ignores). Each part is read where it is
+used:
+
+- `Routing` (`services/attention/router.py`): `greedy` softmax top-k (Qwen, Mixtral,
+  V2-Lite; on the CPU one compiled call), V2's `group_limited_greedy` (a group scored by its
+  best expert, the other groups' scores masked to 0.0) and V3's `noaux_tc` (sigmoid scores
+  plus the layer's `e_score_correction_bias` choose, a group scored by its top two, the
+  others masked to -inf; the weights are the unbiased scores, renormalised, times
+  `routed_scaling_factor`). The torch operations are transformers' own, unsorted top-k
+  included, so ties fall the same way (tests/services/attention/test_router.py fuzzes tied
+  scores and flipping biases against transformers' routers).
+- `SharedExperts`: DeepSeek's `shared_experts` (n_shared_experts x moe_intermediate_size)
+  and Qwen2-MoE's `shared_expert` (behind a sigmoid gate) run in the attention service, as
+  one SwiGLU MLP beside the dispatch, added to the routed experts' combined output. They are
+  not sent to the expert services (SGLang's shared-expert fusion): every token needs them,
+  so dispatching them would send every row once more per layer over the wire, and every
+  expert rank would take a copy of the one expert all tokens hit, while here they read their
+  weights once per step like any dense layer. The attention service keeps no other FFN
+  weights than these and the dense layers' (`first_k_dense_replace`, `moe_layer_freq`).
+  `switchyard quantize` quantizes the routed experts only: the shared ones stay in the
+  checkpoint's dtype, as the dense layers do.
+- `Rope`: `default`, or `yarn` (the scaled frequencies and the cos/sin factor of
+  transformers' `_compute_yarn_parameters`; with MLA the softmax scale takes YaRN's mscale
+  squared, as DeepSeek's). DeepSeek's rotary pairs are interleaved (`rope_interleave`, and
+  V2's complex rotation): `apply_rope(interleaved=True)`.
+- `MLA` (`services/attention/mla.py`): multi-head latent attention over a cache of latents.
+"""
 
 from __future__ import annotations
 

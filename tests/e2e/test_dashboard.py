@@ -9,6 +9,7 @@ SWITCHYARD_DASHBOARD_SCREENSHOTS=DIR saves what they showed (docs/dashboard-*.pn
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -190,6 +191,27 @@ def test_dashboard_in_chromium(qwen3_ckpt: tuple) -> None:
         WebDriverWait(browser, 30).until(lambda b: b.find_elements(
             "css selector", "#chart-throughput line.event[data-kind=rebalance]"))
         screenshot(browser, "rebalance")
+
+        # The slowest expert's own page: its histogram as /metrics counts it since start,
+        # and the ranks the rebalance placed it on.
+        browser.get(browser.execute_script(  # (the link's own href: the table redraws)
+            "return document.querySelector('#slowest tbody tr a').href"))
+        WebDriverWait(browser, 30).until(
+            lambda b: b.execute_script("return document.body.dataset.renders"))
+        query = dict(p.split("=") for p in urlsplit(browser.current_url).query.split("&"))
+        choose_window(browser, "all")
+        samples = scrape(f"{served.url}/metrics")
+        counts = buckets(samples, COMPUTE, layer=query["layer"], expert=query["expert"])
+        bounds = sorted(counts)
+        want = [counts[b] - (counts[bounds[i - 1]] if i else 0) for i, b in enumerate(bounds)]
+        bars = "return [...document.querySelectorAll('#histogram rect.bucket')].map(" \
+               "r => Number(r.dataset.count))"
+        WebDriverWait(browser, 30).until(lambda b: b.execute_script(bars) == want)
+        placement = httpx.get(f"{served.url}/eplb").json()["placement"]
+        held = placement["layers"][query["layer"]][int(query["expert"])]
+        assert json.loads(browser.find_element("id", "ranks").get_attribute(
+            "data-placement")) == held
+        screenshot(browser, "expert")
 
 
 def test_dashboard_asks_for_the_admin_key_in_chromium() -> None:

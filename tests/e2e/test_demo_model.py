@@ -5,7 +5,7 @@ every slice of operand sizes at least 96% right."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from contextlib import nullcontext
 
 import httpx
 import pytest
@@ -20,14 +20,8 @@ pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.fixture(scope="module")
-def default_serve() -> Iterator[Served]:
-    with Served([]) as served:  # no flags: the default model and topology
-        yield served
-
-
-@pytest.fixture(scope="module")
-def full_eval(default_serve: Served) -> EvalReport:
-    return asyncio.run(evaluate(default_serve.url, num_problems=1000, seed=2026,
+def full_eval(served_demo: Served) -> EvalReport:  # no flags: the default model, topology
+    return asyncio.run(evaluate(served_demo.url, num_problems=1000, seed=2026,
                                 concurrency=32))
 
 
@@ -44,10 +38,9 @@ def test_exact_match_on_1000_held_out_problems(full_eval: EvalReport) -> None:
     check_accuracy(full_eval)
 
 
-def test_exact_match_in_w4a4() -> None:
-    with Served(["--quantization", "w4a4"]) as served:
-        check_accuracy(asyncio.run(evaluate(served.url, num_problems=1000, seed=2026,
-                                            concurrency=32)))
+def test_exact_match_in_w4a4(served_demo_w4a4: Served) -> None:
+    check_accuracy(asyncio.run(evaluate(served_demo_w4a4.url, num_problems=1000, seed=2026,
+                                        concurrency=32)))
 
 
 FIRST_QUESTIONS = {  # what a person asks first, and their like
@@ -62,11 +55,11 @@ FIRST_QUESTIONS = {  # what a person asks first, and their like
 }
 
 
-def test_the_questions_people_ask_first(default_serve: Served) -> None:
-    name = httpx.get(f"{default_serve.url}/v1/models").json()["data"][0]["id"]
+def test_the_questions_people_ask_first(served_demo: Served) -> None:
+    name = httpx.get(f"{served_demo.url}/v1/models").json()["data"][0]["id"]
     got = {}
     for question in FIRST_QUESTIONS:
-        r = httpx.post(f"{default_serve.url}/v1/chat/completions", timeout=60, json={
+        r = httpx.post(f"{served_demo.url}/v1/chat/completions", timeout=60, json={
             "model": name, "messages": [{"role": "user", "content": question}],
             "max_tokens": 8, "temperature": 0})
         got[question] = r.json()["choices"][0]["message"]["content"]
@@ -80,13 +73,13 @@ def test_routing_is_real(full_eval: EvalReport) -> None:
     assert full_eval.max_load_over_fair <= 3.0
 
 
-def test_transformers_generate_gives_the_same_answers(default_serve: Served) -> None:
+def test_transformers_generate_gives_the_same_answers(served_demo: Served) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
     model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()
     probs = problems(seed=7, n=50)
-    name = httpx.get(f"{default_serve.url}/v1/models").json()["data"][0]["id"]
+    name = httpx.get(f"{served_demo.url}/v1/models").json()["data"][0]["id"]
     for p in probs:
         messages = [{"role": "user", "content": p.question}]
         ids = tok.apply_chat_template(messages, add_generation_prompt=True,
@@ -94,9 +87,13 @@ def test_transformers_generate_gives_the_same_answers(default_serve: Served) -> 
         with torch.no_grad():
             out = model.generate(ids, max_new_tokens=8, do_sample=False)
         theirs = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-        r = httpx.post(f"{default_serve.url}/v1/chat/completions", timeout=60, json={
+        r = httpx.post(f"{served_demo.url}/v1/chat/completions", timeout=60, json={
             "model": name, "messages": messages, "max_tokens": 8, "temperature": 0})
         assert r.json()["choices"][0]["message"]["content"] == theirs, p
+
+
+SHARED = {("--dispatch-backend", "local"): "served_demo_local",  # tests/e2e/conftest.py
+          ("--quantization", "w4a4"): "served_demo_w4a4"}
 
 
 @pytest.mark.parametrize("flags", [
@@ -108,8 +105,10 @@ def test_transformers_generate_gives_the_same_answers(default_serve: Served) -> 
     ["--quantization", "w4a4"],
     ["--dcp-size", "2", "--attention-groups", "2"],
 ], ids=["local", "rpc-1", "rpc-4", "rpc-3x2", "torch-2x2", "w4a4-rpc-2", "dcp-2x2-rpc-2"])
-def test_accuracy_holds_in_every_topology(flags: list[str]) -> None:
+def test_accuracy_holds_in_every_topology(flags: list[str],
+                                         request: pytest.FixtureRequest) -> None:
     """Short regression version; `switchyard eval -- FLAGS` runs the full one."""
-    with Served(flags) as served:
+    shared = SHARED.get(tuple(flags))  # started with these flags for other tests too
+    with (nullcontext(request.getfixturevalue(shared)) if shared else Served(flags)) as served:
         report = asyncio.run(evaluate(served.url, num_problems=100, seed=99, concurrency=32))
     assert report.accuracy >= 0.95, report.failures  # 100% measured on 5,000 (benchmarks.md)

@@ -4,7 +4,6 @@ of the demo model: round trips, and the OpenAPI document against real responses.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from importlib.metadata import version
 from typing import Any
 
@@ -25,9 +24,9 @@ pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module")
-def demo() -> Iterator[Served]:
-    with Served(["--dispatch-backend", "local"]) as served:
-        yield served
+def demo(served_demo_local: Served) -> Served:
+    """`--dispatch-backend local`: the session's server (tests/e2e/conftest.py)."""
+    return served_demo_local
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ import json
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -265,31 +264,26 @@ async def send_all(url: str, cases: list[Case]
     return statuses, [f for _, f, _ in results if f is not None], [a for _, _, a in results]
 
 
-@pytest.fixture(scope="module")
-def served() -> Iterator[Served]:
-    with Served([]) as served:  # the default topology: gateway, attention, 2 expert services
-        yield served
-
-
-def test_fuzz_never_5xx_and_the_server_survives(served: Served) -> None:
-    doc = httpx.get(f"{served.url}/openapi.json").json()
-    model = httpx.get(f"{served.url}/v1/models").json()["data"][0]["id"]
+def test_fuzz_never_5xx_and_the_server_survives(served_demo: Served) -> None:
+    # the default topology: gateway, attention, 2 expert services (tests/e2e/conftest.py)
+    doc = httpx.get(f"{served_demo.url}/openapi.json").json()
+    model = httpx.get(f"{served_demo.url}/v1/models").json()["data"][0]["id"]
     cases = build_cases(doc, model)
     assert len(cases) >= 2000
 
-    statuses, failures, answers = asyncio.run(send_all(served.url, cases))
+    statuses, failures, answers = asyncio.run(send_all(served_demo.url, cases))
 
     print(Counter((c.kind, s) for c, s in statuses))  # what the run covered (pytest -s)
     report = "\n".join(str(f) for f in failures[:40])
     assert not failures, f"{len(failures)} of {len(cases)} requests failed:\n{report}\n" \
-                         f"server log tail:\n{served.stderr()[-3000:]}"
+                         f"server log tail:\n{served_demo.stderr()[-3000:]}"
     generated = sum(s == 200 for c, s in statuses if c.path.startswith("/v1/"))
     refused = Counter(answer[:120] for (c, s), answer in zip(statuses, answers, strict=True)
                       if c.kind == "valid" and c.path.startswith("/v1/") and s == 400)
     assert generated >= 100, "too few generation requests were accepted to mean anything: " \
         f"{generated}; the valid ones refused, by answer: {refused.most_common(8)}"
-    assert served.proc.poll() is None and all(served.children_alive())
-    r = httpx.post(f"{served.url}/v1/chat/completions", timeout=60, json={
+    assert served_demo.proc.poll() is None and all(served_demo.children_alive())
+    r = httpx.post(f"{served_demo.url}/v1/chat/completions", timeout=60, json={
         "model": model, "messages": [{"role": "user", "content": "What is 123 + 456?"}],
         "max_tokens": 8, "temperature": 0})
     assert r.status_code == 200, r.text

@@ -27,13 +27,6 @@ def tiny(qwen3_ckpt: tuple) -> Iterator[tuple[Served, str, object]]:
         yield served, name, model
 
 
-@pytest.fixture(scope="module")
-def demo() -> Iterator[Served]:
-    """The bundled default model, with its tokenizer and chat template."""
-    with Served([]) as served:
-        yield served
-
-
 def test_token_id_prompts_return_token_ids_equal_to_transformers(tiny: tuple) -> None:
     served, name, model = tiny
     prompt = prompts(seed=11, lengths=(23,))[0]
@@ -111,8 +104,8 @@ def test_bad_input_gets_openai_errors_and_service_keeps_serving(tiny: tuple) -> 
     assert served.proc.poll() is None and all(served.children_alive())  # none restarted
 
 
-def test_chat_with_the_bundled_model(demo: Served) -> None:
-    c = client(demo)
+def test_chat_with_the_bundled_model(served_demo: Served) -> None:
+    c = client(served_demo)
     models = c.models.list().data
     assert len(models) == 1
     messages = [{"role": "user", "content": "What is 2 + 2?"}]
@@ -130,9 +123,9 @@ def test_chat_with_the_bundled_model(demo: Served) -> None:
     assert stream[-1].choices == [] and stream[-1].usage == full.usage
 
 
-def test_sse_wire_format(demo: Served) -> None:
-    name = httpx.get(f"{demo.url}/v1/models").json()["data"][0]["id"]
-    with httpx.stream("POST", f"{demo.url}/v1/completions", timeout=60, json={
+def test_sse_wire_format(served_demo: Served) -> None:
+    name = httpx.get(f"{served_demo.url}/v1/models").json()["data"][0]["id"]
+    with httpx.stream("POST", f"{served_demo.url}/v1/completions", timeout=60, json={
             "model": name, "prompt": "abc", "max_tokens": 5, "stream": True}) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         events = [line for line in r.iter_lines() if line]
@@ -142,7 +135,7 @@ def test_sse_wire_format(demo: Served) -> None:
         assert json.loads(e.removeprefix("data: "))["object"] == "text_completion"
 
 
-def test_only_the_compute_services_load_torch(demo: Served) -> None:
+def test_only_the_compute_services_load_torch(served_demo: Served) -> None:
     """`serve` itself (it checks flags, starts and watches processes) and the gateway never
     map libtorch: each would spend seconds of start-up importing it."""
     def has_torch(pid: int) -> bool:
@@ -151,8 +144,8 @@ def test_only_the_compute_services_load_torch(demo: Served) -> None:
     def role(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_text().split("\0")[3]  # python -m switchyard X
 
-    assert not has_torch(demo.proc.pid)
-    assert sorted((role(pid), has_torch(pid)) for pid in demo.children) == [
+    assert not has_torch(served_demo.proc.pid)
+    assert sorted((role(pid), has_torch(pid)) for pid in served_demo.children) == [
         ("attention", True), ("expert", True), ("expert", True), ("gateway", False)]
 
 
@@ -165,14 +158,3 @@ def test_serve_stops_every_child_on_signal(qwen3_ckpt: tuple, sig: int) -> None:
         assert served.stop(sig) == 0  # attention, gateway
         assert not any(served.children_alive())
 
-
-def test_demo_model_is_a_normal_hf_checkpoint() -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from switchyard.demo_model import DEFAULT_MODEL
-
-    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
-    AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL)
-    text = tok.apply_chat_template([{"role": "user", "content": "What is 1 + 2?"}],
-                                   add_generation_prompt=True, tokenize=False)
-    assert text == "<|user|>What is 1 + 2?<|assistant|>"

@@ -14,19 +14,9 @@ import sys
 from pathlib import Path
 
 import httpx
-import pytest
-import torch
 
-from common.failures import root_causes
-from common.messages import GenerateRequest, SamplingParams
-from ep_dispatch.layout import compute_layout
-from ep_dispatch.placement import Placement
-from ep_dispatch.wire import from_wire, to_wire
-from services.attention.engine import StepFailed
-from services.attention.warmup import warmup_prompt
 from switchyard.serve_process import Served
 from tests.support import TESTS
-from tests.support.engines import engine_for, greedy
 
 FAULTS = TESTS / "support" / "faults"  # sitecustomize.py: faults in real processes
 ASK = {"model": "switchyard-arith-moe", "temperature": 0, "max_tokens": 8,
@@ -80,84 +70,6 @@ def test_a_failed_steps_503_names_its_root_cause_and_the_engine_serves_on(
         assert log.count("Traceback") == 1 and "Exception Group" not in log
 
 
-def test_root_causes_are_the_leaves_of_exception_groups_once_each() -> None:
-    numpy = RuntimeError("Numpy is not available")
-    nested = ExceptionGroup("unhandled errors in a TaskGroup", [
-        numpy, ExceptionGroup("inner", [RuntimeError("Numpy is not available"),
-                                        TimeoutError()])])
-    assert root_causes(nested) == "RuntimeError: Numpy is not available; TimeoutError"
-    assert root_causes(ValueError("bad")) == "ValueError: bad"
-
-
-def test_a_warm_up_reaches_every_replica_of_every_expert(qwen3_ckpt: tuple) -> None:
-    """The warm-up's rows are routed to experts by position so that a layout gives every
-    replica of every expert a row, whatever replica turn a layer call starts at; its KV
-    is never found by another request. Its rows count as load: R per expert."""
-    engine = engine_for(qwen3_ckpt[0], dispatch_backend="local", expert_replicas=2,
-                        max_num_batched_tokens=64)
-    cfg, calls = engine.model_config, []
-    inner = engine.runner.experts
-
-    def recording(layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
-                  ) -> torch.Tensor:
-        calls.append((layer, ids.clone()))
-        return inner(layer, x, ids, w)
-
-    engine.runner.experts = recording  # type: ignore[assignment]
-    engine.runner.experts.begin_step = inner.begin_step  # type: ignore[attr-defined]
-    warmup = GenerateRequest("w", [], SamplingParams(max_tokens=1, temperature=0.0),
-                             warmup=True)
-    assert engine.add(warmup) is None
-    [delta] = engine.step()
-    assert (delta.finish_reason, delta.error) == ("length", None)
-    assert [layer for layer, _ in calls] == cfg.moe_layer_ids
-    placement = Placement.balanced(cfg.moe_layer_ids, cfg.num_experts, 3, replicas=2)
-    for layer, ids in calls:
-        for turn in range(3):
-            layout = compute_layout(ids, torch.ones_like(ids, dtype=torch.float32),
-                                    placement, layer, turn)
-            assert all(all(c > 0 for c in counts) for counts in layout.expert_counts), (
-                layer, turn, layout.expert_counts)
-    load = engine.runner.model.expert_load  # [layers, E]
-    moe = len(cfg.moe_layer_ids)
-    assert (load[cfg.moe_layer_ids] == 2).all() and int(load.sum()) == 2 * cfg.num_experts * moe
-    prompt = warmup_prompt(cfg, 2, engine.max_model_len)
-    assert engine.add(greedy("same tokens", prompt, 1)) is None
-    [delta] = engine.step()
-    assert delta.num_cached_tokens == 0
-
-
-def test_a_failed_step_fails_only_its_own_sequences(qwen3_ckpt: tuple) -> None:
-    """A step that raises names the sequences it ran; a waiting one, not in it, is
-    untouched and completes."""
-    engine = engine_for(qwen3_ckpt[0], dispatch_backend="local", max_num_seqs=1)
-    inner = engine.runner.experts
-    failing = [True]
-
-    def experts(layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
-                ) -> torch.Tensor:
-        if failing[0]:
-            raise ExceptionGroup("unhandled errors in a TaskGroup",
-                                 [RuntimeError("rank 0 down"), RuntimeError("rank 1 down")])
-        return inner(layer, x, ids, w)
-
-    engine.runner.experts = experts  # type: ignore[assignment]
-    engine.runner.experts.begin_step = inner.begin_step  # type: ignore[attr-defined]
-    assert engine.add(greedy("first", [1, 2, 3], 2)) is None
-    assert engine.add(greedy("waiting", [4, 5, 6], 2)) is None
-    with pytest.raises(StepFailed) as failed:
-        engine.step()
-    assert failed.value.request_ids == ["first"]
-    assert str(failed.value) == "RuntimeError: rank 0 down; RuntimeError: rank 1 down"
-    [delta] = engine.fail(failed.value.request_ids, "error")
-    assert (delta.request_id, delta.finish_reason, delta.retryable) == ("first", "error", True)
-    failing[0] = False
-    tokens = []
-    while engine.has_work():
-        tokens += [(d.request_id, len(d.token_ids)) for d in engine.step()]
-    assert tokens == [("waiting", 1), ("waiting", 1)]
-
-
 def test_wire_bytes_need_no_numpy() -> None:
     """The base install has no numpy (torch does not depend on it): tensors still go to
     and from wire bytes, and a DCP plan still decodes."""
@@ -179,9 +91,3 @@ except RuntimeError as exc:
     assert out.returncode == 0, out.stderr
     assert "Numpy is not available" in out.stdout  # numpy really was out of reach
 
-
-def test_wire_round_trip_of_views_and_empty_tensors() -> None:
-    for t in (torch.randn(5, 3)[:, 1], torch.empty(0, 4), torch.tensor(3, dtype=torch.int64),
-              torch.randn(4, 4, dtype=torch.bfloat16).t()):
-        back = from_wire(to_wire(t))
-        assert back.dtype == t.dtype and torch.equal(back, t)

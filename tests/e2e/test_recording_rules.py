@@ -12,8 +12,8 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from gateway.dashboard.charts import CHARTS, record_name
-from gateway.dashboard.exports import RULES_FILE
+from gateway.observability.dashboard.charts import CHARTS, record_name
+from gateway.observability.dashboard.exports import RULES_FILE
 from switchyard.serve_process import Served
 from tests.e2e.test_dashboard import generate
 from tests.support import ROOT

@@ -237,17 +237,16 @@ def test_tool_requests_the_server_cannot_serve_get_vllms_400s(served: Served) ->
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
 
 
-def test_auto_needs_the_servers_parser(tmp_path: Path) -> None:
+def test_auto_needs_the_servers_parser(served_demo: Served, tmp_path: Path) -> None:
     """Without --enable-auto-tool-choice, tools with "auto" (or no tool_choice) get vLLM's
     400; named and required are served."""
-    with Served([]) as demo:
-        c, m = client(demo), model_id(demo)
-        for choice in ({}, {"tool_choice": "auto"}):
-            with pytest.raises(openai.BadRequestError, match="--enable-auto-tool-choice"):
-                c.chat.completions.create(model=m, messages=[{"role": "user", "content": "1+1="}],
-                                          tools=[WEATHER], max_tokens=4, **choice)
-        named = c.chat.completions.create(
-            model=m, messages=[{"role": "user", "content": "1+1="}], tools=[WEATHER],
-            tool_choice={"type": "function", "function": {"name": "get_weather"}},
-            max_tokens=40, temperature=0)
-        assert [c.function.name for c in named.choices[0].message.tool_calls] == ["get_weather"]
+    c, m = client(served_demo), model_id(served_demo)
+    for choice in ({}, {"tool_choice": "auto"}):
+        with pytest.raises(openai.BadRequestError, match="--enable-auto-tool-choice"):
+            c.chat.completions.create(model=m, messages=[{"role": "user", "content": "1+1="}],
+                                      tools=[WEATHER], max_tokens=4, **choice)
+    named = c.chat.completions.create(
+        model=m, messages=[{"role": "user", "content": "1+1="}], tools=[WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=40, temperature=0)
+    assert [c.function.name for c in named.choices[0].message.tool_calls] == ["get_weather"]

@@ -176,15 +176,3 @@ def test_quantizing_at_load_rounds_once_whatever_the_serving_dtype(ckpt: Path,
                           (at_load.w_down[layer], offline.w_down[layer])):
             assert torch.equal(got.packed, want.packed) and torch.equal(got.scales, want.scales)
 
-
-def test_an_empty_quantization_variable_means_auto(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`SWITCHYARD_QUANTIZATION=` (what `${VAR:-}` in an env file gives) is not a choice
-    argparse would check: it must read as the default."""
-    import argparse
-
-    from services.attention.config import add_engine_flags
-
-    monkeypatch.setenv("SWITCHYARD_QUANTIZATION", "")
-    parser = argparse.ArgumentParser()
-    add_engine_flags(parser)
-    assert parser.parse_args([]).quantization == "auto"

@@ -23,9 +23,9 @@ from transformers import AutoTokenizer
 
 from gateway.app import build_app
 from gateway.config import GatewayConfig
-from gateway.engine_pool import EnginePool
+from gateway.routing.engine_pool import EnginePool
 from gateway.server import bind
-from gateway.tokenizer import Tokenizer
+from gateway.text.tokenizer import Tokenizer
 from tests.support.gateway import HANG, REJECT, REPLY, FakeEngine, sse_events, write_checkpoint
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
@@ -523,9 +523,9 @@ async def test_a_request_whose_choice_fails_to_start_gives_back_every_place(
     from starlette.requests import Request
 
     from common.messages import EngineInfo
+    from gateway.api.protocol import CompletionRequest
+    from gateway.api.serving import Serving
     from gateway.errors import GatewayError, engine_unavailable
-    from gateway.openai_protocol import CompletionRequest
-    from gateway.serving import Serving
 
     class Generation:
         async def aclose(self) -> None:
@@ -664,9 +664,9 @@ async def test_a_choice_cut_by_a_stop_string_is_aborted_at_once(tokenizer: Token
     """With n > 1 the run closes only after its slowest choice: a choice that hit a stop
     string must release its engine request itself, then and there."""
     from common.messages import TokenDelta
-    from gateway.detokenizer import IncrementalDetokenizer
-    from gateway.metrics import Metrics, RequestTimer
-    from gateway.output import StopStrings, outputs
+    from gateway.api.output import StopStrings, outputs
+    from gateway.observability.metrics import Metrics, RequestTimer
+    from gateway.text.detokenizer import IncrementalDetokenizer
 
     class Generation:
         closed, arrived = False, None
@@ -702,9 +702,9 @@ async def test_n_beyond_the_servers_capacity_is_a_400(model_dir: Path,
     from starlette.requests import Request
 
     from common.messages import EngineInfo
+    from gateway.api.protocol import CompletionRequest
+    from gateway.api.serving import Serving
     from gateway.errors import GatewayError
-    from gateway.openai_protocol import CompletionRequest
-    from gateway.serving import Serving
 
     class Pool:
         info = EngineInfo("FakeMoE", 256, 400, (2,), "bf16", 16, 16, max_num_seqs=4)
@@ -720,19 +720,19 @@ async def test_n_beyond_the_servers_capacity_is_a_400(model_dir: Path,
         await serving.start(request, "cmpl", [5], CompletionRequest(prompt=[5], n=7))
     assert (refused.value.status, refused.value.param) == (400, "n")
     assert "more than this server runs or queues at once (6)" in refused.value.message
-    assert serving._admitted == 0
+    assert serving.admission.admitted == 0
     # a batch of prompts is counted whole, before any of its requests starts
-    from gateway.completions import _start
+    from gateway.api.completions import _start
 
     body = CompletionRequest(prompt=[[5]] * 4, n=2)
     with pytest.raises(GatewayError) as refused:
         await _start(serving, request, body, [[5]] * 4)
     assert (refused.value.status, refused.value.param) == (400, "n")
     assert refused.value.message.startswith("4 prompts x n=2 is more than")
-    serving._admitted = 3  # room for 3 now: a batch of 4 gets a 429 without starting any
+    serving.admission.admitted = 3  # room for 3 now: a batch of 4 gets a 429 without starting any
     with pytest.raises(GatewayError) as busy:
         await _start(serving, request, CompletionRequest(prompt=[[5]] * 4), [[5]] * 4)
-    assert busy.value.status == 429 and serving._admitted == 3
+    assert busy.value.status == 429 and serving.admission.admitted == 3
 
 
 async def test_echo_of_token_ids_without_a_tokenizer_takes_no_place(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""`FailoverGeneration` (gateway/engine_pool.py) against scripted groups that die: what
+"""`FailoverGeneration` (gateway/routing/engine_pool.py) against scripted groups that die: what
 is resubmitted, and when a request stops being resubmitted. (Real groups killed under
 `serve`: tests/e2e/test_failover.py.)"""
 
@@ -8,9 +8,9 @@ import anyio
 import pytest
 
 from common.messages import GenerateRequest, SamplingParams, TokenDelta
-from gateway.engine_client import EngineClient
-from gateway.engine_pool import MAX_FRUITLESS_RESUMES, FailoverGeneration
 from gateway.errors import GatewayError, engine_unavailable
+from gateway.routing.engine_client import EngineClient
+from gateway.routing.engine_pool import MAX_FRUITLESS_RESUMES, FailoverGeneration
 from tests.support.gateway import FakeEngine
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]

@@ -16,14 +16,14 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer
 
 from common.messages import SamplingParams
+from gateway.api.output import StopStrings
+from gateway.api.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.api.sampling import ModelLimits, sampling_params
 from gateway.config import parse_args
-from gateway.detokenizer import IncrementalDetokenizer
 from gateway.errors import GatewayError
 from gateway.generation_config import SamplingDefaults
-from gateway.openai_protocol import ChatCompletionRequest, CompletionRequest
-from gateway.output import StopStrings
-from gateway.sampling import ModelLimits, sampling_params
-from gateway.tokenizer import Tokenizer
+from gateway.text.detokenizer import IncrementalDetokenizer
+from gateway.text.tokenizer import Tokenizer
 from tests.support.gateway import CHATML, write_checkpoint
 
 LLAMA_STYLE = (
@@ -407,7 +407,7 @@ def test_engine_gauges_are_absent_while_the_engine_does_not_answer() -> None:
     """They are read at scrape time; a scrape the engine did not answer must not repeat
     the last reading as if it were current."""
     from common.messages import EngineStats
-    from gateway.metrics import Metrics
+    from gateway.observability.metrics import Metrics
 
     metrics = Metrics("m")
     up = metrics.render(EngineStats(3, 2, 5, 10, 0, []), []).decode()
@@ -429,9 +429,9 @@ def test_a_request_span_with_a_failed_choice_has_error_status() -> None:
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
     from opentelemetry.trace import StatusCode, format_trace_id
 
-    from gateway.metrics import Metrics, RequestTimer
-    from gateway.request_log import RequestLog
-    from gateway.serving import Choice, Run
+    from gateway.api.serving import Choice, Run
+    from gateway.observability.metrics import Metrics, RequestTimer
+    from gateway.observability.request_log import RequestLog
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
@@ -457,7 +457,7 @@ def test_latencies_are_taken_when_deltas_arrive_not_when_they_are_read() -> None
     """A delta that waited in its request's buffer (a client reading slowly) counts from
     when it came off the engine connection, as vLLM measures in the engine."""
     from common.messages import TokenDelta
-    from gateway.metrics import Metrics, RequestTimer
+    from gateway.observability.metrics import Metrics, RequestTimer
 
     metrics = Metrics("m")
     timer = RequestTimer(metrics)
@@ -476,9 +476,9 @@ def test_echoed_logprobs_offsets_grow_over_prompt_and_output() -> None:
     from types import SimpleNamespace
 
     from common.messages import TokenLogprobs
-    from gateway.completions import _ChoiceText
-    from gateway.openai_protocol import CompletionRequest
-    from gateway.output import Output
+    from gateway.api.completions import _ChoiceText
+    from gateway.api.output import Output
+    from gateway.api.protocol import CompletionRequest
 
     class Letters:  # id 0 is a BOS "<s>", id i > 0 the letter i
         def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -4,7 +4,7 @@ tests/e2e/test_prefix_affinity.py)."""
 
 from __future__ import annotations
 
-from gateway.prefix_affinity import PrefixAffinity, block_keys
+from gateway.routing.prefix_affinity import PrefixAffinity, block_keys
 
 
 def test_block_keys_chain_whole_blocks_and_the_salt() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from common.messages import EngineStats
-from gateway.rebalancer import EplbConfig, Rebalancer, _moved
+from gateway.routing.rebalancer import EplbConfig, Rebalancer, _moved
 
 
 def stats(steps: int, load: list[list[int]]) -> EngineStats:
@@ -37,7 +37,7 @@ def test_a_moved_copy_is_one_on_a_rank_that_did_not_hold_its_expert() -> None:
 def test_readings_kept_for_a_window_stay_few_whatever_the_steps() -> None:
     """A reading a second, for hours of slow steps, keeps about KEEP of them: a window's
     start known to 1/KEEP of it, its load at least the window's."""
-    from gateway.rebalancer import KEEP
+    from gateway.routing.rebalancer import KEEP
 
     rebalancer = Rebalancer(None, EplbConfig(enabled=True, window=640))  # type: ignore[arg-type]
     for steps in range(5000):  # one step a reading; every step routes 1 token to expert 0

@@ -9,7 +9,12 @@ import sys
 import pytest
 
 from gateway.errors import GatewayError
-from gateway.structured_outputs import JsonSchema, ResponseFormat, StructuredOutputs, grammar
+from gateway.parsers.structured_outputs import (
+    JsonSchema,
+    ResponseFormat,
+    StructuredOutputs,
+    grammar,
+)
 from services.attention.engine import Engine
 from switchyard.demo_model import DEFAULT_MODEL
 

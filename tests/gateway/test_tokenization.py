@@ -13,8 +13,8 @@ from transformers import AutoTokenizer
 
 from gateway.app import build_app
 from gateway.config import GatewayConfig
-from gateway.engine_pool import EnginePool
-from gateway.tokenizer import Tokenizer
+from gateway.routing.engine_pool import EnginePool
+from gateway.text.tokenizer import Tokenizer
 from tests.support.gateway import CHAT, error_of, write_checkpoint
 
 pytestmark = pytest.mark.timeout(120)

@@ -15,23 +15,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from gateway.chat import conversation
+from gateway.api.chat import conversation
+from gateway.api.protocol import ChatCompletionRequest
 from gateway.config import parse_args
 from gateway.errors import GatewayError
-from gateway.openai_protocol import ChatCompletionRequest
-from gateway.structured_outputs import grammar
-from gateway.tokenizer import Tokenizer
-from gateway.tools import (
-    Collected,
-    HermesCalls,
-    MistralCalls,
-    NamedCall,
-    RequiredCalls,
-    ToolParser,
-    check_auto,
-    collect,
-    parser_for,
-)
+from gateway.parsers.hermes import HermesCalls
+from gateway.parsers.json_calls import NamedCall, RequiredCalls
+from gateway.parsers.mistral import MistralCalls
+from gateway.parsers.registry import check_auto, parser_for
+from gateway.parsers.structured_outputs import grammar
+from gateway.parsers.tool_calls import Collected, ToolParser, collect
+from gateway.text.tokenizer import Tokenizer
 from switchyard.compose import Layout, render
 from switchyard.demo_model import DEFAULT_MODEL
 from tests.support import DATA

@@ -13,7 +13,7 @@ it is dropped at the bridge. Both ends' interfaces stay up, with carrier: nothin
 either side learns of the cut, and since no packet crosses, no RST and no ICMP error comes
 back; a blocked read waits, data sent is retransmitted into the void. `restore(node)`
 turns the port back to forwarding, and retransmissions carry on where they were
-(`tests/e2e/test_netns_support.py` checks all of it).
+(`tests/support/test_netns.py` checks all of it).
 
 Everything needs root (and the `ip` and `bridge` commands): `netns_missing()` says why
 not, for `pytest.mark.skipif`. Leaving the context, also by an exception or Ctrl-C, kills

@@ -18,14 +18,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import uvicorn
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from switchyard import bench
+from switchyard.bench import make_prompts, percentile, split_load
 from tests.support.tools import wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -234,3 +238,34 @@ def test_a_request_whose_kept_alive_connection_the_server_closed_is_sent_again(
     assert sum(r["retried"] for r in reports) == server.dropped
     assert "sent again after the server closed their kept-alive connection" in \
         capsys.readouterr().out
+
+
+def test_prompts_are_fixed_by_the_seed_and_share_their_prefix() -> None:
+    a = make_prompts(5, 20, 0.5, 100, seed=1)
+    assert a == make_prompts(5, 20, 0.5, 100, seed=1) != make_prompts(5, 20, 0.5, 100, seed=2)
+    assert all(len(p) == 20 and p[:10] == a[0][:10] for p in a)
+    assert len({tuple(p[10:]) for p in a}) == 5
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(0, 1e6, allow_nan=False), min_size=1, max_size=300),
+       st.sampled_from([50, 90, 99, 99.9]))
+def test_percentiles_are_numpys(values: list[float], q: float) -> None:
+    """vllm bench serve reports numpy's percentiles; p99 of 100 values is not their max."""
+    assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)),
+                                                  rel=1e-12, abs=1e-9)
+    assert percentile([float(i) for i in range(1, 101)], 99) == pytest.approx(99.01)
+
+
+@given(st.integers(1, 40), st.integers(1, 8), st.integers(1, 200))
+def test_load_is_split_in_proportion_to_each_process_share(concurrency: int, processes: int,
+                                                           n: int) -> None:
+    prompts = [[i] for i in range(n)]
+    parts = split_load(prompts, concurrency, 10.0, processes)
+    assert sorted(p for part, _, _ in parts for p in part) == prompts  # each prompt once
+    assert sum(share for _, share, _ in parts) == concurrency
+    assert sum(rate or 0 for _, _, rate in parts) == pytest.approx(10.0)
+    for part, share, rate in parts:
+        # the prompts per slot of concurrency differ by at most one between processes
+        assert abs(len(part) - n * share / concurrency) <= share
+        assert rate == pytest.approx(10.0 * share / concurrency)

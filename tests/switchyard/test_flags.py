@@ -184,3 +184,16 @@ def test_an_expert_rank_from_its_world_rank() -> None:
                 ["--world-rank", "1"]):  # rpc: no world
         with pytest.raises(ValueError, match="not an expert rank of a collective world"):
             config(*bad)
+
+
+def test_an_empty_quantization_variable_means_auto(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`SWITCHYARD_QUANTIZATION=` (what `${VAR:-}` in an env file gives) is not a choice
+    argparse would check: it must read as the default."""
+    import argparse
+
+    from services.attention.config import add_engine_flags
+
+    monkeypatch.setenv("SWITCHYARD_QUANTIZATION", "")
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    assert parser.parse_args([]).quantization == "auto"

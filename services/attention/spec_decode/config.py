@@ -16,7 +16,7 @@ from dataclasses import dataclass
 METHODS = ("mtp", "ngram")
 MAX_SPECULATIVE_TOKENS = 8
 # Steps of more running sequences do not speculate by default, by method: measured on 2
-# cores (docs/benchmarks.md, "Speculative decoding"). N-gram: a verify step of k = 1 costs
+# cores (docs/benchmarks.md, "What speculation gives"). N-gram: a verify step of k = 1 costs
 # 1.18x a plain step at 1 sequence and about 1.3x from 16 on, k = 3 1.6x and 1.9-2.3x; a
 # busy server is bound by throughput, which drafts rejected at that price would cut.
 # MTP pays a pass of its layer a step besides: served, the bundled model's k = 2 gained

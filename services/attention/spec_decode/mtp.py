@@ -15,7 +15,24 @@ So after each step it runs over every position the step settled (`MtpProposer.pr
 first pass): a prompt chunk's, or a decode's verified tokens', whose next tokens are known
 now. The last one gives the first draft; each further draft runs the block again on its
 own output and the draft before, at positions the next step computes anyway (their
-blocks taken early where free, so a draft never pushes another sequence out)."""
+blocks taken early where free, so a draft never pushes another sequence out).
+
+`ModelConfig.from_dir` finds the layer where its weights are (`mtp_layers`). Its KV covers
+MLA's latent rows too. Where no block is free for a further draft's positions it drafts
+fewer. Drafts are greedy (q one-hot), so verification is the n-gram path's.
+
+The block's MoE is an MoE layer like any other: `ModelConfig.served_moe_layers` adds it to
+the layers the expert ranks hold (on every backend but `deepep`, `Backend.mtp`), so it is
+placed, rebalanced and counted per expert as the decoder's are. On a lockstep backend an MTP
+pass is a round of its own (`ep_dispatch.torch_dist`). `deepep`'s rounds take the decoder's
+layers only, so there MTP is refused at start-up (n-gram works). In a DCP group each pass is
+a plan of its own (`DcpPlan.mtp_source`): every rank holds the step's hidden states and the
+last pass's output, runs the block over its shard of the MTP's KV, and the group merges its
+attention as any layer's. With CUDA graphs a verify step is captured as any decode step (its
+1 + k rows a sequence are decode rows, each over its own keys, within
+`--cuda-graph-max-batch` rows); the MTP passes run eagerly (shown on the CPU with
+`graphs.eager_capture`; not run on a GPU yet).
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """deploy/observability: the recording rules and the Grafana dashboard are what
-`gateway.dashboard.exports` writes from the dashboard's chart definitions; Prometheus'
+`gateway.observability.dashboard.exports` writes from the dashboard's chart definitions; Prometheus'
 promtool accepts the rules, and Grafana's dashboard model (the Grafana Foundation SDK's,
 generated from Grafana's schema) reads every field of the dashboard."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models.dashboard import Dashboard
 
-from gateway.dashboard.charts import CHARTS, record_name
-from gateway.dashboard.exports import GRAFANA_FILE, RULES_FILE, main
+from gateway.observability.dashboard.charts import CHARTS, record_name
+from gateway.observability.dashboard.exports import GRAFANA_FILE, RULES_FILE, main
 from tests.support import ROOT
 from tests.support.tools import PROMTOOL, prometheus_tool
 
@@ -24,7 +24,7 @@ def test_the_committed_files_are_what_the_charts_write(tmp_path: Path) -> None:
     assert main(["--out", str(tmp_path)]) == 0
     for name in (RULES_FILE, GRAFANA_FILE):
         assert (tmp_path / name).read_text() == (FOLDER / name).read_text(), \
-            f"rewrite: python -m gateway.dashboard.exports --out {FOLDER}"
+            f"rewrite: python -m gateway.observability.dashboard.exports --out {FOLDER}"
 
 
 def test_promtool_accepts_the_recording_rules() -> None:

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from gateway.dashboard.recorder import Recorder, identity, point_values
-from gateway.dashboard.windows import Hist
-from gateway.service_metrics import Scrape, parse
+from gateway.observability.dashboard.recorder import Recorder, Settings, identity, point_values
+from gateway.observability.dashboard.windows import Hist
+from gateway.observability.service_metrics import Scrape, parse
 
 INF = float("inf")
 
@@ -33,8 +33,8 @@ def test_services_are_named_by_role_and_place() -> None:
 
 
 def recorder() -> Recorder:
-    config = SimpleNamespace(host="127.0.0.1", port=8000)
-    return Recorder(SimpleNamespace(config=config), interval_s=1, history_s=60)  # type: ignore[arg-type]
+    return Recorder(Settings("m", "http://127.0.0.1:8000", interval_s=1),
+                    SimpleNamespace(), history_s=60)  # type: ignore[arg-type]
 
 
 def test_a_service_going_down_coming_back_and_restarting_are_events() -> None:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from gateway.config import parse_args
-from gateway.dashboard.windows import Hist, Window
-from gateway.metrics import balance
-from gateway.service_metrics import Scrape, parse
+from gateway.observability.dashboard.windows import COPIES, Hist, Window
+from gateway.observability.metrics import balance
+from gateway.observability.service_metrics import Scrape, parse
 from switchyard.demo_model import DEFAULT_MODEL
 
 INF = float("inf")
@@ -141,3 +141,18 @@ switchyard:generation_tokens_total{model_name="m"} %d
     added, seconds = w.last_tick()
     assert added[("request", "ttft")].counts == (3, 4)
     assert (added[("counter", "output_tokens")].tokens, seconds) == (15, 5)
+
+
+def test_copies_are_kept_a_ninetieth_of_the_history_apart() -> None:
+    """Ticks every second over a 900 s history keep about 90 copies; a window starts at the
+    newest copy at least that old, so it spans at most 10 s more than asked."""
+    w = Window(900)
+    for t in range(1000):
+        w.absorb([scrape("a", (1, 1 + t), t)], now=t)
+    assert len(w._kept) <= COPIES + 1
+    for window in (60, 300, 900):
+        recent, age = w.recent(999, window)
+        assert age is not None and window <= age <= window + 10
+        assert recent[("expert", "0", "1")].tokens == age  # (a token a second)
+    added, seconds = w.last_tick()  # the last tick itself, whatever was kept
+    assert (added[("expert", "0", "1")].tokens, seconds) == (1, 1)

@@ -11,8 +11,13 @@ import pytest
 from prometheus_client import REGISTRY
 
 from common.messages import GenerateRequest, SamplingParams
-from gateway.structured_outputs import JsonSchema, ResponseFormat, StructuredOutputs, grammar
-from gateway.tokenizer import Tokenizer
+from gateway.parsers.structured_outputs import (
+    JsonSchema,
+    ResponseFormat,
+    StructuredOutputs,
+    grammar,
+)
+from gateway.text.tokenizer import Tokenizer
 from services.attention.builder import build_engine
 from services.attention.config import AttentionConfig
 from services.attention.engine import Engine
