@@ -139,26 +139,30 @@ class SocketFrames:
         """Connect by `deadline` and prove `secret`.
 
         With `retry`, this retries until the peer listens. Without it, a refused connection
-        raises its OSError at once. A peer that fails the handshake raises `HandshakeError`,
-        an OSError, at once. A link silent for `link_timeout` fails the connection; see
+        raises its OSError at once. A connection reset during the handshake is retried
+        too: a service killed just as it accepted us resets it, and its successor may be
+        listening soon. A peer that fails the handshake raises `HandshakeError`, an
+        OSError, at once. A link silent for `link_timeout` fails the connection; see
         `set_liveness`.
         """
         delay = 0.05
         while True:
             try:
                 sock = socket.create_connection((host, port), _left(deadline))
+                try:
+                    set_liveness(sock, link_timeout)
+                    client_handshake(sock, secret, deadline)
+                except BaseException:
+                    sock.close()
+                    raise
+            except HandshakeError:
+                raise
             except OSError:
                 if not retry or time.monotonic() + delay >= deadline:
                     raise
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
                 continue
-            try:
-                set_liveness(sock, link_timeout)
-                client_handshake(sock, secret, deadline)
-            except BaseException:
-                sock.close()
-                raise
             return cls(sock)
 
     def send(self, message: Message, deadline: float) -> int:
