@@ -1,7 +1,7 @@
 """Who may connect to a service's port: a shared cluster secret, proven at connect time.
 
 Every connection between services starts with a mutual HMAC-SHA256 challenge-response,
-before any frame is read (and so before any message is decoded):
+before any frame is read, and so before any message is decoded:
 
     server -> client   MAGIC, server nonce (32 random bytes)
     client -> server   client nonce (32), HMAC(secret, "client" | server nonce | client nonce)
@@ -56,8 +56,9 @@ class ClusterSecret:
 
     @classmethod
     def load(cls, path: str | Path | None) -> ClusterSecret:
-        """The secret in the file at `path` (its bytes, surrounding whitespace stripped);
-        None or empty: no secret. A ValueError for an unreadable or empty file."""
+        """The secret in the file at `path`: its bytes, surrounding whitespace stripped.
+        A `path` of None or empty means no secret. Raises a ValueError for an unreadable or
+        empty file."""
         if not path:
             return cls()
         try:
@@ -108,7 +109,7 @@ def is_loopback(host: str) -> bool:
 
 
 def check_listen(host: str, secret: ClusterSecret, flag: str = "--host") -> None:
-    """A ValueError where a service would listen beyond loopback with no secret."""
+    """Raise a ValueError where a service would listen beyond loopback with no secret."""
     if not secret.configured and not is_loopback(host):
         raise ValueError(f"{flag} {host} listens beyond loopback, so connections must prove "
                          f"a cluster secret: give one with --cluster-secret-file or "
@@ -117,7 +118,7 @@ def check_listen(host: str, secret: ClusterSecret, flag: str = "--host") -> None
 
 
 def challenge() -> tuple[bytes, bytes]:
-    """(what the server sends first, its nonce)."""
+    """The server's challenge: (what it sends first, its nonce)."""
     nonce = os.urandom(NONCE_BYTES)
     return MAGIC + nonce, nonce
 
@@ -132,7 +133,8 @@ def respond(secret: ClusterSecret, challenge_bytes: bytes) -> tuple[bytes, bytes
 
 
 def verify(secret: ClusterSecret, server_nonce: bytes, response: bytes) -> bytes:
-    """The server's proof for a client's response; a HandshakeError if it is wrong."""
+    """The server's proof for a client's response. Raises a HandshakeError if the response
+    is wrong."""
     nonce, mac = response[:NONCE_BYTES], response[NONCE_BYTES:]
     if not hmac.compare_digest(mac, secret.mac(b"client", server_nonce, nonce)):
         raise HandshakeError("the peer did not prove the cluster secret")

@@ -1,19 +1,19 @@
 """The one thread that runs a service's tensor work.
 
-OpenMP (torch's intra-op parallelism, and the compiled CPU kernels) keeps a team of worker
-threads for every thread that starts a parallel region. Once its teams hold more threads
-than there are cores, libgomp stops spinning between regions (its throttled spin count), so
-every region pays a futex wake-up: on 2 cores, a decode step run by a pool's changing
-worker threads after the weights were loaded on the main thread took 33 ms against 24 ms
-on the main thread (a 1024 x 1024 linear: 107 against 28 us). So a service loads on its
-main thread, releases that thread's team (`moe_kernels.cpu_kernels.release_threads`), and
-runs every step on one `ComputeThread`.
+OpenMP, which runs torch's intra-op parallelism and the compiled CPU kernels, keeps a team
+of worker threads for every thread that starts a parallel region. Once its teams hold more
+threads than there are cores, libgomp stops spinning between regions (its throttled spin
+count), so every region pays a futex wake-up. On 2 cores, a decode step run by a pool's
+changing worker threads, after the weights were loaded on the main thread, took 33 ms
+against 24 ms on the main thread; a 1024 x 1024 linear took 107 against 28 us. So a service
+loads on its main thread, releases that thread's team
+(`moe_kernels.cpu_kernels.release_threads`), and runs every step on one `ComputeThread`.
 
 That thread's time is the service's busy time (`switchyard:busy_seconds_total`), less what
-its work waited on other services (`waiting`: an attention service blocked on its expert
-services' answers, `switchyard:wait_seconds_total`); `switchyard:busy_fraction` is the
-busy share of the last `BUSY_WINDOW` seconds. The ping-pong pipeline is judged by these:
-both sides busy at once, and the waits are its bubbles.
+its work waited on other services (`waiting`, `switchyard:wait_seconds_total`), as when an
+attention service is blocked on its expert services' answers. `switchyard:busy_fraction` is
+the busy share of the last `BUSY_WINDOW` seconds. The ping-pong pipeline is judged by these:
+both sides should be busy at once, and the waits are its bubbles.
 
 The attention service runs every step on this thread, and the `rpc` expert side runs its
 computations on one too; the attention service's thread also makes each layer's exchange
@@ -46,7 +46,8 @@ _waits = threading.local()
 
 @contextmanager
 def waiting() -> Iterator[None]:
-    """Time the calling thread spends here is a wait, not work (an exchange's answers)."""
+    """Time the calling thread spends here, as on an exchange's answers, is a wait, not
+    work."""
     start = time.perf_counter()
     try:
         yield
@@ -82,8 +83,8 @@ class BusyClock:
                 self._recent.append((start, end, wait))
 
     def fraction(self, now: float | None = None) -> float:
-        """Busy seconds within the last `BUSY_WINDOW` over the window (a call's waits
-        spread evenly over it)."""
+        """Busy seconds within the last `BUSY_WINDOW`, over the window. A call's waits are
+        spread evenly over it."""
         now = time.monotonic() if now is None else now
         since = now - BUSY_WINDOW
         busy = 0.0
@@ -105,9 +106,9 @@ class ComputeThread:
         self.clock = BusyClock(service)
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
-        """fn(*args) on the thread, its time the service's busy time (`BusyClock`).
-        Cancelled, the caller stops waiting; a call that has started runs to its end (as
-        `anyio.to_thread.run_sync(abandon_on_cancel=True)`)."""
+        """fn(*args) on the thread, its time counted as the service's busy time
+        (`BusyClock`). When cancelled, the caller stops waiting, but a call that has started
+        runs to its end, as with `anyio.to_thread.run_sync(abandon_on_cancel=True)`."""
         return await self.start(fn, *args)
 
     def start(self, fn: Callable[..., T], *args: object) -> asyncio.Future[T]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 
 def root_causes(exc: BaseException) -> str:
-    """`Type: message` of each leaf of `exc`'s exception groups, once each ("; " between).
+    """`Type: message` of each leaf of `exc`'s exception groups, once each, joined by "; ".
 
     An anyio task group that fails raises an `ExceptionGroup` whose own text is only
     "unhandled errors in a TaskGroup (2 sub-exceptions)"; the leaves say what happened.

@@ -1,11 +1,15 @@
 """Flags the service processes share, each defaulting to a `SWITCHYARD_*` variable, and
 their forwarding from `switchyard serve` to the processes it starts.
 
-Every other flag is defined once, in its service's `config.py`: `gateway/config.py` (with
-`add_serve_flags`, those `serve` takes too), `services/attention/config.py`
-(`add_engine_flags`, which `serve` forwards, and `add_attention_parser`),
-`services/expert/config.py`, and `ep_dispatch/deepep_config.py` (the `--deepep-*` settings
-both service kinds take); `switchyard/cli.py` holds only `serve`'s own.
+Every other flag is defined once, in its service's `config.py`:
+
+- `gateway/config.py`, with `add_serve_flags` for those `serve` takes too;
+- `services/attention/config.py`, with `add_engine_flags`, which `serve` forwards, and
+  `add_attention_parser`;
+- `services/expert/config.py`;
+- `ep_dispatch/deepep_config.py`, the `--deepep-*` settings both service kinds take.
+
+`switchyard/cli.py` holds only `serve`'s own.
 """
 
 from __future__ import annotations
@@ -73,7 +77,7 @@ def add_rendezvous_flag(p: argparse.ArgumentParser) -> argparse.Action:
 
 
 def add_link_timeout_flag(p: argparse.ArgumentParser) -> argparse.Action:
-    # 4: common.rpc.LINK_TIMEOUT_S (not imported: this module stays free of the rpc stack)
+    # 4 is common.rpc.LINK_TIMEOUT_S, not imported so this module stays free of the rpc stack
     return p.add_argument("--link-timeout", type=float,
                           default=float(env("LINK_TIMEOUT") or 4),
                           help="seconds a service connection's link may stay silent (no "
@@ -85,8 +89,9 @@ def add_link_timeout_flag(p: argparse.ArgumentParser) -> argparse.Action:
 
 def as_flags(args: argparse.Namespace, actions: list[argparse.Action],
              skip: Collection[str] = ()) -> list[str]:
-    """The command-line flags that give another process `args`' values of `actions`
-    (those not None; a switch when set), except the destinations in `skip`."""
+    """The command-line flags that give another process `args`' values of `actions`,
+    except the destinations in `skip`. Values of None are left out, and a switch is given
+    when set."""
     out: list[str] = []
     for action in actions:
         value = getattr(args, action.dest)

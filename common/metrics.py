@@ -1,7 +1,7 @@
 """Prometheus `/metrics` of the attention and expert services.
 
-Their series live in prometheus_client's default registry (with its process and Python
-collectors) and are served from a small HTTP thread on `--metrics-port`; the gateway
+Their series live in prometheus_client's default registry, with its process and Python
+collectors, and are served from a small HTTP thread on `--metrics-port`. The gateway
 scrapes and merges them (`gateway.observability.service_metrics`), and so can any Prometheus.
 
 A service reports its metrics port with its service port on the ready pipe (`report_ready`),
@@ -34,10 +34,13 @@ class _Quiet(WSGIRequestHandler):
 
 
 def classic_text(app: Callable) -> Callable:
-    """`app` answering in the classic text format whatever the scraper asks: Prometheus
-    2 asks for OpenMetrics with `escaping=underscores`, under which prometheus_client
-    writes `switchyard:expert_tokens_total` as `switchyard_expert_tokens_total`; the text
-    format keeps every name as it is, for every Prometheus."""
+    """`app`, answering in the classic text format whatever the scraper asks.
+
+    Prometheus 2 asks for OpenMetrics with `escaping=underscores`, under which
+    prometheus_client writes `switchyard:expert_tokens_total` as
+    `switchyard_expert_tokens_total`. The text format keeps every name as it is, for every
+    Prometheus.
+    """
     def wrapped(environ: dict, start_response: Callable) -> Iterable[bytes]:
         environ.pop("HTTP_ACCEPT", None)
         return app(environ, start_response)
@@ -47,9 +50,9 @@ def classic_text(app: Callable) -> Callable:
 
 def start_metrics_server(host: str, port: int | None, role: str, index: int,
                          member: int = 0) -> int | None:
-    """Serve `/metrics` on host:port (0 picks a free port), on a daemon thread, with this
-    service's role, place and start time; returns the bound port, or None when no port
-    is configured."""
+    """Serve `/metrics` on host:port, where port 0 picks a free port, on a daemon thread,
+    with this service's role, place and start time. Returns the bound port, or None when no
+    port is configured."""
     if port is None:
         return None
     _STARTED.labels(role, str(index), str(member)).set(time.time())

@@ -21,14 +21,17 @@ def http_url(host: str, port: int, https: bool = False) -> str:
 
 
 def free_port() -> int:
-    """A port free now, for a process that binds it a moment later (a service starting:
-    seconds, importing torch). It is drawn from below the kernel's ephemeral range, which
-    every bind to port 0 draws from: the services that start meanwhile (they listen on
-    port 0) cannot take it first. No port is handed out twice within `RESERVED_S`, by this
-    process or another of this user's on this machine (`_reserve`)."""
+    """A port free now, for a process that binds it a moment later; a service takes
+    seconds to start, importing torch.
+
+    It is drawn from below the kernel's ephemeral range, which every bind to port 0 draws
+    from, so the services that start meanwhile, listening on port 0, cannot take it first.
+    No port is handed out twice within `RESERVED_S`, by this process or another of this
+    user's on this machine (`_reserve`).
+    """
     low = _ephemeral_low()
     start = max(1024, low - 16384)
-    for _ in range(200 if low - start >= 256 else 0):  # (a range from 1024 leaves no room)
+    for _ in range(200 if low - start >= 256 else 0):  # a range from 1024 leaves no room
         port = random.randrange(start, low)
         if port in _HANDED_OUT or not _reserve(port):  # not bound yet by whoever got it
             continue
@@ -50,10 +53,13 @@ RESERVATIONS = Path(tempfile.gettempdir()) / f"switchyard-ports-{os.getuid()}.js
 
 
 def _reserve(port: int) -> bool:
-    """Note `port` in this user's reservations ({port: time handed out}, under an exclusive
-    lock): False where another process has it. Two launchers on one machine (tests run
-    side by side) otherwise drew the same port now and then, and the second child to
-    bind it failed. Without the file (unwritable), no reservation: the bind still checks."""
+    """Note `port` in this user's reservations, {port: time handed out}, under an exclusive
+    lock. Returns False where another process has it.
+
+    Without this, two launchers on one machine, such as tests run side by side, drew the
+    same port now and then, and the second child to bind it failed. Where the file is
+    unwritable there is no reservation, and the bind still checks.
+    """
     try:
         with open(RESERVATIONS, "a+") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
@@ -77,7 +83,7 @@ def _reserve(port: int) -> bool:
 
 def _ephemeral_low() -> int:
     """The lowest port the kernel hands out for port 0: Linux's ip_local_port_range, else
-    the IANA dynamic range's 49152 (macOS, Windows)."""
+    49152, where the IANA dynamic range starts, as on macOS and Windows."""
     try:
         return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):

@@ -15,9 +15,12 @@ from collections.abc import Sequence
 
 def chain_keys(token_ids: Sequence[int], width: int, salt: str | None, keys: list[bytes],
                num_spans: int) -> list[bytes]:
-    """Extend `keys` (the keys of the first len(keys) spans of `width` tokens of
-    `token_ids`) to `num_spans` keys, in place; returns it. A span's key is sha256 of the
-    previous span's key (the salt's bytes for the first) and its own tokens."""
+    """Extend `keys` to `num_spans` keys, in place, and return it.
+
+    `keys` holds the keys of the first len(keys) spans of `width` tokens of `token_ids`. A
+    span's key is sha256 of the previous span's key and its own tokens. For the first span
+    the salt's bytes stand in for the previous key.
+    """
     for s in range(len(keys), num_spans):
         parent = keys[-1] if keys else (salt or "").encode()
         tokens = array("q", token_ids[s * width:(s + 1) * width]).tobytes()

@@ -1,11 +1,11 @@
 """OpenTelemetry tracing for every service, configured the standard way.
 
-Tracing is on when `--otlp-traces-endpoint` or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` /
-`OTEL_EXPORTER_OTLP_ENDPOINT` is set; `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL` (or
-`OTEL_EXPORTER_OTLP_PROTOCOL`) picks `http/protobuf` (default) or `grpc`,
-`OTEL_SERVICE_NAME` overrides the service's name and `OTEL_TRACES_SAMPLER` /
-`OTEL_TRACES_SAMPLER_ARG` the sampling (the SDK reads them). Off, the API's no-op tracer
-is used: no spans are built and nothing is exported.
+Tracing is on when `--otlp-traces-endpoint`, `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` or
+`OTEL_EXPORTER_OTLP_ENDPOINT` is set. `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`, or
+`OTEL_EXPORTER_OTLP_PROTOCOL`, picks `http/protobuf` (the default) or `grpc`.
+`OTEL_SERVICE_NAME` overrides the service's name, and `OTEL_TRACES_SAMPLER` and
+`OTEL_TRACES_SAMPLER_ARG` set the sampling; the SDK reads these. When tracing is off, the
+API's no-op tracer is used: no spans are built and nothing is exported.
 
 Context crosses processes in the messages' `trace_context` field (W3C `traceparent`).
 
@@ -16,11 +16,12 @@ is off the code skips building span inputs (`enabled()`). The spans:
   client's `traceparent`), with the GenAI attributes, output tokens, finish reasons and time
   to first token;
 - attention: `queue`, `prefill` and `decode` spans under the request span, emitted when the
-  request ends; a `step` span per scheduler step, linked to every sampled request it served,
-  with `dispatch layer N` and `combine layer N` children (`ep_dispatch.metrics.phase`, every
-  backend) and the step's `switchyard.busy_s` and `switchyard.wait_s` (its bubbles). Only
-  sampled requests carry a context; a step the sampler drops is kept for a sampled request
-  it serves, without children (`switchyard.detail=false`, the link-following sampler);
+  request ends. A `step` span per scheduler step is linked to every sampled request it
+  served. It has `dispatch layer N` and `combine layer N` children
+  (`ep_dispatch.metrics.phase`, every backend), and the step's `switchyard.busy_s` and
+  `switchyard.wait_s`, its bubbles. Only sampled requests carry a context. The
+  link-following sampler keeps a step the sampler drops for a sampled request it serves,
+  without children (`switchyard.detail=false`);
 - experts: `experts layer N` under the caller's dispatch span, with one `expert N.E` span
   per local expert (`switchyard.layer`, `switchyard.expert`, `switchyard.expert_rank`,
   `switchyard.tokens`, `switchyard.duration_s`).
@@ -53,7 +54,7 @@ MAX_STEP_LINKS = 4096  # span links kept, unless OTEL_SPAN_LINK_COUNT_LIMIT says
 
 
 def enabled() -> bool:
-    """Whether this process records spans (skip building span inputs when not)."""
+    """Whether this process records spans. When it does not, skip building span inputs."""
     return _enabled
 
 
@@ -105,8 +106,8 @@ _at_shutdown: list = []
 
 
 def shutdown() -> None:
-    """Flush and stop tracing (at exit, or earlier where a server re-raises SIGTERM and
-    so skips `atexit`: uvicorn does). Safe to call twice."""
+    """Flush and stop tracing, at exit, or earlier where a server re-raises SIGTERM and
+    so skips `atexit`, as uvicorn does. Safe to call twice."""
     while _at_shutdown:
         _at_shutdown.pop(0)()
 
@@ -150,13 +151,13 @@ def inject(context: Context | None = None) -> dict[str, str]:
 
 
 def extract(carrier: dict[str, str]) -> Context:
-    """The context a message's `trace_context` carries (empty: a new trace starts)."""
+    """The context a message's `trace_context` carries. An empty one starts a new trace."""
     return _PROPAGATOR.extract(carrier)
 
 
 def sampled_span(carrier: dict[str, str]) -> SpanContext | None:
-    """The span a message's `trace_context` names, if it is sampled; else None, and the
-    receiver records nothing for it (its sender already decided not to)."""
+    """The span a message's `trace_context` names, if it is sampled. Otherwise None, and
+    the receiver records nothing for it, as its sender already decided not to."""
     if not _enabled or not carrier:
         return None
     context = get_current_span(extract(carrier)).get_span_context()
@@ -167,8 +168,9 @@ _DETAIL: ContextVar[bool] = ContextVar("switchyard_trace_detail", default=True)
 
 
 def detailed() -> bool:
-    """Whether per-layer and per-expert spans are wanted here: the current span records,
-    and is not a step recorded only for the sampled requests it serves (`detail`)."""
+    """Whether per-layer and per-expert spans are wanted here. They are when the current
+    span records, and is not a step recorded only for the sampled requests it serves
+    (`detail`)."""
     return _enabled and _DETAIL.get() and get_current_span().is_recording()
 
 
@@ -191,12 +193,14 @@ def layer_span(stage: str, attributes: dict[str, int]) -> AbstractContextManager
 
 
 def _follow_links() -> Sampler:
-    """The sampler the `OTEL_TRACES_SAMPLER*` variables configure, except that a root span
-    it drops is still recorded when linked to a sampled span, marked
-    `switchyard.detail=False`: a scheduler step that serves a sampled request is always
-    there, so the request's trace shows all of its steps, but its per-layer and per-expert
-    spans only when the sampler picked the step itself (a step of 256 requests serves a
-    1%-sampled one most of the time)."""
+    """The sampler the `OTEL_TRACES_SAMPLER*` variables configure, with one exception.
+
+    A root span it drops is still recorded when linked to a sampled span, marked
+    `switchyard.detail=False`. So a scheduler step that serves a sampled request is always
+    there, and the request's trace shows all of its steps. The step's per-layer and
+    per-expert spans are there only when the sampler picked the step itself; a step of 256
+    requests serves a 1%-sampled one most of the time.
+    """
     from opentelemetry.sdk.trace.sampling import (
         Decision,
         Sampler,

@@ -1,6 +1,6 @@
-"""The flattened inputs of one model step, built once and shared by every layer: every
-token of the step, but only this rank's keys. A single rank is the DCP group of one
-(`Sharding(1, 1)`): it holds every key."""
+"""The flattened inputs of one model step, built once and shared by every layer. They hold
+every token of the step, but only this rank's keys. A single rank is the DCP group of one
+(`Sharding(1, 1)`), which holds every key."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import torch
 from common.messages import DcpSeqPlan
 from dcp.sharding import Sharding
 
-# A chunk of at most this many tokens of a sequence whose KV is there already (its last
-# token and up to 8 speculative drafts) is attended as that many decode rows: the decode
-# path's batched kernels instead of one prefill slice a sequence.
+# A chunk of at most this many tokens of a sequence whose KV is there already, its last
+# token and up to 8 speculative drafts, is attended as that many decode rows. That runs the
+# decode path's batched kernels instead of one prefill slice a sequence.
 DECODE_ROWS_MAX = 9
 
 
@@ -32,8 +32,8 @@ class StepBatch:
     """Inputs of one step: T new tokens of B sequences, flattened.
 
     Sequences with a single new token (decodes), and the short chunks of speculation's
-    verify steps (`DECODE_ROWS_MAX`, a row each), are attended as one padded batch;
-    longer chunks (prefills) one by one.
+    verify steps (`DECODE_ROWS_MAX`), are attended as one padded batch, a row each. Longer
+    chunks (prefills) are attended one by one.
     """
 
     input_ids: torch.Tensor  # [T] int64
@@ -51,7 +51,8 @@ class StepBatch:
     forced_routing: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def to(self, device: str) -> StepBatch:
-        """The same batch with every tensor on `device` (built on the CPU, copied once)."""
+        """The same batch with every tensor on `device`. It is built on the CPU and copied
+        once."""
         if device == "cpu":
             return self
 
@@ -149,13 +150,14 @@ def _slots(table: torch.Tensor, local: torch.Tensor, block_size: int) -> torch.T
 
 def _pad(keys: list[tuple[torch.Tensor, torch.Tensor]], q_pos: torch.Tensor,
          window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, L_max] slots (padding: slot 0) and mask; a rank may hold no key of a sequence."""
+    """[B, L_max] slots, padded with slot 0, and the mask. A rank may hold no key of a
+    sequence."""
     if not keys:
         return torch.zeros(0, 1, dtype=torch.int64), torch.zeros(0, 1, dtype=torch.bool)
     lengths = torch.tensor([len(s) for s, _ in keys])  # [B]
     slots = torch.nn.utils.rnn.pad_sequence([s for s, _ in keys], batch_first=True)
     k_pos = torch.nn.utils.rnn.pad_sequence([p for _, p in keys], batch_first=True)
-    if slots.shape[1] == 0:  # (no rank-held key in any sequence: one padding column)
+    if slots.shape[1] == 0:  # no sequence has a key on this rank: one padding column
         slots, k_pos = slots.new_zeros(len(keys), 1), k_pos.new_zeros(len(keys), 1)
     real = torch.arange(slots.shape[1])[None, :] < lengths[:, None]  # [B, L_max]
     return slots, real & window_ok(q_pos[:, None], k_pos, window)

@@ -1,17 +1,19 @@
-"""The collectives of one DCP attention group (torch.distributed: gloo on CPU, NCCL on GPU).
+"""The collectives of one DCP attention group, over torch.distributed: gloo on the CPU,
+NCCL on a GPU.
 
-The leader (rank 0) schedules and broadcasts each step's plan; every rank runs the dense
-model on all the step's tokens, attends over its own keys, and the partial results are
-merged by log-sum-exp. Only the leader dispatches to the experts; it broadcasts the MoE
+The leader (rank 0) schedules and broadcasts each step's plan. Every rank runs the dense
+model on all the step's tokens and attends over its own keys, and the partial results are
+merged by log-sum-exp. Only the leader dispatches to the experts. It broadcasts the MoE
 outputs, so expert services never see a token twice.
 
-Once every rank is loaded (the leader's first heartbeat, at the end of its build, answered),
-each collective times out after `collective_timeout` (`--expert-timeout` + `--link-timeout`
-+ 5 s: past any hold of a step for a lost expert rank), and an idle leader sends a heartbeat
-plan every second that every rank answers with a one-element all-reduce, so a rank behind a
-cut link is found on both ends, and the group exits to be started again whole. A dead rank,
-leader or peer, makes `serve` kill the group's other ranks and start them all again (their
-rendezvous needs every rank); recovery takes about 4-5 s here.
+Every rank is loaded once the leader's first heartbeat, sent at the end of its build, is
+answered. From then on each collective times out after `collective_timeout`, which is
+`--expert-timeout` + `--link-timeout` + 5 s, past any hold of a step for a lost expert rank.
+An idle leader sends a heartbeat plan every second, which every rank answers with a
+one-element all-reduce. So a rank behind a cut link is found on both ends, and the group
+exits to be started again whole. A dead rank, leader or peer, makes `serve` kill the
+group's other ranks and start them all again, since their rendezvous needs every rank.
+Recovery takes about 4-5 s here.
 """
 
 from __future__ import annotations
@@ -38,9 +40,9 @@ HOLD_MARGIN_S = 5.0  # beyond the longest a peer waits while the leader holds a 
 
 def collective_timeout(expert_timeout: float, link_timeout: float) -> float | None:
     """How long a rank waits in one of the group's collectives before the group counts as
-    broken: longer than the leader may hold a step for a lost expert rank (found within
-    `link_timeout`, then waited for up to `expert_timeout`), so a hold never breaks the
-    group; None (no bound) where liveness is off (`--link-timeout 0`)."""
+    broken. It is longer than the leader may hold a step for a lost expert rank, which is
+    found within `link_timeout` and then waited for up to `expert_timeout`, so a hold never
+    breaks the group. It is None, no bound, where liveness is off (`--link-timeout 0`)."""
     if link_timeout <= 0:
         return None
     return expert_timeout + link_timeout + HOLD_MARGIN_S
@@ -60,7 +62,7 @@ class DcpGroup:
                  timeout: float = 300.0, op_timeout: float | None = None) -> None:
         """Meet the group's other ranks at rank 0's store, waiting `timeout` seconds. Once
         the group serves (`serve`), a collective fails after `op_timeout` seconds
-        (`collective_timeout`; None: never)."""
+        (`collective_timeout`); None means never."""
         host, port = init
         store = dist.TCPStore(host, port, size, is_master=rank == 0,
                               timeout=datetime.timedelta(seconds=timeout))
@@ -75,7 +77,8 @@ class DcpGroup:
         self._decoder = msgspec.msgpack.Decoder(DcpPlan)
 
     def _done(self, work: dist.Work | None) -> None:
-        """Wait for a collective (`async_op=True`); a RuntimeError past the bound."""
+        """Wait for a collective started with `async_op=True`. Past the bound this raises
+        a RuntimeError."""
         assert work is not None
         work.wait(self._wait)
 
@@ -84,8 +87,8 @@ class DcpGroup:
         self._done(dist.broadcast(tensor, src=0, async_op=True))
 
     def serve(self) -> None:
-        """Every rank loaded and met (the first heartbeat answered): from now on each
-        collective is bounded by the collective timeout."""
+        """Every rank is loaded and met, as the first heartbeat was answered. From now on
+        each collective is bounded by the collective timeout."""
         self._wait = self._op_timeout
 
     def send_plan(self, plan: DcpPlan) -> None:
@@ -94,9 +97,10 @@ class DcpGroup:
         self.broadcast(data.to(self._device))
 
     def heartbeat(self) -> None:
-        """The leader: a heartbeat plan, then a collective every rank joins (the peers
-        by `answer_heartbeat`), so the leader too finds a silent peer. The first, once
-        the leader is loaded, waits for every peer to be, and the group serves."""
+        """On the leader: a heartbeat plan, then a collective every rank joins, the peers
+        by `answer_heartbeat`, so the leader too finds a silent peer. The first heartbeat,
+        once the leader is loaded, waits for every peer to be loaded, and the group then
+        serves."""
         self.send_plan(DcpPlan([], heartbeat=True))
         self.answer_heartbeat()
 
@@ -127,13 +131,14 @@ class DcpGroup:
 
 
 class StepAborted(RuntimeError):
-    """The leader's expert call failed mid-step (an expert rank lost), and every rank of
-    the group knows: the peers drop the step and wait for the next plan; the leader (which
-    raises it from the failure) fails the step's sequences. The group stays in step."""
+    """The leader's expert call failed mid-step because an expert rank was lost, and every
+    rank of the group knows it. The peers drop the step and wait for the next plan. The
+    leader, which raises it from the failure, fails the step's sequences. The group stays in
+    step."""
 
 
 class GroupExperts(PointToPoint):
-    """The MoE seam of a DCP rank: the leader calls the real experts client and broadcasts
+    """The MoE seam of a DCP rank. The leader calls the real experts client and broadcasts
     the outputs; peers receive them (`GroupExchange`)."""
 
     def __init__(self, group: DcpGroup, inner: ExpertsClient | None) -> None:
@@ -159,8 +164,8 @@ class GroupExperts(PointToPoint):
 
     def start(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
               topk_weights: torch.Tensor) -> GroupExchange:
-        """The leader's call started (`inner.start`, or the whole call where the client
-        cannot start one); the broadcast to the peers, and a peer's receive, happen in
+        """The leader's call started, by `inner.start`, or the whole call where the client
+        cannot start one. The broadcast to the peers, and a peer's receive, happen in
         `finish`, in the order the exchanges started on every rank of the group."""
         if self.inner is None:  # a peer
             return GroupExchange(self.group, layer, x, None)
@@ -198,10 +203,10 @@ class Failed:
 
 class GroupExchange:
     """One MoE call of a DCP group in flight. The leader finishes its experts' exchange
-    (`inner`) and broadcasts the outputs with one more row, the call's status; a peer
-    (`inner` None) receives them. A failed call reaches the peers as `StepAborted`
-    instead of leaving them waiting for outputs while the leader moves on (its next
-    broadcast would then be misread)."""
+    (`inner`) and broadcasts the outputs with one more row, the call's status. A peer,
+    whose `inner` is None, receives them. A failed call reaches the peers as `StepAborted`.
+    Otherwise they would be left waiting for outputs while the leader moves on, and its
+    next broadcast would be misread."""
 
     def __init__(self, group: DcpGroup, layer: int, x: torch.Tensor, inner: Exchange | None
                  ) -> None:
@@ -225,7 +230,7 @@ class GroupExchange:
         except BaseException as exc:
             out[-1] = 0
             self.group.broadcast(out)
-            if isinstance(exc, Exception):  # (DCP's experts are never lockstep ones)
+            if isinstance(exc, Exception):  # DCP's experts are never lockstep ones
                 raise StepAborted(str(exc)) from exc  # told the peers: still in step
             raise
         out[-1] = 1

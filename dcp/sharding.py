@@ -1,9 +1,9 @@
-"""Which rank of a DCP group holds the KV of which token (the group's block tables:
-`services.attention.block_manager`).
+"""Which rank of a DCP group holds the KV of which token. The group's block tables are in
+`services.attention.block_manager`.
 
-Token position `p` lives on rank `(p // I) % D` (`I` the interleave, `D` the group size),
-at that rank's local index `(p // (I * D)) * I + p % I`; each rank's paged cache holds only
-its own tokens, so the group holds D times one rank's context.
+Token position `p` lives on rank `(p // I) % D`, where `I` is the interleave and `D` the
+group size. Its local index on that rank is `(p // (I * D)) * I + p % I`. Each rank's paged
+cache holds only its own tokens, so the group holds D times one rank's context.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""How an attention service spreads a step's attention: over its one rank (every key held
-here), or over the DCP group it leads. The builder picks one and hands it to the engine,
-which only plans batches through it; the single rank is the group of one."""
+"""How an attention service spreads a step's attention: over its one rank, which holds
+every key, or over the DCP group it leads. The builder picks one and hands it to the
+engine, which only plans batches through it. The single rank is the group of one."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ Attend = Callable[[PartialAttention, int, torch.Tensor, StepBatch], torch.Tensor
 class SingleRank:
     """Attention over this rank's own KV cache: the DCP group of one (`Sharding(1, 1)`)."""
 
-    attend: Attend | None = None  # the model's attention hook (None: its own full one)
-    heartbeat_s: float | None = None  # how often to `heartbeat` while idle (None: never)
+    attend: Attend | None = None  # the model's attention hook; None: its own full one
+    heartbeat_s: float | None = None  # how often to `heartbeat` while idle; None: never
 
     def __init__(self, block_size: int, sliding_window: int | None,
                  sharding: Sharding = ONE_RANK) -> None:
@@ -33,13 +33,13 @@ class SingleRank:
                                 logits_rows)
 
     def batches(self, plans: list[tuple[list[DcpSeqPlan], list[int]]]) -> list[StepBatch]:
-        """A pipelined step's micro-batches (each its sequences and sampled rows)."""
+        """A pipelined step's micro-batches, each with its sequences and sampled rows."""
         return [self.batch(seqs, rows) for seqs, rows in plans]
 
     def mtp_batch(self, seqs: list[DcpSeqPlan], logits_rows: list[int], source: str,
                   rows: list[int]) -> StepBatch:
-        """An MTP pass's inputs (`DcpPlan.mtp_source`: a group's peers run it too, from
-        rows `rows` of their own copy of its input hidden states)."""
+        """An MTP pass's inputs. A group's peers run it too (`DcpPlan.mtp_source`), from
+        rows `rows` of their own copy of its input hidden states."""
         return SingleRank.batch(self, seqs, logits_rows)
 
     def experts(self, client: ExpertsClient) -> ExpertsClient:
@@ -48,14 +48,15 @@ class SingleRank:
 
     def in_step_after(self, failure: Exception) -> bool:
         """Whether a step that raised `failure` left no attention peer in a collective
-        this rank will never join (none: it has no peers)."""
+        this rank will never join. A single rank has no peers, so none is left."""
         return True
 
     def heartbeat(self) -> None:
-        """Idle: tell the peers this rank lives, and find out whether they do."""
+        """While idle, tell the peers this rank lives, and find out whether they do."""
 
     def start(self) -> None:
-        """Loaded: wait for the peers to be (from then on the group's waits are bounded)."""
+        """Once loaded, wait for the peers to be loaded too. From then on the group's waits
+        are bounded."""
 
     def close(self) -> None:
         pass
@@ -77,8 +78,8 @@ class DcpLeader(SingleRank):
         return super().batch(seqs, logits_rows)
 
     def batches(self, plans: list[tuple[list[DcpSeqPlan], list[int]]]) -> list[StepBatch]:
-        """One plan for the whole step, its split with it: the peers run the same
-        pipeline, so the group's collectives come in the same order on every rank."""
+        """One plan for the whole step, with its split. The peers run the same pipeline,
+        so the group's collectives come in the same order on every rank."""
         self.group.send_plan(DcpPlan([s for seqs, _ in plans for s in seqs],
                                      micro_batches=[len(seqs) for seqs, _ in plans]))
         return [SingleRank.batch(self, seqs, rows) for seqs, rows in plans]

@@ -3,38 +3,40 @@
 DeepEP (github.com/deepseek-ai/DeepEP, its V1 `deep_ep.Buffer`) assumes symmetric expert
 parallelism: each rank of the Buffer's group sends tokens and hosts num_experts / num_ranks
 experts, expert e on rank e // experts_per_rank. Here attention ranks send and expert ranks
-compute, so experts are renumbered into *slots*: every world rank owns L slots (L = the
-most experts an expert rank holds in one MoE layer), expert rank r's k-th local expert of a
-layer is slot (G + r) * L + k, and no token is routed to the G attention ranks' slots.
+compute, so experts are renumbered into *slots*. Every world rank owns L slots, where L is
+the most experts an expert rank holds in one MoE layer. Expert rank r's k-th local expert of
+a layer is slot (G + r) * L + k, and no token is routed to the G attention ranks' slots.
 Expert ranks dispatch one padding token routed nowhere (top-k ids -1), because DeepEP has
 crashed on ranks with no tokens.
 
 Every round starts with an all-reduce of the largest token count of any attention rank,
-which picks the kernels for all ranks (`--deepep-mode auto`): the low-latency kernels when
-it fits `--deepep-max-tokens` (decode steps), else the normal ones (prefill steps).
+which picks the kernels for all ranks (`--deepep-mode auto`). The low-latency kernels run
+when it fits `--deepep-max-tokens`, as in decode steps; otherwise the normal ones run, as in
+prefill steps.
 
 - normal: `get_dispatch_layout`, then `dispatch` sends each token once to each rank it
-  needs, with its top-k local slots and weights; the expert rank runs every (token, slot)
-  pair and sums them per token, weighted; `combine` (a plain sum) brings them back.
+  needs, with its top-k local slots and weights. The expert rank runs every (token, slot)
+  pair and sums them per token, weighted. `combine`, a plain sum, brings them back.
 - low latency: `low_latency_dispatch` (bf16) fills [L, max_tokens * W, H] per-slot rows
-  with counts; the expert rank runs its grouped GEMM on each slot's rows, writing the
-  outputs in place; `low_latency_combine` sums them weighted by the sender's top-k weights.
+  with counts. The expert rank runs its grouped GEMM on each slot's rows, writing the
+  outputs in place. `low_latency_combine` sums them weighted by the sender's top-k weights.
 
-The handle of each dispatch is used by its combine; layouts are computed once per layer
-call. DeepEP's receive hook (`return_recv_hook`) is not used: it frees a rank to do other
+The handle of each dispatch is used by its combine, and layouts are computed once per layer
+call. DeepEP's receive hook (`return_recv_hook`) is not used. It frees a rank to do other
 work while a low-latency exchange is in flight, and an attention rank here has none to do
-then. The models served have no shared experts (DeepSeek-style ones would be that work),
-and two-micro-batch overlap of the attention step is not built.
+then. The models served have no shared experts, which in DeepSeek's style would be that
+work, and two-micro-batch overlap of the attention step is not built.
 
-Tested across 4 processes over a CPU double of DeepEP's API (tests/support/deepep_fake.py,
-written from DeepEP's source apart from the backend); not yet run with DeepEP itself, which
-the lent GPU machine lacks (docs/benchmarks.md).
+It was tested across 4 processes over a CPU double of DeepEP's API
+(tests/support/deepep_fake.py), written from DeepEP's source apart from the backend. It has
+not yet run with DeepEP itself, which the lent GPU machine lacks (docs/benchmarks.md).
 
-`deepep` needs `--device cuda` and bfloat16. Its limits (hidden sizes, top-k, rank counts,
-tokens per rank against NVSHMEM's queue depth, experts per rank) are checked before any
-process starts (`deepep_config`), and the RDMA buffer's size across nodes once DeepEP gives
-its size hints. It refuses w4a4 at start-up, as DeepEP's kernels take bf16 or FP8 rows, and
-MTP drafts, as its rounds take the decoder's layers only (n-gram drafts work). Its rounds
+`deepep` needs `--device cuda` and bfloat16. Its limits are checked before any process
+starts (`deepep_config`): hidden sizes, top-k, rank counts, tokens per rank against
+NVSHMEM's queue depth, and experts per rank. The RDMA buffer's size across nodes is checked
+once DeepEP gives its size hints. It refuses w4a4 at start-up, as DeepEP's kernels take
+bf16 or FP8 rows. It also refuses MTP drafts, as its rounds take the decoder's layers only;
+n-gram drafts work. Its rounds
 all-reduce the largest token count rather than a flag, so every rank picks the same kernels.
 It does not split steps into micro-batches yet.
 """
@@ -139,9 +141,9 @@ def unpack_into(packed: torch.Tensor, counts: list[int], y: torch.Tensor) -> Non
 
 
 class DeepEPRank:
-    """One rank of the Buffer's world: attention ranks send tokens (`slot_fn` None), expert
-    ranks run their slots (`slot_fn(layer)`). `device` is this process's GPU; the tests
-    give the CPU, with a CPU double of `deep_ep` over gloo."""
+    """One rank of the Buffer's world. Attention ranks send tokens (`slot_fn` None), and
+    expert ranks run their slots (`slot_fn(layer)`). `device` is this process's GPU; the
+    tests give the CPU, with a CPU double of `deep_ep` over gloo."""
 
     def __init__(self, world: World, placement: Placement, hidden: int, top_k: int,
                  settings: DeepEPSettings, slot_fn: Callable[[int], SlotFn] | None = None,
@@ -159,7 +161,7 @@ class DeepEPRank:
         _agree(settings, hidden, top_k, self.slots.per_rank, self.device)
         self.buffer = self._buffer()
         self.mode, self._ll_clean = "normal", False
-        self._turns = ReplicaTurns(world.rank)  # each layer's first replica; ranks apart
+        self._turns = ReplicaTurns(world.rank)  # each layer's first replica, apart on each rank
 
     def _buffer(self) -> Any:
         Buffer, s, w = self.deep_ep.Buffer, self.settings, self.world.size
@@ -189,7 +191,7 @@ class DeepEPRank:
                       num_qps_per_rank=max(self.slots.per_rank, Buffer.num_sms), **extra)
 
     def begin_round(self, num_tokens: int) -> bool:
-        """The round's kernels, from every rank's token count (collective)."""
+        """The round's kernels, chosen from every rank's token count by a collective."""
         most = torch.tensor([num_tokens], device=self.device)
         dist.all_reduce(most, op=dist.ReduceOp.MAX)
         tokens = int(most.item())
@@ -211,7 +213,7 @@ class DeepEPRank:
 
     def idle_layer(self, layer: int) -> torch.Tensor:
         """This rank's part of a layer's exchange without tokens of its own: one padding
-        token routed nowhere (DeepEP has failed on empty ranks). Returns [0, H]."""
+        token routed nowhere, since DeepEP has failed on empty ranks. Returns [0, H]."""
         d, k = self.device, self.top_k
         return self._exchange(layer, torch.zeros(1, self.hidden, dtype=torch.bfloat16, device=d),
                               torch.full((1, k), -1, dtype=self.idx_dtype, device=d),
@@ -266,11 +268,11 @@ _AGREED = ("mode", "max tokens", "NVLink bytes", "RDMA bytes", "hidden", "top-k"
 
 def _agree(settings: DeepEPSettings, hidden: int, top_k: int, per_rank: int,
            device: torch.device) -> None:
-    """Every rank must size DeepEP alike (different max tokens hang its kernels): the
-    sizes are all-gathered as integers (a tensor, as every other exchange here).
+    """Every rank must size DeepEP alike, since different max tokens hang its kernels. The
+    sizes are all-gathered as integers, in a tensor like every other exchange here.
 
     Raises:
-        ValueError: the ranks differ (each rank's values named).
+        ValueError: the ranks differ; each rank's values are named.
     """
     mine = torch.tensor([MODES.index(settings.mode), settings.max_tokens, settings.nvl_bytes,
                          settings.rdma_bytes, hidden, top_k, per_rank], device=device)  # [7]
@@ -289,7 +291,7 @@ def _described(values: list[int]) -> str:
 
 
 class DeepEPExperts:
-    """Attention side (`ExpertsClient`), in lockstep with every other rank."""
+    """The attention side, an `ExpertsClient`, in lockstep with every other rank."""
 
     lockstep = True
 
@@ -298,7 +300,7 @@ class DeepEPExperts:
         self.rank = DeepEPRank(world, placement, hidden, top_k, settings, device=device)
 
     def begin_step(self, num_tokens: int, micro_batches: int = 1) -> bool:
-        return self.rank.begin_round(num_tokens)  # (no `start`: one micro-batch a step)
+        return self.rank.begin_round(num_tokens)  # no `start`: one micro-batch a step
 
     def idle_step(self) -> None:
         for layer in self.rank.layers:

@@ -1,6 +1,6 @@
-"""The `deepep` backend's settings (the `--deepep-*` flags) and DeepEP's constraints on them,
-checked at start-up, before any process group exists; importing this needs neither torch
-nor DeepEP, so `switchyard serve` checks them before starting anything."""
+"""The `deepep` backend's settings, the `--deepep-*` flags, and DeepEP's constraints on
+them. They are checked at start-up, before any process group exists. Importing this needs
+neither torch nor DeepEP, so `switchyard serve` checks them before starting anything."""
 
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ from common.units import parse_size
 if TYPE_CHECKING:
     import torch
 
-# DeepEP's constraints (deepseek-ai/DeepEP: csrc/kernels/launch.cuh SWITCH_HIDDEN and
-# SWITCH_RANKS, intranode.cu notify_dispatch, internode_ll.cu, deep_ep.cpp), checked before
-# any process group exists. 3072 needs DeepEP from October 2025 on (its PR #458).
+# DeepEP's constraints, checked before any process group exists. They come from
+# deepseek-ai/DeepEP: csrc/kernels/launch.cuh SWITCH_HIDDEN and SWITCH_RANKS, intranode.cu
+# notify_dispatch, internode_ll.cu and deep_ep.cpp. 3072 needs DeepEP from October 2025 on
+# (its PR #458).
 LOW_LATENCY_HIDDEN = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)  # 6144: its PR #329
 MAX_TOP_K = 9  # kNumMaxTopK of the low-latency kernels (11 in newer DeepEP)
 QP_DEPTH = 1024  # NVSHMEM_QP_DEPTH's default: low latency needs (tokens + 1) * 2 <= it

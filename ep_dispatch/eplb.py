@@ -2,16 +2,17 @@
 experts, packed onto ranks so that each rank's expected load is as even as it can be.
 
 Ported from `eplb.py` of github.com/deepseek-ai/EPLB (MIT License, Copyright (c) 2025
-DeepSeek), which is a module, not a package one can depend on; the algorithm and its
-outputs are unchanged (tests/ep_dispatch/test_eplb.py runs its README's example).
+DeepSeek), which is a module, not a package one can depend on. The algorithm and its
+outputs are unchanged; tests/ep_dispatch/test_eplb.py runs its README's example.
 
 - `replicate_experts`: each redundant slot goes, one at a time, to the expert whose load
   per copy is the highest.
-- `balanced_packing`: items (heaviest first) go to the lightest pack that has room, every
+- `balanced_packing`: items, heaviest first, go to the lightest pack that has room, every
   pack taking the same number of items.
-- Hierarchical where the nodes divide the expert groups (groups packed onto nodes, then
-  replicas within a node, then packed onto the node's ranks: group-limited routing then
-  keeps a token's traffic inside few nodes); global otherwise (one node of one group).
+- The policy is hierarchical where the nodes divide the expert groups: groups are packed
+  onto nodes, then replicated within a node, then packed onto the node's ranks.
+  Group-limited routing then keeps a token's traffic inside few nodes. Otherwise the policy
+  is global, as for one node of one group.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def balanced_packing(weight: torch.Tensor, num_packs: int) -> tuple[torch.Tensor
     the packs' weights as even as the greedy rule makes them.
 
     Args:
-        weight: [X, n] each item's weight (n a multiple of num_packs).
+        weight: [X, n] each item's weight; n is a multiple of num_packs.
 
     Returns:
         pack_index [X, n] int64: each item's pack; rank_in_pack [X, n] int64: its position
@@ -87,7 +88,7 @@ def _inverse(perm: torch.Tensor) -> torch.Tensor:
 def rebalance_hierarchical(weight: torch.Tensor, num_physical: int, num_groups: int,
                            num_nodes: int, num_ranks: int
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """EPLB's hierarchical policy (`rebalance_experts` documents the arguments): returns
+    """EPLB's hierarchical policy; `rebalance_experts` documents the arguments. Returns
     phy2log [L, num_physical], each copy's replica rank [L, num_physical], and each
     expert's copies [L, E]."""
     layers, experts = weight.shape
@@ -119,16 +120,16 @@ def rebalance_experts(weight: torch.Tensor, num_physical: int, num_groups: int,
     """EPLB's entry point.
 
     Args:
-        weight: [L, E] each MoE layer's expert loads (e.g. routed tokens over a window).
+        weight: [L, E] each MoE layer's expert loads, e.g. routed tokens over a window.
         num_physical: copies per layer (E plus the redundant ones), a multiple of num_ranks.
-        num_groups: expert groups (DeepSeek-V3's n_group; 1 without group routing).
+        num_groups: expert groups, DeepSeek-V3's n_group; 1 without group routing.
         num_nodes: nodes, whose ranks talk faster among themselves; divides num_ranks.
         num_ranks: expert ranks.
 
     Returns:
         phy2log [L, num_physical] int64: the expert of each copy, copies of rank r at
         [r * num_physical / num_ranks, (r + 1) * num_physical / num_ranks);
-        log2phy [L, E, max copies] int64: each expert's copies (-1 past its count);
+        log2phy [L, E, max copies] int64: each expert's copies, -1 past its count;
         count [L, E] int64: each expert's copies.
     """
     layers, experts = weight.shape
@@ -164,10 +165,10 @@ def _check(experts: int, num_physical: int, num_groups: int, num_nodes: int,
 def placement_from_load(load: torch.Tensor, moe_layers: list[int], num_ranks: int,
                         num_redundant: int, num_groups: int = 1, num_nodes: int = 1
                         ) -> Placement:
-    """The `Placement` EPLB makes from each MoE layer's expert loads `load` [L, E] (rows
-    in `moe_layers`' order): every rank holds (E + num_redundant) / num_ranks copies;
-    an expert with two copies on one rank is listed there twice (it gets twice the
-    share of that expert's rows, as EPLB's plan intends)."""
+    """The `Placement` EPLB makes from each MoE layer's expert loads `load` [L, E], rows
+    in `moe_layers`' order. Every rank holds (E + num_redundant) / num_ranks copies. An
+    expert with two copies on one rank is listed there twice, so that rank gets twice the
+    share of that expert's rows, as EPLB's plan intends."""
     if load.dim() != 2 or load.shape[0] != len(moe_layers):
         raise PlacementError(f"the load has shape {list(load.shape)}; expected one row per "
                              f"MoE layer ({len(moe_layers)}) and one column per expert")

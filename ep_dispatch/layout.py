@@ -4,8 +4,8 @@ Rows are the T*K (token, choice) pairs of a router's top-k. Each goes to one rep
 its expert; rows are ordered by (rank, local expert), so each rank's share is one
 contiguous slice already grouped the way its grouped GEMM wants it.
 
-A row goes to replica `(turn + token) % replicas` of its expert, the client's turn for that
-layer moving on with each call, so that decode steps of one token spread too. The layout
+A row goes to replica `(turn + token) % replicas` of its expert. The client's turn for that
+layer moves on with each call, so that decode steps of one token spread too. The layout
 keeps its counts per rank and per local expert on the device. `local` uses the same
 `Layout`, of one rank holding every expert.
 """
@@ -23,15 +23,16 @@ from moe_kernels.cpu_kernels import cpu_kernels
 
 @dataclass(frozen=True)
 class Layout:
-    """The dispatch plan of one layer call (DeepEP's "layout", then data, then a handle);
-    every backend's, the in-process `local` one included (one rank holding every expert).
+    """The dispatch plan of one layer call: DeepEP's "layout", before the data and the
+    handle. Every backend has one, the in-process `local` one included, where one rank
+    holds every expert.
 
     Attributes:
         src_token: [N] int64, the source token of each dispatched row, in send order.
         weights: [N] router weight of each row (applied by `combine`).
-        counts: [R, E] int64 on the rows' device: rows for each rank's local experts (in
-            local order; a rank's slots past its `num_local` stay 0). Read on the device
-            by a CUDA graph, which must not copy to the host.
+        counts: [R, E] int64 on the rows' device: rows for each rank's local experts, in
+            local order. A rank's slots past its `num_local` stay 0. A CUDA graph reads it
+            on the device, as a graph must not copy to the host.
         num_local: R ints, the experts each rank holds.
         num_tokens: T.
     """
@@ -44,20 +45,23 @@ class Layout:
 
     @cached_property
     def expert_counts(self) -> list[list[int]]:
-        """Per rank, rows for each of its local experts: the one copy to the host, which
-        the transfers need."""
+        """Per rank, rows for each of its local experts. This is the one copy to the host,
+        which the transfers need."""
         return [c[:n] for c, n in zip(self.counts.tolist(), self.num_local, strict=True)]
 
     @cached_property
     def rank_counts(self) -> list[int]:
-        """Rows sent to each expert rank (R ints, summing to N)."""
+        """Rows sent to each expert rank: R ints, summing to N."""
         return [sum(c) for c in self.expert_counts]
 
 
 class ReplicaTurns:
-    """A client's `first_replica` for its next call to each layer: one turn per layer,
-    moved on by each call (one shared counter would give a layer the same turn every step
-    whenever the number of MoE layers is a multiple of the replica count)."""
+    """A client's `first_replica` for its next call to each layer.
+
+    There is one turn per layer, moved on by each call. One shared counter would give a
+    layer the same turn every step whenever the number of MoE layers is a multiple of the
+    replica count.
+    """
 
     def __init__(self, start: int = 0) -> None:
         self._start, self._next = start, {}
@@ -73,10 +77,12 @@ def compute_layout(
     first_replica: int = 0,
 ) -> Layout:
     """Plan the rows of topk_ids [T, K] (global expert ids) and topk_weights [T, K] on
-    their device, with one copy to the host: the row counts, which the transfers need.
-    Token t takes replica (first_replica + t) % R of its expert: callers rotate
-    `first_replica` from call to call, or a decode step of one token would always take
-    the first replica."""
+    their device. There is one copy to the host: the row counts, which the transfers need.
+
+    Token t takes replica (first_replica + t) % R of its expert. Callers rotate
+    `first_replica` from call to call, or a decode step of one token would always take the
+    first replica.
+    """
     top_k = topk_ids.shape[1]
     device = topk_ids.device
     table = placement.table(layer, device)
@@ -92,7 +98,8 @@ def compute_layout(
 def sort_rows(key: torch.Tensor, topk_weights: torch.Tensor, num_local: list[int],
               num_experts: int) -> Layout:
     """The layout of the rows of topk_weights [T, K] whose destination slots are key
-    [T*K] int64 (rank * E + local expert), all on the device: no host synchronisation."""
+    [T*K] int64 (rank * E + local expert). All of it stays on the device, with no host
+    synchronisation."""
     num_tokens, top_k = topk_weights.shape
     slots = len(num_local) * num_experts
     if key.device.type == "cpu" and topk_weights.dtype == torch.float32 \
@@ -112,8 +119,9 @@ def sort_rows(key: torch.Tensor, topk_weights: torch.Tensor, num_local: list[int
 
 def combine(y: torch.Tensor, layout: Layout) -> torch.Tensor:
     """out [T, H] = sum over each token's rows of weight * y, for y [N, H] in send order,
-    in y's dtype: summed in float32 and rounded once (as DeepEP's combine), not K times.
-    Float32 on the CPU: one compiled call (`combine_f32`) instead of five operations."""
+    in y's dtype. As in DeepEP's combine, it sums in float32 and rounds once, not K times.
+    In float32 on the CPU it is one compiled call (`combine_f32`) instead of five
+    operations."""
     if y.dtype == torch.float32 and y.device.type == "cpu" and y.dim() == 2 \
             and y.stride(1) == 1 and (kernels := cpu_kernels()) is not None:
         return kernels.combine_f32(y, layout.src_token, layout.weights.float(),

@@ -1,11 +1,11 @@
 """`local` backend: attention and experts in one process; dispatch is a sort by expert.
 
 `LocalExperts` lays the rows out with the `Layout` of one rank holding every expert. With
-`local` on the CPU a MoE layer is one compiled call (`csrc/moe_layer_cpu.cpp`,
-`ExpertBank.forward_layer`): the layout, the MXFP4 activations where W4A4, the grouped
-experts and the combine, the bits of the parts it replaces, and the same per-expert,
-dispatch and combine metrics. `local` is the only backend whose steps CUDA graphs capture
-(`LocalExperts.on_device`).
+`local` on the CPU, a MoE layer is one compiled call (`csrc/moe_layer_cpu.cpp`,
+`ExpertBank.forward_layer`). It does the layout, the MXFP4 activations where W4A4, the
+grouped experts and the combine. It gives the bits of the parts it replaces, and the same
+per-expert, dispatch and combine metrics. `local` is the only backend whose steps CUDA
+graphs capture (`LocalExperts.on_device`).
 """
 
 from __future__ import annotations
@@ -22,10 +22,13 @@ from ep_dispatch.wire import activation_rows
 
 
 class LocalExperts(PointToPoint):
-    """`ExpertsClient` for all `num_experts` experts, held in this process: the layout of
-    one rank holding every expert (a row's slot is its expert id); no bytes move. Where
-    `layer_fn` runs a layer whole (one compiled call on the CPU), it does; else the
-    layout, `expert_fn` and the combine one after another."""
+    """`ExpertsClient` for all `num_experts` experts, held in this process.
+
+    It uses the layout of one rank holding every expert, where a row's slot is its expert
+    id, and no bytes move. Where `layer_fn` runs a layer whole, as one compiled call on the
+    CPU, it does so. Otherwise the layout, `expert_fn` and the combine run one after
+    another.
+    """
 
     def __init__(self, num_experts: int, expert_fn: ExpertFn,
                  quantization: str | None = None,
@@ -64,10 +67,12 @@ class LocalExperts(PointToPoint):
     def on_device(
         self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
-        """`__call__` without a host synchronisation, for a CUDA graph to capture: the
-        counts stay on the device and `device_fn` runs the experts on them (a token's top-k
-        experts differ, so no expert gets more rows than there are tokens). No dispatch
-        metrics: a replayed graph runs no Python."""
+        """`__call__` without a host synchronisation, for a CUDA graph to capture.
+
+        The counts stay on the device, and `device_fn` runs the experts on them. A token's
+        top-k experts differ, so no expert gets more rows than there are tokens. There are
+        no dispatch metrics, because a replayed graph runs no Python.
+        """
         if self.device_fn is None:
             raise ValueError("these experts cannot run on device-side counts")
         rows = activation_rows(x, self.quantization)  # [T, H], or MXFP4 rows

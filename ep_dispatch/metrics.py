@@ -1,8 +1,8 @@
 """Dispatch and combine latency per backend, as Prometheus histograms and trace spans.
 
-`dispatch` runs from a MoE layer call until the expert outputs are back on this rank: the
-layout, the exchange there and back, and (remote or local) expert compute, which the
-expert side reports per expert in `switchyard:expert_compute_seconds`. `combine` is the
+`dispatch` runs from a MoE layer call until the expert outputs are back on this rank. It
+covers the layout, the exchange there and back, and the expert compute, remote or local,
+which the expert side reports per expert in `switchyard:expert_compute_seconds`. `combine` is the
 router-weighted sum back into token order.
 
 The histograms are `switchyard:dispatch_seconds` and `switchyard:combine_seconds`, by
@@ -41,7 +41,8 @@ def _histogram(stage: str, backend: str) -> Histogram:
 
 def observe(stage: Literal["dispatch", "combine"], backend: str, tokens: int,
             seconds: float) -> None:
-    """Record one stage of one layer call timed elsewhere (calls without tokens are not)."""
+    """Record one stage of one layer call timed elsewhere. Calls without tokens are not
+    recorded."""
     if tokens:
         _histogram(stage, backend).observe(seconds)
 
@@ -49,8 +50,8 @@ def observe(stage: Literal["dispatch", "combine"], backend: str, tokens: int,
 @contextmanager
 def phase(stage: Literal["dispatch", "combine"], backend: str, layer: int, tokens: int
           ) -> Iterator[None]:
-    """Time one stage of one layer call (calls without tokens, a lockstep backend's idle
-    rounds, are not observed) inside its `{stage} layer N` span."""
+    """Time one stage of one layer call inside its `{stage} layer N` span. Calls without
+    tokens, such as a lockstep backend's idle rounds, are not observed."""
     with layer_span(stage, {"switchyard.layer": layer, "switchyard.tokens": tokens}):
         start = time.perf_counter()
         yield

@@ -2,16 +2,16 @@
 
 The ranks meet at the same TCP store as the `torch` backend; rank 0 publishes an NCCL
 unique id there and every rank builds a `cupy.cuda.nccl.NcclCommunicator` from it. Each
-all-to-all is one NCCL group of point-to-point sends and receives of raw bytes (so
-w4a4's MXFP4 rows travel as they are).
+all-to-all is one NCCL group of point-to-point sends and receives of raw bytes, so
+w4a4's MXFP4 rows travel as they are.
 
-Every NCCL call of a communicator runs on its own CUDA stream, in the order issued (so
-the ranks' calls meet), after whatever the issuing stream had queued. `all_to_all` then
-orders the issuing stream after it; `start_all_to_all` returns at once with a work whose
-`wait()` does that later. Neither makes the host wait: in a ping-pong pipeline the
-current stream computes one micro-batch's attention while the communicator's stream
-moves another's rows (`TorchExperts.start`). The host still reads each layer's row
-counts for the layout (NCCL's point-to-point calls take their sizes from the host).
+Every NCCL call of a communicator runs on its own CUDA stream, in the order issued so that
+the ranks' calls meet, after whatever the issuing stream had queued. `all_to_all` then
+orders the issuing stream after it. `start_all_to_all` returns at once with a work whose
+`wait()` does that later. Neither makes the host wait. In a ping-pong pipeline the current
+stream computes one micro-batch's attention while the communicator's stream moves
+another's rows (`TorchExperts.start`). The host still reads each layer's row counts for the
+layout, because NCCL's point-to-point calls take their sizes from the host.
 
 `nccl` needs `--device cuda`. It has run on one H200 at world size 1, not yet across GPUs,
 and the overlap of micro-batches has not yet run on a GPU.
@@ -68,8 +68,8 @@ def p2p_plan(out_splits: list[int], in_splits: list[int], row_bytes: int
 
 
 class StreamWork:
-    """NCCL calls in flight on a communicator's stream: `wait()` orders the current CUDA
-    stream after them (the host does not wait)."""
+    """NCCL calls in flight on a communicator's stream. `wait()` orders the current CUDA
+    stream after them; the host does not wait."""
 
     def __init__(self, done: torch.cuda.Event) -> None:
         self.done = done
@@ -79,7 +79,7 @@ class StreamWork:
 
 
 class CupyNccl:
-    """The `Collective` of torch_dist over a CuPy NCCL communicator (CUDA tensors only)."""
+    """The `Collective` of torch_dist over a CuPy NCCL communicator, for CUDA tensors only."""
 
     def __init__(self, world: World, timeout: float, rows: RowFormat | None = None) -> None:
         self.nccl = import_nccl()
@@ -97,7 +97,7 @@ class CupyNccl:
     def _issue(self, tensors: list[torch.Tensor], calls: Callable[[int], None]
                ) -> StreamWork:
         """`calls(stream)` on the communicator's stream, after the current stream's queued
-        work; `tensors` (those the calls read or write) are kept from the allocator until
+        work. `tensors`, those the calls read or write, are kept from the allocator until
         the communicator's stream is past them."""
         if self._stream is None:
             self._stream = torch.cuda.Stream()
@@ -125,7 +125,7 @@ class CupyNccl:
     def start_all_to_all(self, out: torch.Tensor, inp: torch.Tensor,
                          out_splits: list[int] | None = None,
                          in_splits: list[int] | None = None) -> StreamWork:
-        """`all_to_all` issued on the communicator's stream; the returned work's `wait()`
+        """`all_to_all` issued on the communicator's stream. The returned work's `wait()`
         orders the current stream after it."""
         out_splits = out_splits or [out.shape[0] // self.size] * self.size
         in_splits = in_splits or [inp.shape[0] // self.size] * self.size

@@ -10,20 +10,20 @@ JSON file instead to pin hot experts or add replicas:
 
 `layers[str(layer)][expert]` lists the ranks holding that expert.
 
-`--expert-replicas R` puts each expert on R consecutive ranks of the round-robin; a JSON
+`--expert-replicas R` puts each expert on R consecutive ranks of the round-robin. A JSON
 file (`--placement`) pins experts and adds replicas, and `switchyard placement` prints the
 placement a deployment would use. `switchyard placement --load URL|FILE
---num-redundant-experts R` makes one from measured load: the routing counts of a running
-server's `/stats`, or a file of them, go through DeepSeek's EPLB (`ep_dispatch.eplb`,
-hierarchical over `--num-nodes` where they divide the model's expert groups), and the
+--num-redundant-experts R` makes one from measured load. The routing counts of a running
+server's `/stats`, or a file of them, go through DeepSeek's EPLB (`ep_dispatch.eplb`). EPLB
+is hierarchical over `--num-nodes` where the nodes divide the model's expert groups. The
 placement it prints is what `--placement` loads. An expert with two copies on one rank is
-listed there twice: that rank takes twice the share of its rows.
+listed there twice, and that rank takes twice the share of its rows.
 
 Every attention and expert service of a deployment must be started with the same placement;
 expert services read only their share of the checkpoint's tensors. With replicas, the `rpc`
-backend routes around a lost expert rank, and `/health` stays 200 with that rank's line
-saying so (its expert lines are read live from each group) until the rank, restarted by
-compose or by `serve`, answers a probe. The lockstep backends cannot route around a rank:
+backend routes around a lost expert rank. `/health` stays 200, with that rank's line saying
+so, until the rank, restarted by compose or by `serve`, answers a probe; its expert lines
+are read live from each group. The lockstep backends cannot route around a rank, because
 their collectives need every rank.
 """
 
@@ -45,9 +45,13 @@ class PlacementError(ValueError):
 
 @dataclass(frozen=True)
 class RoutingTable:
-    """replica_ranks [E, R_max] (short lists padded by repeating), num_replicas [E],
-    local_index [num_ranks, E] (position among the rank's experts, -1 if absent),
-    num_local[rank] (experts held)."""
+    """One layer's lookup tensors for vectorised dispatch.
+
+    replica_ranks: [E, R_max], each expert's ranks, short lists padded by repeating.
+    num_replicas: [E].
+    local_index: [num_ranks, E], the position among the rank's experts, -1 if absent.
+    num_local: per rank, the experts it holds.
+    """
 
     replica_ranks: torch.Tensor
     num_replicas: torch.Tensor
@@ -64,8 +68,8 @@ class Placement:
     @classmethod
     def balanced(cls, moe_layers: list[int], num_experts: int, num_ranks: int,
                  replicas: int = 1) -> Placement:
-        """Expert e on ranks e % N, (e + 1) % N, ... (`replicas` of them) in every layer:
-        each rank holds as many experts as another, give or take one."""
+        """Expert e on ranks e % N, (e + 1) % N, ..., `replicas` of them, in every layer.
+        Each rank holds as many experts as another, give or take one."""
         if num_ranks < 1:
             raise PlacementError(f"need at least one expert rank, got {num_ranks}")
         if not 1 <= replicas <= num_ranks:
@@ -111,7 +115,7 @@ class Placement:
                                          f"{bad}, but there are {self.num_ranks} ranks")
 
     def excluding(self, ranks: frozenset[int]) -> Placement | None:
-        """This placement without `ranks` (lost expert ranks), if every expert keeps a
+        """This placement without `ranks`, the lost expert ranks, if every expert keeps a
         replica; else None. The other ranks keep their experts, in the same local order."""
         replicas = {layer: tuple(tuple(r for r in ranks_of if r not in ranks)
                                  for ranks_of in experts)
@@ -152,8 +156,8 @@ class Placement:
             local_index=local_index, num_local=held)
 
     def table(self, layer: int, device: torch.device | None = None) -> RoutingTable:
-        """Lookup tensors for vectorised dispatch of `layer` (built once; copied once to
-        `device` if given)."""
+        """Lookup tensors for vectorised dispatch of `layer`. They are built once, and
+        copied once to `device` if given."""
         table = self._tables[layer]
         if device is None or device.type == "cpu":
             return table
@@ -195,8 +199,8 @@ class Placement:
 
 def make_placement(moe_layers: list[int], num_experts: int, num_ranks: int,
                    path: str | Path | None = None, replicas: int = 1) -> Placement:
-    """The placement file at `path` (checked against `num_ranks`), else balanced with
-    `replicas` of each expert."""
+    """The placement file at `path`, checked against `num_ranks`. Without a path, a
+    balanced placement with `replicas` of each expert."""
     if path is None:
         return Placement.balanced(moe_layers, num_experts, num_ranks, replicas)
     if replicas != 1:

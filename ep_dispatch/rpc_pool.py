@@ -1,12 +1,13 @@
 """The `rpc` backend's connections to its expert ranks, and their failover.
 
-Each rank's connection is checked by its handshake (the share of the placement it holds,
-its quantization). A rank that is lost (its connection dropped, refused, timed out, or
-answering what is no answer) is routed around while the placement has a replica of each
-of its experts elsewhere, and a thread of its own probes it until it answers its
-handshake and an empty layer call again (a rank whose computation is stuck still answers
-handshakes). The layer calls themselves (`ep_dispatch.rpc`) run on the engine's step
-thread, on these connections; only probes and readiness reconnections run beside it.
+Each rank's connection is checked by its handshake: the share of the placement it holds,
+and its quantization. A rank is lost when its connection is dropped, refused or timed out,
+or when it answers with what is no answer. A lost rank is routed around while the placement
+has a replica of each of its experts elsewhere. A thread of its own probes it until it
+answers its handshake and an empty layer call again; the call is needed because a rank
+whose computation is stuck still answers handshakes. The layer calls themselves
+(`ep_dispatch.rpc`) run on the engine's step thread, on these connections; only probes and
+readiness reconnections run beside it.
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ PREPARE_TIMEOUT_S = 600.0  # for every expert rank to load a rebalanced placemen
 
 
 class ExpertRankError(RuntimeError):
-    """An expert rank that cannot be reached or answered wrongly; names the rank.
-    `lost`: the ranks whose connection is gone (their calls may go to replicas)."""
+    """An expert rank that cannot be reached or answered wrongly; the message names the
+    rank. `lost` holds the ranks whose connection is gone; their calls may go to
+    replicas."""
 
     def __init__(self, message: str, lost: frozenset[int] = frozenset()) -> None:
         super().__init__(message)
@@ -61,19 +63,19 @@ class ExpertPool:
         self.call_timeout = call_timeout
         self.quantization = quantization
         self.secret = secret
-        self.link_timeout = link_timeout  # silent this long, a rank is lost
+        self.link_timeout = link_timeout  # a rank silent this long is lost
         self.conns: list[SocketFrames | None] = [None] * len(addresses)
-        # Lost ranks, routed around while replicas allow, and those being probed; shared
-        # by the step thread and the probes' (under `_lock`, never held across a call).
+        # Lost ranks, routed around while replicas allow, and those being probed. The step
+        # thread and the probes' threads share them under `_lock`, never held across a call.
         self.lost: set[int] = set()
         self._probing: set[int] = set()
         self._reconnecting = False  # a reconnection for readiness is running
         self._lock = threading.Lock()
-        self._closing = threading.Event()  # then no probe starts, and those running end
+        self._closing = threading.Event()  # once set, no probe starts, and those running end
         self._threads: list[threading.Thread] = []
         self._probe_conns: set[SocketFrames] = set()  # a probe's, until it ends (`close`)
-        self._routes: dict[frozenset[int], Placement] = {}  # by the lost ranks
-        self.empty_call: Tensor | None = None  # [0, width] rows on the wire: for probes
+        self._routes: dict[frozenset[int], Placement] = {}  # keyed by the lost ranks
+        self.empty_call: Tensor | None = None  # [0, width] rows on the wire, for probes
         self.infos: list[ExpertInfo] = []
         deadline = time.monotonic() + connect_timeout
         try:
@@ -90,10 +92,10 @@ class ExpertPool:
 
     def _handshake(self, rank: int, deadline: float, retry: bool, load: bool = False
                    ) -> tuple[SocketFrames, ExpertInfo]:
-        """A connection to `rank` (`retry`: until it listens) that holds the placement's
-        share; a connection that does not is closed. `load` (off the step thread): a
-        rank that does not hold the placement version routed by (restarted since a
-        rebalance) loads it first."""
+        """A connection to `rank` that holds the placement's share; a connection that does
+        not is closed. With `retry`, it tries until the rank listens. With `load`, used off
+        the step thread, a rank that does not hold the placement version routed by loads it
+        first. That happens when the rank restarted since a rebalance."""
         try:
             conn = SocketFrames.connect(*self.addresses[rank], deadline, retry,
                                         self.secret, self.link_timeout)
@@ -106,7 +108,7 @@ class ExpertPool:
         except BaseException:
             conn.close()
             raise
-        with self._lock:  # (a switch on the step thread, while a probe connects)
+        with self._lock:  # a switch may run on the step thread while a probe connects
             version, placement = self.version, self.placement
         want = placement.local_experts(rank)
         if load and version and isinstance(info, ExpertInfo) and version not in info.shares:
@@ -135,7 +137,8 @@ class ExpertPool:
 
     def _load_share(self, conn: SocketFrames, rank: int, version: int, placement: Placement
                     ) -> ExpertInfo:
-        """Have `rank` load its share of `placement` as `version` on `conn`; its info."""
+        """Have `rank` load its share of `placement` as `version` on `conn`. Returns its
+        info."""
         log.warning("%s does not hold placement version %d (restarted?): loading it",
                     self.name(rank), version)
         deadline = time.monotonic() + PREPARE_TIMEOUT_S
@@ -149,9 +152,12 @@ class ExpertPool:
 
     def prepare(self, version: int, placement: Placement) -> list[PlacementReady]:
         """Have every expert rank load its share of `placement` as `version`, on
-        connections of this call's own (blocking, off the step thread; the ranks load at
-        once, each while it serves). Raises `ExpertRankError` naming a rank that is lost,
-        cannot be reached, or could not load it; then the old placement serves on."""
+        connections of this call's own.
+
+        This blocks, and runs off the step thread. The ranks load at once, each while it
+        serves. Raises `ExpertRankError` naming a rank that is lost, cannot be reached, or
+        could not load it; the old placement then serves on.
+        """
         if placement.num_ranks != len(self.addresses):
             raise ExpertRankError(f"placement version {version} places experts on "
                                   f"{placement.num_ranks} ranks; there are "
@@ -187,8 +193,9 @@ class ExpertPool:
         return readies
 
     def switch(self, version: int) -> None:
-        """Lay the calls out by the prepared placement `version` from now on (on the step
-        thread, between steps: no call is in flight), and tell each connected rank so."""
+        """Lay the calls out by the prepared placement `version` from now on, and tell each
+        connected rank so. This runs on the step thread between steps, when no call is in
+        flight."""
         if version not in self._prepared:
             raise ValueError(f"placement version {version} was not prepared")
         placement, readies = self._prepared.pop(version)
@@ -209,8 +216,8 @@ class ExpertPool:
                     self.drop(rank)  # connected again, with this version, at its next call
 
     def conn(self, rank: int) -> SocketFrames:
-        """`rank`'s connection, connected again (once, without retrying) if it was
-        dropped: a refused connection is a lost rank now, not after a call timeout."""
+        """`rank`'s connection. If it was dropped, it is connected again, once and without
+        retrying, so a refused connection is a lost rank now, not after a call timeout."""
         conn = self.conns[rank]
         if conn is None:
             try:
@@ -245,14 +252,14 @@ class ExpertPool:
             lost = frozenset(self.lost)
         for rank in new:
             self._start(f"_probe expert rank {rank}", self._probe, rank)
-        if lost not in self._routes:  # (a placement builds its lookup tables once)
+        if lost not in self._routes:  # a placement builds its lookup tables once
             routing = self.placement.excluding(lost)
             assert routing is not None  # `route_around` adds ranks only while this holds
             self._routes[lost] = routing
         return self._routes[lost]
 
     def route_around(self, exc: ExpertRankError) -> bool:
-        """Whether the ranks `exc` lost can be routed around (then they are); each retry
+        """Whether the ranks `exc` lost can be routed around; if so, they are. Each retry
         of a layer call loses one rank more, or is not made."""
         with self._lock:
             lost = self.lost | exc.lost
@@ -265,11 +272,15 @@ class ExpertPool:
         return True
 
     def wait_back(self, ranks: frozenset[int], deadline: float) -> bool:
-        """Hold the calling step until each of `ranks` (lost, with experts no replica
-        holds) is connected again: a service restarted in time, which loads the placement
-        routed by if it has another (`_handshake`). Whether all were, by `deadline`."""
+        """Hold the calling step until each of `ranks` is connected again. Returns whether
+        all were, by `deadline`.
+
+        The ranks are lost ones with experts no replica holds. One comes back when its
+        service restarts in time; it then loads the placement routed by if it has another
+        (`_handshake`).
+        """
         for rank in sorted(ranks):
-            if self.conns[rank] is not None:  # (back already, for another exchange)
+            if self.conns[rank] is not None:  # back already, for another exchange
                 continue
             if time.monotonic() >= deadline or self._closing.is_set():
                 return False
@@ -292,15 +303,15 @@ class ExpertPool:
         thread.start()
 
     def _probe(self, rank: int) -> None:
-        """Try a lost rank (its handshake, then an empty layer call) until it answers,
-        every `PROBE_EVERY_S` at most (whatever a try raises); then it is back in the
-        routing. Ends early on `close`."""
+        """Try a lost rank, with its handshake and then an empty layer call, until it
+        answers; then it is back in the routing. Tries come at most every `PROBE_EVERY_S`,
+        whatever a try raises. Ends early on `close`."""
         reason = ""
         try:
             while not self._closing.is_set():
                 started = time.monotonic()
                 try:
-                    conn = self._answers_a_call(rank)  # (loading a rebalanced share)
+                    conn = self._answers_a_call(rank)  # this may load a rebalanced share
                     with self._lock:
                         self.conns[rank] = conn
                         self.lost.discard(rank)
@@ -318,9 +329,9 @@ class ExpertPool:
 
     def _answers_a_call(self, rank: int) -> SocketFrames:
         """A new connection to `rank` that answered an empty layer call within the call
-        timeout: it waits behind whatever that rank computes, as a real call would."""
+        timeout. The call waits behind whatever that rank computes, as a real call would."""
         deadline = time.monotonic() + self.call_timeout
-        conn, _ = self._handshake(rank, deadline, retry=False, load=True)  # (probes retry)
+        conn, _ = self._handshake(rank, deadline, retry=False, load=True)  # probes retry
         with self._lock:
             version, experts = self.version, self.placement.local_experts(rank)
         if self.empty_call is None or not experts:
@@ -343,10 +354,10 @@ class ExpertPool:
         return conn
 
     def ready(self) -> bool:
-        """Whether every layer call can be served: every rank connected, or lost and
+        """Whether every layer call can be served: every rank is connected, or lost and
         routed around. A rank dropped otherwise is connected again at its next call, and
-        in the background from here: a health check that keeps asking (while no traffic
-        comes, because it answered "not ready") sees it back."""
+        in the background from here. So a health check that keeps asking sees it back, even
+        while no traffic comes because it answered "not ready"."""
         with self._lock:
             missing = [rank for rank, conn in enumerate(self.conns)
                        if conn is None and rank not in self.lost]
@@ -385,11 +396,11 @@ class ExpertPool:
                 for i in self.infos]
 
     def close(self) -> None:
-        """Stop the probes (each closes its half-open connection as it ends), then close
+        """Stop the probes, each closing its half-open connection as it ends, then close
         every connection."""
         self._closing.set()
         with self._lock:
-            for conn in self._probe_conns:  # a probe waiting on a stuck rank: now
+            for conn in self._probe_conns:  # a probe waiting on a stuck rank ends now
                 with contextlib.suppress(OSError):
                     conn.sock.shutdown(socket.SHUT_RDWR)
         for thread in self._threads:

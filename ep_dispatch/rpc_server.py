@@ -3,9 +3,9 @@ connect to (M:N). Batches of one layer that arrive while the last computation ru
 answered together by the next: one grouped GEMM for M attention ranks' rows.
 
 A rebalance's `PlacementUpdate` is loaded on a thread of its own, one at a time, while
-layer calls go on; each connection says which placement version it lays rows out by
-(`UsePlacement`, and every batch's version), and the versions no connection uses any
-more are released."""
+layer calls go on. Each connection says which placement version it lays rows out by,
+with `UsePlacement` and in every batch's version. The versions no connection uses any more
+are released."""
 
 from __future__ import annotations
 
@@ -47,15 +47,15 @@ log = logging.getLogger("switchyard.expert")
 class RpcListen:
     """Where an expert rank listens, and what answers there.
 
-    answer: batches of one layer (from any attention ranks) -> one result each, in order;
-        run on one worker thread (`common.compute`), one call at a time. It must answer
+    answer: batches of one layer, from any attention ranks, -> one result each, in order.
+        It runs on one worker thread (`common.compute`), one call at a time. It must answer
         every batch, a bad one with its error, and never raise.
     info: the handshake's answer (`InfoRequest` -> `ExpertInfo`).
-    prepare: a rebalance's load (`PlacementUpdate` -> `PlacementReady`), blocking; it must
+    prepare: a rebalance's load (`PlacementUpdate` -> `PlacementReady`), blocking. It must
         answer, never raise.
     release: told the placement versions the connections use now, whenever that changes.
     secret: what a connection must prove before any of its frames is read (`common.auth`).
-    link_timeout: silent this long, a connection's attention rank is gone (`set_liveness`).
+    link_timeout: a connection silent this long has lost its attention rank (`set_liveness`).
     """
 
     host: str
@@ -83,8 +83,8 @@ class Coalescer:
         self._arrived.set()
 
     async def run(self) -> None:
-        """Whatever arrived for the first queued batch's layer (and placement version)
-        goes into one `answer`."""
+        """Whatever arrived for the first queued batch's layer and placement version goes
+        into one `answer`."""
         while True:
             if not self._queue:
                 await self._arrived.wait()
@@ -111,7 +111,7 @@ class Versions:
         self._by_conn: dict[FrameStream, int] = {}
 
     def use(self, conn: FrameStream, version: int | None) -> None:
-        """`conn` uses `version` now (None: it closed)."""
+        """`conn` uses `version` now; None means it closed."""
         if self._by_conn.get(conn) == version:
             return
         before = set(self._by_conn.values())

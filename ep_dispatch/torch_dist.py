@@ -1,34 +1,35 @@
 """`torch` backend: torch.distributed all-to-all between attention and expert ranks.
 
 One process group spans G attention ranks (world ranks 0..G-1) and N expert ranks
-(world ranks G..G+N-1); gloo on CPU, the same calls with NCCL on GPU. Collectives need
-every rank, so the ranks move in lockstep: each round starts with an all-reduce (max) of
-the micro-batches each attention rank runs its step as, 0 for none; if any, every
-attention rank runs a step and every expert rank serves each MoE layer that many times,
-layer by layer. An attention rank with fewer micro-batches (or none: an idle one) joins
-the extra exchanges of each layer with zero rows, right after its own.
+(world ranks G..G+N-1). It uses gloo on the CPU, and the same calls with NCCL on a GPU.
+Collectives need every rank, so the ranks move in lockstep. Each round starts with an
+all-reduce (max) of the micro-batches each attention rank runs its step as, 0 for none. If
+any rank has work, every attention rank runs a step and every expert rank serves each MoE
+layer that many times, layer by layer. An attention rank with fewer micro-batches, or an
+idle one with none, joins the extra exchanges of each layer with zero rows, right after its
+own.
 
 Over torch.distributed the attention side issues a layer's three collectives at once,
-asynchronously (`start`), and waits on them in `finish`: a ping-pong pipeline computes
-one micro-batch while the expert ranks serve another's layer, the collectives running in
-the order they were issued on every rank.
+asynchronously (`start`), and waits on them in `finish`. So a ping-pong pipeline computes
+one micro-batch while the expert ranks serve another's layer, with the collectives running
+in the order they were issued on every rank.
 
-Per MoE layer, three collectives: the per-expert row counts (`all_to_all_single`, fixed
-size), the rows themselves (`all_to_all_single` with the counts as splits), and the expert
-outputs back along the reverse splits. Combine applies the router weights on the
+Per MoE layer there are three collectives: the per-expert row counts (`all_to_all_single`,
+fixed size), the rows themselves (`all_to_all_single` with the counts as splits), and the
+expert outputs back along the reverse splits. Combine applies the router weights on the
 attention side. Rows travel as `wire.RowFormat` says: the activations, or with w4a4 their
-MXFP4 bytes; every rank checks at start-up that all of them move the same rows.
+MXFP4 bytes. Every rank checks at start-up that all of them move the same rows.
 
-The lockstep protocol (`TorchExperts`, `serve_experts`) is written once over a two-operation
-`Collective` (a flag all-reduce and `all_to_all`), which `TorchCollective` and the `nccl`
-backend's `CupyNccl` implement. What a row is (`RowFormat`) is compared across every rank
+The lockstep protocol (`TorchExperts`, `serve_experts`) is written once over a `Collective`
+of two operations, a flag all-reduce and `all_to_all`, which `TorchCollective` and the
+`nccl` backend's `CupyNccl` implement. What a row is (`RowFormat`) is compared across every rank
 through the rendezvous store at start-up, as a mismatch would mis-size the all-to-alls and
 hang. The world's ranks are the attention ranks first, then the expert ranks, each expert
-joining as its `--world-rank`; a failure of any rank restarts the whole world
+joining as its `--world-rank`. A failure of any rank restarts the whole world
 (`switchyard.supervisor`). An MTP pass is a round of its own, which calls the MTP layer
-(`ModelConfig.served_moe_layers`): expert ranks serve every layer of the placement each
+(`ModelConfig.served_moe_layers`). Expert ranks serve every layer of the placement each
 round, in order, and a rank joins the layers it does not call with zero rows
-(`TorchExperts._join_until`), so ranks that draft and ranks that do not stay in step. Tested
+(`TorchExperts._join_until`). So ranks that draft and ranks that do not stay in step. Tested
 with gloo on the CPU.
 """
 
@@ -92,7 +93,7 @@ def rendezvous(world: World, timeout: float) -> dist.TCPStore:
 
 def _wait_all(store: dist.Store, world: World, prefix: str, timeout: float,
               where: str) -> list[str]:
-    """Wait until every rank has set `prefix/<rank>`; their values, or a
+    """Wait until every rank has set `prefix/<rank>`, and return their values. Raises a
     `RendezvousError` naming the ranks still missing after `timeout` seconds."""
     keys = [f"{prefix}/{r}" for r in range(world.size)]
     try:
@@ -107,11 +108,11 @@ def _wait_all(store: dist.Store, world: World, prefix: str, timeout: float,
 def agree(store: dist.Store, world: World, rows: RowFormat, timeout: float,
           transport: str) -> None:
     """Every rank must move the same rows over the same transport (gloo, NCCL), or the
-    all-to-alls mis-size or never meet: compare each rank's `rows.describe()` and
+    all-to-alls mis-size or never meet. This compares each rank's `rows.describe()` and
     `transport` through the rendezvous store.
 
     Raises:
-        ValueError: the ranks differ (each named with its rows).
+        ValueError: the ranks differ; each is named with its rows.
     """
     store.set(f"rows/{world.rank}", f"{rows.describe()}, over {transport}")
     described = _wait_all(store, world, "rows", timeout, "for the row formats of")
@@ -128,7 +129,7 @@ def agree(store: dist.Store, world: World, rows: RowFormat, timeout: float,
 
 def join(world: World, timeout: float, backend: str = "gloo",
          rows: RowFormat | None = None) -> None:
-    """Rendezvous, check that every rank moves `rows` (if given), then form the
+    """Rendezvous, check that every rank moves `rows` if given, then form the
     torch.distributed process group: gloo for CPU tensors, NCCL for CUDA ones."""
     store = rendezvous(world, timeout)
     if rows is not None:
@@ -141,19 +142,20 @@ class Collective(Protocol):
     """The two collectives the lockstep exchange needs, over every rank of the world."""
 
     def agree_rounds(self, rounds: int, device: torch.device) -> int:
-        """The most `rounds` of any rank (an all-reduce, max): the step's micro-batches,
-        0 where no rank has work."""
+        """The most `rounds` of any rank, by an all-reduce (max). That is the step's
+        micro-batches, or 0 where no rank has work."""
         ...
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor,
                    out_splits: list[int] | None = None,
                    in_splits: list[int] | None = None) -> None:
-        """`dist.all_to_all_single`: rows of `inp` [sum(in_splits), ...] to each rank,
-        rows from each rank into `out` [sum(out_splits), ...]; None splits are equal."""
+        """`dist.all_to_all_single`: rows of `inp` [sum(in_splits), ...] go to each rank,
+        and rows from each rank come into `out` [sum(out_splits), ...]. None splits are
+        equal."""
         ...
 
     def ready(self) -> bool:
-        """Whether the communicator is up (a dead rank shows at the next collective)."""
+        """Whether the communicator is up. A dead rank shows at the next collective."""
         ...
 
     def close(self) -> None:
@@ -175,8 +177,8 @@ class TorchCollective:
     def start_all_to_all(self, out: torch.Tensor, inp: torch.Tensor,
                          out_splits: list[int] | None = None,
                          in_splits: list[int] | None = None) -> dist.Work:
-        """`all_to_all` issued now and waited on by the returned work's `wait()` (the
-        tensors must live until then)."""
+        """`all_to_all` issued now, and waited on by the returned work's `wait()`. The
+        tensors must live until then."""
         return dist.all_to_all_single(out, inp, output_split_sizes=out_splits,
                                       input_split_sizes=in_splits, async_op=True)
 
@@ -189,21 +191,21 @@ class TorchCollective:
 
 
 def agree_rounds(rounds: int, device: torch.device) -> int:
-    """The most `rounds` of any rank of the process group (0: no rank has work)."""
+    """The most `rounds` of any rank of the process group; 0 means no rank has work."""
     most = torch.tensor([rounds], device=device)
     dist.all_reduce(most, op=dist.ReduceOp.MAX)
     return int(most.item())
 
 
 class TorchExperts:
-    """Attention side (`ExpertsClient`), in lockstep with every other rank."""
+    """The attention side, an `ExpertsClient`, in lockstep with every other rank."""
 
     lockstep = True
 
     def __init__(self, world: World, placement: Placement, rows: RowFormat,
                  device: str = "cpu", collective: Collective | None = None,
                  backend: str = "torch") -> None:
-        """`backend`: the name its dispatch and combine metrics carry."""
+        """`backend` is the name its dispatch and combine metrics carry."""
         if placement.num_ranks != world.num_experts:
             raise ValueError(f"placement has {placement.num_ranks} ranks, the world "
                              f"{world.num_experts} expert ranks")
@@ -212,8 +214,8 @@ class TorchExperts:
         self.width = placement.most_local
         self.coll = collective or TorchCollective()
         self.backend = backend
-        self._turns = ReplicaTurns(world.rank)  # each layer's first replica; ranks apart
-        # this round's micro-batches, this rank's and the world's (none open yet)
+        self._turns = ReplicaTurns(world.rank)  # each layer's first replica, apart on each rank
+        # this round's micro-batches, this rank's and the world's; no round is open yet
         self._mine = self._rounds = 0
         self._issued: dict[int, int] = {}  # this round's calls of this rank, per layer
         self._done: dict[int, int] = {}  # this round's exchanges, zero-row joins included
@@ -221,16 +223,17 @@ class TorchExperts:
 
     @property
     def overlaps(self) -> bool:
-        """Whether `start` returns before the expert ranks answer (asynchronous
-        collectives: torch.distributed's, and the CuPy communicator's on its own stream)."""
+        """Whether `start` returns before the expert ranks answer. It does with
+        asynchronous collectives: torch.distributed's, and the CuPy communicator's on its
+        own stream."""
         return hasattr(self.coll, "start_all_to_all")
 
     def round_trip_s(self) -> float | None:
-        return None  # (not measured through the collectives)
+        return None  # not measured through the collectives
 
     def begin_step(self, num_tokens: int, micro_batches: int = 1) -> bool:
-        """A new round (after the last one's layers this rank did not call, joined with
-        zero rows): a step's decoder layers, or an MTP pass's layer, each a round."""
+        """Begin a new round: a step's decoder layers, or an MTP pass's layer. First the
+        last round's layers that this rank did not call are joined with zero rows."""
         self._join_until(None)
         self._mine = micro_batches if num_tokens > 0 else 0
         self._rounds = self.coll.agree_rounds(self._mine, self.device)
@@ -241,10 +244,10 @@ class TorchExperts:
         self._join_until(None)
 
     def _join_until(self, layer: int | None) -> None:
-        """Every exchange of this round's layers before `layer` (None: all of them) that
-        this rank has not made, with zero rows: the expert ranks serve every layer of the
-        placement each round, in order, and a round may call only some (a step calls the
-        decoder's, an MTP pass its own)."""
+        """Make, with zero rows, every exchange of this round's layers before `layer`
+        (None: all of them) that this rank has not made. The expert ranks serve every layer
+        of the placement each round, in order, and a round may call only some of them: a
+        step calls the decoder's, an MTP pass its own."""
         for earlier in self._layers:
             if earlier == layer:
                 return
@@ -258,7 +261,7 @@ class TorchExperts:
 
     def start(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
               topk_weights: torch.Tensor) -> TorchExchange:
-        """A layer call in flight (its collectives issued; `finish` waits on them). After
+        """A layer call in flight, with its collectives issued; `finish` waits on them. After
         this rank's last micro-batch of the layer, the rounds that other ranks' extra
         micro-batches take are joined with zero rows, so the layer's rounds end before
         any rank's next layer begins."""
@@ -280,9 +283,9 @@ class TorchExperts:
 
     def _exchange(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                   topk_weights: torch.Tensor) -> TorchExchange:
-        """Issue one round of the layer: the row counts (so the expert ranks can size
-        their buffers), the rows, and the outputs back, whose splits are this rank's own.
-        Asynchronously where the collective can, else each in turn."""
+        """Issue one round of the layer: the row counts, so the expert ranks can size
+        their buffers; the rows; and the outputs back, whose splits are this rank's own.
+        The calls are asynchronous where the collective can be, else made each in turn."""
         layout = compute_layout(topk_ids, topk_weights, self.placement, layer,
                                 self._turns(layer))
         g = self.world.num_attention
@@ -322,11 +325,14 @@ class TorchExperts:
 
 
 class TorchExchange:
-    """One round of a layer's exchange in flight: `finish` waits on its collectives (the
-    attention service's bubble, `common.compute.waiting`) and combines the outputs y
-    [N, H] into token order. `calls` keeps the collectives' tensors alive until then."""
+    """One round of a layer's exchange in flight.
 
-    held_s = 0.0  # (the expert ranks' time is not reported through the collectives)
+    `finish` waits on its collectives, which is the attention service's bubble
+    (`common.compute.waiting`), and combines the outputs y [N, H] into token order.
+    `calls` keeps the collectives' tensors alive until then.
+    """
+
+    held_s = 0.0  # the expert ranks' time is not reported through the collectives
 
     def __init__(self, backend: str, layer: int, x: torch.Tensor, layout: Layout,
                  y: torch.Tensor, works: list[dist.Work], calls: list[tuple]) -> None:
@@ -345,8 +351,8 @@ class TorchExchange:
 
 def serve_round(world: World, placement: Placement, expert_fn: ExpertFn, rows: RowFormat,
                 device: torch.device, coll: Collective) -> None:
-    """One lockstep round on an expert rank: the step's micro-batches, then every MoE
-    layer that many times (none if no attention rank has work)."""
+    """One lockstep round on an expert rank: agree on the step's micro-batches, then serve
+    every MoE layer that many times, or none if no attention rank has work."""
     rounds = coll.agree_rounds(0, device)
     rank, width = world.rank - world.num_attention, placement.most_local
     for layer in sorted(placement.replicas) if rounds else []:

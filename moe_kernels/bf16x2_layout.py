@@ -13,16 +13,16 @@ values each, already scaled, in the order the MMA wants them:
 - Code (j, t)'s bit i (0: mantissa, 1-2: exponent, 3: sign) sits where rotating the word
   right by `ROTATIONS[j][i]` and masking with `MASK` leaves it in register j's half t as
   bfloat16's bit 6, 7, 8 or 15: that is the code's value times 2**-126, subnormals included.
-  Multiplying by the block's scale times 2**126 (one bfloat16x2 multiply per register:
-  `fma.rn.bf16x2` with -0 added, which sm_80 has and sm_90 compiles to HMUL2) makes it
-  the exact value. The decode is then 13 operations per 8 values. No arrangement gives
-  all four registers one rotation and one mask (an exhaustive search: the bits a register
-  needs, 4 per code, cannot tile 32 bits by rotations alone); here three get one of each
-  and the fourth two.
+  Multiplying by the block's scale times 2**126 makes it the exact value. That is one
+  bfloat16x2 multiply per register, `fma.rn.bf16x2` with -0 added, which sm_80 has and
+  sm_90 compiles to HMUL2. The decode is then 13 operations per 8 values. No arrangement
+  gives all four registers one rotation and one mask: an exhaustive search showed that the
+  bits a register needs, 4 per code, cannot tile 32 bits by rotations alone. Here three
+  registers get one of each, and the fourth two.
 
-The scale times 2**126 is a bfloat16 only for scales up to 2**1, i.e. weights below 16 in
-magnitude (and no NaN blocks): `to_bf16x2` refuses others, and their experts run another
-variant.
+The scale times 2**126 is a bfloat16 only for scales up to 2**1, that is, for weights below
+16 in magnitude, and only without NaN blocks. `to_bf16x2` refuses other weights, and their
+experts run another variant.
 """
 
 from __future__ import annotations
@@ -44,9 +44,10 @@ MAX_SCALE = SCALE_BIAS + 1  # E8M0 byte of 2**1: 2**126 times it is bfloat16's l
 PAIR_STEP, PAIR_BASE = 0x00800080, 0x3F003F00  # pair = s * PAIR_STEP + PAIR_BASE
 
 # The decode of one word ($8) with its block's pair ($9), for `tl.inline_asm_elementwise`
-# with pack 1: register j = (word rotated right by ROTATIONS[j]) & MASK (register 3: two
-# rotations, masked apart), times the pair with -0 added (so zeros keep their sign), as
-# bfloat16 halves $2j (low) and $2j + 1 (high). 13 instructions per word, sm_80 and later.
+# with pack 1. Register j is (word rotated right by ROTATIONS[j]) & MASK; register 3 takes
+# two rotations, masked apart. It is multiplied by the pair with -0 added, so zeros keep
+# their sign, giving bfloat16 halves $2j (low) and $2j + 1 (high). 13 instructions per
+# word, sm_80 and later.
 # tests/support/ptx.py runs this text on the CPU.
 PTX = """{
         .reg .b32 r, s, z;
@@ -102,8 +103,8 @@ TO_CODE_BIT = torch.argsort(FROM_CODE_BIT)  # the inverse permutation
 
 @dataclass(frozen=True)
 class Bf16x2Weights(ScaledBlocks):
-    """MXFP4 weights `[..., M, K]` in the bf16x2 layout (module docstring): not an
-    `MXFP4Tensor`, so that nothing decodes it as one.
+    """MXFP4 weights `[..., M, K]` in the bf16x2 layout the module docstring describes. It
+    is not an `MXFP4Tensor`, so that nothing decodes it as one.
 
     packed: [..., M, K / 2] uint8, each 32-block's codes rearranged; scales: [..., M, K / 32]
     uint8 E8M0 bytes, as `MXFP4Tensor`'s, every one at most `MAX_SCALE`.
@@ -111,8 +112,9 @@ class Bf16x2Weights(ScaledBlocks):
 
 
 def to_bf16x2(w: MXFP4Tensor, chunk_bytes: int = 1 << 22) -> Bf16x2Weights:
-    """w in the bf16x2 layout (a copy, on w's device; one host synchronisation), converted
-    `chunk_bytes` of codes at a time (the bit permutation holds 32 bytes per code byte).
+    """w in the bf16x2 layout, as a copy on w's device, with one host synchronisation. It
+    converts `chunk_bytes` of codes at a time, as the bit permutation holds 32 bytes per
+    code byte.
 
     Raises:
         ValueError: a scale above 2**1 or a NaN block, which the layout cannot scale.

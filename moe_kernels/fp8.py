@@ -1,10 +1,11 @@
 """The 8-bit dense scheme on a GPU: FP8 (E4M3) weights with one float32 scale per output
-channel, multiplied by `torch._scaled_mm` against activations quantized to FP8 per row
-as they come, as DeepSeek deploys its dense layers (there with 128 x 128 blocks; here per
-channel, the scheme's CPU form, `moe_kernels.int8`, has the same granularity).
+channel. They are multiplied by `torch._scaled_mm` against activations quantized to FP8 per
+row as they come, as DeepSeek deploys its dense layers. DeepSeek uses 128 x 128 blocks;
+here the scale is per channel, the same granularity as the scheme's CPU form,
+`moe_kernels.int8`.
 
-`torch._scaled_mm` takes a [M, K] row-major and b [K, N] column-major (a weight [N, K]
-transposed), K and N multiples of 16, and scales a [M, 1] and b [1, N] (rowwise). Weights
+`torch._scaled_mm` takes a [M, K] row-major and b [K, N] column-major, which is a weight
+[N, K] transposed, with K and N multiples of 16, and rowwise scales a [M, 1] and b [1, N]. Weights
 whose K is no multiple of 16 stay in the model's dtype (`fp8_weights` says which); N is
 padded at load.
 
@@ -25,9 +26,9 @@ ALIGN = 16  # `torch._scaled_mm`'s K and N
 
 @dataclass(frozen=True)
 class Fp8Weights:
-    """w ≈ weight * scales[:, None]: weight [N', K] float8_e4m3fn (N' = N rounded up to
-    16, the extra rows zeros), scales [1, N'] float32; `columns` is N where it was
-    padded."""
+    """w ≈ weight * scales[:, None]. `weight` is [N', K] float8_e4m3fn, where N' is N
+    rounded up to 16 and the extra rows are zeros. `scales` is [1, N'] float32. `columns`
+    is N where it was padded."""
 
     weight: torch.Tensor
     scales: torch.Tensor
@@ -39,7 +40,7 @@ class Fp8Weights:
         return self.columns or n, k
 
     def dequantize(self) -> torch.Tensor:
-        """weight * scales as float32 [N, K] (the reference)."""
+        """weight * scales as float32 [N, K], the reference."""
         n = self.shape[0]
         return (self.weight.float() * self.scales.t())[:n]
 
@@ -48,8 +49,8 @@ class Fp8Weights:
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [R, K] -> (q [R, K] float8_e4m3fn, s [R, 1] float32), q * s ≈ x, each row's
-    largest magnitude at FP8's largest (rows of zeros: s = 1)."""
+    """x [R, K] -> (q [R, K] float8_e4m3fn, s [R, 1] float32), with q * s ≈ x. Each row's
+    largest magnitude goes to FP8's largest; a row of zeros gets s = 1."""
     amax = x.detach().float().abs().amax(dim=-1, keepdim=True)  # [R, 1]
     s = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     return (x.float() / s).clamp(-FP8_MAX, FP8_MAX).to(FP8), s
@@ -57,7 +58,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def fp8_weights(w: torch.Tensor) -> Fp8Weights | None:
     """w [N, K] in FP8 with per-channel scales, or None where `torch._scaled_mm` cannot
-    take it (K no multiple of 16): the caller keeps it as it is."""
+    take it because K is no multiple of 16. The caller then keeps it as it is."""
     n, k = w.shape
     if k % ALIGN:
         return None
@@ -68,9 +69,9 @@ def fp8_weights(w: torch.Tensor) -> Fp8Weights | None:
 
 
 def fp8_linear(x: torch.Tensor, w: Fp8Weights) -> torch.Tensor:
-    """x [M, K] @ w^T -> [M, N] in x's dtype: x quantized per row to FP8, one
-    `torch._scaled_mm` (on a GPU with FP8 (sm89+): FP8 tensor cores; on the CPU, torch's
-    reference, for the tests)."""
+    """x [M, K] @ w^T -> [M, N] in x's dtype, by one `torch._scaled_mm` with x quantized
+    per row to FP8. On a GPU with FP8 (sm89+) that runs on FP8 tensor cores; on the CPU it
+    is torch's reference, for the tests."""
     if x.shape[-1] != w.weight.shape[1]:
         raise ValueError(f"x has K = {x.shape[-1]}, the FP8 weight [N, K] has K = "
                          f"{w.weight.shape[1]}")

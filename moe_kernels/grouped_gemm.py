@@ -24,12 +24,13 @@ def swiglu_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -
 
 
 class ExpertTimer:
-    """Each expert's (start, end) wall-clock ns, appended to `spans` (if given) on `close`.
+    """Each expert's (start, end) wall-clock ns, appended to `spans`, if given, on `close`.
 
-    On the CPU, monotonic clock readings around each expert (so a clock step cannot bend a
-    duration). On CUDA, events recorded on the stream and read after the call with one
-    synchronisation: the durations are the GPU's. Either way the times are anchored at the
-    wall clock when the call began (on CUDA: its launch, not its start).
+    On the CPU these are monotonic clock readings around each expert, so a clock step cannot
+    bend a duration. On CUDA they are events recorded on the stream and read after the call
+    with one synchronisation, so the durations are the GPU's. Either way the times are
+    anchored at the wall clock when the call began; on CUDA that is its launch, not its
+    start.
     """
 
     def __init__(self, spans: list[tuple[int, int]] | None, device: torch.device) -> None:
@@ -85,8 +86,8 @@ def grouped_swiglu(
         w_gate_up: [E_local, 2 * I, H] gate and up projections stacked (gate first).
         w_down: [E_local, H, I] down projections.
 
-        spans: if given, filled with each local expert's (start, end) wall-clock ns (for
-            per-expert tracing; (0, 0) for experts without tokens).
+        spans: if given, filled with each local expert's (start, end) wall-clock ns, for
+            per-expert tracing; (0, 0) for experts without tokens.
 
     Returns:
         [N, H] expert outputs, row-aligned with `x`, not yet weighted by the router.
@@ -113,9 +114,12 @@ def row_ends(tokens_per_expert: list[int] | torch.Tensor, device: torch.device
 def grouped_swiglu_mm(x: torch.Tensor, tokens_per_expert: list[int] | torch.Tensor,
                       w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
     """`grouped_swiglu` as two grouped GEMMs (`torch._grouped_mm`, torch >= 2.8): a few
-    kernels per call instead of three per expert. Same arguments and result (float32: the
-    same bits on the CPU); no per-expert times, the experts run together. The counts may be
-    a tensor on x's device ([E_local] int64), for a call without a host sync."""
+    kernels per call instead of three per expert.
+
+    It takes the same arguments and gives the same result; in float32 on the CPU, the same
+    bits. There are no per-expert times, since the experts run together. The counts may be
+    a tensor on x's device ([E_local] int64), for a call without a host sync.
+    """
     ends = row_ends(tokens_per_expert, x.device)  # [E_local]
     gate, up = torch._grouped_mm(x, w_gate_up.transpose(-2, -1), offs=ends).chunk(2, dim=-1)
     return torch._grouped_mm(F.silu(gate) * up, w_down.transpose(-2, -1), offs=ends)
@@ -123,7 +127,7 @@ def grouped_swiglu_mm(x: torch.Tensor, tokens_per_expert: list[int] | torch.Tens
 
 def timed_together(spans: list[tuple[int, int]] | None, tokens_per_expert: list[int],
                    device: torch.device, run: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """run() for experts that run together (one grouped kernel): each expert with tokens
+    """run() for experts that run together in one grouped kernel. Each expert with tokens
     gets the whole call's span."""
     timer = ExpertTimer(spans, device)
     start = timer.now()
@@ -137,7 +141,8 @@ def timed_together(spans: list[tuple[int, int]] | None, tokens_per_expert: list[
 
 def _each_expert(tokens_per_expert: list[int], ffn: Callable[[slice, int], None],
                  timer: ExpertTimer) -> None:
-    """ffn(rows, expert) for each local expert's run of rows, timed (empty runs skipped)."""
+    """ffn(rows, expert) for each local expert's run of rows, timed. Empty runs are
+    skipped."""
     start = 0
     for expert, count in enumerate(tokens_per_expert):
         if not count:
@@ -153,9 +158,9 @@ def _each_expert(tokens_per_expert: list[int], ffn: Callable[[slice, int], None]
 def mxfp4_linear(x: MXFP4Tensor, w: MXFP4Tensor) -> torch.Tensor:
     """x [N, K] @ w [M, K]^T -> [N, M] float32, both MXFP4 (blocks along K).
 
-    The torch reference numerics: both sides decoded exactly to float32, then one float32
-    matmul (every product of two MXFP4 values is exact in float32; only the summation order
-    differs from a kernel's).
+    The torch reference numerics: both sides are decoded exactly to float32, then multiplied
+    in one float32 matmul. Every product of two MXFP4 values is exact in float32; only the
+    summation order differs from a kernel's.
     """
     return F.linear(dequantize(x), dequantize(w))
 
@@ -171,8 +176,8 @@ def grouped_swiglu_w4a4(
         tokens_per_expert: E_local ints summing to N.
         w_gate_up: MXFP4 of [E_local, 2 * I, H] (gate first), blocks along H.
         w_down: MXFP4 of [E_local, H, I], blocks along I.
-        spans: if given, filled with each local expert's (start, end) wall-clock ns
-            ((0, 0) for one without rows): the per-expert metrics and trace spans.
+        spans: if given, filled with each local expert's (start, end) wall-clock ns, or
+            (0, 0) for one without rows. They feed the per-expert metrics and trace spans.
 
     Returns:
         [N, H] float32 expert outputs. The SwiGLU output between the two GEMMs is

@@ -1,12 +1,12 @@
-"""Dense weights in 8 bits: one int8 per weight and one float32 scale per output channel
-(row of w [N, K]), symmetric: w ≈ q * s with s = max|w_row| / 127 and q = round(w / s) in
-[-127, 127] (a row of zeros gets s = 1 and q = 0).
+"""Dense weights in 8 bits: one int8 per weight and one float32 scale per output channel,
+a row of w [N, K]. The scheme is symmetric: w ≈ q * s with s = max|w_row| / 127 and
+q = round(w / s) in [-127, 127]. A row of zeros gets s = 1 and q = 0.
 
 The CPU kernel (`csrc/int8_cpu.cpp`, `linear_i8`) quantizes the activations as they come,
-in blocks of 32 along K with a scale each (the same rule per block: llama.cpp's Q8_0), and
-multiplies them by exact integer products (AVX512-VNNI's `vpdpbusd`, 64 a instruction),
-so a decode step's few rows read a quarter of float32's bytes and spend a quarter of its
-instructions on them. `reference_linear` is what it computes, in torch.
+in blocks of 32 along K with a scale each, by the same rule per block, like llama.cpp's
+Q8_0. It multiplies them by exact integer products (AVX512-VNNI's `vpdpbusd`, 64 an
+instruction). So a decode step's few rows read a quarter of float32's bytes and spend a
+quarter of its instructions on them. `reference_linear` is what it computes, in torch.
 """
 
 from __future__ import annotations
@@ -25,11 +25,14 @@ GROUP = 4  # k per integer lane of the panels (`vpdpbusd` sums 4 products)
 
 @dataclass(frozen=True)
 class Int8Panels:
-    """int8 weights q [..., N, K] as panels [..., N/16, K'/4, 16, 4] (K' = K rounded up to
-    32, zeros beyond; per panel of 16 columns and group of 4 consecutive k, each column's
-    4 weights side by side), with `scales` [..., N rounded up to 16] float32, one per
-    output channel; where N is no multiple of 16 its first `columns` are the weight's and
-    the rest zeros (scale 1). The leading dims are MLA's heads, one matrix each."""
+    """int8 weights q [..., N, K] as panels [..., N/16, K'/4, 16, 4], with `scales`
+    [..., N rounded up to 16] float32, one per output channel.
+
+    K' is K rounded up to 32, with zeros beyond. Per panel of 16 columns and group of 4
+    consecutive k, each column's 4 weights lie side by side. Where N is no multiple of 16,
+    its first `columns` are the weight's and the rest are zeros, with scale 1. The leading
+    dims are MLA's heads, one matrix each.
+    """
 
     panels: torch.Tensor
     scales: torch.Tensor
@@ -49,7 +52,7 @@ class Int8Panels:
         return q.flatten(-3, -2)[..., :n, :self.k]
 
     def dequantize(self) -> torch.Tensor:
-        """q * s as float32 [..., N, K] (the torch path and the reference)."""
+        """q * s as float32 [..., N, K], for the torch path and the reference."""
         return self.quantized().float() * self.scales[..., :self.shape[-2], None]
 
     def nbytes(self) -> int:
@@ -67,8 +70,8 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def int8_panels(w: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> Int8Panels:
-    """w [..., N, K] quantized (`quantize_int8`), or already quantized as (q, s) (a
-    checkpoint's), laid out for `linear_i8`."""
+    """w [..., N, K] quantized (`quantize_int8`), or already quantized as (q, s) by a
+    checkpoint, laid out for `linear_i8`."""
     q, s = w if isinstance(w, tuple) else quantize_int8(w)
     n, k = q.shape[-2:]
     q = F.pad(q, (0, -k % BLOCK, 0, -n % PANEL))  # [..., N', K']
@@ -79,8 +82,9 @@ def int8_panels(w: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> Int8Pane
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's activations: x [..., K] in blocks of 32 along K (K padded with zeros)
-    -> (q [..., K'] int8, s [..., K'/32] float32), each block by `quantize_int8`'s rule."""
+    """The kernel's activations: x [..., K] in blocks of 32 along K, K padded with zeros,
+    -> (q [..., K'] int8, s [..., K'/32] float32). Each block follows `quantize_int8`'s
+    rule."""
     k = x.shape[-1]
     blocks = F.pad(x.float(), (0, -k % BLOCK)).unflatten(-1, (-1, BLOCK))  # [..., K'/32, 32]
     q, s = quantize_int8(blocks)
@@ -95,5 +99,5 @@ def dequantized_activations(x: torch.Tensor) -> torch.Tensor:
 
 def reference_linear(x: torch.Tensor, w: Int8Panels) -> torch.Tensor:
     """What `linear_i8` computes, in torch: x [M, K] quantized in blocks, times the
-    dequantized weights [N, K] -> [M, N] float32 (the same sums up to rounding)."""
+    dequantized weights [N, K] -> [M, N] float32. The sums are the same up to rounding."""
     return F.linear(dequantized_activations(x), w.dequantize())

@@ -1,18 +1,19 @@
 """Tuned launch configurations of the W4A4 Triton kernel, one file per GPU model, as vLLM
-keeps its fused-MoE configs: `configs/<device name>.json` maps rows per expert to the
+keeps its fused-MoE configs. `configs/<device name>.json` maps rows per expert to the
 variant and tiles that a sweep on that GPU measured fastest. `python -m
 benchmarks.gpu_mxfp4 --sweep --write-config` writes the file for the GPU it ran on. A GPU
 without a file runs `KernelConfig()`'s defaults. This module imports neither triton nor
 CUDA, so configuration files are checked anywhere.
 
 A config names the variant and its tiles, or the other route for the FFN: both operands
-decoded to bf16 in one pass each, then `torch._grouped_mm` (`grouped_swiglu_w4a4_bf16`, for
-many tokens per expert). The key is the most rows any expert has, and the nearest row count
-on a log scale picks the entry. `benchmarks/gpu_check.py` writes a file too. A config this
-Triton cannot compile falls back to the in-kernel decode (`services/model/experts.py`). An
+decoded to bf16 in one pass each, then `torch._grouped_mm` (`grouped_swiglu_w4a4_bf16`).
+That route is for many tokens per expert. The key is the most rows any expert has, and the
+nearest row count on a log scale picks the entry. `benchmarks/gpu_check.py` writes a file
+too. A config this Triton cannot compile falls back to the in-kernel decode
+(`services/model/experts.py`). An
 entry in the bf16x2 layout makes the expert bank convert every layer's weights once, at
-load, and keep them beside the MXFP4 ones (a second copy); weights it cannot scale exactly
-(a block scale above 2**1, i.e. a weight of 16 or more) fall back the same way. The bundled
+load, and keep them beside the MXFP4 ones as a second copy. Weights it cannot scale exactly,
+with a block scale above 2**1, that is a weight of 16 or more, fall back the same way. The bundled
 H200 table is run 3's sweep (docs/benchmarks.md).
 """
 
@@ -26,8 +27,8 @@ import msgspec
 
 # The inner products of `moe_kernels.triton_mxfp4.grouped_mxfp4_gemm`, as its kernel numbers them.
 INNER_PRODUCTS = {"dot_scaled": 0, "decode": 1, "bf16": 2, "f16": 3, "f16x2": 4, "bf16x2": 5}
-# How the W4A4 FFN runs: the Triton kernel, or both operands decoded to bfloat16 in one pass
-# each and `torch._grouped_mm` (`triton_mxfp4.grouped_swiglu_w4a4_bf16`; for many tokens)
+# How the W4A4 FFN runs: the Triton kernel, or, for many tokens, both operands decoded to
+# bfloat16 in one pass each and `torch._grouped_mm` (`triton_mxfp4.grouped_swiglu_w4a4_bf16`)
 ROUTES = ("triton", "bf16_grouped_mm")
 CONFIG_DIR = Path(__file__).parent / "configs"
 
@@ -62,7 +63,7 @@ class KernelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
     def gemm_options(self) -> dict[str, object]:
-        """The `grouped_mxfp4_gemm` keywords (for route "triton")."""
+        """The `grouped_mxfp4_gemm` keywords, for route "triton"."""
         options = msgspec.structs.asdict(self)
         del options["route"]
         return options
@@ -108,8 +109,8 @@ def load_configs(device_name: str, directory: Path = CONFIG_DIR) -> dict[int, Ke
 
 
 def pick(configs: dict[int, KernelConfig], rows_per_expert: int) -> KernelConfig:
-    """The config tuned for the row count nearest `rows_per_expert` on a log scale (tile
-    shapes change with the order of magnitude); the defaults when there is none."""
+    """The config tuned for the row count nearest `rows_per_expert` on a log scale, since
+    tile shapes change with the order of magnitude. The defaults when there is none."""
     if not configs:
         return KernelConfig()
     rows = max(1, rows_per_expert)
@@ -117,7 +118,7 @@ def pick(configs: dict[int, KernelConfig], rows_per_expert: int) -> KernelConfig
 
 
 def tuned_config(device_name: str | None, rows_per_expert: int) -> KernelConfig:
-    """`pick` from the file for `device_name` (None, e.g. a CPU: the defaults)."""
+    """`pick` from the file for `device_name`. None, as for a CPU, gives the defaults."""
     return pick(load_configs(device_name) if device_name else {}, rows_per_expert)
 
 

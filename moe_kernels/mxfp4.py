@@ -54,7 +54,7 @@ class ScaledBlocks:
         return (*self.packed.shape[:-1], 2 * self.packed.shape[-1])
 
     def __getitem__(self, index: object) -> Self:
-        """Rows (any indexing of the leading dimensions), in the same layout."""
+        """Rows, by any indexing of the leading dimensions, in the same layout."""
         return type(self)(self.packed[index], self.scales[index])  # type: ignore[index]
 
     def nbytes(self) -> int:
@@ -75,8 +75,8 @@ class MXFP4Tensor(ScaledBlocks):
                                                    self.scales.split(sizes), strict=True)]
 
     def to_rows(self) -> torch.Tensor:
-        """One uint8 row per leading index: [N, K / 2 + K / 32], packed then scales (how
-        quantized activations travel between processes)."""
+        """One uint8 row per leading index: [N, K / 2 + K / 32], packed then scales. This
+        is how quantized activations travel between processes."""
         return torch.cat([self.packed.reshape(-1, self.packed.shape[-1]),
                           self.scales.reshape(-1, self.scales.shape[-1])], dim=1)
 

@@ -1,15 +1,17 @@
-"""Weights in the panel layouts that the CPU kernels read, re-ordered once at load (the
-same weights, not a copy kept beside them).
+"""Weights in the panel layouts that the CPU kernels read, re-ordered once at load. They
+are the same weights, not a copy kept beside them.
 
-Float32 (`csrc/f32_cpu.cpp`): a weight w [..., N, K] (torch's linear layout: y = x @ w^T)
-is stored as panels [..., N/16, K, 16]: panel p holds output columns 16p to 16p + 15,
-k-major, so the kernel streams each panel once as one sequential read and multiplies it
-as outer products (one vector of 16 columns per k, broadcast against each row of x).
+Float32 (`csrc/f32_cpu.cpp`): a weight w [..., N, K], in torch's linear layout
+(y = x @ w^T), is stored as panels [..., N/16, K, 16]. Panel p holds output columns 16p to
+16p + 15, k-major. So the kernel streams each panel once as one sequential read and
+multiplies it as outer products: one vector of 16 columns per k, broadcast against each row
+of x.
 
-MXFP4 (`csrc/w4a4_cpu.cpp`, its VNNI kernel, K a multiple of 128): codes
-[..., N/4, K/128, 4, 64], per quad of 4 blocks the 64 code bytes of 4 columns one after
-another, and scales [..., N/4, K/128, 4, 4], per quad its 4 blocks' scale bytes of the 4
-columns, block-major. A register block of 4 columns then reads one sequential stream.
+MXFP4 (`csrc/w4a4_cpu.cpp`, its VNNI kernel, with K a multiple of 128): codes are
+[..., N/4, K/128, 4, 64], holding per quad of 4 blocks the 64 code bytes of 4 columns one
+after another. Scales are [..., N/4, K/128, 4, 4], holding per quad its 4 blocks' scale
+bytes of the 4 columns, block-major. A register block of 4 columns then reads one
+sequential stream.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ PANEL = 16  # output columns per panel
 
 @dataclass(frozen=True)
 class PanelWeights:
-    """One float32 weight w [..., N, K] as panels [..., N/16, K, 16] (`panels`); where N
-    is no multiple of 16, its first `columns` are w's and the rest zeros (`to_panels`)."""
+    """One float32 weight w [..., N, K] as panels [..., N/16, K, 16] (`panels`). Where N
+    is no multiple of 16, its first `columns` are w's and the rest are zeros
+    (`to_panels`)."""
 
     panels: torch.Tensor
     columns: int | None = None  # w's N where the panels were padded
@@ -38,7 +41,7 @@ class PanelWeights:
         return (*lead, self.columns or groups * PANEL, k)
 
     def unpack(self) -> torch.Tensor:
-        """w [..., N, K], contiguous: for the torch path (a copy made on every call)."""
+        """w [..., N, K], contiguous, for the torch path. A copy is made on every call."""
         w = self.panels.transpose(-2, -1).flatten(-3, -2)
         return (w if self.columns is None else w[..., :self.columns, :]).contiguous()
 
@@ -47,10 +50,12 @@ class PanelWeights:
 
 
 def to_panels(w: torch.Tensor, pad: bool = False) -> PanelWeights:
-    """w [..., N, K] re-ordered as panels [..., N/16, K, 16]: N a multiple of 16, or with
-    `pad` any N, the last panel's extra columns zeros (the dense linears: router gates of
-    8 experts, for one, take the kernel too rather than torch's matmul, whose sums differ
-    with the number of rows)."""
+    """w [..., N, K] re-ordered as panels [..., N/16, K, 16].
+
+    N must be a multiple of 16, or with `pad` any N, the last panel's extra columns being
+    zeros. Padding serves the dense linears: router gates of 8 experts, for one, take the
+    kernel too rather than torch's matmul, whose sums differ with the number of rows.
+    """
     n = w.shape[-2]
     if n % PANEL and not pad:
         raise ValueError(f"panels need N a multiple of {PANEL}, not {n}")
@@ -63,8 +68,8 @@ def to_panels(w: torch.Tensor, pad: bool = False) -> PanelWeights:
 @dataclass(frozen=True)
 class MXFP4Panels:
     """MXFP4 weights [..., N, K] as the W4A4 CPU kernel's panels: codes packed
-    [..., N/4, K/128, 4, 64] and scales [..., N/4, K/128, 4, 4], uint8 (made by the kernel
-    module's `w4a4_panels`, `selection.panels_for_cpu`)."""
+    [..., N/4, K/128, 4, 64] and scales [..., N/4, K/128, 4, 4], uint8. They are made by
+    the kernel module's `w4a4_panels`, through `selection.panels_for_cpu`."""
 
     packed: torch.Tensor
     scales: torch.Tensor
@@ -76,8 +81,8 @@ class MXFP4Panels:
         return (*lead, 4 * panels, 128 * quads)
 
     def unpack(self) -> MXFP4Tensor:
-        """The weights as stored (packed [..., N, K/2], scales [..., N, K/32]): for the
-        torch path (a copy made on every call)."""
+        """The weights as stored, packed [..., N, K/2] and scales [..., N, K/32], for the
+        torch path. A copy is made on every call."""
         *lead, n, k = self.shape
         return MXFP4Tensor(self.packed.transpose(-3, -2).reshape(*lead, n, k // 2),
                            self.scales.movedim(-1, -3).reshape(*lead, n, k // 32))

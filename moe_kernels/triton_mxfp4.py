@@ -2,49 +2,52 @@
 float32 accumulation, through `tl.dot_scaled(..., "e2m1", ..., "e2m1")`.
 
 This module is the only one in the project that imports triton; import it lazily. On a CPU
-the tests run it under `TRITON_INTERPRET=1` (set before this module is imported), which
-implements `tl.dot_scaled` from triton 3.8 on (3.7.0 and older lack it), once they have
-taught the interpreter what it lacks (below).
+the tests run it under `TRITON_INTERPRET=1`, set before this module is imported. The
+interpreter implements `tl.dot_scaled` from triton 3.8 on; 3.7.0 and older lack it. The
+tests first teach the interpreter what it lacks, as described below.
 
 Numerics match `moe_kernels.grouped_gemm.mxfp4_linear`: every MXFP4 value, and every product
 of two, is exact in bfloat16/float32, so only the order of the float32 summation can differ from
-the torch path (one K tile at a time here, one matmul there).
+the torch path: one K tile at a time here, one matmul there.
 
-Layout recap (see `moe_kernels.mxfp4`): `packed [..., K/2] uint8` holds two E2M1 codes per byte,
-the first value in the low nibble (the order `tl.dot_scaled` expects for "e2m1" packed along K);
-`scales [..., K/32] uint8` holds E8M0 biased exponents, 0xFF meaning NaN. `tl.dot_scaled` takes
-its lhs as `[rows, K/2]` with scales `[rows, K/32]`, and its rhs as `[K/2, cols]` (packed along
-K, `rhs_k_pack=True`) with scales `[cols, K/32]` (not transposed), so a weight tile loaded as
-`[cols, K/2]` is passed transposed and its scales as loaded.
+Layout recap (see `moe_kernels.mxfp4`): `packed [..., K/2] uint8` holds two E2M1 codes per
+byte, the first value in the low nibble, which is the order `tl.dot_scaled` expects for
+"e2m1" packed along K. `scales [..., K/32] uint8` holds E8M0 biased exponents, 0xFF meaning
+NaN. `tl.dot_scaled` takes its lhs as `[rows, K/2]` with scales `[rows, K/32]`. It takes its
+rhs as `[K/2, cols]`, packed along K (`rhs_k_pack=True`), with scales `[cols, K/32]`, not
+transposed. So a weight tile loaded as `[cols, K/2]` is passed transposed, and its scales as
+loaded.
 
-Six inner products, selected by `inner` (all exact; the H200 runs chose the default,
-docs/benchmarks.md):
-- "dot_scaled" (default): `tl.dot_scaled`, native block-scaled MMA on Blackwell; on Hopper
-  and older triton decomposes it into an upcast to bfloat16 and an ordinary MMA.
+There are six inner products, selected by `inner`. All are exact; the H200 runs chose the
+default (docs/benchmarks.md).
+- "dot_scaled" (default): `tl.dot_scaled`, a native block-scaled MMA on Blackwell. On
+  Hopper and older, triton decomposes it into an upcast to bfloat16 and an ordinary MMA.
 - "decode": an explicit in-kernel decode of codes and scales to float32, then `tl.dot` in
-  TF32 (exact here: MXFP4 values have at most 2 mantissa bits), for triton builds or
-  targets where `tl.dot_scaled` with e2m1 on both sides fails.
+  TF32, which is exact here since MXFP4 values have at most 2 mantissa bits. It is for
+  triton builds or targets where `tl.dot_scaled` with e2m1 on both sides fails.
 - "bf16": the same decode, then a bfloat16 `tl.dot`.
-- "f16": codes as float16 by three integer operations, one MMA per 32-block, the block's
-  product scaled by both scales in float32.
-- "f16x2": the same, the weight codes decoded a 32-bit word at a time (two float16 codes
-  per word operation), for Hopper, where the decode and not the memory bounds the kernel.
-- "bf16x2": the activations decoded to bfloat16 values once, ahead of the kernel (not once
-  per weight tile); the weights, kept in their own layout (`moe_kernels.bf16x2_layout`),
-  decoded by inline PTX (sm_80 and later) into bfloat16 MMA operands with their scales
-  applied, two values per instruction; then one bfloat16 MMA per K step, no per-block
-  scaling of partial sums.
+- "f16": codes as float16 by three integer operations, one MMA per 32-block, and the
+  block's product scaled by both scales in float32.
+- "f16x2": the same, with the weight codes decoded a 32-bit word at a time, two float16
+  codes per word operation. It is for Hopper, where the decode and not the memory bounds
+  the kernel.
+- "bf16x2": the activations are decoded to bfloat16 values once, ahead of the kernel, not
+  once per weight tile. The weights, kept in their own layout (`moe_kernels.bf16x2_layout`),
+  are decoded by inline PTX (sm_80 and later) into bfloat16 MMA operands with their scales
+  applied, two values per instruction. Then one bfloat16 MMA runs per K step, with no
+  per-block scaling of partial sums.
 Triton's interpreter runs neither inline PTX nor bfloat16 dots (triton-lang/triton#11584),
-and truncates casts to bfloat16: the tests teach it all three (tests/support/triton_interpreter.py),
-so they run every variant as written, the asm text included; a GPU run checks the hardware.
+and it truncates casts to bfloat16. The tests teach it all three
+(tests/support/triton_interpreter.py), so they run every variant as written, the asm text
+included; a GPU run checks the hardware.
 Either operand can be the MMA's left one (`swap_ab`), and K can be split over programs
 (`split_k`).
 
 The grid is E x cdiv(max rows, block_n) tiles when the caller knows its counts, else a tile
 schedule built on the device. The activations' quantizer on CUDA is one Triton kernel too
-(`quantize_mxfp4`, where the torch one runs 58 tensor operations): byte for byte the same as
-`mxfp4.quantize` under the interpreter, not yet run on a GPU. Which variant and tiles run is
-`kernel_configs`'.
+(`quantize_mxfp4`), where the torch one runs 58 tensor operations. It is byte for byte the
+same as `mxfp4.quantize` under the interpreter, but has not yet run on a GPU.
+`kernel_configs` decides which variant and tiles run.
 """
 
 from __future__ import annotations
@@ -71,8 +74,8 @@ from moe_kernels.mxfp4 import BLOCK, MXFP4Tensor, ScaledBlocks, check_blockable
 
 @triton.jit
 def _e8m0(scales):
-    """E8M0 biased exponents (any int shape) -> exact float32 2**(s - 127); byte 0 is the
-    subnormal 2**-127 (0x00400000), 0xFF is NaN."""
+    """E8M0 biased exponents (any int shape) -> exact float32 2**(s - 127). Byte 0 is the
+    subnormal 2**-127 (0x00400000), and 0xFF is NaN."""
     s = scales.to(tl.int32)
     bits = tl.where(s == 0xFF, 0x7FC00000, tl.where(s == 0, 0x00400000, s << 23))
     return bits.to(tl.float32, bitcast=True)
@@ -126,7 +129,7 @@ def _decode_bf16x2(words, scales, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
 @triton.jit
 def _bf16x2_asm(words, pair):
     """Per 32-bit word: `bf16x2_layout.PTX`'s 8 bfloat16 tensors, register j's low and high
-    halves at 2j and 2j + 1 (pair: the block's scale times 2**126 as two bfloat16)."""
+    halves at 2j and 2j + 1. `pair` is the block's scale times 2**126, as two bfloat16."""
     return tl.inline_asm_elementwise(
         asm=_PTX, constraints=_PTX_CONSTRAINTS, args=[words, pair],
         dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
@@ -134,9 +137,10 @@ def _bf16x2_asm(words, pair):
 
 @triton.jit
 def _codes_f16(packed, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """E2M1 codes as float16 equal to value * 2**-14, by placing the code's exponent and
-    mantissa bits in float16's lowest exponent bits (code 1, i.e. 0.5, is the subnormal
-    2**-15): three integer operations per value, no lookups, no scale.
+    """E2M1 codes as float16 equal to value * 2**-14, made by placing the code's exponent
+    and mantissa bits in float16's lowest exponent bits; code 1, which is 0.5, becomes the
+    subnormal 2**-15. That takes three integer operations per value, with no lookups and
+    no scale.
 
     packed: [ROWS, BLOCK_K / 2] uint8, first value in the low nibble. Returns
     [ROWS, BLOCK_K] float16.
@@ -149,11 +153,12 @@ def _codes_f16(packed, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _words_f16(words, ROWS: tl.constexpr):
-    """One 32-block of E2M1 codes as float16 equal to value * 2**-14, as `_codes_f16`, but
-    decoded a 32-bit word (8 codes) at a time: each result word holds two float16 codes,
-    made by two shifts, two masks and an or (then split in halves), where `_codes_f16`
-    spends about as many operations on each value. What the compiler makes of both is for
-    a GPU run to measure (benchmarks/gpu_mxfp4.py).
+    """One 32-block of E2M1 codes as float16 equal to value * 2**-14, as in `_codes_f16`,
+    but decoded a 32-bit word (8 codes) at a time.
+
+    Each result word holds two float16 codes, made by two shifts, two masks and an or, then
+    split in halves; `_codes_f16` spends about as many operations on each value. A GPU run
+    is to measure what the compiler makes of both (benchmarks/gpu_mxfp4.py).
 
     words: [ROWS, 4] uint32, the block's 16 bytes read as little-endian words (code k of a
     word in bits 4k..4k+3). Returns [ROWS, 32] float16 in K order, as `_codes_f16`.
@@ -225,8 +230,8 @@ def _block_f16(x_rows, xs_rows, w_rows, ws_rows, row_ok, col_ok, blk, K, acc,
 
 @triton.jit
 def _mma(x, w, acc, SWAP_AB: tl.constexpr):
-    """acc + x @ w.T ([N, K] and [M, K] operands), or its transpose with the weights as the
-    MMA's left operand; float32 operands in TF32 (exact for MXFP4 values)."""
+    """acc + x @ w.T, for [N, K] and [M, K] operands, or its transpose with the weights as
+    the MMA's left operand. Float32 operands run in TF32, which is exact for MXFP4 values."""
     if SWAP_AB:
         acc = tl.dot(w, tl.trans(x), acc, input_precision="tf32")
     else:
@@ -408,10 +413,11 @@ def _quantize_kernel(
 
 
 def quantize_mxfp4(x: torch.Tensor) -> MXFP4Tensor:
-    """`moe_kernels.mxfp4.quantize` in one kernel (the torch version runs 58 operations):
-    x [..., K] in any float dtype, K a multiple of 32, last dimension dense or not ->
-    MXFP4 (packed [..., K/2], scales [..., K/32]). Bit for bit the same, on a device that
-    keeps float32 denormals (the interpreter does; a GPU run compares)."""
+    """`moe_kernels.mxfp4.quantize` in one kernel, where the torch version runs 58
+    operations. x [..., K] in any float dtype, with K a multiple of 32 and the last
+    dimension dense or not, -> MXFP4 (packed [..., K/2], scales [..., K/32]). It is bit for
+    bit the same on a device that keeps float32 denormals; the interpreter does, and a GPU
+    run compares."""
     *lead, k = x.shape
     check_blockable(k)
     rows = _dense_last(x.reshape(-1, k))  # [R, K]
@@ -428,8 +434,9 @@ def quantize_mxfp4(x: torch.Tensor) -> MXFP4Tensor:
 
 def dequantize_mxfp4(q: MXFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """`moe_kernels.mxfp4.dequantize` in one kernel pass: q [..., K] -> values [..., K] in
-    `dtype` (exact in float32 and bfloat16: MXFP4 values have at most 2 mantissa bits, and
-    E8M0 scales are powers of two in float32's range). Rows may be strided views."""
+    `dtype`. This is exact in float32 and bfloat16, since MXFP4 values have at most 2
+    mantissa bits and E8M0 scales are powers of two in float32's range. Rows may be strided
+    views."""
     *lead, k = q.shape
     check_blockable(k)
     packed = q.packed.reshape(-1, k // 2)  # [R, K/2]: a view where the rows allow
@@ -498,8 +505,8 @@ def _dense_last(t: torch.Tensor) -> torch.Tensor:
 
 
 def _word_aligned(t: torch.Tensor) -> torch.Tensor:
-    """t (last dim dense), copied if its start or any row stride is not a multiple of 4
-    bytes (e.g. `MXFP4Tensor.from_rows` views): "f16x2" loads codes as uint32 words."""
+    """t, with its last dim dense, copied if its start or any row stride is not a multiple
+    of 4 bytes, as in `MXFP4Tensor.from_rows` views. "f16x2" loads codes as uint32 words."""
     if t.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in t.stride()[:-1]):
         return t
     return torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t)
@@ -518,33 +525,37 @@ def grouped_mxfp4_gemm(
 
     Arguments:
         x: MXFP4 of `[N, K]` activations (packed `[N, K / 2]` uint8, scales `[N, K / 32]`
-            uint8), rows sorted by expert. Row views with a non-unit row stride (e.g.
-            `MXFP4Tensor.from_rows`) are read in place.
+            uint8), rows sorted by expert. Row views with a non-unit row stride, such as
+            `MXFP4Tensor.from_rows`, are read in place.
         expert_offsets: `[E + 1]` int32 or int64 on any device, cumulative row offsets:
-            expert e owns rows `offsets[e]:offsets[e + 1]` (possibly empty); `offsets[0]` must
-            be 0 and `offsets[E]` must be N (not checked: that would need a host sync).
+            expert e owns rows `offsets[e]:offsets[e + 1]`, possibly empty. `offsets[0]` must
+            be 0 and `offsets[E]` must be N; this is not checked, as that would need a host
+            sync.
         w: MXFP4 of `[E, M, K]` weights (packed `[E, M, K / 2]` uint8, scales
             `[E, M, K / 32]` uint8), blocks along K; same device as x. For "bf16x2", the
             same in that layout (`moe_kernels.bf16x2_layout.to_bf16x2`).
-        block_n, block_m, block_k: tile sizes (powers of two, at least 16; block_k a
-            multiple of 32 and at least 64, or 32 for "f16", "f16x2" and "bf16x2"). By default
-            block_n follows the mean rows per expert (16 to 64), block_m is 128 (the best
-            on an H200: docs/benchmarks.md) and block_k 128 (32 for float16 codes).
-        inner: the inner product: `tl.dot_scaled` ("dot_scaled"); an in-kernel decode
-            to float32 then `tl.dot` in TF32 ("decode") or bfloat16 ("bf16"); or float16
-            codes, one MMA per 32-block, its product scaled, the codes decoded a byte
-            ("f16") or a 32-bit word ("f16x2") at a time; or ("bf16x2") the activations
-            decoded to bfloat16 values first, the weights (in the bf16x2 layout) by inline
-            PTX for sm_80 and later, two scaled values per instruction, one bfloat16 MMA per
-            K step. All exact up to the float32 summation order.
+        block_n, block_m, block_k: tile sizes, powers of two, at least 16. block_k is a
+            multiple of 32 and at least 64, or at least 32 for "f16", "f16x2" and "bf16x2".
+            By default block_n follows the mean rows per expert (16 to 64), block_m is 128,
+            the best on an H200 (docs/benchmarks.md), and block_k is 128, or 32 for float16
+            codes.
+        inner: the inner product, exact up to the float32 summation order in every case.
+            "dot_scaled" is `tl.dot_scaled`. "decode" and "bf16" decode in the kernel to
+            float32, then run `tl.dot` in TF32 or in bfloat16. "f16" and "f16x2" use
+            float16 codes, one MMA per 32-block with its product scaled, the codes decoded
+            a byte or a 32-bit word at a time. "bf16x2" decodes the activations to bfloat16
+            values first, and the weights, in the bf16x2 layout, by inline PTX for sm_80
+            and later, two scaled values per instruction; it runs one bfloat16 MMA per K
+            step.
         swap_ab: compute out.T = w @ x.T, so the weights are the MMA's left operand.
         max_rows: the most rows any expert has, if the caller knows it without a device
-            sync: the grid is then E x cdiv(max_rows, block_n) row tiles, and the tile
-            schedule (a few small kernels) is not built. Not checked (that would need a
-            sync): rows beyond it are left unwritten.
+            sync. The grid is then E x cdiv(max_rows, block_n) row tiles, and the tile
+            schedule, a few small kernels, is not built. It is not checked, as that would
+            need a sync; rows beyond it are left unwritten.
         split_k: programs per output tile, each summing a share of K into its own
-            partial output; the partials are then added in a fixed order (deterministic).
-        num_warps, num_stages: launch options (ignored by the interpreter).
+            partial output. The partials are then added in a fixed order, so the result is
+            deterministic.
+        num_warps, num_stages: launch options, which the interpreter ignores.
 
     Returns:
         `[N, M]` float32 on x's device: row r of expert e is `dequantize(x[r]) @
@@ -630,16 +641,17 @@ def grouped_swiglu_w4a4_triton(
 
     Arguments:
         x: MXFP4 of `[N, H]` activations, rows grouped by local expert in expert order.
-        tokens_per_expert: E_local ints summing to N; run e belongs to local expert e. Or
-            an `[E_local]` int64 tensor on x's device (not checked: that would need a host
-            sync), with `max_rows` an upper bound of its entries: no host sync at all.
+        tokens_per_expert: E_local ints summing to N; run e belongs to local expert e. It
+            may instead be an `[E_local]` int64 tensor on x's device, with `max_rows` an
+            upper bound of its entries, and then there is no host sync at all. The tensor is
+            not checked, as that would need a host sync.
         w_gate_up: MXFP4 of `[E, 2 * I, H]` (gate first), blocks along H; E >= E_local.
         w_down: MXFP4 of `[E, H, I]`, blocks along I.
-        config: the kernel's variant and tiles for both GEMMs; by default the one tuned
-            for this GPU model and the most tokens any expert has
+        config: the kernel's variant and tiles for both GEMMs. By default it is the one
+            tuned for this GPU model and the most tokens any expert has
             (`moe_kernels.kernel_configs`), else `KernelConfig()`. Weights not in its
-            layout are converted on each call (`to_bf16x2`): callers that call again
-            convert once (`services.model.experts.ExpertBank` does).
+            layout are converted on each call (`to_bf16x2`), so callers that call again
+            convert once, as `services.model.experts.ExpertBank` does.
 
     Returns:
         `[N, H]` float32 expert outputs on x's device, not yet weighted by the router. The
@@ -677,8 +689,9 @@ def grouped_swiglu_w4a4_triton(
 
 def in_layout(w: MXFP4Tensor | Bf16x2Weights, config: KernelConfig, no_sync: bool = False
               ) -> MXFP4Tensor | Bf16x2Weights:
-    """w in the layout `config`'s inner product reads (a conversion only where it differs;
-    it synchronises with the host, so `no_sync` callers must convert first)."""
+    """w in the layout `config`'s inner product reads. It converts only where the layouts
+    differ. The conversion synchronises with the host, so `no_sync` callers must convert
+    first."""
     if config.inner == "bf16x2" and config.route == "triton":
         if isinstance(w, Bf16x2Weights):
             return w
@@ -694,16 +707,18 @@ def in_layout(w: MXFP4Tensor | Bf16x2Weights, config: KernelConfig, no_sync: boo
 
 def grouped_swiglu_w4a4_bf16(x: MXFP4Tensor, tokens_per_expert: list[int] | torch.Tensor,
                              w_gate_up: MXFP4Tensor, w_down: MXFP4Tensor) -> torch.Tensor:
-    """`grouped_swiglu_w4a4_triton`'s result by another route: both operands of each GEMM
-    decoded exactly to bfloat16 (`dequantize_mxfp4`), then bf16 grouped GEMMs
-    (`torch._grouped_mm`), the route `KernelConfig(route="bf16_grouped_mm")` selects. A
-    candidate for many tokens per expert, where the Triton kernel's decode-sized tiles lose
-    to bf16 (docs/benchmarks.md); not yet timed on a GPU. It decodes the experts' weights
-    on every call: a transient bf16 copy of each GEMM's weights (2 bytes per weight, 3.8x
-    what they hold in MXFP4). Counts as for `grouped_swiglu_w4a4_triton` (a device tensor
-    needs no bound here).
+    """`grouped_swiglu_w4a4_triton`'s result by another route, the one
+    `KernelConfig(route="bf16_grouped_mm")` selects. Both operands of each GEMM are decoded
+    exactly to bfloat16 (`dequantize_mxfp4`), then multiplied by bf16 grouped GEMMs
+    (`torch._grouped_mm`).
+
+    It is a candidate for many tokens per expert, where the Triton kernel's decode-sized
+    tiles lose to bf16 (docs/benchmarks.md); it has not yet been timed on a GPU. It decodes
+    the experts' weights on every call, into a transient bf16 copy of each GEMM's weights:
+    2 bytes per weight, 3.8x what they hold in MXFP4. Counts are as for
+    `grouped_swiglu_w4a4_triton`, except that a device tensor needs no bound here.
     torch._grouped_mm returns its inputs' dtype, so the GEMMs' outputs are rounded to
-    bfloat16 (the torch path keeps float32).
+    bfloat16, where the torch path keeps float32.
 
     Returns:
         `[N, H]` float32 expert outputs, as `grouped_swiglu_w4a4_triton`.

@@ -1,15 +1,15 @@
 """`switchyard bench`: an OpenAI-API load generator, reporting like `vllm bench serve`.
 
-Fixed-seed synthetic token-id prompts of `--input-len` tokens (the first
-`--shared-prefix-fraction` of them shared by every prompt) ask for exactly `--output-len`
-tokens each through streaming `/v1/completions`. For each concurrency of the sweep (or at
-a Poisson `--request-rate`), it reports completed and failed requests, request and token
-throughput, and mean / median / p99 of TTFT, TPOT, ITL and end-to-end latency, as a table
-and as JSON, and counts each failure by its cause (the status and the body's start, the
-tokens asked and got, or the client's exception). A request whose kept-alive connection
-the server closed before answering is sent again, and counted as such. The client runs
-in `--client-processes` processes, so that one Python event loop does not inflate the
-latencies it measures. Without `--url` it starts
+Fixed-seed synthetic token-id prompts of `--input-len` tokens each ask for exactly
+`--output-len` tokens through streaming `/v1/completions`; the first
+`--shared-prefix-fraction` of the tokens is shared by every prompt. For each concurrency of
+the sweep, or at a Poisson `--request-rate`, it reports completed and failed requests,
+request and token throughput, and mean / median / p99 of TTFT, TPOT, ITL and end-to-end
+latency, as a table and as JSON. It counts each failure by its cause: the status and the
+body's start, the tokens asked and got, or the client's exception. A request whose
+kept-alive connection the server closed before answering is sent again, and counted as
+such. The client runs in `--client-processes` processes, so that one Python event loop does
+not inflate the latencies it measures. Without `--url` it starts
 `switchyard serve --port 0 SERVE_FLAGS...` itself: `switchyard bench -- --expert-services 4`.
 """
 
@@ -68,17 +68,20 @@ def make_prompts(n: int, input_len: int, shared_fraction: float, id_range: int, 
 
 
 def _chunk_tokens(choice: dict[str, Any]) -> int:
-    """Output tokens in a streamed choice: its `token_ids` (Switchyard, vLLM with
-    `return_token_ids`), else one for non-empty text, as `vllm bench serve` counts."""
+    """Output tokens in a streamed choice: its `token_ids`, as Switchyard and vLLM with
+    `return_token_ids` send them, else one for non-empty text, as `vllm bench serve`
+    counts."""
     return len(choice.get("token_ids") or []) or int(bool(choice.get("text")))
 
 
 async def _one(client: httpx.AsyncClient, load: Load, prompt: list[int]) -> RequestRecord:
     """One streamed request (`_attempt`), sent once more where the server closed a
-    kept-alive connection as the request went out, before any answer: a server that
-    closes idle or used connections (llama.cpp's cpp-httplib does) races the client's
-    next request on them, and that request never reached the server's handler (curl and
-    urllib3 retry the same way). It is counted as retried, not failed."""
+    kept-alive connection as the request went out, before any answer.
+
+    A server that closes idle or used connections, as llama.cpp's cpp-httplib does, races
+    the client's next request on them, and that request never reached the server's
+    handler. curl and urllib3 retry the same way. It is counted as retried, not failed.
+    """
     record = await _attempt(client, load, prompt)
     if record.error.startswith(DROPPED):
         record = await _attempt(client, load, prompt)
@@ -171,9 +174,9 @@ def _client_process(load: Load, ready: mp.Queue, go: mp.Event, out: mp.Queue) ->
 
 def split_load(prompts: list[list[int]], concurrency: int, request_rate: float | None,
                processes: int) -> list[tuple[list[list[int]], int, float | None]]:
-    """(prompts, concurrency, rate) per client process: prompts and rate in proportion to
-    the process's share of the concurrency, so every process keeps its share busy until
-    the end (an even split of prompts over uneven shares let the run end half-loaded)."""
+    """(prompts, concurrency, rate) per client process. Prompts and rate are in proportion
+    to the process's share of the concurrency, so every process keeps its share busy until
+    the end. An even split of prompts over uneven shares let the run end half-loaded."""
     processes = max(1, min(processes, concurrency, len(prompts)))
     shares = [concurrency // processes + (i < concurrency % processes)
               for i in range(processes)]
@@ -212,7 +215,8 @@ def run_load(url: str, model: str, prompts: list[list[int]], output_len: int,
 
 
 def _get(q: mp.Queue, procs: list, timeout: float) -> Any:
-    """The next item of `q`; a RuntimeError if a client process died or time ran out."""
+    """The next item of `q`. Raises a RuntimeError if a client process died or time ran
+    out."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -224,8 +228,8 @@ def _get(q: mp.Queue, procs: list, timeout: float) -> Any:
 
 
 def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile, linear between closest ranks (numpy's default, which
-    `vllm bench serve` reports); not the max for q = 99 of 100 values."""
+    """The q-th percentile, linear between closest ranks, as numpy's default, which
+    `vllm bench serve` reports. It is not the max for q = 99 of 100 values."""
     ordered = sorted(values)
     pos = (len(ordered) - 1) * q / 100
     lo = int(pos)
@@ -287,9 +291,9 @@ def format_table(reports: list[dict]) -> str:
 
 
 def warm_up(url: str, model: str, prompt: list[int], output_len: int) -> None:
-    """One untimed request, as `vllm bench serve`'s initial test run: first-call costs
-    (kernel compilation, allocator growth) stay out of the first level, and a server that
-    cannot answer stops the run here."""
+    """One untimed request, as `vllm bench serve`'s initial test run. First-call costs,
+    such as kernel compilation and allocator growth, stay out of the first level, and a
+    server that cannot answer stops the run here."""
     async def once() -> RequestRecord:
         async with httpx.AsyncClient(base_url=url, timeout=3600) as client:
             return await _one(client, Load(url, model, [prompt], output_len, 1, None, 0),

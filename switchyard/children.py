@@ -1,6 +1,7 @@
-"""The child processes `switchyard serve` (and the tests and benchmarks that start real
-services) supervise: started with a ready pipe, pinned to GPUs, stopped together, and
-dying with their parent (PR_SET_PDEATHSIG), so none is orphaned."""
+"""The child processes that `switchyard serve` supervises, as do the tests and benchmarks
+that start real services. Each is started with a ready pipe, pinned to GPUs, stopped
+together with the others, and dies with its parent (PR_SET_PDEATHSIG), so none is
+orphaned."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ class StartupError(RuntimeError):
     """A service that could not start, or exited: named, with its status."""
 
 
-# What `serve` decides for each child (its role, rank, ports, peers, backend): a
+# What `serve` decides for each child: its role, rank, ports, peers and backend. A
 # SWITCHYARD_* variable for one of these would be read by the child as its own default
 # and override the topology serve chose, so children never see them.
 _TOPOLOGY_ENV = frozenset(f"SWITCHYARD_{name}" for name in (
@@ -53,9 +54,9 @@ class Children:
 
     def spawn(self, name: str, args: list[str], gpu: bool = False,
               env: dict[str, str] | None = None) -> tuple[str, subprocess.Popen, int]:
-        """Start `python -m switchyard ARGS --ready-fd W` (pinned to the next GPU by
-        CUDA_VISIBLE_DEVICES if `gpu`; `env`: variables for this child only); returns
-        what `wait_ports` needs."""
+        """Start `python -m switchyard ARGS --ready-fd W`, and return what `wait_ports`
+        needs. With `gpu`, the child is pinned to the next GPU by CUDA_VISIBLE_DEVICES.
+        `env` holds variables for this child only."""
         own = dict(env or {})
         if gpu and self.gpus:
             own["CUDA_VISIBLE_DEVICES"] = str(self._next_gpu % self.gpus)
@@ -75,15 +76,16 @@ class Children:
         return name, proc, read_fd
 
     def respawn(self, name: str) -> int:
-        """Start the child `name`, which has exited, again: the same arguments (its ports
-        included) and GPU, without waiting; the read end of its ready pipe."""
+        """Start the child `name`, which has exited, again, with the same arguments, its
+        ports included, and the same GPU, without waiting. Returns the read end of its ready
+        pipe."""
         self.procs = [(n, p) for n, p in self.procs if n != name]
         return self._popen(name, *self._started[name])[2]
 
     @staticmethod
     def wait_ports(pending: tuple[str, subprocess.Popen, int], deadline: float
                    ) -> tuple[int, ...]:
-        """The ports a spawned child reports once listening (by `deadline`, monotonic):
+        """The ports a spawned child reports once listening, by `deadline` (monotonic):
         its service port, then its /metrics port if it serves one."""
         name, proc, read_fd = pending
         with os.fdopen(read_fd) as ready:
@@ -94,9 +96,9 @@ class Children:
     def start_all(self, specs: list[tuple[str, list[str]]], timeout: float,
                   gpu: bool = False, env: dict[str, str] | None = None
                   ) -> list[tuple[int, ...]]:
-        """Start every (name, ARGS) at once; return their reported ports, in order. The
-        pipes are watched together, so a child that dies is named at once, whichever it
-        is (ranks that wait in a rendezvous for it would otherwise time out first)."""
+        """Start every (name, ARGS) at once, and return their reported ports, in order.
+        The pipes are watched together, so a child that dies is named at once, whichever it
+        is. Otherwise ranks that wait in a rendezvous for it would time out first."""
         pending = [self.spawn(name, args, gpu, env) for name, args in specs]
         deadline = time.monotonic() + timeout
         pipes = {os.fdopen(fd): (i, name, proc) for i, (name, proc, fd) in enumerate(pending)}
@@ -119,7 +121,7 @@ class Children:
 
     @staticmethod
     def _reported(name: str, proc: subprocess.Popen, line: str) -> tuple[int, ...]:
-        """The ports in a child's ready line; EOF (empty) if it died before listening."""
+        """The ports in a child's ready line, or EOF (empty) if it died before listening."""
         words = line.split()
         if not words or not all(w.isdigit() for w in words):
             proc.wait()
@@ -134,7 +136,7 @@ class Children:
     def reap(self) -> list[tuple[str, int]]:
         """The children that exited since the last call, with their exit status, without
         waiting. Processes these did not start are reaped and left out: a `serve` that is
-        a container's PID 1 inherits orphans (a killed service's own children)."""
+        a container's PID 1 inherits orphans, such as a killed service's own children."""
         exited = []
         while True:
             try:
@@ -147,8 +149,9 @@ class Children:
                 exited.append((name, os.waitstatus_to_exitcode(status)))
 
     def kill(self, names: list[str]) -> None:
-        """SIGKILL the children `names` and wait for them: the partners of one that died,
-        stuck in a rendezvous or a collective with it (a graceful stop would wait on it)."""
+        """SIGKILL the children `names` and wait for them. They are the partners of one
+        that died, stuck in a rendezvous or a collective with it, where a graceful stop
+        would wait on it."""
         procs = [p for n, p in self.procs if n in names]
         for proc in procs:
             if proc.poll() is None:

@@ -93,7 +93,7 @@ def _balanced_by_load(args: argparse.Namespace, cfg: ModelConfig) -> Placement:
     else:
         stats = json.loads(Path(args.load).read_text())
     rows = stats.get("expert_load") if isinstance(stats, dict) else None
-    full = cfg.num_layers + cfg.mtp_layers  # (the MTP layers' rows: their drafts' load)
+    full = cfg.num_layers + cfg.mtp_layers  # the MTP layers' rows carry their drafts' load
     if not isinstance(rows, list) or len(rows) not in (cfg.num_layers, full):
         raise ValueError(f"{args.load}: no expert_load of {full} layers (as the gateway's "
                          f"/stats gives it)")

@@ -3,28 +3,28 @@
     switchyard compose --gpus 8 --expert-services 6 --dcp-size 2 > compose.yaml
 
 renders the gateway, G attention groups of D DCP ranks each, E expert services, Jaeger
-(OTLP in, UI on 16686) and Prometheus (scraping every service's /metrics), each GPU service
-pinned to its own GPU, with healthchecks and start-up order; plus a `cpu` profile that
+(OTLP in, UI on 16686) and Prometheus, which scrapes every service's /metrics. Each GPU
+service is pinned to its own GPU, with healthchecks and start-up order. A `cpu` profile
 serves the bundled demo model in one container with no GPU. `--prometheus` writes the
 scrape configuration the layout needs. The committed `compose.yaml` and
 `deploy/prometheus.yml` are this command's output for the default layout.
 
-`--device cpu` renders the same services with no GPU (no reservations; started by a plain
-`docker compose up`, sharing one volume for the CPU kernels they build). `--network host`
-puts every service on the host's network (compose's `network_mode: host`): each listens
-on 127.0.0.1 on ports of its own, and finds the others there rather than by name; the
-gateway on `${SWITCHYARD_HOST:-0.0.0.0}`; Prometheus scrapes them there (the CPU demo,
-on the gateway's port, has no job of its own).
+`--device cpu` renders the same services with no GPU: no reservations, started by a plain
+`docker compose up`, sharing one volume for the CPU kernels they build. `--network host`
+puts every service on the host's network (compose's `network_mode: host`). Each listens on
+127.0.0.1 on ports of its own, and finds the others there rather than by name; the gateway
+listens on `${SWITCHYARD_HOST:-0.0.0.0}`. Prometheus scrapes them there. The CPU demo, on
+the gateway's port, has no job of its own.
 
-Healthchecks are `switchyard probe`'s (HTTP 200, or an `InfoRequest` answered over the
-service's own protocol), and the start order is `depends_on: service_healthy`: the experts,
-then a DCP group's ranks together, then the gateway. GPU services share `ipc: host` and
+Healthchecks are `switchyard probe`'s: HTTP 200, or an `InfoRequest` answered over the
+service's own protocol. The start order is `depends_on: service_healthy`: the experts, then
+a DCP group's ranks together, then the gateway. GPU services share `ipc: host` and
 NCCL's ulimits. The compose file only names by host and fixed port the services `switchyard
 serve` starts as local processes: `tests/e2e/test_compose.py` runs the file's Switchyard
 services as local processes to prove it (docs/deploy.md), and `tests/e2e/test_docker.py`
 runs a `--device cpu --network host` stack, and the `cpu` profile, under a real Docker
-engine, on images `scripts/docker-prepare` builds on a local Debian base (no registry
-image). Each container's restart policy, and the out-of-step exit (status 3), bring a
+engine, on images `scripts/docker-prepare` builds on a local Debian base, with no registry
+image. Each container's restart policy, and the out-of-step exit (status 3), bring a
 collective backend's world up again one container at a time.
 """
 
@@ -85,8 +85,8 @@ CPU_HEADER = """\
 
 @dataclass(frozen=True)
 class Layout:
-    """Which GPU runs what: attention group g's DCP rank r on GPU g * D + r, then the
-    expert services, one GPU each; and where the services find each other."""
+    """Which GPU runs what, and where the services find each other. Attention group g's
+    DCP rank r runs on GPU g * D + r, then come the expert services, one GPU each."""
 
     gpus: int = 8
     expert_services: int = 6
@@ -145,7 +145,7 @@ class Layout:
 
     @property
     def host(self) -> bool:
-        """On the host's network: every service on 127.0.0.1, a port of its own each."""
+        """On the host's network: every service on 127.0.0.1, each on a port of its own."""
         return self.network == "host"
 
     def bind(self) -> str:
@@ -184,7 +184,7 @@ SECRET_FILE = f"${{SWITCHYARD_CLUSTER_SECRET:-./{SECRET}}}"  # its file on the h
 
 def _secret(layout: Layout) -> dict:
     """Services that listen beyond loopback prove the cluster secret on every connection
-    (`common.auth`): compose mounts it at /run/secrets/, never on a command line. On the
+    (`common.auth`). Compose mounts it at /run/secrets/, never on a command line. On the
     host's network every service listens on loopback, where none is needed."""
     return {} if layout.host else {"secrets": [SECRET]}
 
@@ -227,8 +227,8 @@ def _service(layout: Layout, name: str, gpu: int, command: list[str], health: st
     service.update(_network(layout))
     service.update({
         "healthcheck": _health(health),
-        # A crash, or a rank that left a lockstep world out of step (status 3): back up,
-        # its peers too, and the world forms again.
+        # After a crash, or a rank that left a lockstep world out of step (status 3), the
+        # service comes back up, its peers too, and the world forms again.
         "restart": "on-failure",
     })
     if depends:
@@ -265,8 +265,9 @@ def render(layout: Layout) -> dict:
 
 
 class ComposePlace(Place):
-    """Compose's spelling: services by name on their base ports, or on the host's network
-    all on 127.0.0.1, each on ports of its own; settings as `${SWITCHYARD_X:-default}`."""
+    """Compose's spelling. Services are found by name on their base ports, or on the host's
+    network all on 127.0.0.1, each on ports of its own. Settings are spelt
+    `${SWITCHYARD_X:-default}`."""
 
     def __init__(self, layout: Layout, topology: Topology, set: ServiceSet, replica: int,
                  member: int) -> None:
@@ -282,7 +283,7 @@ class ComposePlace(Place):
             _attention_name(g, r)
 
     def names(self, set: str, leaders: bool = False) -> list[str]:
-        """Every service of a set (`leaders`: each unit's member 0 only)."""
+        """Every service of a set; with `leaders`, each unit's member 0 only."""
         return [self.name(set, g, r) for g, r in self.topology.sets[set].members()
                 if r == 0 or not leaders]
 
@@ -313,8 +314,8 @@ class ComposePlace(Place):
         return self.layout.bind()
 
     def health(self) -> str:
-        """What its healthcheck probes: the port it serves, or a DCP rank's /metrics
-        (served once it joined its group)."""
+        """What its healthcheck probes: the port it serves, or a DCP rank's /metrics,
+        which is served once the rank has joined its group."""
         if self.member == 0:
             return f"127.0.0.1:{self.port(SERVE)}"
         return f"http://127.0.0.1:{self.port(METRICS)}/metrics"
@@ -336,7 +337,7 @@ def _gateway(layout: Layout, place: ComposePlace, leaders: list[str]) -> dict:
 
 
 def _front(layout: Layout) -> list[str]:
-    """Where a front door (the gateway, the CPU demo) listens."""
+    """Where a front door, the gateway or the CPU demo, listens."""
     if layout.host:
         return ["--host", "${SWITCHYARD_HOST:-0.0.0.0}", "--port", _front_port(layout)]
     return ["--host", "0.0.0.0", "--port", str(GATEWAY_PORT)]
@@ -347,7 +348,7 @@ def _front_port(layout: Layout) -> str:
 
 
 def _published(layout: Layout, *ports: str) -> dict:
-    """`ports`, or on the host's network none (the service is there already)."""
+    """`ports`, or none on the host's network, where the service is there already."""
     return {"network_mode": "host"} if layout.host else {"ports": list(ports)}
 
 
@@ -398,10 +399,10 @@ def _health(target: str) -> dict:
 
 def prometheus_config(layout: Layout) -> dict:
     """Prometheus' scrape configuration: every service directly, and the gateway's own
-    series (its copy of the services' series dropped: they would count twice). The CPU
-    demo's services are inside its one container, so its gateway is scraped whole. On
-    the host's network the CPU demo listens where the gateway does, so it has no job of
-    its own: there its per-expert series are on its /metrics and dashboard only."""
+    series. The gateway's copy of the services' series is dropped, as it would count
+    twice. The CPU demo's services are inside its one container, so its gateway is scraped
+    whole. On the host's network the CPU demo listens where the gateway does, so it has no
+    job of its own; there its per-expert series are only on its /metrics and dashboard."""
     topology = layout.topology()
     gateway = ComposePlace(layout, topology, topology.gateway, 0, 0)
     targets = [gateway.address(Ref(s.name, g, r, METRICS))
@@ -434,9 +435,9 @@ def dump(doc: dict, header: str = "") -> str:
 
 def mounted_paths(out: Path | None, prometheus: Path | None, device: str
                   ) -> dict[str, str]:
-    """The mounted host paths, relative to the compose file's folder (compose's project
-    directory): the Prometheus configuration written beside it, and on the CPU the
-    bundled demo model as the default model."""
+    """The mounted host paths, relative to the compose file's folder, which is compose's
+    project directory. They are the Prometheus configuration written beside it and, on
+    the CPU, the bundled demo model as the default model."""
     base = (out or Path("compose.yaml")).resolve().parent
 
     def relative(path: Path) -> str:

@@ -18,8 +18,9 @@ from switchyard.children import Children
 @contextmanager
 def leader_engine(model: Path, size: int, interleave: int = 1, peer_threads: int = 1,
                   timeout: float = 300.0, **settings: object) -> Iterator[Engine]:
-    """An `Engine` with `dcp_size` = size, its peers started as `switchyard attention
-    --dcp-rank r` with the same `settings` (AttentionConfig fields), stopped afterwards."""
+    """An `Engine` with `dcp_size` = size. Its peers are started as `switchyard attention
+    --dcp-rank r` with the same `settings` (AttentionConfig fields), and stopped
+    afterwards."""
     port = free_port()
     flags = ["--model", str(model), "--dcp-size", str(size), "--dcp-interleave",
              str(interleave), "--dcp-init", f"127.0.0.1:{port}", "--num-threads",

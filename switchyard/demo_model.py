@@ -1,7 +1,7 @@
-"""The bundled default model and the byte-level tokenizer it (and the trainer) uses.
+"""The bundled default model, and the byte-level tokenizer that it and the trainer use.
 
-`DEFAULT_MODEL` is a small Qwen3-MoE trained by `training/train_demo.py` on
-`switchyard.demo_task` (3-digit addition and subtraction asked as chat). It is a normal HF
+`DEFAULT_MODEL` is a small DeepSeek-V3 (one MTP layer) trained by `training/train_demo.py` on
+`switchyard.demo_task`: 3-digit addition and subtraction asked as chat. It is a normal HF
 directory: config.json, model.safetensors, tokenizer.json and tokenizer_config.json with
 the chat template; transformers loads it too.
 """
@@ -26,7 +26,8 @@ def build_tokenizer(special_tokens: list[str]) -> Tokenizer:
 
 
 def _byte_to_unicode() -> dict[int, str]:
-    """GPT-2's printable stand-in character for each byte (what ByteLevel pre-tokenizes to)."""
+    """GPT-2's printable stand-in character for each byte, which is what ByteLevel
+    pre-tokenizes to."""
     printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
     others = [b for b in range(256) if b not in printable]
     chars = {b: chr(b) for b in printable}

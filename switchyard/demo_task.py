@@ -49,14 +49,15 @@ def draw(rng: random.Random) -> Problem:
 
 
 def held_out(problem: Problem) -> bool:
-    """Whether `problem` is in the evaluation tenth: by a hash of the question, so that
-    the split says nothing about the operands, the operation or the answer."""
+    """Whether `problem` is in the evaluation tenth. A hash of the question decides, so
+    that the split says nothing about the operands, the operation or the answer."""
     return zlib.crc32(problem.question.encode()) % 10 == 0
 
 
 def draw_near(rng: random.Random) -> Problem:
-    """A pair of close operands (b within 120 of a): subtractions whose answer is much
-    shorter than the operands (910 - 912 = -2), which `draw` makes too rarely to learn."""
+    """A pair of close operands, with b within 120 of a. They make subtractions whose
+    answer is much shorter than the operands (910 - 912 = -2), which `draw` makes too
+    rarely to learn."""
     a = operand(rng)
     b = min(999, max(0, a + rng.randint(-120, 120)))
     return Problem(a, "+" if rng.random() < 0.25 else "-", b)

@@ -3,8 +3,8 @@
 Draws held-out problems from a seed (`switchyard.demo_task`), asks each as a chat user
 message with greedy decoding, and reports exact match with a 95% Wilson interval, overall,
 by the operands' digit counts and by operation, plus how the router spread the
-evaluation's tokens over the experts (from the gateway's `/stats`, an operator endpoint:
-`--api-key` must then be an admin key where the gateway has one).
+evaluation's tokens over the experts. That comes from the gateway's `/stats`, an operator
+endpoint, so `--api-key` must then be an admin key where the gateway has one.
 Without `--url` it starts `switchyard serve --port 0 SERVE_FLAGS...` itself, so any
 topology can be evaluated: `switchyard eval -- --max-num-seqs 8`.
 """

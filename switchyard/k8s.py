@@ -7,17 +7,17 @@
     kubectl apply -f switchyard.yaml
 
 renders, from the same description as `switchyard compose` (`switchyard.topology`):
-- the attention groups as one LeaderWorkerSet (leaderworkerset.x-k8s.io/v1): a group of
-  D pods per attention group, the leader DCP rank 0, recreated whole when one of its pods
-  restarts (`RecreateGroupOnPodRestart`: the rendezvous needs every rank, as `serve`
-  restarts a DCP group whole); the DCP rendezvous at `$(LWS_LEADER_ADDRESS)`, each rank
-  `$(LWS_WORKER_INDEX)`;
+- the attention groups as one LeaderWorkerSet (leaderworkerset.x-k8s.io/v1), a group of
+  D pods per attention group, with DCP rank 0 the leader. A group is recreated whole when
+  one of its pods restarts (`RecreateGroupOnPodRestart`), since the rendezvous needs every
+  rank, as `serve` restarts a DCP group whole. The DCP rendezvous is at
+  `$(LWS_LEADER_ADDRESS)`, and each rank is `$(LWS_WORKER_INDEX)`;
 - the expert services as a StatefulSet with a headless Service: expert rank i is pod
   `switchyard-expert-i`, reached at `switchyard-expert-i.switchyard-expert`;
 - the gateway as a Deployment and a Service (port 8000).
-Each service listens on every address of its pod and is reached by its name; each pod
+Each service listens on every address of its pod and is reached by its name. Each pod
 proves the cluster secret (the Secret `switchyard-cluster-secret`) on its connections.
-A real cluster adds the LWS controller, the NVIDIA GPU operator, and for NCCL across
+A real cluster adds the LWS controller, the NVIDIA GPU operator, and, for NCCL across
 nodes, RDMA (docs/deploy.md).
 
 A ConfigMap holds the deployment's settings. A collective backend's world is one
@@ -92,10 +92,12 @@ class K8sLayout:
 
 
 def dns_name(set: str, replica: int, member: int, world: bool = False) -> str:
-    """A pod's name in the cluster's DNS (the namespace's search path completes it): the
-    StatefulSet's `<set>-<i>.<set>`, LWS's `<lws>-<group>[-<worker>].<lws>`; in a
-    collective world (one LWS group, `WORLD_SET`) attention rank 0 leads and expert rank
-    r is worker r + 1."""
+    """A pod's name in the cluster's DNS, which the namespace's search path completes.
+
+    It is the StatefulSet's `<set>-<i>.<set>`, or LWS's `<lws>-<group>[-<worker>].<lws>`.
+    In a collective world, one LWS group (`WORLD_SET`), attention rank 0 leads and expert
+    rank r is worker r + 1.
+    """
     if world and set != "gateway":
         return dns_name(WORLD_SET, 0, 0 if set == "attention" else replica + 1)
     pod = f"{PREFIX}-{set}-{replica}" + (f"-{member}" if member else "")
@@ -103,9 +105,10 @@ def dns_name(set: str, replica: int, member: int, world: bool = False) -> str:
 
 
 class K8sPlace(Place):
-    """Kubernetes' spelling, for a set's pod template (its replica and member stand for
-    any): ranks from the pod's own variables, others by DNS name, settings as their
-    defaults (the environment overrides them: SWITCHYARD_ variables)."""
+    """Kubernetes' spelling, for a set's pod template, whose replica and member stand for
+    any. Ranks come from the pod's own variables, and others are reached by DNS name.
+    Settings are spelt as their defaults, which SWITCHYARD_ variables in the environment
+    override."""
 
     def index(self, of: str) -> str:
         if of == "member":
@@ -130,8 +133,9 @@ class K8sPlace(Place):
         return "$(LWS_WORKER_INDEX)"  # the world's LWS group: attention rank 0 leads
 
     def setting(self, name: str, default: str) -> str:
-        """The layout's own (the device decides the resources) as rendered; the others
-        from the ConfigMap every pod reads (`settings`), as compose's from .env."""
+        """The layout's own settings as rendered, since the device decides the resources.
+        The others come from the ConfigMap every pod reads (`settings`), as compose's come
+        from .env."""
         return default if name in LAYOUT_SETTINGS else f"$(SWITCHYARD_{name})"
 
 
@@ -146,8 +150,8 @@ def render(layout: K8sLayout) -> list[dict]:
 
 
 def settings(topology: Topology) -> dict:
-    """Every setting a command or service reads, with its default: edit this ConfigMap
-    (or patch it) as compose's .env."""
+    """Every setting a command or service reads, with its default. Edit this ConfigMap,
+    or patch it, as you would compose's .env."""
     found: dict[str, str] = {}
 
     def collect(arg: object) -> None:
@@ -158,7 +162,7 @@ def settings(topology: Topology) -> dict:
         for arg in (*s.leader, *s.worker):
             collect(arg)
         found.update({f"SWITCHYARD_{k}": v for k, v in s.settings
-                      if k not in ("API_KEY", "ADMIN_API_KEY")})  # (keys: a Secret)
+                      if k not in ("API_KEY", "ADMIN_API_KEY")})  # the keys are in a Secret
     return {"apiVersion": "v1", "kind": "ConfigMap",
             "metadata": {"name": SETTINGS, "labels": {"app.kubernetes.io/name": PREFIX}},
             "data": found}
@@ -169,8 +173,8 @@ def _labels(set: str) -> dict[str, str]:
 
 
 def _headless(s: ServiceSet) -> dict:
-    """Stable names for a StatefulSet's pods, resolvable before they are ready (the
-    attention services retry until the experts answer)."""
+    """Stable names for a StatefulSet's pods, resolvable before they are ready. The
+    attention services retry until the experts answer."""
     return {"apiVersion": "v1", "kind": "Service",
             "metadata": {"name": f"{PREFIX}-{s.name}", "labels": _labels(s.name)},
             "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
@@ -207,9 +211,9 @@ def _attention_lws(layout: K8sLayout, topology: Topology) -> dict:
 
 
 def _world_lws(layout: K8sLayout, topology: Topology) -> dict:
-    """A collective backend's world as one LWS group: attention rank 0 leads (it hosts
-    the rendezvous), expert rank r is worker r + 1 (`--world-rank $(LWS_WORKER_INDEX)`);
-    the world restarts whole, as `serve` restarts it."""
+    """A collective backend's world as one LWS group. Attention rank 0 leads, as it hosts
+    the rendezvous, and expert rank r is worker r + 1 (`--world-rank $(LWS_WORKER_INDEX)`).
+    The world restarts whole, as `serve` restarts it."""
     attention, expert = topology.attention, topology.expert
     leader = _pod(layout, K8sPlace(topology, attention, 0, 0, layout.model), [])
     worker = _pod(layout, K8sPlace(topology, expert, 0, 1, layout.model), [])
@@ -239,7 +243,7 @@ def _gateway(layout: K8sLayout, topology: Topology) -> list[dict]:
 
 
 def _pod_metadata(set: str, metrics: str = METRICS) -> dict:
-    """Labels, and where Prometheus scrapes (the gateway: its own /metrics)."""
+    """Labels, and where Prometheus scrapes; for the gateway, its own /metrics."""
     return {"labels": _labels(set),
             "annotations": {"prometheus.io/scrape": "true",
                             "prometheus.io/port": str(BASE_PORTS[set][metrics]),
@@ -318,10 +322,10 @@ def _resources(layout: K8sLayout, s: ServiceSet) -> dict:
 
 
 def _probes(place: K8sPlace) -> dict:
-    """Startup (loading the model: up to 20 min), readiness and liveness on what means
-    serving: the gateway's /health (every group warm), an attention or expert service
-    answering an InfoRequest after the cluster-secret handshake, a DCP rank's /metrics
-    (served once it joined its group)."""
+    """Startup, readiness and liveness probes on what means serving. Startup allows for
+    loading the model, up to 20 min. The probes are the gateway's /health, which needs
+    every group warm; an attention or expert service answering an InfoRequest after the
+    cluster-secret handshake; and a DCP rank's /metrics, served once it joined its group."""
     s = place.set
     if s.name == "gateway":
         check: dict = {"httpGet": {"path": "/health", "port": s.ports[SERVE]}}

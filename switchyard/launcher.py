@@ -1,16 +1,16 @@
 """`switchyard serve`: start every service of the local topology as child processes.
 
-Start-up is ordered by readiness, not by sleeps: each child writes its bound port to a
+Start-up is ordered by readiness, not by sleeps. Each child writes its bound port to a
 pipe once it listens, and the gateway's `/health` must answer 200 before the URL is
-printed, which it does once a warm-up generation went through every attention group and
-every expert rank (a failed warm-up stops `serve`, naming the service and its error).
-Ctrl-C or SIGTERM stops every child; children also die with the launcher
-(PR_SET_PDEATHSIG), so none is orphaned.
+printed. It does so once a warm-up generation went through every attention group and every
+expert rank; a failed warm-up stops `serve`, naming the service and its error. Ctrl-C or
+SIGTERM stops every child. Children also die with the launcher (PR_SET_PDEATHSIG), so none
+is orphaned.
 
 Each service is given fixed ports, so that it is found again after a restart, and writes its
 bound port and its `/metrics` port to the pipe named by `--ready-fd`. The expert services
-start first, then the attention groups (given the experts' addresses), then the gateway
-(given the groups' addresses). With the `torch`, `nccl` or `deepep` backend the expert and
+start first, then the attention groups, given the experts' addresses, then the gateway,
+given the groups' addresses. With the `torch`, `nccl` or `deepep` backend the expert and
 attention ranks start together, because their rendezvous needs every rank. A failed warm-up
 stops `serve` with exit status 1, and its error names the attention service and, through the
 engine's error, the expert rank and its cause.
@@ -19,12 +19,12 @@ The flags (backend, device, quantization, placement, DeepEP's limits) are checke
 anything starts. torch is imported only where the launcher asks about a CUDA device, about
 DeepEP's limits or about W4A4's block sizes (`--quantization w4a4`): the config modules,
 `ep_dispatch.registry`, `placement` and `deepep_config` import torch where a tensor is made,
-not at import. Serving float experts on the CPU, neither the launcher nor the gateway maps
-libtorch (tested), which saves each `serve` about 2 s of start-up.
+not at import. When float experts are served on the CPU, neither the launcher nor the
+gateway maps libtorch, as tested; that saves each `serve` about 2 s of start-up.
 
 A `--port 0` is resolved to a free port at start, so the URL printed stays true when the
-gateway is started again. The restart policy is `switchyard.supervisor`'s; `_restart_units`
-here kills a unit's surviving members (SIGKILL) and starts the unit again together.
+gateway is started again. The restart policy is `switchyard.supervisor`'s. `_restart_units`
+here kills a unit's surviving members with SIGKILL and starts the unit again together.
 """
 
 from __future__ import annotations
@@ -62,9 +62,9 @@ from switchyard.supervisor import Unit, supervise
 
 def _wait_healthy(url: str, children: Children, timeout: float,
                   args: argparse.Namespace) -> None:
-    """Until `url` (the gateway's /health) answers 200: every group warmed up. A warm-up
-    that failed ends the wait at once, with its error (which names the service). Over
-    HTTPS the gateway is our own child: its certificate is not checked, and where it
+    """Wait until `url`, the gateway's /health, answers 200: every group has warmed up. A
+    warm-up that failed ends the wait at once, with its error, which names the service.
+    Over HTTPS the gateway is our own child, so its certificate is not checked; where it
     wants client certificates, its own is presented."""
     deadline = time.monotonic() + timeout
     delay, said = 0.05, "no answer"
@@ -122,8 +122,8 @@ def _num_expert_services(args: argparse.Namespace) -> int:
 
 def _start_services(args: argparse.Namespace, model: Path, name: str,
                     children: Children) -> str:
-    """Start experts, then attention groups (a collective world: both at once), then the
-    gateway; return the gateway URL."""
+    """Start experts, then attention groups, then the gateway, and return the gateway URL.
+    A collective world's expert and attention ranks start at once."""
     timeout = args.startup_timeout
     num_experts = _num_expert_services(args)
     if args.attention_groups < 1:
@@ -131,9 +131,9 @@ def _start_services(args: argparse.Namespace, model: Path, name: str,
     if args.dcp_size < 1:
         raise StartupError("--dcp-size must be at least 1")
     if num_experts:
-        # Several compute processes share the cores: OpenMP's default spin-wait after each
-        # parallel region would burn the cores the others need (measured: torch backend,
-        # 2 expert services, 0.35x -> 1.02x of single-process tokens/s).
+        # Several compute processes share the cores, so OpenMP's default spin-wait after
+        # each parallel region would burn the cores the others need. Measured with the
+        # torch backend and 2 expert services: 0.35x -> 1.02x of single-process tokens/s.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     access, keys = access_flags(args)
     try:
@@ -153,9 +153,9 @@ def _start_services(args: argparse.Namespace, model: Path, name: str,
 
 @contextlib.contextmanager
 def _cluster_secret() -> Iterator[None]:
-    """Every child proves the same secret on its connections: the one the environment
-    names (SWITCHYARD_CLUSTER_SECRET_FILE), or a random one made for this run, in a file
-    only this user can read (removed at the end)."""
+    """Every child proves the same secret on its connections. It is the one the
+    environment names (SWITCHYARD_CLUSTER_SECRET_FILE), or a random one made for this run,
+    in a file only this user can read, removed at the end."""
     variable = ENV_PREFIX + SECRET_ENV
     if os.environ.get(variable):
         yield
@@ -169,10 +169,12 @@ def _cluster_secret() -> Iterator[None]:
 
 
 def _restart_units(args: argparse.Namespace, names: list[str]) -> dict[str, Unit]:
-    """Which children `serve` starts again together when one of them dies: a rendezvous
-    needs all its members, so a collective backend's world (every attention and expert
-    rank) restarts whole, and a DCP group with all its ranks; an `rpc` expert service and
-    a group without DCP, and the gateway, alone."""
+    """Which children `serve` starts again together when one of them dies.
+
+    A rendezvous needs all its members, so a collective backend's world, every attention
+    and expert rank, restarts whole, and a DCP group restarts with all its ranks. An `rpc`
+    expert service, a group without DCP, and the gateway restart alone.
+    """
     services = [n for n in names if n != "gateway"]
     gateway = {"gateway": ("gateway",)} if "gateway" in names else {}
     if backend(args.dispatch_backend).collective:
@@ -211,7 +213,7 @@ def _check_deepep(args: argparse.Namespace, cfg: ModelConfig, placement: Placeme
 
 
 def _gpus(args: argparse.Namespace, num_experts: int) -> int:
-    """GPUs to spread the services over (0 on the CPU). NCCL gives each rank its own GPU,
+    """GPUs to spread the services over, 0 on the CPU. NCCL gives each rank its own GPU,
     so collective backends and DCP need one per rank; rpc services may share."""
     if args.device != "cuda":
         return 0
@@ -228,8 +230,8 @@ def _gpus(args: argparse.Namespace, num_experts: int) -> int:
 
 def _check_eplb(args: argparse.Namespace, cfg: ModelConfig, dispatch: Backend,
                 num_experts: int) -> None:
-    """`--enable-eplb` needs expert services that can move (rpc), and EPLB's copies
-    (experts + redundant) spread evenly over them."""
+    """`--enable-eplb` needs expert services that can move (rpc), and EPLB's copies,
+    experts plus redundant ones, must spread evenly over them."""
     eplb_config(args)  # its flags' own ranges first
     if not args.enable_eplb:
         return
@@ -258,7 +260,7 @@ def serve(args: argparse.Namespace) -> int:
             placement = make_placement(cfg.served_moe_layers(dispatch.mtp),
                                        cfg.num_experts, num_experts,
                                        args.placement, args.expert_replicas)
-            if dispatch.deepep_settings:  # (a collective backend: it has experts)
+            if dispatch.deepep_settings:  # a collective backend, which has experts
                 _check_deepep(args, cfg, placement)
         _check_eplb(args, cfg, dispatch, num_experts)
         _check_generation_config(args.generation_config, model)

@@ -1,7 +1,9 @@
-"""`switchyard serve`'s rendering of the deployment (`switchyard.topology`): each service a
-local process, every one on 127.0.0.1 (the gateway on `--host`), on ports chosen once at
-start, so that a child started again listens where it did; the settings, and every flag
-the services take beyond the topology's own, are `serve`'s flags, passed on."""
+"""`switchyard serve`'s rendering of the deployment (`switchyard.topology`).
+
+Each service is a local process on 127.0.0.1, with the gateway on `--host`. Ports are
+chosen once at start, so that a child started again listens where it did. The settings,
+and every flag the services take beyond the topology's own, are `serve`'s flags, passed on.
+"""
 
 from __future__ import annotations
 
@@ -84,8 +86,8 @@ class LocalServices:
 
 def render(args: argparse.Namespace, model: Path, name: str, num_experts: int,
            access: list[str]) -> LocalServices:
-    """Every child of `serve` with `args`: the topology of its layout, its flags passed
-    on (`access`: the gateway's API-key flags)."""
+    """Every child of `serve` with `args`: the topology of its layout, with its flags
+    passed on. `access` holds the gateway's API-key flags."""
     tracing = ["--otlp-traces-endpoint", args.otlp_traces_endpoint] \
         if args.otlp_traces_endpoint else []
     common = [*(["--placement", args.placement] if args.placement else []),
@@ -103,13 +105,13 @@ def render(args: argparse.Namespace, model: Path, name: str, num_experts: int,
                 "EXPERT_REPLICAS": str(args.expert_replicas),
                 "KV_CACHE_MEMORY": str(args.kv_cache_memory),
                 "MAX_NUM_SEQS": str(args.max_num_seqs), "SERVED_MODEL_NAME": name}
-    # (port 0 chosen here: a restarted gateway must listen where the printed URL says)
+    # port 0 is chosen here, as a restarted gateway must listen where the printed URL says
     ports = Ports(args.port or free_port(), args.dist_init or f"{LOOPBACK}:{free_port()}")
 
     def spec(s: ServiceSet, replica: int, member: int) -> Spec:
         place = LocalPlace(topology, s, replica, member, str(model), ports, settings,
                            args.host)
-        return child_name(s.name, replica, member), place.command()[1:]  # (no "switchyard")
+        return child_name(s.name, replica, member), place.command()[1:]  # without "switchyard"
 
     return LocalServices(
         experts=[spec(topology.expert, g, 0) for g in range(num_experts)],
@@ -118,6 +120,6 @@ def render(args: argparse.Namespace, model: Path, name: str, num_experts: int,
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
-    """Every engine flag of `serve` the topology does not write, for each attention
-    service (a flag added to `add_engine_flags` reaches them with no change here)."""
+    """Every engine flag of `serve` that the topology does not write, for each attention
+    service. A flag added to `add_engine_flags` reaches them with no change here."""
     return as_flags(args, add_engine_flags(argparse.ArgumentParser()), skip=TOPOLOGY_FLAGS)

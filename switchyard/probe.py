@@ -1,7 +1,7 @@
 """`switchyard probe TARGET`: a healthcheck for containers and scripts.
 
 An `http://` URL must answer 200; a `HOST:PORT` must be a Switchyard attention or expert
-service that answers an `InfoRequest`. Exits 0 if so, 1 (with the reason) if not.
+service that answers an `InfoRequest`. Exits 0 if so, or 1 with the reason if not.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Run `switchyard serve` as a real process tree on loopback (for `switchyard eval`, tests)."""
+"""Run `switchyard serve` as a real process tree on loopback, for `switchyard eval` and
+tests."""
 
 from __future__ import annotations
 
@@ -33,11 +34,17 @@ def child_pids(pid: int) -> list[int]:
 
 def service_name(args: list[str]) -> str | None:
     """What a child of `serve` is, from its command line (`python -m switchyard ROLE
-    FLAGS`), named so that a restarted child has its old name: "gateway", "expert rank
-    R" (in a collective world, its --world-rank less the attention ranks), "attention
-    group :PORT" (the port its gateway connects to, or with DCP its group's rendezvous
-    port) and "attention group :PORT DCP rank R" for a DCP peer; None for another
-    process."""
+    FLAGS`), named so that a restarted child has its old name:
+
+    - "gateway";
+    - "expert rank R", where in a collective world R is its --world-rank less the
+      attention ranks;
+    - "attention group :PORT", where PORT is the port its gateway connects to, or with DCP
+      its group's rendezvous port;
+    - "attention group :PORT DCP rank R" for a DCP peer.
+
+    Returns None for another process.
+    """
     if "gateway" in args:
         return "gateway"
     if "expert" in args:
@@ -53,7 +60,7 @@ def service_name(args: list[str]) -> str | None:
 
 
 def _flag(args: list[str], flag: str) -> str | None:
-    """The last value given to `flag` (argparse's rule), or None."""
+    """The last value given to `flag`, by argparse's rule, or None."""
     at = [i for i, a in enumerate(args[:-1]) if a == flag]
     return args[at[-1] + 1] if at else None
 
@@ -72,7 +79,7 @@ def services(pid: int) -> dict[str, int]:
 
 
 def _stat(pid: int) -> list[str] | None:
-    """/proc/PID/stat fields after the command name (field 3 onwards), or None."""
+    """/proc/PID/stat fields after the command name, from field 3 on, or None."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
@@ -80,14 +87,15 @@ def _stat(pid: int) -> list[str] | None:
 
 
 def start_time(pid: int) -> int | None:
-    """When the process started (clock ticks since boot): with the pid, its identity."""
+    """When the process started, in clock ticks since boot. With the pid, this is its
+    identity."""
     fields = _stat(pid)
     return int(fields[19]) if fields else None
 
 
 def alive(pid: int, started: int | None = None) -> bool:
-    """Whether `pid` runs (not a zombie); with `started`, whether it is still the process
-    that started then, not a later one (or a thread) that reuses the number."""
+    """Whether `pid` runs and is not a zombie. With `started`, also whether it is still
+    the process that started then, not a later one, or a thread, that reuses the number."""
     fields = _stat(pid)
     if fields is None or fields[0] == "Z":
         return False
@@ -120,7 +128,7 @@ class Served:
         return services(self.proc.pid)
 
     def service(self, prefix: str) -> int:
-        """The process id of the first service (by name) that starts with `prefix`."""
+        """The process id of the first service, by name, that starts with `prefix`."""
         running = self.services()
         found = sorted(n for n in running if n.startswith(prefix))
         if not found:
@@ -177,7 +185,7 @@ def split_serve_flags(argv: list[str]) -> tuple[list[str], list[str]]:
 
 def against_gateway(url: str | None, serve_flags: list[str], fn: Callable[[str], T]) -> T:
     """fn(base URL) on the gateway at `url`, or on a `switchyard serve SERVE_FLAGS`
-    started (and stopped) for the purpose."""
+    started, and stopped, for the purpose."""
     if url:
         return fn(url)
     with Served(serve_flags, timeout=600) as served:

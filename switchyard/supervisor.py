@@ -1,13 +1,13 @@
 """What `switchyard serve` does while the topology runs: the restart policy.
 
-A service that fails (a non-zero exit) is started again on its own ports, as compose's
-`restart: on-failure` does, after a delay that doubles from 0.1 s up to 30 s with each
-failure and starts over once it has run 10 s (Docker's rule). Services restart by
-*unit*: the ones that meet in a rendezvous (a DCP group's ranks; a collective backend's
-whole world) cannot go on without the one that died, so its partners are killed and the
+A service that fails with a non-zero exit is started again on its own ports, as compose's
+`restart: on-failure` does. The delay doubles from 0.1 s up to 30 s with each failure, and
+starts over once the service has run 10 s, which is Docker's rule. Services restart by
+*unit*. The ones that meet in a rendezvous, a DCP group's ranks or a collective backend's
+whole world, cannot go on without the one that died, so its partners are killed and the
 unit starts again together. Meanwhile the gateway fails the unit's requests over, and
-experts go to their replicas or the attention services hold their steps (a gateway that
-dies loses its clients' connections, and comes back on its port). A child with no unit,
+experts go to their replicas or the attention services hold their steps. A gateway that
+dies loses its clients' connections, and comes back on its port. A child with no unit,
 and any that exits cleanly, ends the topology. Every child keeps being watched while a
 unit restarts.
 
@@ -50,9 +50,9 @@ class _Restart:
 
 
 def supervise(children: Supervised, unit_of: Callable[[str], Unit]) -> None:
-    """Until a child exits that may not be restarted: raises `StartupError` naming it.
-    `unit_of(name)`: the children restarted with `name` (itself among them); () for one
-    that is not restarted."""
+    """Run until a child exits that may not be restarted, then raise `StartupError` naming
+    it. `unit_of(name)` gives the children restarted with `name`, itself among them, or ()
+    for one that is not restarted."""
     restarts: dict[Unit, _Restart] = {}
     while True:
         # A signal's death first: a partner that saw it go exits on its own in the same
@@ -84,9 +84,9 @@ def _failed(children: Supervised, name: str, status: int, unit: Unit, r: _Restar
 
 
 def _wait_ready(restarts: dict[Unit, _Restart]) -> None:
-    """Up to `POLL_S` for restarted children's ready lines; a unit whose members all
-    wrote theirs is up (a pipe that ends without one is a child that exited: it is
-    reaped next round)."""
+    """Wait up to `POLL_S` for restarted children's ready lines. A unit whose members all
+    wrote theirs is up. A pipe that ends without one is a child that exited; it is reaped
+    next round."""
     waiting = {fd: r for r in restarts.values() for fd in r.ready_fds}
     readable = select.select(list(waiting), [], [], POLL_S)[0] if waiting else []
     if not waiting:

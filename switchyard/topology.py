@@ -2,16 +2,16 @@
 processes (`switchyard.local`), docker compose (`switchyard compose`) and Kubernetes
 (`switchyard k8s`).
 
-A deployment is three `ServiceSet`s: the expert services (independent members, one per
-expert rank), the attention groups (replicas of a rendezvous unit: a DCP group of D ranks,
-rank 0 leading), and the gateway. A set's command is written once, with placeholders for
-what each rendering spells its own way: a member's index, a port, another service's
-address, this unit's leader, a deployment setting. A unit's members restart together (a
-rendezvous needs all of them): compose restarts each service on failure and the DCP ranks
-rejoin; Kubernetes makes each unit a LeaderWorkerSet group, recreated whole
-(`RecreateGroupOnPodRestart`), as `serve` restarts a DCP group whole. With a collective
-dispatch backend (torch, nccl, deepep) the attention ranks and the expert ranks are one
-world (`Topology.world`), one unit.
+A deployment is three `ServiceSet`s. The expert services are independent members, one per
+expert rank. The attention groups are replicas of a rendezvous unit: a DCP group of D
+ranks, rank 0 leading. The third is the gateway. A set's command is written once, with
+placeholders for what each rendering spells its own way: a member's index, a port, another
+service's address, this unit's leader, a deployment setting. A unit's members restart
+together, since a rendezvous needs all of them. Compose restarts each service on failure,
+and the DCP ranks rejoin. Kubernetes makes each unit a LeaderWorkerSet group, recreated
+whole (`RecreateGroupOnPodRestart`), as `serve` restarts a DCP group whole. With a
+collective dispatch backend (torch, nccl, deepep), the attention ranks and the expert ranks
+are one world (`Topology.world`), one unit.
 
 A rendering subclasses `Place` to spell the placeholders: `switchyard serve` as local
 processes on loopback, on ports chosen at start; compose by service name and port;
@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 
 from ep_dispatch.registry import backend
 
-# The ports a member serves, by name (a rendering may move them: compose on the host's
-# network gives each member its own).
+# The ports a member serves, by name. A rendering may move them: compose on the host's
+# network gives each member its own.
 SERVE, METRICS, RENDEZVOUS, WORLD = "serve", "metrics", "rendezvous", "world"
 BASE_PORTS = {"gateway": {SERVE: 8000},
               "attention": {SERVE: 7000, METRICS: 9400, RENDEZVOUS: 29500},
@@ -45,15 +45,15 @@ class Port:
 
 @dataclass(frozen=True)
 class Index:
-    """This member's replica (its attention group, its expert rank) or its rank in its
-    unit (its DCP rank)."""
+    """This member's replica, which is its attention group or its expert rank, or its
+    rank in its unit, which is its DCP rank."""
     of: str  # "replica" | "member"
 
 
 @dataclass(frozen=True)
 class Ref:
-    """Where another service is reached: a set's replica's member, at a named port, as
-    `fmt` (`{}` is HOST:PORT)."""
+    """Where another service is reached: a set's replica's member, at a named port,
+    formatted by `fmt`, in which `{}` is HOST:PORT."""
     set: str
     replica: int
     member: int
@@ -69,7 +69,7 @@ class Refs:
 
 @dataclass(frozen=True)
 class Leader:
-    """This unit's leader (its member 0) at a named port: a rendezvous. In a collective
+    """This unit's leader, its member 0, at a named port: a rendezvous. In a collective
     world (`Topology.world`) the leader is attention rank 0, at `WORLD_PORT`."""
     port: str
 
@@ -88,7 +88,8 @@ class Setting:
 
 @dataclass(frozen=True)
 class Bind:
-    """The address a member listens on; `front`: the gateway's, which clients reach."""
+    """The address a member listens on. With `front`, it is the gateway's, which clients
+    reach."""
     front: bool = False
 
 
@@ -117,8 +118,8 @@ class ServiceSet:
         return [(g, r) for g in range(self.replicas) for r in range(self.size)]
 
     def args(self, member: int) -> tuple[Arg, ...]:
-        """Member `member`'s flags (a set of one kind of member has no worker flags: a
-        collective world's expert ranks are its workers, each with the same flags)."""
+        """Member `member`'s flags. A set of one kind of member has no worker flags; a
+        collective world's expert ranks are its workers, each with the same flags."""
         return self.leader if member == 0 or not self.worker else self.worker
 
 
@@ -138,8 +139,8 @@ class Topology:
                                           (self.expert, self.attention, self.gateway)})
 
 
-# Settings of .env a service reads as its flags' SWITCHYARD_ variables (name without the
-# prefix, default).
+# Settings of .env that a service reads as its flags' SWITCHYARD_ variables, as (name
+# without the prefix, default).
 GATEWAY_SETTINGS = (("ENABLE_AUTO_TOOL_CHOICE", "false"), ("TOOL_CALL_PARSER", ""),
                     ("ENABLE_PROMPT_TOKENS_DETAILS", "false"),
                     ("ROUTING_POLICY", "prefix-affinity"), ("ROUTING_BALANCE", "16"),
@@ -150,11 +151,14 @@ ENGINE_SETTINGS = (("ENABLE_PREFIX_CACHING", "true"),)
 def build(expert_services: int, dcp_size: int, attention_groups: int, device: str,
           served_model_name: str, dispatch_backend: str = "rpc",
           extra: Mapping[str, Sequence[str]] | None = None) -> Topology:
-    """The services of a layout: E expert services, G attention groups of D DCP ranks, a
-    gateway in front; the experts reached over `rpc`, held in the attention service
-    (`local`, E = 0), or (a collective backend: torch, nccl, deepep) one world of the
-    attention ranks and the expert ranks. `extra`: more flags for a set's every member,
-    by set name (`serve` forwards its own)."""
+    """The services of a layout: E expert services, and G attention groups of D DCP ranks,
+    with a gateway in front.
+
+    The experts are reached over `rpc`, or held in the attention service (`local`, E = 0).
+    With a collective backend (torch, nccl, deepep), the attention ranks and the expert
+    ranks form one world. `extra` gives more flags for every member of a set, by set name;
+    `serve` forwards its own.
+    """
     dispatch = backend(dispatch_backend)
     world = dispatch.collective
     if dispatch.in_process != (expert_services == 0):
@@ -166,7 +170,7 @@ def build(expert_services: int, dcp_size: int, attention_groups: int, device: st
                          "backend's process group is the expert world")
     more = {name: tuple(flags) for name, flags in (extra or {}).items()}
     gpu = device == "cuda"
-    dtype = "auto" if gpu else "float32"  # (bf16 matmuls crawl on most CPUs)
+    dtype = "auto" if gpu else "float32"  # bf16 matmuls crawl on most CPUs
     on_device = ("--device", Setting("DEVICE", device), "--dtype", Setting("DTYPE", dtype))
     replicas = ("--expert-replicas", Setting("EXPERT_REPLICAS", "1"))  # placed alike
     join = ("--dispatch-backend", dispatch_backend, "--dist-init", Leader(WORLD),
@@ -210,7 +214,7 @@ def build(expert_services: int, dcp_size: int, attention_groups: int, device: st
 def resolve(arg: Arg, place: Place) -> str:
     """One argument as a rendering spells it for the member at `place`."""
     match arg:
-        case str():  # (a flag's value, JSON's braces included, passes as it is)
+        case str():  # a flag's value, JSON's braces included, passes as it is
             return arg.replace("{model}", place.model)
         case Port(name):
             return place.port(name)
@@ -232,7 +236,7 @@ def resolve(arg: Arg, place: Place) -> str:
 
 
 class Place(ABC):
-    """How one rendering spells a member's arguments (a rendering subclasses it)."""
+    """How one rendering spells a member's arguments. A rendering subclasses it."""
 
     def __init__(self, topology: Topology, set: ServiceSet, replica: int, member: int,
                  model: str) -> None:

@@ -1,16 +1,17 @@
 """Paged KV cache bookkeeping: fixed-size blocks on each rank, reference counts, a free
-queue, per-sequence block tables, and (optionally) the prefix cache over them.
+queue, per-sequence block tables, and, optionally, the prefix cache over them.
 
-A sequence's table on rank r, `seq.block_tables[r]`, covers the tokens rank r holds of it
-(`dcp.sharding.Sharding`; one rank, holding every token, without DCP): its i-th block holds
-the rank's local token indices [i * block_size, (i + 1) * block_size), slot
-`block * block_size + offset` of that rank's cache.
+A sequence's table on rank r, `seq.block_tables[r]`, covers the tokens that rank r holds of
+it, as `dcp.sharding.Sharding` assigns them. Without DCP there is one rank, holding every
+token. The table's i-th block holds the rank's local token indices
+[i * block_size, (i + 1) * block_size), at slot `block * block_size + offset` of that rank's
+cache.
 
-With prefix caching, a sequence's full spans are kept (`prefix_cache`) and shared by later
-sequences that start with the same tokens: a block is free when no sequence holds it, and
-a free block that is cached stays cached until it is handed out again. The free queue hands
-out plain blocks first, then cached ones, least recently freed first (and a sequence's
-later blocks before its earlier ones, which more prefixes share), as vLLM does.
+With prefix caching, a sequence's full spans are kept in `prefix_cache` and shared by later
+sequences that start with the same tokens. A block is free when no sequence holds it, and a
+free block that is cached stays cached until it is handed out again. As in vLLM, the free
+queue hands out plain blocks first, then cached ones, least recently freed first. Of one
+sequence's blocks, the later ones go first, because more prefixes share the earlier ones.
 """
 
 from __future__ import annotations
@@ -58,8 +59,9 @@ class BlockManager:
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int,
                       cached: CachedPrefix = NOTHING_CACHED) -> list[int]:
-        """Free blocks each rank must give so that seq (after taking `cached`) holds KV for
-        `num_new_tokens` more tokens: new blocks, and cached ones that no sequence holds."""
+        """Free blocks each rank must give so that seq, after taking `cached`, holds KV for
+        `num_new_tokens` more tokens. These are new blocks, and cached ones that no sequence
+        holds."""
         total = max(seq.num_computed_tokens, cached.num_tokens) + num_new_tokens
         tables = seq.block_tables or [[]] * self.sharding.size
         found = cached.tables or ((),) * self.sharding.size
@@ -74,9 +76,12 @@ class BlockManager:
 
     def allocate(self, seq: Sequence, num_new_tokens: int,
                  cached: CachedPrefix = NOTHING_CACHED) -> None:
-        """Give seq the blocks for `num_new_tokens` more tokens; first, for a sequence that
-        holds none, the blocks of `cached` (its KV then counts as computed, and the first
-        time, its prompt tokens among them are the request's `num_cached_tokens`)."""
+        """Give seq the blocks for `num_new_tokens` more tokens.
+
+        A sequence that holds no blocks first takes the blocks of `cached`. Their KV then
+        counts as computed. The first time, the prompt tokens among them are the request's
+        `num_cached_tokens`.
+        """
         if not self.can_allocate(seq, num_new_tokens, cached):
             raise RuntimeError(f"out of KV blocks: need "
                                f"{self.blocks_needed(seq, num_new_tokens, cached)} per rank")
@@ -110,8 +115,8 @@ class BlockManager:
         return block
 
     def free(self, seq: Sequence) -> None:
-        """Give back seq's blocks; one never allocated (still queued, or preempted) holds
-        none. Cached blocks join the back of the free queue, later blocks first."""
+        """Give back seq's blocks. A sequence never allocated, still queued or preempted,
+        holds none. Cached blocks join the back of the free queue, later blocks first."""
         for r, table in enumerate(seq.block_tables):
             refs, free = self._refs[r], self._free[r]
             for b in reversed(table):
@@ -125,7 +130,7 @@ class BlockManager:
 
     def lookup(self, seq: Sequence) -> CachedPrefix:
         """The longest run of seq's first spans that the cache holds, within
-        `seq.num_reusable_tokens`; nothing for a sequence that holds blocks already."""
+        `seq.num_reusable_tokens`. A sequence that holds blocks already finds nothing."""
         if self.prefix_cache is None or seq.block_tables:
             return NOTHING_CACHED
         num_spans = seq.num_reusable_tokens // self.span
@@ -144,9 +149,9 @@ class BlockManager:
         return CachedPrefix(found * self.span, tuple(map(tuple, tables)))
 
     def cache_computed(self, seq: Sequence) -> None:
-        """Cache seq's spans whose every token's KV is now computed (after a step)."""
+        """After a step, cache seq's spans whose every token's KV is now computed."""
         done = seq.num_computed_tokens // self.span
-        if self.prefix_cache is None or done <= seq.num_cached_spans:  # (most steps)
+        if self.prefix_cache is None or done <= seq.num_cached_spans:  # most steps
             return
         keys = chain_keys(seq.token_ids, self.span, seq.cache_salt, seq.span_keys, done)
         m = self._span_blocks

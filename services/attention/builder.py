@@ -1,6 +1,9 @@
-"""The attention service's composition root: a config checked, the model loaded, and every
-part an `Engine` steps over built and wired (the dispatch backend's client, a DCP group,
-the paged KV cache, the model runner, the block manager, the scheduler, CUDA graphs)."""
+"""The attention service's composition root.
+
+It checks a config, loads the model, and builds and wires every part an `Engine` steps over:
+the dispatch backend's client, a DCP group, the paged KV cache, the model runner, the block
+manager, the scheduler and CUDA graphs.
+"""
 
 from __future__ import annotations
 
@@ -46,11 +49,11 @@ log = logging.getLogger(__name__)
 
 
 def build_engine(config: AttentionConfig, graph_capture: Capture | None = None) -> Engine:
-    """An engine for `config`, checked first (device, graphs, quantization, backend).
+    """An engine for `config`, checked first: device, graphs, quantization and backend.
 
-    `graph_capture`: how decode steps are captured with `--cuda-graph-max-batch` (default:
-    CUDA graphs, which need `--device cuda`); tests pass `graphs.eager_capture` to run the
-    graph path's static buffers and padding on a CPU.
+    `graph_capture` is how decode steps are captured with `--cuda-graph-max-batch`. By
+    default that is CUDA graphs, which need `--device cuda`. Tests pass
+    `graphs.eager_capture` to run the graph path's static buffers and padding on a CPU.
     """
     device = check_device(config.device, "attention")
     check_cuda_graphs(config.cuda_graph_max_batch, config.cuda_graph_max_len,
@@ -82,7 +85,7 @@ def build_engine(config: AttentionConfig, graph_capture: Capture | None = None) 
                           device=device) if dispatch.in_process else None
     experts = attention.experts(_experts_client(config, cfg, dtype, quantization, bank))
     graphed = config.cuda_graph_max_batch > 0
-    kv_layers = cfg.num_layers + int(drafts_mtp)  # (MTP's attention: a layer of its own)
+    kv_layers = cfg.num_layers + int(drafts_mtp)  # MTP's attention is a layer of its own
     num_blocks = _num_blocks(config, cfg, dtype, graphed, kv_layers)
     # With graphs, one more block: their scratch, never handed out.
     kv = KVCache(cfg, num_blocks + int(graphed), config.block_size, dtype, device, kv_layers)
@@ -111,8 +114,8 @@ def build_engine(config: AttentionConfig, graph_capture: Capture | None = None) 
 
 def _experts_client(config: AttentionConfig, cfg: ModelConfig, dtype: torch.dtype,
                     quantization: str | None, bank: ExpertBank | None) -> ExpertsClient:
-    """The configured dispatch backend's client (`bank`: the in-process experts of
-    `local`); each backend takes its own settings of those the flags give."""
+    """The configured dispatch backend's client. `bank` holds the in-process experts of
+    `local`. Each backend takes its own settings from those the flags give."""
     layers = cfg.served_moe_layers(backend(config.dispatch_backend).mtp)
     seam = MoESeam(moe_layers=layers, num_experts=cfg.num_experts,
                    hidden_size=cfg.hidden_size, top_k=cfg.top_k, dtype=dtype,
@@ -129,8 +132,8 @@ def _experts_client(config: AttentionConfig, cfg: ModelConfig, dtype: torch.dtyp
 
 
 def _max_replicas(config: AttentionConfig, cfg: ModelConfig) -> int:
-    """The most expert ranks one expert is on (the placement's, as the experts client
-    builds it)."""
+    """The most expert ranks one expert is on, by the placement as the experts client
+    builds it."""
     if config.placement is None:
         return config.expert_replicas
     layers = cfg.served_moe_layers(backend(config.dispatch_backend).mtp)
@@ -138,9 +141,9 @@ def _max_replicas(config: AttentionConfig, cfg: ModelConfig) -> int:
 
 
 def _skip_mtp(cfg: ModelConfig, checkpoint: Checkpoint) -> None:
-    """DeepSeek's multi-token-prediction layers follow the decoder's in the checkpoint
-    (model.layers.{num_layers}.* on): without MTP drafts (`--speculative-config`'s method
-    "mtp") their attention weights stay unread; one log line says so."""
+    """DeepSeek's multi-token-prediction layers follow the decoder's in the checkpoint,
+    from model.layers.{num_layers}.* on. Without MTP drafts, that is method "mtp" of
+    `--speculative-config`, their attention weights stay unread, and one log line says so."""
     if not cfg.mtp_layers:
         return
     skipped = [name for name in checkpoint.names() if name.startswith("model.layers.")
@@ -153,8 +156,8 @@ def _skip_mtp(cfg: ModelConfig, checkpoint: Checkpoint) -> None:
 
 def _num_blocks(config: AttentionConfig, cfg: ModelConfig, dtype: torch.dtype,
                 graphs: bool, layers: int) -> int:
-    """KV blocks of `layers` layers the budget holds for sequences (with CUDA graphs, one
-    fewer: theirs)."""
+    """KV blocks of `layers` layers that the budget holds for sequences. With CUDA graphs
+    it is one fewer, which the graphs take."""
     num_blocks = config.kv_cache_memory // kv_bytes_per_block(cfg, config.block_size, dtype,
                                                               layers)
     num_blocks -= int(graphs)
@@ -165,8 +168,8 @@ def _num_blocks(config: AttentionConfig, cfg: ModelConfig, dtype: torch.dtype,
 
 
 def _attention(config: AttentionConfig, cfg: ModelConfig) -> SingleRank:
-    """One rank's attention, or with `--dcp-size` > 1 the leader of a DCP group (met
-    here: this waits for the peers)."""
+    """One rank's attention, or with `--dcp-size` > 1 the leader of a DCP group. The group
+    meets here, so this waits for the peers."""
     if config.dcp_size == 1:
         return SingleRank(config.block_size, cfg.sliding_window)
     if config.dcp_init is None:

@@ -38,7 +38,7 @@ class AttentionConfig:
     dtype: str = "auto"
     device: str = "cpu"
     block_size: int = 16
-    enable_prefix_caching: bool = True  # share the KV of equal prompt prefixes (vLLM's)
+    enable_prefix_caching: bool = True  # share the KV of equal prompt prefixes, as vLLM does
     kv_cache_memory: int = 1 << 30  # bytes for the paged KV cache
     max_num_batched_tokens: int = 512  # per-step token budget (prefill chunk size)
     max_num_seqs: int = 128
@@ -48,7 +48,7 @@ class AttentionConfig:
     placement: Path | None = None
     expert_replicas: int = 1  # without a placement file: each expert on this many ranks
     expert_timeout: float = 30.0
-    link_timeout: float = LINK_TIMEOUT_S  # silent this long, a peer is dead (`set_liveness`)
+    link_timeout: float = LINK_TIMEOUT_S  # a peer silent this long is dead (`set_liveness`)
     rendezvous_timeout: float = 300.0  # lockstep worlds and DCP groups: for every rank
     dist_init: tuple[str, int] | None = None  # torch backend: the rendezvous (TCP store)
     attention_rank: int = 0
@@ -80,10 +80,11 @@ class AttentionConfig:
 
 def check_cuda_graphs(max_batch: int, max_len: int, device: str, backend: str,
                       dcp_size: int) -> None:
-    """Decode graphs capture the whole step, experts included: in-process experts only.
+    """Decode graphs capture the whole step, experts included, so they need in-process
+    experts.
 
     Raises:
-        ValueError: graphs asked for where they cannot run (the flags named).
+        ValueError: graphs asked for where they cannot run; the message names the flags.
     """
     if max_batch < 0 or max_len < 1:
         raise ValueError("--cuda-graph-max-batch must be >= 0 and --cuda-graph-max-len >= 1")
@@ -116,8 +117,8 @@ def _speculative(text: str) -> str:
 
 def add_engine_flags(p: argparse.ArgumentParser, default_backend: str = "local"
                      ) -> list[argparse.Action]:
-    """Flags shared by `switchyard attention` and `switchyard serve`; returned, so that
-    `serve` forwards every one of them (`common.flags.as_flags`)."""
+    """Flags shared by `switchyard attention` and `switchyard serve`. They are returned,
+    so that `serve` forwards every one of them (`common.flags.as_flags`)."""
     add = p.add_argument
     return [
         add("--dtype", default=env("DTYPE", "auto"),
@@ -204,8 +205,8 @@ def add_engine_flags(p: argparse.ArgumentParser, default_backend: str = "local"
 
 
 def add_attention_parser(sub: argparse._SubParsersAction) -> None:
-    """`switchyard attention`: the engine flags, and those of one process of a
-    deployment (its address, its expert ranks, its place in a world or a DCP group)."""
+    """`switchyard attention`: the engine flags, and those of one process of a deployment:
+    its address, its expert ranks, its place in a world or a DCP group."""
     p = sub.add_parser("attention", help="run one attention service (the engine core)")
     p.add_argument("--model", default=env("MODEL"), required=env("MODEL") is None,
                    help="HF checkpoint directory")

@@ -1,5 +1,5 @@
-"""A DCP peer (rank > 0 of an attention group): no scheduler, no connections; it runs
-each step its leader plans, over its share of the KV cache, until told to stop."""
+"""A DCP peer, rank > 0 of an attention group. It has no scheduler and no connections; it
+runs each step its leader plans, over its share of the KV cache, until told to stop."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def run_peer(config: AttentionConfig) -> None:
     drafts_mtp = config.speculative is not None and config.speculative.mtp
     mtp = load_mtp(read, cfg) if drafts_mtp else None
     checkpoint.close()
-    layers = cfg.num_layers + int(drafts_mtp)  # (as the leader's cache: `builder`)
+    layers = cfg.num_layers + int(drafts_mtp)  # as in the leader's cache (`builder`)
     num_blocks = config.kv_cache_memory // kv_bytes_per_block(cfg, config.block_size, dtype,
                                                               layers)
     kv = KVCache(cfg, num_blocks, config.block_size, dtype, device, layers)
@@ -64,9 +64,9 @@ def run_peer(config: AttentionConfig) -> None:
             batches = [build_rank_batch(plan.seqs[a:b], config.dcp_rank, sharding,
                                         config.block_size, cfg.sliding_window, []).to(device)
                        for a, b in pairwise(cuts)]
-            try:  # the leader's split: the group's collectives in the same order
+            try:  # the leader's split keeps the group's collectives in order
                 if plan.mtp_source:
-                    if mtp is None:  # (the group's ranks share one configuration)
+                    if mtp is None:  # the group's ranks share one configuration
                         raise RuntimeError("the leader drafts with MTP; this peer was "
                                            "started without --speculative-config mtp")
                     source = hidden if plan.mtp_source == "step" else passed

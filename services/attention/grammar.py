@@ -1,9 +1,9 @@
-"""Structured outputs in the engine: each constrained sequence's llguidance matcher (its
-grammar built and checked by the gateway), the tokens it allows at each step, and the
-tokens it consumes.
+"""Structured outputs in the engine: each constrained sequence's llguidance matcher, whose
+grammar the gateway built and checked, the tokens it allows at each step, and the tokens it
+consumes.
 
-Grammars are compiled once each (`prepare`, off the event loop: a complex schema takes a
-while) and kept, so requests with a schema seen before start from a copy.
+Grammars are compiled once each and kept, so requests with a schema seen before start from a
+copy. `prepare` compiles off the event loop, since a complex schema takes a while.
 
 The grammar travels in `SamplingParams.grammar`. The engine keeps a matcher per such
 sequence over the model's tokenizer, masks what it does not allow before sampling, and feeds
@@ -28,7 +28,7 @@ _BITS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 class Grammars:
     """Matchers over the model's tokenizer, which is read once, at start-up. What is
-    missing for structured outputs (llguidance, a tokenizer.json) is each such request's
+    missing for structured outputs, llguidance or a tokenizer.json, is each such request's
     error, never the service's."""
 
     def __init__(self, model_dir: Path, vocab_size: int, eos_token_ids: tuple[int, ...]
@@ -39,7 +39,7 @@ class Grammars:
         self._lock = threading.Lock()  # `prepare` runs in worker threads
 
     def prepare(self, grammar: str) -> None:
-        """Compile `grammar` unless it is compiled already (from any thread)."""
+        """Compile `grammar` unless it is compiled already. Any thread may call this."""
         self._compiled_for(grammar)
 
     def matcher(self, grammar: str) -> tuple[Any, str | None]:
@@ -52,7 +52,7 @@ class Grammars:
             if (compiled := self._compiled.get(grammar)) is not None:
                 self._compiled.move_to_end(grammar)
                 return compiled
-        compiled = self._compile(grammar)  # (unlocked: it may take a while)
+        compiled = self._compile(grammar)  # unlocked, as it may take a while
         with self._lock:
             self._compiled[grammar] = compiled
             while len(self._compiled) > MAX_COMPILED:
@@ -95,15 +95,15 @@ def _load_tokenizer(model_dir: Path, vocab_size: int, eos_token_ids: tuple[int, 
 
 
 def allowed(matchers: list[Any], vocab: int, device: torch.device) -> torch.Tensor:
-    """The tokens each matcher allows next: bool [S, vocab] on `device`, unpacked there
-    from the bitmasks' bytes (an eighth of the mask's size crosses to a GPU)."""
+    """The tokens each matcher allows next: bool [S, vocab] on `device`. They are unpacked
+    there from the bitmasks' bytes, so only an eighth of the mask's size crosses to a GPU."""
     return _unpack([m.compute_bitmask() for m in matchers], vocab, device)
 
 
 def allowed_along(matcher: Any, drafts: list[int], vocab: int, device: torch.device
                   ) -> torch.Tensor:
     """The tokens `matcher` allows at each of k drafts' positions and the one after, had
-    it consumed the drafts before: bool [k + 1, vocab] (speculation's verify step). The
+    it consumed the drafts before: bool [k + 1, vocab], for speculation's verify step. The
     matcher is left as it was; the drafts must be ones it accepts (`validate_tokens`)."""
     masks = []
     for token in drafts:
@@ -115,12 +115,12 @@ def allowed_along(matcher: Any, drafts: list[int], vocab: int, device: torch.dev
 
 
 def _unpack(masks: list[bytes], vocab: int, device: torch.device) -> torch.Tensor:
-    """Bitmasks (one per row) as bool [S, vocab] on `device`."""
+    """Bitmasks, one per row, as bool [S, vocab] on `device`."""
     raw = bytearray(b"".join(masks))
     packed = torch.frombuffer(raw, dtype=torch.uint8).to(device)  # [S * 4 * ceil(n/32)]
     bits = packed[:, None].bitwise_and(torch.tensor(_BITS, dtype=torch.uint8,
                                                     device=device)).ne(0)  # [., 8]
     mask = bits.view(len(masks), -1)  # [S, n]: n, the tokenizer's width, may exceed vocab
-    if mask.shape[1] < vocab:  # (never built narrower; a token past it is not allowed)
+    if mask.shape[1] < vocab:  # never built narrower; a token past it is not allowed
         mask = torch.nn.functional.pad(mask, (0, vocab - mask.shape[1]))
     return mask[:, :vocab]

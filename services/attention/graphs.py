@@ -1,30 +1,32 @@
-"""CUDA graphs of decode steps: a step's many small kernels launched as one graph replay,
-where launches and not the GPU bound a decode step (an H200 spent 7.8-12.4 ms on the
-4-layer demo model's ~350 kernels per step, docs/benchmarks.md).
+"""CUDA graphs of decode steps.
 
-A graph fixes its shapes and buffers, so a decode step of B sequences whose longest has L
-keys runs the graph captured for (b, k) = (B, L) rounded up to powers of two (k at least
-`MIN_KEYS`), on static input buffers: rows B..b are padding (token 0 at position 0, writing
-their KV to a scratch slot no sequence owns and attending to it alone), keys L..k are masked.
-Every size is captured at start-up, largest first, as vLLM does (no step waits for a
-capture; later graphs reuse the first one's pool memory, which stays allocated outside
-`--kv-cache-memory`). Steps with prefills, more rows or more keys than the largest size run
-eagerly. Only the `local` backend's experts can be captured: every other backend crosses a
-process boundary inside the step.
+A step's many small kernels are launched as one graph replay, where launches and not the GPU
+bound a decode step. An H200 spent 7.8-12.4 ms on the 4-layer demo model's ~350 kernels per
+step (docs/benchmarks.md).
 
-Inside a graph nothing may wait for the device, so the experts run on device-side counts
+A graph fixes its shapes and buffers. So a decode step of B sequences whose longest has L
+keys runs the graph captured for (b, k) = (B, L) rounded up to powers of two, with k at
+least `MIN_KEYS`, on static input buffers. Rows B..b are padding: token 0 at position 0,
+writing their KV to a scratch slot no sequence owns and attending to it alone. Keys L..k are
+masked. As in vLLM, every size is captured at start-up, largest first, so no step waits for
+a capture. Later graphs reuse the first one's pool memory, which stays allocated outside
+`--kv-cache-memory`. Steps with prefills, more rows or more keys than the largest size run
+eagerly. Only the `local` backend's experts can be captured, because every other backend
+crosses a process boundary inside the step.
+
+Inside a graph nothing may wait for the device. So the experts run on device-side counts
 (`LocalExperts.on_device`), padded rows are left out of the routing counts, and the expert
-metrics (per-expert spans, which need host counts) skip graph-replayed steps. Before each
+metrics skip graph-replayed steps, since their per-expert spans need host counts. Before each
 capture the step runs twice: once to let first-use probes synchronise, then under torch's
 sync debug mode "error", so an op that would synchronise fails there with its name.
 
-They are on with `--cuda-graph-max-batch N` (`--device cuda`, the `local` backend): a
-decode-only step of up to N sequences whose longest has up to `--cuda-graph-max-len` keys
-replays a graph (`MIN_KEYS` is 128). Inside a graph the experts are
-`torch._grouped_mm`, which captures in bf16, or the W4A4 Triton kernel with the token count
-as its row bound. Off by default until a GPU run measures it (`benchmarks/gpu_check.py`
-times both and compares one step's hidden states); on a CPU the tests re-run the captured
-step eagerly over the same buffers.
+They are turned on with `--cuda-graph-max-batch N`, which needs `--device cuda` and the
+`local` backend. A decode-only step of up to N sequences whose longest has up to
+`--cuda-graph-max-len` keys then replays a graph (`MIN_KEYS` is 128). Inside a graph the
+experts are `torch._grouped_mm`, which captures in bf16, or the W4A4 Triton kernel with the
+token count as its row bound. Graphs are off by default until a GPU run measures them;
+`benchmarks/gpu_check.py` times both and compares one step's hidden states. On a CPU the
+tests re-run the captured step eagerly over the same buffers.
 """
 
 from __future__ import annotations
@@ -42,14 +44,14 @@ from services.attention.model import DenseModel
 
 log = logging.getLogger(__name__)
 
-MIN_KEYS = 128  # the fewest keys a graph attends over: fewer graphs, little padded work
+MIN_KEYS = 128  # the fewest keys a graph attends over; fewer graphs, little padded work
 # capture(fn) -> (fn's output, replay): replay re-runs fn's work into that output
 Capture = Callable[[Callable[[], torch.Tensor]], tuple[torch.Tensor, Callable[[], None]]]
 
 
 def cuda_capture(pool: object) -> Capture:
-    """Capture into CUDA graphs sharing one memory pool (replays never overlap, and each
-    graph's output is read before the next replay)."""
+    """Capture into CUDA graphs that share one memory pool. Replays never overlap, and each
+    graph's output is read before the next replay."""
 
     def capture(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, Callable[[], None]]:
         side = torch.cuda.Stream()  # warm-up off the capture stream, as torch asks
@@ -73,7 +75,8 @@ def cuda_capture(pool: object) -> Capture:
 
 def eager_capture(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, Callable[[], None]]:
     """What a graph replay does, without CUDA: the same ops on the same static buffers,
-    writing the same output tensor (so a CPU checks the padding and buffers' numerics)."""
+    writing the same output tensor. That lets a CPU check the padding and the buffers'
+    numerics."""
     out = fn()
     return out, lambda: out.copy_(fn())
 
@@ -119,7 +122,7 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture_all(self) -> None:
-        """Capture every size over all-padding buffers (nothing real is written or counted).
+        """Capture every size over all-padding buffers, so nothing real is written or counted.
 
         Raises:
             ValueError: a step cannot be captured here; the reason is named.
@@ -144,8 +147,8 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor:
-        """`DenseModel.forward` of a step that `fits`: hidden states [B, H], valid until the
-        next replay."""
+        """`DenseModel.forward` of a step that `fits`. Returns hidden states [B, H], valid
+        until the next replay."""
         rows, keys = batch.decode_kv_slots.shape
         size = (next_power_of_2(rows), max(self.min_keys, next_power_of_2(keys)))
         self._load(batch, *size)
@@ -164,8 +167,8 @@ class DecodeGraphs:
         return self.model.forward(batch, self.kv, self.experts.on_device)
 
     def _load(self, batch: StepBatch | None, b: int, k: int) -> None:
-        """Copy the step (None: no rows) into the static buffers; pad rows and keys up to
-        (b, k)."""
+        """Copy the step into the static buffers, and pad rows and keys up to (b, k). A
+        `batch` of None has no rows."""
         self.input_ids[:b].zero_()
         self.positions[:b].zero_()
         self.slot_mapping[:b].fill_(self.scratch)

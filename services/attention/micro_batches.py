@@ -1,30 +1,30 @@
 """How a step splits into micro-batches for the ping-pong pipeline with the expert
-services (`DenseModel.forward_pipelined`): how many (as asked, or measured by
-`MicroBatchTuner`), and which sequences each takes.
+services (`DenseModel.forward_pipelined`): how many, as asked or as measured by
+`MicroBatchTuner`, and which sequences each takes.
 
-`--micro-batches 2` or `3` (with `rpc`, and `torch` over torch.distributed) splits a step
-into contiguous groups of sequences, run as a ping-pong pipeline: each group's layers are a
-generator that stops at each MoE layer with its call; the driver starts that exchange
-(`RpcExperts.start`: the rows sent, an `RpcExchange` returned, which also carries the
-failover) and runs the next group's layers while the experts compute, then finishes the
-exchanges in the order they started. Every float32 linear runs the panel kernel, whose sums
-per row do not depend on the other rows, so a split step's logits are the whole step's bit
-for bit. The driver records when each micro-batch computed and when each of its calls was
-out (`timeline.py`).
+`--micro-batches 2` or `3` splits a step into contiguous groups of sequences, run as a
+ping-pong pipeline. It works with `rpc`, and with `torch` over torch.distributed. Each
+group's layers are a generator that stops at each MoE layer with its call. The driver starts
+that exchange with `RpcExperts.start`, which sends the rows and returns an `RpcExchange` that
+also carries the failover. The driver runs the next group's layers while the experts
+compute, then finishes the exchanges in the order they started. Every float32 linear runs
+the panel kernel, whose sums per row do not depend on the other rows, so a split step's
+logits are the whole step's bit for bit. The driver records when each micro-batch computed
+and when each of its calls was out (`timeline.py`).
 
-`auto` measures (`MicroBatchTuner`): where the wire's round trips are at least a tenth of a
-one-batch step (each answer says how long the expert rank held it, `ExpertResult.held_s`,
-which the caller takes off the call's time), or from 64 tokens on a GPU, it times 1, 2 and 3
-micro-batches over a few steps of each size of step, keeps the fastest and logs it, and
-measures again every 2000 steps of that size. On loopback on the CPU the wire is a few
-percent of a step, and the step stays one batch.
+`auto` measures, with `MicroBatchTuner`. It tries pipelining where the wire's round trips are
+at least a tenth of a one-batch step, or from 64 tokens on a GPU. Each answer says how long
+the expert rank held it (`ExpertResult.held_s`), and the caller takes that off the call's
+time. The tuner times 1, 2 and 3 micro-batches over a few steps of each size of step, keeps
+the fastest and logs it, and measures again every 2000 steps of that size. On loopback on
+the CPU the wire is a few percent of a step, and the step stays one batch.
 
 The `torch` backend's lockstep ranks agree on each step's rounds (`ep_dispatch.torch_dist`).
 A DCP group's leader sends its peers one plan with the split (`DcpPlan.micro_batches`) and
 every rank runs the same pipeline, so the group's attention merges and the MoE outputs'
 broadcasts (`GroupExchange.finish`) come in the same order on every rank. With `nccl` the
-host never waits on an exchange (`ep_dispatch.nccl`; not yet run on a GPU). `deepep` does
-not split yet.
+host never waits on an exchange (`ep_dispatch.nccl`); this has not yet run on a GPU.
+`deepep` does not split yet.
 """
 
 from __future__ import annotations
@@ -37,23 +37,24 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the flags read this module; `serve` and the gateway never load torch
     from services.attention.scheduler import ScheduledSeq
 
-# `--micro-batches auto` tries pipelining steps of at least this many tokens on a GPU
-# (SGLang's two-batch overlap starts to pay at about 64 tokens per device; not measured
-# here), and on any device where the wire's round trips are at least `WIRE_SHARE` of a
-# step (measured: 0.77-0.96x the tokens/s of one batch a step on 2 cores at 0 ms,
-# docs/benchmarks.md, where both sides share the cores and there is no wire to hide).
+# `--micro-batches auto` tries pipelining steps of at least this many tokens on a GPU.
+# SGLang's two-batch overlap starts to pay at about 64 tokens per device; this is not
+# measured here. It also tries on any device where the wire's round trips are at least
+# `WIRE_SHARE` of a step. On 2 cores at 0 ms, pipelining measured 0.77-0.96x the tokens/s of
+# one batch a step (docs/benchmarks.md); there both sides share the cores and there is no
+# wire to hide.
 PIPELINE_MIN_TOKENS = 64
 WIRE_SHARE = 0.1
 CANDIDATES = (1, 2, 3)
-PROBE_STEPS = 4  # steps timed per candidate count (their median per token is compared)
+PROBE_STEPS = 4  # steps timed per candidate count; their median per token is compared
 REPROBE_STEPS = 2000  # steps of one size before its choice is measured again
 log = logging.getLogger("switchyard.micro_batches")
 
 
 def micro_batch_count(setting: str, overlaps: bool) -> int | None:
-    """Micro-batches a step takes by `setting` (auto, 1, 2, 3) where the experts' backend
-    `overlaps` exchanges with computation (else 1: nothing to hide); None: `auto`, which
-    `MicroBatchTuner` decides."""
+    """Micro-batches a step takes by `setting` (auto, 1, 2, 3). That holds where the
+    experts' backend `overlaps` exchanges with computation; otherwise it is 1, as there is
+    nothing to hide. None means `auto`, which `MicroBatchTuner` decides."""
     if not overlaps:
         return 1
     return None if setting == "auto" else int(setting)
@@ -69,14 +70,19 @@ class _Size:
 
 
 class MicroBatchTuner:
-    """`--micro-batches auto`: for each size of step (its tokens to the power of two, and
-    its sequences up to 3), whether the wire is worth hiding (the backend's measured
-    round trip, times `moe_layers`, against a one-batch step's time), and if so which
-    count of `CANDIDATES` runs fastest, timed over `PROBE_STEPS` steps each; chosen again
-    every `REPROBE_STEPS` steps of that size. A pipeline's worth depends on more than the
-    round trip (the experts' compute per micro-batch, which grows with micro-batches when
-    reading their weights bounds it; whether both sides share the cores), so the choice
-    is the measured step time, and the round trip only says whether to try."""
+    """`--micro-batches auto`.
+
+    For each size of step, it finds whether the wire is worth hiding, and if so which count
+    of `CANDIDATES` runs fastest, timed over `PROBE_STEPS` steps each. It chooses again
+    every `REPROBE_STEPS` steps of that size. A size of step is its tokens to the power of
+    two, and its sequences up to 3. Whether the wire is worth hiding compares the backend's
+    measured round trip, times `moe_layers`, with a one-batch step's time.
+
+    A pipeline's worth depends on more than the round trip. It also depends on the experts'
+    compute per micro-batch, which grows with micro-batches when reading their weights
+    bounds it, and on whether both sides share the cores. So the choice is the measured step
+    time, and the round trip only says whether to try.
+    """
 
     def __init__(self, device: str, moe_layers: int) -> None:
         self.device, self.moe_layers = device, moe_layers
@@ -87,8 +93,8 @@ class MicroBatchTuner:
         return num_tokens.bit_length(), min(num_seqs, max(CANDIDATES))
 
     def choose(self, num_tokens: int, num_seqs: int, round_trip_s: float | None) -> int:
-        """This step's count; `round_trip_s`: the exchange's measured wire round trip
-        (None: the backend does not measure it)."""
+        """This step's count. `round_trip_s` is the exchange's measured wire round trip, or
+        None where the backend does not measure it."""
         key = self._key(num_tokens, num_seqs)
         if key[1] == 1:
             return 1  # nothing to split
@@ -134,8 +140,8 @@ class MicroBatchTuner:
 
 
 def split(scheduled: list[ScheduledSeq], parts: int) -> list[list[ScheduledSeq]]:
-    """`scheduled` in at most `parts` contiguous groups of about equal tokens, none empty,
-    in order (so their hidden states, concatenated, are the whole step's)."""
+    """`scheduled` in at most `parts` contiguous groups of about equal tokens, none empty.
+    The groups keep the order, so their hidden states, concatenated, are the whole step's."""
     total = sum(item.num_new_tokens for item in scheduled)
     groups: list[list[ScheduledSeq]] = [[]]
     done = 0

@@ -1,28 +1,29 @@
 """Multi-head latent attention (DeepSeek-V2/V3) over a cache of latents.
 
 Each token caches, per layer, one row [kv_lora_rank + qk_rope_head_dim]: the normalised
-latent c and the rotated key k_pe, shared by all heads. With the absorbed projections
-(DeepSeek-V2's paper, vLLM's MLA backends), attention runs on those rows as one KV head:
+latent c and the rotated key k_pe, shared by all heads. With the absorbed projections, from
+DeepSeek-V2's paper and vLLM's MLA backends, attention runs on those rows as one KV head:
 
     q_h = [q_nope_h W_UK_h, q_pe_h]             # [kv_lora + rope], W_UK_h: kv_b's key rows
     score(h, j) = q_h . [c_j, k_pe_j] * scale   # = q_nope_h . k_nope_hj + q_pe_h . k_pe_j
     o_h = (sum_j p_hj c_j) W_UV_h^T             # = sum_j p_hj v_hj
 
-The values are the rows' first kv_lora_rank dims: the attention reads each row once, as
-its key and its value (as FlashMLA does), and drops the output's rotary dims.
+The values are the rows' first kv_lora_rank dims. As in FlashMLA, the attention reads each
+row once, as both its key and its value, and drops the output's rotary dims.
 
-The paged cache holds that row per token and layer (`KVCache` with `mla`: one tensor a layer
-that is both K and V; `ModelConfig.kv_elements_per_token` sizes the blocks). Decode runs
-absorbed, as above, then W_UV; the existing paged decode kernel does the attention, reading
-each row once for all heads. Prefill chunks expand their context's keys and values from the
-latents with kv_b_proj and attend with the queries as they are (`MLACache`), as DeepSeek's
-and vLLM's prefill do: per (query, key) pair qk_head_dim + v_head_dim products instead of 2
-(kv_lora_rank + rope). Both forms give the log-sum-exp, so a DCP rank attends over its shard
-of the latent rows (the same interleaving as every cache) and the group merges the partial
-values in V's dims. On the CPU a decode step's MLA block is one compiled call a layer
-(`mla_block_f32`, the same bits as the Python path). DeepSeek's multi-token-prediction layer
-drafts for speculative decoding (`spec_decode.mtp`); without MTP drafts its attention
-weights stay unread, with one log line.
+The paged cache holds that row per token and layer. With `mla`, `KVCache` keeps one tensor a
+layer that is both K and V, and `ModelConfig.kv_elements_per_token` sizes the blocks. Decode
+runs absorbed, as above, then applies W_UV; the existing paged decode kernel does the
+attention, reading each row once for all heads. Prefill chunks expand their context's keys
+and values from the latents with kv_b_proj, and attend with the queries as they are
+(`MLACache`), as DeepSeek's and vLLM's prefill do. That takes qk_head_dim + v_head_dim
+products per (query, key) pair instead of 2 (kv_lora_rank + rope). Both forms give the
+log-sum-exp, so a DCP rank attends over its shard of the latent rows, with the same
+interleaving as every cache, and the group merges the partial values in V's dims. On the CPU
+a decode step's MLA block is one compiled call a layer (`mla_block_f32`), with the same bits
+as the Python path. DeepSeek's multi-token-prediction layer drafts for speculative decoding
+(`spec_decode.mtp`). Without MTP drafts, its attention weights stay unread, and one log line
+says so.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ Panels = PanelWeights | Int8Panels  # the layouts the compiled blocks read
 
 @dataclass(frozen=True)
 class MLAWeights:
-    """One layer's MLA projections (linears as [out, in])."""
+    """One layer's MLA projections, with linears as [out, in]."""
 
     qkv_a: Weight  # [Q + kv_lora + rope, H]: q_a_proj (Q = q_lora_rank) or q_proj (Q =
     #                heads * qk_head_dim), stacked on kv_a_proj_with_mqa: one pass over x
@@ -63,10 +64,13 @@ class MLAWeights:
 
 
 def load_mla(read: WeightReader, p: str, cfg: ModelConfig) -> MLAWeights:
-    """Layer `p`'s MLA weights ("model.layers.{i}"). The absorbed W_UK and W_UV are cut
-    from kv_b_proj as read in the model's dtype and then laid out on their own: their
-    output channels are not kv_b's rows (W_UK is transposed), so a stored int8 kv_b's
-    scales would not be theirs (`switchyard quantize` leaves kv_b float)."""
+    """Layer `p`'s MLA weights, where `p` is "model.layers.{i}".
+
+    The absorbed W_UK and W_UV are cut from kv_b_proj as read in the model's dtype, and then
+    laid out on their own. Their output channels are not kv_b's rows, since W_UK is
+    transposed, so a stored int8 kv_b's scales would not be theirs. `switchyard quantize`
+    leaves kv_b float.
+    """
     m, heads, h = cfg.mla, cfg.num_heads, cfg.hidden_size
     assert m is not None
     first = ("self_attn.q_a_proj.weight", m.q_lora_rank, h) if m.q_lora_rank \
@@ -98,8 +102,8 @@ class MLAQueries:
 
 def mla_queries(cfg: ModelConfig, w: MLAWeights, x: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[MLAQueries, torch.Tensor]:
-    """The queries and the tokens' cache rows [T, 1, kv_lora + rope] for x [T, H] (the
-    input-normed hidden states), rotated by cos/sin [T, rope]."""
+    """The queries, and the tokens' cache rows [T, 1, kv_lora + rope], for x [T, H], the
+    input-normed hidden states. Both are rotated by cos/sin [T, rope]."""
     m, t, eps = cfg.mla, x.shape[0], cfg.rms_norm_eps
     assert m is not None
     a = linear(x, w.qkv_a)  # [T, Q + kv_lora + rope]
@@ -118,11 +122,12 @@ def mla_queries(cfg: ModelConfig, w: MLAWeights, x: torch.Tensor, cos: torch.Ten
 class MLACache:
     """One layer's latent cache as MLA attends over it, giving values [T, heads, V].
 
-    - Decode rows: the absorbed queries [q_nope W_UK, q_pe] over the latent rows read in
-      place (one KV head whose values are the rows' latents), then W_UV.
+    - Decode rows: the absorbed queries [q_nope W_UK, q_pe] over the latent rows, read in
+      place as one KV head whose values are the rows' latents, then W_UV.
     - Prefill chunks: keys [k_nope, k_pe] and values expanded from their context's
-      latents by kv_b_proj, and the queries as they are (DeepSeek's and vLLM's prefill:
-      per (query, key) pair qk_head_dim + v_head_dim products, not 2 (kv_lora + rope)).
+      latents by kv_b_proj, with the queries as they are. This is DeepSeek's and vLLM's
+      prefill: qk_head_dim + v_head_dim products per (query, key) pair, not
+      2 (kv_lora + rope).
 
     Both forms give the softmax's log-sum-exp too, so a DCP rank's partial results over
     its shard merge as any attention's (`dcp.merge`), in V's dims.
@@ -133,8 +138,8 @@ class MLACache:
         self.kv, self.cfg, self.mla, self.w = kv, cfg, cfg.mla, w
 
     def attend(self, layer: int, q: MLAQueries, batch: StepBatch) -> torch.Tensor:
-        """Attention over every key of this cache: values [T, heads, V] (off the CPU by
-        torch's SDPA, which needs no log-sum-exp)."""
+        """Attention over every key of this cache, giving values [T, heads, V]. Off the CPU
+        it runs on torch's SDPA, which needs no log-sum-exp."""
         return self._attend(layer, q, batch, sdpa if q.nope.device.type != "cpu" else None)[0]
 
     def attend_partial(self, layer: int, q: MLAQueries, batch: StepBatch
@@ -186,9 +191,9 @@ def _decode(q: torch.Tensor, cache: torch.Tensor, batch: StepBatch, scale: float
 
 def _full(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
           scale: float, kernel: Kernel | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`kernel` (default `partial_attention`) where v's head dim may differ from q's and
-    k's: the CPU's fused kernel takes one head dim, so the narrower side is padded with
-    zeros (which add nothing to a score or a value) and the output cut back to v's."""
+    """`kernel`, by default `partial_attention`, where v's head dim may differ from q's and
+    k's. The CPU's fused kernel takes one head dim, so the narrower side is padded with
+    zeros, which add nothing to a score or a value, and the output is cut back to v's."""
     d, dv = q.shape[-1], v.shape[-1]
     if kernel is not None:  # SDPA: any v head dim
         return kernel(q, k, v, mask, scale)
@@ -206,9 +211,10 @@ def compiled_mla_block(kernels: ModuleType, cfg: ModelConfig, w: MLAWeights,
                        around: tuple[torch.Tensor, Weight, torch.Tensor], h: torch.Tensor,
                        cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor,
                        batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """A decode step's MLA block as one compiled call (`mla_block_f32`; every weight in
-    panels): (h [T, H] plus the attention's output, that sum post-attention-normed).
-    `around`: the layer's input norm [H], o_proj and post-attention norm [H]."""
+    """A decode step's MLA block as one compiled call (`mla_block_f32`), with every weight
+    in panels. Returns h [T, H] plus the attention's output, and that sum
+    post-attention-normed. `around` holds the layer's input norm [H], o_proj and
+    post-attention norm [H]."""
     m = cfg.mla
     assert m is not None
     input_norm, o, post_norm = around
@@ -221,8 +227,8 @@ def compiled_mla_block(kernels: ModuleType, cfg: ModelConfig, w: MLAWeights,
 
 
 def panel_args(w: Weight | None) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
-    """A linear in panels as the compiled blocks take it: (panels, the int8 weights'
-    column scales or None for float32, real columns)."""
+    """A linear in panels as the compiled blocks take it: (panels, column scales, real
+    columns). The scales are the int8 weights', or None for float32."""
     if w is None:
         return None, None, 0
     assert isinstance(w, Panels)
@@ -230,8 +236,9 @@ def panel_args(w: Weight | None) -> tuple[torch.Tensor | None, torch.Tensor | No
 
 
 def head_linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
-    """x [T, heads, K] through one matrix per head, w [heads, N, K] -> [T, heads, N]: the
-    compiled kernel where w is in panels (and x float32 on the CPU), else torch's bmm."""
+    """x [T, heads, K] through one matrix per head, w [heads, N, K] -> [T, heads, N]. It
+    runs the compiled kernel where w is in panels and x is float32 on the CPU, else
+    torch's bmm."""
     if isinstance(w, Panels) and x.dtype == torch.float32 and x.stride(-1) == 1 \
             and (kernels := cpu_kernels()) is not None:
         if isinstance(w, Int8Panels):
@@ -247,8 +254,8 @@ def head_linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool
           ) -> torch.Tensor:
-    """`apply_rope` of x [T, n, R]; the compiled kernel's on the CPU in float32 (the one
-    the compiled block runs: the same bits)."""
+    """`apply_rope` of x [T, n, R]. On the CPU in float32 it runs the compiled kernel's,
+    the one the compiled block runs, so the bits are the same."""
     if x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1 \
             and cos.dtype == torch.float32 and (kernels := cpu_kernels()) is not None:
         return kernels.rope_f32(x, cos.contiguous(), sin.contiguous(), interleaved)

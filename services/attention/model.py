@@ -44,16 +44,16 @@ Weight = DenseWeight  # a linear's, in the layout its kernel reads
 
 @dataclass(frozen=True)
 class LayerWeights:
-    """One layer's weights; the linears' as [out, in], in the layout of the dense scheme's
-    kernel (`WeightReader`: on the CPU float32 or int8 panels), but for the router's,
-    which stays float."""
+    """One layer's weights. The linears are [out, in], in the layout of the dense scheme's
+    kernel (`WeightReader`); on the CPU that is float32 or int8 panels. The router's linear
+    is the exception: it stays float."""
 
     input_norm: torch.Tensor  # [H]
     post_attn_norm: torch.Tensor  # [H]
-    qkv: Weight | None  # [(heads + 2 * kv_heads) * D, H], q, k, v stacked (None: MLA)
+    qkv: Weight | None  # [(heads + 2 * kv_heads) * D, H], q, k, v stacked; None with MLA
     qkv_bias: torch.Tensor | None  # [(heads + 2 * kv_heads) * D] (Qwen2-MoE)
     mla: MLAWeights | None  # DeepSeek's latent attention, instead of qkv
-    o: Weight  # [H, heads * D] (MLA: [H, heads * v_head_dim])
+    o: Weight  # [H, heads * D], or [H, heads * v_head_dim] with MLA
     q_norm: torch.Tensor | None  # [D] (Qwen3)
     k_norm: torch.Tensor | None  # [D]
     gate: Weight | None  # [E, H] router, for MoE layers
@@ -81,13 +81,13 @@ def load_layer(read: WeightReader, cfg: ModelConfig, i: int) -> LayerWeights:
                        (f"{prefix}.up_proj.weight", inter, h)),
                 linear((f"{prefix}.down_proj.weight", h, inter)))
 
-    # (an MTP layer, i >= num_layers, is DeepSeek's MoE block)
+    # An MTP layer, i >= num_layers, is DeepSeek's MoE block.
     dense, mla = i < cfg.num_layers and not cfg.moe_layers[i], cfg.mla
     gate_up, down = mlp("mlp", cfg.intermediate_size) if dense else (None, None)
     shared = cfg.shared_experts if not dense else None
     s_gate_up, s_down = mlp(shared.prefix, shared.intermediate_size) if shared else (None, None)
-    # DeepSeek's routers (the only ones with a `Routing` of their own) run in float32
-    # whatever the model's dtype, as transformers' do
+    # DeepSeek's routers, the only ones with a `Routing` of their own, run in float32
+    # whatever the model's dtype, as transformers' routers do.
     gate_dtype = torch.float32 if cfg.routing is not None else read.dtype
     return LayerWeights(
         input_norm=get("input_layernorm.weight", h),
@@ -120,8 +120,8 @@ def load_layer(read: WeightReader, cfg: ModelConfig, i: int) -> LayerWeights:
 
 
 def in_panels(w: LayerWeights) -> bool:
-    """Whether the layer's attention weights are all in the CPU kernels' panels (float32
-    or int8; and it has no q/k/v bias), as the compiled attention block reads them."""
+    """Whether the layer's attention weights are all in the CPU kernels' panels, float32
+    or int8, with no q/k/v bias. The compiled attention block reads them that way."""
     if w.mla is not None:
         m = w.mla
         return all(isinstance(x, Panels) for x in (m.qkv_a, m.w_uk, m.w_uv, w.o)) \
@@ -136,7 +136,7 @@ def _swiglu(x: torch.Tensor, gate_up: Weight, down: Weight) -> torch.Tensor:
 
 
 def shared_experts(w: LayerWeights, x: torch.Tensor) -> torch.Tensor | None:
-    """The layer's shared experts over x [T, H] -> [T, H] (None: it has none). They run
+    """The layer's shared experts over x [T, H] -> [T, H], or None if it has none. They run
     here, not on the expert services: every token needs them, so dispatching them would
     send each row once more per layer and balance nothing (`services.model.families`)."""
     if w.shared_gate_up is None or w.shared_down is None:
@@ -155,21 +155,21 @@ class DenseModel:
         self.cfg = cfg
         # Paged attention over this process's KV cache, or a DCP group's sharded one.
         self.attend: Attend = attend or (lambda kv, layer, q, batch: kv.attend(layer, q, batch))
-        self._own_cache = attend is None  # every key here: the compiled block may run
+        self._own_cache = attend is None  # every key is here, so the compiled block may run
         self.dtype, self.dense_quantization = read.dtype, read.scheme
         h = cfg.hidden_size
 
-        # (embeddings stay float: a token reads one row)
+        # Embeddings stay float, since a token reads only one row.
         self.embed = read.get("model.embed_tokens.weight", cfg.vocab_size, h)
         self.layers = [load_layer(read, cfg, i) for i in range(cfg.num_layers)]
         self.norm = read.get("model.norm.weight", h)
         tied = cfg.tie_word_embeddings and "lm_head.weight" not in read.ckpt
-        # tied: on the CPU the panels are a second copy of the embeddings
+        # When tied, the panels on the CPU are a second copy of the embeddings.
         self.lm_head = read.layout(self.embed) if tied \
             else read.linear(("lm_head.weight", cfg.vocab_size, h))
         # Routed token copies per (layer, expert) since start: what operators balance on.
         # Counted on the device without a host sync; `publish_load()` reads it between steps.
-        # (the MTP layers' rows too, where they draft)
+        # Where the MTP layers draft, their rows are counted too.
         self._load = torch.zeros(cfg.num_layers + cfg.mtp_layers, cfg.num_experts,
                                  dtype=torch.int64, device=read.device)
         self.expert_load = self._load.cpu()
@@ -192,12 +192,15 @@ class DenseModel:
                           start: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor],
                                           Exchange],
                           timeline: StepTimeline | None = None) -> list[torch.Tensor]:
-        """`forward` of several micro-batches (disjoint sequences) as a ping-pong pipeline:
-        each runs its layers up to its next MoE layer, starts that exchange (`start`:
-        rows out to the experts) and gives way to the next, so that one micro-batch's
-        attention runs while the experts compute another's layer. Exchanges finish in the
-        order they started. Returns each batch's hidden states [T_j, H]; `timeline` gets
-        each micro-batch's computing and exchange intervals."""
+        """`forward` of several micro-batches, of disjoint sequences, as a ping-pong
+        pipeline.
+
+        Each micro-batch runs its layers up to its next MoE layer, starts that exchange with
+        `start`, which sends the rows out to the experts, and gives way to the next. So one
+        micro-batch's attention runs while the experts compute another's layer. Exchanges
+        finish in the order they started. Returns each batch's hidden states [T_j, H].
+        `timeline` gets each micro-batch's computing and exchange intervals.
+        """
         runs = [self._layers(b, kv) for b in batches]
         out: list[torch.Tensor | None] = [None] * len(runs)
         waiting: deque[tuple[int, int, float, Exchange]] = deque()  # j, layer, sent, call
@@ -223,7 +226,7 @@ class DenseModel:
                 timeline.add("exchange", j, layer, sent, exchange.held_s)
                 advance(j, moe)
         except BaseException:
-            for *_, exchange in waiting:  # read the calls in flight: the connections stay
+            for *_, exchange in waiting:  # read the calls in flight, so the connections stay
                 with contextlib.suppress(Exception):  # in step for the next one
                     exchange.finish()
             raise
@@ -232,16 +235,19 @@ class DenseModel:
     def _layers(self, batch: StepBatch, kv: KVCache
                 ) -> Generator[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor],
                                torch.Tensor, torch.Tensor]:
-        """The layers over one batch: yields each MoE layer's call (layer, x [T, H],
-        topk_ids [T, K], topk_weights [T, K]) and takes its output [T, H] back; returns
-        the hidden states [T, H] after the final norm."""
+        """The layers over one batch.
+
+        Yields each MoE layer's call, (layer, x [T, H], topk_ids [T, K], topk_weights
+        [T, K]), and takes its output [T, H] back. Returns the hidden states [T, H] after
+        the final norm.
+        """
         cos, sin = rope_cos_sin(batch.positions, self.cfg.rope_dim, self.cfg.rope_theta,
                                 self.dtype, self.cfg.rope)
         h = self.embed[batch.input_ids]  # [T, H]
         # what each routed copy adds to the load counts: 1, or 0 for a graph's padding rows
         rows = torch.ones_like(batch.input_ids) if batch.real_rows is None else batch.real_rows
         counted = rows.repeat_interleave(self.cfg.top_k)  # [T*K] int64
-        forced = batch.forced_routing  # a warm-up's (its rows count as load: they ran)
+        forced = batch.forced_routing  # a warm-up's; its rows count as load, as they ran
         compiled = self.compiled_block(h, batch)
         routing = self.cfg.routing_spec
         for i, w in enumerate(self.layers):
@@ -263,15 +269,18 @@ class DenseModel:
         self, i: int, w: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         batch: StepBatch, kv: KVCache, compiled: ModuleType | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer i's attention block over the residual stream h [T, H]: (h plus the
-        attention's output [T, H], that sum RMSNorm'd for the MLP or MoE [T, H]). One
-        compiled call where `compiled` (`compiled_block`) is given, the same bits."""
+        """Layer i's attention block over the residual stream h [T, H].
+
+        Returns h plus the attention's output [T, H], and that sum RMSNorm'd for the MLP or
+        MoE [T, H]. Where `compiled` (from `compiled_block`) is given, the block is one
+        compiled call, with the same bits.
+        """
         cfg, t, eps = self.cfg, h.shape[0], self.cfg.rms_norm_eps
-        if compiled is not None and w.mla is not None:  # (in panels: `compiled_block`)
+        if compiled is not None and w.mla is not None:  # weights in panels (`compiled_block`)
             return compiled_mla_block(compiled, cfg, w.mla, (w.input_norm, w.o,
                                                              w.post_attn_norm),
                                       h, cos, sin, kv.k[i], batch)
-        if compiled is not None:  # (every qkv and o in panels: `compiled_block`)
+        if compiled is not None:  # every qkv and o in panels (`compiled_block`)
             return compiled.attention_block_f32(
                 h, w.input_norm, *panel_args(w.qkv), w.q_norm, w.k_norm, cos, sin, kv.k[i],
                 kv.v[i], batch.slot_mapping, batch.decode_kv_slots, batch.decode_mask,
@@ -294,19 +303,19 @@ class DenseModel:
         return h, rms_norm(h, w.post_attn_norm, eps)
 
     def compiled_block(self, h: torch.Tensor, batch: StepBatch) -> ModuleType | None:
-        """The CPU kernels, where a step's attention blocks may run as one call each (a
-        decode step over this process's own cache, float32 weights in panels; else None).
-        At a decode step's few rows the Python between the kernels costs more than their
-        arithmetic."""
+        """The CPU kernels, where a step's attention blocks may run as one call each; else
+        None. That needs a decode step over this process's own cache, with float32 weights in
+        panels. At a decode step's few rows, the Python between the kernels costs more than
+        their arithmetic."""
         if not self._own_cache or h.device.type != "cpu" or h.dtype != torch.float32 \
                 or batch.prefills or batch.foreign_slots \
                 or batch.decode_rows.numel() != h.shape[0] or not self._panels \
-                or self.cfg.head_dim % 16:  # (the compiled attention's vectors)
+                or self.cfg.head_dim % 16:  # head_dim must fill the compiled attention's vectors
             return None
         return cpu_kernels()
 
     def count_load(self, layer: int, ids: torch.Tensor) -> None:
-        """Count routed copies ids [T, K] of `layer` (an MTP layer's, drafting)."""
+        """Count routed copies ids [T, K] of `layer`, an MTP layer's when drafting."""
         self._load[layer].index_add_(0, ids.reshape(-1), torch.ones_like(ids.reshape(-1)))
 
     def publish_load(self) -> None:

@@ -16,13 +16,14 @@ def route(
     bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick experts for x [T, H] with gate [E, H], as transformers' router of the model
-    (`Routing`; bias [E] float32 is DeepSeek-V3's `e_score_correction_bias`).
+    does (`Routing`). bias [E] float32 is DeepSeek-V3's `e_score_correction_bias`.
 
-    Returns topk_ids [T, K] int64 and topk_weights [T, K] in x's dtype. The plain case
-    (softmax over all experts in float32, top-k, renormalised where asked) runs on the CPU
-    in float32 with the gate in panels as one compiled call (`route_f32`; its softmax may
-    differ from torch's in the last bit); DeepSeek's group-limited ones there too, by the
-    same torch operations called from C++ (`route_grouped_f32`: the same bits).
+    Returns topk_ids [T, K] int64 and topk_weights [T, K] in x's dtype. The plain case is a
+    softmax over all experts in float32, then top-k, renormalised where asked. On the CPU
+    in float32 with the gate in panels, it runs as one compiled call (`route_f32`), whose
+    softmax may differ from torch's in the last bit. DeepSeek's group-limited routers run
+    there as one call too, by the same torch operations called from C++
+    (`route_grouped_f32`), with the same bits.
     """
     plain = routing.method == "greedy" and routing.scoring == "softmax" \
         and routing.scaling == 1.0
@@ -58,8 +59,8 @@ def route(
 
 
 def _group_mask(group_scores: torch.Tensor, routing: Routing, experts: int) -> torch.Tensor:
-    """[T, E] bool: the experts of each token's top `topk_group` groups (group_scores
-    [T, n_group]); ties between groups go the way torch's unsorted topk takes them, as in
+    """[T, E] bool: the experts of each token's top `topk_group` groups, from group_scores
+    [T, n_group]. Ties between groups go the way torch's unsorted topk takes them, as in
     transformers."""
     chosen = torch.topk(group_scores, k=routing.topk_group, dim=-1, sorted=False)[1]
     mask = torch.zeros_like(group_scores).scatter_(1, chosen, 1).bool()  # [T, n_group]
@@ -68,8 +69,8 @@ def _group_mask(group_scores: torch.Tensor, routing: Routing, experts: int) -> t
 
 def _group_limited_greedy(scores: torch.Tensor, routing: Routing
                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V2: a group scores its best expert; the other groups' scores become 0.0
-    (not -inf: transformers' and DeepSeek's V2 router)."""
+    """DeepSeek-V2: a group scores its best expert, and the other groups' scores become
+    0.0, not -inf, as in transformers' and DeepSeek's V2 router."""
     t, e = scores.shape
     group_scores = scores.view(t, routing.n_group, -1).max(dim=-1).values
     masked = scores.masked_fill(~_group_mask(group_scores, routing, e), 0.0)
@@ -78,8 +79,8 @@ def _group_limited_greedy(scores: torch.Tensor, routing: Routing
 
 def _noaux_tc(scores: torch.Tensor, routing: Routing, bias: torch.Tensor | None
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3: the biased scores choose (a group scores the sum of its top two, the
-    other groups' experts are masked to -inf); the weights are the unbiased scores."""
+    """DeepSeek-V3: the biased scores choose. A group scores the sum of its top two, and
+    the other groups' experts are masked to -inf. The weights are the unbiased scores."""
     t, e = scores.shape
     choice = scores if bias is None else scores + bias  # [T, E]
     group_scores = choice.view(t, routing.n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)

@@ -3,13 +3,18 @@
 Every row has its own generator, so a seeded request draws the same tokens whatever else
 shares the batch.
 
-`sample()` applies, in order: `logit_bias` and `allowed_token_ids`, the penalties (the three
-of OpenAI and vLLM), structured outputs' grammar masks, the mask of EOS and stop ids below
-`min_tokens` (unless that would leave no token), then temperature, top-k, top-p and min-p
-row-wise; it draws with each sequence's own `torch.Generator`, and returns the
-log-probabilities of the raw distribution (with each token's rank) for requests that ask. A
-seeded request's draw for each token is seeded by the seed and the token's position only
-(`Sequence.next_draw`), so a request resubmitted after a failover draws what it would have.
+`sample()` applies, in order:
+
+- `logit_bias` and `allowed_token_ids`;
+- the penalties, the three of OpenAI and vLLM;
+- structured outputs' grammar masks;
+- the mask of EOS and stop ids below `min_tokens`, unless that would leave no token;
+- then temperature, top-k, top-p and min-p, row by row.
+
+It draws with each sequence's own `torch.Generator`. For requests that ask, it returns the
+log-probabilities of the raw distribution, with each token's rank. A seeded request's draw
+for each token is seeded only by the seed and the token's position (`Sequence.next_draw`), so
+a request resubmitted after a failover draws what it would have drawn.
 """
 
 from __future__ import annotations
@@ -23,13 +28,14 @@ from common.messages import SamplingParams, TokenLogprobs
 from services.attention.grammar import allowed
 from services.attention.sequence import Sequence
 
-# Temperatures below this are greedy (as in vLLM): dividing by them overflows float32.
+# Temperatures below this are greedy, as in vLLM, because dividing by them overflows float32.
 GREEDY_BELOW = 1e-5
 
 
 def sampling_error(p: SamplingParams, vocab: int) -> str | None:
-    """What is wrong with `p` for a vocabulary of `vocab` tokens (vLLM's ranges), or None.
-    The engine refuses such a request alone: sampling it would fail the whole batch."""
+    """What is wrong with `p` for a vocabulary of `vocab` tokens, by vLLM's ranges, or None.
+    The engine refuses such a request alone, because sampling it would fail the whole
+    batch."""
     if any(not 0 <= t < vocab for t in p.stop_token_ids):
         return f"stop_token_ids must be in [0, {vocab})"
     if p.logprobs is not None and not 0 <= p.logprobs <= vocab:
@@ -64,11 +70,11 @@ class Sampled:
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: tuple[int, ...] = ()
            ) -> Sampled:
-    """One token per row of logits [S, V] (float32), row i sampled for seqs[i]; the model's
-    `eos_token_ids` for `min_tokens`."""
+    """One token per row of logits [S, V] (float32); row i is sampled for seqs[i].
+    `eos_token_ids` are the model's, used for `min_tokens`."""
     params = [s.sampling for s in seqs]
     raw = logits
-    if any(p.biased for p in params):  # before the penalties, as vLLM
+    if any(p.biased for p in params):  # before the penalties, as in vLLM
         logits = apply_bias(logits, params)
     if any(p.penalized for p in params):
         logits = _finite(apply_penalties(logits, seqs))
@@ -76,7 +82,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: tuple[int,
         logits = apply_grammars(logits, seqs)
     if any(len(s.output_token_ids) < s.sampling.min_tokens for s in seqs):
         suppressed = suppress_stops(logits, seqs, eos_token_ids)
-        # min_tokens yields where it would leave no token (allowed_token_ids all stops)
+        # min_tokens yields where it would leave no token, as when allowed_token_ids are
+        # all stops
         left = (suppressed > float("-inf")).any(dim=-1, keepdim=True)  # [S, 1]
         logits = torch.where(left, suppressed, logits)
     tokens = logits.argmax(dim=-1)  # [S]
@@ -91,10 +98,13 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: tuple[int,
 
 
 def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """The distribution each row samples from: logits [S, V] (float32, biases, penalties
-    and masks applied) at row i's temperature, top-k, top-p and min-p; [S, V]. A row that
-    extreme parameters break (no finite mass) is its argmax's one-hot: it costs its own
-    request its randomness, never the batch."""
+    """The distribution each row samples from, [S, V].
+
+    logits: [S, V] float32, with biases, penalties and masks applied. Row i is taken at its
+    own temperature, top-k, top-p and min-p. A row that extreme parameters break, leaving no
+    finite mass, becomes its argmax's one-hot. That costs its own request its randomness,
+    never the batch.
+    """
     temps = torch.tensor([max(p.temperature, GREEDY_BELOW) for p in params],
                          dtype=logits.dtype, device=logits.device)
     probs = filtered_probs(_finite(logits / temps[:, None]), params)  # [S, V]
@@ -106,8 +116,9 @@ def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """Presence and frequency penalties over each sequence's generated tokens (OpenAI),
-    and the repetition penalty over prompt and generated tokens (HF, vLLM).
+    """Presence and frequency penalties over each sequence's generated tokens, as in
+    OpenAI's API, and the repetition penalty over prompt and generated tokens, as in HF and
+    vLLM.
 
     logits: [S, V] float, row i for seqs[i]; returns a penalized copy of the same shape."""
     logits = logits.clone()
@@ -163,7 +174,7 @@ def apply_grammars(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
 def suppress_stops(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: tuple[int, ...]
                    ) -> torch.Tensor:
-    """min_tokens (vLLM): a sequence with fewer generated tokens cannot sample its stop
+    """vLLM's min_tokens: a sequence with fewer generated tokens cannot sample its stop
     token ids, nor EOS unless it ignores EOS.
 
     logits: [S, V] float, row i for seqs[i]; returns a copy with those ids at -inf."""
@@ -191,13 +202,13 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     ranks = torch.arange(vocab, device=device)[None, :]
     drop = ranks >= top_k[:, None]
     sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-    # Keep the smallest prefix whose mass reaches top_p (always the first token); top_p 1
-    # keeps all (float32's cumsum reaches 1 before the tail, which would be dropped).
+    # Keep the smallest prefix whose mass reaches top_p, which always holds the first token.
+    # top_p 1 keeps all: float32's cumsum reaches 1 before the tail, which would be dropped.
     drop |= ((sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]) & \
         (top_p[:, None] < 1)
     # min-p: drop tokens less likely than min_p times the most likely one.
     drop |= sorted_probs < min_p[:, None] * sorted_probs[:, :1]
-    drop[:, 0] = False  # the most likely token always survives (tiny top_p rounds to 0)
+    drop[:, 0] = False  # the most likely token always survives, even where a tiny top_p rounds to 0
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     filtered = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     return filtered.softmax(dim=-1)
@@ -223,12 +234,12 @@ def _logprobs(raw: torch.Tensor, params: list[SamplingParams], chosen: list[int]
 def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int]
                    ) -> list[TokenLogprobs]:
     """Row i's log-probability of `token_ids[i]`, that token's rank, and the `num_top[i]`
-    likeliest tokens, under the raw distribution of logits [R, V] (float32); copied to
-    the host once, not per row."""
+    likeliest tokens, under the raw distribution of logits [R, V] (float32). The results are
+    copied to the host once, not per row."""
     logprobs = logits.log_softmax(dim=-1)  # [R, V]
     ids = torch.tensor(token_ids, dtype=torch.int64, device=logits.device)
     own = logprobs.gather(1, ids[:, None])  # [R, 1]
-    ranks = (logprobs > own).sum(dim=-1) + 1  # [R]; NaN compares false: ranks stay defined
+    ranks = (logprobs > own).sum(dim=-1) + 1  # [R]. NaN compares false, so ranks stay defined
     top_lp, top_ids = logprobs.topk(max(num_top, default=0), dim=-1)  # [R, k]
     own_l, ranks_l, top_lp_l, top_ids_l = (own[:, 0].tolist(), ranks.tolist(),
                                            top_lp.tolist(), top_ids.tolist())

@@ -1,11 +1,11 @@
 """One pipelined step's timeline: when each micro-batch computed on this rank and when
 its layer calls were out with the expert services (`DenseModel.forward_pipelined`).
 
-The engine keeps the last step's (`Engine.last_timeline`, read by `benchmarks.timeline`
-and the overlap test) and, where the step's span is recorded in detail, draws it as that
-span's children: one `micro-batch j` span per micro-batch, holding its `attention layer
-l` and `exchange layer l` intervals, so that a tracing UI shows one micro-batch's
-computation inside another's exchange.
+The engine keeps the last step's timeline (`Engine.last_timeline`), which
+`benchmarks.timeline` and the overlap test read. Where the step's span is recorded in
+detail, the engine draws the timeline as that span's children: one `micro-batch j` span
+per micro-batch, holding its `attention layer l` and `exchange layer l` intervals. So a
+tracing UI shows one micro-batch's computation inside another's exchange.
 """
 
 from __future__ import annotations
@@ -24,10 +24,14 @@ FINAL = -1  # the layer of a micro-batch's computation after its last MoE layer
 
 @dataclass(frozen=True)
 class Interval:
-    """kind: "attention" (this rank computing the micro-batch up to MoE layer `layer`'s
-    call, or to the final norm where `layer` is FINAL) or "exchange" (the layer call out,
-    from its rows leaving until its output is combined, of which the slowest expert rank
-    held it `held`). Times are time.perf_counter() seconds."""
+    """One interval of a micro-batch's step.
+
+    kind: "attention" or "exchange". "attention" is this rank computing the micro-batch up
+        to MoE layer `layer`'s call, or to the final norm where `layer` is FINAL.
+        "exchange" is the layer call out, from its rows leaving until its output is
+        combined; `held` is how long the slowest expert rank held it.
+    Times are time.perf_counter() seconds.
+    """
 
     kind: Kind
     micro_batch: int
@@ -56,7 +60,7 @@ class StepTimeline:
         return sorted({i.micro_batch for i in self.intervals})
 
     def draw(self) -> None:
-        """The intervals as children of the current span (per micro-batch)."""
+        """The intervals as children of the current span, grouped per micro-batch."""
         if not self.intervals:
             return
         tracer = tracing.tracer()

@@ -1,5 +1,5 @@
-"""The attention service's spans: each request's queue, prefill and decode phases, and
-(sampled) scheduler steps linked to every request they served."""
+"""The attention service's spans: each request's queue, prefill and decode phases, and the
+sampled scheduler steps, linked to every request they served."""
 
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ from services.attention.sequence import Sequence
 
 
 def _wall_ns(monotonic_s: float) -> int:
-    """A time.monotonic() reading as wall-clock ns (spans carry wall-clock times)."""
+    """A time.monotonic() reading as wall-clock ns, since spans carry wall-clock times."""
     return time.time_ns() - int((time.monotonic() - monotonic_s) * 1e9)
 
 
 def trace_request(seq: Sequence, reason: str) -> None:
-    """Emit the phases of a finished (or aborted) request under its sampled gateway span."""
+    """Emit the phases of a finished or aborted request under its sampled gateway span."""
     if seq.trace_parent is None:
         return
     parent = set_span_in_context(NonRecordingSpan(seq.trace_parent))
@@ -41,12 +41,14 @@ def trace_request(seq: Sequence, reason: str) -> None:
 
 @contextmanager
 def step_span(scheduled: list[ScheduledSeq]) -> Iterator[Span | None]:
-    """A span around one scheduler step, linked to each sampled request it serves. A step
-    serves many requests, so it is a root of its own: sampled like any root, and recorded
-    without per-layer detail when only a request it serves is (`tracing._follow_links`).
-    It ends with the step's busy and waiting seconds (`switchyard.busy_s`,
-    `switchyard.wait_s`: blocked on the expert services, `common.compute.waiting`).
-    Yields the span (None while tracing is off), for what the step learns at its end."""
+    """A span around one scheduler step, linked to each sampled request it serves.
+
+    A step serves many requests, so it is a root of its own. It is sampled like any root,
+    and recorded without per-layer detail when only a request it serves is
+    (`tracing._follow_links`). It ends with the step's busy and waiting seconds
+    (`switchyard.busy_s`, `switchyard.wait_s`); waiting is time blocked on the expert
+    services (`common.compute.waiting`). Yields the span, or None while tracing is off,
+    for what the step learns at its end."""
     if not tracing.enabled():
         yield None
         return

@@ -43,7 +43,7 @@ class ExpertConfig:
     device: str = "cpu"
     deepep: DeepEPSettings = field(default_factory=DeepEPSettings)
     secret: ClusterSecret = NO_SECRET  # what connections to --port prove (`common.auth`)
-    link_timeout: float = LINK_TIMEOUT_S  # silent this long, a peer is dead (`set_liveness`)
+    link_timeout: float = LINK_TIMEOUT_S  # a peer silent this long is dead (`set_liveness`)
 
 
 def add_expert_parser(sub: argparse._SubParsersAction) -> None:

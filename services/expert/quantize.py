@@ -2,17 +2,17 @@
 with `--dense int8` whose dense linears are stored in int8 (`services.model.dense`).
 
 Every expert weight `W` becomes `W_packed` ([out, in / 2] uint8, E2M1 codes) and
-`W_scale` ([out, in / 32] uint8, E8M0); a dense linear `W` becomes `W` int8 [out, in]
-and `W_scale` float32 [out]; every other tensor is copied as is, as is every other file
-(tokenizer, chat template). `config.json` gains a `quantization_config`, so services load
+`W_scale` ([out, in / 32] uint8, E8M0). A dense linear `W` becomes `W` int8 [out, in] and
+`W_scale` float32 [out]. Every other tensor is copied as is, as is every other file, such as
+the tokenizer and chat template. `config.json` gains a `quantization_config`, so services load
 the quantized weights directly, never in full precision. Shards are converted one at a
 time, so memory holds one shard at most.
 
 Such a checkpoint's `config.json` carries `quantization_config = {"quant_method":
-"switchyard", "experts": "mxfp4", ...}` (older copies: `"switchyard_mxfp4"`) and, with dense
-int8, `"dense": "int8"`. The default `--quantization auto` serves its experts as W4A4, as
-`--quantization w4a4` does a float checkpoint's (quantized at load), and `none` insists on
-float experts; `--dense-quantization auto` serves its int8 linears as they are. `/v1/models`
+"switchyard", "experts": "mxfp4", ...}`, or `"switchyard_mxfp4"` in older copies, and, with
+dense int8, `"dense": "int8"`. The default `--quantization auto` serves its experts as W4A4,
+as `--quantization w4a4` does a float checkpoint's, quantized at load; `none` insists on
+float experts. `--dense-quantization auto` serves its int8 linears as they are. `/v1/models`
 reports the quantization (`"w4a4"`), and `/health` each group's `quantization` and
 `dense_quantization`.
 """
@@ -46,9 +46,9 @@ def expert_weight_names(config: ModelConfig) -> set[str]:
 
 def quantize_checkpoint(src: Path, dst: Path, experts: bool = True,
                         dense: str | None = None) -> dict[str, int]:
-    """Write the quantized copy of `src` to `dst`: the experts as MXFP4 (`experts`), the
-    dense linears in `dense` ("int8" or None). Returns the bytes before (as stored) and
-    after of each kind quantized."""
+    """Write the quantized copy of `src` to `dst`: the experts as MXFP4 (`experts`), and
+    the dense linears in `dense`, "int8" or None. Returns the bytes of each kind quantized,
+    before (as stored) and after."""
     config = ModelConfig.from_dir(src)
     if config.quantization or config.dense_quantization:
         raise CheckpointError(f"{src} is already quantized "
@@ -90,7 +90,7 @@ def quantize_checkpoint(src: Path, dst: Path, experts: bool = True,
 
 def _convert(name: str, tensor: torch.Tensor, expert: bool, dense: bool,
              sizes: dict[str, int]) -> dict[str, torch.Tensor]:
-    """One tensor as stored in the quantized copy (its bytes added to `sizes`)."""
+    """One tensor as stored in the quantized copy. Its bytes are added to `sizes`."""
     if expert:
         q = quantize(tensor)
         packed, scale = packed_names(name)

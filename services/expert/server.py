@@ -1,17 +1,18 @@
 """The expert service process: an `ExpertBank`, served by its dispatch backend's expert
-side (`rpc`: a TCP listener any number of attention ranks connect to, `ExpertServer.compute`
-answering each layer's batches; the lockstep backends: their world's rounds).
+side. With `rpc` that is a TCP listener any number of attention ranks connect to, with
+`ExpertServer.compute` answering each layer's batches. With the lockstep backends it is their
+world's rounds.
 
 A rebalance's new placement is loaded on a thread of its own, one version at a time, while
-the computation answers layer calls (`ExpertServer.prepare`, `ExpertBank.moved_to`): a layer
-whose experts on this rank do not change shares the tensors it has; a changed layer is read
-from the checkpoint, one layer after another (W4A4 experts with their scales, as at
-start-up). The rank keeps the newest version and every version a connection still uses (said
-on connecting, with each switch, and by each batch); the others are freed as the last
-connection moves on or closes.
+the computation answers layer calls (`ExpertServer.prepare`, `ExpertBank.moved_to`). A layer
+whose experts on this rank do not change shares the tensors it has. A changed layer is read
+from the checkpoint, one layer after another; W4A4 experts are read with their scales, as at
+start-up. The rank keeps the newest version and every version a connection still uses. A
+connection says which version it uses on connecting, with each switch, and by each batch.
+The other versions are freed as the last connection moves on or closes.
 
-The service checks every field of a batch that indexes memory (its layer, its placement
-version, its counts against its rows and bytes) before it computes.
+Before it computes, the service checks every field of a batch that indexes memory: its
+layer, its placement version, and its counts against its rows and bytes.
 """
 
 from __future__ import annotations
@@ -54,12 +55,12 @@ log = logging.getLogger("switchyard.expert")
 
 
 class ExpertServer:
-    """One expert rank: its placement's share of every MoE layer's experts, loaded; each
-    layer's batches checked and answered with one grouped GEMM (`compute`).
+    """One expert rank: its placement's share of every MoE layer's experts, loaded. Each
+    layer's batches are checked and answered with one grouped GEMM (`compute`).
 
     A rebalance (`prepare`) loads the share of a new placement version beside the ones
-    served, sharing the layers whose experts stay; each batch names the version it was
-    laid out by, and a version older than the newest is freed once no connection uses it
+    served, sharing the layers whose experts stay. Each batch names the version it was laid
+    out by. A version older than the newest is freed once no connection uses it
     (`release`)."""
 
     def __init__(self, config: ExpertConfig) -> None:
@@ -85,7 +86,7 @@ class ExpertServer:
     @property
     def bank(self) -> ExpertBank:
         """The newest placement's share."""
-        versions = dict(self.versions)  # (a copy: `release` runs on another thread)
+        versions = dict(self.versions)  # a copy, as `release` runs on another thread
         return versions[max(versions)]
 
     def info(self) -> ExpertInfo:
@@ -95,9 +96,10 @@ class ExpertServer:
                           shares={v: b.experts for v, b in dict(self.versions).items()})
 
     def prepare(self, update: PlacementUpdate) -> PlacementReady:
-        """Load this rank's share of placement `update.version` beside the ones served
-        (blocking: run off the event loop and the computation, one at a time): the layers
-        whose experts change are read from the checkpoint, the others shared."""
+        """Load this rank's share of placement `update.version` beside the ones served.
+        The layers whose experts change are read from the checkpoint, and the others are
+        shared. This blocks, so it runs off the event loop and the computation, one at a
+        time."""
         rank, version = self.config.rank, update.version
         if (bank := self.versions.get(version)) is not None:
             return PlacementReady(version, rank, bank.experts, bank.nbytes())
@@ -130,7 +132,7 @@ class ExpertServer:
 
     def release(self, in_use: set[int]) -> None:
         """Free every placement older than the newest that no connection uses."""
-        held = list(self.versions)  # (a copy: a load may add one meanwhile)
+        held = list(self.versions)  # a copy, as a load may add one meanwhile
         newest = max(held)
         for version in [v for v in held if v != newest and v not in in_use]:
             del self.versions[version]
@@ -154,7 +156,7 @@ class ExpertServer:
         return bank, x
 
     def compute(self, batches: list[ExpertBatch]) -> list[ExpertResult]:
-        """Answer batches of one layer and placement version (from any attention ranks)
+        """Answer batches of one layer and placement version, from any attention ranks,
         with one grouped GEMM."""
         results: dict[int, ExpertResult] = {}
         valid: list[tuple[int, ExpertBatch, torch.Tensor]] = []
@@ -167,7 +169,7 @@ class ExpertServer:
                 log.warning("rejecting batch %d: %s", batch.call_id, exc)
                 results[i] = ExpertResult(batch.call_id, error=str(exc))
         if valid:
-            assert bank is not None  # (the batches' version)
+            assert bank is not None  # the batches' version
             start, spans = time.time_ns(), []
             try:
                 outputs = self._grouped(bank, [b.tokens_per_expert for _, b, _ in valid],
@@ -178,8 +180,8 @@ class ExpertServer:
                 for (i, batch, x), y in zip(valid, outputs, strict=True):
                     out = y.to(x.dtype) if x.is_floating_point() else y  # MXFP4 in, float out
                     results[i] = ExpertResult(batch.call_id, to_wire(out))
-            except Exception as exc:  # e.g. out of device memory: these calls fail, the
-                # service stays (its callers see an expert rank error, a retryable 503)
+            except Exception as exc:  # e.g. out of device memory: these calls fail, but the
+                # service stays; its callers see an expert rank error, a retryable 503
                 log.exception("expert computation failed for layer %d", valid[0][1].layer)
                 for i, batch, _ in valid:
                     results[i] = ExpertResult(batch.call_id, error=f"expert computation "
@@ -188,8 +190,8 @@ class ExpertServer:
 
     def _trace(self, bank: ExpertBank, batch: ExpertBatch, start: int,
                spans: list[tuple[int, int]]) -> None:
-        """The layer's span under the caller's dispatch span, and one span per local expert
-        (the GEMM time is shared when batches were coalesced)."""
+        """The layer's span under the caller's dispatch span, and one span per local
+        expert. The GEMM time is shared when batches were coalesced."""
         tracer, rank = tracing.tracer(), self.config.rank
         layer_span = tracer.start_span(
             f"experts layer {batch.layer}", context=tracing.extract(batch.trace_context),
@@ -225,8 +227,8 @@ class ExpertServer:
         return [torch.cat([y_pieces[e * n + b] for e in range(num_local)]) for b in range(n)]
 
     def side(self, metrics_port: int | None) -> ExpertSide:
-        """What the backend's expert side serves with; its `ready` reports the rank
-        ready (to the launcher's pipe) once it listens or has joined its world."""
+        """What the backend's expert side serves with. Its `ready` reports the rank ready
+        to the launcher's pipe once it listens or has joined its world."""
         config, bank = self.config, self.bank
 
         def ready(port: int) -> None:
@@ -248,10 +250,10 @@ class ExpertServer:
 
 
 def _yield_to_computation() -> None:
-    """Give this (loading) thread the lowest CPU priority, so that the layer calls (and
-    the other services on these cores) run first: a load takes longer, a step does not
-    wait for it. Linux only, where a thread's niceness is its own; threads it starts
-    (its OpenMP team) inherit it."""
+    """Give this loading thread the lowest CPU priority, so that the layer calls, and the
+    other services on these cores, run first. A load takes longer, but a step does not
+    wait for it. This works on Linux only, where a thread's niceness is its own; threads it
+    starts, such as its OpenMP team, inherit it."""
     if sys.platform == "linux":
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
@@ -272,7 +274,7 @@ def main(config: ExpertConfig) -> int:
         metrics_port = start_metrics_server(config.host, config.metrics_port, "expert",
                                             config.rank)
         serve = server.backend.serve
-        assert serve is not None  # (the expert flags offer only backends with an expert side)
+        assert serve is not None  # the expert flags offer only backends with an expert side
         with torch.inference_mode():
             serve(server.side(metrics_port))
     except (CheckpointError, ValueError, OSError, RendezvousError) as exc:

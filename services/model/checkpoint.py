@@ -1,8 +1,8 @@
 """Reading tensors from a Hugging Face safetensors checkpoint, one tensor at a time.
 
-Services load only the tensors they own (the attention service never touches expert
-weights; an expert service reads only its placement's experts), so nothing here
-materialises the whole model.
+Services load only the tensors they own, so nothing here materialises the whole model. The
+attention service never touches expert weights, and an expert service reads only its
+placement's experts.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ __all__ = ["INDEX_FILE", "Checkpoint"]
 
 
 class Checkpoint:
-    """A directory of `*.safetensors` files (single file or sharded with an index)."""
+    """A directory of `*.safetensors` files: a single file, or shards with an index."""
 
     def __init__(self, model_dir: str | Path) -> None:
         self.dir = Path(model_dir)
@@ -64,7 +64,8 @@ class Checkpoint:
                 )
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None) -> torch.Tensor:
-        """Load one tensor, checking its shape, converted to `dtype` (None: as stored)."""
+        """Load one tensor, checking its shape, converted to `dtype`; None keeps it as
+        stored."""
         self.check_shapes([(name, shape)])
         tensor = self._open(self.file_of(name)).get_tensor(name)
         return tensor if dtype is None else tensor.to(dtype)

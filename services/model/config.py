@@ -1,11 +1,11 @@
 """The project's own model config, translated once from a Hugging Face `config.json`.
 
 `ModelConfig.from_dir` translates a checkpoint's `config.json` once, with the families'
-parts from `families`, and refuses an option that is not built with the field's name at
-start-up. The model directory's `eos_token_id`s end generation, besides a request's own stop
-conditions. It finds an MTP layer where its weights are (`mtp_layers`), and
-`served_moe_layers` adds it to the MoE layers the expert ranks hold (on every backend but
-`deepep`), so it is placed, rebalanced and counted per expert as the decoder's layers are.
+parts from `families`. At start-up it refuses an option that is not built, naming the field.
+The model directory's `eos_token_id`s end generation, besides a request's own stop
+conditions. It finds an MTP layer where its weights are (`mtp_layers`). On every backend but
+`deepep`, `served_moe_layers` adds it to the MoE layers the expert ranks hold, so it is
+placed, rebalanced and counted per expert as the decoder's layers are.
 """
 
 from __future__ import annotations
@@ -41,12 +41,13 @@ DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 class ModelConfig:
     """Everything the engine needs to know about a model's shape.
 
-    `moe_layers[i]` is True when decoder layer i has a sparse MoE block and False when it
-    has a dense MLP of `intermediate_size` (Qwen3-MoE's `mlp_only_layers`/`decoder_sparse_step`,
-    DeepSeek's `first_k_dense_replace`/`moe_layer_freq`).
+    `moe_layers[i]` is True when decoder layer i has a sparse MoE block, and False when it
+    has a dense MLP of `intermediate_size`. Qwen3-MoE sets this with
+    `mlp_only_layers`/`decoder_sparse_step`, DeepSeek with
+    `first_k_dense_replace`/`moe_layer_freq`.
 
-    With `mla`, the attention runs over the latent cache as one KV head of `head_dim` =
-    kv_lora_rank + qk_rope_head_dim (`num_kv_heads` = 1).
+    With `mla`, the attention runs over the latent cache as one KV head (`num_kv_heads` = 1)
+    of `head_dim` = kv_lora_rank + qk_rope_head_dim.
     """
 
     architecture: str
@@ -71,7 +72,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
     quantization: str | None = None  # "w4a4": experts stored as MXFP4 (switchyard quantize)
-    dense_quantization: str | None = None  # "int8": dense linears stored in int8 (same)
+    dense_quantization: str | None = None  # "int8": dense linears in int8 (switchyard quantize)
     routing: Routing | None = None  # None: greedy softmax top_k (`routing_spec`)
     mla: MLA | None = None
     shared_experts: SharedExperts | None = None
@@ -88,12 +89,12 @@ class ModelConfig:
 
     @property
     def mtp_layer_ids(self) -> list[int]:
-        """The checkpoint's MTP layers (each a decoder block with a MoE of its own)."""
+        """The checkpoint's MTP layers, each a decoder block with a MoE of its own."""
         return list(range(self.num_layers, self.num_layers + self.mtp_layers))
 
     def served_moe_layers(self, mtp: bool = True) -> list[int]:
         """The MoE layers whose experts the expert ranks hold: the decoder's, and with
-        `mtp` (a dispatch backend's `Backend.mtp`) the MTP layers'."""
+        `mtp` the MTP layers'. `mtp` is a dispatch backend's `Backend.mtp`."""
         return self.moe_layer_ids + (self.mtp_layer_ids if mtp else [])
 
     @property
@@ -121,9 +122,9 @@ class ModelConfig:
 
     @property
     def attention_scale(self) -> float:
-        """The softmax scale: 1/sqrt(head_dim); MLA's is 1/sqrt(qk_head_dim), times YaRN's
-        mscale squared where the checkpoint gives `mscale_all_dim` (transformers' and
-        DeepSeek's `softmax_scale`)."""
+        """The softmax scale: 1/sqrt(head_dim). MLA's is 1/sqrt(qk_head_dim), times YaRN's
+        mscale squared where the checkpoint gives `mscale_all_dim`, as in transformers' and
+        DeepSeek's `softmax_scale`."""
         if self.mla is None:
             return self.head_dim ** -0.5
         rope, scale = self.rope_spec, self.mla.qk_head_dim ** -0.5
@@ -220,13 +221,13 @@ def _common(raw: dict[str, Any], arch: str, rope: Rope) -> dict[str, Any]:
 
 
 def _mtp_layers_present(model_dir: Path, config: ModelConfig) -> int:
-    """How many of the config's MTP layers the checkpoint holds (transformers' DeepSeek
-    models, for one, say 1 and save none)."""
+    """How many of the config's MTP layers the checkpoint holds. transformers' DeepSeek
+    models, for one, say 1 and save none."""
     if not config.mtp_layers:
         return 0
     try:
         names = tensor_files(model_dir)
-    except CheckpointError:  # (said with its file when the weights are loaded)
+    except CheckpointError:  # reported with its file when the weights are loaded
         return 0
     return sum(f"model.layers.{i}.eh_proj.weight" in names for i in config.mtp_layer_ids)
 
@@ -235,9 +236,9 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 def tensor_files(model_dir: Path) -> dict[str, Path]:
-    """Each tensor of a checkpoint directory and the file that holds it: from the index of
-    a sharded one, else from each `*.safetensors` file's header (an 8-byte length, then
-    JSON), read without torch, which the launcher does not load."""
+    """Each tensor of a checkpoint directory and the file that holds it. For a sharded
+    checkpoint this comes from the index, else from each `*.safetensors` file's header, an
+    8-byte length then JSON. It is read without torch, which the launcher does not load."""
     index = model_dir / INDEX_FILE
     if index.is_file():
         weight_map = json.loads(index.read_text()).get("weight_map", {})
@@ -264,9 +265,9 @@ def _header_names(path: Path) -> list[str]:
 
 
 def _generation_eos(path: Path) -> tuple[int, ...]:
-    """The end-of-sequence ids of `generation_config.json`, if there is one: generation
-    stops at these too, as in transformers' `generate` and vLLM (e.g. Qwen3 adds
-    <|endoftext|> to config.json's <|im_end|>)."""
+    """The end-of-sequence ids of `generation_config.json`, if there is one. Generation
+    stops at these too, as in transformers' `generate` and vLLM. For example, Qwen3 adds
+    <|endoftext|> to config.json's <|im_end|>."""
     if not path.is_file():
         return ()
     try:
@@ -288,8 +289,8 @@ DENSE_QUANTIZATIONS = ("auto", "none", "int8")  # what --dense-quantization acce
 
 
 def check_quantization(config: ModelConfig, requested: str) -> str | None:
-    """The quantization to serve with (None: the checkpoint's dtype). `requested` is
-    --quantization: "auto" takes the checkpoint's, "none" insists on float experts."""
+    """The quantization to serve with; None means the checkpoint's dtype. `requested` is
+    --quantization: "auto" takes the checkpoint's, and "none" insists on float experts."""
     quantization = _choose("quantization", QUANTIZATIONS, config.quantization, requested)
     if quantization == "w4a4":
         from moe_kernels.mxfp4 import check_blockable  # torch: only where W4A4 is asked for
@@ -300,7 +301,7 @@ def check_quantization(config: ModelConfig, requested: str) -> str | None:
 
 
 def check_dense_quantization(config: ModelConfig, requested: str) -> str | None:
-    """The dense linears' scheme to serve with (None: the model's dtype), from
+    """The dense linears' scheme to serve with; None means the model's dtype. It reads
     --dense-quantization as `check_quantization` reads --quantization."""
     return _choose("dense-quantization", DENSE_QUANTIZATIONS, config.dense_quantization,
                    requested)
@@ -336,8 +337,9 @@ def _quantization(raw: dict[str, Any]) -> tuple[str | None, str | None]:
 
 
 def _deepseek(raw: dict[str, Any], arch: str, rope: Rope) -> ModelConfig:
-    """DeepSeek-V2/V3 (and their relatives' layout): MLA, shared experts, dense first layers
-    and group-limited routing, as transformers' modeling code reads its config."""
+    """DeepSeek-V2/V3, and their relatives' layout: MLA, shared experts, dense first layers
+    and group-limited routing. The config is read as transformers' modeling code reads
+    it."""
     v3 = arch == "DeepseekV3ForCausalLM"
     if raw.get("attention_bias"):
         raise CheckpointError("field 'attention_bias': true is not supported for MLA")

@@ -1,12 +1,13 @@
 """Per-expert series: compute latency and routed token rows, by layer, expert and rank.
 
-Recorded wherever an `ExpertBank` runs (an expert service, or the attention service with
-the `local` backend), for every layer call, whether or not tracing is on.
+They are recorded wherever an `ExpertBank` runs, in an expert service or in the attention
+service with the `local` backend, for every layer call, whether or not tracing is on.
 
 A decode step observes every expert it routes to in every layer: hundreds of observations.
-Through prometheus_client's histograms (a lock and several calls each) that cost about 5%
-of a batch-16 decode step on the CPU, so each rank keeps plain per-layer lists instead and
-renders them as the same two metric families when /metrics is read (`_Collector`).
+Through prometheus_client's histograms, which take a lock and several calls each, that cost
+about 5% of a batch-16 decode step on the CPU. So each rank keeps plain per-layer lists
+instead, and renders them as the same two metric families when /metrics is read
+(`_Collector`).
 
 `ExpertBank.forward` times each local expert of every layer call: the grouped GEMM reports
 each expert's start and end, or on the CPU each expert's share of the call. The series are
@@ -76,8 +77,8 @@ class ExpertMetrics:
                 buckets[i][bisect.bisect_left(EXPERT_BUCKETS, s)] += 1  # le: s <= bound
 
     def samples(self) -> Iterator[tuple[tuple[str, str, str], int, float, list[int]]]:
-        """Each expert that ran: its labels, tokens, seconds and non-cumulative buckets
-        (over every share of the placements it was in)."""
+        """Each expert that ran: its labels, tokens, seconds and non-cumulative buckets,
+        over every share of the placements it was in."""
         merged: dict[tuple[int, int], tuple[int, float, list[int]]] = {}
         for (layer, _), series in list(self._shares.items()):
             for i, expert in enumerate(series.experts):

@@ -38,7 +38,7 @@ from services.model.expert_metrics import ExpertMetrics
 _PROJ_NAMES = {"MixtralForCausalLM": ("w1", "w3", "w2")}
 _GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")  # Qwen's and DeepSeek's
 log = logging.getLogger("switchyard.expert")
-# One layer's stacked experts, as loaded (in the CPU kernels' panels where they run)
+# One layer's stacked experts, as loaded; in the CPU kernels' panels where they run
 Weights = torch.Tensor | MXFP4Tensor | PanelWeights | MXFP4Panels
 
 
@@ -59,7 +59,7 @@ def _components(w: torch.Tensor | MXFP4Tensor) -> tuple[torch.Tensor, ...]:
 
 def _empty_stack(like: torch.Tensor | MXFP4Tensor, n: int, rows: int,
                  device: torch.device) -> torch.Tensor | MXFP4Tensor:
-    """[n, rows, ...] uninitialised, of `like`'s kind (MXFP4: its codes and scales)."""
+    """[n, rows, ...] uninitialised, of `like`'s kind; for MXFP4, its codes and scales."""
     parts = [torch.empty((n, rows, *c.shape[1:]), dtype=c.dtype, device=device)
              for c in _components(like)]
     return MXFP4Tensor(*parts) if isinstance(like, MXFP4Tensor) else parts[0]
@@ -73,8 +73,8 @@ def _put(stack: torch.Tensor | MXFP4Tensor, i: int, row: int,
 
 
 def all_experts(config: ModelConfig) -> dict[int, list[int]]:
-    """Every expert of every MoE layer, the MTP layers' included (what the in-process
-    `local` backend holds)."""
+    """Every expert of every MoE layer, the MTP layers' included. This is what the
+    in-process `local` backend holds."""
     return {layer: list(range(config.num_experts))
             for layer in config.served_moe_layers()}
 
@@ -82,11 +82,11 @@ def all_experts(config: ModelConfig) -> dict[int, list[int]]:
 class ExpertBank:
     """Some experts of every MoE layer: `experts[layer]` lists global ids, ascending.
 
-    Weights per MoE layer: w_gate_up [E_local, 2 * I, H] and w_down [E_local, H, I], in
-    `dtype` (float32 on the CPU: in the kernels' panel layout, `moe_kernels.panels`), or
-    with quantization "w4a4" as MXFP4 (blocks along the reduction dimension; on the CPU in
-    the W4A4 kernel's panels where it runs AVX512-VNNI).
-    Only these experts' tensors are read from the checkpoint, one at a time; a quantized
+    Weights per MoE layer are w_gate_up [E_local, 2 * I, H] and w_down [E_local, H, I], in
+    `dtype`. Float32 on the CPU is in the kernels' panel layout (`moe_kernels.panels`). With
+    quantization "w4a4" they are MXFP4, in blocks along the reduction dimension; on the CPU
+    they are in the W4A4 kernel's panels where it runs AVX512-VNNI.
+    Only these experts' tensors are read from the checkpoint, one at a time. A quantized
     checkpoint is read packed, never in full precision. Every layer call is recorded in
     the per-expert metrics of expert rank `rank`.
     """
@@ -116,9 +116,9 @@ class ExpertBank:
 
     def _load_layer(self, checkpoint: Checkpoint, layer: int, expert_ids: Sequence[int]
                     ) -> tuple[Weights, Weights]:
-        """One layer's (w_gate_up, w_down) of these experts, each tensor read once into
-        its place in the layer's stack; on the CPU then in the kernels' panel layouts
-        (float32, or MXFP4 where VNNI runs)."""
+        """One layer's (w_gate_up, w_down) of these experts. Each tensor is read once into
+        its place in the layer's stack. On the CPU the stacks then go into the kernels'
+        panel layouts: float32, or MXFP4 where VNNI runs."""
         config = self._config
         hidden, inter = config.hidden_size, config.moe_intermediate_size
         n = len(expert_ids)
@@ -134,14 +134,14 @@ class ExpertBank:
             if down is None:
                 down = _empty_stack(w_down, n, hidden, self.device)  # [E, H, I]
             _put(down, i, 0, w_down)
-        assert gate_up is not None and down is not None  # (callers skip empty shares)
+        assert gate_up is not None and down is not None  # callers skip empty shares
         return panels_for_cpu(gate_up), panels_for_cpu(down)
 
     def moved_to(self, experts: Mapping[int, Sequence[int]], checkpoint: Checkpoint,
                  progress: Callable[[int, int], None] | None = None) -> ExpertBank:
-        """A bank of these experts (a new placement's share): each layer whose experts did
-        not change shares this bank's tensors; the others are read from the checkpoint,
-        one layer at a time (W4A4 weights with their scales). The metrics are this bank's.
+        """A bank of these experts, a new placement's share. Each layer whose experts did
+        not change shares this bank's tensors. The others are read from the checkpoint,
+        one layer at a time, W4A4 weights with their scales. The metrics are this bank's.
         `progress(done, total)` follows the layers read."""
         new = copy.copy(self)
         new.experts = {layer: list(ids) for layer, ids in experts.items()}
@@ -169,8 +169,9 @@ class ExpertBank:
                                ckpt.get(scale, (rows, k // 32), torch.uint8))
         if not self.quantization:
             return ckpt.get(name, shape, self.dtype).to(self.device)
-        # From float32 (exact for any stored float dtype), as `switchyard quantize` does: a
-        # bf16 serving dtype first would round twice (a value just past a tie lands on it).
+        # Quantize from float32, which is exact for any stored float dtype, as `switchyard
+        # quantize` does. A bf16 serving dtype first would round twice: a value just past a
+        # tie would land on it.
         return quantize(ckpt.get(name, shape, torch.float32).to(self.device))
 
     @property
@@ -181,7 +182,7 @@ class ExpertBank:
 
     def forward(self, layer: int, x: torch.Tensor, tokens_per_expert: list[int],
                 spans: list[tuple[int, int]] | None = None) -> torch.Tensor:
-        """Expert FFN of N rows grouped by local expert -> [N, H] (router weights not applied).
+        """Expert FFN of N rows grouped by local expert -> [N, H], router weights not applied.
 
         x: [N, H] activations, or for w4a4 [N, H/2 + H/32] uint8 MXFP4 rows
         (`MXFP4Tensor.to_rows`), as the attention side dispatches them. `spans`, if given,
@@ -209,13 +210,17 @@ class ExpertBank:
 
     def forward_layer(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                       topk_weights: torch.Tensor) -> tuple[torch.Tensor, int] | None:
-        """A whole MoE layer whose every expert is in this bank, in expert order: tokens
-        x [T, H] float32 routed to topk_ids [T, K] with topk_weights [T, K] -> (out [T, H],
-        their weighted sum in token order; when the combine began, perf_counter ns), by
-        one compiled call (`local_moe`: the layout, the MXFP4 activations where W4A4, the
-        grouped experts, the combine; the same bits as `ep_dispatch.local`'s parts). None
-        where it does not apply (not on the CPU in float32, the kernels not built, or the
-        weights not in their panels): the caller runs the parts."""
+        """A whole MoE layer whose every expert is in this bank, in expert order, by one
+        compiled call.
+
+        Tokens x [T, H] float32 are routed to topk_ids [T, K] with topk_weights [T, K].
+        Returns out [T, H], their weighted sum in token order, and when the combine began,
+        in perf_counter ns. The call (`local_moe`) does the layout, the MXFP4 activations
+        where W4A4, the grouped experts and the combine, with the same bits as
+        `ep_dispatch.local`'s parts. Returns None where it does not apply: off the CPU or
+        not in float32, without the kernels built, or with the weights not in their panels.
+        The caller then runs the parts.
+        """
         gate_up, down = self.w_gate_up.get(layer), self.w_down.get(layer)
         if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[0] == 0 \
                 or len(self.experts.get(layer, ())) != self._config.num_experts \
@@ -236,11 +241,11 @@ class ExpertBank:
     def forward_on_device(self, layer: int, x: torch.Tensor, counts: torch.Tensor,
                           max_rows: int) -> torch.Tensor:
         """`forward` on counts left on the device, without a host synchronisation, for a
-        CUDA graph: grouped kernels only (`torch._grouped_mm`; the W4A4 Triton kernel on
-        CUDA) and no per-expert metrics, which need the counts on the host.
+        CUDA graph. It runs grouped kernels only: `torch._grouped_mm`, or the W4A4 Triton
+        kernel on CUDA. There are no per-expert metrics, which need the counts on the host.
 
         x: as `forward`'s. counts: [E_local] int64 on x's device, rows per local expert.
-        max_rows: a bound of every count (the number of tokens will do).
+        max_rows: a bound on every count; the number of tokens will do.
         """
         if x.shape[0] == 0:
             return torch.zeros(0, self.hidden_size, dtype=self.dtype, device=self.device)
@@ -262,7 +267,7 @@ class ExpertBank:
         q = MXFP4Tensor.from_rows(x, self.hidden_size) if x.dtype == torch.uint8 \
             else quantize_fused(x)
         mean = -(-x.shape[0] // counts.shape[0])  # the tuned table's key: rows per expert
-        assert self.kernels is not None  # (quantized)
+        assert self.kernels is not None  # quantized
         config = self.kernels.config(layer, q, counts, max_rows, mean)
         return grouped_swiglu_w4a4_triton(q, counts, *self.kernels.layout(layer, config), config,
                                           max_rows).to(self.dtype)  # [N, H]
@@ -270,9 +275,9 @@ class ExpertBank:
     def _float_ffn(self, x: torch.Tensor, tokens_per_expert: list[int],
                    w_gate_up: torch.Tensor | PanelWeights, w_down: torch.Tensor | PanelWeights,
                    spans: list[tuple[int, int]]) -> torch.Tensor:
-        """On the CPU, float32: the compiled kernel, one call per layer. On CUDA, two
-        grouped GEMMs where `torch._grouped_mm` runs and agrees (its experts then share the
-        call's span). Else expert by expert, each timed on its own."""
+        """On the CPU in float32, the compiled kernel, one call per layer. On CUDA, two
+        grouped GEMMs where `torch._grouped_mm` runs and agrees; its experts then share the
+        call's span. Otherwise expert by expert, each timed on its own."""
         if self.device.type == "cpu" and (y := cpu_grouped_swiglu(
                 x, tokens_per_expert, w_gate_up, w_down, spans)) is not None:
             return y
@@ -292,7 +297,7 @@ class ExpertBank:
         is the whole call's."""
         from moe_kernels.triton_mxfp4 import grouped_swiglu_w4a4_triton
 
-        assert self.kernels is not None  # (quantized)
+        assert self.kernels is not None  # quantized
         config = self.kernels.config(layer, q, tokens_per_expert,
                                      max(tokens_per_expert, default=0))
         w_gate_up, w_down = self.kernels.layout(layer, config)

@@ -1,37 +1,38 @@
 """What differs between the model families, as the project's own config parts: how a MoE
 layer routes (`Routing`), DeepSeek's latent attention (`MLA`), the rotary embedding
-(`Rope`) and shared experts (`SharedExperts`); and their translation from a Hugging Face
-`config.json`, each refusing what is not built with the field's name.
+(`Rope`) and shared experts (`SharedExperts`). It also holds their translation from a
+Hugging Face `config.json`, each refusing what is not built, naming the field.
 
-`ModelConfig.from_dir` (`services.model.config`) reads them: Qwen3-MoE, Mixtral, Qwen2-MoE,
-DeepSeek-V2 (and V2-Lite's layout) and DeepSeek-V3. Refused with the field's name:
-`topk_method`, `scoring_func`, `n_group`/`topk_group`, `attention_bias` and `hidden_act`
-values that are not built, a rope type other than `default` or `yarn`, and V2's
-`norm_topk_prob` (which transformers' V2 router ignores). Each part is read where it is
+`ModelConfig.from_dir` (`services.model.config`) reads them for Qwen3-MoE, Mixtral,
+Qwen2-MoE, DeepSeek-V2 (and V2-Lite's layout) and DeepSeek-V3. These are refused, naming the
+field: `topk_method`, `scoring_func`, `n_group`/`topk_group`, `attention_bias` and
+`hidden_act` values that are not built; a rope type other than `default` or `yarn`; and
+V2's `norm_topk_prob`, which transformers' V2 router ignores. Each part is read where it is
 used:
 
-- `Routing` (`services/attention/router.py`): `greedy` softmax top-k (Qwen, Mixtral,
-  V2-Lite; on the CPU one compiled call), V2's `group_limited_greedy` (a group scored by its
-  best expert, the other groups' scores masked to 0.0) and V3's `noaux_tc` (sigmoid scores
-  plus the layer's `e_score_correction_bias` choose, a group scored by its top two, the
-  others masked to -inf; the weights are the unbiased scores, renormalised, times
-  `routed_scaling_factor`). The torch operations are transformers' own, unsorted top-k
-  included, so ties fall the same way (tests/services/attention/test_router.py fuzzes tied
-  scores and flipping biases against transformers' routers).
+- `Routing` (`services/attention/router.py`) has three methods. `greedy` is softmax top-k,
+  for Qwen, Mixtral and V2-Lite; on the CPU it is one compiled call. V2's
+  `group_limited_greedy` scores a group by its best expert and masks the other groups'
+  scores to 0.0. V3's `noaux_tc` chooses by sigmoid scores plus the layer's
+  `e_score_correction_bias`, scoring a group by its top two and masking the others to -inf.
+  Its weights are the unbiased scores, renormalised, times `routed_scaling_factor`. The
+  torch operations are transformers' own, unsorted top-k included, so ties fall the same
+  way. tests/services/attention/test_router.py fuzzes tied scores and flipping biases
+  against transformers' routers.
 - `SharedExperts`: DeepSeek's `shared_experts` (n_shared_experts x moe_intermediate_size)
-  and Qwen2-MoE's `shared_expert` (behind a sigmoid gate) run in the attention service, as
-  one SwiGLU MLP beside the dispatch, added to the routed experts' combined output. They are
-  not sent to the expert services (SGLang's shared-expert fusion): every token needs them,
-  so dispatching them would send every row once more per layer over the wire, and every
-  expert rank would take a copy of the one expert all tokens hit, while here they read their
-  weights once per step like any dense layer. The attention service keeps no other FFN
-  weights than these and the dense layers' (`first_k_dense_replace`, `moe_layer_freq`).
-  `switchyard quantize` quantizes the routed experts only: the shared ones stay in the
-  checkpoint's dtype, as the dense layers do.
-- `Rope`: `default`, or `yarn` (the scaled frequencies and the cos/sin factor of
-  transformers' `_compute_yarn_parameters`; with MLA the softmax scale takes YaRN's mscale
-  squared, as DeepSeek's). DeepSeek's rotary pairs are interleaved (`rope_interleave`, and
-  V2's complex rotation): `apply_rope(interleaved=True)`.
+  and Qwen2-MoE's `shared_expert`, behind a sigmoid gate, run in the attention service. They
+  run as one SwiGLU MLP beside the dispatch, added to the routed experts' combined output.
+  Unlike SGLang's shared-expert fusion, they are not sent to the expert services. Every
+  token needs them, so dispatching them would send every row once more per layer over the
+  wire, and every expert rank would take a copy of the one expert all tokens hit. Here they
+  read their weights once per step, like any dense layer. The attention service keeps no
+  other FFN weights than these and the dense layers' (`first_k_dense_replace`,
+  `moe_layer_freq`). `switchyard quantize` quantizes the routed experts only; the shared
+  ones stay in the checkpoint's dtype, as the dense layers do.
+- `Rope`: `default`, or `yarn`, with the scaled frequencies and the cos/sin factor of
+  transformers' `_compute_yarn_parameters`. With MLA the softmax scale takes YaRN's mscale
+  squared, as DeepSeek's does. DeepSeek's rotary pairs are interleaved (`rope_interleave`,
+  and V2's complex rotation), which `apply_rope(interleaved=True)` handles.
 - `MLA` (`services/attention/mla.py`): multi-head latent attention over a cache of latents.
 """
 
@@ -48,15 +49,16 @@ class CheckpointError(ValueError):
 
 @dataclass(frozen=True)
 class Routing:
-    """How a MoE layer's gate picks its experts, as transformers' router of the architecture.
+    """How a MoE layer's gate picks its experts, as transformers' router of the
+    architecture does.
 
     - `greedy`: top-k of the scores (Qwen3-MoE, Mixtral, Qwen2-MoE, DeepSeek-V2-Lite).
-    - `group_limited_greedy` (DeepSeek-V2): the experts split into `n_group` groups, a
-      group scored by its best expert; the top `topk_group` groups' experts compete, the
-      others' scores are masked to 0.0.
+    - `group_limited_greedy` (DeepSeek-V2): the experts are split into `n_group` groups,
+      each scored by its best expert. The experts of the top `topk_group` groups compete,
+      and the others' scores are masked to 0.0.
     - `noaux_tc` (DeepSeek-V3): sigmoid scores plus the layer's `e_score_correction_bias`
-      choose (a group scored by its top two experts, the others masked to -inf); the
-      weights are the unbiased scores.
+      choose. Each group is scored by its top two experts, and the others are masked to
+      -inf. The weights are the unbiased scores.
     Weights are renormalised where `normalize`, then multiplied by `scaling`
     (`routed_scaling_factor`).
     """
@@ -72,7 +74,7 @@ class Routing:
 
 @dataclass(frozen=True)
 class MLA:
-    """Multi-head latent attention (DeepSeek-V2/V3): the cache holds, per token and layer,
+    """Multi-head latent attention (DeepSeek-V2/V3). The cache holds, per token and layer,
     the latent [kv_lora_rank] and the rotary key [qk_rope_head_dim], shared by all heads."""
 
     q_lora_rank: int | None  # None: one q_proj (V2-Lite); else q_a_proj, norm, q_b_proj
@@ -105,9 +107,10 @@ class Rope:
 
 @dataclass(frozen=True)
 class SharedExperts:
-    """Experts every token of a MoE layer runs (DeepSeek's `shared_experts`, Qwen2-MoE's
-    `shared_expert`): one SwiGLU MLP of `intermediate_size`, its output added to the
-    routed experts'; with `gated`, first scaled by sigmoid(shared_expert_gate(x))."""
+    """Experts every token of a MoE layer runs: DeepSeek's `shared_experts`, Qwen2-MoE's
+    `shared_expert`. They are one SwiGLU MLP of `intermediate_size`, whose output is added
+    to the routed experts'. With `gated`, it is first scaled by
+    sigmoid(shared_expert_gate(x))."""
 
     intermediate_size: int
     gated: bool

@@ -1,6 +1,9 @@
-"""Layer math shared by the attention and expert services (pure functions on tensors): on
-the CPU in float32 the compiled kernels (`moe_kernels.cpu_kernels`, one call each instead
-of 6 to 24 tensor operations), else torch's, which they match within float32 rounding."""
+"""Layer math shared by the attention and expert services, as pure functions on tensors.
+
+On the CPU in float32 they run the compiled kernels (`moe_kernels.cpu_kernels`), one call
+each instead of 6 to 24 tensor operations. Elsewhere they run torch's operations, which the
+kernels match within float32 rounding.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from services.model.families import Rope, yarn_mscale
 
 
 def _kernels_for(x: torch.Tensor) -> object | None:
-    """The compiled CPU kernels, where they take x (2-D float32 rows on the CPU)."""
+    """The compiled CPU kernels, where they take x: 2-D float32 rows on the CPU."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1:
         return None
     return cpu_kernels()
@@ -21,7 +24,7 @@ def _kernels_for(x: torch.Tensor) -> object | None:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of x [..., H] with weight [H] over the last dim, computed in float32 as
-    transformers does; returns [..., H] in x's dtype (times the weight's)."""
+    transformers does. Returns [..., H] in x's dtype (times the weight's)."""
     if weight.dtype == torch.float32 and (kernels := _kernels_for(x)) is not None:
         return kernels.rms_norm_f32(x, weight, eps)  # type: ignore[attr-defined]
     xf = x.float()
@@ -31,8 +34,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def rope_inv_freq(rope: Rope, dim: int, device: torch.device | str = "cpu"
                   ) -> tuple[torch.Tensor, float]:
-    """The rotary inverse frequencies [dim / 2] float32 and the factor cos and sin are
-    scaled by (1, or YaRN's attention factor), as transformers' rope init functions."""
+    """The rotary inverse frequencies [dim / 2] float32, and the factor that cos and sin
+    are scaled by: 1, or YaRN's attention factor. This follows transformers' rope init
+    functions."""
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
     if rope.kind == "default":
         return 1.0 / (rope.theta ** exponents), 1.0
@@ -52,7 +56,7 @@ def rope_inv_freq(rope: Rope, dim: int, device: torch.device | str = "cpu"
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
-        high += 0.001  # (transformers': no division by zero)
+        high += 0.001  # as in transformers, to avoid dividing by zero
     ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low)
             / (high - low)).clamp(0, 1)
     extrapolation = 1 - ramp  # [dim / 2]: 1 where a dim keeps its frequency
@@ -65,8 +69,9 @@ def rope_cos_sin(
     positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
     rope: Rope | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables for `positions` [T] -> two [T, head_dim] tensors (computed in float32):
-    the default rotary of `theta`, or `rope`'s (YaRN's scaled frequencies and factor)."""
+    """cos/sin tables for `positions` [T] -> two [T, head_dim] tensors, computed in
+    float32. They are the default rotary of `theta`, or `rope`'s, with YaRN's scaled
+    frequencies and factor."""
     inv_freq, scale = rope_inv_freq(rope or Rope(theta), head_dim, positions.device)
     freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, head_dim / 2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
@@ -77,10 +82,13 @@ def rope_cos_sin(
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                interleaved: bool = False) -> torch.Tensor:
-    """Rotate x [T, heads, head_dim] by the per-token tables cos/sin [T, head_dim]: halves
-    (x_i, x_{i + D/2}) by default, or pairs (x_{2i}, x_{2i+1}) where `interleaved` (DeepSeek's
-    layout; the output then holds the pairs' first parts, then their second parts, as
-    transformers' `apply_rotary_pos_emb_interleave`: scores are the same either way)."""
+    """Rotate x [T, heads, head_dim] by the per-token tables cos/sin [T, head_dim].
+
+    By default it rotates halves (x_i, x_{i + D/2}). Where `interleaved`, DeepSeek's layout,
+    it rotates pairs (x_{2i}, x_{2i+1}), and the output holds the pairs' first parts, then
+    their second parts, as transformers' `apply_rotary_pos_emb_interleave` does. Scores are
+    the same either way.
+    """
     if interleaved:
         c, s = cos[:, None, : cos.shape[-1] // 2], sin[:, None, : sin.shape[-1] // 2]
         x1, x2 = x[..., 0::2], x[..., 1::2]
@@ -95,8 +103,8 @@ def qkv_heads(
     cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The attention's q [T, heads, D], k and v [T, kv_heads, D] from the stacked
-    projection qkv [T, (heads + 2 kv_heads) D]: q and k RMSNorm'd per head (Qwen3's
-    q_norm/k_norm [D], where given) and rotated by cos/sin [T, D]."""
+    projection qkv [T, (heads + 2 kv_heads) D]. q and k are RMSNorm'd per head, by Qwen3's
+    q_norm/k_norm [D] where given, and rotated by cos/sin [T, D]."""
     t, d = qkv.shape[0], cos.shape[-1]
     v = qkv[:, (heads + kv_heads) * d:].view(t, kv_heads, d)
     if cos.dtype == torch.float32 and (kernels := _kernels_for(qkv)) is not None:

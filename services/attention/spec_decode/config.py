@@ -11,27 +11,31 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-# "mtp": the checkpoint's multi-token-prediction layer (DeepSeek's), `mtp.py`;
-# "ngram": the sequence's own tokens (prompt lookup), `ngram.py`
+# "mtp" drafts with the checkpoint's multi-token-prediction layer (DeepSeek's), in `mtp.py`.
+# "ngram" drafts from the sequence's own tokens (prompt lookup), in `ngram.py`.
 METHODS = ("mtp", "ngram")
 MAX_SPECULATIVE_TOKENS = 8
-# Steps of more running sequences do not speculate by default, by method: measured on 2
-# cores (docs/benchmarks.md, "What speculation gives"). N-gram: a verify step of k = 1 costs
-# 1.18x a plain step at 1 sequence and about 1.3x from 16 on, k = 3 1.6x and 1.9-2.3x; a
-# busy server is bound by throughput, which drafts rejected at that price would cut.
-# MTP pays a pass of its layer a step besides: served, the bundled model's k = 2 gained
-# at 1 to 4 concurrent requests and lost 10-12% of its throughput at 8 and 16.
+# By default, steps with more running sequences than this do not speculate; the limit
+# depends on the method. It was measured on 2 cores (docs/benchmarks.md, "What speculation
+# gives"). For n-gram, a verify step of k = 1 costs 1.18x a plain step at 1 sequence and
+# about 1.3x from 16 sequences on; k = 3 costs 1.6x and 1.9-2.3x. A busy server is bound by
+# throughput, which drafts rejected at that price would cut. MTP also pays a pass of its
+# layer each step. Served, the bundled model's k = 2 gained at 1 to 4 concurrent requests
+# and lost 10-12% of its throughput at 8 and 16.
 DISABLE_BY_BATCH_SIZE = {"mtp": 4, "ngram": 8}
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """method: where drafts come from ("mtp": the checkpoint's MTP layer, run again for
-        each further draft; "ngram": the sequence's own tokens).
+    """The parsed `--speculative-config`.
+
+    method: where drafts come from. "mtp" uses the checkpoint's MTP layer, run again for
+        each further draft; "ngram" uses the sequence's own tokens.
     num_speculative_tokens: the most drafts a sequence takes a step (k).
     prompt_lookup_min, prompt_lookup_max: the n-gram lengths tried, longest first.
     disable_by_batch_size: a step with more running sequences than this does not
-        speculate (the method's `DISABLE_BY_BATCH_SIZE` unless given; null: never)."""
+        speculate. Unless given, it is the method's `DISABLE_BY_BATCH_SIZE`. null means
+        speculation is never turned off."""
 
     method: str
     num_speculative_tokens: int
@@ -45,8 +49,8 @@ class SpeculativeConfig:
 
 
 def check_speculative(config: SpeculativeConfig | None, mtp_served: bool) -> None:
-    """A ValueError where the deployment cannot draft as `config` asks: MTP drafts need
-    a dispatch backend whose expert ranks serve the MTP layer (`Backend.mtp`)."""
+    """Raise a ValueError where the deployment cannot draft as `config` asks. MTP drafts
+    need a dispatch backend whose expert ranks serve the MTP layer (`Backend.mtp`)."""
     if config is not None and config.mtp and not mtp_served:
         raise ValueError("--speculative-config: method 'mtp' needs a dispatch backend whose "
                          "expert ranks serve the MTP layer (local, rpc, torch or nccl; "
@@ -54,8 +58,8 @@ def check_speculative(config: SpeculativeConfig | None, mtp_served: bool) -> Non
 
 
 def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
-    """The flag's JSON (None or empty: no speculation). Raises ValueError naming the
-    field that is wrong."""
+    """The flag's JSON, parsed. None or empty text means no speculation and gives None.
+    Raises ValueError naming the field that is wrong."""
     if not text:
         return None
     try:

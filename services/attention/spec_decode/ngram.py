@@ -1,6 +1,8 @@
-"""N-gram drafts (prompt lookup, vLLM's `ngram` method): the sequence's own tokens, prompt
-and output, predict its next ones wherever its last few tokens occurred before (code
-edits, quotations, summaries repeat their source)."""
+"""N-gram drafts, or prompt lookup, as in vLLM's `ngram` method.
+
+The sequence's own tokens, prompt and output, predict its next ones wherever its last few
+tokens occurred before. Code edits, quotations and summaries repeat their source.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +10,14 @@ import torch
 
 
 def propose(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[int]:
-    """Up to `k` draft tokens for a sequence of `token_ids`: its longest suffix of `max_n`
-    down to `min_n` tokens that occurred earlier, and the tokens that followed that
-    suffix's latest earlier occurrence (the latest: the text nearest in place and topic);
-    none where no suffix recurs. One vectorised pass a length (a Python scan of a long
-    sequence cost more than the step it drafts for)."""
+    """Up to `k` draft tokens for a sequence of `token_ids`.
+
+    It finds the longest suffix, of `max_n` down to `min_n` tokens, that occurred earlier,
+    and drafts the tokens that followed that suffix's latest earlier occurrence. The latest
+    is the text nearest in place and topic. There are no drafts where no suffix recurs.
+    Each length takes one vectorised pass, because a Python scan of a long sequence cost
+    more than the step it drafts for.
+    """
     length = len(token_ids)
     if length < 2:
         return []

@@ -4,12 +4,12 @@ the target model would have sampled it.
 
 For each draft token d_i (i = 1..k), drawn by the drafter from q_i:
 - accept it with probability min(1, p_i(d_i) / q_i(d_i));
-- on the first rejection, emit instead a token drawn from norm(max(p_i - q_i, 0)) (the
-  recovered token), and stop;
+- on the first rejection, emit instead a token drawn from norm(max(p_i - q_i, 0)), the
+  recovered token, and stop;
 - if all k are accepted, emit a bonus token drawn from p_{k+1}.
 
-A drafter that proposes one certain token (n-gram lookup: q_i is one-hot at d_i) accepts
-with probability p_i(d_i) and recovers from p_i with d_i removed. A greedy request accepts
+A drafter that proposes one certain token, as n-gram lookup does with q_i one-hot at d_i,
+accepts with probability p_i(d_i) and recovers from p_i with d_i removed. A greedy request accepts
 a draft exactly when it is the target's argmax, and emits the argmax where it is not.
 """
 
@@ -20,17 +20,18 @@ import torch
 
 def verify(target: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None,
            greedy: bool, generator: torch.Generator | None = None) -> list[int]:
-    """The tokens one sequence emits this step: the accepted drafts, then the recovered or
-    bonus token (1 to k + 1 tokens).
+    """The tokens one sequence emits this step, 1 to k + 1 of them: the accepted drafts,
+    then the recovered or bonus token.
 
     Args:
-        target: [k + 1, V] float32, the target model's sampling distribution (temperature,
-            top-k/top-p and the rest applied) at each draft's position and the one after.
+        target: [k + 1, V] float32, the target model's sampling distribution, with
+            temperature, top-k/top-p and the rest applied, at each draft's position and the
+            one after.
         drafts: the k draft token ids.
         draft_probs: [k, V] float32, the drafter's distribution each draft was drawn from;
             None where the drafts are certain (one-hot).
         greedy: accept exactly the target's argmax.
-        generator: the sequence's own generator (a seeded request draws the same tokens).
+        generator: the sequence's own generator, so a seeded request draws the same tokens.
     """
     k = len(drafts)
     assert target.shape[0] == k + 1 and (draft_probs is None or draft_probs.shape[0] == k)
@@ -52,12 +53,12 @@ def verify(target: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | 
         residual = p.clone() if q is None else (p - q).clamp_min(0)  # [V]
         if q is None:
             residual[d] = 0
-        if float(residual.sum()) <= 0:  # p <= q everywhere: p == q, nothing to recover
+        if float(residual.sum()) <= 0:  # p <= q everywhere means p == q: nothing to recover
             residual = p
         return [*drafts[:i], _draw(residual, generator)]
     return [*drafts, _draw(target[k], generator)]
 
 
 def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One index drawn in proportion to `weights` [V] (not normalised)."""
+    """One index drawn in proportion to `weights` [V], which need not be normalised."""
     return int(torch.multinomial(weights, 1, generator=generator)[0])

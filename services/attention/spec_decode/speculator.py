@@ -1,7 +1,10 @@
-"""The engine's side of speculative decoding: drafts appended to the sequences that may
-speculate before the scheduler runs (so a step schedules 1 + k tokens for each, under the
-token budget), and after the forward, each one's drafts verified (`rejection.verify`)
-and taken back off. MTP's drafts are made after a step, for the next (`mtp.py`)."""
+"""The engine's side of speculative decoding.
+
+Before the scheduler runs, drafts are appended to the sequences that may speculate, so a
+step schedules 1 + k tokens for each under the token budget. After the forward, each
+sequence's drafts are verified (`rejection.verify`) and taken back off. MTP's drafts are
+made after a step, for the next one (`mtp.py`).
+"""
 
 from __future__ import annotations
 
@@ -28,23 +31,24 @@ _ACCEPTED_AT = Counter("switchyard:spec_decode_num_accepted_tokens_per_pos",
 
 
 def may_speculate(seq: Sequence) -> bool:
-    """Whether `seq`'s distribution at a position depends on the logits there, its fixed
-    sampling parameters and its grammar only (no penalties or biases, which depend on the
-    tokens before in other ways)."""
+    """Whether `seq`'s distribution at a position depends only on the logits there, its
+    fixed sampling parameters and its grammar. That rules out penalties and biases, which
+    depend on the tokens before in other ways."""
     p = seq.sampling
     return not p.penalized and not p.biased and not seq.warmup
 
 
 def speculates(seq: Sequence) -> bool:
     """Whether `seq` speculates now: it may (`may_speculate`), no min_tokens are still
-    due, and it is decoding (its last token the only one not computed)."""
+    due, and it is decoding, with its last token the only one not computed."""
     return (may_speculate(seq) and len(seq.output_token_ids) >= seq.sampling.min_tokens
             and seq.num_computed_tokens == seq.num_tokens - 1)
 
 
 class Speculator:
-    """Drafts by `config` for sequences of at most `max_model_len` tokens: n-gram lookup,
-    or the MTP layer through `mtp` (its drafts made after each step, `after_step`)."""
+    """Drafts by `config` for sequences of at most `max_model_len` tokens, by n-gram
+    lookup or by the MTP layer through `mtp`. MTP's drafts are made after each step, in
+    `after_step`."""
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int,
                  mtp: MtpProposer | None = None) -> None:
@@ -56,16 +60,17 @@ class Speculator:
         return limit is None or num_running <= limit
 
     def room(self, seq: Sequence) -> int:
-        """The most drafts `seq` may take (its max_tokens and the context allowing)."""
+        """The most drafts `seq` may take, as its max_tokens and the context allow."""
         return min(self.config.num_speculative_tokens,
                    seq.sampling.max_tokens - seq.num_output_tokens - 1,
                    self.max_model_len - seq.num_tokens - 1)
 
     def draft(self, running: list[Sequence]) -> dict[Sequence, int]:
-        """Append drafts to each running sequence that may speculate; how many each got."""
+        """Append drafts to each running sequence that may speculate. Returns how many
+        each got."""
         active, drafted = self.active(len(running)), {}
         for seq in running:
-            pending, seq.drafts = seq.drafts, []  # (MTP's, made for this step only)
+            pending, seq.drafts = seq.drafts, []  # MTP's drafts, made for this step only
             if not active or not speculates(seq) or (room := self.room(seq)) < 1:
                 continue
             drafts = pending[:room] if self.mtp else propose(
@@ -79,8 +84,8 @@ class Speculator:
 
     def after_step(self, settled: list[Settled], hidden: torch.Tensor,
                    num_running: int) -> None:
-        """MTP: its KV over the positions the step settled (those of sequences that may
-        speculate), and drafts for the next step for those that will (`MtpProposer`)."""
+        """For MTP, compute its KV over the positions the step settled, for sequences that
+        may speculate, and drafts for the next step for those that will (`MtpProposer`)."""
         if self.mtp is None or not self.active(num_running):
             return
         settled = [s for s in settled if may_speculate(s.seq) and s.seq.finish_reason is None]
@@ -92,8 +97,9 @@ class Speculator:
     @staticmethod
     def settle(drafted: dict[Sequence, int], scheduled: list[ScheduledSeq]
                ) -> dict[Sequence, int]:
-        """The drafts the step runs: those of scheduled sequences within their chunk; the
-        rest taken back off (a sequence not scheduled, preempted, or cut by the budget)."""
+        """The drafts the step runs: those of scheduled sequences, within their chunk. The
+        rest are taken back off, for a sequence not scheduled, preempted, or cut by the
+        budget."""
         steps = {item.seq: item.num_new_tokens for item in scheduled}
         kept = {}
         for seq, k in drafted.items():
@@ -107,12 +113,15 @@ class Speculator:
     @staticmethod
     def accept(seq: Sequence, k: int, logits: torch.Tensor
                ) -> tuple[list[int], list[TokenLogprobs] | None]:
-        """The tokens `seq` emits for its `k` drafts, given the target's logits [k + 1, V]
-        (float32) at the drafts' positions and the one after: the accepted drafts, then a
-        recovered or bonus token (`rejection.verify` over its sampling distribution, its
-        grammar's mask at each position applied; a seeded request draws from its
-        generator as seeded for this step), with their log-probabilities where asked. The
-        drafts are taken off `seq.token_ids`."""
+        """The tokens `seq` emits for its `k` drafts, with their log-probabilities where
+        asked.
+
+        `logits` [k + 1, V] (float32) are the target's at the drafts' positions and the one
+        after. The tokens are the accepted drafts, then a recovered or bonus token.
+        `rejection.verify` runs over the sequence's sampling distribution, with its
+        grammar's mask at each position applied. A seeded request draws from its generator
+        as seeded for this step. The drafts are taken off `seq.token_ids`.
+        """
         drafts = seq.token_ids[len(seq.token_ids) - k:]
         del seq.token_ids[len(seq.token_ids) - k:]
         p = seq.sampling
