@@ -91,7 +91,7 @@ async def metrics(sources: Sources, _: Request) -> Response:
         stats = await sources.engine.stats() if sources.engine.all_connected else None
     except GatewayError:
         stats = None
-    scrapes = await sources.services.scrape(fresh=True)
+    scrapes = await sources.services.scrape()
     body = await anyio.to_thread.run_sync(sources.metrics.render, stats, scrapes)
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 

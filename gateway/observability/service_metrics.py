@@ -7,14 +7,12 @@ dropped, because a sum of start times means nothing.
 
 The text is parsed in a worker thread. A large model's services export tens of thousands
 of series, and the gateway's event loop must keep streaming tokens while they are read.
-Dashboard polls share the last scrape for a while: at least a second, and at least five
-times as long as the scrape took. `/metrics` always scrapes afresh.
+`/metrics` and the dashboard's recorder each scrape afresh when they read.
 """
 
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -101,30 +99,12 @@ def parse(text: str) -> list[Metric]:
 class ServiceMetrics:
     """Scrapes a fixed list of `/metrics` URLs, all at once, each bounded by `timeout`."""
 
-    def __init__(self, urls: Iterable[str], timeout: float = 2.0,
-                 min_age_s: float = 1.0) -> None:
+    def __init__(self, urls: Iterable[str], timeout: float = 2.0) -> None:
         self.urls = [check_url(u) for u in urls]
         self.timeout = timeout
-        self.min_age_s = min_age_s
-        self._lock = anyio.Lock()
-        self._last: tuple[float, float, list[Scrape]] | None = None  # (when, duration, scrapes)
 
-    async def scrape(self, fresh: bool = False) -> list[Scrape]:
-        """Every service's families.
-
-        They are scraped now, or taken from the last scrape while it is recent, unless
-        `fresh` is set.
-        """
-        async with self._lock:
-            now = time.monotonic()
-            if not fresh and self._last and \
-                    now - self._last[0] < max(self.min_age_s, 5 * self._last[1]):
-                return self._last[2]
-            scrapes = await self._scrape_all()
-            self._last = (now, time.monotonic() - now, scrapes)
-            return scrapes
-
-    async def _scrape_all(self) -> list[Scrape]:
+    async def scrape(self) -> list[Scrape]:
+        """Every service's families, scraped now."""
         results: list[Scrape] = [Scrape(u) for u in self.urls]
         async with httpx.AsyncClient(timeout=self.timeout) as client:
 

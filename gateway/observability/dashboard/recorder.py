@@ -172,7 +172,7 @@ class Recorder:
     async def tick(self) -> None:
         """Read every service and the engine's state; keep a point."""
         sources = self.sources
-        scrapes = await sources.services.scrape(fresh=True)
+        scrapes = await sources.services.scrape()
         stats = None
         if sources.engine.all_connected:  # (a group restarting: no gauges this tick)
             with contextlib.suppress(GatewayError):
