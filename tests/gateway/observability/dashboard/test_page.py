@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from gateway.observability.dashboard.page import expert_rows
 from gateway.observability.dashboard.recorder import Recorder, Settings
-from tests.gateway.dashboard.test_windows import scrape
+from tests.gateway.observability.dashboard.test_windows import scrape
 
 
 def test_the_dashboard_lists_an_experts_ranks_in_number_order() -> None:
