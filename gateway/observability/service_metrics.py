@@ -85,8 +85,15 @@ def parse(text: str) -> list[Metric]:
                 family = families.setdefault(name, Metric(name, helps.get(raw, ""), kind)) \
                     if wanted else None
             elif family is not None and line and not line.startswith("#"):
-                head, _, value = line.rpartition(" ")
-                sample, _, labels = head.partition("{")
+                if "{" in line:  # (the labels end at the last brace: none follows them)
+                    head, _, rest = line.rpartition("}")
+                    sample, _, labels = head.partition("{")
+                else:
+                    sample, _, rest = line.partition(" ")
+                    labels = ""
+                value, *timestamp = rest.split()
+                if timestamp:  # prometheus_client writes none: the general parser reads it
+                    raise ValueError("a sample with a timestamp")
                 if not sample.endswith("_created"):
                     family.add_sample(sample, {k: _unescape(v) for k, v in _LABEL.findall(labels)},
                                       float(value))
