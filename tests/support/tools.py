@@ -94,12 +94,17 @@ def prometheus(config: str, rules: Path, timeout: float = 60.0) -> Iterator[str]
                        lambda: f"Prometheus did not start: {log_text()}")
             yield base
         finally:
-            proc.terminate()
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            _stop(proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Terminate a tool started in its own session; kill its group if it lingers."""
+    proc.terminate()
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def _ready(url: str, proc: subprocess.Popen) -> bool:
@@ -165,12 +170,7 @@ def phoenix(timeout: float = 120.0) -> Iterator[Phoenix]:
                        lambda: f"Phoenix did not start: {Path(tmp, 'phoenix.log').read_text()}")
             yield Phoenix(base)
         finally:
-            proc.terminate()
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            _stop(proc)
 
 
 def wait_until(ready: Callable[[], object], timeout: float,

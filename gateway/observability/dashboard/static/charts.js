@@ -144,6 +144,17 @@ function fillWindows(select, windows, asked) {
   select.value = asked === null ? "all" : String(asked);
 }
 
+// A window picked: remembered in the page's URL (without reloading it), and fetched now.
+function onWindowChange(select, choose, refresh) {
+  select.addEventListener("change", (event) => {
+    choose(event.target.value);
+    const url = new URL(location.href);
+    url.searchParams.set("window", event.target.value);
+    history.replaceState(null, "", url);
+    refresh();
+  });
+}
+
 // The data endpoints are operator endpoints: with --admin-api-key the page asks for the
 // key once and keeps it for this tab only (sessionStorage), sending it as a bearer token.
 const KEY = "switchyard-admin-key";

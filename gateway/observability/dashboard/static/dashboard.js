@@ -187,12 +187,6 @@ function render(d) {
 keyForm($("key-form"), $("admin-key"));
 const refresh = poll("dashboard/data",
   () => chosen === null ? "" : "?window=" + encodeURIComponent(chosen), render, refreshMs);
-$("window-select").addEventListener("change", (event) => {
-  chosen = event.target.value;
-  const url = new URL(location.href);
-  url.searchParams.set("window", chosen);
-  history.replaceState(null, "", url);
-  refresh();
-});
+onWindowChange($("window-select"), (value) => { chosen = value; }, refresh);
 $("metric").addEventListener("change", () => last && renderHeatmap(last));
 refresh();

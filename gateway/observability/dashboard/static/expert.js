@@ -65,11 +65,5 @@ const query = () => {
   return "?" + q;
 };
 const refresh = poll("expert/data", query, render, refreshMs);
-$("window-select").addEventListener("change", (event) => {
-  chosen = event.target.value;
-  const url = new URL(location.href);
-  url.searchParams.set("window", chosen);
-  history.replaceState(null, "", url);
-  refresh();
-});
+onWindowChange($("window-select"), (value) => { chosen = value; }, refresh);
 refresh();
